@@ -1,0 +1,25 @@
+# The two commands of the README. Both create .venv and install everything on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+OUT ?= demo-out
+
+$(BIN)/fcaudit: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build from this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: setup demo test bench
+setup: $(BIN)/fcaudit
+
+demo: setup
+	$(BIN)/fcaudit demo --out $(OUT) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/train_speed.py
