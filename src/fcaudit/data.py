@@ -1,0 +1,212 @@
+"""Corpora and windows.
+
+A corpus is three 1-D arrays of token ids (train / validation / test). Byte-level corpora use the raw
+UTF-8 bytes (vocabulary 256); with a `tokenizers.Tokenizer` the text is encoded instead (MUDDPythia).
+
+The default corpus, "embedded", is the Python source text of the standard library of the running
+interpreter: real text, several MB, on every machine that runs fcaudit, with no download. Its
+license is the PSF License (the LICENSE.txt next to the standard library). The file list is sorted and
+each file goes to a split by a stable hash of its path, so the split is deterministic for a given
+Python version; the corpus fingerprint recorded with every run pins the exact bytes.
+
+Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test
+split and calibration windows from the validation split, so the two never overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fcaudit.errors import FcauditError
+from fcaudit.hub import hub_reachable, offline_mode
+
+EMBEDDED_BYTES = 8_000_000  # cap: ~8 MB keeps loading under a second and leaves ~400 KB per held-out split
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3"}
+_HELD_OUT = 20  # 1 file in 20 to validation, 1 in 20 to test (by path hash)
+
+# name -> (datasets path, config, how to make validation/test when the dataset has none)
+HF_CORPORA = {
+    "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1"),
+    "openwebtext": ("Skylion007/openwebtext", None),
+}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    train: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
+    vocab_size: int
+    license: str
+    source: str
+    fingerprint: str = field(default="")
+
+    def split(self, name: str) -> np.ndarray:
+        if name not in ("train", "validation", "test"):
+            raise FcauditError(f"unknown split {name!r}; use train, validation or test")
+        return getattr(self, name)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name, "source": self.source, "license": self.license, "vocab_size": self.vocab_size,
+            "fingerprint": self.fingerprint, "tokens": {s: int(len(self.split(s))) for s in ("train", "validation", "test")},
+        }
+
+
+@dataclass(frozen=True)
+class WindowSet:
+    """N windows of T token ids; `starts` are offsets into `split` of the corpus they came from."""
+
+    ids: torch.Tensor
+    starts: np.ndarray
+    split: str
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def window(self) -> int:
+        return self.ids.shape[1]
+
+
+def _fingerprint(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def _split_by_path(named_texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes, bytes]:
+    """Whole files to splits by a stable hash of their path (no file straddles two splits)."""
+    parts: dict[str, list[bytes]] = {"train": [], "validation": [], "test": []}
+    for name, text in named_texts:
+        bucket = zlib.crc32(name.encode()) % _HELD_OUT
+        parts["validation" if bucket == 0 else "test" if bucket == 1 else "train"].append(text)
+    return tuple(b"".join(parts[s]) for s in ("train", "validation", "test"))  # type: ignore[return-value]
+
+
+def _split_contiguous(text: bytes) -> tuple[bytes, bytes, bytes]:
+    """One file: the first 90% trains, the next 5% validates, the last 5% tests."""
+    n = len(text)
+    a, b = int(n * 0.90), int(n * 0.95)
+    return text[:a], text[a:b], text[b:]
+
+
+def _embedded_texts() -> list[tuple[str, bytes]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
+    out, total = [], 0
+    for p in files:
+        rel = p.relative_to(root).as_posix()
+        text = f"# file: {rel}\n".encode() + p.read_bytes()
+        out.append((rel, text))
+        total += len(text)
+        if total >= EMBEDDED_BYTES:
+            break
+    return out
+
+
+def _encode(texts: tuple[bytes, bytes, bytes], tokenizer) -> tuple[list[np.ndarray], int]:
+    if tokenizer is None:
+        return [np.frombuffer(t, dtype=np.uint8).copy() for t in texts], 256
+    arrays = [np.asarray(tokenizer.encode(t.decode("utf-8", errors="replace")).ids, dtype=np.int32) for t in texts]
+    return arrays, int(tokenizer.get_vocab_size())
+
+
+def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
+    path, config = HF_CORPORA[name]
+    if not offline_mode() and not hub_reachable():
+        raise FcauditError(
+            f"corpus {name!r} needs the Hugging Face hub, which is unreachable; pass a local text file or directory "
+            f"with --corpus PATH (or set HF_HUB_OFFLINE=1 to use a cached copy)")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(path, config)
+    except Exception as e:  # datasets raises many types for "not cached / not reachable"
+        raise FcauditError(f"could not load {name!r} through datasets ({type(e).__name__}); pass a local text file "
+                           f"or directory with --corpus PATH") from None
+    if name == "wikitext-103":
+        return tuple("".join(ds[s]["text"]).encode() for s in ("train", "validation", "test"))  # type: ignore[return-value]
+    # OpenWebText has only a train split: documents go to splits by a stable hash of their index.
+    docs = ds["train"]["text"]
+    return _split_by_path([(str(i), d.encode() + b"\n") for i, d in enumerate(docs)])
+
+
+def load_corpus(name: str = "embedded", tokenizer=None) -> Corpus:
+    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext)."""
+    if name == "embedded":
+        texts = _split_by_path(_embedded_texts())
+        source = f"Python {sysconfig.get_python_version()} standard library source ({sysconfig.get_paths()['stdlib']})"
+        license = "PSF License Agreement (Python standard library; see LICENSE.txt beside the stdlib)"
+    elif name in HF_CORPORA:
+        texts = _hf_texts(name)
+        source, license = f"huggingface:{HF_CORPORA[name][0]}", "see the dataset card"
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise FcauditError(f"unknown corpus {name!r}; use 'embedded', {', '.join(HF_CORPORA)}, or a path to a "
+                               f"text file or directory")
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise FcauditError(f"corpus directory {path} holds no files; point --corpus at text files")
+            texts = _split_by_path([(p.relative_to(path).as_posix(), p.read_bytes()) for p in files])
+        else:
+            texts = _split_contiguous(path.read_bytes())
+        source, license = f"local:{path.resolve()}", "as stated by the files' owner"
+    arrays, vocab = _encode(texts, tokenizer)
+    for split, a in zip(("train", "validation", "test"), arrays):
+        if len(a) == 0:
+            raise FcauditError(f"corpus {name!r} has an empty {split} split; give it more text (at least a few files)")
+    return Corpus(name, *arrays, vocab_size=vocab, license=license, source=source, fingerprint=_fingerprint(*arrays))
+
+
+def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str) -> WindowSet:
+    """n non-overlapping windows of `window` tokens at seeded random slots of one split."""
+    if window < 2:
+        raise FcauditError(f"window {window} is too short; next-token NLL needs at least 2 tokens")
+    slots = len(tokens) // window
+    if slots == 0:
+        raise FcauditError(f"window {window} is longer than the {split} split ({len(tokens)} tokens); use a shorter --window")
+    if n > slots:
+        raise FcauditError(f"the {split} split has room for {slots} non-overlapping windows of {window} tokens, "
+                           f"not {n}; lower the window count or --window")
+    rng = np.random.default_rng([seed, zlib.crc32(split.encode())])
+    offset = int(rng.integers(0, len(tokens) - slots * window + 1))
+    starts = np.sort(rng.choice(slots, size=n, replace=False)) * window + offset
+    ids = torch.from_numpy(np.stack([tokens[s:s + window] for s in starts]).astype(np.int64))
+    return WindowSet(ids, starts.astype(np.int64), split)
+
+
+def audit_windows(corpus: Corpus, n_eval: int, n_calib: int, window: int, seed: int) -> tuple[WindowSet, WindowSet]:
+    """Evaluation windows from the test split, calibration windows from the validation split (as in the paper)."""
+    return (make_windows(corpus.test, n_eval, window, seed, "test"),
+            make_windows(corpus.validation, n_calib, window, seed, "validation"))
+
+
+def all_windows(tokens: np.ndarray, window: int, limit: int | None = None) -> torch.Tensor:
+    """Contiguous non-overlapping windows covering a split from its start (Byte-PPL evaluation)."""
+    n = len(tokens) // window
+    if n == 0:
+        raise FcauditError(f"window {window} is longer than the split ({len(tokens)} tokens); use a shorter window")
+    if limit is not None:
+        n = min(n, limit)
+    return torch.from_numpy(tokens[: n * window].astype(np.int64).reshape(n, window))
+
+
+def random_batch(tokens: np.ndarray, batch_size: int, window: int, rng: np.random.Generator) -> torch.Tensor:
+    """Training batch of windows at uniformly random offsets."""
+    if len(tokens) < window:
+        raise FcauditError(f"window {window} is longer than the split ({len(tokens)} tokens); use a shorter window")
+    starts = rng.integers(0, len(tokens) - window + 1, size=batch_size)
+    return torch.from_numpy(np.stack([tokens[s:s + window] for s in starts]).astype(np.int64))

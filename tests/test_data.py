@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+import torch
+
+from fcaudit import data
+from fcaudit.errors import FcauditError
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus("embedded")
+
+
+def test_embedded_corpus_is_real_text_and_deterministic(corpus):
+    sizes = corpus.describe()["tokens"]
+    assert sum(sizes.values()) >= 5_000_000
+    assert min(sizes.values()) > 100_000
+    assert corpus.vocab_size == 256 and "PSF" in corpus.license
+    assert b"def " in corpus.train[:200_000].tobytes()
+    again = data.load_corpus("embedded")
+    assert again.fingerprint == corpus.fingerprint
+    assert np.array_equal(again.test, corpus.test)
+
+
+def test_eval_and_calibration_windows_never_overlap(corpus):
+    ev, cal = data.audit_windows(corpus, 64, 64, 256, seed=3)
+    assert ev.split == "test" and cal.split == "validation"
+    assert ev.ids.shape == (64, 256) and cal.ids.dtype == torch.int64
+    for ws, split in ((ev, corpus.test), (cal, corpus.validation)):
+        s = np.sort(ws.starts)
+        assert np.all(np.diff(s) >= 256), "windows within a set overlap"
+        assert torch.equal(ws.ids[0], torch.from_numpy(split[ws.starts[0]:ws.starts[0] + 256].astype(np.int64)))
+    # different splits, and the splits themselves share no file: no evaluation window equals a calibration window
+    assert not (ev.ids[:, None, :] == cal.ids[None, :, :]).all(-1).any()
+
+
+def test_windows_are_seeded(corpus):
+    a = data.make_windows(corpus.test, 10, 128, seed=1, split="test")
+    b = data.make_windows(corpus.test, 10, 128, seed=1, split="test")
+    c = data.make_windows(corpus.test, 10, 128, seed=2, split="test")
+    assert torch.equal(a.ids, b.ids) and not torch.equal(a.ids, c.ids)
+
+
+def test_window_longer_than_split_is_a_clear_error():
+    tokens = np.arange(100, dtype=np.uint8)
+    with pytest.raises(FcauditError, match="longer than the test split"):
+        data.make_windows(tokens, 1, 101, seed=0, split="test")
+    with pytest.raises(FcauditError, match="room for 3"):
+        data.make_windows(tokens, 4, 30, seed=0, split="test")
+    with pytest.raises(FcauditError, match="longer than the split"):
+        data.all_windows(tokens, 200)
+
+
+def test_local_file_and_directory(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"hello world " * 1000)
+    c = data.load_corpus(str(f))
+    assert len(c.train) + len(c.validation) + len(c.test) == 12_000
+    assert c.train.tobytes().startswith(b"hello")
+    d = tmp_path / "docs"
+    d.mkdir()
+    for i in range(60):
+        (d / f"{i}.txt").write_text(f"document {i} " * 50)
+    c = data.load_corpus(str(d))
+    assert all(len(c.split(s)) > 0 for s in ("train", "validation", "test"))
+    with pytest.raises(FcauditError, match="unknown corpus"):
+        data.load_corpus(str(tmp_path / "missing"))
+
+
+def test_hub_corpus_offline_fails_in_one_line(monkeypatch):
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(FcauditError, match="--corpus PATH") as e:
+        data.load_corpus("wikitext-103")
+    assert "\n" not in str(e.value)
+
+
+def test_tokenizer_encoding(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    f = tmp_path / "t.txt"
+    f.write_text("the cat sat on the mat. " * 400)
+    c = data.load_corpus(str(f), tokenizer=tok)
+    assert c.vocab_size == tok.get_vocab_size() and c.train.dtype == np.int32
+    assert c.train.max() < c.vocab_size
+
+
+def test_random_batch(corpus):
+    rng = np.random.default_rng(0)
+    x = data.random_batch(corpus.train, 4, 64, rng)
+    assert x.shape == (4, 64) and x.dtype == torch.int64
