@@ -1,0 +1,245 @@
+"""Inference for FCA penalties (paper section 4.1).
+
+Two levels, never mixed:
+- within one checkpoint: paired-window bootstrap intervals (windows resampled; each window's value is already a
+  paired difference from Correct) and the Monte Carlo SE across randomizations. These describe stability across
+  evaluation windows and randomization error of *that* checkpoint, not uncertainty across trained models.
+- across checkpoints (independently trained seeds are the units): percentile bootstrap CIs of the mean, the exact
+  two-sided sign-flip test, Holm correction across the three factorial effects, and retention intervals.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
+
+from fcaudit.errors import FcauditError
+from fcaudit.stats.effects import retention
+
+# scipy materialises n_resamples x n values per batch; cap that so large window sets stay in memory
+_MAX_BATCH_ELEMENTS = 1 << 22
+
+
+class ConfidenceInterval(NamedTuple):
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate with its interval, like scipy.stats result objects (prints usefully, converts to JSON)."""
+
+    statistic: float
+    confidence_interval: ConfidenceInterval
+    pvalue: float | None = None
+    n: int = 0
+    method: str = ""
+    confidence_level: float = 0.95
+    standard_error: float = math.nan  # bootstrap SE (sd of the resampled statistic); nan without an interval
+
+    @property
+    def has_interval(self) -> bool:
+        return bool(np.isfinite(self.confidence_interval.low) and np.isfinite(self.confidence_interval.high))
+
+    def to_dict(self) -> dict:
+        """JSON-ready; nan becomes None."""
+
+        def clean(v):
+            return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+        return {
+            "statistic": clean(float(self.statistic)),
+            "low": clean(float(self.confidence_interval.low)),
+            "high": clean(float(self.confidence_interval.high)),
+            "pvalue": clean(None if self.pvalue is None else float(self.pvalue)),
+            "n": int(self.n),
+            "method": self.method,
+            "confidence_level": float(self.confidence_level),
+            "standard_error": clean(float(self.standard_error)),
+        }
+
+    def __str__(self) -> str:
+        low, high = self.confidence_interval
+        ci = f"[{low:.6g}, {high:.6g}] {self.confidence_level:.0%} CI" if self.has_interval else "no interval"
+        p = "" if self.pvalue is None else f", p={self.pvalue:.4g}"
+        return f"{self.statistic:.6g} {ci} (n={self.n}{p}; {self.method})"
+
+    def __repr__(self) -> str:
+        low, high = self.confidence_interval
+        return (
+            f"Estimate(statistic={self.statistic!r}, confidence_interval=ConfidenceInterval(low={low!r}, high={high!r}), "
+            f"pvalue={self.pvalue!r}, n={self.n}, method={self.method!r})"
+        )
+
+
+def _sample(x, name: str = "x") -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise FcauditError(f"{name} must be a non-empty 1-D array of values (one per window or checkpoint), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise FcauditError(f"{name} contains nan or inf: drop failed windows/checkpoints before inference")
+    return x
+
+
+def _rng(seed) -> np.random.Generator:
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
+    """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
+    if not 0 < confidence < 1:
+        raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
+    n = len(data[0])
+    res = stats.bootstrap(
+        data,
+        statistic,
+        n_resamples=int(n_resamples),
+        batch=max(1, _MAX_BATCH_ELEMENTS // n),
+        vectorized=True,
+        paired=len(data) > 1,
+        confidence_level=confidence,
+        method="percentile",
+        rng=_rng(seed),
+    )
+    ci = res.confidence_interval
+    return ConfidenceInterval(float(ci.low), float(ci.high)), float(res.standard_error)
+
+
+def _mean(x, axis=-1):
+    return np.mean(x, axis=axis)
+
+
+def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
+    x = _sample(x)
+    if x.size < 2:
+        return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), None, 1,
+                        f"single {unit}: no interval", confidence)
+    ci, se = _percentile_bootstrap((x,), _mean, confidence, n_resamples, seed)
+    method = f"percentile bootstrap of the mean over {x.size} {unit}s ({n_resamples} resamples)"
+    return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence, se)
+
+
+def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
+    """Percentile bootstrap CI of the mean over evaluation windows of one checkpoint.
+
+    x: one paired ΔNLL (or factor effect) per window, already averaged over randomizations
+    (see `effects.per_example_deltas`). Descriptive of window stability only (Table 2 of the paper).
+    """
+    return _mean_estimate(x, confidence, n_resamples, seed, "window")
+
+
+def mc_se(randomization_means) -> float:
+    """Monte Carlo SE of a randomized condition: sd (ddof=1) of the R randomization means / sqrt(R); nan for R < 2.
+
+    nan entries are dropped first, so a column of `effects.randomization_means` can be passed as is (deterministic
+    conditions have only randomization 0 there and get nan: they carry no Monte Carlo error).
+    """
+    r = np.asarray(randomization_means, dtype=np.float64).ravel()
+    r = r[~np.isnan(r)]
+    if r.size < 2:
+        return math.nan
+    return float(np.std(r, ddof=1) / math.sqrt(r.size))
+
+
+def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0,
+                         sign_flip: bool = True) -> Estimate:
+    """Percentile bootstrap CI of the mean over independently trained checkpoints (the unit of inference).
+
+    With sign_flip (default) the Estimate's pvalue is the exact two-sided sign-flip p-value of `sign_flip_test`.
+    A single checkpoint gives the value with no interval ((nan, nan)) and no p-value: one model says nothing
+    about variation across training seeds. With few checkpoints the percentile interval is coarse (n=3 has only
+    10 distinct resample means); report n beside it.
+    """
+    est = _mean_estimate(x, confidence, n_resamples, seed, "checkpoint")
+    if sign_flip and est.n >= 2:
+        est = Estimate(est.statistic, est.confidence_interval, sign_flip_test(x, seed=seed), est.n,
+                       est.method + "; exact two-sided sign-flip p-value", est.confidence_level, est.standard_error)
+    return est
+
+
+def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = 20) -> float:
+    """Two-sided sign-flip (one-sample permutation) test of mean 0.
+
+    p = fraction of sign patterns whose |mean| >= the observed |mean| (ties within a relative tolerance of 1e-12
+    count as >=). Exact over all 2^n patterns for n <= exact_max_n (7 all-positive values give 2/128); above that,
+    n_resamples random patterns with p = (1 + hits) / (1 + n_resamples), as scipy does.
+    """
+    x = _sample(x)
+    n = x.size
+    observed = abs(x.sum())  # the sum orders patterns the same as the mean
+    tol = 1e-12 * max(observed, np.abs(x).sum())
+    if n <= exact_max_n:
+        total, hits, chunk = 1 << n, 0, 1 << 16
+        bits = np.arange(n, dtype=np.int64)
+        for start in range(0, total, chunk):
+            idx = np.arange(start, min(start + chunk, total), dtype=np.int64)
+            signs = 1.0 - 2.0 * ((idx[:, None] >> bits) & 1)
+            hits += int(np.count_nonzero(np.abs(signs @ x) >= observed - tol))
+        return hits / total
+    rng, hits, done = _rng(seed), 0, 0
+    batch = max(1, _MAX_BATCH_ELEMENTS // n)
+    while done < n_resamples:
+        m = min(batch, n_resamples - done)
+        signs = rng.choice(np.array([-1.0, 1.0]), size=(m, n))
+        hits += int(np.count_nonzero(np.abs(signs @ x) >= observed - tol))
+        done += m
+    return (1 + hits) / (1 + n_resamples)
+
+
+def holm(pvalues) -> np.ndarray:
+    """Holm-adjusted p-values (statsmodels multipletests, method="holm"); nan entries stay nan and are not counted."""
+    p = np.asarray(pvalues, dtype=np.float64)
+    out = np.full(p.shape, np.nan)
+    ok = np.isfinite(p)
+    if (p[ok] < 0).any() or (p[ok] > 1).any():
+        raise FcauditError("p-values must lie in [0, 1]: pass raw p-values, not statistics")
+    if ok.any():
+        out[ok] = multipletests(p[ok], method="holm")[1]
+    return out
+
+
+def _retention_of_means(s, r, axis=-1):
+    ms, mr = np.mean(s, axis=axis), np.mean(r, axis=axis)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(mr > 0, 1.0 - ms / np.where(mr > 0, mr, 1.0), np.nan)
+
+
+def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95, n_resamples: int = 10000,
+                        seed=0, unit: str = "checkpoint") -> Estimate:
+    """Retention 1 - mean(S)/mean(R) with a percentile bootstrap CI, resampling units jointly (paired).
+
+    unit="checkpoint": one (ΔNLL(S), ΔNLL(R)) pair per trained checkpoint (the primary analysis);
+    unit="window": one pair per evaluation window of a single checkpoint (descriptive, like Table 2).
+    Retention of the means (not the mean of per-unit ratios, which explodes for units with a small reference gap).
+    Values are fractions (0.9870 = 98.70%). A single unit gives no interval; resamples whose mean reference
+    ΔNLL is <= 0 make the interval undefined (nan, with a warning).
+    """
+    if unit not in ("checkpoint", "window"):
+        raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
+    s, r = _sample(delta_static, "delta_static"), _sample(delta_reference, "delta_reference")
+    if s.shape != r.shape:
+        raise FcauditError(f"delta_static and delta_reference must pair the same {unit}s, got {s.size} and {r.size}")
+    point = float(retention(s.mean(), r.mean()))
+    if s.size < 2 or not np.isfinite(point):
+        why = f"single {unit}: no interval" if s.size < 2 else "reference ΔNLL <= 0: retention undefined"
+        return Estimate(point, ConfidenceInterval(math.nan, math.nan), None, int(s.size), why, confidence)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # nan resamples are reported below
+        ci, se = _percentile_bootstrap((s, r), _retention_of_means, confidence, n_resamples, seed)
+    if not (np.isfinite(ci.low) and np.isfinite(ci.high)):
+        warnings.warn("some bootstrap resamples have a mean reference ΔNLL <= 0: retention interval undefined",
+                      RuntimeWarning, stacklevel=2)
+        ci = ConfidenceInterval(math.nan, math.nan)
+    level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
+    method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
+    return Estimate(point, ci, None, int(s.size), method, confidence, se)
+
+
+def retention_window_bootstrap(delta_static, delta_reference, confidence: float = 0.95, n_resamples: int = 10000,
+                               seed=0) -> Estimate:
+    """Window-level retention interval for a single checkpoint (paired resampling of windows)."""
+    return retention_bootstrap(delta_static, delta_reference, confidence, n_resamples, seed, unit="window")

@@ -1,0 +1,144 @@
+"""Coefficient variation (question 1): per-layer profiles and the balanced functional variance decomposition.
+
+The decomposition is descriptive: it says how much of the coefficients' spread is layer identity vs input vs token
+(paper Figure 3); it does not say whether the model *uses* that spread (that is what the interventions test).
+"""
+
+import itertools
+import warnings
+
+import numpy as np
+import pandas as pd
+
+from fcaudit.errors import FcauditError
+
+AXES = ("input", "layer", "token")
+
+
+def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, float], float]:
+    """Balanced functional ANOVA of a complete array: sums of squares of every main effect and interaction.
+
+    Effect of a set of axes S = mean over the other axes, minus the effects of all proper subsets of S (so the
+    effects are orthogonal and their sums of squares add up to the total sum of squares about the grand mean).
+    Returns ({"a": ss, "a:b": ss, ...} in order of interaction size, then axis order; total_ss).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    k = x.ndim
+    if len(names) != k:
+        raise FcauditError(f"need one name per axis, got {names} for an array of shape {x.shape}")
+    subsets = [s for size in range(1, k + 1) for s in itertools.combinations(range(k), size)]
+    grand = x.mean()
+    effects: dict[tuple, np.ndarray] = {(): np.asarray(grand).reshape((1,) * k)}
+    ss = {}
+    for s in subsets:
+        other = tuple(a for a in range(k) if a not in s)
+        eff = x.mean(axis=other, keepdims=True) if other else x.copy()
+        for sub, sub_eff in effects.items():  # all proper subsets were computed earlier (smaller size first)
+            if set(sub) < set(s):
+                eff = eff - sub_eff
+        effects[s] = eff
+        # each cell of the effect is repeated over the other axes' extent
+        ss[":".join(names[a] for a in s)] = float((eff**2).sum() * np.prod([x.shape[a] for a in other]))
+    total = float(((x - grand) ** 2).sum())
+    return ss, total
+
+
+def _slices(coeffs: np.ndarray):
+    """Yield (trailing index, float64 [input, present layer, token] slice, present layer indices); layers
+    absent from a slice (all nan) are dropped. Slices are cast one at a time so a memory-mapped store stays small."""
+    for idx in np.ndindex(*coeffs.shape[3:]):
+        sl = np.asarray(coeffs[(slice(None), slice(None), slice(None), *idx)], dtype=np.float64)
+        present = ~np.isnan(sl).all(axis=(0, 2))
+        if not present.any():  # a (stream, source) that no layer has
+            continue
+        sl = sl[:, present, :]
+        if np.isnan(sl).any():
+            raise FcauditError(
+                f"coefficient slice {idx} has missing values inside a layer: the decomposition needs complete "
+                "(input, token) grids; pad only whole absent layers with nan"
+            )
+        if np.isinf(sl).any():
+            raise FcauditError("coefficients contain inf: check the controller's output dtype and rerun the audit")
+        yield idx, sl, np.flatnonzero(present)
+
+
+def _as_array(coeffs) -> np.ndarray:
+    if hasattr(coeffs, "detach"):  # torch tensor (bfloat16 has no numpy dtype)
+        coeffs = coeffs.detach().cpu().float().numpy()
+    x = np.asarray(coeffs)
+    if x.ndim < 3 or not np.issubdtype(x.dtype, np.number):
+        raise FcauditError(f"coefficients must be a numeric array with axes (input, layer, token, ...), got shape {x.shape}")
+    return x
+
+
+def _constant_tol(x: np.ndarray) -> float:
+    """Total SS that is only rounding error of the grand mean (a constant array rarely gives exactly 0)."""
+    finite = x[np.isfinite(x)]
+    scale = float(np.abs(finite).max()) if finite.size else 0.0
+    return finite.size * (64 * np.finfo(np.float64).eps * scale) ** 2
+
+
+def _fractions(ss: dict[str, float], total: float, tol: float = 0.0) -> dict[str, float]:
+    if total <= tol:
+        warnings.warn("coefficients are constant (zero total variance): variance fractions are nan",
+                      RuntimeWarning, stacklevel=3)
+        return {name: float("nan") for name in ss}
+    return {name: v / total for name, v in ss.items()}
+
+
+def variance_decomposition(coeffs) -> dict[str, float]:
+    """Fractions of the total sum of squares of a coefficient array [input, layer, token, *trailing].
+
+    Keys: input, layer, token, input:layer, input:token, layer:token, input:layer:token; they sum to 1.
+    Trailing axes (e.g. stream, source) are not factors: each trailing slice is decomposed on its own (about its
+    own grand mean) and the sums of squares are pooled over slices, so the fractions are those of the
+    within-slice variation (between-slice level differences are excluded; see `variance_by_slice` for each slice).
+    Layers where a slice does not exist (MUDD sources k > layer+1) may be nan-padded; each slice then uses its
+    present layers only. Constant coefficients (zero total) give nan fractions with a RuntimeWarning.
+    """
+    x = _as_array(coeffs)
+    pooled: dict[str, float] = {}
+    total = tol = 0.0
+    for _, sl, _ in _slices(x):
+        ss, t = functional_anova(sl, AXES)
+        for name, v in ss.items():
+            pooled[name] = pooled.get(name, 0.0) + v
+        total += t
+        tol += _constant_tol(sl)
+    return _fractions(pooled, total, tol)
+
+
+def variance_by_slice(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """One row per trailing slice (e.g. per stream and source) with the fractions of `variance_decomposition`
+    and `total_ss`; columns named by `trailing_names` (default axis3, axis4, ...)."""
+    x = _as_array(coeffs)
+    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
+    if len(names) != x.ndim - 3:
+        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    rows = []
+    for idx, sl, _ in _slices(x):
+        ss, t = functional_anova(sl, AXES)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a constant slice is shown as nan, not warned per row
+            rows.append({**dict(zip(names, idx)), **_fractions(ss, t, _constant_tol(sl)), "total_ss": t})
+    return pd.DataFrame(rows)
+
+
+def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens.
+
+    For [input, layer, token] the rows are layers; with trailing axes there is one row per (layer, *trailing)
+    present (nan-padded absent layers are skipped), with the trailing indices as columns.
+    """
+    x = _as_array(coeffs)
+    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
+    if len(names) != x.ndim - 3:
+        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    rows = []
+    for idx, sl, layers in _slices(x):
+        for j, layer in enumerate(layers):
+            v = sl[:, j, :]
+            rows.append({"layer": int(layer), **dict(zip(names, idx)), "mean": float(v.mean()),
+                         "sd": float(v.std()), "min": float(v.min()), "max": float(v.max())})
+    df = pd.DataFrame(rows)
+    return df.sort_values(["layer", *names]).reset_index(drop=True)

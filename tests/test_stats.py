@@ -1,0 +1,379 @@
+"""fcaudit.stats against independent computations on the same data (scipy, statsmodels, hand formulas) and the
+paper's published numbers."""
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
+
+from fcaudit.errors import FcauditError
+from fcaudit.stats import (
+    checkpoint_bootstrap,
+    coefficient_profile,
+    condition_means,
+    delta_nll,
+    factor_effects,
+    factorial_cells,
+    holm,
+    mc_se,
+    paired_bootstrap,
+    per_example_deltas,
+    randomization_means,
+    retention,
+    retention_bootstrap,
+    sign_flip_test,
+    variance_by_slice,
+    variance_decomposition,
+)
+
+
+def mean_stat(x, axis=-1):
+    return np.mean(x, axis=axis)
+
+
+# ---------------------------------------------------------------- records and effects
+
+
+def make_records(n_examples=5, R=3, seed=0):
+    """Synthetic audit records with known structure; example ids deliberately not 0..n-1."""
+    rng = np.random.default_rng(seed)
+    examples = np.arange(n_examples) * 7 + 3
+    base = rng.uniform(1.0, 2.0, n_examples)
+    rows = [(e, "Correct", 0, b) for e, b in zip(examples, base)]
+    shift = {"CrossInput": 0.10, "TokenShuffle": 0.20, "CrossShuffle": 0.25}
+    for cond, s in shift.items():
+        for e, b in zip(examples, base):
+            for r in range(R):
+                rows.append((e, cond, r, b + s + 0.01 * rng.normal()))
+    for cond, s in {"LayerPositionMean": 0.05, "StaticProfile": 0.08, "StructureRemoved": 1.0}.items():
+        for e, b in zip(examples, base):
+            rows.append((e, cond, 0, b + s + 0.01 * rng.normal()))
+    df = pd.DataFrame(rows, columns=["example", "condition", "randomization", "nll"])
+    df["tokens"] = 63
+    return df.sample(frac=1.0, random_state=1).reset_index(drop=True)  # order must not matter
+
+
+def test_delta_nll_pairs_each_row_with_its_examples_correct_row():
+    rec = pd.DataFrame(
+        {
+            "example": [10, 10, 10, 20, 20, 20],
+            "condition": ["Correct", "CrossInput", "CrossInput", "CrossInput", "Correct", "StaticProfile"],
+            "randomization": [0, 0, 1, 0, 0, 0],
+            "nll": [1.0, 1.5, 1.25, 3.5, 3.0, 2.75],
+            "tokens": [7] * 6,
+        }
+    )
+    d = delta_nll(rec)
+    assert "Correct" not in set(d["condition"])
+    got = {(e, c, r): v for e, c, r, v in d[["example", "condition", "randomization", "delta"]].itertuples(index=False)}
+    assert got == {(10, "CrossInput", 0): 0.5, (10, "CrossInput", 1): 0.25, (20, "CrossInput", 0): 0.5,
+                   (20, "StaticProfile", 0): -0.25}
+    assert list(d.columns[:5]) == ["example", "condition", "randomization", "nll", "tokens"]
+
+
+def test_delta_nll_rejects_bad_records():
+    rec = make_records()
+    with pytest.raises(FcauditError):
+        delta_nll(rec[~((rec["condition"] == "Correct") & (rec["example"] == 3))])  # an example without Correct
+    with pytest.raises(FcauditError):
+        delta_nll(pd.concat([rec, rec.iloc[:1]]))  # duplicate row
+    with pytest.raises(FcauditError):
+        delta_nll(rec.drop(columns=["nll"]))
+
+
+def test_condition_means_is_mean_over_examples_of_mean_over_randomizations():
+    rec = make_records()
+    # drop one randomization of one example: unbalanced, so the definition matters
+    rec = rec[~((rec["condition"] == "TokenShuffle") & (rec["example"] == 3) & (rec["randomization"] == 2))]
+    means = condition_means(rec)
+    correct = rec[rec["condition"] == "Correct"].set_index("example")["nll"]
+    for cond in ["CrossInput", "TokenShuffle", "StaticProfile"]:
+        sub = rec[rec["condition"] == cond]
+        per_ex = [np.mean(g["nll"].to_numpy() - correct[e]) for e, g in sub.groupby("example")]
+        assert means[cond] == pytest.approx(np.mean(per_ex), abs=1e-14)
+    assert "Correct" not in means.index
+    wide = per_example_deltas(rec)
+    assert wide.shape == (5, 6)
+    rm = randomization_means(rec)
+    assert rm.loc[0, "StaticProfile"] == pytest.approx(means["StaticProfile"])
+    assert rm["CrossInput"].isna().sum() == 0 and len(rm) == 3
+
+
+def test_factorial_cells_are_paired_by_example_and_randomization():
+    rec = make_records(n_examples=4, R=3)
+    cells = factorial_cells(rec)
+    d = delta_nll(rec).set_index(["condition", "example", "randomization"])["delta"]
+    i, r = 2, 1
+    e = cells.examples[i]
+    assert cells.dc[i, r] == d[("CrossInput", e, r)]
+    assert cells.cs[i, r] == d[("TokenShuffle", e, r)]
+    assert cells.ds[i, r] == d[("CrossShuffle", e, r)]
+    assert np.all(cells.cc == 0) and cells.dc.shape == (4, 3)
+    # by linearity, the mean of per-example effects equals the effects of the condition means
+    m = condition_means(rec)
+    whole = factor_effects(0.0, m["CrossInput"], m["TokenShuffle"], m["CrossShuffle"])
+    mean = cells.mean_effects()
+    assert mean.input == pytest.approx(whole.input) and mean.token == pytest.approx(whole.token)
+    assert mean.interaction == pytest.approx(whole.interaction)
+    with pytest.raises(FcauditError):  # incomplete design
+        factorial_cells(rec[~((rec["condition"] == "CrossShuffle") & (rec["randomization"] == 2))])
+
+
+def test_factor_effects_reproduce_the_paper_featuregate_76m():
+    e = factor_effects(0.0, 0.000951, 0.001905, 0.001888)
+    # The paper prints E_input = 0.000466 from unrounded means; from the rounded 6-decimal means the exact
+    # arithmetic is 0.5 * (0.000951 - 0.000017) = 0.000467. Rounding each of 4 inputs by <= 5e-7 moves E by <= 1e-6.
+    assert e.input == pytest.approx(0.000467, abs=1e-12)
+    assert e.input == pytest.approx(0.000466, abs=1e-6)
+    assert e.token == pytest.approx(0.001421, abs=1e-12)
+    assert e.interaction == pytest.approx(-0.000968, abs=1e-12)
+    assert isinstance(e.input, float)
+
+
+def test_factor_effects_elementwise_on_arrays():
+    cc, dc, cs, ds = (np.array(v) for v in ([0.0, 1.0], [2.0, 3.0], [5.0, 4.0], [6.0, 9.0]))
+    e = factor_effects(cc, dc, cs, ds)
+    np.testing.assert_allclose(e.input, [0.5 * (2 + 1), 0.5 * (2 + 5)])
+    np.testing.assert_allclose(e.token, [0.5 * (5 + 4), 0.5 * (3 + 6)])
+    np.testing.assert_allclose(e.interaction, [6 - 2 - 5 + 0, 9 - 3 - 4 + 1])
+
+
+def test_retention_reproduces_the_paper_muddpythia():
+    assert round(100 * retention(1.9798, 7.4237), 2) == 73.33
+    assert round(100 * retention(1.0190, 7.4237), 2) == 86.27
+    np.testing.assert_allclose(retention(np.array([1.9798, 1.0190]), 7.4237), [1 - 1.9798 / 7.4237, 1 - 1.0190 / 7.4237])
+
+
+def test_retention_nonpositive_reference_is_nan_with_warning():
+    with pytest.warns(RuntimeWarning, match="reference"):
+        assert math.isnan(retention(0.1, 0.0))
+    with pytest.warns(RuntimeWarning):
+        out = retention(np.array([0.1, 0.1]), np.array([-0.2, 0.4]))
+    assert math.isnan(out[0]) and out[1] == pytest.approx(0.75)
+
+
+# ---------------------------------------------------------------- inference
+
+
+def test_paired_bootstrap_matches_scipy_bootstrap():
+    x = np.random.default_rng(3).gamma(2.0, 0.001, size=200)
+    est = paired_bootstrap(x, confidence=0.9, n_resamples=2000, seed=7)
+    ref = stats.bootstrap((x,), mean_stat, n_resamples=2000, vectorized=True, confidence_level=0.9,
+                          method="percentile", rng=np.random.default_rng(7))
+    assert est.statistic == pytest.approx(x.mean())
+    assert est.confidence_interval.low == pytest.approx(ref.confidence_interval.low, rel=1e-12)
+    assert est.confidence_interval.high == pytest.approx(ref.confidence_interval.high, rel=1e-12)
+    assert est.n == 200 and est.pvalue is None and est.confidence_level == 0.9
+    # and it is a sensible interval: it brackets the mean, its width ~ 2 * 1.645 * SE of the mean
+    se = x.std(ddof=1) / math.sqrt(x.size)
+    assert est.confidence_interval.low < x.mean() < est.confidence_interval.high
+    assert (est.confidence_interval.high - est.confidence_interval.low) == pytest.approx(2 * 1.645 * se, rel=0.15)
+
+
+def test_checkpoint_bootstrap_matches_scipy_and_carries_sign_flip_p():
+    x = np.array([0.00101, 0.00088, 0.00097, 0.00092, 0.00110, 0.00085, 0.00093])
+    est = checkpoint_bootstrap(x, n_resamples=5000, seed=1)
+    ref = stats.bootstrap((x,), mean_stat, n_resamples=5000, vectorized=True, method="percentile",
+                          rng=np.random.default_rng(1))
+    assert tuple(est.confidence_interval) == pytest.approx(tuple(ref.confidence_interval), rel=1e-12)
+    assert est.pvalue == 2 / 128
+    one = checkpoint_bootstrap([0.5])
+    assert one.statistic == 0.5 and one.n == 1 and one.pvalue is None
+    assert math.isnan(one.confidence_interval.low) and math.isnan(one.confidence_interval.high)
+    assert "no interval" in str(one)
+
+
+def test_estimate_prints_and_serialises():
+    est = checkpoint_bootstrap([1.0, 2.0, 3.0], n_resamples=500)
+    s = str(est)
+    assert "95% CI" in s and "n=3" in s and "p=" in s
+    assert repr(est).startswith("Estimate(statistic=2.0")
+    low, high = est.confidence_interval
+    assert low <= 2.0 <= high
+    d = json.loads(json.dumps(checkpoint_bootstrap([1.0]).to_dict()))
+    assert d["low"] is None and d["statistic"] == 1.0
+
+
+def test_mc_se():
+    r = np.array([0.0010, 0.0012, 0.0009, 0.0011])
+    assert mc_se(r) == pytest.approx(np.std(r, ddof=1) / 2)
+    assert math.isnan(mc_se([0.3]))
+    assert math.isnan(mc_se([0.3, np.nan, np.nan]))  # a deterministic column of randomization_means
+    rm = randomization_means(make_records(R=4))
+    assert mc_se(rm["TokenShuffle"]) == pytest.approx(rm["TokenShuffle"].std(ddof=1) / 2)
+
+
+def test_sign_flip_seven_positive_checkpoints_is_two_over_128():
+    assert sign_flip_test([0.0009, 0.0011, 0.0010, 0.0008, 0.0012, 0.0013, 0.0010]) == 2 / 128
+
+
+def _scipy_sign_flip(x, n_resamples):
+    return stats.permutation_test((np.asarray(x, float),), mean_stat, permutation_type="samples",
+                                  n_resamples=n_resamples, vectorized=True, rng=np.random.default_rng(0)).pvalue
+
+
+@pytest.mark.parametrize("x", [
+    np.random.default_rng(5).normal(0.3, 1.0, size=11),
+    np.random.default_rng(6).normal(-0.1, 1.0, size=9),
+    [1.0, 2.0, 3.0, -2.0, 1.0, -1.0],  # integer values: many ties at the observed |mean|
+    [0.0, 0.0, 0.0],
+])
+def test_sign_flip_exact_matches_scipy_permutation_test(x):
+    # n_resamples >= 2^n makes scipy enumerate all sign patterns exactly
+    assert sign_flip_test(x) == pytest.approx(_scipy_sign_flip(x, 10**6), abs=1e-12)
+
+
+def test_sign_flip_monte_carlo_above_twenty():
+    x = np.random.default_rng(8).normal(0.35, 1.0, size=30)
+    p_mc = sign_flip_test(x, n_resamples=40000, seed=2)
+    p_ref = _scipy_sign_flip(x, 40000)
+    assert p_mc == pytest.approx(p_ref, abs=0.02)  # two independent MC estimates, SE ~ 0.002 each
+    x_all_pos = np.abs(x) + 0.1
+    assert sign_flip_test(x_all_pos, n_resamples=1000) == 1 / 1001  # valid MC p-value never reaches 0
+
+
+def test_holm_matches_statsmodels_and_hand_formula():
+    p = np.array([0.015625, 0.04, 0.01, 0.3])
+    adj = holm(p)
+    np.testing.assert_allclose(adj, multipletests(p, method="holm")[1])
+    order = np.argsort(p)
+    m = len(p)
+    hand = np.empty(m)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        hand[i] = running
+    np.testing.assert_allclose(adj, hand)
+    out = holm([0.01, np.nan, 0.02])
+    assert math.isnan(out[1]) and out[0] == pytest.approx(0.02) and out[2] == pytest.approx(0.02)
+    with pytest.raises(FcauditError):
+        holm([1.5])
+
+
+def test_retention_bootstrap_over_checkpoints_and_windows_matches_scipy():
+    rng = np.random.default_rng(4)
+    s = rng.normal(0.0013, 0.0002, size=7)
+    r = rng.normal(0.098, 0.004, size=7)
+    est = retention_bootstrap(s, r, n_resamples=3000, seed=9)
+    assert est.statistic == pytest.approx(1 - s.mean() / r.mean())
+
+    def ratio(a, b, axis=-1):
+        return 1 - np.mean(a, axis=axis) / np.mean(b, axis=axis)
+
+    ref = stats.bootstrap((s, r), ratio, n_resamples=3000, vectorized=True, paired=True, method="percentile",
+                          rng=np.random.default_rng(9))
+    assert tuple(est.confidence_interval) == pytest.approx(tuple(ref.confidence_interval), rel=1e-12)
+    assert est.confidence_interval.low < est.statistic < est.confidence_interval.high < 1
+    w = retention_bootstrap(rng.normal(2.0, 0.5, 300), rng.normal(7.4, 1.0, 300), n_resamples=1000, unit="window")
+    assert "windows" in w.method and w.n == 300 and w.has_interval
+    single = retention_bootstrap([1.9798], [7.4237])
+    assert round(100 * single.statistic, 2) == 73.33 and not single.has_interval
+
+
+def test_inference_rejects_bad_input():
+    for bad in ([], [1.0, np.nan], np.ones((2, 2))):
+        with pytest.raises(FcauditError):
+            paired_bootstrap(bad)
+    with pytest.raises(FcauditError):
+        sign_flip_test([np.inf])
+    with pytest.raises(FcauditError):
+        retention_bootstrap([1.0, 2.0], [3.0])
+
+
+# ---------------------------------------------------------------- variance decomposition
+
+
+def _centered(shape, axes_of_effect, rng):
+    """A random effect over `axes_of_effect`, centered along each of its axes (orthogonal to all other terms)."""
+    full = [n if a in axes_of_effect else 1 for a, n in enumerate(shape)]
+    e = rng.normal(size=full)
+    for a in axes_of_effect:
+        e = e - e.mean(axis=a, keepdims=True)
+    return np.broadcast_to(e, shape)
+
+
+PLANTED = {"input": 0.02, "layer": 0.80, "token": 0.05, "input:layer": 0.03, "input:token": 0.04,
+           "layer:token": 0.01, "input:layer:token": 0.05}
+
+
+def planted_tensor(shape=(6, 5, 8), seed=0, grand=0.6):
+    rng = np.random.default_rng(seed)
+    axes = {"input": 0, "layer": 1, "token": 2}
+    x = np.full(shape, grand)
+    for name, frac in PLANTED.items():
+        e = _centered(shape, [axes[a] for a in name.split(":")], rng)
+        x = x + e * math.sqrt(frac / (e**2).sum())  # each term's sum of squares = its planted fraction
+    return x
+
+
+def test_variance_decomposition_recovers_planted_fractions_and_sums_to_one():
+    x = planted_tensor()
+    got = variance_decomposition(x)
+    assert list(got) == list(PLANTED)
+    for name, frac in PLANTED.items():
+        assert got[name] == pytest.approx(frac, abs=1e-12), name
+    assert sum(got.values()) == pytest.approx(1.0, abs=1e-12)
+    noisy = x + np.random.default_rng(1).normal(size=x.shape)  # arbitrary data: still sums to one
+    assert sum(variance_decomposition(noisy).values()) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_variance_decomposition_two_factor_case_matches_hand_anova():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(4, 3, 1))  # one token: the token terms vanish, a two-way ANOVA remains
+    y = x[:, :, 0]
+    total = ((y - y.mean()) ** 2).sum()
+    ss_input = 3 * ((y.mean(axis=1) - y.mean()) ** 2).sum()
+    ss_layer = 4 * ((y.mean(axis=0) - y.mean()) ** 2).sum()
+    got = variance_decomposition(x)
+    assert got["input"] == pytest.approx(ss_input / total)
+    assert got["layer"] == pytest.approx(ss_layer / total)
+    assert got["token"] == 0 and got["layer:token"] == 0
+    assert got["input:layer"] == pytest.approx(1 - (ss_input + ss_layer) / total)
+
+
+def test_variance_trailing_axes_pool_within_slice_sums_of_squares():
+    a, b = planted_tensor(seed=0), planted_tensor(seed=1, grand=5.0) * 3.0  # different level and scale
+    x = np.stack([a, b], axis=-1)
+    got = variance_decomposition(x)
+    ta, tb = ((a - a.mean()) ** 2).sum(), ((b - b.mean()) ** 2).sum()
+    fa, fb = variance_decomposition(a), variance_decomposition(b)
+    for name in PLANTED:
+        assert got[name] == pytest.approx((fa[name] * ta + fb[name] * tb) / (ta + tb))
+    per = variance_by_slice(x, trailing_names=("stream",))
+    assert list(per["stream"]) == [0, 1]
+    assert per.loc[1, "layer"] == pytest.approx(fb["layer"]) and per.loc[1, "total_ss"] == pytest.approx(tb)
+    # MUDD-like nan padding: a source that exists only from layer 2 on uses those layers only
+    c = np.stack([a, np.concatenate([np.full((6, 2, 8), np.nan), b[:, 2:, :]], axis=1)], axis=-1)
+    assert variance_by_slice(c).loc[1, "layer"] == pytest.approx(variance_decomposition(b[:, 2:, :])["layer"])
+    empty = np.concatenate([c, np.full(c.shape[:3] + (1,), np.nan)], axis=-1)  # a slice no layer has is skipped
+    assert variance_decomposition(empty) == pytest.approx(variance_decomposition(c))
+    c[0, 3, 0, 1] = np.nan
+    with pytest.raises(FcauditError):
+        variance_decomposition(c)
+
+
+def test_variance_constant_coefficients_give_nan_with_warning():
+    with pytest.warns(RuntimeWarning, match="constant"):
+        got = variance_decomposition(np.full((3, 4, 5), 0.6))
+    assert all(math.isnan(v) for v in got.values())
+    with pytest.raises(FcauditError):
+        variance_decomposition(np.zeros((3, 4)))
+
+
+def test_coefficient_profile_per_layer_mean_and_spread():
+    x = planted_tensor()
+    prof = coefficient_profile(x)
+    assert list(prof["layer"]) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(prof["mean"], x.mean(axis=(0, 2)))
+    np.testing.assert_allclose(prof["sd"], x.std(axis=(0, 2)))
+    np.testing.assert_allclose(prof["max"], x.max(axis=(0, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prof2 = coefficient_profile(np.stack([x, 2 * x], axis=-1), trailing_names=("stream",))
+    assert len(prof2) == 10
+    np.testing.assert_allclose(prof2[prof2["stream"] == 1]["mean"], 2 * x.mean(axis=(0, 2)))
