@@ -1,0 +1,196 @@
+"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend).
+
+Every function takes the summary's tables (DataFrames) and writes one PNG atomically; nothing is computed here
+beyond placing numbers, so each figure shows exactly what the CSVs hold.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from fcaudit.io import atomic_write  # noqa: E402
+
+plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.dpi": 110})
+
+VARIANCE_TERMS = ("layer", "input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
+_TERM_COLORS = dict(zip(VARIANCE_TERMS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
+                                         "#da8bc3")))
+_FAMILY_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+GENERIC = {"CrossInput": "Cross-input", "TokenShuffle": "Token-shuffle", "CrossShuffle": "Cross+shuffle",
+           "LayerPositionMean": "Layer×PositionMean", "StaticProfile": "StaticProfile",
+           "StructureRemoved": "StructureRemoved"}
+
+
+_PLAIN = matplotlib.ticker.FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.3g}")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=130, bbox_inches="tight"))
+    plt.close(fig)
+    return path
+
+
+def _xerr(df: pd.DataFrame) -> np.ndarray:
+    """Asymmetric error-bar lengths; missing intervals draw no bar (0 length) instead of a fake one."""
+    lo = (df["mean"] - df["ci_low"]).fillna(0).clip(lower=0).to_numpy()
+    hi = (df["ci_high"] - df["mean"]).fillna(0).clip(lower=0).to_numpy()
+    return np.vstack([lo, hi])
+
+
+def _interval_words(level: str, confidence: float = 0.95) -> str:
+    pct = f"{100 * confidence:g}%"
+    return (f"{pct} CI across checkpoints" if level == "checkpoint"
+            else f"{pct} paired-window bootstrap intervals, one checkpoint")
+
+
+def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
+    """Figure 2: mean ΔNLL per condition with intervals; the structure-removed reference on its own panel with its
+    own linear scale (it is orders of magnitude larger)."""
+    ref = conditions[conditions["condition"] == "StructureRemoved"]
+    main = conditions[conditions["condition"] != "StructureRemoved"].iloc[::-1]  # first condition on top
+    level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
+                             gridspec_kw={"width_ratios": [3, 1.3]})
+    for ax, df in zip(axes, (main, ref)):
+        if df.empty:
+            ax.set_axis_off()
+            continue
+        y = np.arange(len(df))
+        ax.errorbar(df["mean"], y, xerr=_xerr(df), fmt="o", color="#1f77b4", ecolor="#555555", capsize=4)
+        ax.set_yticks(y, df["label"])
+        ax.axvline(0, color="#999999", lw=0.8, ls="--")
+        ax.set_xlabel("ΔNLL vs Correct (nats/token)")
+        ax.xaxis.set_major_formatter(_PLAIN)  # no offset text: it would collide with the axis label
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_ylim(-0.6, len(df) - 0.2)  # room for the "k/n > 0" note above the top point
+        for yi, r in zip(y, df.itertuples()):
+            if pd.notna(r.n_positive):
+                ax.annotate(f"{int(r.n_positive)}/{int(r.n)} > 0", (r.mean, yi), textcoords="offset points",
+                            xytext=(0, 7), ha="center", fontsize=8, color="#444444")
+    if not ref.empty:
+        hi = float(np.nanmax([ref["ci_high"].max(), ref["mean"].max()]))
+        lo = float(np.nanmin([ref["ci_low"].min(), ref["mean"].min(), 0.0]))
+        axes[1].set_xlim(lo, hi * 1.15 if hi > 0 else 1.0)
+        axes[1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+        axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
+    axes[0].set_title("assignment and static interventions", fontsize=9)
+    fig.suptitle(f"{title}: intervention penalties ({_interval_words(level, confidence)})")
+    return _save(fig, Path(path))
+
+
+def variance_figure(fractions: dict[str, dict[str, float]], path: str | Path) -> Path:
+    """Figure 3: stacked bars of the variance decomposition (fractions of the total) per model."""
+    models = list(fractions)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(models) + 3), 4.2))
+    bottom = np.zeros(len(models))
+    for term in VARIANCE_TERMS:
+        v = np.array([fractions[m].get(term, np.nan) for m in models], dtype=float)
+        v = np.nan_to_num(v)
+        bars = ax.bar(models, v, bottom=bottom, label=term, color=_TERM_COLORS[term], width=0.6)
+        for b, val, b0 in zip(bars, v, bottom):
+            if val >= 0.04:  # label the big terms; small ones are in the legend and the CSV
+                ax.text(b.get_x() + b.get_width() / 2, b0 + val / 2, f"{100 * val:.1f}%", ha="center",
+                        va="center", fontsize=8, color="white")
+        bottom += v
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of coefficient variance")
+    ax.set_title("Coefficient variance decomposition (balanced functional ANOVA)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, title="term")
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    return _save(fig, Path(path))
+
+
+def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
+    """Figure 4: static retention with intervals per model family, the absolute ΔNLL written beside each."""
+    df = retention.iloc[::-1]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * max(len(df), 2) + 1.6))
+    y = np.arange(len(df))
+    pct = df[["retention", "ci_low", "ci_high"]].astype(float) * 100
+    lo = (pct["retention"] - pct["ci_low"]).fillna(0).clip(lower=0)
+    hi = (pct["ci_high"] - pct["retention"]).fillna(0).clip(lower=0)
+    fams = list(dict.fromkeys(retention["family"]))
+    colors = [_FAMILY_COLORS[fams.index(f) % len(_FAMILY_COLORS)] for f in df["family"]]
+    for yi, x, l, h, c in zip(y, pct["retention"], lo, hi, colors):
+        ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
+    ax.set_yticks(y, [f"{r.family}\n{r.label} vs {r.reference_label}" for r in df.itertuples()], fontsize=8)
+    # the numbers sit in a column right of the axes, so they never collide with points or each other
+    ax.text(1.02, len(df) - 0.45, "retention [interval]\nΔNLL(S) vs ΔNLL(R), n", transform=ax.get_yaxis_transform(),
+            fontsize=8, va="bottom", ha="left", weight="bold")
+    for yi, r in zip(y, df.itertuples()):
+        unit = "checkpoints" if r.level == "checkpoint" else "windows"
+        ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
+              else f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]")
+        ret = f"{100 * r.retention:.2f}%" if np.isfinite(r.retention) else "undefined (ΔNLL(R) ≤ 0)"
+        ax.text(1.02, yi, f"{ret}{ci}\n{r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}, "
+                f"n={int(r.n)} {unit}", transform=ax.get_yaxis_transform(), fontsize=8, va="center", ha="left")
+    finite = pct.to_numpy()[np.isfinite(pct.to_numpy())]
+    if finite.size:
+        span = max(finite.max() - finite.min(), 1.0)
+        ax.set_xlim(finite.min() - 0.25 * span, min(finite.max() + 0.25 * span, 100 + 0.25 * span))
+    ax.set_ylim(-0.6, len(df) - 0.4)
+    ax.axvline(100, color="#999999", lw=0.8, ls="--")
+    ax.set_xlabel("retention = 1 − ΔNLL(S)/ΔNLL(R)  (%)")
+    ax.set_title("Static retention (interpret within a family only: references differ)")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, Path(path))
+
+
+def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
+    """Figure 5: absolute penalties on a log axis across model families. Means <= 0 cannot sit on a log axis:
+    they are drawn at the left edge as open markers labelled "<= 0" (never dropped); interval ends <= 0 are
+    drawn to the edge with an arrow."""
+    fams = list(dict.fromkeys(conditions["family"]))
+    conds = [c for c in GENERIC if c in set(conditions["condition"])]
+    conds += sorted(set(conditions["condition"]) - set(conds))
+    pos = conditions[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
+    pos = pos[np.isfinite(pos) & (pos > 0)]
+    floor = 10 ** math.floor(math.log10(pos.min()) - 1) if pos.size else 1e-6
+    top = 10 ** math.ceil(math.log10(pos.max()) + 0.3) if pos.size else 1.0
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(conds) + 1.8))
+    width = 0.7 / max(len(fams), 1)
+    for i, fam in enumerate(fams):
+        sub = conditions[conditions["family"] == fam].set_index("condition")
+        color = _FAMILY_COLORS[i % len(_FAMILY_COLORS)]
+        for j, c in enumerate(conds):
+            if c not in sub.index:
+                continue
+            r = sub.loc[c]
+            yy = len(conds) - 1 - j + (i - (len(fams) - 1) / 2) * width
+            m, lo, hi = float(r["mean"]), float(r["ci_low"]), float(r["ci_high"])
+            if m > 0:
+                lo_d = lo if np.isfinite(lo) and lo > 0 else floor
+                hi_d = hi if np.isfinite(hi) else m
+                ax.errorbar([m], [yy], xerr=[[m - lo_d], [max(hi_d - m, 0)]], fmt="o", color=color, capsize=3)
+                if np.isfinite(lo) and lo <= 0:
+                    ax.annotate("", (floor, yy), (m, yy), arrowprops={"arrowstyle": "->", "color": color})
+            else:
+                ax.plot([floor], [yy], marker="o", mfc="white", color=color, ls="none")
+                ax.annotate(f"≤ 0 ({m:.2g})", (floor, yy), textcoords="offset points", xytext=(8, -3),
+                            fontsize=8, color=color)
+    # one legend entry per family, drawn by hand (a family's points may all be the '<= 0' kind)
+    handles = [plt.Line2D([], [], marker="o", color=_FAMILY_COLORS[i % len(_FAMILY_COLORS)], ls="none", label=f)
+               for i, f in enumerate(fams)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="family")
+    ax.set_xscale("log")
+    ax.set_xlim(floor * 0.7, top)
+    labels = []
+    for c in conds:
+        specific = sorted({str(v) for v in conditions.loc[conditions["condition"] == c, "label"]})
+        name = GENERIC.get(c, c)
+        extra = [s for s in specific if s != name]
+        labels.append(name + (f"\n({' / '.join(extra)})" if extra else ""))
+    ax.set_yticks(np.arange(len(conds))[::-1], labels, fontsize=8)
+    ax.set_xlabel("ΔNLL vs Correct (nats/token, log scale; open markers at the edge: mean ≤ 0)")
+    ax.set_title("Absolute intervention penalties across model families")
+    ax.grid(axis="x", which="major", alpha=0.3)
+    return _save(fig, Path(path))

@@ -1,0 +1,406 @@
+"""`fcaudit report`: discover what the given directories hold and render Markdown + self-contained HTML.
+
+Inputs may be summary dirs (summary.json), audit dirs (config.json + records/), directories containing training runs
+(**/metrics.json with byte_ppl) or a table1.csv, and execution results (**/execution.json or execution.csv).
+Every number in the report is also written as CSV/JSON next to it; figures are PNG files, embedded in the HTML as
+base64 data URIs so the page is one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import atomic_write, read_json, write_json, write_text
+from fcaudit.provenance import provenance
+from fcaudit.report import figures, tables
+from fcaudit.stats.summary import Summary, summarize
+
+TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
+
+
+# ---- discovery --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Found:
+    summaries: list[tuple[Path, Summary]] = field(default_factory=list)
+    audits: list[Path] = field(default_factory=list)
+    training: list[dict] = field(default_factory=list)
+    table1: list[pd.DataFrame] = field(default_factory=list)
+    execution: list[Path] = field(default_factory=list)
+
+
+def _is_audit(d: Path) -> bool:
+    return (d / "config.json").is_file() and (d / "records").exists()
+
+
+def discover(inputs: Sequence[str | Path]) -> Found:
+    found = Found()
+    for inp in map(Path, inputs):
+        if not inp.exists():
+            raise FcauditError(f"{inp} does not exist; pass summary, audit or training-run directories")
+        if inp.is_file():
+            files = [inp]
+        else:
+            files = sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith("."))
+        for f in files:
+            if f.name == "summary.json":
+                found.summaries.append((f.parent, Summary.load(f.parent)))
+            elif f.name == "config.json" and _is_audit(f.parent):
+                found.audits.append(f.parent)
+            elif f.name == "metrics.json":
+                m = read_json(f)
+                if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
+                    found.training.append({**m, "_path": str(f.parent)})
+            elif f.name == "table1.csv":
+                t = pd.read_csv(f)
+                if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
+                    raise FcauditError(f"{f} lacks columns {missing}; write it with fcaudit.report.tables.training_table")
+                found.table1.append(t[list(TABLE1_COLUMNS)])
+            elif f.name == "execution.json" or (f.name == "execution.csv" and not (f.parent / "execution.json").is_file()):
+                found.execution.append(f)  # execution.json holds the csv's rows plus settings: read it alone
+    # audits already covered by a summary given alongside them are not summarized twice
+    covered = {Path(a).resolve() for _, s in found.summaries for g in s.groups.values() for a in g.get("audits", [])}
+    found.audits = sorted({a.resolve() for a in found.audits} - covered)
+    if not (found.summaries or found.audits or found.training or found.table1 or found.execution):
+        raise FcauditError("found no summary.json, audit directory, training metrics.json or table1.csv under "
+                           f"{[str(i) for i in inputs]}; pass the directories written by fcaudit")
+    return found
+
+
+# ---- variation.json ---------------------------------------------------------------------------------------------
+
+def _find(obj: Any, want) -> Any:
+    """Depth-first search for the first sub-object satisfying want (variation.json layouts differ by model)."""
+    if want(obj):
+        return obj
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    for c in children:
+        if (hit := _find(c, want)) is not None:
+            return hit
+    return None
+
+
+def variation_fractions(variation: dict) -> dict[str, float] | None:
+    """The pooled variance-decomposition fractions in an audit's variation.json."""
+    for key in ("decomposition", "variance_decomposition", "fractions"):
+        if isinstance(variation.get(key), dict) and {"input", "layer", "token"} <= set(variation[key]):
+            return {k: float(v) for k, v in variation[key].items() if k in figures.VARIANCE_TERMS and v is not None}
+    hit = _find(variation, lambda o: isinstance(o, dict) and {"input", "layer", "token"} <= set(o)
+                and all(isinstance(o[k], (int, float)) for k in ("input", "layer", "token")))
+    return None if hit is None else {k: float(v) for k, v in hit.items() if k in figures.VARIANCE_TERMS}
+
+
+def variation_profile(variation: dict) -> pd.DataFrame | None:
+    """Per-layer coefficient mean/sd rows in an audit's variation.json."""
+    hit = _find(variation, lambda o: isinstance(o, list) and o and isinstance(o[0], dict)
+                and {"layer", "mean", "sd"} <= set(o[0]))
+    if hit is None:
+        return None
+    # scalar columns only (layer, mean, sd, stream/source ids); nested per-slice lists stay in report.json
+    return pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, (int, float, str))} for row in hit])
+
+
+# ---- document model: one list of blocks rendered twice (Markdown and HTML) -------------------------------------
+
+@dataclass
+class Doc:
+    out: Path
+    blocks: list[tuple] = field(default_factory=list)
+    csvs: list[str] = field(default_factory=list)
+
+    def h(self, level: int, text: str):
+        self.blocks.append(("h", level, text))
+
+    def p(self, text: str):
+        self.blocks.append(("p", text))
+
+    def table(self, display: pd.DataFrame, raw: pd.DataFrame, name: str, caption: str = ""):
+        """A table shown formatted, with its unformatted numbers written to NAME.csv."""
+        atomic_write(self.out / f"{name}.csv", lambda p: raw.to_csv(p, index=False))
+        self.csvs.append(f"{name}.csv")
+        self.blocks.append(("table", display, f"{name}.csv", caption))
+
+    def img(self, png: Path, caption: str):
+        self.blocks.append(("img", png, caption))
+
+    def markdown(self) -> str:
+        parts = []
+        for b in self.blocks:
+            if b[0] == "h":
+                parts.append("#" * b[1] + " " + b[2])
+            elif b[0] == "p":
+                parts.append(b[1])
+            elif b[0] == "table":
+                cap = f"{b[3]} " if b[3] else ""
+                parts.append(f"{tables.to_markdown(b[1])}\n\n*{cap}(numbers: [{b[2]}]({b[2]}))*")
+            elif b[0] == "img":
+                parts.append(f"![{b[2]}]({b[1].name})\n\n*{b[2]}*")
+        return "\n\n".join(parts) + "\n"
+
+    def html(self, title: str) -> str:
+        parts = []
+        for b in self.blocks:
+            if b[0] == "h":
+                parts.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
+            elif b[0] == "p":
+                parts.append(f"<p>{_inline(b[1])}</p>")
+            elif b[0] == "table":
+                cap = html.escape(b[3]) + " " if b[3] else ""
+                parts.append(f"<figure class='tbl'>{tables.to_html(b[1])}<figcaption>{cap}(numbers: "
+                             f"{html.escape(b[2])})</figcaption></figure>")
+            elif b[0] == "img":
+                data = base64.b64encode(b[1].read_bytes()).decode("ascii")
+                parts.append(f"<figure><img alt='{html.escape(b[2], quote=True)}' src='data:image/png;base64,{data}'>"
+                             f"<figcaption>{html.escape(b[2])}</figcaption></figure>")
+        body = "\n".join(parts)
+        return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                f"<style>{_CSS}</style></head><body><main>\n{body}\n</main></body></html>\n")
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;color:#222;background:#fff;margin:0}
+main{max-width:1000px;margin:0 auto;padding:1.5rem 2rem 4rem;line-height:1.45}
+h1{border-bottom:2px solid #ddd;padding-bottom:.3rem}h2{margin-top:2.2rem;border-bottom:1px solid #eee}
+table{border-collapse:collapse;margin:.6rem 0;font-size:.88rem}
+th,td{border:1px solid #ccc;padding:.25rem .6rem;text-align:left}th{background:#f3f5f7}
+td{font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fafafa}
+figure{margin:1rem 0}figure.tbl{overflow-x:auto}figure img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:.85rem;color:#555;margin-top:.3rem}code{background:#f3f3f3;padding:0 .2rem}
+"""
+
+
+def _inline(text: str) -> str:
+    """The little Markdown used in paragraphs: **bold** and `code`."""
+    t = html.escape(text)
+    t = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", t)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
+
+
+def _families(s: Summary) -> list[str]:
+    """Families in the order they were summarized (summary.json stores groups with sorted keys)."""
+    return list(dict.fromkeys([*s.conditions["family"], *s.groups]))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or "model"
+
+
+# ---- sections ---------------------------------------------------------------------------------------------------
+
+def _training_section(doc: Doc, found: Found) -> pd.DataFrame | None:
+    parts = [tables.training_table(found.training)] if found.training else []
+    parts += found.table1
+    if not parts:
+        return None
+    t1 = pd.concat(parts, ignore_index=True)
+    doc.h(2, "Training comparison (Table 1)")
+    doc.p("Lower Byte-PPL is better. Values are the mean ± sd across training seeds (n per row); gate mass is the "
+          "mean gate value (— for models without a gate).")
+    doc.table(tables.training_display(t1), t1, "table1")
+    return t1
+
+
+def _replay_line(replays: list) -> str:
+    reps = [r for r in replays if isinstance(r, dict)]
+    if not reps:
+        return "Exact replay: no replay record found in the audit directories."
+    passed = sum(bool(r.get("passed")) for r in reps)
+    worst = max((float(r.get("max_abs_dlogit", np.nan)) for r in reps), default=np.nan)
+    return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
+            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}.")
+
+
+def _family_section(doc: Doc, s: Summary, fam: str):
+    g = s.family(fam)
+    slug = _slug(fam)
+    doc.h(2, f"Functional dependence (FCA): {fam}")
+    n = g["n_checkpoints"]
+    doc.p(f"**{n} checkpoint(s).** {g['note']}")
+    doc.p(_replay_line(g.get("replay", [])))
+    conds, facs, rets = g["conditions"], g["factors"], g["retention"]
+    doc.h(3, "Intervention penalties (Table 2 style)")
+    doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",
+              "Mean ΔNLL vs Correct (nats per predicted token); retention = 1 − ΔNLL(S)/ΔNLL(R) against "
+              f"{rets['reference_label'].iloc[0] if len(rets) else 'the structure-removed reference'}, "
+              "within this family only.")
+    if len(rets):
+        atomic_write(doc.out / f"retention_{slug}.csv", lambda p: rets.to_csv(p, index=False))
+        doc.csvs.append(f"retention_{slug}.csv")
+    if len(facs):
+        doc.h(3, "Factor effects (Eq. 5-7)")
+        holm_note = ("p-values: exact two-sided sign-flip tests over checkpoints, Holm-adjusted across the three "
+                     "effects." if g["level"] == "checkpoint" else
+                     "No p-values: with one checkpoint there are no independent units for a test.")
+        doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
+                  "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
+    doc.h(3, "Prespecified criteria")
+    crit = g["criteria"]
+    if crit and crit[0]["fixed_in_advance"]:
+        when = crit[0]["fixed_at"] or "time not recorded"
+        doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
+              f"before the audit ran ({when}).")
+    else:
+        doc.p("**The audit configuration holds no criteria: the default thresholds below were applied after the "
+              "fact and are not prespecified.**")
+    if g["level"] == "window":
+        doc.p("The bounds are window-level (one checkpoint), not checkpoint-level intervals.")
+    doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
+
+
+def _variation_section(doc: Doc, s_list: list[Summary]) -> dict[str, dict[str, float]]:
+    fracs, profiles = {}, []
+    for s in s_list:
+        for fam in _families(s):
+            g = s.groups[fam]
+            decs = [d for d in (variation_fractions(v) for v in g.get("variation", [])) if d]
+            if decs:
+                fracs[fam] = pd.DataFrame(decs).mean().to_dict()  # mean over checkpoints
+            for i, v in enumerate(g.get("variation", [])):
+                prof = variation_profile(v)
+                if prof is not None:
+                    profiles.append(prof.assign(family=fam, checkpoint=i))
+    if not fracs and not profiles:
+        return {}
+    doc.h(2, "Coefficient variation (question 1)")
+    doc.p("Descriptive only: how the coefficients spread over inputs, layers and tokens. It does not say whether "
+          "the frozen model uses that spread; the interventions above test that.")
+    if fracs:
+        raw = pd.DataFrame(fracs).T.reindex(columns=[t for t in figures.VARIANCE_TERMS])
+        raw.index.name = "family"
+        disp = raw.map(tables.fmt_pct).reset_index()
+        doc.table(disp, raw.reset_index(), "variance_decomposition",
+                  "Fractions of the total coefficient variance (balanced functional ANOVA; mean over checkpoints).")
+    if profiles:
+        prof = pd.concat(profiles, ignore_index=True)
+        keys = [c for c in prof.columns if c not in ("mean", "sd", "min", "max", "checkpoint")]
+        per_layer = prof.groupby(keys, sort=False)[["mean", "sd"]].mean().reset_index()
+        atomic_write(doc.out / "coefficient_profile.csv", lambda p: prof.to_csv(p, index=False))
+        doc.csvs.append("coefficient_profile.csv")
+        if len(per_layer) <= 64:
+            disp = per_layer.assign(mean=per_layer["mean"].map(lambda x: tables.fmt(x, 4)),
+                                    sd=per_layer["sd"].map(lambda x: tables.fmt(x, 4)))
+            doc.table(disp, per_layer, "coefficient_profile_mean",
+                      "Per-layer coefficient mean and sd across inputs and tokens (mean over checkpoints).")
+        else:
+            doc.p(f"Per-layer coefficient mean and sd ({len(per_layer)} rows) are in coefficient_profile.csv.")
+    return fracs
+
+
+def _execution_section(doc: Doc, files: list[Path]) -> list:
+    """Only data that exist: each execution file's rows (and settings, thresholding sweep) as tables."""
+    doc.h(2, "Execution (question 3)")
+    doc.p("Measured execution (executed blocks, FLOPs, latency, throughput) as written by `fcaudit execution`; "
+          "gate values are not a compute measure, so only these measurements speak to skipped work.")
+    out = []
+    for i, f in enumerate(files):
+        name = "execution" if len(files) == 1 else f"execution_{i}"
+        if f.suffix == ".csv":
+            df, extra, settings = pd.read_csv(f), None, None
+            data = json.loads(df.to_json(orient="records"))
+        else:
+            data = read_json(f)
+            rows = data.get("rows") if isinstance(data, dict) else data
+            if not isinstance(rows, list):
+                raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
+            df = pd.json_normalize(rows)
+            settings = data.get("settings") if isinstance(data, dict) else None
+            extra = pd.DataFrame(data["thresholding"]) if isinstance(data, dict) and data.get("thresholding") else None
+        out.append({"source": str(f), "data": data})
+        if settings:
+            doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items() if v not in (None, [], "")) + ".")
+        doc.table(_display(df), df, name, f"From {f}.")
+        if extra is not None:
+            doc.table(_display(extra), extra, f"{name}_thresholding", "Post-training thresholding of scalar gates.")
+    return out
+
+
+def _display(df: pd.DataFrame) -> pd.DataFrame:
+    """Floats to 4 significant digits for reading; the CSV keeps full precision."""
+    return df.apply(lambda col: col.map(lambda v: f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else v)))
+
+
+def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
+    """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
+    number as CSV/JSON into `out`. Returns the path of report.html."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    found = discover(inputs)
+    summaries = [s for _, s in found.summaries]
+    if found.audits:
+        summaries.append(summarize(found.audits, out / "summary"))
+    doc = Doc(out)
+    prov = provenance()
+    doc.h(1, "fcaudit report")
+    doc.p(f"Generated {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} by fcaudit "
+          f"{prov['versions'].get('fcaudit')} (git {prov['git_hash'] or 'unknown'}) from: "
+          + ", ".join(f"`{p}`" for p in inputs) + ".")
+    doc.p("Three separate questions: coefficient variation (does the controller vary?), functional dependence "
+          "(does the frozen model need each coefficient at its own input and token? — the Frozen-Controller Audit), "
+          "and execution (is work actually skipped?). Each section below answers only one of them.")
+    numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs]}
+
+    t1 = _training_section(doc, found)
+    if t1 is not None:
+        numbers["table1"] = json.loads(t1.to_json(orient="records"))
+    for s in summaries:
+        for fam in _families(s):
+            _family_section(doc, s, fam)
+    numbers["summaries"] = [s.to_dict() for s in summaries]
+    fracs = _variation_section(doc, summaries)
+    numbers["variance_decomposition"] = fracs
+
+    pngs = _figures(doc, summaries, fracs)
+    if found.execution:
+        numbers["execution"] = _execution_section(doc, found.execution)
+    doc.h(2, "Files")
+    doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
+          + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
+    write_json(out / "report.json", numbers)
+    write_text(out / "report.md", doc.markdown())
+    return write_text(out / "report.html", doc.html("fcaudit report"))
+
+
+def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> list[Path]:
+    conds = pd.concat([s.conditions for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
+    rets = pd.concat([s.retention for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
+    pngs: list[Path] = []
+    if conds.empty and not fracs:
+        return pngs
+    doc.h(2, "Figures")
+    for s in summaries:
+        for fam in _families(s):
+            g = s.groups[fam]
+            c = s.conditions[s.conditions["family"] == fam]
+            if c.empty:
+                continue
+            png = figures.penalties_figure(c, doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
+                                           g.get("confidence", 0.95))
+            doc.img(png, f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed "
+                         "reference on its own linear scale.")
+            pngs.append(png)
+    if fracs:
+        png = figures.variance_figure(fracs, doc.out / "fig3_variance.png")
+        doc.img(png, "Figure 3: variance decomposition of the controller coefficients per model.")
+        pngs.append(png)
+    if not rets.empty:
+        png = figures.retention_figure(rets, doc.out / "fig4_retention.png")
+        doc.img(png, "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ "
+                     "between families, so compare within a family only.")
+        pngs.append(png)
+    if not conds.empty:
+        png = figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png")
+        doc.img(png, "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the "
+                     "left edge, not dropped).")
+        pngs.append(png)
+    return pngs

@@ -1,0 +1,157 @@
+"""The paper's tables as DataFrames, and their Markdown/HTML rendering.
+
+Table 1 (training comparison) comes from training runs' metrics.json; the FCA table (Table 2 style),
+factor effects and criteria verdicts come from a `fcaudit.stats.summary.Summary`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from fcaudit.errors import FcauditError
+
+# Display names of the training variants (Table 1 "Method" column).
+METHOD_NAMES = {
+    "featuregate": "FeatureGate",
+    "dense": "Dense",
+    "uniform": "Uniform",
+    "layerstatic": "LayerStatic",
+    "uniform-fixed": "Uniform-Fixed",  # the fixed value is in the gate-mass column
+    "uniform-matched": "Uniform-Matched",
+    "fixeddepth": "FixedDepth",
+    "mudd": "MUDD",
+}
+
+
+def _method(m: dict) -> str:
+    name = m.get("method") or m.get("variant") or m.get("model")
+    if not name:
+        raise FcauditError("a training metrics.json has no 'variant' or 'method' key; re-run `fcaudit train` to rewrite it")
+    return METHOD_NAMES.get(str(name).lower(), str(name))
+
+
+def _setting(m: dict) -> str:
+    parts = [str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")]
+    return " ".join(parts) if parts else "default"
+
+
+def training_table(metrics: list[dict]) -> pd.DataFrame:
+    """Table 1: per (setting, method) the number of seeds, Byte-PPL mean and sd across seeds, mean gate mass."""
+    if not metrics:
+        raise FcauditError("no training metrics given; point the report at directories containing metrics.json")
+    rows = []
+    for m in metrics:
+        if "byte_ppl" not in m:
+            raise FcauditError("a training metrics.json has no 'byte_ppl'; re-run `fcaudit train` to rewrite it")
+        gate = m.get("gate_mass")
+        rows.append({"setting": _setting(m), "method": _method(m), "seed": m.get("seed"),
+                     "byte_ppl": float(m["byte_ppl"]), "gate_mass": np.nan if gate is None else float(gate)})
+    runs = pd.DataFrame(rows)
+    dup = runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"])
+    if dup.any():
+        raise FcauditError("two training runs share setting, method and seed; pass each run directory once")
+    g = runs.groupby(["setting", "method"], sort=False)
+    table = g.agg(n=("byte_ppl", "size"), byte_ppl_mean=("byte_ppl", "mean"), byte_ppl_sd=("byte_ppl", "std"),
+                  gate_mass=("gate_mass", "mean")).reset_index()
+    # Within a setting, best (lowest) Byte-PPL first, as in the paper.
+    return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
+
+
+# ---- number formatting ------------------------------------------------------------------------------------------
+
+def fmt(x: Any, digits: int = 6) -> str:
+    """A number for a table: fixed decimals, '—' for missing."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    x = float(x)
+    if x != 0 and abs(x) < 10 ** -(digits - 2):  # tiny values keep their significant digits instead of "-0.000000"
+        return f"{x:.3e}"
+    return f"{x:.{digits}f}"
+
+
+def fmt_p(p: Any) -> str:
+    if p is None or (isinstance(p, float) and not math.isfinite(p)):
+        return "—"
+    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def fmt_interval(lo: Any, hi: Any, digits: int = 6) -> str:
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "—"
+    return f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
+
+
+def fmt_pct(x: Any) -> str:
+    return "—" if x is None or not math.isfinite(float(x)) else f"{100 * x:.2f}%"
+
+
+# ---- display tables (strings) -----------------------------------------------------------------------------------
+
+def training_display(table: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "Setting": table["setting"], "Method": table["method"], "n": table["n"].astype(int),
+        "Byte-PPL": [f"{m:.4f} ± {s:.4f}" if math.isfinite(s) else f"{m:.4f} (one seed)"
+                     for m, s in zip(table["byte_ppl_mean"], table["byte_ppl_sd"])],
+        "Gate mass": [fmt(g, 4) for g in table["gate_mass"]],
+    })
+
+
+def fca_display(conditions: pd.DataFrame, retention: pd.DataFrame) -> pd.DataFrame:
+    """Paper Table 2 style: condition, mean ΔNLL, interval, MC SE, retention (with its interval)."""
+    ret = {r.condition: r for r in retention.itertuples()}
+    rows = []
+    for r in conditions.itertuples():
+        rt = ret.get(r.condition)
+        rows.append({
+            "Condition": r.label, "Mean ΔNLL": fmt(r.mean), "95% interval": fmt_interval(r.ci_low, r.ci_high),
+            "MC SE": fmt(r.mc_se), "Positive": "—" if pd.isna(r.n_positive) else f"{int(r.n_positive)}/{int(r.n)}",
+            "p (sign-flip)": fmt_p(r.pvalue),
+            "Retention": "—" if rt is None else f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]",
+        })
+    return pd.DataFrame(rows)
+
+
+def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "Effect": factors["label"], "Estimate": [fmt(x) for x in factors["mean"]],
+        "95% interval": [fmt_interval(a, b) for a, b in zip(factors["ci_low"], factors["ci_high"])],
+        "p (raw)": [fmt_p(p) for p in factors["pvalue"]], "p (Holm)": [fmt_p(p) for p in factors["pvalue_holm"]],
+    })
+
+
+def criteria_display(criteria: list[dict]) -> pd.DataFrame:
+    rows = []
+    for c in criteria:
+        rows.append({"Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
+                     "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
+                     "Level": {"checkpoint": "checkpoints", "window": "windows (one checkpoint)"}.get(c["level"], "—"),
+                     "Verdict": {True: "met", False: "not met"}.get(c["met"], "not evaluable")})
+    return pd.DataFrame(rows)
+
+
+# ---- Markdown / HTML -------------------------------------------------------------------------------------------
+
+def _cells(row: Iterable[Any]) -> list[str]:
+    return [str(v).replace("|", "\\|").replace("\n", " ") for v in row]
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table (numbers right-aligned)."""
+    head = "| " + " | ".join(_cells(df.columns)) + " |"
+    align = "|" + "|".join("---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns) + "|"
+    body = ["| " + " | ".join(_cells(r)) + " |" for r in df.itertuples(index=False)]
+    return "\n".join([head, align, *body])
+
+
+def to_html(df: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>"
+                   for r in df.itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -1,0 +1,445 @@
+"""From audit records to the paper's evidence: per-checkpoint tables and checkpoint-level inference.
+
+Two levels, never mixed (paper §4.1):
+- within one checkpoint (`checkpoint_summary`): paired-window bootstrap intervals and the Monte Carlo SE across
+  randomizations. They describe stability across evaluation windows, not uncertainty across training runs.
+- across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
+  Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
+The prespecified criteria (`Criteria`) are read from each audit's config.json, where the engine wrote them before
+the audit ran; the summary states each verdict and when the criteria were fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import atomic_write, read_json, write_json
+from fcaudit.stats.effects import (delta_nll, factor_effects, factorial_cells, per_example_deltas,
+                                   randomization_means)
+from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap
+
+# Paper order; display names of the last two come from the controller (meta["labels"]).
+CONDITIONS = ("CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile", "StructureRemoved")
+DEFAULT_LABELS = {"Correct": "Correct", "CrossInput": "Cross-input", "TokenShuffle": "Token-shuffle",
+                  "CrossShuffle": "Cross+shuffle", "LayerPositionMean": "Layer×PositionMean",
+                  "StaticProfile": "StaticProfile", "StructureRemoved": "StructureRemoved"}
+RETAINED = ("StaticProfile", "LayerPositionMean")  # retention is reported for these against StructureRemoved
+FACTORS = {"input": "E_input", "token": "E_token", "interaction": "E_interaction"}
+FACTOR_CONDITIONS = ("CrossInput", "TokenShuffle", "CrossShuffle")  # DC, CS, DS (CC = Correct, ΔNLL 0)
+BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
+
+WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap intervals; they describe stability across "
+               "evaluation windows (and MC SE the randomization error) for this checkpoint, not uncertainty across "
+               "independently trained checkpoints.")
+CHECKPOINT_NOTE = ("Training seeds are the units: intervals are percentile bootstrap CIs over checkpoints, p-values "
+                   "exact two-sided sign-flip tests over checkpoints; MC SE is the mean within-checkpoint "
+                   "randomization error.")
+
+
+@dataclass
+class Criteria:
+    """The two prespecified criteria of §4.1 (thresholds configurable, fixed before the audit runs)."""
+
+    small_upper: float = 0.002  # StaticProfile ΔNLL: upper CI bound below this => "practically small"
+    retention_lower: float = 0.95  # StaticProfile retention: lower CI bound above this => "high retention"
+    confidence: float = 0.95  # level of the intervals the criteria are judged on
+
+    def __post_init__(self):
+        if not 0 < self.confidence < 1:
+            raise FcauditError(f"criteria confidence must be in (0, 1), got {self.confidence}; e.g. 0.95")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Criteria":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k != "fixed_at"}  # the engine stamps when the criteria were fixed
+        unknown = set(d) - known
+        if unknown:
+            raise FcauditError(f"unknown criteria keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+# ---- within one checkpoint ------------------------------------------------------------------------------------
+
+def labels_of(meta: dict) -> dict[str, str]:
+    return {**DEFAULT_LABELS, **(meta.get("labels") or {})}
+
+
+def _window_table(records: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    """Per-window ΔNLL averaged over randomizations (examples x conditions), and per condition the R
+    randomization means (mean over windows) for the MC SE."""
+    d = delta_nll(records)
+    if d.empty:
+        raise FcauditError("the audit records hold no intervention conditions; rerun `fcaudit audit` to complete it")
+    per_window = per_example_deltas(d)
+    if per_window.isna().any().any():
+        missing = per_window.columns[per_window.isna().any()].tolist()
+        raise FcauditError(f"records lack some windows for {missing}; rerun `fcaudit audit` on the same dir to resume it")
+    order = [c for c in CONDITIONS if c in per_window.columns] + sorted(set(per_window.columns) - set(CONDITIONS))
+    rand = randomization_means(d)
+    return per_window[order], {c: rand[c].dropna().to_numpy() for c in order}
+
+
+def _ci(est) -> tuple[float, float]:
+    lo, hi = est.confidence_interval
+    return float(lo), float(hi)
+
+
+def _window_level(records: pd.DataFrame, meta: dict, confidence: float, family: str = ""):
+    """(conditions, factors, retention) frames for one checkpoint, window-bootstrap intervals."""
+    per_window, rand = _window_table(records)
+    labels = labels_of(meta)
+    n = len(per_window)
+    conds = []
+    for c in per_window.columns:
+        x = per_window[c].to_numpy()
+        lo, hi = _ci(paired_bootstrap(x, confidence=confidence, seed=BOOT_SEED))
+        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "window", "n": n,
+                      "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan, "n_positive": np.nan,
+                      "mc_se": mc_se(rand[c])})
+    facs = []
+    if all(c in per_window.columns for c in FACTOR_CONDITIONS):
+        # paired CC/DC/CS/DS cells (same donor mapping and permutations per randomization), one value per window
+        arrays = factorial_cells(records).per_example_effects().as_dict()
+        for k, name in FACTORS.items():
+            lo, hi = _ci(paired_bootstrap(arrays[k], confidence=confidence, seed=BOOT_SEED))
+            facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": n,
+                         "mean": float(arrays[k].mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan,
+                         "pvalue_holm": np.nan, "n_positive": np.nan})
+    rets = []
+    if "StructureRemoved" in per_window.columns:
+        ref = per_window["StructureRemoved"].to_numpy()
+        for c in RETAINED:
+            if c in per_window.columns:
+                s = per_window[c].to_numpy()
+                est = _retention(s, ref, confidence, "window")
+                rets.append(_retention_row(family, c, labels, "window", n, est, s, ref))
+    return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
+
+
+def _retention(s: np.ndarray, ref: np.ndarray, confidence: float, unit: str):
+    # A reference gap <= 0 in some resamples leaves the interval undefined (nan, shown as "—"); no warning spam.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return retention_bootstrap(s, ref, confidence=confidence, seed=BOOT_SEED, unit=unit)
+
+
+def _retention_row(family, c, labels, level, n, est, s, ref) -> dict:
+    lo, hi = _ci(est)
+    return {"family": family, "condition": c, "label": labels.get(c, c), "reference": "StructureRemoved",
+            "reference_label": labels.get("StructureRemoved", "StructureRemoved"), "level": level, "n": n,
+            "retention": float(est.statistic), "ci_low": lo, "ci_high": hi,
+            "delta_nll": float(np.mean(s)), "reference_delta_nll": float(np.mean(ref))}
+
+
+_COLUMNS = {
+    "conditions": ["family", "condition", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "n_positive",
+                   "mc_se"],
+    "factors": ["family", "effect", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "pvalue_holm",
+                "n_positive"],
+    "retention": ["family", "condition", "label", "reference", "reference_label", "level", "n", "retention", "ci_low",
+                  "ci_high", "delta_nll", "reference_delta_nll"],
+}
+
+
+_TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label"}
+
+
+def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=_COLUMNS[kind])
+    # numbers stay numeric even when a column is all missing (JSON null) after a round trip
+    return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
+
+
+def checkpoint_summary(records: pd.DataFrame, meta: dict, confidence: float | None = None) -> pd.DataFrame:
+    """Paper Table 2 for one checkpoint: per condition its label, mean ΔNLL, paired-window bootstrap interval,
+    MC SE across randomizations and (StaticProfile, LayerPositionMean) retention vs StructureRemoved; then the
+    factor effects E_input, E_token, E_interaction with window-level intervals. Intervals describe stability
+    across windows (df.attrs["note"])."""
+    if confidence is None:
+        confidence = Criteria.from_dict(meta["criteria"]).confidence if meta.get("criteria") else 0.95
+    conds, facs, rets = _window_level(records, meta, confidence)
+    table = conds.drop(columns=["family", "level", "pvalue", "n_positive"]).assign(kind="condition")
+    r = rets.set_index("condition")[["retention", "ci_low", "ci_high"]]
+    r.columns = ["retention", "retention_low", "retention_high"]
+    table = table.join(r, on="condition")
+    f = facs.drop(columns=["family", "level", "pvalue", "pvalue_holm", "n_positive"]).rename(
+        columns={"effect": "condition"}).assign(kind="factor")
+    out = pd.concat([table, f], ignore_index=True)
+    out = out[["kind", "condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "retention", "retention_low",
+               "retention_high"]]
+    out.attrs["note"] = WINDOW_NOTE
+    out.attrs["confidence"] = confidence
+    return out
+
+
+# ---- across checkpoints ---------------------------------------------------------------------------------------
+
+def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, confidence: float, family: str):
+    """per_ckpt: (per-window table, randomization means) of each checkpoint of one family."""
+    n = len(per_ckpt)
+    means = pd.DataFrame([pw.mean() for pw, _ in per_ckpt]).reset_index(drop=True)  # checkpoints x conditions
+    if means.isna().any().any():
+        missing = means.columns[means.isna().any()].tolist()
+        raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
+                           "the same conditions")
+    conds = []
+    for c in means.columns:
+        x = means[c].to_numpy()
+        est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)  # pvalue: exact sign-flip test
+        lo, hi = _ci(est)
+        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "checkpoint", "n": n,
+                      "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
+                      "n_positive": int((x > 0).sum()),
+                      "mc_se": float(np.nanmean([mc_se(r[c]) for _, r in per_ckpt]))
+                      if any(len(r[c]) > 1 for _, r in per_ckpt) else float("nan")})
+    facs = []
+    if all(c in means.columns for c in FACTOR_CONDITIONS):
+        dc, cs, ds = (means[c].to_numpy() for c in FACTOR_CONDITIONS)
+        fe = factor_effects(np.zeros_like(dc), dc, cs, ds)
+        for k, name in FACTORS.items():
+            x = np.asarray(getattr(fe, k), dtype=float)
+            est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
+            lo, hi = _ci(est)
+            facs.append({"family": family, "effect": k, "label": name, "level": "checkpoint", "n": n,
+                         "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
+                         "pvalue_holm": np.nan, "n_positive": int((x > 0).sum())})
+        adjusted = holm([f["pvalue"] for f in facs])
+        for f, p in zip(facs, adjusted):
+            f["pvalue_holm"] = float(p)
+    rets = []
+    if "StructureRemoved" in means.columns:
+        ref = means["StructureRemoved"].to_numpy()
+        for c in RETAINED:
+            if c in means.columns:
+                s = means[c].to_numpy()
+                est = _retention(s, ref, confidence, "checkpoint")
+                rets.append(_retention_row(family, c, labels, "checkpoint", n, est, s, ref))
+    return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
+
+
+def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str = "",
+             fixed_at: str | None = None, source: str = "config.json") -> list[dict]:
+    """The two prespecified verdicts for one family (None where the needed condition was not audited)."""
+    pct = f"{100 * criteria.confidence:g}%"
+    out = []
+    s = conditions[conditions["condition"] == "StaticProfile"]
+    bound = float(s["ci_high"].iloc[0]) if len(s) else float("nan")
+    out.append({"family": family, "name": "practically small", "quantity": "StaticProfile ΔNLL",
+                "label": str(s["label"].iloc[0]) if len(s) else "StaticProfile",
+                "rule": f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}",
+                "threshold": criteria.small_upper, "bound": bound,
+                "met": bool(bound < criteria.small_upper) if math.isfinite(bound) else None,
+                "level": str(s["level"].iloc[0]) if len(s) else None})
+    r = retention[retention["condition"] == "StaticProfile"]
+    bound = float(r["ci_low"].iloc[0]) if len(r) else float("nan")
+    out.append({"family": family, "name": "high retention", "quantity": "StaticProfile retention",
+                "label": str(r["label"].iloc[0]) if len(r) else "StaticProfile",
+                "rule": f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%",
+                "threshold": criteria.retention_lower, "bound": bound,
+                "met": bool(bound > criteria.retention_lower) if math.isfinite(bound) else None,
+                "level": str(r["level"].iloc[0]) if len(r) else None})
+    for v in out:
+        v.update(criteria=criteria.to_dict(), fixed_in_advance=source == "config.json", fixed_at=fixed_at,
+                 source=source, bound=v["bound"] if math.isfinite(v["bound"]) else None)
+    return out
+
+
+# ---- audit directories ----------------------------------------------------------------------------------------
+
+_TIME_KEYS = ("created", "created_at", "timestamp", "time", "started", "started_at", "date")
+
+
+def _timestamp(config: dict) -> str | None:
+    for where in (config.get("criteria") or {}, config):
+        for k in ("fixed_at", *_TIME_KEYS):
+            if isinstance(where, dict) and where.get(k):
+                return str(where[k])
+    return None
+
+
+def family_of(config: dict) -> str:
+    """The group an audit belongs to: checkpoints of one model family differ only by training seed (and so by
+    parameter hash and path, which are ignored here)."""
+    model = config.get("model")
+    if isinstance(model, str):
+        return model
+    if isinstance(model, dict):
+        for k in ("family", "name", "label"):
+            if model.get(k):
+                return str(model[k])
+        parts = [str(model[k]) for k in ("model_type", "variant", "class", "preset", "corpus") if model.get(k)]
+        if model.get("n_params"):
+            parts.append(f"{model['n_params'] / 1e6:.3g}M params")
+        if parts:
+            return " ".join(dict.fromkeys(parts))
+    return "model"
+
+
+def _load_records(audit_dir: Path) -> pd.DataFrame:
+    try:
+        from fcaudit.audit.results import load_records
+    except ImportError:  # engine not installed in this tree: read the Parquet records directly
+        return pd.read_parquet(audit_dir / "records")
+    return load_records(audit_dir)
+
+
+@dataclass
+class Audit:
+    """What the summary needs from one audit directory."""
+
+    path: Path
+    config: dict
+    records: pd.DataFrame
+    variation: dict | None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Audit":
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "records").exists():
+            raise FcauditError(f"{path} is not an audit directory (needs config.json and records/); "
+                               "pass directories written by `fcaudit audit`")
+        var = path / "variation.json"
+        return cls(path, read_json(path / "config.json"), _load_records(path),
+                   read_json(var) if var.is_file() else None)
+
+    @property
+    def family(self) -> str:
+        return family_of(self.config)
+
+
+def _criteria_of(audits: list[Audit], family: str) -> tuple[Criteria, str | None, str]:
+    names = {f.name for f in fields(Criteria)}
+    found = [a.config.get("criteria") for a in audits]
+    if all(f is None for f in found):
+        return Criteria(), None, "defaults (not found in the audit config: NOT fixed in advance)"
+    thresholds = [None if f is None else {k: v for k, v in f.items() if k in names} for f in found]
+    if any(t is None or t != thresholds[0] for t in thresholds):
+        raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
+                           "the same criteria")
+    stamps = sorted(t for t in (_timestamp(a.config) for a in audits) if t)
+    return Criteria.from_dict(thresholds[0]), (stamps[-1] if stamps else None), "config.json"
+
+
+# ---- the summary ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Summary:
+    """Checkpoint-level (or, for n = 1, window-level) results of every model family."""
+
+    conditions: pd.DataFrame
+    factors: pd.DataFrame
+    retention: pd.DataFrame
+    criteria: list[dict]
+    groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation
+
+    def family(self, name: str) -> dict:
+        return {"conditions": self.conditions[self.conditions["family"] == name],
+                "factors": self.factors[self.factors["family"] == name],
+                "retention": self.retention[self.retention["family"] == name],
+                "criteria": [c for c in self.criteria if c["family"] == name], **self.groups[name]}
+
+    def __str__(self) -> str:
+        lines = []
+        for fam, g in self.groups.items():
+            lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals")
+            for r in self.conditions[self.conditions["family"] == fam].itertuples():
+                p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
+                lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
+            for r in self.retention[self.retention["family"] == fam].itertuples():
+                value = f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else "undefined (ΔNLL(R) <= 0)"
+                ci = f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]" if math.isfinite(r.ci_low) else ""
+                lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}")
+            for v in (c for c in self.criteria if c["family"] == fam):
+                verdict = {True: "met", False: "not met"}.get(v["met"], "not evaluable")
+                lines.append(f"  criterion '{v['name']}' ({v['rule']}): {verdict}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        def recs(df):
+            return json.loads(df.to_json(orient="records"))
+        return {"groups": self.groups, "conditions": recs(self.conditions), "factors": recs(self.factors),
+                "retention": recs(self.retention), "criteria": self.criteria}
+
+    def save(self, out: str | Path) -> Path:
+        out = Path(out)
+        write_json(out / "summary.json", self.to_dict())
+        for name in ("conditions", "factors", "retention"):
+            atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): df.to_csv(p, index=False))
+        write_json(out / "criteria.json", self.criteria)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Summary":
+        path = Path(path)
+        if not (path / "summary.json").is_file():
+            raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
+        d = read_json(path / "summary.json")
+        return cls(*(_frame(d[k], k) for k in ("conditions", "factors", "retention")), d["criteria"], d["groups"])
+
+
+def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None) -> Summary:
+    """Group audits by model family and infer across checkpoints (training seeds are the units); a family with
+    a single checkpoint falls back to window-level intervals and says so. Writes summary.json, conditions.csv,
+    factors.csv, retention.csv and criteria.json into `out` (atomically) when given."""
+    audits = [_as_audit(a) for a in audit_dirs]
+    if not audits:
+        raise FcauditError("no audit directories given; pass one or more directories written by `fcaudit audit`")
+    paths = [a.path.resolve() for a in audits]
+    if len(set(paths)) != len(paths):
+        raise FcauditError("the same audit directory was given twice; pass each checkpoint's audit once")
+    by_family: dict[str, list[Audit]] = {}
+    for a in audits:
+        by_family.setdefault(a.family, []).append(a)
+
+    frames: dict[str, list[pd.DataFrame]] = {"conditions": [], "factors": [], "retention": []}
+    criteria, groups = [], {}
+    for fam, members in by_family.items():
+        crit, fixed_at, source = _criteria_of(members, fam)
+        labels = labels_of(members[0].config)
+        if len(members) == 1:
+            c, f, r = _window_level(members[0].records, members[0].config, crit.confidence, fam)
+            level, note = "window", WINDOW_NOTE
+        else:
+            per = [_window_table(a.records) for a in members]
+            c, f, r = _checkpoint_level(per, labels, crit.confidence, fam)
+            level, note = "checkpoint", CHECKPOINT_NOTE
+        for k, df in zip(frames, (c, f, r)):
+            frames[k].append(df)
+        criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
+        groups[fam] = {"n_checkpoints": len(members), "level": level, "note": note, "labels": labels,
+                       "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
+                       "audits": [str(a.path) for a in members],
+                       "replay": [a.config.get("replay") or _replay(a.path) for a in members],
+                       "variation": [a.variation for a in members if a.variation is not None]}
+    summary = Summary(*(pd.concat(frames[k], ignore_index=True) if frames[k] else _frame([], k) for k in frames),
+                      criteria, groups)
+    if out is not None:
+        summary.save(out)
+    return summary
+
+
+def _as_audit(a) -> Audit:
+    """A path, an `Audit`, or a loaded result with .path/.config/.records (fcaudit.audit.results.AuditResult)."""
+    if isinstance(a, Audit):
+        return a
+    if all(hasattr(a, k) for k in ("path", "config", "records")):
+        var = Path(a.path) / "variation.json"
+        return Audit(Path(a.path), a.config, a.records, read_json(var) if var.is_file() else None)
+    return Audit.load(a)
+
+
+def _replay(path: Path) -> dict | None:
+    f = path / "replay.json"
+    return read_json(f) if f.is_file() else None

@@ -1,0 +1,264 @@
+"""Checkpoint-level summaries, prespecified criteria, tables, figures and the rendered report, on synthetic
+records with planted penalties (the statistics are checked against independent computations)."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import write_json
+from fcaudit.report import build_report, training_table
+from fcaudit.report.tables import fca_display
+from fcaudit.stats.summary import Criteria, Summary, checkpoint_summary, summarize
+
+RANDOMIZED = ("CrossInput", "TokenShuffle", "CrossShuffle")
+# The paper's FeatureGate 76M condition means (section 4.3), GlobalMean chosen so that retention is 98.70%.
+FG = {"CrossInput": 0.000951, "TokenShuffle": 0.001905, "CrossShuffle": 0.001888, "LayerPositionMean": 0.000562,
+      "StaticProfile": 0.001287, "StructureRemoved": 0.001287 / 0.013}
+MUDD = {"CrossInput": 1.9067, "TokenShuffle": 2.9637, "CrossShuffle": 3.0, "LayerPositionMean": 1.0190,
+        "StaticProfile": 1.9798, "StructureRemoved": 7.4237}
+FG_LABELS = {"StaticProfile": "LayerMean", "StructureRemoved": "GlobalMean"}
+MUDD_LABELS = {"StaticProfile": "StaticMixMean", "StructureRemoved": "SourceUniformMean"}
+
+
+def make_records(penalties: dict, n_windows=24, R=4, noise=2e-4, seed=0) -> pd.DataFrame:
+    """Records whose per-condition mean ΔNLL is exactly the planted penalty (noise centred per condition)."""
+    rng = np.random.default_rng(seed)
+    base = 2.0 + rng.normal(0, 0.1, n_windows)
+    rows = [(e, "Correct", 0, base[e], 63) for e in range(n_windows)]
+    for c, p in penalties.items():
+        reps = R if c in RANDOMIZED else 1
+        eps = rng.normal(0, noise, (n_windows, reps))
+        eps -= eps.mean()
+        rows += [(e, c, r, base[e] + p + eps[e, r], 63) for e in range(n_windows) for r in range(reps)]
+    return pd.DataFrame(rows, columns=["example", "condition", "randomization", "nll", "tokens"])
+
+
+def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=FG_LABELS, seed=0, criteria=None,
+                variation=True, **kw) -> Path:
+    """An audit directory in the engine's layout (config.json, records/<condition>/*.parquet, replay, variation)."""
+    rec = make_records(penalties, seed=seed, **kw)
+    for (c, r), g in rec.groupby(["condition", "randomization"]):
+        (path / "records" / c).mkdir(parents=True, exist_ok=True)
+        g.to_parquet(path / "records" / c / f"r{r:04d}.parquet", index=False)
+    crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
+    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
+                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00"})
+    write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
+    if variation:
+        frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
+                "layer:token": 0.04, "input:layer:token": 0.01}
+        write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
+            {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
+            for i in range(4)]})
+    return path
+
+
+def _seed_penalties(base: dict, k: int, n: int) -> dict:
+    """Checkpoint k of n: penalties scattered around `base` with a per-checkpoint multiplier averaging exactly 1."""
+    mult = np.linspace(0.8, 1.2, n)[k]
+    return {c: v * mult for c, v in base.items()}
+
+
+@pytest.fixture
+def fg7(tmp_path):
+    return [write_audit(tmp_path / f"fg{k}", _seed_penalties(FG, k, 7), seed=k) for k in range(7)]
+
+
+def test_checkpoint_summary_recovers_planted_values():
+    rec = make_records(MUDD, n_windows=30, R=5)
+    t = checkpoint_summary(rec, {"labels": MUDD_LABELS})
+    conds = t[t["kind"] == "condition"].set_index("condition")
+    for c, v in MUDD.items():
+        assert conds.loc[c, "mean"] == pytest.approx(v, abs=1e-12)
+        assert conds.loc[c, "ci_low"] <= v <= conds.loc[c, "ci_high"]
+    assert conds.loc["StaticProfile", "label"] == "StaticMixMean"
+    # paper: MUDDPythia retentions 73.33% and 86.27% against SourceUniformMean
+    assert conds.loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
+    assert conds.loc["LayerPositionMean", "retention"] == pytest.approx(0.8627, abs=5e-5)
+    # MC SE: sd of the randomization means / sqrt(R), computed independently
+    ci = rec[rec["condition"] == "CrossInput"].merge(rec[rec["condition"] == "Correct"][["example", "nll"]],
+                                                     on="example", suffixes=("", "_c"))
+    rmeans = (ci["nll"] - ci["nll_c"]).groupby(ci["randomization"]).mean()
+    assert conds.loc["CrossInput", "mc_se"] == pytest.approx(rmeans.std(ddof=1) / np.sqrt(5), rel=1e-9)
+    assert np.isnan(conds.loc["StaticProfile", "mc_se"])  # deterministic: no MC error
+    f = t[t["kind"] == "factor"].set_index("condition")
+    assert f.loc["input", "mean"] == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"] - MUDD["TokenShuffle"]))
+    assert f.loc["interaction", "mean"] == pytest.approx(MUDD["CrossShuffle"] - MUDD["CrossInput"] - MUDD["TokenShuffle"])
+    assert "windows" in t.attrs["note"]
+
+
+def test_summarize_seven_checkpoints(fg7, tmp_path):
+    s = summarize(fg7, tmp_path / "summary")
+    c = s.conditions.set_index("condition")
+    for cond, v in FG.items():  # per-checkpoint multipliers average to 1: the planted means come back
+        assert c.loc[cond, "mean"] == pytest.approx(v, rel=1e-9)
+    assert (c["pvalue"] == 2 / 128).all()  # all 7 checkpoints positive: exact two-sided sign flip
+    assert (c["n_positive"] == 7).all() and (c["level"] == "checkpoint").all()
+    assert c.loc["StaticProfile", "label"] == "LayerMean"
+    f = s.factors.set_index("effect")
+    assert f.loc["input", "mean"] == pytest.approx(0.000466, abs=2e-6)
+    assert f.loc["token", "mean"] == pytest.approx(0.001421, abs=1e-6)
+    assert f.loc["interaction", "mean"] == pytest.approx(-0.000968, abs=1e-6)
+    # checkpoint bootstrap = scipy's percentile bootstrap of the checkpoint means
+    x = np.array([_seed_penalties(FG, k, 7)["TokenShuffle"] for k in range(7)])
+    ref = stats.bootstrap((x,), np.mean, n_resamples=10000, method="percentile", rng=np.random.default_rng(0))
+    assert (c.loc["TokenShuffle", "ci_low"], c.loc["TokenShuffle", "ci_high"]) == pytest.approx(
+        tuple(ref.confidence_interval), rel=1e-9)
+    expected = multipletests(s.factors["pvalue"].to_numpy(), method="holm")[1]
+    np.testing.assert_allclose(s.factors["pvalue_holm"].to_numpy(), expected)
+    r = s.retention.set_index("condition")
+    assert r.loc["StaticProfile", "retention"] == pytest.approx(0.9870, abs=1e-6)
+    assert r.loc["StaticProfile", "ci_low"] <= 0.9870 <= r.loc["StaticProfile", "ci_high"]
+    verdicts = {v["name"]: v for v in s.criteria}
+    assert verdicts["practically small"]["met"] and verdicts["high retention"]["met"]
+    assert verdicts["high retention"]["fixed_in_advance"] and verdicts["high retention"]["fixed_at"].startswith("2026")
+    for name in ("summary.json", "conditions.csv", "factors.csv", "retention.csv", "criteria.json"):
+        assert (tmp_path / "summary" / name).is_file()
+    back = Summary.load(tmp_path / "summary")
+    pd.testing.assert_frame_equal(back.conditions, s.conditions, check_dtype=False)
+    assert not list((tmp_path / "summary").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_summarize_small_n_and_mixed_signs(tmp_path, n):
+    pen = [dict(FG, CrossInput=v) for v in np.r_[[-1e-4], np.full(n - 1, 2e-3)]]
+    dirs = [write_audit(tmp_path / f"a{k}", pen[k], seed=k) for k in range(n)]
+    c = summarize(dirs).conditions.set_index("condition")
+    assert c.loc["CrossInput", "mean"] == pytest.approx(np.mean([p["CrossInput"] for p in pen]), rel=1e-9)
+    assert c.loc["CrossInput", "n_positive"] == n - 1
+    assert c.loc["CrossInput", "pvalue"] > 2 / 2**n  # one negative checkpoint: not the most extreme pattern
+
+
+def test_criteria_verdicts_flip_when_thresholds_move(tmp_path):
+    def verdicts(**crit):
+        dirs = [write_audit(tmp_path / f"{len(crit)}{sorted(crit.items())}{k}".replace(" ", ""),
+                            _seed_penalties(FG, k, 4), seed=k, criteria=crit) for k in range(4)]
+        return {v["name"]: v["met"] for v in summarize(dirs).criteria}
+
+    assert verdicts() == {"practically small": True, "high retention": True}
+    assert verdicts(small_upper=0.001) == {"practically small": False, "high retention": True}
+    assert verdicts(retention_lower=0.995) == {"practically small": True, "high retention": False}
+
+
+def test_families_grouped_and_single_checkpoint_falls_back(fg7, tmp_path):
+    mudd = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS)
+    s = summarize([*fg7, mudd])
+    assert s.groups["FeatureGate tiny"]["n_checkpoints"] == 7
+    g = s.family("MUDDPythia")
+    assert g["level"] == "window" and "windows" in g["note"]
+    assert (g["conditions"]["level"] == "window").all() and g["conditions"]["pvalue"].isna().all()
+    assert g["retention"].set_index("condition").loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
+    assert {v["met"] for v in g["criteria"]} == {False}  # 1.98 nats is not small; 73% retention is not high
+
+
+def test_summarize_rejects_bad_input(fg7, tmp_path):
+    with pytest.raises(FcauditError):
+        summarize([tmp_path / "nowhere"])
+    with pytest.raises(FcauditError):
+        summarize([fg7[0], fg7[0]])
+    odd = write_audit(tmp_path / "odd", FG, seed=9, criteria={"small_upper": 0.01})
+    with pytest.raises(FcauditError, match="different criteria"):
+        summarize([*fg7, odd])
+
+
+def _metrics(tmp_path):
+    rng = np.random.default_rng(1)
+    runs = []
+    for method, ppl in (("featuregate", 3.0862), ("layerstatic", 3.0842), ("dense", 3.10)):
+        for seed in range(3):
+            m = {"variant": method, "seed": seed, "byte_ppl": ppl + rng.normal(0, 0.006), "corpus": "embedded",
+                 "preset": "tiny", "gate_mass": None if method == "dense" else 0.6 + rng.normal(0, 0.001)}
+            write_json(tmp_path / "runs" / f"{method}-{seed}" / "metrics.json", m)
+            runs.append(m)
+    return runs
+
+
+def test_training_table_matches_pandas(tmp_path):
+    runs = _metrics(tmp_path)
+    t = training_table(runs).set_index("method")
+    df = pd.DataFrame(runs)
+    for variant, name in (("featuregate", "FeatureGate"), ("layerstatic", "LayerStatic"), ("dense", "Dense")):
+        sub = df[df["variant"] == variant]
+        assert t.loc[name, "n"] == 3
+        assert t.loc[name, "byte_ppl_mean"] == pytest.approx(sub["byte_ppl"].mean(), rel=1e-12)
+        assert t.loc[name, "byte_ppl_sd"] == pytest.approx(sub["byte_ppl"].std(), rel=1e-12)
+    assert np.isnan(t.loc["Dense", "gate_mass"])
+    assert list(t.index) == ["LayerStatic", "FeatureGate", "Dense"]  # lowest Byte-PPL first
+    with pytest.raises(FcauditError):
+        training_table([*runs, runs[0]])
+
+
+def test_report_renders(fg7, tmp_path):
+    _metrics(tmp_path)
+    mudd = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS)
+    summarize(fg7, tmp_path / "summary")
+    out = tmp_path / "report"
+    page = build_report([tmp_path / "summary", mudd, tmp_path / "runs"], out)
+    assert page == out / "report.html"
+    md, htm = (out / "report.md").read_text(), page.read_text()
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["fig2_penalties_featuregate-tiny.png", "fig2_penalties_muddpythia.png", "fig3_variance.png",
+                    "fig4_retention.png", "fig5_log_penalties.png"]
+    for p in out.glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({p.name})" in md
+    assert htm.count("src='data:image/png;base64,") == len(pngs) and "<img src='fig" not in htm
+    # every table of the Markdown has its CSV
+    for csv in re.findall(r"\(numbers: \[(.+?\.csv)\]", md):
+        assert (out / csv).is_file()
+    assert {"table1.csv", "fca_featuregate-tiny.csv", "factors_featuregate-tiny.csv", "criteria_featuregate-tiny.csv",
+            "fca_muddpythia.csv", "variance_decomposition.csv"} <= {p.name for p in out.glob("*.csv")}
+    fca = pd.read_csv(out / "fca_featuregate-tiny.csv").set_index("condition")
+    assert fca.loc["StaticProfile", "mean"] == pytest.approx(FG["StaticProfile"], rel=1e-9)
+    assert "fixed in advance" in md and "Execution" not in md  # no execution data given: no section
+    assert "LayerMean" in md and "StaticMixMean" in md and "0.001287" in md
+    numbers = json.loads((out / "report.json").read_text())
+    assert len(numbers["table1"]) == 3 and numbers["variance_decomposition"]["MUDDPythia"]["layer"] == 0.9
+
+
+def test_report_rejects_empty_input(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FcauditError):
+        build_report([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_fca_display_marks_missing_values():
+    conds = pd.DataFrame([{"family": "m", "condition": "StaticProfile", "label": "LayerMean", "level": "window",
+                           "n": 10, "mean": 0.1, "ci_low": np.nan, "ci_high": np.nan, "pvalue": np.nan,
+                           "n_positive": np.nan, "mc_se": np.nan}])
+    row = fca_display(conds, conds.iloc[:0].assign(retention=[], reference_label=[])).iloc[0]
+    assert row["95% interval"] == "—" and row["MC SE"] == "—" and row["Retention"] == "—"
+
+
+def test_report_execution_and_non_positive_penalties(tmp_path):
+    # a family whose penalties are <= 0 still renders on the log axis (marked, not dropped)
+    flat = write_audit(tmp_path / "flat", {c: -1e-6 for c in FG}, name="Flat")
+    write_json(tmp_path / "exec" / "execution.json", {"settings": {"batch_size": 8}, "rows": [
+        {"model": "Dense", "executed_blocks": 2, "latency_ms": 1.5}, {"model": "FeatureGate", "executed_blocks": 2,
+                                                                      "latency_ms": 1.9}]})
+    pd.DataFrame([{"model": "Dense"}]).to_csv(tmp_path / "exec" / "execution.csv", index=False)  # same data: read once
+    out = tmp_path / "report"
+    build_report([flat, tmp_path / "exec"], out)
+    md = (out / "report.md").read_text()
+    assert md.count("## Execution") == 1 and (out / "execution.csv").is_file()
+    assert pd.read_csv(out / "execution.csv")["latency_ms"].tolist() == [1.5, 1.9]
+    assert (out / "fig5_log_penalties.png").is_file()
+    assert "undefined" not in md or "—" in md
+
+
+def test_criteria_missing_from_config_are_flagged(tmp_path):
+    d = write_audit(tmp_path / "a", FG)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["criteria"]
+    write_json(d / "config.json", cfg)
+    s = summarize([d])
+    assert not any(v["fixed_in_advance"] for v in s.criteria)
+    build_report([d], tmp_path / "r")
+    assert "not prespecified" in (tmp_path / "r" / "report.md").read_text()
