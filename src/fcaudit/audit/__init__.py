@@ -1,0 +1,9 @@
+"""The Frozen-Controller Audit engine: coefficient store, interventions, runner and results."""
+
+from fcaudit.audit.interventions import CONDITIONS, Profiles, derangement, shuffle_tokens, token_permutations
+from fcaudit.audit.results import AuditResult, load_records
+from fcaudit.audit.runner import AuditPlan, audit, dry_run, plan, print_summary
+from fcaudit.audit.store import CoefficientStore
+
+__all__ = ["AuditPlan", "AuditResult", "CONDITIONS", "CoefficientStore", "Profiles", "audit", "derangement",
+           "dry_run", "load_records", "plan", "print_summary", "shuffle_tokens", "token_permutations"]

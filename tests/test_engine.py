@@ -1,0 +1,601 @@
+"""The FCA engine: sites, store, exact replay, interventions, runner, results (issue 3), on tiny models."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from fcaudit.audit import CoefficientStore, audit, derangement, plan, shuffle_tokens
+from fcaudit.audit.interventions import ProfileAccumulator, randomized
+from fcaudit.controllers import Controller, Layout, controller_for, register
+from fcaudit.controllers.site import memory_order
+from fcaudit.errors import FcauditError
+
+V, T = 32, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models on a shared 2-core machine: thread contention costs more than it gains
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- tiny models built for the tests ----------------------------------------------------------------------------
+
+class Gate(nn.Module):
+    """Dynamic gate: one sigmoid coefficient per token from the hidden state."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, 1)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        return torch.sigmoid(self.proj(h)).squeeze(-1)
+
+
+class StaticGate(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.value = nn.Parameter(torch.tensor(float(value)))
+
+    def forward(self, h):
+        return self.value.expand(h.shape[:2])
+
+
+class Block(nn.Module):
+    def __init__(self, d, gate):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gate = gate
+
+    def forward(self, h):
+        mix = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]  # causal token mixing
+        g = self.gate(h)
+        return h + g[..., None] * self.mlp(torch.cat([self.ln(h), mix], -1))
+
+
+class ToyGated(nn.Module):
+    """A tiny gated transformer-like model; `static` gives a LayerStatic twin, `hf` returns an object with .logits."""
+
+    def __init__(self, n_layer=3, d=16, static=False, hf=False, sleep=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(Block(d, StaticGate(0.3 + 0.2 * l) if static else Gate(d)) for l in range(n_layer))
+        self.head = nn.Linear(d, V)
+        self.hf, self.sleep = hf, sleep
+
+    def forward(self, ids):
+        if self.sleep:
+            time.sleep(self.sleep)
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(h)
+        return SimpleNamespace(logits=logits) if self.hf else logits
+
+
+class ParityGate(nn.Module):
+    def __init__(self, constant):
+        super().__init__()
+        self.table = nn.Parameter(torch.tensor([6.0 if i % 2 else -6.0 for i in range(V)]))
+        self.constant = constant
+
+    def forward(self, ids):
+        return torch.full(ids.shape, 0.5) if self.constant else torch.sigmoid(self.table[ids])
+
+
+NEXT_ODD = np.random.default_rng(1).integers(0, V, V)
+NEXT_EVEN = np.random.default_rng(2).integers(0, V, V)
+
+
+class Planted(nn.Module):
+    """Predictions depend by construction on per-token coefficient alignment: the gate of token t picks which of
+    two lookup tables predicts t+1 (odd ids use one rule, even ids the other)."""
+
+    def __init__(self, constant=False):
+        super().__init__()
+        self.gate = ParityGate(constant)
+        self.odd = nn.Parameter(8.0 * torch.eye(V)[NEXT_ODD])
+        self.even = nn.Parameter(8.0 * torch.eye(V)[NEXT_EVEN])
+
+    def forward(self, ids):
+        g = self.gate(ids)[..., None]
+        return g * self.odd[ids] + (1 - g) * self.even[ids]
+
+
+def planted_windows(n, seed):
+    rng = np.random.default_rng(seed)
+    out = np.zeros((n, T), dtype=np.int64)
+    out[:, 0] = rng.integers(0, V, n)
+    for t in range(1, T):
+        prev = out[:, t - 1]
+        out[:, t] = np.where(prev % 2 == 1, NEXT_ODD[prev], NEXT_EVEN[prev])
+        jump = rng.random(n) < 0.2  # restarts keep the sequences from collapsing into one short cycle
+        out[jump, t] = rng.integers(0, V, jump.sum())
+    return torch.from_numpy(out)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d, n_expert):
+        super().__init__()
+        self.router = nn.Linear(d, n_expert)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n_expert))
+
+    def forward(self, h):
+        b, t, d = h.shape
+        x = h.reshape(b * t, d)  # the router sees flattened tokens: layout "(batch token) expert"
+        w = torch.softmax(self.router(x), -1)
+        y = sum(w[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+        return h + y.view(b, t, d)
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, d=16, n_expert=4, n_layer=2):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList(MoELayer(d, n_expert) for _ in range(n_layer))
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class DenseMix(nn.Module):
+    """MUDD-like controller of layer i: [stream, batch, token, source] mixing weights over i+2 earlier states."""
+
+    def __init__(self, d, streams, sources):
+        super().__init__()
+        self.proj = nn.Linear(d, streams * sources)
+        self.streams, self.sources = streams, sources
+
+    def forward(self, h):
+        w = self.proj(h).view(*h.shape[:2], self.streams, self.sources)
+        return w.permute(2, 0, 1, 3) + 1.0 / self.sources
+
+
+class ToyMudd(nn.Module):
+    """Ragged sites: layer i mixes i+2 stored hidden states, 2 streams except 1 at the last layer."""
+
+    def __init__(self, d=16, n_layer=3):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = nn.Embedding(V, d)
+        self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layer))
+        self.dynamic_dense = nn.ModuleList(DenseMix(d, 2 if i < n_layer - 1 else 1, i + 2) for i in range(n_layer))
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        states = [self.emb(ids)]
+        h = states[0]
+        for mlp, mix in zip(self.mlps, self.dynamic_dense):
+            h = h + torch.tanh(mlp(h))
+            states.append(h)
+            dw = mix(h)  # [C, B, T, i+2]
+            stack = torch.stack(states, -1)  # [B, T, D, i+2]
+            h = sum(torch.einsum("btdk,btk->btd", stack, dw[c]) for c in range(dw.shape[0]))
+        return self.head(h)
+
+
+def windows(n, seed):
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def gated(model):
+    return Controller.from_modules(model, "blocks.*.gate", layout="batch token", static_name="LayerMean",
+                                   reference_name="GlobalMean")
+
+
+def run(model, ctrl, out, n_eval=8, n_calib=4, R=3, **kw):
+    return audit(model, ctrl, windows(n_eval, 0), windows(n_calib, 1), randomizations=R, seed=0, out=out,
+                 batch_size=kw.pop("batch_size", 4), quiet=True, **kw)
+
+
+def randomized_means(result):
+    d = result.penalties().set_index("condition")["mean"]
+    return d
+
+
+# ---- sites and layouts ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern,shape", [("batch token", (2, 5)), ("stream batch token source", (3, 2, 5, 4)),
+                                           ("(batch token) expert", (10, 6)), ("batch token stream", (2, 5, 3))])
+def test_layout_round_trip(pattern, shape):
+    x = torch.randn(shape)
+    lay = Layout.parse(pattern)
+    c = lay.to_canonical(x, batch=2, token=5)
+    assert c.dim() == 4 and c.shape[:2] == (2, 5)
+    assert torch.equal(lay.from_canonical(c), x)
+    if pattern.startswith("stream"):
+        assert torch.equal(c[1, 3, 2], x[2, 1, 3])  # [batch, token, stream, source]
+        permuted = torch.randn(2, 5, 3, 4).permute(2, 0, 1, 3)  # a non-contiguous site output
+        back = lay.from_canonical(lay.to_canonical(permuted, 2, 5), memory_order(permuted))
+        assert torch.equal(back, permuted) and back.stride() == permuted.stride()
+
+
+def test_layout_errors():
+    with pytest.raises(FcauditError, match="does not fit layout"):
+        Layout.parse("batch token").to_canonical(torch.randn(2, 5, 3), 2, 5)
+    with pytest.raises(FcauditError, match="does not fit layout"):
+        Layout.parse("(batch token) expert").to_canonical(torch.randn(9, 3), 2, 5)
+    with pytest.raises(FcauditError, match="'batch' and a 'token'"):
+        Layout.parse("token expert")
+    with pytest.raises(FcauditError, match="matches no module"):
+        Controller.from_modules(ToyGated(), "blocks.*.router", "batch token")
+
+
+def test_replay_disables_controller_and_restores_model():
+    model = ToyGated().eval()
+    ctrl = gated(model)
+    ids = windows(2, 0)
+    with torch.no_grad(), ctrl.capture(2, T) as found:
+        ref = model(ids)
+    calls = [b.gate.calls for b in model.blocks]
+    with torch.no_grad(), ctrl.replay(found):
+        out = model(ids)
+    assert torch.equal(out, ref)
+    assert [b.gate.calls for b in model.blocks] == calls  # the controller did not run
+    assert all("forward" not in b.gate.__dict__ for b in model.blocks)
+    with pytest.raises(RuntimeError, match="boom"), ctrl.replay([torch.zeros_like(c) for c in found]):
+        raise RuntimeError("boom")
+    assert all("forward" not in b.gate.__dict__ for b in model.blocks)
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
+        model.blocks[0].gate.calls = 0
+        model(ids)
+        assert model.blocks[0].gate.calls == 1
+
+
+def test_controller_for_registry_and_featuregate():
+    with pytest.raises(FcauditError, match="Controller.from_modules"):
+        controller_for(ToyMoE())
+    register(lambda m: isinstance(m, ToyMoE), lambda m: Controller.from_modules(m, "layers.*.router", "(batch token) expert"))
+    assert [s.path for s in controller_for(ToyMoE()).sites] == ["layers.0.router", "layers.1.router"]
+    fg = pytest.importorskip("fcaudit.models.featuregate")
+    model = fg.FeatureGateGPT(fg.config_for("tiny", "featuregate"))
+    ctrl = controller_for(model)
+    assert [s.path for s in ctrl.sites] == ["blocks.0.gate", "blocks.1.gate"]
+    assert ctrl.labels == {"StaticProfile": "LayerMean", "StructureRemoved": "GlobalMean"}
+    with pytest.raises(FcauditError, match="no gate modules"):
+        controller_for(fg.FeatureGateGPT(fg.config_for("tiny", "dense")))
+
+
+# ---- store ------------------------------------------------------------------------------------------------------
+
+def test_store_round_trip_take_and_reopen(tmp_path):
+    store = CoefficientStore(tmp_path)
+    data = [torch.randn(10, T, 1, 1).to(torch.bfloat16), torch.randn(10, T, 3, 5)]
+    for b0 in (0, 4, 8):
+        store.write(b0, [d[b0:b0 + 4] for d in data])
+    again = CoefficientStore(tmp_path)
+    idx = np.array([9, 0, 1, 2, 5, 5, 7, 3])
+    got = again.take(idx, np.array(again.starts()))
+    assert got[0].dtype == torch.bfloat16
+    assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+    with pytest.raises(FcauditError, match="non-finite"):
+        store.write(12, [torch.full((1, T, 1, 1), float("nan")), torch.zeros(1, T, 3, 5)])
+    assert not store.has(12) and not list(tmp_path.glob(".*"))
+
+
+# ---- interventions ----------------------------------------------------------------------------------------------
+
+def test_derangement_properties():
+    for n in (2, 3, 7, 100):
+        for r in range(10):
+            p = derangement(n, seed=5, r=r)
+            assert not np.any(p == np.arange(n)) and np.array_equal(np.sort(p), np.arange(n))
+            assert np.array_equal(p, derangement(n, seed=5, r=r))
+    assert not np.array_equal(derangement(100, 5, 0), derangement(100, 5, 1))
+    # n = 3 has two derangements; uniform sampling gives each about half the draws
+    share = np.mean([derangement(3, 0, r)[0] == 1 for r in range(400)])
+    assert 0.4 < share < 0.6
+    with pytest.raises(FcauditError, match="at least 2"):
+        derangement(1, 0, 0)
+
+
+def labelled(b, t, s, k, offset=0):
+    """Coefficients whose value encodes (example, token, stream, source) so moves can be traced."""
+    e = torch.arange(b)[:, None, None, None] + offset
+    return (e * 1000 + torch.arange(t)[None, :, None, None] * 10 + torch.arange(s)[None, None, :, None] * 0.1
+            + torch.arange(k)[None, None, None, :] * 0.001).double()
+
+
+def test_token_shuffle_preserves_multisets_and_moves_source_vectors():
+    coeffs = [labelled(3, T, 1, 1), labelled(3, T, 4, 3)]
+    out = shuffle_tokens(coeffs, np.array([10, 11, 12]), seed=0, r=0)
+    for c, o in zip(coeffs, out):
+        for b in range(3):
+            for s in range(c.shape[2]):
+                assert torch.equal(o[b, :, s].sort(0).values, c[b, :, s].sort(0).values)  # same multiset
+                src = torch.round((o[b, :, s, 0] - b * 1000) / 10).long()  # token each row came from
+                assert torch.equal(o[b, :, s], c[b, src, s])  # the whole source vector moved as one
+    assert not torch.equal(out[1][0, :, 0], out[1][0, :, 1])  # streams permuted independently
+    assert not torch.equal(out[0], coeffs[0])
+    # keyed by example id, not by batch position
+    one = shuffle_tokens([c[1:2] for c in coeffs], np.array([11]), seed=0, r=0)
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(one, out))
+
+
+def test_cross_shuffle_pairs_cross_input_and_token_shuffle():
+    data = [labelled(6, T, 1, 1), labelled(6, T, 2, 3)]
+    take = lambda e: [d[torch.from_numpy(np.asarray(e))] for d in data]  # noqa: E731
+    perm = derangement(6, seed=3, r=2)
+    ex = np.array([1, 4, 5])
+    cross = randomized("CrossInput", take, ex, perm, 3, 2)
+    shuf = randomized("TokenShuffle", take, ex, perm, 3, 2)
+    both = randomized("CrossShuffle", take, ex, perm, 3, 2)
+    assert all(torch.equal(c, d[torch.from_numpy(perm[ex])]) for c, d in zip(cross, data))
+    assert all(torch.equal(b, x) for b, x in zip(both, shuffle_tokens(cross, ex, 3, 2)))
+    # the CrossShuffle token order equals the TokenShuffle token order of the same example
+    src_shuf = torch.round((shuf[1][:, :, 0, 0] - torch.from_numpy(ex)[:, None] * 1000) / 10)
+    src_both = torch.round((both[1][:, :, 0, 0] - torch.from_numpy(perm[ex])[:, None] * 1000) / 10)
+    assert torch.equal(src_shuf, src_both)
+
+
+def test_profiles_global_and_source_uniform_mean():
+    acc = ProfileAccumulator()
+    a, b = torch.rand(5, T, 1, 1), torch.rand(5, T, 2, 3) - 0.5
+    acc.add([a, b])
+    gm = acc.profiles("global_mean")
+    assert torch.allclose(gm.static_profile[1], b.double().mean((0, 1)))
+    total = (a.double().sum() + b.double().sum()) / (a.numel() + b.numel())
+    assert all(torch.allclose(p, total.expand_as(p)) for p in gm.structure_removed)
+    su = acc.profiles("source_uniform_mean").structure_removed[1]
+    assert torch.allclose(su.sum(1), gm.static_profile[1].sum(1))  # signed sum per stream kept
+    assert torch.allclose(su, su[:, :1].expand_as(su))
+
+
+# ---- audits -----------------------------------------------------------------------------------------------------
+
+def test_static_controller_gives_exact_zero(tmp_path):
+    model = ToyGated(static=True)
+    res = run(model, gated(model), tmp_path / "a")
+    warnings.simplefilter("ignore", RuntimeWarning)  # some windows gain from GlobalMean: undefined retention CI
+    assert res.replay["passed"] and res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0
+    m = randomized_means(res)
+    assert m["CrossInput"] == 0.0 and m["TokenShuffle"] == 0.0 and m["CrossShuffle"] == 0.0
+    assert m["StaticProfile"] == 0.0 and m["StructureRemoved"] > 0  # LayerStatic needs its depth profile
+    assert set(res.records.columns) == {"example", "condition", "randomization", "nll", "tokens"}
+    assert len(res.records) == 8 * (1 + 3 * 3 + 3) and (res.records["tokens"] == T - 1).all()
+    ret = res.retention("LayerMean")
+    assert ret["retention"] == 1.0 and ret["delta_reference"] > 0
+    assert (res.factor_effects()["mean"] == 0.0).all()
+    var = res.variation
+    assert len(var["layers"]) == 3 and var["layers"][0]["sd"] == 0.0
+
+
+def test_real_featuregate_layerstatic_and_uniform_exact_zero(tmp_path):
+    fg = pytest.importorskip("fcaudit.models.featuregate")
+    for variant in ("layerstatic", "uniform"):
+        model = fg.FeatureGateGPT(fg.config_for("tiny", variant))
+        ev = torch.randint(0, 256, (6, T), generator=torch.Generator().manual_seed(0))
+        ca = torch.randint(0, 256, (3, T), generator=torch.Generator().manual_seed(1))
+        res = audit(model, controller_for(model), ev, ca, randomizations=2, out=tmp_path / variant, batch_size=3, quiet=True)
+        m = randomized_means(res)
+        assert res.replay["bit_equal"]
+        assert m["CrossInput"] == 0.0 and m["TokenShuffle"] == 0.0 and m["CrossShuffle"] == 0.0
+        assert res.config["labels"]["StaticProfile"] == "LayerMean"
+
+
+def test_planted_dependence_detected_and_constant_twin_zero(tmp_path):
+    ev, ca = planted_windows(16, 0), planted_windows(8, 1)
+    model = Planted()
+    ctrl = Controller.from_modules(model, "gate", "batch token")
+    res = audit(model, ctrl, ev, ca, randomizations=3, out=tmp_path / "p", batch_size=8, quiet=True)
+    m = randomized_means(res)
+    assert res.replay["bit_equal"]
+    assert m["CrossInput"] > 1.0 and m["TokenShuffle"] > 1.0 and m["CrossShuffle"] > 1.0 and m["StaticProfile"] > 0.1
+    twin = Planted(constant=True)
+    res = audit(twin, Controller.from_modules(twin, "gate", "batch token"), ev, ca, randomizations=3,
+                out=tmp_path / "c", batch_size=8, quiet=True)
+    assert (randomized_means(res) == 0.0).all()
+
+
+def test_moe_through_from_modules_alone(tmp_path):
+    model = ToyMoE()
+    ctrl = Controller.from_modules(model, "layers.*.router", "(batch token) expert", reference="source_uniform_mean")
+    res = run(model, ctrl, tmp_path / "moe", R=2)
+    assert res.replay["passed"] and res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0
+    m = randomized_means(res)
+    assert m["CrossInput"] != 0.0 and m["StructureRemoved"] != 0.0
+    assert res.config["labels"]["StructureRemoved"] == "SourceUniformMean"
+    assert res.variation["layers"][0]["shape"] == [1, 4]
+    assert "factor_effects" not in res.config and set(res.factor_effects().index) == {"input", "token", "interaction"}
+
+
+def test_ragged_multi_stream_sites(tmp_path):
+    model = ToyMudd()
+    ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source",
+                                   static_name="StaticMixMean", reference="source_uniform_mean")
+    res = run(model, ctrl, tmp_path / "mudd", R=2)
+    warnings.simplefilter("ignore", RuntimeWarning)  # untrained: SourceUniformMean may not hurt, retention undefined
+    assert res.replay["bit_equal"]
+    assert [l["shape"] for l in res.variation["layers"]] == [[2, 2], [2, 3], [1, 4]]
+    assert abs(sum(res.variation["decomposition"].values()) - 1) < 1e-9 and "slice" in res.variation["decomposed"]
+    m = randomized_means(res)
+    assert m["CrossInput"] != 0 and m["TokenShuffle"] != 0 and m["StructureRemoved"] != 0
+    assert res.retention("StaticMixMean")["reference"] == "SourceUniformMean"
+    from safetensors.torch import load_file
+    prof = load_file(str(tmp_path / "mudd" / "profiles.safetensors"))
+    assert prof["static_profile.2"].dtype == torch.float64 and prof["layer_position_mean.1"].shape == (T, 2, 3)
+
+
+def test_summary_printed_unless_quiet(tmp_path, capsys):
+    model = ToyGated()
+    audit(model, gated(model), windows(4, 0), windows(2, 1), randomizations=2, out=tmp_path / "s", quiet=False)
+    text = capsys.readouterr().out
+    assert "exact replay: passed=True" in text and "CrossShuffle" in text and "LayerMean" in text
+
+
+def test_hf_style_output_and_custom_loss(tmp_path):
+    model = ToyGated(hf=True)
+    res = run(model, gated(model), tmp_path / "hf", R=1)
+    plain = ToyGated()
+    ref = run(plain, gated(plain), tmp_path / "plain", R=1)
+    pd.testing.assert_frame_equal(res.records, ref.records)
+    calls = []
+
+    def loss_fn(out, ids):
+        calls.append(1)
+        return (out.logits[:, :-1].float() ** 2).mean((1, 2))
+
+    res = run(model, gated(model), tmp_path / "custom", R=1, loss_fn=loss_fn)
+    assert calls and not np.allclose(res.records["nll"], ref.records["nll"])
+
+
+def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
+    model = ToyGated()
+    first = run(model, gated(model), tmp_path / "a")
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    again = run(model, gated(model), tmp_path / "a")
+    assert len(calls) == 1  # only the probe: every unit was already on disk
+    pd.testing.assert_frame_equal(first.records, again.records)
+    with pytest.raises(FcauditError, match=r"different configuration \(differs in \['randomizations'\]\)"):
+        run(model, gated(model), tmp_path / "a", R=4)
+    with pytest.raises(FcauditError, match="different configuration"):
+        audit(model, gated(model), windows(8, 0), windows(4, 1), randomizations=3, seed=1, out=tmp_path / "a",
+              batch_size=4, quiet=True)
+
+
+def test_records_independent_of_batch_size(tmp_path):
+    model = ToyGated(static=True)  # static gates: identical NLLs whatever the batch composition
+    a = run(model, gated(model), tmp_path / "a", batch_size=4)
+    b = run(model, gated(model), tmp_path / "b", batch_size=3)
+    pd.testing.assert_frame_equal(a.records.drop(columns="nll"), b.records.drop(columns="nll"))
+
+
+def test_bad_inputs_leave_nothing(tmp_path):
+    model = ToyGated()
+    ctrl = gated(model)
+    out = tmp_path / "x"
+    cases = [
+        (dict(eval_windows=windows(1, 0)), "at least 2"),
+        (dict(eval_windows=[torch.zeros(T, dtype=torch.long), torch.zeros(T + 1, dtype=torch.long)]), "unequal lengths"),
+        (dict(calib_windows=torch.cat([windows(3, 1), windows(8, 0)[2:3]])), "equal evaluation windows"),
+        (dict(calib_windows=windows(4, 1)[:, :8]), "length"),
+    ]
+    for kw, msg in cases:
+        args = dict(eval_windows=windows(8, 0), calib_windows=windows(4, 1)) | kw
+        with pytest.raises(FcauditError, match=msg):
+            audit(model, ctrl, args["eval_windows"], args["calib_windows"], out=out, quiet=True)
+        assert not out.exists()
+    from fcaudit.data import WindowSet
+    ev = WindowSet(windows(8, 0), np.arange(8) * 100, "test")
+    ca = WindowSet(windows(4, 1), np.array([1000, 1100, 705, 1300]), "test")
+    with pytest.raises(FcauditError, match="overlap"):
+        audit(model, ctrl, ev, ca, out=out, quiet=True)
+    ok = WindowSet(windows(4, 1), np.array([705, 1100, 1200, 1300]), "validation")
+    assert audit(model, ctrl, ev, ok, randomizations=1, out=tmp_path / "ok", quiet=True).replay["passed"]
+    moe = ToyMoE()
+    with pytest.raises(FcauditError, match="does not fit layout"):
+        audit(moe, Controller.from_modules(moe, "layers.*.router", "batch token"), windows(4, 0), windows(2, 1),
+              out=out, quiet=True)
+    assert not out.exists()
+
+
+def test_non_finite_coefficients(tmp_path):
+    model = ToyGated()
+    model.blocks[1].gate.proj.bias.data.fill_(float("nan"))
+    with pytest.raises(FcauditError, match="non-finite"):
+        run(model, gated(model), tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
+    # non-finite only in a later batch: whole chunks before it, nothing partial
+    model = ToyGated()
+    orig = model.blocks[0].gate.forward
+    model.blocks[0].gate.forward = lambda h: orig(h).masked_fill(h[..., 0] > 1e3, float("nan"))
+    ev = windows(8, 0)
+    ev[ev == V - 1] = 0
+    ev[5, 3] = V - 1
+    model.emb.weight.data[V - 1] = 1e4  # a token only in a later window drives the gate to nan
+    with pytest.raises(FcauditError, match="non-finite"):
+        audit(model, gated(model), ev, windows(4, 1), randomizations=1, out=tmp_path / "late", batch_size=4, quiet=True)
+    assert not list((tmp_path / "late").rglob(".*")) and not list((tmp_path / "late").rglob("*CrossInput*"))
+
+
+class Leaky(ToyGated):
+    """Its output reads state the controller writes: replay cannot reproduce it."""
+
+    def forward(self, ids):
+        self.blocks[0].gate.calls = 0
+        logits = super().forward(ids)
+        return logits + 1e-3 * self.blocks[0].gate.calls  # 0 when the gate's forward was replaced
+
+
+def test_failed_exact_replay_stops_audit(tmp_path):
+    model = Leaky()
+    with pytest.raises(FcauditError, match=r"exact replay failed.*max \|Δlogit\|"):
+        run(model, gated(model), tmp_path / "leak")
+    import json
+    report = json.loads((tmp_path / "leak" / "replay.json").read_text())
+    assert report["passed"] is False and report["max_abs_dlogit"] > 0
+    assert not list((tmp_path / "leak").rglob("*.parquet")) and not list((tmp_path / "leak").rglob("*.safetensors"))
+    res = run(model, gated(model), tmp_path / "leak", tolerance=1e-2)  # same directory: nothing there to mix
+    assert res.replay["tolerance"] == 1e-2 and res.replay["passed"] and not res.replay["bit_equal"]
+    assert "replay passed=True" in repr(res)
+
+
+def test_plan_reports_sizes():
+    model = ToyMoE()
+    ctrl = Controller.from_modules(model, "layers.*.router", "(batch token) expert")
+    p = plan(model, ctrl, windows(32, 0), windows(8, 1), batch_size=8, randomizations=20)
+    assert p.layer_shapes == [[T, 1, 4], [T, 1, 4]]
+    assert p.store_bytes == 32 * 2 * T * 4 * 4
+    assert p.forward_passes == 1 + 4 * (2 + 60 + 3)
+    assert p.peak_memory_bytes > sum(x.numel() * 4 for x in model.parameters())
+
+
+KILL_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads({threads})
+import test_engine as t
+model = t.ToyGated(sleep=float(sys.argv[2]))
+t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
+"""
+
+
+def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(KILL_SCRIPT.format(tests=str(Path(__file__).parent), threads=torch.get_num_threads()))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(script), str(out), "0.01"])
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if len(list((out / "records").glob("CrossInput/*.parquet"))) >= 2:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the audit finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "variation.json").exists()
+    done = {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")}
+    model = ToyGated()
+    resumed = run(model, gated(model), out, n_eval=12, R=4)  # same process settings: one thread
+    after = {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")}
+    assert set(done) < set(after)
+    assert all(after[p] == t for p, t in done.items() if p.parts[1] != "Correct")  # finished units not redone
+    assert not list(out.rglob("*.tmp"))
+    whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
+    assert len(whole.records) == 12 * (1 + 3 * 4 + 3)
+    pd.testing.assert_frame_equal(resumed.records, whole.records, check_exact=True)
