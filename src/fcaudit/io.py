@@ -6,6 +6,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call write(tmp_path) on a temp file next to `path`, then rename it into place."""
@@ -15,6 +18,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the permissions open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

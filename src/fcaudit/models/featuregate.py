@@ -1,0 +1,290 @@
+"""The FeatureGate model family: a byte-level pre-LN decoder whose residual updates are scaled by a gate.
+
+    h[l+1, t] = h[l, t] + g[l, t](x) * F_l(h_l)[t],     F_l(h) = a + m,  a = attn(ln1(h)),  m = mlp(ln2(h + a))
+
+F_l is the whole block update (attention and MLP together), so one scalar per token and layer scales it.
+Variants (GPTConfig.variant), all executing every block:
+
+    dense            g = 1: no gate module and no multiplication (`block.gate is None`)
+    fixeddepth       dense with n_layer = k blocks
+    uniform          one learned coefficient sigmoid(w) shared by every layer (one tied parameter)
+    uniform-fixed    a constant g = gate_value (default 0.60)
+    uniform-matched  the same constant module, with gate_value set to a FeatureGate model's measured gate mass
+    layerstatic      one learned coefficient sigmoid(w_l) per layer
+    featuregate      a per-token controller (FeatureGate below) maps features of block l to g in (0, 1)
+
+Every gated variant's gate is the module `model.blocks[l].gate`; its forward returns g of shape [B, T] (constants
+are expanded), so an audit treats all variants alike: replacing that forward disables the controller, feature
+computation included, and leaves the output path (the residual stream, attention via scaled_dot_product_attention)
+untouched. Learned gates start at sigmoid(w) = 0.6.
+
+The controller's features need the attention probabilities of this block and of the previous one; the output path
+uses the fused scaled_dot_product_attention kernel, so the FeatureGate controller recomputes both maps from the q, k
+that the model loop passes to it explicitly (nothing is stashed on modules). That side path is the controller's
+extra cost: O(B H T^2) elementwise work per block (benchmarks/train_speed.py measures it).
+
+The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
+this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
+"""
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from fcaudit.errors import FcauditError
+
+VARIANTS = ("dense", "uniform", "uniform-fixed", "uniform-matched", "layerstatic", "fixeddepth", "featuregate")
+GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.6)
+N_FEATURES = 4
+
+
+@dataclass
+class GPTConfig:
+    variant: str = "featuregate"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    block_size: int = 128
+    vocab_size: int = 256
+    gate_value: float = 0.6  # the constant of uniform-fixed / uniform-matched
+    gate_hidden: int = 16  # hidden width of the FeatureGate controller MLP
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise FcauditError(f"unknown model variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
+        if self.d_model % self.n_head:
+            raise FcauditError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}: change one of them")
+        if not 0.0 < self.gate_value < 1.0:
+            raise FcauditError(f"gate_value {self.gate_value} is outside (0, 1): pass a gate value between 0 and 1")
+
+    @property
+    def gated(self) -> bool:
+        return self.variant not in ("dense", "fixeddepth")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=64, gate_hidden=8),
+    "demo": GPTConfig(n_layer=4, n_head=4, d_model=96, block_size=128, gate_hidden=16),
+    "paper-76m": GPTConfig(n_layer=24, n_head=8, d_model=512, block_size=512, gate_hidden=32),
+    "paper-504m": GPTConfig(n_layer=40, n_head=16, d_model=1024, block_size=512, gate_hidden=32),
+}
+
+
+def config_for(preset: str, variant: str, *, gate_value: float = 0.6, fixed_depth: int | None = None) -> GPTConfig:
+    """The preset's architecture with the given variant; fixeddepth keeps the first `fixed_depth` blocks."""
+    if preset not in PRESETS:
+        raise FcauditError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    cfg = replace(PRESETS[preset], variant=variant, gate_value=gate_value)
+    if variant == "fixeddepth":
+        if fixed_depth is None or fixed_depth < 1:
+            raise FcauditError("fixeddepth needs a depth: pass fixed_depth k >= 1 (--fixed-depth)")
+        cfg = replace(cfg, n_layer=fixed_depth)
+    return cfg
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the attention output [B, T, D] and the per-head queries and keys [B, H, T, Dh] (for the gate)."""
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, future: torch.Tensor):
+    """Scaled scores S [B, H, T, T], causal probabilities P (0 on future keys) and lse = logsumexp_{s <= t} S.
+
+    `future` is the additive mask (-inf above the diagonal). lse comes from the fused softmax through
+    max_s P = exp(max_s S - lse), which is at least 1 / (t + 1) and so never underflows.
+    """
+    scores = (q.float() * q.size(-1) ** -0.5) @ k.float().transpose(-1, -2)
+    masked = scores + future
+    p = masked.softmax(-1)
+    lse = masked.amax(-1) - p.amax(-1).log()
+    return scores, p, lse
+
+
+@torch.no_grad()
+def gate_features(h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+    """The four per-token features of block l, [B, T, 4], computed without gradient (detached).
+
+    With S[b, n, t, s] = q_t . k_s / sqrt(Dh) for s <= t and P_l[b, n, t, :] = softmax_{s <= t}(S) the causal
+    attention of head n in block l (recomputed here from the block's queries and keys; the output path uses the
+    fused kernel instead), and lse_t = logsumexp_{s <= t} S[t, s]:
+
+    0. entropy       mean_n H(P_l[n, t]) / log(t + 1): head-averaged attention entropy normalized by the log of the
+                     number of visible keys, in [0, 1]; 0 at t = 0 (one visible key, nothing to normalize).
+    1. kl            mean_n KL(P_l[n, t] || P_{l-1}[n, t]) = mean_n sum_{s <= t} P_l log(P_l / P_{l-1}): head-averaged
+                     KL divergence of this block's attention from the previous block's, at the same token and
+                     head index; 0 in the first block (prev_q is None).
+    2. log_partition mean_n [lse_t - log(t + 1)]: the head-averaged log of the mean exponentiated score over the
+                     visible keys (0 when all scores are 0).
+    3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6): the block update's L2 norm relative to the residual stream's.
+
+    Computed in float32 through the identities H = lse - sum_s P S and KL = sum_s P (S - S') - lse + lse', from one
+    fused softmax per attention map (see causal_attention). No gradient because the controller reads the block, it
+    does not shape it: gradients reach the controller MLP only, so gating cannot be learned by distorting attention or update norms.
+    """
+    T = q.size(-2)
+    visible = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)  # t + 1 keys at position t
+    future = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+    scores, p, lse = causal_attention(q, k, future)
+    entropy = (lse - torch.linalg.vecdot(p, scores)).mean(1)  # [B, T]; P = 0 on future keys, S finite there
+    entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
+    if prev_q is None:
+        kl = torch.zeros_like(entropy)
+    else:
+        prev_scores, _, prev_lse = causal_attention(prev_q, prev_k, future)
+        kl = (torch.linalg.vecdot(p, scores - prev_scores) - lse + prev_lse).mean(1).clamp_min(0.0)
+    log_partition = (lse - visible.log()).mean(1)
+    update_norm = torch.linalg.vector_norm(update.float(), dim=-1) / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6)
+    return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
+
+
+class FeatureGate(nn.Module):
+    """The controller of one block: features (see gate_features) -> Linear -> GELU -> Linear -> sigmoid."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(N_FEATURES, cfg.gate_hidden)
+        self.out = nn.Linear(cfg.gate_hidden, 1)
+        nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
+
+    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+        feats = gate_features(h, update, q, k, prev_q, prev_k)
+        return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
+
+
+class ScalarGate(nn.Module):
+    """A learned coefficient sigmoid(logit), expanded to [B, T]. Uniform ties one logit across all blocks."""
+
+    def __init__(self, logit: nn.Parameter):
+        super().__init__()
+        self.logit = logit
+
+    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+        return torch.sigmoid(self.logit).expand(h.shape[:2]).contiguous()  # a real [B, T] tensor, like the others
+
+
+class ConstantGate(nn.Module):
+    """A fixed coefficient (uniform-fixed, uniform-matched), expanded to [B, T]."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+        return h.new_full(h.shape[:2], self.value)
+
+    def extra_repr(self) -> str:
+        return f"value={self.value}"
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, gate: nn.Module | None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.gate = gate
+
+    def forward(self, h, prev_q, prev_k):
+        """Returns the new residual stream, this block's gate [B, T] (None if ungated), and its q, k."""
+        a, q, k = self.attn(self.ln1(h))
+        update = a + self.mlp(self.ln2(h + a))
+        if self.gate is None:
+            return h + update, None, q, k
+        g = self.gate(h, update, q, k, prev_q, prev_k)
+        return h + g.unsqueeze(-1).to(update.dtype) * update, g, q, k
+
+
+class FeatureGateGPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.block_size, config.d_model)
+        shared = nn.Parameter(torch.tensor(math.log(GATE_INIT / (1 - GATE_INIT))))  # uniform: one tied logit
+        self.blocks = nn.ModuleList(Block(config, self._make_gate(shared)) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        self.lm_head.weight = self.wte.weight  # tied head
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _make_gate(self, shared: nn.Parameter) -> nn.Module | None:
+        v = self.config.variant
+        if v in ("dense", "fixeddepth"):
+            return None
+        if v == "uniform":
+            return ScalarGate(shared)
+        if v == "layerstatic":
+            return ScalarGate(nn.Parameter(shared.detach().clone()))
+        if v in ("uniform-fixed", "uniform-matched"):
+            return ConstantGate(self.config.gate_value)
+        return FeatureGate(self.config)
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, nn.Linear):  # controller biases keep their own init (FeatureGate.__init__)
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def n_params(self) -> int:
+        """Unique parameters (the tied head counted once), as the paper counts them."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, ids: torch.Tensor, *, return_gates: bool = False):
+        """Logits [B, T, V]; with return_gates also the gates [L, B, T] (None for dense / fixeddepth)."""
+        B, T = ids.shape
+        if T > self.config.block_size:
+            raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
+        h = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+        prev_q = prev_k = None
+        gates = []
+        for block in self.blocks:
+            h, g, prev_q, prev_k = block(h, prev_q, prev_k)
+            gates.append(g)
+        logits = self.lm_head(self.ln_f(h))
+        if not return_gates:
+            return logits
+        return logits, (torch.stack(gates) if self.config.gated else None)
+
+    @torch.no_grad()
+    def gate_mass(self, ids: torch.Tensor) -> float:
+        """Mean gate over tokens and layers (1.0 for the ungated variants)."""
+        _, gates = self(ids, return_gates=True)
+        return 1.0 if gates is None else gates.float().mean().item()
+

@@ -1,0 +1,327 @@
+"""Training the model families on a byte-level corpus: AdamW, warmup + cosine, clipping, validation, resume.
+
+A run directory holds everything about one run:
+
+    train_config.json        the resolved TrainConfig (a rerun with a different config is refused)
+    ckpt/step-NNNNNN/        the latest training state: model.safetensors, optimizer.safetensors, rng.safetensors,
+                             state.json (step, numpy RNG state, validation history) -- safetensors + JSON, no pickle
+    latest.json              atomic pointer to that state; rerunning the same command resumes from it
+    config.json, model.safetensors   the final model (load with fcaudit.models.checkpoint.load_model)
+    metrics.json             Byte-PPL and gate mass on the test split, written last
+
+Resume is exact on the CPU: model, optimizer moments and the batch RNG are restored bit for bit, so an interrupted
+run ends with the same weights as an uninterrupted one (on CUDA, kernels may differ run to run anyway).
+
+Byte-PPL = exp(mean NLL per predicted byte) over contiguous non-overlapping test windows of `window` bytes, taken from
+the start of the test split (at most `test_windows` of them; 0 = all); within a window position t predicts byte t+1,
+so each window predicts window-1 bytes. Gate mass = mean gate over the same windows' tokens and all layers
+(1.0 for dense / fixeddepth, None for mudd, which has no scalar gate).
+"""
+
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import read_json, write_json
+from fcaudit.loss import logits_of, token_nll
+from fcaudit.models.checkpoint import load_weights, save_checkpoint, save_weights
+from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, config_for
+from fcaudit.provenance import provenance
+
+MODELS = VARIANTS + ("mudd",)
+
+# Per-preset defaults of the fields left at None. tiny: tests (seconds); demo: ~1 min on 2 CPU cores.
+# The paper does not state its optimizer recipe; the paper presets follow GPT-2/nanoGPT-style values.
+TRAIN_PRESETS: dict[str, dict] = {
+    "tiny": dict(steps=30, batch_size=8, lr=3e-3, warmup=5, eval_interval=10, eval_windows=8, test_windows=16),
+    "demo": dict(steps=240, batch_size=16, lr=2e-3, warmup=24, eval_interval=80, eval_windows=32, test_windows=256),
+    "paper-76m": dict(steps=50_000, batch_size=32, lr=6e-4, warmup=2000, eval_interval=1000, eval_windows=256,
+                      test_windows=0),
+    "paper-504m": dict(steps=100_000, batch_size=64, lr=3e-4, warmup=2000, eval_interval=2000, eval_windows=256,
+                       test_windows=0),
+}
+# Fields that may change between a run and its resumption (they do not change the result).
+_NOT_IDENTITY = ("device", "out", "progress")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "featuregate"  # one of MODELS
+    preset: str = "demo"  # tiny | demo | paper-76m | paper-504m (mudd: the presets of muddpythia.BYTE_PRESETS)
+    seed: int = 0
+    corpus: str = "embedded"
+    steps: int | None = None  # None: the preset's default (TRAIN_PRESETS)
+    batch_size: int | None = None
+    window: int | None = None  # training / evaluation window in tokens; None: the model's block_size
+    lr: float | None = None
+    min_lr: float | None = None  # None: lr / 10
+    warmup: int | None = None
+    weight_decay: float = 0.1  # on matrices only (not norms, biases, gate logits)
+    grad_clip: float = 1.0
+    eval_interval: int | None = None  # validation and training-state checkpoint every this many steps
+    eval_windows: int | None = None  # validation windows (seeded, fixed across runs)
+    test_windows: int | None = None  # cap on contiguous test windows for Byte-PPL; 0 = all
+    device: str = "auto"  # auto | cpu | cuda
+    out: str = "runs/train"
+    gate_value: float | None = None  # uniform-fixed (default 0.60) / uniform-matched (required, or matched_to)
+    matched_to: str | None = None  # uniform-matched: a FeatureGate run dir whose measured gate mass sets gate_value
+    fixed_depth: int | None = None  # fixeddepth: number of blocks k
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise FcauditError(f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
+        if self.model != "mudd" and self.preset not in PRESETS:
+            raise FcauditError(f"unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise FcauditError(f"unknown device {self.device!r}: use auto, cpu or cuda")
+        for k, v in TRAIN_PRESETS.get(self.preset, TRAIN_PRESETS["demo"]).items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
+        if self.model == "uniform-matched":
+            if self.matched_to is not None:
+                self.gate_value = _measured_gate_mass(self.matched_to)
+                self.matched_to = str(Path(self.matched_to).resolve())
+            elif self.gate_value is None:
+                raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or a FeatureGate run dir (matched_to)")
+        if self.gate_value is None:
+            self.gate_value = 0.6
+        if self.steps < 1 or self.batch_size < 1 or self.eval_interval < 1:
+            raise FcauditError("steps, batch_size and eval_interval must be at least 1: pass positive values")
+
+    def identity(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in _NOT_IDENTITY}
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    byte_ppl: float
+    gate_mass: float | None
+    n_params: int
+    metrics: dict = field(default_factory=dict)
+
+
+def _measured_gate_mass(run_dir: str) -> float:
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise FcauditError(f"no metrics.json in {run_dir}: train the FeatureGate model first or pass --gate-value")
+    mass = read_json(path).get("gate_mass")
+    if mass is None:
+        raise FcauditError(f"{path} has no gate mass: point matched_to at a FeatureGate run")
+    return float(mass)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """A freshly initialized model (call after seeding). Every model maps ids [B, T] -> logits [B, T, V]."""
+    if cfg.model == "mudd":
+        from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia  # written separately; lazy
+
+        if cfg.preset not in BYTE_PRESETS:
+            raise FcauditError(f"no byte-level MUDD preset {cfg.preset!r}: use one of {', '.join(BYTE_PRESETS)}")
+        return MUDDPythia(BYTE_PRESETS[cfg.preset])
+    return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FcauditError("--device cuda but no CUDA device is visible: use --device cpu or install a CUDA build of torch")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # tied weights appear once in parameters()
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _forward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits and, for the FeatureGate family, gates [L, B, T] (ones-equivalent None for ungated variants)."""
+    if isinstance(model, FeatureGateGPT):
+        return model(ids, return_gates=True)
+    return logits_of(model(ids)), None
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+    """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
+    was_training = model.training
+    model.eval()
+    nll_sum, n_tok, gate_sum, n_gate = 0.0, 0, 0.0, 0
+    for ids in windows.split(batch_size):
+        ids = ids.to(device)
+        with _autocast(device):
+            logits, gates = _forward(model, ids)
+        nll = token_nll(logits, ids).double()
+        nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
+        if gates is not None:
+            gate_sum, n_gate = gate_sum + gates.double().sum().item(), n_gate + gates.numel()
+    model.train(was_training)
+    nll = nll_sum / n_tok
+    if n_gate:
+        mass = gate_sum / n_gate
+    else:
+        mass = 1.0 if isinstance(model, FeatureGateGPT) else None
+    return {"nll": nll, "byte_ppl": math.exp(nll), "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
+
+
+# ---- training state: safetensors + JSON ------------------------------------------------------------------------
+
+def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, history: list) -> None:
+    """Write ckpt/step-NNNNNN/ completely, then point latest.json at it, then drop older states."""
+    name = f"ckpt/step-{step:06d}"
+    tmp = out / f"ckpt/.tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_weights(tmp / "model.safetensors", model)
+    opt_state = opt.state_dict()
+    tensors = {f"{i}.{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    rng_tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng_tensors["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    write_json(tmp / "state.json", {"step": step, "numpy_rng": rng.bit_generator.state,
+                                    "param_groups": opt_state["param_groups"], "history": history})
+    shutil.rmtree(out / name, ignore_errors=True)
+    tmp.rename(out / name)
+    write_json(out / "latest.json", {"step": step, "dir": name})
+    for old in (out / "ckpt").glob("step-*"):
+        if old.name != Path(name).name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.device) -> tuple[int, list]:
+    latest = out / "latest.json"
+    if not latest.is_file():
+        return 0, []
+    ckpt = out / read_json(latest)["dir"]
+    if not (ckpt / "state.json").is_file():
+        raise FcauditError(f"training state {ckpt} is incomplete: delete {out} (or latest.json) and rerun")
+    state = read_json(ckpt / "state.json")
+    load_weights(ckpt / "model.safetensors", model, device=device)
+    tensors = load_file(str(ckpt / "optimizer.safetensors"))
+    per_param: dict[int, dict] = {}
+    for key, t in tensors.items():
+        i, name = key.split(".", 1)
+        per_param.setdefault(int(i), {})[name] = t
+    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+    rng_tensors = load_file(str(ckpt / "rng.safetensors"))
+    torch.set_rng_state(rng_tensors["torch"])
+    if "cuda" in rng_tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_tensors["cuda"])
+    rng.bit_generator.state = state["numpy_rng"]
+    return state["step"], state["history"]
+
+
+def _save_final(out: Path, model: nn.Module, meta: dict) -> None:
+    if isinstance(model, FeatureGateGPT):
+        save_checkpoint(out, model, meta)
+    else:  # MUDDPythia writes its own HF-format config.json + model.safetensors (each atomically, weights first)
+        model.save_pretrained(out)
+
+
+def _check_run_dir(out: Path, cfg: TrainConfig) -> None:
+    path = out / "train_config.json"
+    if path.is_file():
+        previous = read_json(path)
+        if previous != cfg.identity():
+            diff = sorted(k for k in set(previous) | set(cfg.identity()) if previous.get(k) != cfg.identity().get(k))
+            raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
+    else:
+        write_json(path, cfg.identity())
+
+
+def train(cfg: TrainConfig, corpus=None) -> TrainResult:
+    """Train (or resume, or return the finished run in cfg.out) and report Byte-PPL and gate mass on the test split.
+
+    `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
+    """
+    from fcaudit.data import all_windows, load_corpus, make_windows, random_batch  # data is the lead's module
+
+    out = Path(cfg.out)
+    device = resolve_device(cfg.device)
+    if corpus is None:
+        corpus = load_corpus(cfg.corpus)
+    elif corpus.name != cfg.corpus:
+        raise FcauditError(f"corpus {corpus.name!r} was passed for a config naming {cfg.corpus!r}: pass the matching corpus")
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(device)
+    window = cfg.window or model.config.block_size
+    if window > model.config.block_size:
+        raise FcauditError(f"window {window} exceeds the model's block_size {model.config.block_size}: use a shorter window")
+    if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
+        raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
+    val = make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
+    test = all_windows(corpus.test, window, limit=cfg.test_windows or None)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_run_dir(out, cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if (out / "metrics.json").is_file():  # finished earlier with the same config
+        m = read_json(out / "metrics.json")
+        return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
+
+    rng = np.random.default_rng(cfg.seed)
+    opt = make_optimizer(model, cfg, device)
+    start, history = _load_state(out, model, opt, rng, device)
+    model.train()
+    t0, tokens_seen = time.perf_counter(), 0
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not cfg.progress)
+    with progress:
+        task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
+        for step in range(start, cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            ids = random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
+            with _autocast(device):
+                loss = token_nll(logits_of(model(ids)), ids).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            tokens_seen += ids.numel()
+            done = step + 1
+            if done % cfg.eval_interval == 0 or done == cfg.steps:
+                v = evaluate(model, val, cfg.batch_size, device)
+                history.append({"step": done, "train_loss": loss.item(), "val_nll": v["nll"]})
+                _save_state(out, done, model, opt, rng, history)
+            progress.update(task, completed=done, info=f"loss {loss.item():.3f}" +
+                            (f" val {history[-1]['val_nll']:.3f}" if history else ""))
+    train_seconds = time.perf_counter() - t0
+
+    result = evaluate(model, test, cfg.batch_size, device)
+    metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],
+               "test_windows": result["windows"], "test_tokens": result["tokens"], "variant": cfg.model,
+               "preset": cfg.preset, "seed": cfg.seed, "corpus": cfg.corpus, "corpus_fingerprint": corpus.fingerprint,
+               "n_params": n_params, "steps": cfg.steps, "window": window, "device": str(device),
+               "train_seconds_this_session": train_seconds,
+               "train_tokens_per_s_this_session": tokens_seen / train_seconds if tokens_seen else None,
+               "history": history, "config": cfg.identity(), **provenance()}
+    _save_final(out, model, {k: metrics[k] for k in ("byte_ppl", "gate_mass", "variant", "seed", "corpus", "steps")})
+    write_json(out / "metrics.json", metrics)
+    return TrainResult(out, metrics["byte_ppl"], metrics["gate_mass"], n_params, metrics)

@@ -1,0 +1,253 @@
+"""The FeatureGate family: shapes, the dense reference, gate ranges, each controller feature, checkpoints."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fcaudit.errors import FcauditError
+from fcaudit.models.checkpoint import load_model, save_checkpoint
+from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTConfig, config_for, gate_features
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine extra threads only thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
+
+
+def tiny(variant: str, seed: int = 0, **kw) -> FeatureGateGPT:
+    torch.manual_seed(seed)
+    model = FeatureGateGPT(GPTConfig(variant=variant, **{**TINY, **kw}))
+    with torch.no_grad():  # move learned gates off their common init so layers differ
+        for name, p in model.named_parameters():
+            if "gate" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    return model.eval()
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_has_the_right_shapes_and_gates_in_unit_interval(variant, ids):
+    model = tiny(variant)
+    logits, gates = model(ids, return_gates=True)
+    assert logits.shape == (3, 12, 256)
+    assert torch.isfinite(logits).all()
+    if variant in ("dense", "fixeddepth"):
+        assert gates is None and all(b.gate is None for b in model.blocks)
+        assert model.gate_mass(ids) == 1.0
+    else:
+        assert gates.shape == (3, 3, 12)
+        for l, block in enumerate(model.blocks):  # the gate module itself returns [B, T]
+            assert block.gate is not None
+        assert ((gates > 0) & (gates < 1)).all()
+        assert model.gate_mass(ids) == pytest.approx(gates.mean().item())
+
+
+def test_gate_kinds_per_variant(ids):
+    uniform = tiny("uniform")
+    assert len({id(b.gate.logit) for b in uniform.blocks}) == 1  # one shared coefficient
+    _, g = uniform(ids, return_gates=True)
+    assert torch.all(g == g.flatten()[0])
+    _, g = tiny("layerstatic")(ids, return_gates=True)
+    per_layer = g.flatten(1)
+    assert torch.all(per_layer == per_layer[:, :1]) and len(set(per_layer[:, 0].tolist())) == 3
+    _, g = tiny("uniform-fixed")(ids, return_gates=True)
+    assert torch.all(g == 0.6)
+    _, g = tiny("uniform-matched", gate_value=0.5973)(ids, return_gates=True)
+    assert torch.allclose(g, torch.tensor(0.5973))
+    _, g = tiny("featuregate")(ids, return_gates=True)
+    assert g.std(dim=(1, 2)).min() > 0  # per-token gates differ across tokens
+    assert config_for("demo", "fixeddepth", fixed_depth=2).n_layer == 2
+    with pytest.raises(FcauditError, match="unknown model variant"):
+        GPTConfig(variant="moe")
+    with pytest.raises(FcauditError, match="fixed_depth"):
+        config_for("demo", "fixeddepth")
+
+
+def reference_preln(model: FeatureGateGPT, ids: torch.Tensor) -> torch.Tensor:
+    """An ungated pre-LN Transformer written out directly from the model's weights."""
+    T = ids.size(1)
+    H = model.config.n_head
+    x = model.wte.weight[ids] + model.wpe.weight[:T]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    for b in model.blocks:
+        y = F.layer_norm(x, x.shape[-1:], b.ln1.weight, b.ln1.bias, model.config.norm_eps)
+        q, k, v = (y @ b.attn.qkv.weight.T).split(x.size(-1), dim=-1)
+        q, k, v = (t.view(*t.shape[:2], H, -1).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")).softmax(-1)
+        a = (att @ v).transpose(1, 2).reshape(x.shape) @ b.attn.proj.weight.T
+        x = x + a
+        y = F.layer_norm(x, x.shape[-1:], b.ln2.weight, b.ln2.bias, model.config.norm_eps)
+        x = x + F.gelu(y @ b.mlp.fc.weight.T) @ b.mlp.proj.weight.T
+    x = F.layer_norm(x, x.shape[-1:], model.ln_f.weight, model.ln_f.bias, model.config.norm_eps)
+    return x @ model.wte.weight.T
+
+
+def test_dense_equals_an_ungated_preln_transformer(ids):
+    model = tiny("dense")
+    with torch.no_grad():
+        assert torch.allclose(model(ids), reference_preln(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_gate_one_reproduces_dense_and_gate_scales_the_whole_block_update(ids):
+    dense, fixed = tiny("dense"), tiny("uniform-fixed", gate_value=0.5)
+    fixed.load_state_dict(dense.state_dict())
+    for block in fixed.blocks:  # a constant gate of 1 must give the dense model
+        block.gate.value = 1.0
+    with torch.no_grad():
+        assert torch.allclose(fixed(ids), dense(ids), atol=1e-6)
+        # with g = 0 every block is skipped: the logits only see the embeddings
+        for block in fixed.blocks:
+            block.gate.value = 0.0
+        x = dense.wte(ids) + dense.wpe(torch.arange(ids.size(1)))
+        assert torch.allclose(fixed(ids), dense.lm_head(dense.ln_f(x)), atol=1e-6)
+
+
+def test_replacing_the_gate_forward_gives_bit_identical_logits_and_skips_the_controller(ids, monkeypatch):
+    model = tiny("featuregate")
+    with torch.no_grad():
+        logits, gates = model(ids, return_gates=True)
+        calls = []
+        monkeypatch.setattr("fcaudit.models.featuregate.gate_features", lambda *a: calls.append(1))
+        for l, block in enumerate(model.blocks):
+            block.gate.forward = lambda *args, _g=gates[l]: _g
+        replayed = model(ids)
+    assert not calls  # the features were not computed
+    assert torch.equal(replayed, logits)
+
+
+# ---- features against direct computations -----------------------------------------------------------------------
+
+def direct_attention(q, k):
+    """P[b, n, t, s] for s <= t, written with explicit loops over positions."""
+    B, H, T, D = q.shape
+    P = torch.zeros(B, H, T, T, dtype=torch.float64)
+    Z = torch.zeros(B, H, T, dtype=torch.float64)
+    for t in range(T):
+        s = (q[:, :, t:t + 1].double() @ k[:, :, : t + 1].double().transpose(-1, -2)).squeeze(-2) / math.sqrt(D)
+        P[:, :, t, : t + 1] = torch.exp(s - s.max(-1, keepdim=True).values) / torch.exp(s - s.max(-1, keepdim=True).values).sum(-1, keepdim=True)
+        Z[:, :, t] = torch.log(torch.exp(s.double()).sum(-1)) - math.log(t + 1)
+    return P, Z
+
+
+def test_each_feature_equals_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D, d = 2, 3, 5, 4, 6
+    q, k, pq, pk = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    h, upd = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    feats = gate_features(h, upd, q, k, pq, pk).double()
+    P, Z = direct_attention(q, k)
+    Pp, _ = direct_attention(pq, pk)
+    for b in range(B):
+        for t in range(T):
+            ent = [-sum(P[b, n, t, s] * math.log(P[b, n, t, s]) for s in range(t + 1)) for n in range(H)]
+            exp_ent = 0.0 if t == 0 else sum(ent) / H / math.log(t + 1)
+            kl = sum(sum(P[b, n, t, s] * math.log(P[b, n, t, s] / Pp[b, n, t, s]) for s in range(t + 1)) for n in range(H)) / H
+            rel = h[b, t].double().norm().item()
+            assert feats[b, t, 0].item() == pytest.approx(float(exp_ent), abs=1e-5)
+            assert feats[b, t, 1].item() == pytest.approx(float(kl), abs=1e-5)
+            assert feats[b, t, 2].item() == pytest.approx(Z[b, :, t].mean().item(), abs=1e-5)
+            assert feats[b, t, 3].item() == pytest.approx(upd[b, t].double().norm().item() / (rel + 1e-6), rel=1e-5)
+    first = gate_features(h, upd, q, k, None, None)
+    assert torch.all(first[..., 1] == 0)  # first layer: no previous attention, KL 0
+    assert torch.allclose(first[..., [0, 2, 3]], feats[..., [0, 2, 3]].float())
+    assert torch.all(feats[:, 0, 0] == 0) and (feats[..., 0] >= 0).all() and (feats[..., 0] <= 1 + 1e-6).all()
+
+
+def test_features_are_detached_and_the_gate_sees_the_previous_blocks_attention(ids):
+    model = tiny("featuregate")
+    seen = []
+    for block in model.blocks:
+        block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
+    logits = model(ids)
+    assert seen[0][4] is None and seen[0][5] is None
+    for l in range(1, 3):  # block l receives block l-1's q and k
+        _, _, q_prev, k_prev, _, _ = seen[l - 1]
+        assert seen[l][4] is q_prev and seen[l][5] is k_prev
+    q = seen[1][2].detach().requires_grad_()
+    feats = gate_features(seen[1][0], seen[1][1], q, seen[1][3], seen[1][4], seen[1][5])
+    assert not feats.requires_grad  # the controller reads the block, gradients do not flow into it through features
+    logits.sum().backward()
+    assert model.blocks[0].gate.fc.weight.grad is not None
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["featuregate", "uniform", "layerstatic", "uniform-matched"])
+def test_checkpoint_round_trip_is_bit_exact(tmp_path, ids, variant):
+    model = tiny(variant, gate_value=0.6123)
+    save_checkpoint(tmp_path / "ck", model, {"seed": 3})
+    loaded, meta = load_model(tmp_path / "ck")
+    assert meta == {"seed": 3} and loaded.config == model.config
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert loaded.lm_head.weight is loaded.wte.weight  # tying survives the round trip
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    assert not list((tmp_path / "ck").glob(".*"))  # no temp files left behind
+
+
+def test_checkpoint_errors_are_one_line_and_name_the_fix(tmp_path):
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, tiny("featuregate"), {})
+    weights = (ck / "model.safetensors").read_bytes()
+    config = json.loads((ck / "config.json").read_text())
+
+    def fails(match):
+        with pytest.raises(FcauditError, match=match) as e:
+            load_model(ck)
+        assert "\n" not in str(e.value)
+
+    (ck / "config.json").write_text(json.dumps({**config, "d_model": 32}))
+    fails("do not match its config.json")
+    (ck / "config.json").write_text(json.dumps({**config, "n_layer": 4}))
+    fails("do not match its config.json")
+    (ck / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    fails("model_type 'llama'")
+    (ck / "config.json").write_text("{not json")
+    fails("not valid JSON")
+    (ck / "config.json").write_text(json.dumps(config))
+    (ck / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    fails("corrupt or truncated")
+    (ck / "model.safetensors").unlink()
+    fails("no weights file")
+    (ck / "config.json").unlink()
+    fails("has no config.json")
+    with pytest.raises(FcauditError, match="no checkpoint directory"):
+        load_model(tmp_path / "missing")
+
+
+def test_hub_id_offline_gives_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("fcaudit.hub.hub_reachable", lambda *a, **k: False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FcauditError, match="pass a local checkpoint directory"):
+        load_model("nobody-xyz/no-such-model")
+
+
+def test_paper_presets_have_the_papers_sizes():
+    """Count = 1-block model + (L-1) blocks, from two shallow models of the preset's width (no full-size init)."""
+    from dataclasses import replace
+
+    def count(preset):
+        cfg = PRESETS[preset]
+        one, two = (FeatureGateGPT(replace(cfg, n_layer=n)).n_params() for n in (1, 2))
+        return one + (cfg.n_layer - 1) * (two - one)
+
+    assert (PRESETS["paper-76m"].n_layer, PRESETS["paper-76m"].d_model, PRESETS["paper-76m"].n_head) == (24, 512, 8)
+    assert round(count("paper-76m") / 1e6, 1) == 75.9
+    assert (PRESETS["paper-504m"].n_layer, PRESETS["paper-504m"].d_model, PRESETS["paper-504m"].n_head) == (40, 1024, 16)
+    assert round(count("paper-504m") / 1e6) == 504

@@ -1,0 +1,153 @@
+"""Training: loss goes down on the embedded corpus, seeds reproduce, resume is exact, run dirs are guarded."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fcaudit.data as data
+from fcaudit.errors import FcauditError
+from fcaudit.models.checkpoint import load_model
+from fcaudit.train import TrainConfig, lr_at, train
+
+FAST = dict(preset="tiny", steps=24, batch_size=4, window=32, eval_interval=8, eval_windows=4, test_windows=8,
+            progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine extra threads only thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus("embedded")
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def same_weights(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_few_dozen_steps_lower_the_loss_and_write_metrics(tmp_path, corpus):
+    result = train(TrainConfig(model="featuregate", out=str(tmp_path / "fg"), **FAST), corpus=corpus)
+    hist = result.metrics["history"]
+    assert [h["step"] for h in hist] == [8, 16, 24]
+    assert hist[-1]["val_nll"] < hist[0]["val_nll"] < math.log(256)  # better than uniform bytes, and improving
+    metrics = json.loads((tmp_path / "fg" / "metrics.json").read_text())
+    assert metrics["byte_ppl"] == pytest.approx(math.exp(metrics["test_nll"]))
+    assert 1 < metrics["byte_ppl"] < 256 and metrics["test_tokens"] == 8 * 31
+    assert 0 < metrics["gate_mass"] < 1 and metrics["variant"] == "featuregate"
+    model, meta = load_model(tmp_path / "fg")  # the final model is a loadable checkpoint
+    assert meta["byte_ppl"] == metrics["byte_ppl"]
+    assert sum(p.numel() for p in model.parameters()) == metrics["n_params"] == result.n_params
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path, corpus):
+    cfg = dict(model="layerstatic", **{**FAST, "steps": 6, "eval_interval": 6})
+    a = train(TrainConfig(out=str(tmp_path / "a"), seed=1, **cfg), corpus=corpus)
+    b = train(TrainConfig(out=str(tmp_path / "b"), seed=1, **cfg), corpus=corpus)
+    c = train(TrainConfig(out=str(tmp_path / "c"), seed=2, **cfg), corpus=corpus)
+    assert same_weights(weights(a.out), weights(b.out)) and a.byte_ppl == b.byte_ppl
+    assert not same_weights(weights(a.out), weights(c.out))
+
+
+def test_resume_after_interruption_gives_the_uninterrupted_weights(tmp_path, corpus, monkeypatch):
+    cfg = dict(model="featuregate", **{**FAST, "steps": 8, "eval_interval": 4})
+    full = train(TrainConfig(out=str(tmp_path / "full"), **cfg), corpus=corpus)
+
+    calls, real = [0], data.random_batch
+
+    def interrupted(*args, **kw):
+        calls[0] += 1
+        if calls[0] > 6:  # dies during step 7, after the step-4 checkpoint
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(data, "random_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=str(tmp_path / "resumed"), **cfg), corpus=corpus)
+    assert json.loads((tmp_path / "resumed" / "latest.json").read_text())["step"] == 4
+    assert not (tmp_path / "resumed" / "metrics.json").exists()
+    monkeypatch.setattr(data, "random_batch", real)
+    resumed = train(TrainConfig(out=str(tmp_path / "resumed"), **cfg), corpus=corpus)
+    assert same_weights(weights(full.out), weights(resumed.out))
+    assert resumed.byte_ppl == full.byte_ppl
+    assert [h["step"] for h in resumed.metrics["history"]] == [4, 8]
+    # rerunning a finished run returns it without training again
+    monkeypatch.setattr(data, "random_batch", lambda *a, **k: pytest.fail("a finished run trained again"))
+    assert train(TrainConfig(out=str(tmp_path / "resumed"), **cfg), corpus=corpus).byte_ppl == full.byte_ppl
+
+
+def test_a_different_config_in_the_same_run_dir_is_refused(tmp_path, corpus):
+    cfg = dict(model="dense", **{**FAST, "steps": 2, "eval_interval": 2})
+    train(TrainConfig(out=str(tmp_path / "run"), **cfg), corpus=corpus)
+    with pytest.raises(FcauditError, match="different config.*seed"):
+        train(TrainConfig(out=str(tmp_path / "run"), seed=5, **cfg), corpus=corpus)
+
+
+@pytest.mark.parametrize("model", ["dense", "uniform", "uniform-fixed", "fixeddepth"])
+def test_other_variants_train_and_report_gate_mass(tmp_path, corpus, model):
+    r = train(TrainConfig(model=model, out=str(tmp_path / model), fixed_depth=1,
+                          **{**FAST, "steps": 2, "eval_interval": 2}), corpus=corpus)
+    expected = {"dense": 1.0, "fixeddepth": 1.0, "uniform-fixed": pytest.approx(0.6)}.get(model)
+    if expected is not None:
+        assert r.gate_mass == expected
+    else:
+        assert 0 < r.gate_mass < 1
+    assert math.isfinite(r.byte_ppl)
+
+
+def test_uniform_matched_takes_the_measured_gate_mass(tmp_path, corpus):
+    fast = {**FAST, "steps": 2, "eval_interval": 2}
+    fg = train(TrainConfig(model="featuregate", out=str(tmp_path / "fg"), **fast), corpus=corpus)
+    cfg = TrainConfig(model="uniform-matched", matched_to=str(tmp_path / "fg"), out=str(tmp_path / "um"), **fast)
+    assert cfg.gate_value == fg.gate_mass
+    assert train(cfg, corpus=corpus).gate_mass == pytest.approx(fg.gate_mass)
+    with pytest.raises(FcauditError, match="gate mass"):
+        TrainConfig(model="uniform-matched", out=str(tmp_path / "x"), **fast)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(model="moe"), "unknown model"), (dict(preset="huge"), "unknown preset"),
+                                       (dict(device="tpu"), "unknown device"), (dict(steps=0), "at least 1")])
+def test_bad_config_is_refused_with_one_line(kw, match):
+    with pytest.raises(FcauditError, match=match) as e:
+        TrainConfig(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_window_longer_than_block_size_is_refused(tmp_path, corpus):
+    with pytest.raises(FcauditError, match="block_size"):
+        train(TrainConfig(model="dense", out=str(tmp_path / "w"), **{**FAST, "window": 65}), corpus=corpus)
+    assert not (tmp_path / "w").exists()  # nothing written
+
+
+def test_schedule_warms_up_then_decays_to_min_lr():
+    cfg = TrainConfig(preset="tiny", steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(1e-4)
+
+
+def test_mudd_trains_and_saves_in_its_own_format(tmp_path, corpus):
+    r = train(TrainConfig(model="mudd", out=str(tmp_path / "mudd"), **{**FAST, "steps": 2, "eval_interval": 2}),
+              corpus=corpus)
+    assert r.gate_mass is None and math.isfinite(r.byte_ppl)
+    model, _ = load_model(tmp_path / "mudd")
+    assert type(model).__name__ == "MUDDPythia"
+    assert sum(p.numel() for p in model.parameters()) == r.n_params
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no CUDA device is visible")
+def test_cuda_without_a_gpu_is_refused(tmp_path, corpus):
+    with pytest.raises(FcauditError, match="--device cpu"):
+        train(TrainConfig(model="dense", device="cuda", out=str(tmp_path / "c"), **FAST), corpus=corpus)
