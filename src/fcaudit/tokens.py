@@ -1,0 +1,72 @@
+"""Tokenizers for subword checkpoints (MUDDPythia uses the Pythia / GPT-NeoX BPE), through `tokenizers`.
+
+Byte-level models need none: their token ids are the bytes themselves (fcaudit.data).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from fcaudit.errors import FcauditError
+
+
+def load_tokenizer(dir_or_hub_id: str | os.PathLike, revision: str | None = None) -> Tokenizer:
+    """`tokenizer.json` from a checkpoint directory, the file itself, or a hub repo (at `revision`)."""
+    path = Path(dir_or_hub_id).expanduser()
+    if path.is_file():
+        return _from_file(path)
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            raise FcauditError(f"no tokenizer.json in {path}: copy the checkpoint's tokenizer.json there "
+                               f"(for MUDDPythia, the Pythia tokenizer from EleutherAI/pythia-1.4b)")
+        return _from_file(path / "tokenizer.json")
+    name = str(dir_or_hub_id)
+    if path.exists() or name.count("/") != 1 or name.startswith((".", "/")):
+        raise FcauditError(f"no tokenizer at {name!r}: pass a checkpoint directory with tokenizer.json "
+                           f"or a Hugging Face hub id")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    from fcaudit.hub import hub_reachable
+
+    try:  # offline: the local HF cache may still hold it
+        file = hf_hub_download(name, "tokenizer.json", revision=revision, local_files_only=not hub_reachable())
+        return _from_file(Path(file))
+    except RemoteEntryNotFoundError:  # the repo answered: it has no such file
+        raise FcauditError(f"hub repo {name} has no tokenizer.json: pass a directory holding the matching "
+                           f"tokenizer.json instead") from None
+    except FcauditError:
+        raise
+    except Exception as e:  # offline or unreachable hub: the fix is a local copy
+        rev = f" --revision {revision}" if revision else ""
+        raise FcauditError(f"cannot fetch the tokenizer of {name} from the Hugging Face hub ({type(e).__name__}); "
+                           f"download it where the hub is reachable (`hf download {name}{rev} --local-dir DIR`) "
+                           f"and pass the local DIR") from None
+
+
+def _from_file(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise FcauditError(f"{path} is not a tokenizers JSON file ({type(e).__name__}): use the checkpoint's "
+                           f"tokenizer.json") from None
+
+
+def encode(tokenizer: Tokenizer, texts: str | list[str], vocab_size: int | None = None) -> np.ndarray:
+    """Encode texts (e.g. the lines of a WikiText split) into one contiguous int64 id stream.
+
+    Lines are encoded in parallel batches without special tokens and concatenated in order, so the
+    stream is the same as encoding the joined text line by line. With `vocab_size` the ids are checked
+    to fit the model's embedding (MUDDPythia pads 50432 past the tokenizer's size)."""
+    if isinstance(texts, str):
+        texts = [texts]
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64)
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        raise FcauditError(f"tokenizer produces id {int(ids.max())} >= model vocab_size {vocab_size}: "
+                           f"use the tokenizer that belongs to the checkpoint")
+    return ids
