@@ -3,12 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OUT ?= demo-out
+# CPU build from this machine's disk by default; GPU users: make demo TORCH=torch (PyPI's Linux build is CUDA).
+TORCH ?= torch==2.13.0
 
 $(BIN)/fcaudit: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# CPU build from this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -23,3 +23,4 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/train_speed.py
+	$(BIN)/python benchmarks/audit_speed.py

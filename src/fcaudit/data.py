@@ -30,6 +30,7 @@ from fcaudit.hub import hub_reachable, offline_mode
 EMBEDDED_BYTES = 8_000_000  # cap: ~8 MB keeps loading under a second and leaves ~400 KB per held-out split
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3"}
 _HELD_OUT = 20  # 1 file in 20 to validation, 1 in 20 to test (by path hash)
+SPLITS = ("train", "validation", "test")
 
 # name -> (datasets path, config, how to make validation/test when the dataset has none)
 HF_CORPORA = {
@@ -50,14 +51,14 @@ class Corpus:
     fingerprint: str = field(default="")
 
     def split(self, name: str) -> np.ndarray:
-        if name not in ("train", "validation", "test"):
+        if name not in SPLITS:
             raise FcauditError(f"unknown split {name!r}; use train, validation or test")
         return getattr(self, name)
 
     def describe(self) -> dict:
         return {
             "name": self.name, "source": self.source, "license": self.license, "vocab_size": self.vocab_size,
-            "fingerprint": self.fingerprint, "tokens": {s: int(len(self.split(s))) for s in ("train", "validation", "test")},
+            "fingerprint": self.fingerprint, "tokens": {s: int(len(self.split(s))) for s in SPLITS},
         }
 
 
@@ -115,10 +116,16 @@ def _embedded_texts() -> list[tuple[str, bytes]]:
     return out
 
 
-def _encode(texts: tuple[bytes, bytes, bytes], tokenizer) -> tuple[list[np.ndarray], int]:
+def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
+    """Bytes are their own ids; a tokenizer encodes only the splits asked for (BPE over WikiText-103's train
+    split takes minutes, and an audit needs only validation and test)."""
     if tokenizer is None:
-        return [np.frombuffer(t, dtype=np.uint8).copy() for t in texts], 256
-    arrays = [np.asarray(tokenizer.encode(t.decode("utf-8", errors="replace")).ids, dtype=np.int32) for t in texts]
+        return [np.frombuffer(t, dtype=np.uint8).copy() if s in splits else np.zeros(0, np.uint8)
+                for s, t in zip(SPLITS, texts)], 256
+    from fcaudit.tokens import encode
+
+    arrays = [encode(tokenizer, t.decode("utf-8", errors="replace").splitlines(keepends=True)).astype(np.int32)
+              if s in splits else np.zeros(0, np.int32) for s, t in zip(SPLITS, texts)]
     return arrays, int(tokenizer.get_vocab_size())
 
 
@@ -142,8 +149,10 @@ def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
     return _split_by_path([(str(i), d.encode() + b"\n") for i, d in enumerate(docs)])
 
 
-def load_corpus(name: str = "embedded", tokenizer=None) -> Corpus:
-    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext)."""
+def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] = SPLITS) -> Corpus:
+    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext).
+
+    Splits not in `splits` are left empty (an audit needs only validation and test)."""
     if name == "embedded":
         texts = _split_by_path(_embedded_texts())
         source = f"Python {sysconfig.get_python_version()} standard library source ({sysconfig.get_paths()['stdlib']})"
@@ -164,9 +173,9 @@ def load_corpus(name: str = "embedded", tokenizer=None) -> Corpus:
         else:
             texts = _split_contiguous(path.read_bytes())
         source, license = f"local:{path.resolve()}", "as stated by the files' owner"
-    arrays, vocab = _encode(texts, tokenizer)
-    for split, a in zip(("train", "validation", "test"), arrays):
-        if len(a) == 0:
+    arrays, vocab = _encode(texts, tokenizer, splits)
+    for split, a in zip(SPLITS, arrays):
+        if split in splits and len(a) == 0:
             raise FcauditError(f"corpus {name!r} has an empty {split} split; give it more text (at least a few files)")
     return Corpus(name, *arrays, vocab_size=vocab, license=license, source=source, fingerprint=_fingerprint(*arrays))
 

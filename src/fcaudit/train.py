@@ -149,8 +149,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # tied weights appear once in parameters()
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # Matrices decay; norms, biases, gate logits and MUDD's static mix dense_bs (initialised as "take the latest
+    # hidden state", which decay would pull towards zero) do not. Tied weights appear once in named_parameters().
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and not n.startswith("dense_bs")]
+    no_decay = [p for n, p in named if p.dim() < 2 or n.startswith("dense_bs")]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 

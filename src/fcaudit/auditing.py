@@ -1,0 +1,59 @@
+"""`fcaudit audit CHECKPOINT`: load a checkpoint, draw its windows, find its controller, run the audit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import read_json
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def family_name(checkpoint: str, ckpt_dir: Path) -> str:
+    """Checkpoints of one family differ only by training seed: name them by what was trained, not by path."""
+    metrics = ckpt_dir / "metrics.json"
+    if metrics.is_file():
+        m = read_json(metrics)
+        return " ".join(str(m[k]) for k in ("variant", "preset") if m.get(k)) or ckpt_dir.name
+    return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name
+
+
+def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int,
+                     randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
+                     dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
+                     quiet: bool = False):
+    """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run)."""
+    from fcaudit import data
+    from fcaudit.audit.runner import audit, plan
+    from fcaudit.controllers import controller_for
+    from fcaudit.models.checkpoint import load_model, resolve_checkpoint
+    from fcaudit.train import resolve_device
+
+    if dtype is not None and dtype not in DTYPES:
+        raise FcauditError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    ckpt_dir = resolve_checkpoint(checkpoint, revision)
+    model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=DTYPES.get(dtype))
+    tokenizer = None
+    if (ckpt_dir / "tokenizer.json").is_file():
+        from fcaudit.tokens import load_tokenizer
+
+        tokenizer = load_tokenizer(ckpt_dir)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if tokenizer is None and vocab is not None and vocab != 256:
+        raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the checkpoint's "
+                           "tokenizer.json in its directory")
+    corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
+    ev, ca = data.audit_windows(corp, n_eval, n_calib, window, seed)
+    controller = controller_for(model)
+    if dry_run:
+        p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations)
+        print(p)
+        return p
+    info = {"family": family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
+            "corpus": corp.describe()}
+    return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out, batch_size=batch_size,
+                 tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet)

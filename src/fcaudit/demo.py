@@ -1,0 +1,120 @@
+"""`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU.
+
+1. Table 1: train Dense, Uniform, UniformFixed, UniformMatched, LayerStatic, FixedDepth-k and FeatureGate
+   (several seeds for Uniform, LayerStatic and FeatureGate) and a byte-level MUDD model.
+2. FCA: audit every FeatureGate, Uniform and LayerStatic seed and the MUDD model.
+3. Checkpoint-level summaries across seeds, execution measurements, and the report.
+
+Every step writes into its own directory under OUT and is skipped when already finished, so rerunning the same
+command resumes an interrupted demo.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import read_json, write_json
+
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    preset: str  # FeatureGate-family preset
+    mudd_preset: str
+    seeds: int  # training seeds of FeatureGate, Uniform and LayerStatic
+    steps: int | None  # None: the preset's default
+    mudd_steps: int | None
+    fixed_depth: int  # k of FixedDepth-k
+    n_eval: int
+    n_calib: int
+    window: int
+    randomizations: int
+    batch_size: int
+
+
+FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=3, steps=None, mudd_steps=300, fixed_depth=2,
+                n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
+QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, fixed_depth=1,
+                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16)
+
+MULTI_SEED = ("featuregate", "uniform", "layerstatic")
+AUDITED = MULTI_SEED + ("mudd",)
+
+
+def _runs(plan: DemoPlan) -> list[tuple[str, int]]:
+    """(model, seed) in training order; uniform-matched comes after the FeatureGate seeds it is matched to."""
+    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)]
+    return runs + [("dense", 0), ("uniform-fixed", 0), ("uniform-matched", 0), ("fixeddepth", 0), ("mudd", 0)]
+
+
+def _check_out(out: Path, plan: DemoPlan) -> None:
+    path = out / "demo_plan.json"
+    if path.is_file() and read_json(path) != asdict(plan):
+        raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    if not path.is_file():
+        write_json(path, asdict(plan))
+
+
+def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
+    from fcaudit.auditing import audit_checkpoint
+    from fcaudit.data import load_corpus
+    from fcaudit.report.render import build_report
+    from fcaudit.stats.summary import summarize
+    from fcaudit.train import TrainConfig, train
+
+    plan = QUICK if quick else FULL
+    out = Path(out)
+    _check_out(out, plan)
+    t0 = time.perf_counter()
+    corpus = load_corpus("embedded")
+    console.print(f"[bold]fcaudit demo[/bold] ({'quick' if quick else 'full'}) -> {out}  "
+                  f"corpus: {corpus.source}, {sum(corpus.describe()['tokens'].values()) / 1e6:.1f} MB")
+
+    # 1. training (Table 1)
+    runs = _runs(plan)
+    for i, (model, seed) in enumerate(runs, 1):
+        run_dir = out / "train" / f"{model}-s{seed}"
+        console.print(f"[bold]train[/bold] {i}/{len(runs)}: {model} seed {seed}")
+        mudd = model == "mudd"
+        cfg = TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed, out=str(run_dir),
+                          device=device, steps=plan.mudd_steps if mudd else plan.steps,
+                          window=plan.window if mudd else None,
+                          fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
+                          matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None)
+        r = train(cfg, corpus=corpus)
+        console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""))
+
+    # 2. audits
+    audits = []
+    for model, seed in runs:
+        if model not in AUDITED:
+            continue
+        audit_dir = out / "audit" / f"{model}-s{seed}"
+        console.print(f"[bold]audit[/bold] {model} seed {seed}")
+        audit_checkpoint(str(out / "train" / f"{model}-s{seed}"), corpus="embedded", out=audit_dir, n_eval=plan.n_eval,
+                         n_calib=plan.n_calib, window=plan.window, randomizations=plan.randomizations, seed=0,
+                         batch_size=plan.batch_size, device=device, quiet=True)
+        audits.append(audit_dir)
+
+    # 3. summaries, execution, report
+    summary = summarize(audits, out=out / "summary")
+    console.print(str(summary))
+    inputs = [out / "train", out / "summary", *audits]
+    try:
+        from fcaudit.execution import measure_execution
+    except ImportError:
+        measure_execution = None
+    if measure_execution is not None:
+        ckpts = [out / "train" / f"{m}-s0" for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd")]
+        measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device)
+        inputs.append(out / "execution")
+    report = build_report(inputs, out / "report")
+    console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
+    return report

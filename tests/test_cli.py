@@ -1,0 +1,96 @@
+"""The fcaudit command end to end on tiny models: train, audit, summarize, report; bad input -> one line, exit 2."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fcaudit import data
+from fcaudit.cli import app
+from fcaudit.models.checkpoint import save_checkpoint
+from fcaudit.models.featuregate import FeatureGateGPT, config_for
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / "fg"
+    save_checkpoint(path, FeatureGateGPT(config_for("tiny", "featuregate")), {"variant": "featuregate"})
+    return path
+
+
+def test_train_audit_summarize_report(tmp_path):
+    r = run("train", "--model", "layerstatic", "--preset", "tiny", "--steps", "3", "--out", tmp_path / "ls")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "ls" / "metrics.json").read_text())["byte_ppl"] > 1
+    r = run("audit", tmp_path / "ls", "--out", tmp_path / "a", "--eval", 4, "--calib", 4, "--window", 32,
+            "--randomizations", 2, "--batch-size", 2, "--quiet")
+    assert r.exit_code == 0, r.output
+    replay = json.loads((tmp_path / "a" / "replay.json").read_text())
+    assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
+    r = run("summarize", tmp_path / "a", "--out", tmp_path / "s")
+    assert r.exit_code == 0, r.output
+    r = run("report", tmp_path / "ls", tmp_path / "s", "--out", tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "rep" / "report.html").is_file()
+
+
+def test_unknown_model_writes_nothing(tmp_path):
+    one_line_error(run("train", "--model", "moe", "--out", tmp_path / "x"), "unknown model")
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, tiny_ckpt):
+    one_line_error(run("audit", tmp_path / "nope", "--out", tmp_path / "a"), "no checkpoint directory")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    one_line_error(run("audit", bad, "--out", tmp_path / "a"))
+    mism = tmp_path / "mism"
+    mism.mkdir()
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg["d_model"] = 48
+    (mism / "config.json").write_text(json.dumps(cfg))
+    (mism / "model.safetensors").write_bytes((tiny_ckpt / "model.safetensors").read_bytes())
+    one_line_error(run("audit", mism, "--out", tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+
+
+def test_offline_corpus_and_long_window(tmp_path, tiny_ckpt, monkeypatch):
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    one_line_error(run("audit", tiny_ckpt, "--corpus", "wikitext-103", "--out", tmp_path / "a"), "--corpus PATH")
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 2000)
+    one_line_error(run("audit", tiny_ckpt, "--corpus", small, "--window", 128, "--eval", 4, "--calib", 4,
+                       "--out", tmp_path / "a"), "longer than")
+    assert not (tmp_path / "a").exists()
+
+
+def test_one_eval_window_is_refused(tmp_path, tiny_ckpt):
+    one_line_error(run("audit", tiny_ckpt, "--eval", 1, "--calib", 2, "--window", 32, "--out", tmp_path / "a"),
+                   "derangement")
+    assert not (tmp_path / "a").exists()
+
+
+def test_dry_run_prints_plan(tmp_path, tiny_ckpt):
+    r = run("audit", tiny_ckpt, "--eval", 8, "--calib", 8, "--window", 32, "--dry-run", "--out", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    assert "store" in r.output.lower() and not (tmp_path / "a").exists()
