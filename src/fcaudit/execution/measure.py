@@ -1,0 +1,364 @@
+"""Question 3 of the paper (section 4.5): does the mechanism actually skip work?
+
+Coefficient variation and functional dependence say nothing about execution, so this module measures what really
+runs, on any PyTorch model:
+
+    executed_blocks   forward hooks on the block modules count the block forwards of one forward pass
+    flops             torch.utils.flop_counter.FlopCounterMode: forward FLOPs per token
+    latency           torch.utils.benchmark.Timer (warm-up, blocked_autorange, inference_mode): ms per batch, tokens/s
+    measure_execution all of the above for a list of checkpoints -> execution.csv / execution.json, with ratios to
+                      Dense when a Dense model of the same architecture is among the inputs
+
+A soft gate (FeatureGate, Uniform, LayerStatic) multiplies a block's update; it never removes the block, so these
+models execute every block and pay for their controller on top. FixedDepth-k executes k blocks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import torch
+from rich.console import Console
+from torch import nn
+from torch.utils import benchmark
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from fcaudit.errors import FcauditError
+from fcaudit.io import atomic_write, read_json, write_json
+from fcaudit.provenance import provenance
+
+aten = torch.ops.aten
+
+# The fused CPU attention kernel has no formula in torch's FLOP registry (it would count 0); count it like the CUDA
+# kernels: 2 matmuls over the full T x T score matrix (the counter's convention, causal masking not discounted).
+_EXTRA_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+}
+
+
+# ---- which modules are the blocks ---------------------------------------------------------------------------------
+
+def _path_matches(name: str, pattern: str) -> bool:
+    """Glob per path segment: "blocks.*" matches "blocks.3" but not "blocks.3.attn" (fnmatch's * would cross dots)."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
+
+
+def block_pattern(model: nn.Module) -> str:
+    """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
+    ("blocks.*" for FeatureGateGPT, "layers.*" for MUDDPythia, "model.layers.*" for HF decoders)."""
+    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
+             if name and isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. 'blocks.*'")
+    return f"{max(lists)[1]}.*"
+
+
+def block_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
+    pattern = pattern or block_pattern(model)
+    found = [(name, m) for name, m in model.named_modules() if name and _path_matches(name, pattern)]
+    if not found:
+        sample = [n for n, _ in model.named_modules() if n][:6]
+        raise FcauditError(f"block pattern {pattern!r} matches no module of {type(model).__name__}; "
+                           f"module paths look like {sample}")
+    return found
+
+
+# ---- executed blocks ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockCount:
+    """Blocks of a model and how many of them ran in one forward pass."""
+
+    pattern: str
+    n_blocks: int  # modules matching the pattern
+    executed: int  # block forward calls in one model forward pass
+    skipped: tuple[str, ...]  # blocks that did not run at all
+
+
+@torch.inference_mode()
+def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> BlockCount:
+    """Run model(ids) once with a forward hook on every block; count the block forwards that really ran.
+
+    A block that is called but whose output is scaled by 0 still counts: it was executed. Only a block whose forward
+    is not called at all (skipped in the execution graph) lowers the count.
+    """
+    pattern = pattern or block_pattern(model)
+    blocks = block_modules(model, pattern)
+    calls = {name: 0 for name, _ in blocks}
+
+    def hook_for(name):
+        def hook(module, args, out):
+            calls[name] += 1
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(name)) for name, m in blocks]
+    try:
+        model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, c in calls.items() if c == 0))
+
+
+# ---- FLOPs --------------------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def flops(model: nn.Module, ids: torch.Tensor) -> float:
+    """Forward FLOPs per token (total FLOPs of model(ids) / ids.numel()), counted by FlopCounterMode.
+
+    Counts matmuls, convolutions and attention kernels (a multiply-add = 2 FLOPs); elementwise ops, norms and
+    softmax are not counted, as in torch's counter. The FeatureGate controller's explicit attention recomputation
+    (q @ k^T for its features) is a matmul and is counted: it is the controller's extra work.
+    """
+    # FlopCounterMode's module tracker hooks autograd on module inputs that require grad (MUDDPythia passes its
+    # dense_bs parameters into modules), which fails without a graph: freeze the parameters while counting.
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
+            model(ids)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return counter.get_total_flops() / ids.numel()
+
+
+# ---- latency ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Latency:
+    ms_per_batch: float  # median over blocked_autorange measurements
+    iqr_ms: float
+    tokens_per_s: float  # batch_size * window / median
+    batch_size: int
+    window: int
+    device: str
+    threads: int
+    measurements: int
+
+
+def model_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def model_window(model: nn.Module, default: int = 128) -> int:
+    return int(getattr(getattr(model, "config", None), "block_size", default))
+
+
+def model_vocab(model: nn.Module, default: int = 256) -> int:
+    return int(getattr(getattr(model, "config", None), "vocab_size", default))
+
+
+def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, device: str | torch.device | None = None,
+            *, min_run_time: float = 1.0, warmup: int = 3, seed: int = 0) -> Latency:
+    """Median wall time of one forward pass of a [batch_size, window] batch of random token ids.
+
+    torch.utils.benchmark.Timer synchronizes CUDA around each block of runs and runs with the current number of
+    torch threads; `warmup` forwards run first (allocator, kernel selection, lazy tables). The model is moved to
+    `device` (default: where its parameters are).
+    """
+    if batch_size < 1:
+        raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
+    window = window or model_window(model)
+    device = torch.device(device) if device is not None else model_device(model)
+    model = model.to(device).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+
+    def forward():
+        with torch.inference_mode():
+            model(ids)
+
+    for _ in range(warmup):
+        forward()
+    m = benchmark.Timer(stmt="forward()", globals={"forward": forward},
+                        num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
+    median = m.median
+    return Latency(ms_per_batch=median * 1e3, iqr_ms=m.iqr * 1e3, tokens_per_s=batch_size * window / median,
+                   batch_size=batch_size, window=window, device=str(device), threads=torch.get_num_threads(),
+                   measurements=len(m.times))
+
+
+# ---- many checkpoints ---------------------------------------------------------------------------------------------
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FcauditError("device cuda requested but CUDA is not available: pass --device cpu")
+    return device
+
+
+def model_label(model: nn.Module, meta: dict) -> str:
+    """featuregate/dense/.../fixeddepth-k for the FeatureGate family, mudd for MUDDPythia, else the class name."""
+    variant = getattr(getattr(model, "config", None), "variant", None)
+    if variant == "fixeddepth":
+        return f"fixeddepth-{model.config.n_layer}"
+    if variant is not None:
+        return variant
+    return "mudd" if type(model).__name__ == "MUDDPythia" else type(model).__name__
+
+
+def _architecture(model: nn.Module) -> str:
+    """Models comparable to one Dense reference: same class, width, heads, context and vocabulary (depth and gate
+    may differ, so FixedDepth-k is compared with the full-depth Dense)."""
+    c = getattr(model, "config", None)
+    keys = ("d_model", "dim", "n_head", "block_size", "vocab_size")
+    return type(model).__name__ + ":" + ",".join(f"{k}={getattr(c, k)}" for k in keys if hasattr(c, k))
+
+
+def _block_size(checkpoint: Path) -> int:
+    path = checkpoint / "config.json"
+    if not path.is_file():
+        raise FcauditError(f"{checkpoint} has no config.json: pass a checkpoint directory written by `fcaudit train`")
+    size = read_json(path).get("block_size")
+    if not isinstance(size, int) or size < 2:
+        raise FcauditError(f"{path} has no valid block_size: use the config.json written with the checkpoint")
+    return size
+
+
+def _metrics(checkpoint: Path) -> dict:
+    path = checkpoint / "metrics.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def measure_checkpoint(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
+                       min_run_time: float, pattern: str | None = None) -> dict:
+    """One row of execution.csv for a loaded model (already on `device`)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+    count = executed_blocks(model, ids, pattern)
+    lat = latency(model, batch_size, window, device, min_run_time=min_run_time)
+    return {"block_pattern": count.pattern, "n_blocks": count.n_blocks, "executed_blocks": count.executed,
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "flops_per_token": flops(model, ids[:1]),
+            "latency_ms": lat.ms_per_batch, "latency_iqr_ms": lat.iqr_ms, "tokens_per_s": lat.tokens_per_s,
+            "measurements": lat.measurements}
+
+
+def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Ratios to the mean Dense model of the same architecture (NaN where there is none)."""
+    df = df.copy()
+    for col in ("latency_vs_dense", "throughput_vs_dense", "flops_vs_dense", "executed_vs_dense"):
+        df[col] = math.nan
+    for arch, group in df.groupby("architecture"):
+        dense = group[group["model"] == "dense"]
+        if dense.empty:
+            continue
+        idx = group.index
+        df.loc[idx, "latency_vs_dense"] = group["latency_ms"] / dense["latency_ms"].mean()
+        df.loc[idx, "throughput_vs_dense"] = group["tokens_per_s"] / dense["tokens_per_s"].mean()
+        df.loc[idx, "flops_vs_dense"] = group["flops_per_token"] / dense["flops_per_token"].mean()
+        df.loc[idx, "executed_vs_dense"] = group["executed_blocks"] / dense["executed_blocks"].mean()
+    return df
+
+
+def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | os.PathLike, *, batch_size: int = 8,
+                      window: int | None = None, device: str = "auto", min_run_time: float = 1.0,
+                      thresholds: Sequence[float] = (), corpus: str = "embedded", threshold_windows: int = 32,
+                      threads: int | None = None, progress: bool = True) -> pd.DataFrame:
+    """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint.
+
+    Writes `out/execution.csv` and `out/execution.json` (settings, rows, provenance), each atomically. All models run
+    with one window (default: the smallest block_size among them) so their rows compare. With `thresholds`, every
+    scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on up to
+    `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`.
+    `threads` sets torch's CPU threads for the measurement (restored afterwards): on a shared machine, 1 thread
+    gives far steadier CPU latencies than competing for every core.
+    """
+    from fcaudit.models.checkpoint import resolve_checkpoint  # models are loaded only when measuring
+
+    if not checkpoint_dirs:
+        raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")
+    if batch_size < 1:
+        raise FcauditError(f"batch size {batch_size}: pass --batch-size 1 or more")
+    if threads is not None and threads < 1:
+        raise FcauditError(f"threads {threads}: pass --threads 1 or more")
+    dev = resolve_device(device)
+    # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
+    paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
+    contexts = {p: _block_size(p) for p in paths}
+    window = window or min(contexts.values())
+    too_short = [str(p) for p, size in contexts.items() if size < window]
+    if too_short:
+        raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
+
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        rows, sweeps = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus,
+                                    threshold_windows, progress)
+    finally:
+        torch.set_num_threads(saved_threads)
+    df = add_dense_ratios(pd.DataFrame(rows))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"batch_size": batch_size, "window": window, "device": str(dev), "min_run_time": min_run_time,
+                "threads": threads or saved_threads, "thresholds": list(thresholds),
+                "corpus": corpus if thresholds else None, "threshold_windows": threshold_windows if thresholds else None}
+    payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
+    if sweeps:
+        sweep_df = pd.concat(sweeps, ignore_index=True)
+        atomic_write(out / "thresholding.csv", lambda p: sweep_df.to_csv(p, index=False))
+        payload["thresholding"] = sweep_df.to_dict(orient="records")
+    else:  # a sweep left by an earlier run with other settings must not sit next to these results
+        (out / "thresholding.csv").unlink(missing_ok=True)
+    atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
+    write_json(out / "execution.json", payload)
+    return df
+
+
+def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus, threshold_windows,
+                 progress) -> tuple[list[dict], list[pd.DataFrame]]:
+    from fcaudit.models.checkpoint import load_model
+
+    rows, sweeps = [], []
+
+    @functools.cache
+    def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
+        from fcaudit.data import all_windows, load_corpus
+
+        return all_windows(load_corpus(corpus).test, window, limit=threshold_windows)
+
+    console = Console(stderr=True, quiet=not progress)
+    for given, path in zip(checkpoint_dirs, paths):
+        console.log(f"execution: {given}")
+        model, meta = load_model(path, device=dev)
+        metrics = _metrics(path)
+        row = {"checkpoint": str(given), "model": model_label(model, meta), "architecture": _architecture(model),
+               "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
+               "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": batch_size,
+               "window": window, "device": str(dev), "threads": torch.get_num_threads()}
+        row.update(measure_checkpoint(model, batch_size=batch_size, window=window, device=dev, min_run_time=min_run_time))
+        rows.append(row)
+        if thresholds:
+            sweep = _threshold_checkpoint(model, thresholds, test_windows, batch_size)
+            if sweep is not None:
+                sweeps.append(sweep.assign(checkpoint=str(given), model=row["model"]))
+        del model
+    return rows, sweeps
+
+
+def _threshold_checkpoint(model: nn.Module, thresholds, windows, batch_size: int) -> pd.DataFrame | None:
+    """Thresholding sweep for a scalar-gated model; None for models without scalar gates (Dense, MUDD)."""
+    from fcaudit.controllers import controller_for
+    from fcaudit.execution.threshold import scalar_gate_controller, thresholding
+
+    try:
+        controller = scalar_gate_controller(controller_for(model))
+    except FcauditError:
+        return None
+    return thresholding(model, controller, windows(), thresholds, batch_size=batch_size)

@@ -1,0 +1,100 @@
+"""Post-training thresholding of scalar gates (paper section 4.5): how much could a soft gate skip, at what cost?
+
+For each threshold tau, every gate g[l, t] < tau is set to 0 and the frozen model is run again through the engine's
+replay mechanism (capture the coefficients of the unmodified model, replay the thresholded ones with the controller
+disabled). A block l is *skippable* for a window when all of that window's gates in block l are below tau: only then
+could an implementation drop the block for the whole sequence without changing the output.
+
+This measures potential skipping, not realised savings: in this dense implementation a zeroed gate still executes
+its block (h + 0 * F(h)), so latency and FLOPs are unchanged; see measure.py for what really runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from fcaudit.controllers.site import Controller, Layout
+from fcaudit.errors import FcauditError
+from fcaudit.loss import logits_of, token_nll
+
+
+def scalar_gate_controller(controller: Controller) -> Controller:
+    """The controller itself if every site emits one scalar per token (layout "batch token"); else FcauditError."""
+    for site in controller.sites:
+        layout = site.layout
+        if not isinstance(layout, Layout) or layout.source is not None or "stream" in layout.pattern.split():
+            pattern = layout.pattern if isinstance(layout, Layout) else [l.pattern for l in layout]
+            raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
+                               f"layout {pattern!r}: threshold a FeatureGate-family model (featuregate, uniform, layerstatic)")
+    return controller
+
+
+def _window_ids(windows) -> torch.Tensor:
+    ids = torch.as_tensor(windows.ids if hasattr(windows, "ids") else windows)
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.dtype.is_floating_point:
+        raise FcauditError(f"thresholding needs integer windows [N, T] with N >= 1 and T >= 2, got {ids.dtype} "
+                           f"{tuple(ids.shape)}: pass a WindowSet or an int64 tensor of token ids")
+    return ids.long()
+
+
+@torch.inference_mode()
+def thresholding(model: nn.Module, controller: Controller | None, windows, thresholds: Sequence[float], *,
+                 batch_size: int = 8) -> pd.DataFrame:
+    """One row per threshold tau: NLL and Byte-PPL with gates < tau set to 0, and how much could be skipped.
+
+    Columns: threshold, nll (mean per predicted token), byte_ppl (exp(nll); Byte-PPL for byte-level models),
+    plain_nll (the unmodified model), delta_nll, frac_below (fraction of (window, layer, token) gates below tau),
+    skippable_blocks (mean over windows of the number of blocks whose gates are all below tau for the whole window),
+    skippable_fraction (skippable_blocks / n_layers), n_layers, windows, tokens (predicted tokens).
+    Gates are strictly below tau, so tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit) and
+    tau = 1 zeroes every sigmoid gate.
+    """
+    from fcaudit.controllers import controller_for
+
+    controller = scalar_gate_controller(controller if controller is not None else controller_for(model))
+    ids = _window_ids(windows)
+    taus = [float(t) for t in thresholds]
+    if not taus or not all(math.isfinite(t) for t in taus):
+        raise FcauditError(f"thresholds {list(thresholds)}: pass one or more finite thresholds, e.g. 0.1,0.3,0.5")
+    if batch_size < 1:
+        raise FcauditError(f"batch size {batch_size}: pass a batch size of at least 1")
+    p = next(iter(model.parameters()), None)
+    device = p.device if p is not None else torch.device("cpu")
+    n_layers = len(controller.sites)
+
+    plain_sum = 0.0
+    nll_sum = [0.0] * len(taus)
+    below = [0] * len(taus)
+    skippable = [0] * len(taus)
+    for batch in ids.split(batch_size):
+        batch = batch.to(device)
+        B, T = batch.shape
+        with controller.capture(B, T) as found:
+            plain = token_nll(logits_of(model(batch)), batch)
+        if any(c is None for c in found):
+            raise FcauditError("a gate site did not run in the forward pass; check the controller's module pattern")
+        plain_sum += plain.double().sum().item()
+        gates = torch.stack([c.reshape(B, T) for c in found])  # [L, B, T]
+        for i, tau in enumerate(taus):
+            with controller.replay([c.masked_fill(c < tau, 0.0) for c in found]):
+                nll_sum[i] += token_nll(logits_of(model(batch)), batch).double().sum().item()
+            mask = gates < tau
+            below[i] += int(mask.sum())
+            skippable[i] += int(mask.all(dim=2).sum())  # (layer, window) pairs with every token below tau
+
+    n, t = ids.shape
+    tokens = n * (t - 1)
+    plain_nll = plain_sum / tokens
+    rows = []
+    for i, tau in enumerate(taus):
+        nll = nll_sum[i] / tokens
+        rows.append({"threshold": tau, "nll": nll, "byte_ppl": math.exp(nll), "plain_nll": plain_nll,
+                     "delta_nll": nll - plain_nll, "frac_below": below[i] / (n_layers * n * t),
+                     "skippable_blocks": skippable[i] / n, "skippable_fraction": skippable[i] / (n * n_layers),
+                     "n_layers": n_layers, "windows": n, "tokens": tokens})
+    return pd.DataFrame(rows)
