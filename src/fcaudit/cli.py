@@ -99,14 +99,18 @@ def execution(checkpoints: List[str] = typer.Argument(..., help="checkpoint dire
               out: Path = typer.Option(...),
               batch_size: int = typer.Option(8),
               window: Optional[int] = typer.Option(None, help="tokens per window (default: smallest block_size)"),
-              thresholds: List[float] = typer.Option([], "--threshold", help="post-training gate thresholds to try"),
+              thresholds: List[float] = typer.Option([], "--threshold", help="post-training gate threshold (repeatable)"),
               corpus: str = typer.Option("embedded", help="corpus for the thresholding NLL"),
+              threshold_windows: int = typer.Option(32, help="test windows for thresholding"),
+              min_run_time: float = typer.Option(1.0, help="seconds of timing per model"),
+              threads: Optional[int] = typer.Option(None, help="torch CPU threads while timing"),
               device: str = typer.Option("auto")) -> None:
     """Executed blocks, FLOPs, latency and throughput (question 3), and optional gate thresholding."""
     from fcaudit.execution import measure_execution
 
     table = measure_execution(checkpoints, out, batch_size=batch_size, window=window, device=device,
-                              thresholds=thresholds, corpus=corpus)
+                              thresholds=thresholds, corpus=corpus, threshold_windows=threshold_windows,
+                              min_run_time=min_run_time, threads=threads)
     typer.echo(table.to_string(index=False))
 
 

@@ -36,9 +36,10 @@ class DemoPlan:
     window: int
     randomizations: int
     batch_size: int
+    thresholds: tuple[float, ...] = (0.3, 0.5, 0.6, 0.7)  # post-training gate thresholding (execution)
 
 
-FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=3, steps=None, mudd_steps=300, fixed_depth=2,
+FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, fixed_depth=2,
                 n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
 QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, fixed_depth=1,
                  n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16)
@@ -65,6 +66,7 @@ def _check_out(out: Path, plan: DemoPlan) -> None:
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.auditing import audit_checkpoint
     from fcaudit.data import load_corpus
+    from fcaudit.execution import measure_execution
     from fcaudit.report.render import build_report
     from fcaudit.stats.summary import summarize
     from fcaudit.train import TrainConfig, train
@@ -107,14 +109,10 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     summary = summarize(audits, out=out / "summary")
     console.print(str(summary))
     inputs = [out / "train", out / "summary", *audits]
-    try:
-        from fcaudit.execution import measure_execution
-    except ImportError:
-        measure_execution = None
-    if measure_execution is not None:
-        ckpts = [out / "train" / f"{m}-s0" for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd")]
-        measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device)
-        inputs.append(out / "execution")
+    ckpts = [out / "train" / f"{m}-s0" for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd")]
+    measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
+                      thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False)
+    inputs.append(out / "execution")
     report = build_report(inputs, out / "report")
     console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
     return report
