@@ -11,6 +11,7 @@ command resumes an interrupted demo.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import read_json, write_json
+from fcaudit.io import read_json, write_json, write_text
 
 console = Console(stderr=True)
 
@@ -56,7 +57,7 @@ def _runs(plan: DemoPlan) -> list[tuple[str, int]]:
 
 def _check_out(out: Path, plan: DemoPlan) -> None:
     path = out / "demo_plan.json"
-    if path.is_file() and read_json(path) != asdict(plan):
+    if path.is_file() and read_json(path) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
         raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
     out.mkdir(parents=True, exist_ok=True)
     if not path.is_file():
@@ -68,6 +69,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.data import load_corpus
     from fcaudit.execution import measure_execution
     from fcaudit.report.render import build_report
+    from fcaudit.report.tables import to_markdown, training_display, training_table
     from fcaudit.stats.summary import summarize
     from fcaudit.train import TrainConfig, train
 
@@ -92,6 +94,11 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
                           matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None)
         r = train(cfg, corpus=corpus)
         console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""))
+
+    table = training_table([read_json(out / "train" / f"{m}-s{s}" / "metrics.json") for m, s in runs])
+    write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
+    write_text(out / "table1.csv", table.to_csv(index=False))
+    console.print(f"Table 1 -> {out / 'table1.md'}")
 
     # 2. audits
     audits = []
