@@ -319,15 +319,34 @@ def _execution_section(doc: Doc, files: list[Path]) -> list:
         out.append({"source": str(f), "data": data})
         if settings:
             doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items() if v not in (None, [], "")) + ".")
-        doc.table(_display(df), df, name, f"From {f}.")
+        doc.table(_display(_pick(df, _EXECUTION_COLUMNS)), df, name, f"From {f}; every column is in the CSV.")
         if extra is not None:
-            doc.table(_display(extra), extra, f"{name}_thresholding", "Post-training thresholding of scalar gates.")
+            doc.table(_display(_pick(extra, _THRESHOLD_COLUMNS)), extra, f"{name}_thresholding",
+                      "Post-training thresholding of scalar gates: gates below the threshold set to 0 by replay. "
+                      "A zeroed gate still executes its block here, so skippable blocks are potential, not realised, "
+                      "savings.")
     return out
+
+
+# What a reader compares (the CSV keeps every measured column).
+_EXECUTION_COLUMNS = {"model": "Model", "executed_blocks": "Executed", "n_blocks": "Blocks", "n_params": "Params",
+                      "flops_per_token": "FLOPs/token", "latency_ms": "ms/batch", "latency_vs_dense": "Latency vs Dense",
+                      "tokens_per_s": "Tokens/s", "throughput_vs_dense": "Throughput vs Dense", "byte_ppl": "Byte-PPL",
+                      "gate_mass": "Gate mass"}
+_THRESHOLD_COLUMNS = {"model": "Model", "threshold": "Threshold", "frac_below": "Gates below",
+                      "skippable_blocks": "Skippable blocks / window", "n_layers": "Blocks", "byte_ppl": "Byte-PPL",
+                      "delta_nll": "ΔNLL"}
+
+
+def _pick(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    present = [c for c in columns if c in df.columns]
+    return df[present].rename(columns=columns) if present else df
 
 
 def _display(df: pd.DataFrame) -> pd.DataFrame:
     """Floats to 4 significant digits for reading; the CSV keeps full precision."""
-    return df.apply(lambda col: col.map(lambda v: f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else v)))
+    return df.apply(lambda col: col.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
+                                        else f"{v:.4g}" if isinstance(v, float) else v))
 
 
 def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
