@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import load_model, save_checkpoint
-from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTConfig, config_for, gate_features
+from fcaudit.models.featuregate import (PRESETS, VARIANTS, FeatureGateGPT, GateCarry, GPTConfig, config_for,
+                                       gate_features)
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -173,14 +174,56 @@ def test_features_are_detached_and_the_gate_sees_the_previous_blocks_attention(i
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
     logits = model(ids)
     assert seen[0][4] is None and seen[0][5] is None
-    for l in range(1, 3):  # block l receives block l-1's q and k
-        _, _, q_prev, k_prev, _, _ = seen[l - 1]
+    for l in range(1, 3):  # block l receives block l-1's q and k, and every gate the same per-pass carry
+        q_prev, k_prev = seen[l - 1][2:4]
         assert seen[l][4] is q_prev and seen[l][5] is k_prev
+        assert isinstance(seen[l][6], GateCarry) and seen[l][6] is seen[0][6]
     q = seen[1][2].detach().requires_grad_()
     feats = gate_features(seen[1][0], seen[1][1], q, seen[1][3], seen[1][4], seen[1][5])
     assert not feats.requires_grad  # the controller reads the block, gradients do not flow into it through features
     logits.sum().backward()
     assert model.blocks[0].gate.fc.weight.grad is not None
+
+
+def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which_gates_ran(ids, monkeypatch):
+    import fcaudit.models.featuregate as fg
+
+    model = tiny("featuregate", n_layer=4)
+    seen = []
+    for block in model.blocks:
+        block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
+    calls = []
+    original = fg.causal_attention
+    monkeypatch.setattr(fg, "causal_attention", lambda q, k: calls.append(q) or original(q, k))
+    with torch.no_grad():
+        logits, gates = model(ids, return_gates=True)
+        assert len(calls) == 4  # one attention map per block and forward pass, not two
+        assert all(calls[l] is seen[l][2] for l in range(4))
+        # a gate called without a carry recomputes the previous map itself and gets bit-identical gates
+        for l, block in enumerate(model.blocks):
+            assert torch.equal(block.gate(*seen[l][:6]), gates[l])
+        for replaced in ([0], [1], [0, 2], [1, 2]):  # previous gate replaced (as by the engine's replay): fall back
+            calls.clear()
+            for l in replaced:
+                model.blocks[l].gate.forward = lambda *args, _g=gates[l], **kwargs: _g
+            out, g = model(ids, return_gates=True)
+            for l in replaced:
+                del model.blocks[l].gate.forward
+            assert torch.equal(out, logits) and torch.equal(g, gates)
+            fallbacks = sum(1 for l in range(1, 4) if l not in replaced and l - 1 in replaced)
+            assert len(calls) == 4 - len(replaced) + fallbacks
+    # the carry lives only in the forward pass: no module holds it or a map afterwards
+    assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
+
+
+def test_features_are_float32_under_autocast():
+    g = torch.Generator().manual_seed(2)
+    q, k, pq, pk = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(4))
+    h = torch.randn(1, 6, 8, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        feats = gate_features(h, h, q, k, pq, pk)
+    assert feats.dtype == torch.float32 and torch.isfinite(feats).all()
+    assert torch.allclose(feats, gate_features(h, h, q, k, pq, pk), atol=1e-6)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------

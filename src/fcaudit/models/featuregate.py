@@ -19,9 +19,14 @@ computation included, and leaves the output path (the residual stream, attention
 untouched. Learned gates start at sigmoid(w) = 0.6.
 
 The controller's features need the attention probabilities of this block and of the previous one; the output path
-uses the fused scaled_dot_product_attention kernel, so the FeatureGate controller recomputes both maps from the q, k
-that the model loop passes to it explicitly (nothing is stashed on modules). That side path is the controller's
-extra cost: O(B H T^2) elementwise work per block (benchmarks/train_speed.py measures it).
+uses the fused scaled_dot_product_attention kernel, so the FeatureGate controller recomputes them in float32 from the
+q, k that the model loop passes to it explicitly. Each block's map is computed once per forward pass: the model loop
+creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last argument; the gate
+of block l reads block l-1's map from it and writes its own (nothing is stored on modules, so nothing
+outlives the pass). The carry is keyed by the (q, k) tensors the map was computed from: when it does not hold block
+l-1's map (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without a
+carry), block l recomputes it from prev_q, prev_k, so a gate's features never depend on which other gates ran. That
+side path is the controller's extra cost: O(B H T^2) elementwise work per block (benchmarks/train_speed.py measures it).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
@@ -119,21 +124,62 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, future: torch.Tensor):
-    """Scaled scores S [B, H, T, T], causal probabilities P (0 on future keys) and lse = logsumexp_{s <= t} S.
+MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
 
-    `future` is the additive mask (-inf above the diagonal). lse comes from the fused softmax through
-    max_s P = exp(max_s S - lse), which is at least 1 / (t + 1) and so never underflows.
+
+@dataclass
+class AttentionMap:
+    """One block's causal attention in float32, as the features use it (see causal_attention)."""
+
+    shifted: torch.Tensor  # S - max_{s <= t} S on visible keys, about MASKED_SCORE on future keys, [B, H, T, T]
+    log_z: torch.Tensor  # log sum_{s <= t} exp(S - max S) = -log max_s P, in [0, log(t + 1)], [B, H, T]
+
+
+@dataclass
+class GateCarry:
+    """What one forward pass hands from each block's gate to the next one's: the attention map of the last block
+    whose gate computed it, keyed by that block's q and k.
+
+    FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). The key is compared by identity,
+    so a map is only reused for exactly the tensors it was computed from.
     """
-    scores = (q.float() * q.size(-1) ** -0.5) @ k.float().transpose(-1, -2)
-    masked = scores + future
-    p = masked.softmax(-1)
-    lse = masked.amax(-1) - p.amax(-1).log()
-    return scores, p, lse
+
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    attention: AttentionMap | None = None
+
+    def attention_of(self, q: torch.Tensor, k: torch.Tensor) -> AttentionMap | None:
+        return self.attention if self.q is q and self.k is k else None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor) -> tuple[AttentionMap, torch.Tensor, torch.Tensor]:
+    """The attention map of (q, k), its causal probabilities P [B, H, T, T] (0 on future keys) and
+    lse = logsumexp_{s <= t} S [B, H, T].
+
+    In float32 whatever the autocast context. Scores are shifted by their row maximum in place, so the entropy and KL
+    sums work with values of the size of log P rather than of S (no cancellation against a large lse), and
+    log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1), so it never underflows).
+    P comes from the fused softmax rather than from exp(log P): on CPU, exp of the masked entries takes a slow path.
+    """
+    B, H, T, Dh = q.shape
+    future = torch.full((T, T), MASKED_SCORE, device=q.device).triu(1)
+    with torch.autocast(q.device.type, enabled=False):  # a bf16 score would lose the float32 definition
+        q, k = (q.float() * Dh ** -0.5).reshape(B * H, T, Dh), k.float().reshape(B * H, T, Dh)
+        shifted = torch.baddbmm(future, q, k.transpose(1, 2)).view(B, H, T, T)  # S + mask in one kernel
+    row_max = shifted.amax(-1, keepdim=True)
+    shifted.sub_(row_max)
+    p = shifted.softmax(-1)
+    log_z = p.amax(-1).log().neg_()
+    return AttentionMap(shifted, log_z), p, row_max.squeeze(-1) + log_z
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_s a[..., s] b[..., s] as a batched matrix product: no [B, H, T, T] product tensor is materialised."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3)
 
 
 @torch.no_grad()
-def gate_features(h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
     """The four per-token features of block l, [B, T, 4], computed without gradient (detached).
 
     With S[b, n, t, s] = q_t . k_s / sqrt(Dh) for s <= t and P_l[b, n, t, :] = softmax_{s <= t}(S) the causal
@@ -149,24 +195,34 @@ def gate_features(h, update, q, k, prev_q, prev_k) -> torch.Tensor:
                      visible keys (0 when all scores are 0).
     3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6): the block update's L2 norm relative to the residual stream's.
 
-    Computed in float32 through the identities H = lse - sum_s P S and KL = sum_s P (S - S') - lse + lse', from one
-    fused softmax per attention map (see causal_attention). No gradient because the controller reads the block, it
-    does not shape it: gradients reach the controller MLP only, so gating cannot be learned by distorting attention or update norms.
+    Computed in float32 from one fused softmax per attention map (causal_attention): with X = S - max_s S and
+    log P = X - log_z, H = log_z - sum_s P X and KL = sum_s P (X - X') - log_z + log_z'. Block l-1's map comes
+    from `carry` when it holds the map of (prev_q, prev_k), else it is recomputed from them; this block's map is
+    written to `carry` for the next block. No gradient because the controller reads the block, it does not shape
+    it: gradients reach the controller MLP only, so gating cannot be learned by distorting attention or update norms.
     """
-    T = q.size(-2)
-    visible = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)  # t + 1 keys at position t
-    future = torch.full((T, T), float("-inf"), device=q.device).triu(1)
-    scores, p, lse = causal_attention(q, k, future)
-    entropy = (lse - torch.linalg.vecdot(p, scores)).mean(1)  # [B, T]; P = 0 on future keys, S finite there
-    entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
-    if prev_q is None:
-        kl = torch.zeros_like(entropy)
-    else:
-        prev_scores, _, prev_lse = causal_attention(prev_q, prev_k, future)
-        kl = (torch.linalg.vecdot(p, scores - prev_scores) - lse + prev_lse).mean(1).clamp_min(0.0)
-    log_partition = (lse - visible.log()).mean(1)
-    update_norm = torch.linalg.vector_norm(update.float(), dim=-1) / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6)
-    return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
+    with torch.autocast(q.device.type, enabled=False):  # float32 by definition, whatever the caller's autocast
+        T = q.size(-2)
+        visible = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)  # t + 1 keys at position t
+        att, p, lse = causal_attention(q, k)
+        if prev_q is not None:
+            prev = carry.attention_of(prev_q, prev_k) if carry is not None else None
+            if prev is None:
+                prev, _, _ = causal_attention(prev_q, prev_k)
+            cross = row_dot(p, prev.shifted) - prev.log_z  # sum_s P_l log P_{l-1}, [B, H, T]
+        if carry is not None:
+            carry.q, carry.k, carry.attention = q, k, att
+        head_entropy = att.log_z - row_dot(p, att.shifted)
+        entropy = head_entropy.mean(1)  # [B, T]
+        entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
+        if prev_q is None:
+            kl = torch.zeros_like(entropy)
+        else:
+            kl = (-head_entropy - cross).mean(1).clamp_min(0.0)  # sum_s P_l log P_l - sum_s P_l log P_{l-1}
+        log_partition = (lse - visible.log()).mean(1)
+        update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
+                       / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
+        return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
 
 
 class FeatureGate(nn.Module):
@@ -178,8 +234,8 @@ class FeatureGate(nn.Module):
         self.out = nn.Linear(cfg.gate_hidden, 1)
         nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
 
-    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
-        feats = gate_features(h, update, q, k, prev_q, prev_k)
+    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
+        feats = gate_features(h, update, q, k, prev_q, prev_k, carry)
         return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
 
 
@@ -190,7 +246,7 @@ class ScalarGate(nn.Module):
         super().__init__()
         self.logit = logit
 
-    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit).expand(h.shape[:2]).contiguous()  # a real [B, T] tensor, like the others
 
 
@@ -201,7 +257,7 @@ class ConstantGate(nn.Module):
         super().__init__()
         self.value = value
 
-    def forward(self, h, update, q, k, prev_q, prev_k) -> torch.Tensor:
+    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
         return h.new_full(h.shape[:2], self.value)
 
     def extra_repr(self) -> str:
@@ -217,13 +273,16 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.gate = gate
 
-    def forward(self, h, prev_q, prev_k):
-        """Returns the new residual stream, this block's gate [B, T] (None if ungated), and its q, k."""
+    def forward(self, h, prev_q, prev_k, carry: GateCarry):
+        """Returns the new residual stream, this block's gate [B, T] (None if ungated), and its q, k.
+
+        The gate gets the carry positionally, so any replacement forward that accepts *args keeps working.
+        """
         a, q, k = self.attn(self.ln1(h))
         update = a + self.mlp(self.ln2(h + a))
         if self.gate is None:
             return h + update, None, q, k
-        g = self.gate(h, update, q, k, prev_q, prev_k)
+        g = self.gate(h, update, q, k, prev_q, prev_k, carry)
         return h + g.unsqueeze(-1).to(update.dtype) * update, g, q, k
 
 
@@ -273,9 +332,10 @@ class FeatureGateGPT(nn.Module):
             raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
         h = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
         prev_q = prev_k = None
+        carry = GateCarry()  # per pass: each block's attention map is computed once and handed to the next gate
         gates = []
         for block in self.blocks:
-            h, g, prev_q, prev_k = block(h, prev_q, prev_k)
+            h, g, prev_q, prev_k = block(h, prev_q, prev_k, carry)
             gates.append(g)
         logits = self.lm_head(self.ln_f(h))
         if not return_gates:
