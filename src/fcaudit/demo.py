@@ -114,7 +114,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
 
     # 3. summaries, execution, report
     summary = summarize(audits, out=out / "summary")
-    console.print(str(summary))
+    console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
     inputs = [out / "train", out / "summary", *audits]
     ckpts = [out / "train" / f"{m}-s0" for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd")]
     measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
