@@ -24,15 +24,6 @@ from fcaudit.errors import FcauditError
 V, T = 32, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models on a shared 2-core machine: thread contention costs more than it gains
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- tiny models built for the tests ----------------------------------------------------------------------------
 
 class Gate(nn.Module):

@@ -12,15 +12,6 @@ from fcaudit.models.checkpoint import load_model, save_checkpoint
 from fcaudit.models.featuregate import (PRESETS, VARIANTS, FeatureGateGPT, GateCarry, GPTConfig, config_for,
                                        gate_features)
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine extra threads only thrash."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
 
 

@@ -13,15 +13,6 @@ from fcaudit.errors import FcauditError
 from fcaudit.models.muddpythia import (BYTE_PRESETS, MUDDConfig, MUDDPythia, apply_rotary, from_pretrained, n_params,
                                        rotary_table)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # 3 layers, intermediate 128: FFN widths round(128*(i/2+0.5)/128)*128 = 0 (round(0.5) ties to even), 128, 256
 TINY = dict(block_size=64, vocab_size=300, n_layer=3, n_head=4, dim=64, intermediate_size=128, use_qk_norm=True,
             expand_last=True, round64=True)

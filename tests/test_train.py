@@ -16,15 +16,6 @@ FAST = dict(preset="tiny", steps=24, batch_size=4, window=32, eval_interval=8, e
             progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine extra threads only thrash."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def corpus():
     return data.load_corpus("embedded")

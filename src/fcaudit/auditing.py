@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
+from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import read_json
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:
@@ -31,12 +28,10 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     from fcaudit.audit.runner import audit, plan
     from fcaudit.controllers import controller_for
     from fcaudit.models.checkpoint import load_model, resolve_checkpoint
-    from fcaudit.train import resolve_device
 
-    if dtype is not None and dtype not in DTYPES:
-        raise FcauditError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve_checkpoint(checkpoint, revision)
-    model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=DTYPES.get(dtype))
+    model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer

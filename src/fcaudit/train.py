@@ -30,6 +30,7 @@ import torch.nn as nn
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
+from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import read_json, write_json
 from fcaudit.loss import logits_of, token_nll
@@ -132,12 +133,6 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             raise FcauditError(f"no byte-level MUDD preset {cfg.preset!r}: use one of {', '.join(BYTE_PRESETS)}")
         return MUDDPythia(BYTE_PRESETS[cfg.preset])
     return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise FcauditError("--device cuda but no CUDA device is visible: use --device cpu or install a CUDA build of torch")
-    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, read_json, write_json
 from fcaudit.provenance import provenance
@@ -191,15 +192,6 @@ def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, de
 
 
 # ---- many checkpoints ---------------------------------------------------------------------------------------------
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    if str(name) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FcauditError("device cuda requested but CUDA is not available: pass --device cpu")
-    return device
-
 
 def model_label(model: nn.Module, meta: dict) -> str:
     """featuregate/dense/.../fixeddepth-k for the FeatureGate family, mudd for MUDDPythia, else the class name."""

@@ -25,11 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from fcaudit.device import DTYPES, as_dtype
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, write_json
 
 MODEL_TYPE = "muddpythia"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -76,8 +76,8 @@ class MUDDConfig:
             raise FcauditError(f"MUDDPythia config needs dim == n_head*head_dim and n_head divisible by "
                                f"n_local_heads (got dim={self.dim}, n_head={self.n_head}, head_dim={self.head_dim}, "
                                f"n_local_heads={self.n_local_heads})")
-        if self.torch_dtype not in _DTYPES:
-            raise FcauditError(f"MUDDPythia config torch_dtype={self.torch_dtype!r}: use one of {sorted(_DTYPES)}")
+        if self.torch_dtype not in DTYPES:
+            raise FcauditError(f"MUDDPythia config torch_dtype={self.torch_dtype!r}: use one of {sorted(DTYPES)}")
 
     @property
     def rotary_ndims(self) -> int:
@@ -114,16 +114,6 @@ class MUDDConfig:
 
     def to_dict(self) -> dict:
         return {"model_type": MODEL_TYPE, "architectures": ["MUDDPythia"], **asdict(self)}
-
-
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "float": "float32"}.get(name, name)
-    if name not in _DTYPES:
-        raise FcauditError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -475,7 +465,7 @@ def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = Non
         stored = state.get("tok_embeddings.weight")
         declared = "torch_dtype" in raw or "dtype" in raw
         dtype = config.torch_dtype if declared or stored is None else stored.dtype
-    target = _as_dtype(dtype)
+    target = as_dtype(dtype)
     check_state_dict(model.state_dict(), state, str(path))
     model.load_state_dict(state, strict=True, assign=True)
     config.torch_dtype = _dtype_name(target)

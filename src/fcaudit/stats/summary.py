@@ -117,14 +117,7 @@ def _window_level(records: pd.DataFrame, meta: dict, confidence: float, family: 
             facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": n,
                          "mean": float(arrays[k].mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan,
                          "pvalue_holm": np.nan, "n_positive": np.nan})
-    rets = []
-    if "StructureRemoved" in per_window.columns:
-        ref = per_window["StructureRemoved"].to_numpy()
-        for c in RETAINED:
-            if c in per_window.columns:
-                s = per_window[c].to_numpy()
-                est = _retention(s, ref, confidence, "window")
-                rets.append(_retention_row(family, c, labels, "window", n, est, s, ref))
+    rets = _retention_rows(per_window, family, labels, "window", n, confidence)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
@@ -133,6 +126,19 @@ def _retention(s: np.ndarray, ref: np.ndarray, confidence: float, unit: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return retention_bootstrap(s, ref, confidence=confidence, seed=BOOT_SEED, unit=unit)
+
+
+def _retention_rows(table: pd.DataFrame, family: str, labels: dict, level: str, n: int, confidence: float) -> list[dict]:
+    """Retention of each static condition vs StructureRemoved; `table` has one row per unit (window or checkpoint)."""
+    if "StructureRemoved" not in table.columns:
+        return []
+    ref = table["StructureRemoved"].to_numpy()
+    rows = []
+    for c in RETAINED:
+        if c in table.columns:
+            s = table[c].to_numpy()
+            rows.append(_retention_row(family, c, labels, level, n, _retention(s, ref, confidence, level), s, ref))
+    return rows
 
 
 def _retention_row(family, c, labels, level, n, est, s, ref) -> dict:
@@ -218,14 +224,7 @@ def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, c
         adjusted = holm([f["pvalue"] for f in facs])
         for f, p in zip(facs, adjusted):
             f["pvalue_holm"] = float(p)
-    rets = []
-    if "StructureRemoved" in means.columns:
-        ref = means["StructureRemoved"].to_numpy()
-        for c in RETAINED:
-            if c in means.columns:
-                s = means[c].to_numpy()
-                est = _retention(s, ref, confidence, "checkpoint")
-                rets.append(_retention_row(family, c, labels, "checkpoint", n, est, s, ref))
+    rets = _retention_rows(means, family, labels, "checkpoint", n, confidence)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 

@@ -1,0 +1,11 @@
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine extra threads only thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
