@@ -268,7 +268,7 @@ def test_hub_id_offline_gives_one_line_error(monkeypatch, tmp_path):
     monkeypatch.setattr("fcaudit.hub.hub_reachable", lambda *a, **k: False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FcauditError, match="pass a local checkpoint directory"):
+    with pytest.raises(FcauditError, match="pass the local directory"):
         load_model("nobody-xyz/no-such-model")
 
 

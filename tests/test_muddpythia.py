@@ -341,20 +341,23 @@ def test_adapter_capture_and_replay_through_the_engine(dtype):
 
 
 def test_mudd_profiles_and_token_shuffle_on_ragged_coefficients():
-    from fcaudit.audit.interventions import ProfileAccumulator, shuffle_tokens
+    from fcaudit import protocol
     from fcaudit.controllers import controller_for
+    from fcaudit.protocol import shuffle_tokens
 
     model = tiny_model()
     ctrl = controller_for(model)
-    acc = ProfileAccumulator()
+    sums = None
     for seed in (1, 2):
         with torch.no_grad(), ctrl.capture(2, 24) as found:
             model(ids(seed=seed))
-        acc.add(list(found))
-    prof = acc.profiles(ctrl.reference)
-    assert [tuple(p.shape) for p in prof.static_profile] == [(4, 2), (4, 3), (1, 4)]
-    assert [tuple(p.shape) for p in prof.layer_position_mean] == [(24, 4, 2), (24, 4, 3), (24, 1, 4)]
-    for static, removed in zip(prof.static_profile, prof.structure_removed):
+        batch = [c.double().sum(0) for c in found]
+        sums = batch if sums is None else [a + b for a, b in zip(sums, batch)]
+    cal = protocol.Calibration(sums, 4, ctrl.info.top_k)
+    static, lpm = cal.layer_mean(), cal.layer_position_mean()
+    assert [tuple(p.shape) for p in static] == [(4, 2), (4, 3), (1, 4)]
+    assert [tuple(p.shape) for p in lpm] == [(24, 4, 2), (24, 4, 3), (24, 1, 4)]
+    for static, removed in zip(static, protocol.REFERENCES[ctrl.reference](cal)):
         torch.testing.assert_close(removed.sum(-1), static.sum(-1))  # signed sum per (layer, stream) kept
         assert torch.allclose(removed, removed[:, :1].expand_as(removed))  # uniform over sources
     coeffs = [c.clone() for c in found]
@@ -437,7 +440,9 @@ def test_tokenizer_from_checkpoint_dir_and_offline_hub(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
-    from fcaudit.audit import AuditResult, Profiles, audit
+    from safetensors.torch import load_file
+
+    from fcaudit.audit import AuditResult, audit
     from fcaudit.controllers import controller_for
 
     model = tiny_model(dtype)
@@ -447,13 +452,13 @@ def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
     assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
     assert AuditResult.load(tmp_path).labels["StructureRemoved"] == "SourceUniformMean"
     recs = result.records
-    assert set(recs.condition) == {"Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean",
-                                   "StaticProfile", "StructureRemoved"}
+    assert set(recs.condition) == {"Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
+                                   "LayerPositionMean", "StaticProfile", "StructureRemoved"}
     with torch.no_grad():  # Correct is the unmodified model's NLL
         from fcaudit.loss import token_nll
         correct = token_nll(model(ev), ev).mean(1).double().numpy()
     got = recs[recs.condition == "Correct"].sort_values("example").nll.to_numpy()
     np.testing.assert_allclose(got, correct, rtol=1e-6)
-    prof = Profiles.load(tmp_path / "profiles.safetensors")
-    assert [tuple(p.shape) for p in prof.static_profile] == [(4, 2), (4, 3), (1, 4)]
+    prof = load_file(str(tmp_path / "profiles.safetensors"))
+    assert [tuple(prof[f"StaticProfile.{l}"].shape) for l in range(3)] == [(4, 2), (4, 3), (1, 4)]
     assert (recs[recs.condition != "Correct"].nll.to_numpy() != got.mean()).any()

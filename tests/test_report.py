@@ -15,7 +15,8 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import write_json
 from fcaudit.report import build_report, training_table
 from fcaudit.report.tables import fca_display
-from fcaudit.stats.summary import Criteria, Summary, checkpoint_summary, summarize
+from fcaudit.protocol import Criteria
+from fcaudit.summary import Summary, checkpoint_summary, summarize
 
 RANDOMIZED = ("CrossInput", "TokenShuffle", "CrossShuffle")
 # The paper's FeatureGate 76M condition means (section 4.3), GlobalMean chosen so that retention is 98.70%.
@@ -49,7 +50,9 @@ def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=
         g.to_parquet(path / "records" / c / f"r{r:04d}.parquet", index=False)
     crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
     write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
-                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00"})
+                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
+                                      "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
+                                      "windows": {"n_eval": kw.get("n_windows", 24)}})
     write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
     if variation:
         frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,

@@ -149,12 +149,26 @@ def test_retention_reproduces_the_paper_muddpythia():
     np.testing.assert_allclose(retention(np.array([1.9798, 1.0190]), 7.4237), [1 - 1.9798 / 7.4237, 1 - 1.0190 / 7.4237])
 
 
-def test_retention_nonpositive_reference_is_nan_with_warning():
-    with pytest.warns(RuntimeWarning, match="reference"):
+def test_retention_nonpositive_reference_is_nan_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no raw RuntimeWarning may reach a user's terminal
         assert math.isnan(retention(0.1, 0.0))
-    with pytest.warns(RuntimeWarning):
         out = retention(np.array([0.1, 0.1]), np.array([-0.2, 0.4]))
     assert math.isnan(out[0]) and out[1] == pytest.approx(0.75)
+
+
+def test_retention_is_undefined_unless_the_reference_interval_lies_above_zero():
+    rng = np.random.default_rng(4)
+    s = rng.normal(1e-8, 1e-8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        noise = rng.normal(0, 1e-7, 64)
+        zero_gap = retention_bootstrap(s, noise - noise.mean() + 6e-9, unit="window", n_resamples=2000)
+        clear = retention_bootstrap(s, rng.normal(0.5, 0.1, 64), unit="window", n_resamples=2000)
+    assert math.isnan(zero_gap.statistic) and not zero_gap.has_interval
+    assert "not clearly above 0" in zero_gap.method
+    assert clear.has_interval and clear.confidence_interval.low <= clear.statistic <= clear.confidence_interval.high
+    assert 0.99 < clear.statistic <= 1.0
 
 
 # ---------------------------------------------------------------- inference
@@ -271,8 +285,9 @@ def test_retention_bootstrap_over_checkpoints_and_windows_matches_scipy():
     assert est.confidence_interval.low < est.statistic < est.confidence_interval.high < 1
     w = retention_bootstrap(rng.normal(2.0, 0.5, 300), rng.normal(7.4, 1.0, 300), n_resamples=1000, unit="window")
     assert "windows" in w.method and w.n == 300 and w.has_interval
-    single = retention_bootstrap([1.9798], [7.4237])
-    assert round(100 * single.statistic, 2) == 73.33 and not single.has_interval
+    single = retention_bootstrap([1.9798], [7.4237])  # one checkpoint: no interval for the reference gap
+    assert math.isnan(single.statistic) and not single.has_interval and "single checkpoint" in single.method
+    assert round(100 * retention(1.9798, 7.4237), 2) == 73.33  # the formula itself (paper's MUDDPythia)
 
 
 def test_inference_rejects_bad_input():

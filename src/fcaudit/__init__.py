@@ -13,8 +13,9 @@ __version__ = "0.1.0"
 # The engine imports torch; keep `import fcaudit` cheap for the CLI's --help by importing these on first use.
 _LAZY = {
     "Controller": "fcaudit.controllers", "controller_for": "fcaudit.controllers", "register": "fcaudit.controllers",
+    "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
     "AuditResult": "fcaudit.audit", "plan": "fcaudit.audit",
-    "summarize": "fcaudit.stats.summary", "Criteria": "fcaudit.stats.summary",
+    "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol",
     "build_report": "fcaudit.report.render", "load_model": "fcaudit.models.checkpoint",
     "load_corpus": "fcaudit.data", "audit_windows": "fcaudit.data",
 }

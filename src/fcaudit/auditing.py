@@ -27,10 +27,11 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     from fcaudit import data
     from fcaudit.audit.runner import audit, plan
     from fcaudit.controllers import controller_for
-    from fcaudit.models.checkpoint import load_model, resolve_checkpoint
+    from fcaudit.hub import resolve
+    from fcaudit.models.checkpoint import load_model
 
     torch_dtype = None if dtype is None else as_dtype(dtype)
-    ckpt_dir = resolve_checkpoint(checkpoint, revision)
+    ckpt_dir = resolve(checkpoint, revision)
     model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():

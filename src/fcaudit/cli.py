@@ -88,7 +88,7 @@ def audit(
 def summarize(audit_dirs: List[Path] = typer.Argument(..., help="audit directories (one per checkpoint)"),
               out: Path = typer.Option(...)) -> None:
     """Checkpoint-level statistics across seeds (bootstrap CIs, sign-flip tests, Holm)."""
-    from fcaudit.stats.summary import summarize as run_summary
+    from fcaudit.summary import summarize as run_summary
 
     summary = run_summary(audit_dirs, out=out)
     typer.echo(str(summary))

@@ -70,7 +70,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.execution import measure_execution
     from fcaudit.report.render import build_report
     from fcaudit.report.tables import to_markdown, training_display, training_table
-    from fcaudit.stats.summary import summarize
+    from fcaudit.summary import summarize
     from fcaudit.train import TrainConfig, train
 
     plan = QUICK if quick else FULL

@@ -1,10 +1,20 @@
-"""Reaching the Hugging Face hub: fail fast and clearly offline instead of retrying for half a minute."""
+"""The Hugging Face hub: the one resolver of hub ids, failing fast and clearly offline instead of retrying for half a
+minute. Checkpoints, tokenizers and corpora all come through here."""
+
+from __future__ import annotations
 
 import os
 import socket
 from functools import cache
+from pathlib import Path
+
+from fcaudit.errors import FcauditError
 
 HUB_HOST = "huggingface.co"
+# What fcaudit reads from a checkpoint repo; pickle-era .bin weights only when a repo has no safetensors.
+CHECKPOINT_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt"]
+PICKLE_FALLBACK = ["pytorch_model*.bin", "*.bin.index.json"]
 
 
 def offline_mode() -> bool:
@@ -21,3 +31,39 @@ def hub_reachable(timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).expanduser().exists()
+
+
+def snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
+    """The files of `repo_id` matching `patterns` in the local HF cache, downloaded when the hub is reachable."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                      local_files_only=not hub_reachable()))
+    except Exception as e:  # offline, unknown repo, bad revision: all need the same fix
+        rev = f" --revision {revision}" if revision else ""
+        at = f" @ {revision}" if revision else ""
+        raise FcauditError(f"cannot fetch {repo_id}{at} from the Hugging Face hub ({type(e).__name__}); download it "
+                           f"where the hub is reachable (`hf download {repo_id}{rev} --local-dir DIR`) and pass the "
+                           f"local directory DIR") from None
+
+
+def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local checkpoint directory, or a hub id fetched into (or found in) the local cache."""
+    local = Path(path_or_id).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise FcauditError(f"checkpoint {local} is a file: pass the directory that holds config.json and the weights")
+        return local
+    name = str(path_or_id)
+    if not is_hub_id(name):
+        raise FcauditError(f"no checkpoint directory {name}: pass a directory written by `fcaudit train` (config.json "
+                           f"and weights) or a Hugging Face hub id like org/name")
+    path = snapshot(name, revision, CHECKPOINT_FILES)
+    if not list(path.glob("*.safetensors")):
+        path = snapshot(name, revision, CHECKPOINT_FILES + PICKLE_FALLBACK)
+    return path

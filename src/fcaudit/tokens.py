@@ -25,27 +25,16 @@ def load_tokenizer(dir_or_hub_id: str | os.PathLike, revision: str | None = None
                                f"(for MUDDPythia, the Pythia tokenizer from EleutherAI/pythia-1.4b)")
         return _from_file(path / "tokenizer.json")
     name = str(dir_or_hub_id)
-    if path.exists() or name.count("/") != 1 or name.startswith((".", "/")):
+    from fcaudit.hub import is_hub_id, snapshot
+
+    if not is_hub_id(name):
         raise FcauditError(f"no tokenizer at {name!r}: pass a checkpoint directory with tokenizer.json "
                            f"or a Hugging Face hub id")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import RemoteEntryNotFoundError
-
-    from fcaudit.hub import hub_reachable
-
-    try:  # offline: the local HF cache may still hold it
-        file = hf_hub_download(name, "tokenizer.json", revision=revision, local_files_only=not hub_reachable())
-        return _from_file(Path(file))
-    except RemoteEntryNotFoundError:  # the repo answered: it has no such file
+    file = snapshot(name, revision, ["tokenizer.json"]) / "tokenizer.json"
+    if not file.is_file():
         raise FcauditError(f"hub repo {name} has no tokenizer.json: pass a directory holding the matching "
-                           f"tokenizer.json instead") from None
-    except FcauditError:
-        raise
-    except Exception as e:  # offline or unreachable hub: the fix is a local copy
-        rev = f" --revision {revision}" if revision else ""
-        raise FcauditError(f"cannot fetch the tokenizer of {name} from the Hugging Face hub ({type(e).__name__}); "
-                           f"download it where the hub is reachable (`hf download {name}{rev} --local-dir DIR`) "
-                           f"and pass the local DIR") from None
+                           f"tokenizer.json instead")
+    return _from_file(file)
 
 
 def _from_file(path: Path) -> Tokenizer:

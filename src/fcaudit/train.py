@@ -34,11 +34,9 @@ from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import read_json, write_json
 from fcaudit.loss import logits_of, token_nll
-from fcaudit.models.checkpoint import load_weights, save_checkpoint, save_weights
-from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, config_for
+from fcaudit.models.checkpoint import load_weights, save_weights
+from fcaudit.models.featuregate import PRESETS
 from fcaudit.provenance import provenance
-
-MODELS = VARIANTS + ("mudd",)
 
 # Per-preset defaults of the fields left at None. tiny: tests (seconds); demo: ~1 min on 2 CPU cores.
 # The paper does not state its optimizer recipe; the paper presets follow GPT-2/nanoGPT-style values.
@@ -56,7 +54,7 @@ _NOT_IDENTITY = ("device", "out", "progress")
 
 @dataclass
 class TrainConfig:
-    model: str = "featuregate"  # one of MODELS
+    model: str = "featuregate"  # a name some family trains (fcaudit.families.trainable())
     preset: str = "demo"  # tiny | demo | paper-76m | paper-504m (mudd: the presets of muddpythia.BYTE_PRESETS)
     seed: int = 0
     corpus: str = "embedded"
@@ -79,9 +77,10 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise FcauditError(f"unknown model {self.model!r}: use one of {', '.join(MODELS)}")
-        if self.model != "mudd" and self.preset not in PRESETS:
+        from fcaudit import families
+
+        family = families.for_training(self.model)  # an unknown model is a one-line error
+        if family.name == "featuregate" and self.preset not in PRESETS:
             raise FcauditError(f"unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise FcauditError(f"unknown device {self.device!r}: use auto, cpu or cuda")
@@ -125,14 +124,10 @@ def _measured_gate_mass(run_dir: str) -> float:
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    """A freshly initialized model (call after seeding). Every model maps ids [B, T] -> logits [B, T, V]."""
-    if cfg.model == "mudd":
-        from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia  # written separately; lazy
+    """A freshly initialized model of cfg.model's family (call after seeding): ids [B, T] -> logits [B, T, V]."""
+    from fcaudit import families
 
-        if cfg.preset not in BYTE_PRESETS:
-            raise FcauditError(f"no byte-level MUDD preset {cfg.preset!r}: use one of {', '.join(BYTE_PRESETS)}")
-        return MUDDPythia(BYTE_PRESETS[cfg.preset])
-    return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
+    return families.for_training(cfg.model).build(cfg)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -157,23 +152,26 @@ def _autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def _forward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits and, for the FeatureGate family, gates [L, B, T] (ones-equivalent None for ungated variants)."""
-    if isinstance(model, FeatureGateGPT):
-        return model(ids, return_gates=True)
+def _forward(model: nn.Module, family, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits and, for a family with scalar gates, the gates [L, B, T] (None for its ungated members)."""
+    if family is not None and family.gates is not None:
+        return family.gates(model, ids)
     return logits_of(model(ids)), None
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
+    from fcaudit import families
+
+    family = families.for_model(model)
     was_training = model.training
     model.eval()
     nll_sum, n_tok, gate_sum, n_gate = 0.0, 0, 0.0, 0
     for ids in windows.split(batch_size):
         ids = ids.to(device)
         with _autocast(device):
-            logits, gates = _forward(model, ids)
+            logits, gates = _forward(model, family, ids)
         nll = token_nll(logits, ids).double()
         nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
         if gates is not None:
@@ -183,7 +181,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: t
     if n_gate:
         mass = gate_sum / n_gate
     else:
-        mass = 1.0 if isinstance(model, FeatureGateGPT) else None
+        mass = family.ungated_mass if family is not None else None
     return {"nll": nll, "byte_ppl": math.exp(nll), "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
 
 
@@ -237,10 +235,10 @@ def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.d
 
 
 def _save_final(out: Path, model: nn.Module, meta: dict) -> None:
-    if isinstance(model, FeatureGateGPT):
-        save_checkpoint(out, model, meta)
-    else:  # MUDDPythia writes its own HF-format config.json + model.safetensors (each atomically, weights first)
-        model.save_pretrained(out)
+    """The family's checkpoint format: config.json + weights, each atomically, weights first."""
+    from fcaudit import families
+
+    families.for_model(model).save(model, out, meta)
 
 
 def _check_run_dir(out: Path, cfg: TrainConfig) -> None:

@@ -1,14 +1,23 @@
-"""The Frozen-Controller Audit engine: coefficient store, interventions, runner and results."""
+"""The Frozen-Controller Audit engine: work units over a coefficient store, and the one reader of audit directories.
+
+    runner.py     audit() and plan(): inputs, probe, configuration, lock, run, results
+    engine.py     the units of one process: capture + exact replay check, calibration, profiles, replays, merge
+    units.py      the work units and their schedule (any partition gives the same directory bit for bit)
+    group.py      the processes sharing one audit (torchrun ranks), one verdict per phase
+    store.py      the coefficient store (safetensors chunks, memory-mapped reads)
+    directory.py  the audit directory: layout, marker, lock, configuration
+    files.py      atomic writes with content hashes, verified reads
+    results.py    AuditResult: the one reader of an audit directory
+"""
 
 import sys
 
-from fcaudit.audit.interventions import CONDITIONS, Profiles, derangement, shuffle_tokens, token_permutations
 from fcaudit.audit.results import AuditResult, load_records
 from fcaudit.audit.runner import AuditPlan, audit, dry_run, plan, print_summary
 from fcaudit.audit.store import CoefficientStore
 
-__all__ = ["AuditPlan", "AuditResult", "CONDITIONS", "CoefficientStore", "Profiles", "audit", "derangement",
-           "dry_run", "load_records", "plan", "print_summary", "shuffle_tokens", "token_permutations"]
+__all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "audit", "dry_run", "load_records", "plan",
+           "print_summary"]
 
 
 class _CallableModule(type(sys)):

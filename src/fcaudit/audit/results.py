@@ -1,4 +1,5 @@
-"""An audit directory read back: records, replay report, penalties, factor effects, retention, variation."""
+"""An audit directory read back (the one reader): records, replay report, penalties, factor effects, retention,
+variation. `fcaudit summarize`, `fcaudit report` and the Python API all read audits through `AuditResult`."""
 
 from __future__ import annotations
 
@@ -10,36 +11,64 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
-from fcaudit.audit.interventions import CONDITIONS, RANDOMIZED
+from fcaudit import protocol
+from fcaudit.audit import files
+from fcaudit.audit.directory import AuditDir
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, read_json
 
-RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens")
 DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
+V1_CONDITIONS = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
+                 "StructureRemoved")  # audits written before the protocol registry (no "conditions" in config.json)
 
 
-def records_frame(examples: np.ndarray, condition: str, randomization: int, nll: torch.Tensor, tokens: int) -> pd.DataFrame:
-    return pd.DataFrame({"example": np.asarray(examples, dtype=np.int64), "condition": condition,
-                         "randomization": np.int64(randomization), "nll": nll.numpy().astype(np.float64),
-                         "tokens": np.int64(tokens)})
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.sort_values(["condition", "randomization", "example"],
+                        key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
+    df = df.reset_index(drop=True)
+    if "active" not in df.columns:  # audits of fcaudit before records carried it
+        df["active"] = np.nan
+    return df[list(protocol.RECORD_COLUMNS)]
 
 
-def write_records(path: str | os.PathLike, frame: pd.DataFrame) -> Path:
-    return atomic_write(path, lambda p: frame.to_parquet(p, index=False))
+def _damaged(e: files.Damaged, root: Path) -> FcauditError:
+    return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
-def load_records(path: str | os.PathLike) -> pd.DataFrame:
-    """All finished records of an audit directory, sorted by condition (paper order), randomization, example."""
-    root = Path(path) / "records"
-    files = sorted(p for p in root.rglob("*.parquet") if not p.name.startswith("."))
-    if not files:
+def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame:
+    """The records of an audit directory, sorted by condition (registry order), randomization, example. With
+    `partial`, also the finished units of (condition, randomization) pairs that are not complete yet."""
+    adir = AuditDir(path)
+    frames = []
+    for f in sorted(p for p in (adir.root / "records").rglob("*.parquet") if not p.name.startswith(".")):
+        try:
+            frames.append(files.read_frame(f))
+        except files.Damaged as e:
+            raise _damaged(e, adir.root) from None
+    if partial:
+        for f in sorted(p for p in (adir.root / "parts").rglob("b*.safetensors")):
+            tensors, _ = files.read_tensors(f)
+            condition, r, start = f.parent.parent.name, int(f.parent.name[1:]), int(f.stem[1:])
+            n = len(tensors["nll"])
+            frames.append(pd.DataFrame({"example": np.arange(start, start + n, dtype=np.int64), "condition": condition,
+                                        "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
+                                        "tokens": np.int64(-1), "active": tensors["active"].numpy()}))
+    if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
-    df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
-    order = {c: i for i, c in enumerate(CONDITIONS)}
-    df = df.sort_values(["condition", "randomization", "example"], key=lambda s: s.map(order) if s.name == "condition" else s)
-    return df.reset_index(drop=True)[list(RECORD_COLUMNS)]
+    return _sorted(pd.concat(frames, ignore_index=True))
+
+
+def expected_records(config: dict) -> list[tuple[str, int]]:
+    """The (condition, randomization) pairs a finished audit with this configuration holds."""
+    conditions = config.get("conditions") or V1_CONDITIONS
+    return [(c, r) for c in conditions if c in protocol.REGISTRY
+            for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
+
+
+def missing_records(records: pd.DataFrame, config: dict) -> list[str]:
+    n = config["windows"]["n_eval"]
+    have = records.groupby(["condition", "randomization"])["example"].nunique()
+    return [f"{c} r{r}" for c, r in expected_records(config) if have.get((c, r), 0) != n]
 
 
 def _clean(d: dict) -> dict:
@@ -95,34 +124,59 @@ def variation(store, starts: np.ndarray) -> dict:
 
 @dataclass(repr=False)
 class AuditResult:
-    """The results directory of one audit: config, replay report and records, with the paper's summaries."""
+    """The results directory of one audit: config, replay report and records, with the paper's summaries.
+
+    `partial` is True for an unfinished audit loaded with `allow_partial=True`; every summary says so."""
 
     path: Path
     config: dict
     replay: dict
     records: pd.DataFrame
+    partial: bool = False
 
     def __repr__(self) -> str:
         r = self.replay
+        part = ", PARTIAL" if self.partial else ""
         return (f"AuditResult({str(self.path)!r}, {self.records['example'].nunique()} windows, "
                 f"R={self.config.get('randomizations')}, replay passed={r.get('passed')} "
-                f"max|Δlogit|={r.get('max_abs_dlogit')})")
+                f"max|Δlogit|={r.get('max_abs_dlogit')}{part})")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "AuditResult":
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "replay.json").is_file():
-            raise FcauditError(f"{path} is not a finished audit directory; run `fcaudit audit ... --out {path}`")
-        return cls(path, read_json(path / "config.json"), read_json(path / "replay.json"), load_records(path))
+    def load(cls, path: str | os.PathLike, allow_partial: bool = False) -> "AuditResult":
+        """Read an audit directory; an unfinished one is refused unless `allow_partial` (then marked partial)."""
+        adir = AuditDir(path)
+        rerun = f"rerun the audit command with --out {adir.root} to finish it"
+        if not adir.config_path.is_file():
+            raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
+                               "`fcaudit audit`")
+        try:
+            config = adir.config()
+        except files.Damaged as e:
+            raise _damaged(e, adir.root) from None
+        replay = files.quietly(files.read_json, adir.replay) or {}
+        if replay.get("passed") is False:
+            raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
+                               "|Δlogit|); its interventions are not valid, see replay.json")
+        try:
+            records = load_records(adir.root, partial=allow_partial)
+        except FcauditError:
+            if not allow_partial:
+                raise FcauditError(f"{adir.root} is an unfinished audit (no records yet); {rerun}") from None
+            raise
+        missing = missing_records(records, config)
+        if (missing or not replay) and not allow_partial:
+            what = f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "has no replay.json"
+            raise FcauditError(f"{adir.root} is an unfinished audit ({what}); {rerun} (or pass --allow-partial)")
+        return cls(adir.root, config, replay, records, partial=bool(missing) or not replay)
 
     @property
     def labels(self) -> dict[str, str]:
-        return {c: c for c in CONDITIONS} | dict(self.config.get("labels") or {})
+        """Display label per condition: the registry's defaults, renamed by the controller (e.g. LayerMean)."""
+        return protocol.default_labels() | dict(self.config.get("labels") or {})
 
     @property
     def variation(self) -> dict | None:
-        p = self.path / "variation.json"
-        return read_json(p) if p.is_file() else None
+        return files.quietly(files.read_json, self.path / "variation.json")
 
     @property
     def penalties_confidence(self) -> float:
@@ -132,19 +186,23 @@ class AuditResult:
         return confidence or float((self.config.get("criteria") or {}).get("confidence", 0.95))
 
     def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> pd.DataFrame:
-        """Per condition: mean ΔNLL, paired-window bootstrap interval and MC SE across randomizations."""
+        """Per condition: mean ΔNLL, paired-window bootstrap interval, MC SE across randomizations and the mean
+        number of active sources (experts) per token."""
         from fcaudit.stats.effects import per_example_deltas, randomization_means
         from fcaudit.stats.inference import mc_se, paired_bootstrap
 
         conf = self._confidence(confidence)
         per_window, rand = per_example_deltas(self.records), randomization_means(self.records)
+        active = self.records.groupby("condition")["active"].mean()
         rows = []
-        for c in [c for c in CONDITIONS if c in per_window.columns]:
-            est = paired_bootstrap(per_window[c].to_numpy(), confidence=conf, n_resamples=n_resamples, seed=0)
+        for c in sorted(per_window.columns, key=protocol.order):
+            est = paired_bootstrap(per_window[c].dropna().to_numpy(), confidence=conf, n_resamples=n_resamples, seed=0)
             r = rand[c].dropna().to_numpy()
-            rows.append({"condition": c, "label": self.labels[c], "n": int(est.n), "mean": float(est.statistic),
-                         "ci_low": est.confidence_interval.low, "ci_high": est.confidence_interval.high,
-                         "mc_se": mc_se(r) if c in RANDOMIZED else math.nan, "randomizations": len(r)})
+            randomized = c in protocol.REGISTRY and protocol.REGISTRY[c].randomized
+            rows.append({"condition": c, "label": self.labels.get(c, c), "n": int(est.n),
+                         "mean": float(est.statistic), "ci_low": est.confidence_interval.low,
+                         "ci_high": est.confidence_interval.high, "mc_se": mc_se(r) if randomized else math.nan,
+                         "randomizations": len(r), "active": float(active.get(c, math.nan))})
         return pd.DataFrame(rows)
 
     def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> pd.DataFrame:
@@ -153,8 +211,7 @@ class AuditResult:
         from fcaudit.stats.inference import mc_se, paired_bootstrap
 
         conf = self._confidence(confidence)
-        cells = factorial_cells(self.records)
-        per_pair = cells.effects().as_dict()  # each [example, randomization]
+        per_pair = factorial_cells(self.records).effects().as_dict()  # each [example, randomization]
         rows = []
         for name, x in per_pair.items():
             est = paired_bootstrap(x.mean(axis=1), confidence=conf, n_resamples=n_resamples, seed=0)
@@ -165,20 +222,39 @@ class AuditResult:
     def retention(self, name: str = "StaticProfile", confidence: float | None = None,
                   n_resamples: int = 10000) -> pd.Series:
         """Retention(S) = 1 - ΔNLL(S)/ΔNLL(StructureRemoved) (Eq. 8) with its paired-window interval, reported
-        with both absolute ΔNLLs. `name`: StaticProfile or LayerPositionMean, or a display label (e.g. LayerMean)."""
+        with both absolute ΔNLLs. Undefined (nan, with the reason in `note`) unless the reference ΔNLL's interval
+        lies above 0. `name`: a retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its
+        display label (e.g. LayerMean)."""
         from fcaudit.stats.effects import per_example_deltas
         from fcaudit.stats.inference import retention_bootstrap
 
         by_label = {v: k for k, v in self.labels.items()}
         cond = by_label.get(name, name)
-        if cond not in ("StaticProfile", "LayerPositionMean"):
-            raise FcauditError(f"retention is defined for StaticProfile or LayerPositionMean "
-                               f"({self.labels['StaticProfile']}), not {name!r}")
+        reference = protocol.structure_removed()
         per_window = per_example_deltas(self.records)
-        s, r = per_window[cond].to_numpy(), per_window["StructureRemoved"].to_numpy()
+        if cond not in protocol.retained() or cond not in per_window.columns:
+            have = [c for c in protocol.retained() if c in per_window.columns]
+            raise FcauditError(f"retention is defined for the static conditions {have} "
+                               f"({self.labels['StaticProfile']}), not {name!r}")
+        s, r = per_window[cond].to_numpy(), per_window[reference].to_numpy()
         est = retention_bootstrap(s, r, confidence=self._confidence(confidence), n_resamples=n_resamples, seed=0,
                                   unit="window")
         return pd.Series({"condition": cond, "label": self.labels[cond], "retention": est.statistic,
                           "ci_low": est.confidence_interval.low, "ci_high": est.confidence_interval.high,
                           "delta_static": float(s.mean()), "delta_reference": float(r.mean()),
-                          "reference": self.labels["StructureRemoved"], "n": int(est.n)})
+                          "reference": self.labels[reference], "n": int(est.n), "note": est.method})
+
+    def retention_lines(self) -> list[str]:
+        """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined)."""
+        lines = []
+        for c in protocol.retained():
+            if c not in set(self.records["condition"]):
+                continue
+            r = self.retention(c)
+            if math.isfinite(r["retention"]):
+                value = f"{100 * r['retention']:.2f}% [{100 * r['ci_low']:.2f}, {100 * r['ci_high']:.2f}]"
+            else:
+                value = f"undefined ({r['note']})"
+            lines.append(f"retention {r['label']} vs {r['reference']}: {value}; "
+                         f"ΔNLL {r['delta_static']:.6g} vs {r['delta_reference']:.6g}")
+        return lines

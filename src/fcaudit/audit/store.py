@@ -1,8 +1,10 @@
-"""The coefficient store: every captured coefficient of the evaluation windows, on disk.
+"""The coefficient store: every captured coefficient of the evaluation windows, on disk (Eq. 2's A_i).
 
-One safetensors file per capture batch (`chunk_{start:07d}.safetensors`, keys `layer.{l}` with the canonical
-shape [n, token, stream, source] in the model's dtype), each written atomically, so RAM does not grow with the
-number of windows and a killed run leaves only whole chunks. Reads are memory-mapped (`safe_open`).
+One safetensors file per capture batch (`chunk_{start:07d}.safetensors`). Each example's canonical coefficients of all
+layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coeffs.float32`, `coeffs.bfloat16`, ...),
+so reading the coefficients of any set of examples costs one slice per run of consecutive rows, not one per layer.
+Chunks are written atomically with a content hash (audit.files), so RAM does not grow with the number of windows
+and a killed run leaves only whole chunks. Reads are memory-mapped (`safe_open`).
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from fcaudit.audit.files import read_tensors, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write
+from fcaudit.protocol import Coeffs
 
 _CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
 MAX_OPEN = 16  # memory-mapped chunk files kept open; bounds the mapped (resident) part of the store
 
 
-def check_finite(coeffs: list[torch.Tensor], where: str) -> None:
+def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> None:
     for l, c in enumerate(coeffs):
         if not torch.isfinite(c).all():
-            raise FcauditError(f"non-finite coefficients at site {l} ({where}); fix the model or its dtype "
+            name = f"site {sites[l]!r}" if sites else f"site {l}"
+            raise FcauditError(f"non-finite coefficients at {name} ({where}); fix the model or its dtype "
                                "(e.g. load in float32) before auditing")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class CoefficientStore:
@@ -37,16 +44,24 @@ class CoefficientStore:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._handles: OrderedDict[int, object] = OrderedDict()
+        self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
 
     def chunk_path(self, start: int) -> Path:
         return self.path / f"chunk_{start:07d}.safetensors"
 
-    def write(self, start: int, coeffs: list[torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    def write(self, start: int, coeffs: Coeffs, metadata: dict | None = None) -> Path:
         """Write the coefficients of windows start..start+n atomically (the chunk is whole or absent)."""
         check_finite(coeffs, f"windows from {start}")
-        tensors = {f"layer.{l}": c.detach().to("cpu").contiguous() for l, c in enumerate(coeffs)}
+        layout, groups, offsets = [], {}, {}
+        for c in coeffs:
+            name = _dtype_name(c.dtype)
+            flat = c.detach().to("cpu").reshape(c.shape[0], -1)
+            layout.append({"dtype": name, "offset": offsets.get(name, 0), "shape": list(c.shape[1:])})
+            offsets[name] = offsets.get(name, 0) + flat.shape[1]
+            groups.setdefault(name, []).append(flat)
+        tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
         self._handles.pop(start, None)
-        return atomic_write(self.chunk_path(start), lambda p: save_file(tensors, str(p), metadata=metadata))
+        return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
     def starts(self) -> list[int]:
         if not self.path.exists():
@@ -55,6 +70,11 @@ class CoefficientStore:
 
     def has(self, start: int) -> bool:
         return self.chunk_path(start).exists()
+
+    def verify(self, start: int) -> dict:
+        """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
+        self._handles.pop(start, None)
+        return read_tensors(self.chunk_path(start))[1]
 
     def _open(self, start: int):
         if start in self._handles:
@@ -65,28 +85,42 @@ class CoefficientStore:
                 self._handles.popitem(last=False)
         return self._handles[start]
 
-    def metadata(self, start: int) -> dict[str, str]:
-        return self._open(start).metadata() or {}
+    def metadata(self, start: int) -> dict:
+        return tensor_meta(self.chunk_path(start))
 
-    def n_layers(self, start: int) -> int:
-        return sum(k.startswith("layer.") for k in self._open(start).keys())
+    def layout(self, start: int) -> list[dict]:
+        if self._layout is None:
+            self._layout = self.metadata(start)["layers"]
+        return self._layout
 
-    def read_chunk(self, start: int) -> list[torch.Tensor]:
+    def _split(self, rows: dict[str, torch.Tensor], layout: list[dict]) -> Coeffs:
+        out = []
+        for spec in layout:
+            flat = rows[spec["dtype"]]
+            width = int(np.prod(spec["shape"]))
+            out.append(flat[:, spec["offset"]:spec["offset"] + width].reshape(flat.shape[0], *spec["shape"]))
+        return out
+
+    def read_chunk(self, start: int) -> Coeffs:
         f = self._open(start)
-        return [f.get_tensor(f"layer.{l}") for l in range(self.n_layers(start))]
+        layout = self.layout(start)
+        return self._split({s["dtype"]: f.get_tensor(f"coeffs.{s['dtype']}") for s in layout}, layout)
 
-    def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> list[torch.Tensor]:
-        """Coefficients of the given example indices (any order), per layer; reads only the rows it needs.
+    def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
+        """Coefficients of the given example indices (any order, repeats allowed), per layer, as fresh tensors.
 
-        `chunk_starts` is the sorted array of chunk start indices (all chunks but the last hold the same count).
+        `chunk_starts` is the sorted array of chunk start indices. Runs of consecutive rows inside one chunk are
+        read as one slice.
         """
         examples = np.asarray(examples, dtype=np.int64)
         which = np.searchsorted(chunk_starts, examples, side="right") - 1
         order = np.lexsort((examples, which))
-        pieces: list[list[torch.Tensor]] = []
+        layout = self.layout(int(chunk_starts[0]))
+        dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
+        pieces: dict[str, list[torch.Tensor]] = {d: [] for d in dtypes}
         positions: list[np.ndarray] = []
         i = 0
-        while i < len(order):  # runs of consecutive rows inside one chunk are one slice read
+        while i < len(order):
             j = i + 1
             while (j < len(order) and which[order[j]] == which[order[i]]
                    and examples[order[j]] == examples[order[j - 1]] + 1):
@@ -94,15 +128,15 @@ class CoefficientStore:
             start = int(chunk_starts[which[order[i]]])
             lo, hi = int(examples[order[i]]) - start, int(examples[order[j - 1]]) - start + 1
             f = self._open(start)
-            pieces.append([f.get_slice(f"layer.{l}")[lo:hi] for l in range(self.n_layers(start))])
+            for d in dtypes:
+                pieces[d].append(f.get_slice(f"coeffs.{d}")[lo:hi])
             positions.append(order[i:j])
             i = j
-        # duplicated example indices appear once per occurrence; restore the requested order
         flat_pos = torch.from_numpy(np.concatenate(positions))
         inverse = torch.empty_like(flat_pos)
         inverse[flat_pos] = torch.arange(len(flat_pos))
-        n_layers = len(pieces[0])
-        return [torch.cat([p[l] for p in pieces])[inverse] for l in range(n_layers)]
+        rows = {d: torch.cat(p)[inverse] for d, p in pieces.items()}
+        return self._split(rows, layout)
 
     def close(self) -> None:
         self._handles.clear()

@@ -1,10 +1,13 @@
-"""Controller sites: the modules whose forward output is a layer's coefficient tensor, and how to read and replace it.
+"""Controller sites: the modules whose forward output is a layer's coefficients, and how to read and replace them.
 
-A site's output is described by an einops layout ("batch token", "stream batch token source",
-"(batch token) expert"). The engine sees only the canonical per-layer tensor [batch, token, stream, source];
-a missing stream or source axis becomes a unit axis, and any axis name other than batch/token/stream is the
-source axis (an expert, a source layer, a top-k slot). Capture = forward hooks; replay = the site's forward is
-replaced by one returning the supplied coefficients, so the controller's computation does not run.
+A site is a module plus a **codec**: `encode(output) -> canonical [batch, token, stream, source]` and
+`decode(canonical, meta) -> the module's output` (a tensor, a tuple, any structure). The default codec is an einops
+layout ("batch token", "stream batch token source", "(batch token) expert"): a missing stream or source axis becomes
+a unit axis, and any axis name other than batch/token/stream is the source axis (an expert, a source layer).
+
+Capture = forward hooks that encode each site's output. Replay = for the duration of a context manager each site's
+forward is replaced by a function returning the decoded coefficients, so the controller's computation does not run;
+the original forward is restored on exit and on error. The engine sees only canonical tensors and never a model class.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import fnmatch
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from einops import EinopsError, rearrange
 from torch import nn
 
 from fcaudit.errors import FcauditError
+from fcaudit.protocol import Coeffs, Controllers, REFERENCES
 
 CANONICAL = ("batch", "token", "stream", "source")
 
@@ -32,9 +36,44 @@ def path_matches(path: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """Dims from outermost to innermost in memory (largest stride first; size-1 and broadcast dims keep order)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
+
+
+def with_memory_order(x: torch.Tensor, order: Sequence[int] | None) -> torch.Tensor:
+    """A fresh copy of x (downstream in-place ops cannot touch the cache) whose dims are laid out in memory in
+    `order` (outermost first), as the captured output was, so kernels see the same strides."""
+    if order is None or len(order) != x.dim():
+        return x.clone(memory_format=torch.contiguous_format)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return x.permute(tuple(order)).clone(memory_format=torch.contiguous_format).permute(inverse)
+
+
+class Codec:
+    """How one site's output maps to canonical coefficients [batch, token, stream, source] and back."""
+
+    top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
+
+    def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
+        """Canonical coefficients of one output: a fresh tensor, never a view the model could modify in place."""
+        raise NotImplementedError
+
+    def meta(self, output: Any) -> dict:
+        """What `decode` needs beyond the canonical tensor (dtypes, memory order), read from one captured output."""
+        return {}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
+        """The module's output rebuilt from (possibly transformed) canonical coefficients, for any batch size."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
 @dataclass(frozen=True)
-class Layout:
-    """One einops layout of a site output and its rearrange patterns to and from the canonical layout."""
+class Layout(Codec):
+    """An einops layout of a single-tensor site output: the default codec."""
 
     pattern: str
     source: str | None  # name of the axis that plays the source role, if any
@@ -58,7 +97,16 @@ class Layout:
         stream = "stream" if "stream" in names else "1"
         return f"batch token {stream} {self.source or '1'}"
 
+    @property
+    def scalar(self) -> bool:
+        """One coefficient per (batch, token): a scalar gate."""
+        return self.source is None and "stream" not in self.pattern.replace("(", " ").replace(")", " ").split()
+
     def to_canonical(self, x: torch.Tensor, batch: int, token: int, where: str = "site") -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise FcauditError(f"{where} returned {type(x).__name__}, not a tensor; give the site a codec for its "
+                               "output structure (Controller.from_modules(..., codec=...)) or point the pattern at "
+                               "the module that returns the coefficients")
         try:
             return rearrange(x, f"{self.pattern} -> {self.canonical}", batch=batch, token=token)
         except EinopsError:
@@ -66,42 +114,59 @@ class Layout:
                                f"for batch={batch}, token={token}; pass the layout that names its axes") from None
 
     def from_canonical(self, c: torch.Tensor, memory_order: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Native layout as a fresh tensor (downstream in-place ops cannot touch the cache), its dims laid out in
-        memory in `memory_order` (outermost first) as the captured output was, so kernels see the same strides."""
-        x = rearrange(c, f"{self.canonical} -> {self.pattern}")
-        if memory_order is None or len(memory_order) != x.dim():
-            return x.clone(memory_format=torch.contiguous_format)
-        inverse = sorted(range(len(memory_order)), key=memory_order.__getitem__)
-        return x.permute(memory_order).clone(memory_format=torch.contiguous_format).permute(inverse)
+        return with_memory_order(rearrange(c, f"{self.canonical} -> {self.pattern}"), memory_order)
 
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        return self.to_canonical(output, batch, token).detach().clone()  # the model may modify `output` in place
 
-def memory_order(t: torch.Tensor) -> tuple[int, ...]:
-    """Dims from outermost to innermost in memory (largest stride first; size-1 and broadcast dims keep order)."""
-    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
+    def meta(self, output) -> dict:
+        return {"memory_order": memory_order(output)}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
+        return self.from_canonical(canonical, meta.get("memory_order"))
+
+    def describe(self) -> str:
+        return self.pattern
 
 
 @dataclass
 class Site:
-    """A module whose output is the coefficient tensor of one target layer.
-
-    `layout` is a tuple of Layouts when the module returns a tuple (e.g. an HF MoE router returning
-    (logits, top-k weights, top-k indices)); the engine currently audits single-tensor sites only.
-    """
+    """A module whose output is the coefficient tensor of one target layer, with the codec that reads it."""
 
     path: str
     module: nn.Module = field(repr=False)
-    layout: Layout | tuple[Layout, ...] = field(default=None)
-    memory_order: tuple[int, ...] | None = field(default=None, repr=False)  # of the captured output
+    codec: Codec = field(default=None)
+    meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
 
-    def canonical(self, out, batch: int, token: int) -> torch.Tensor:
-        if isinstance(self.layout, tuple):
-            raise FcauditError(f"site {self.path!r} has a tuple layout; tuple outputs are not supported yet, "
-                               "point the pattern at a module returning one tensor")
-        if not isinstance(out, torch.Tensor):
-            raise FcauditError(f"site {self.path!r} returned {type(out).__name__}, not a tensor; "
-                               "point the pattern at the module that returns the coefficients")
-        self.memory_order = memory_order(out)
-        return self.layout.to_canonical(out, batch, token, where=f"site {self.path!r}")
+    def encode(self, out, batch: int, token: int) -> torch.Tensor:
+        try:
+            c = self.codec.encode(out, batch, token)
+        except FcauditError as e:
+            raise FcauditError(f"site {self.path!r}: {e}") from None
+        if c.dim() != 4 or tuple(c.shape[:2]) != (batch, token):
+            raise FcauditError(f"site {self.path!r}: codec {self.codec.describe()} gave shape {tuple(c.shape)}, "
+                               f"not [batch={batch}, token={token}, stream, source]; fix the codec")
+        return c
+
+    def remember(self, out) -> None:
+        """Keep what decoding needs (memory order, dtypes) from one captured output; replays decode with it."""
+        self.meta = self.codec.meta(out)
+
+    def decode(self, c: torch.Tensor):
+        if self.meta is None:
+            raise FcauditError(f"site {self.path!r} has no captured output to replay into; capture a batch first")
+        return self.codec.decode(c, self.meta)
+
+
+def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:
+    if codec is not None:
+        return codec
+    if isinstance(layout, Codec):
+        return layout
+    if isinstance(layout, str):
+        return Layout.parse(layout)
+    raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
+                       "codec=... for a tuple or other structured output")
 
 
 @dataclass
@@ -110,45 +175,53 @@ class Controller:
 
     sites: list[Site]
     static_name: str = "StaticProfile"
-    reference: str = "global_mean"  # or "source_uniform_mean"
+    reference: str = "global_mean"  # or "source_uniform_mean" (protocol.REFERENCES)
     reference_name: str = "GlobalMean"
     description: str = ""
 
     def __post_init__(self):
-        if self.reference not in ("global_mean", "source_uniform_mean"):
-            raise FcauditError(f"unknown reference {self.reference!r}; use 'global_mean' or 'source_uniform_mean'")
+        if self.reference not in REFERENCES:
+            raise FcauditError(f"unknown reference {self.reference!r}; use one of {', '.join(REFERENCES)}")
         if not self.sites:
             raise FcauditError("a controller needs at least one site; check the module pattern")
 
     @classmethod
-    def from_modules(cls, model: nn.Module, pattern: str, layout: str | Sequence[str], *,
-                     static_name: str = "StaticProfile", reference: str = "global_mean",
+    def from_modules(cls, model: nn.Module, pattern: str, layout: str | Codec | None = None, *,
+                     codec: Codec | None = None, static_name: str = "StaticProfile", reference: str = "global_mean",
                      reference_name: str | None = None) -> "Controller":
-        """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order."""
-        parsed = tuple(Layout.parse(p) for p in layout) if not isinstance(layout, str) else Layout.parse(layout)
-        sites = [Site(name, m, parsed) for name, m in model.named_modules() if name and path_matches(name, pattern)]
+        """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
+        with `codec` (or the einops `layout` of a single-tensor output)."""
+        chosen = _codec(layout, codec)
+        sites = [Site(name, m, chosen) for name, m in model.named_modules() if name and path_matches(name, pattern)]
         if not sites:
             sample = [n for n, _ in model.named_modules() if n][:6]
             raise FcauditError(f"pattern {pattern!r} matches no module of {type(model).__name__}; "
                                f"module paths look like {sample}")
         if reference_name is None:
             reference_name = "GlobalMean" if reference == "global_mean" else "SourceUniformMean"
-        desc = f"{type(model).__name__}:{pattern}:{layout if isinstance(layout, str) else tuple(layout)}"
-        return cls(sites, static_name, reference, reference_name, desc)
+        return cls(sites, static_name, reference, reference_name,
+                   f"{type(model).__name__}:{pattern}:{chosen.describe()}")
 
     @property
     def labels(self) -> dict[str, str]:
         return {"StaticProfile": self.static_name, "StructureRemoved": self.reference_name}
 
+    @property
+    def info(self) -> Controllers:
+        """What the protocol's conditions need to know about this controller."""
+        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites))
+
     def describe(self) -> dict:
         return {"description": self.description, "sites": [s.path for s in self.sites],
-                "layouts": [s.layout.pattern if isinstance(s.layout, Layout) else [l.pattern for l in s.layout]
-                            for s in self.sites],
-                "reference": self.reference, "labels": self.labels}
+                "codecs": [s.codec.describe() for s in self.sites], "reference": self.reference,
+                "labels": self.labels}
 
     @contextmanager
-    def capture(self, batch: int, token: int) -> Iterator[list[torch.Tensor | None]]:
-        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids."""
+    def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
+        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
+
+        With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
+        takes it once, from a probe of the first batch, so every replay decodes alike)."""
         found: list[torch.Tensor | None] = [None] * len(self.sites)
 
         def hook_for(i: int, site: Site):
@@ -156,7 +229,9 @@ class Controller:
                 if found[i] is not None:
                     raise FcauditError(f"site {site.path!r} ran twice in one forward pass; "
                                        "pick a module that produces one layer's coefficients once")
-                found[i] = site.canonical(out, batch, token).detach().clone()  # the model may modify out in place
+                found[i] = site.encode(out, batch, token)
+                if remember:
+                    site.remember(out)
             return hook
 
         handles = [s.module.register_forward_hook(hook_for(i, s)) for i, s in enumerate(self.sites)]
@@ -167,8 +242,8 @@ class Controller:
                 h.remove()
 
     @contextmanager
-    def replay(self, coeffs: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Within the context each site's forward returns the given canonical coefficients in native layout.
+    def replay(self, coeffs: Coeffs) -> Iterator[None]:
+        """Within the context each site's forward returns its decoded canonical coefficients.
 
         The site's own computation (the controller) does not run. Each original forward is restored on exit,
         also when the body raises.
@@ -178,9 +253,9 @@ class Controller:
         saved = []
         try:
             for site, c in zip(self.sites, coeffs):
-                native = site.layout.from_canonical(c, site.memory_order)
+                native = site.decode(c)
                 saved.append((site.module, site.module.__dict__.get("forward")))
-                site.module.forward = (lambda t: lambda *args, **kwargs: t)(native)
+                site.module.forward = (lambda out: lambda *args, **kwargs: out)(native)
             yield
         finally:
             for module, original in saved:
@@ -188,3 +263,33 @@ class Controller:
                     del module.forward
                 else:
                     module.forward = original
+
+    @contextmanager
+    def recording_inputs(self) -> Iterator[list[tuple | None]]:
+        """Keep each site's call arguments of one forward pass (e.g. a replay pass), for `recompute`."""
+        inputs: list[tuple | None] = [None] * len(self.sites)
+
+        def hook_for(i: int):
+            def hook(module, args, kwargs):
+                inputs[i] = (args, kwargs)
+            return hook
+
+        handles = [s.module.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, s in enumerate(self.sites)]
+        try:
+            yield inputs
+        finally:
+            for h in handles:
+                h.remove()
+
+    def recompute(self, inputs: list[tuple | None], batch: int, token: int,
+                  which: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+        """The live controller's canonical output on recorded site inputs: what sites `which` (default all) would
+        have emitted on that trajectory. Call outside `replay`, so the original forwards run."""
+        out = {}
+        for i in (range(len(self.sites)) if which is None else which):
+            site, call = self.sites[i], inputs[i]
+            if call is None:
+                raise FcauditError(f"site {site.path!r} did not run in the recorded pass")
+            args, kwargs = call
+            out[i] = site.encode(site.module.forward(*args, **kwargs), batch, token)
+        return out

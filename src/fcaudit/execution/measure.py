@@ -194,13 +194,10 @@ def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, de
 # ---- many checkpoints ---------------------------------------------------------------------------------------------
 
 def model_label(model: nn.Module, meta: dict) -> str:
-    """featuregate/dense/.../fixeddepth-k for the FeatureGate family, mudd for MUDDPythia, else the class name."""
-    variant = getattr(getattr(model, "config", None), "variant", None)
-    if variant == "fixeddepth":
-        return f"fixeddepth-{model.config.n_layer}"
-    if variant is not None:
-        return variant
-    return "mudd" if type(model).__name__ == "MUDDPythia" else type(model).__name__
+    """The family's label (featuregate, dense, fixeddepth-k, mudd, ...), else the class name."""
+    from fcaudit import families
+
+    return families.label(model)
 
 
 def _architecture(model: nn.Module) -> str:
@@ -270,7 +267,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     `threads` sets torch's CPU threads for the measurement (restored afterwards): on a shared machine, 1 thread
     gives far steadier CPU latencies than competing for every core.
     """
-    from fcaudit.models.checkpoint import resolve_checkpoint  # models are loaded only when measuring
+    from fcaudit.hub import resolve as resolve_checkpoint  # models are loaded only when measuring
 
     if not checkpoint_dirs:
         raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")

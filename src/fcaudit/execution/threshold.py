@@ -26,11 +26,10 @@ from fcaudit.loss import logits_of, token_nll
 def scalar_gate_controller(controller: Controller) -> Controller:
     """The controller itself if every site emits one scalar per token (layout "batch token"); else FcauditError."""
     for site in controller.sites:
-        layout = site.layout
-        if not isinstance(layout, Layout) or layout.source is not None or "stream" in layout.pattern.split():
-            pattern = layout.pattern if isinstance(layout, Layout) else [l.pattern for l in layout]
+        if not (isinstance(site.codec, Layout) and site.codec.scalar):
             raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
-                               f"layout {pattern!r}: threshold a FeatureGate-family model (featuregate, uniform, layerstatic)")
+                               f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
+                               "layerstatic)")
     return controller
 
 

@@ -1,8 +1,7 @@
 """Checkpoints in Hugging Face layout: `config.json` (with `model_type`) + `model.safetensors`, never pickle.
 
-load_model dispatches on model_type: "featuregate" -> FeatureGateGPT, "muddpythia" -> fcaudit.models.muddpythia.
-A path that does not exist locally is treated as a Hugging Face hub id (resolve_checkpoint): only the files fcaudit
-reads are downloaded, and the local cache is used when the hub is unreachable.
+`load_model` resolves a directory or hub id (fcaudit.hub) and hands it to the family that accepts its config.json
+(fcaudit.families); the FeatureGate family's own format (save_checkpoint / load_featuregate) lives here.
 """
 
 import json
@@ -54,41 +53,14 @@ def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | 
     return dir
 
 
-# What fcaudit reads from a hub repo; pickle-era .bin weights only when a repo has no safetensors.
-HUB_PATTERNS = [CONFIG_NAME, "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
-HUB_FALLBACK = ["pytorch_model*.bin", "*.bin.index.json"]
-
-
-def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local checkpoint directory, or a hub id downloaded (from the local cache when the hub is unreachable)."""
-    local = Path(path_or_id).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise FcauditError(f"checkpoint {local} is a file: pass the directory that holds config.json and model.safetensors")
-        return local
-    repo_id = str(path_or_id)
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
-        raise FcauditError(f"no checkpoint directory {repo_id}: pass a directory written by `fcaudit train` or a hub id like org/name")
-    from huggingface_hub import snapshot_download
-
-    from fcaudit.hub import hub_reachable
-
-    offline = not hub_reachable()  # fail fast (or use the cache) instead of retrying for half a minute
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline))
-        if not list(path.glob("*.safetensors")):
-            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS + HUB_FALLBACK,
-                                          local_files_only=offline))
-    except Exception as e:  # offline, unknown repo, bad revision: all end the same way for the user
-        raise FcauditError(f"{repo_id} is not a local directory and could not be fetched from the Hugging Face hub "
-                           f"({type(e).__name__}): pass a local checkpoint directory, or connect and retry") from None
-    return path
-
-
 def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
-    """Load a checkpoint directory or hub id: returns (model in eval mode on `device`, meta dict from config.json)."""
-    dir = resolve_checkpoint(path_or_id, revision)
+    """Load a checkpoint directory or hub id with the family that accepts its config.json: returns (model in eval
+    mode on `device`, meta dict)."""
+    from fcaudit import families
+    from fcaudit.hub import resolve
+
+    dir = resolve(path_or_id, revision)
     config_path = dir / CONFIG_NAME
     if not config_path.is_file():
         raise FcauditError(f"{dir} has no {CONFIG_NAME}: pass a checkpoint directory written by `fcaudit train`")
@@ -96,20 +68,25 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
         config = read_json(config_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FcauditError(f"{config_path} is not valid JSON ({_one_line(e)}): restore it from the training run") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type == "muddpythia":
-        from fcaudit.models import muddpythia  # written separately; imported only when needed
+    family = families.for_config(config) if isinstance(config, dict) else None
+    if family is None:
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        known = ", ".join(f.name for f in families.families())
+        raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}); "
+                           "pass a checkpoint of one of them")
+    return family.load(dir, torch.device(device), dtype)
 
-        model = muddpythia.from_pretrained(dir, dtype=dtype)
-        return model.to(device).eval(), {k: v for k, v in config.items() if k != "model_type"}
-    if model_type != MODEL_TYPE:
-        raise FcauditError(f"{config_path} has model_type {model_type!r}: fcaudit loads 'featuregate' and 'muddpythia' checkpoints")
+
+def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
+    """A FeatureGate-family checkpoint written by `save_checkpoint`."""
+    config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
     config.pop("model_type")
     try:
         model = FeatureGateGPT(GPTConfig.from_dict(config))
     except TypeError as e:
-        raise FcauditError(f"{config_path} has an invalid field ({_one_line(e)}): use the config.json written with these weights") from None
+        raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({_one_line(e)}): use the config.json written "
+                           "with these weights") from None
     load_weights(dir / WEIGHTS_NAME, model)
     return model.to(device=device, dtype=dtype).eval(), meta
 

@@ -368,34 +368,6 @@ def save_pretrained(model: MUDDPythia, out_dir: str | os.PathLike, extra: dict |
     return out
 
 
-def _resolve(dir_or_hub_id: str | os.PathLike, revision: str | None) -> Path:
-    path = Path(dir_or_hub_id).expanduser()
-    if path.is_dir():
-        return path
-    name = str(dir_or_hub_id)
-    if path.exists() or name.count("/") != 1 or name.startswith((".", "/")):
-        raise FcauditError(f"no checkpoint directory {name!r}: pass a directory with config.json and weights, "
-                           f"or a Hugging Face hub id like Caiyun-AI/MUDDPythia-1.4B")
-    from huggingface_hub import snapshot_download
-
-    from fcaudit.hub import hub_reachable
-
-    # Only what fcaudit reads; pickle-format .bin weights only when the repo has no safetensors.
-    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
-    offline = not hub_reachable()  # fail fast (or use the local cache) instead of retrying for half a minute
-    try:
-        local = Path(snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=offline))
-        if not list(local.glob("*.safetensors")):
-            local = Path(snapshot_download(name, revision=revision, local_files_only=offline,
-                                           allow_patterns=patterns + ["pytorch_model*.bin", "*.bin.index.json"]))
-    except Exception as e:  # offline, unknown repo/revision, network errors: all need the same fix
-        rev = f" --revision {revision}" if revision else ""
-        raise FcauditError(f"cannot fetch {name}{' @ ' + revision if revision else ''} from the Hugging Face hub "
-                           f"({type(e).__name__}); download it where the hub is reachable "
-                           f"(`hf download {name}{rev} --local-dir DIR`) and pass the local DIR") from None
-    return local
-
-
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -447,7 +419,9 @@ def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = Non
     """Load a MUDDPythia checkpoint from a local directory or a hub id (optionally at `revision`).
 
     dtype None keeps the checkpoint's own `torch_dtype` (bfloat16 for the published 1.4B model)."""
-    path = _resolve(dir_or_hub_id, revision)
+    from fcaudit.hub import resolve
+
+    path = resolve(dir_or_hub_id, revision)
     if not (path / "config.json").exists():
         raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")
     try:

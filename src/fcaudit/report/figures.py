@@ -17,6 +17,7 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from fcaudit import protocol  # noqa: E402
 from fcaudit.io import atomic_write  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.dpi": 110})
@@ -25,9 +26,7 @@ VARIANCE_TERMS = ("layer", "input", "token", "input:layer", "input:token", "laye
 _TERM_COLORS = dict(zip(VARIANCE_TERMS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
                                          "#da8bc3")))
 _FAMILY_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
-GENERIC = {"CrossInput": "Cross-input", "TokenShuffle": "Token-shuffle", "CrossShuffle": "Cross+shuffle",
-           "LayerPositionMean": "Layer×PositionMean", "StaticProfile": "StaticProfile",
-           "StructureRemoved": "StructureRemoved"}
+GENERIC = {k: v for k, v in protocol.default_labels().items() if k != "Correct"}  # registry order
 
 
 _PLAIN = matplotlib.ticker.FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.3g}")
@@ -56,8 +55,8 @@ def _interval_words(level: str, confidence: float = 0.95) -> str:
 def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
     """Figure 2: mean ΔNLL per condition with intervals; the structure-removed reference on its own panel with its
     own linear scale (it is orders of magnitude larger)."""
-    ref = conditions[conditions["condition"] == "StructureRemoved"]
-    main = conditions[conditions["condition"] != "StructureRemoved"].iloc[::-1]  # first condition on top
+    removed = conditions["condition"] == protocol.structure_removed()
+    ref, main = conditions[removed], conditions[~removed].iloc[::-1]  # first condition on top
     level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
                              gridspec_kw={"width_ratios": [3, 1.3]})

@@ -24,7 +24,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, read_json, write_json, write_text
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables
-from fcaudit.stats.summary import Summary, summarize
+from fcaudit.summary import Summary, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
 

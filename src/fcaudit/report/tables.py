@@ -1,7 +1,7 @@
 """The paper's tables as DataFrames, and their Markdown/HTML rendering.
 
 Table 1 (training comparison) comes from training runs' metrics.json; the FCA table (Table 2 style),
-factor effects and criteria verdicts come from a `fcaudit.stats.summary.Summary`.
+factor effects and criteria verdicts come from a `fcaudit.summary.Summary`.
 """
 
 from __future__ import annotations
@@ -113,9 +113,15 @@ def fca_display(conditions: pd.DataFrame, retention: pd.DataFrame) -> pd.DataFra
             "Condition": r.label, "Mean ΔNLL": fmt(r.mean), "95% interval": fmt_interval(r.ci_low, r.ci_high),
             "MC SE": fmt(r.mc_se), "Positive": "—" if pd.isna(r.n_positive) else f"{int(r.n_positive)}/{int(r.n)}",
             "p (sign-flip)": fmt_p(r.pvalue),
-            "Retention": "—" if rt is None else f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]",
+            "Retention": "—" if rt is None else _retention_cell(rt),
         })
     return pd.DataFrame(rows)
+
+
+def _retention_cell(rt) -> str:
+    if pd.isna(rt.retention):  # Eq. 8 needs a reference gap clearly above 0 (the reason is in the CSV's note)
+        return f"undefined (ΔNLL(R) {fmt(rt.reference_delta_nll)} not clearly > 0)"
+    return f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]"
 
 
 def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
@@ -131,7 +137,8 @@ def criteria_display(criteria: list[dict]) -> pd.DataFrame:
     for c in criteria:
         rows.append({"Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
                      "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
-                     "Level": {"checkpoint": "checkpoints", "window": "windows (one checkpoint)"}.get(c["level"], "—"),
+                     "Level": {"checkpoint": "checkpoints", "window": "window-level (one checkpoint)",
+                               "window-level (one checkpoint)": "window-level (one checkpoint)"}.get(c["level"], "—"),
                      "Verdict": {True: "met", False: "not met"}.get(c["met"], "not evaluable")})
     return pd.DataFrame(rows)
 

@@ -1,7 +1,6 @@
 """FCA statistics: ΔNLL and factor effects (effects), inference (inference), coefficient variation (variance)."""
 
 from fcaudit.stats.effects import (
-    CONDITIONS,
     FactorEffects,
     FactorialCells,
     condition_means,
@@ -26,7 +25,7 @@ from fcaudit.stats.inference import (
 from fcaudit.stats.variance import coefficient_profile, functional_anova, variance_by_slice, variance_decomposition
 
 __all__ = [
-    "CONDITIONS", "ConfidenceInterval", "Estimate", "FactorEffects", "FactorialCells", "checkpoint_bootstrap",
+    "ConfidenceInterval", "Estimate", "FactorEffects", "FactorialCells", "checkpoint_bootstrap",
     "coefficient_profile", "condition_means", "delta_nll", "factor_effects", "factorial_cells", "functional_anova",
     "holm", "mc_se", "paired_bootstrap", "per_example_deltas", "randomization_means", "retention",
     "retention_bootstrap", "retention_window_bootstrap", "sign_flip_test", "variance_by_slice",

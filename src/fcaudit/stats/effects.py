@@ -1,31 +1,22 @@
 """Intervention penalties (ΔNLL), the factorial effects of Eq. 5-7 and static retention (Eq. 8).
 
-Records are the audit's long table: one row per (example, condition, randomization) with the mean NLL per
-predicted token of that window. Deterministic conditions (Correct, the static profiles, the reference) have
-randomization 0 only; randomized conditions (CrossInput, TokenShuffle, CrossShuffle) have randomizations 0..R-1,
-and randomization r of CrossShuffle reuses the donor mapping of CrossInput r and the permutations of
-TokenShuffle r (paired sampling), so cells are paired by (example, randomization).
+Records are the audit's long table (fcaudit.protocol.RECORD_COLUMNS): one row per (example, condition,
+randomization) with the mean NLL per predicted token of that window. Deterministic conditions (Correct, the static
+profiles, the reference) have randomization 0 only; randomized conditions have randomizations 0..R-1. The factorial
+cells are the conditions whose registered role is input (DC), token (CS) and both (DS); randomization r of DS reuses
+the donor mapping of DC r and the permutations of CS r (paired sampling), so cells pair by (example, randomization).
 """
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from fcaudit import protocol
 from fcaudit.errors import FcauditError
 
 CORRECT = "Correct"
-CROSS_INPUT = "CrossInput"
-TOKEN_SHUFFLE = "TokenShuffle"
-CROSS_SHUFFLE = "CrossShuffle"
-LAYER_POSITION_MEAN = "LayerPositionMean"
-STATIC_PROFILE = "StaticProfile"
-STRUCTURE_REMOVED = "StructureRemoved"
-RANDOMIZED = (CROSS_INPUT, TOKEN_SHUFFLE, CROSS_SHUFFLE)
-CONDITIONS = (CORRECT, *RANDOMIZED, LAYER_POSITION_MEAN, STATIC_PROFILE, STRUCTURE_REMOVED)
-
-RECORD_COLUMNS = ("example", "condition", "randomization", "nll")
+RECORD_COLUMNS = ("example", "condition", "randomization", "nll")  # the columns the statistics read
 
 
 def _check_records(records: pd.DataFrame) -> None:
@@ -147,24 +138,25 @@ class FactorialCells:
 
 
 def factorial_cells(records: pd.DataFrame) -> FactorialCells:
-    """Build paired CC/DC/CS/DS arrays from records: CC = Correct (ΔNLL 0), DC = CrossInput, CS = TokenShuffle,
-    DS = CrossShuffle, paired by example and randomization. The three randomized conditions must cover the same
-    examples and the same randomizations (complete, balanced design)."""
+    """Build paired CC/DC/CS/DS arrays from records: CC = Correct (ΔNLL 0), DC/CS/DS = the conditions registered with
+    the roles input/token/both (CrossInput, TokenShuffle, CrossShuffle), paired by example and randomization. The
+    three must cover the same examples and the same randomizations (complete, balanced design)."""
     d = _deltas(records)
+    roles = protocol.factorial()
     cells = {}
-    for name in RANDOMIZED:
+    for name in (roles["input"], roles["token"], roles["both"]):
         sub = d[d["condition"] == name]
         if sub.empty:
             raise FcauditError(f"records have no {name} rows: run the audit with the randomized conditions enabled")
         cells[name] = sub.pivot(index="example", columns="randomization", values="delta").sort_index().sort_index(axis=1)
-    ref = cells[CROSS_INPUT]
+    ref = cells[roles["input"]]
     for name, wide in cells.items():
         if not (wide.index.equals(ref.index) and wide.columns.equals(ref.columns)) or wide.isna().any().any():
             raise FcauditError(
-                f"{name} does not cover the same examples and randomizations as {CROSS_INPUT}: "
+                f"{name} does not cover the same examples and randomizations as {roles['input']}: "
                 "rerun the audit so all randomized conditions are complete"
             )
-    dc, cs, ds = (cells[n].to_numpy(np.float64) for n in RANDOMIZED)
+    dc, cs, ds = (w.to_numpy(np.float64) for w in cells.values())
     return FactorialCells(examples=ref.index.to_numpy(), cc=np.zeros_like(dc), dc=dc, cs=cs, ds=ds)
 
 
@@ -172,20 +164,15 @@ def retention(delta_static, delta_reference):
     """Static retention 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8), elementwise; 1 = the static profile keeps all performance
     that removing the structure (reference R) loses.
 
-    A reference with ΔNLL(R) <= 0 gives nan (with a RuntimeWarning): retention is the share of the Correct-to-R gap
-    that S closes, and with no positive gap there is nothing to retain; the ratio would be undefined (0) or flip
-    sign (< 0). Always report retention beside the absolute ΔNLL, and only within one model and evaluation set.
+    A reference with ΔNLL(R) <= 0 gives nan: retention is the share of the Correct-to-R gap that S closes, and with
+    no positive gap there is nothing to retain; the ratio would be undefined (0) or flip sign (< 0). This is the
+    formula only: the estimates (stats.inference.retention_bootstrap) also require the reference's interval to lie
+    above 0. Always report retention beside the absolute ΔNLL, and only within one model and evaluation set.
     """
     s = np.asarray(delta_static, dtype=np.float64)
     r = np.asarray(delta_reference, dtype=np.float64)
     s, r = np.broadcast_arrays(s, r)
     bad = ~(r > 0)
-    if np.any(bad & ~np.isnan(r)):
-        warnings.warn(
-            "retention undefined where the reference ΔNLL <= 0 (no Correct-to-reference gap to retain): returning nan",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(bad, np.nan, 1.0 - s / np.where(bad, 1.0, r))
     return _scalar_or_array(out)

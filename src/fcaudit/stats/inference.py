@@ -215,27 +215,35 @@ def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95,
     unit="checkpoint": one (ΔNLL(S), ΔNLL(R)) pair per trained checkpoint (the primary analysis);
     unit="window": one pair per evaluation window of a single checkpoint (descriptive, like Table 2).
     Retention of the means (not the mean of per-unit ratios, which explodes for units with a small reference gap).
-    Values are fractions (0.9870 = 98.70%). A single unit gives no interval; resamples whose mean reference
-    ΔNLL is <= 0 make the interval undefined (nan, with a warning).
+    Values are fractions (0.9870 = 98.70%).
+
+    Eq. 8 means something only when the reference gap is clearly positive: unless the bootstrap interval of the
+    reference's mean ΔNLL (same units, confidence and resamples) lies above 0, retention is undefined: nan, with the
+    reason in `method`. With a single unit there is no such interval, so retention is undefined too.
     """
     if unit not in ("checkpoint", "window"):
         raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
     s, r = _sample(delta_static, "delta_static"), _sample(delta_reference, "delta_reference")
     if s.shape != r.shape:
         raise FcauditError(f"delta_static and delta_reference must pair the same {unit}s, got {s.size} and {r.size}")
+    nan = ConfidenceInterval(math.nan, math.nan)
+    ref = _mean_estimate(r, confidence, n_resamples, seed, unit)
+    if not ref.has_interval:
+        return Estimate(math.nan, nan, None, int(s.size), f"undefined: a single {unit} gives the reference ΔNLL no "
+                        "interval", confidence)
+    lo, hi = ref.confidence_interval
+    if not lo > 0:
+        return Estimate(math.nan, nan, None, int(s.size), f"undefined: the reference ΔNLL {r.mean():.3g} has "
+                        f"{100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not clearly above 0", confidence)
     point = float(retention(s.mean(), r.mean()))
-    if s.size < 2 or not np.isfinite(point):
-        why = f"single {unit}: no interval" if s.size < 2 else "reference ΔNLL <= 0: retention undefined"
-        return Estimate(point, ConfidenceInterval(math.nan, math.nan), None, int(s.size), why, confidence)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # nan resamples are reported below
+        warnings.simplefilter("ignore", RuntimeWarning)
         ci, se = _percentile_bootstrap((s, r), _retention_of_means, confidence, n_resamples, seed)
-    if not (np.isfinite(ci.low) and np.isfinite(ci.high)):
-        warnings.warn("some bootstrap resamples have a mean reference ΔNLL <= 0: retention interval undefined",
-                      RuntimeWarning, stacklevel=2)
-        ci = ConfidenceInterval(math.nan, math.nan)
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
+    if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
+        return Estimate(point, nan, None, int(s.size), method + "; interval undefined (some resamples have a "
+                        "reference ΔNLL <= 0)", confidence, se)
     return Estimate(point, ci, None, int(s.size), method, confidence, se)
 
 

@@ -1,41 +1,38 @@
-"""From audit records to the paper's evidence: per-checkpoint tables and checkpoint-level inference.
+"""From audits to the paper's evidence: per-checkpoint tables and checkpoint-level inference (`fcaudit summarize`).
 
 Two levels, never mixed (paper §4.1):
 - within one checkpoint (`checkpoint_summary`): paired-window bootstrap intervals and the Monte Carlo SE across
-  randomizations. They describe stability across evaluation windows, not uncertainty across training runs.
+  randomizations. They describe stability across evaluation windows, not uncertainty across training runs; a family
+  with one checkpoint is labelled "window-level (one checkpoint)" everywhere, its criteria included.
 - across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
   Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
-The prespecified criteria (`Criteria`) are read from each audit's config.json, where the engine wrote them before
-the audit ran; the summary states each verdict and when the criteria were fixed.
+Audits are read through `AuditResult` (the one reader). Checkpoints pooled into one family must be independent (no
+two with the same parameters) and audited alike (windows, corpus, R, criteria). The prespecified criteria are read
+from each audit's config.json, where the engine wrote them before the audit ran.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
+from fcaudit import protocol
+from fcaudit.audit.results import AuditResult
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, read_json, write_json
-from fcaudit.stats.effects import (delta_nll, factor_effects, factorial_cells, per_example_deltas,
-                                   randomization_means)
+from fcaudit.protocol import Criteria
+from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means
 from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap
 
-# Paper order; display names of the last two come from the controller (meta["labels"]).
-CONDITIONS = ("CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile", "StructureRemoved")
-DEFAULT_LABELS = {"Correct": "Correct", "CrossInput": "Cross-input", "TokenShuffle": "Token-shuffle",
-                  "CrossShuffle": "Cross+shuffle", "LayerPositionMean": "Layer×PositionMean",
-                  "StaticProfile": "StaticProfile", "StructureRemoved": "StructureRemoved"}
-RETAINED = ("StaticProfile", "LayerPositionMean")  # retention is reported for these against StructureRemoved
 FACTORS = {"input": "E_input", "token": "E_token", "interaction": "E_interaction"}
-FACTOR_CONDITIONS = ("CrossInput", "TokenShuffle", "CrossShuffle")  # DC, CS, DS (CC = Correct, ΔNLL 0)
 BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
+WINDOW_LEVEL = "window-level (one checkpoint)"
 
 WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap intervals; they describe stability across "
                "evaluation windows (and MC SE the randomization error) for this checkpoint, not uncertainty across "
@@ -43,37 +40,13 @@ WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap interval
 CHECKPOINT_NOTE = ("Training seeds are the units: intervals are percentile bootstrap CIs over checkpoints, p-values "
                    "exact two-sided sign-flip tests over checkpoints; MC SE is the mean within-checkpoint "
                    "randomization error.")
-
-
-@dataclass
-class Criteria:
-    """The two prespecified criteria of §4.1 (thresholds configurable, fixed before the audit runs)."""
-
-    small_upper: float = 0.002  # StaticProfile ΔNLL: upper CI bound below this => "practically small"
-    retention_lower: float = 0.95  # StaticProfile retention: lower CI bound above this => "high retention"
-    confidence: float = 0.95  # level of the intervals the criteria are judged on
-
-    def __post_init__(self):
-        if not 0 < self.confidence < 1:
-            raise FcauditError(f"criteria confidence must be in (0, 1), got {self.confidence}; e.g. 0.95")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Criteria":
-        known = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k != "fixed_at"}  # the engine stamps when the criteria were fixed
-        unknown = set(d) - known
-        if unknown:
-            raise FcauditError(f"unknown criteria keys {sorted(unknown)}; allowed: {sorted(known)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
 
 
 # ---- within one checkpoint ------------------------------------------------------------------------------------
 
-def labels_of(meta: dict) -> dict[str, str]:
-    return {**DEFAULT_LABELS, **(meta.get("labels") or {})}
+def labels_of(config: dict) -> dict[str, str]:
+    return {**protocol.default_labels(), **(config.get("labels") or {})}
 
 
 def _window_table(records: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
@@ -83,12 +56,14 @@ def _window_table(records: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, np.nda
     if d.empty:
         raise FcauditError("the audit records hold no intervention conditions; rerun `fcaudit audit` to complete it")
     per_window = per_example_deltas(d)
-    if per_window.isna().any().any():
-        missing = per_window.columns[per_window.isna().any()].tolist()
-        raise FcauditError(f"records lack some windows for {missing}; rerun `fcaudit audit` on the same dir to resume it")
-    order = [c for c in CONDITIONS if c in per_window.columns] + sorted(set(per_window.columns) - set(CONDITIONS))
+    order = sorted(per_window.columns, key=protocol.order)
     rand = randomization_means(d)
     return per_window[order], {c: rand[c].dropna().to_numpy() for c in order}
+
+
+def _active(records: pd.DataFrame) -> pd.Series:
+    """Mean active sources (experts) per token of each condition; empty for records from before the column."""
+    return records.groupby("condition")["active"].mean() if "active" in records else pd.Series(dtype=float)
 
 
 def _ci(est) -> tuple[float, float]:
@@ -96,86 +71,80 @@ def _ci(est) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def _window_level(records: pd.DataFrame, meta: dict, confidence: float, family: str = ""):
+def _window_level(records: pd.DataFrame, config: dict, confidence: float, family: str = ""):
     """(conditions, factors, retention) frames for one checkpoint, window-bootstrap intervals."""
     per_window, rand = _window_table(records)
-    labels = labels_of(meta)
-    n = len(per_window)
+    labels = labels_of(config)
+    active = _active(records)
     conds = []
     for c in per_window.columns:
-        x = per_window[c].to_numpy()
+        x = per_window[c].dropna().to_numpy()
         lo, hi = _ci(paired_bootstrap(x, confidence=confidence, seed=BOOT_SEED))
-        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "window", "n": n,
+        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "window", "n": len(x),
                       "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan, "n_positive": np.nan,
-                      "mc_se": mc_se(rand[c])})
+                      "mc_se": mc_se(rand[c]), "active": float(active.get(c, np.nan))})
     facs = []
-    if all(c in per_window.columns for c in FACTOR_CONDITIONS):
+    if all(c in per_window.columns for c in protocol.factorial().values()):
         # paired CC/DC/CS/DS cells (same donor mapping and permutations per randomization), one value per window
         arrays = factorial_cells(records).per_example_effects().as_dict()
         for k, name in FACTORS.items():
             lo, hi = _ci(paired_bootstrap(arrays[k], confidence=confidence, seed=BOOT_SEED))
-            facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": n,
+            facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": len(arrays[k]),
                          "mean": float(arrays[k].mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan,
                          "pvalue_holm": np.nan, "n_positive": np.nan})
-    rets = _retention_rows(per_window, family, labels, "window", n, confidence)
+    rets = _retention_rows(per_window.dropna(), family, labels, "window", confidence)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
-def _retention(s: np.ndarray, ref: np.ndarray, confidence: float, unit: str):
-    # A reference gap <= 0 in some resamples leaves the interval undefined (nan, shown as "—"); no warning spam.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return retention_bootstrap(s, ref, confidence=confidence, seed=BOOT_SEED, unit=unit)
-
-
-def _retention_rows(table: pd.DataFrame, family: str, labels: dict, level: str, n: int, confidence: float) -> list[dict]:
-    """Retention of each static condition vs StructureRemoved; `table` has one row per unit (window or checkpoint)."""
-    if "StructureRemoved" not in table.columns:
+def _retention_rows(table: pd.DataFrame, family: str, labels: dict, level: str, confidence: float) -> list[dict]:
+    """Retention of each retained static condition vs the structure-removed reference; `table` has one row per
+    unit (window or checkpoint). Undefined (nan, with the reason) unless the reference's interval lies above 0."""
+    reference = protocol.structure_removed()
+    if reference not in table.columns:
         return []
-    ref = table["StructureRemoved"].to_numpy()
+    ref = table[reference].to_numpy()
     rows = []
-    for c in RETAINED:
-        if c in table.columns:
-            s = table[c].to_numpy()
-            rows.append(_retention_row(family, c, labels, level, n, _retention(s, ref, confidence, level), s, ref))
+    for c in protocol.retained():
+        if c not in table.columns:
+            continue
+        s = table[c].to_numpy()
+        est = retention_bootstrap(s, ref, confidence=confidence, seed=BOOT_SEED, unit=level)
+        lo, hi = _ci(est)
+        rows.append({"family": family, "condition": c, "label": labels.get(c, c), "reference": reference,
+                     "reference_label": labels.get(reference, reference), "level": level, "n": len(s),
+                     "retention": float(est.statistic), "ci_low": lo, "ci_high": hi,
+                     "delta_nll": float(np.mean(s)), "reference_delta_nll": float(np.mean(ref)),
+                     "note": "" if math.isfinite(est.statistic) else est.method})
     return rows
-
-
-def _retention_row(family, c, labels, level, n, est, s, ref) -> dict:
-    lo, hi = _ci(est)
-    return {"family": family, "condition": c, "label": labels.get(c, c), "reference": "StructureRemoved",
-            "reference_label": labels.get("StructureRemoved", "StructureRemoved"), "level": level, "n": n,
-            "retention": float(est.statistic), "ci_low": lo, "ci_high": hi,
-            "delta_nll": float(np.mean(s)), "reference_delta_nll": float(np.mean(ref))}
 
 
 _COLUMNS = {
     "conditions": ["family", "condition", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "n_positive",
-                   "mc_se"],
+                   "mc_se", "active"],
     "factors": ["family", "effect", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "pvalue_holm",
                 "n_positive"],
     "retention": ["family", "condition", "label", "reference", "reference_label", "level", "n", "retention", "ci_low",
-                  "ci_high", "delta_nll", "reference_delta_nll"],
+                  "ci_high", "delta_nll", "reference_delta_nll", "note"],
 }
-
-
-_TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label"}
+_TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
 
 
 def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=_COLUMNS[kind])
+    if "note" in df.columns:
+        df["note"] = df["note"].fillna("").astype(str)
     # numbers stay numeric even when a column is all missing (JSON null) after a round trip
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
 
 
-def checkpoint_summary(records: pd.DataFrame, meta: dict, confidence: float | None = None) -> pd.DataFrame:
+def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | None = None) -> pd.DataFrame:
     """Paper Table 2 for one checkpoint: per condition its label, mean ΔNLL, paired-window bootstrap interval,
-    MC SE across randomizations and (StaticProfile, LayerPositionMean) retention vs StructureRemoved; then the
-    factor effects E_input, E_token, E_interaction with window-level intervals. Intervals describe stability
-    across windows (df.attrs["note"])."""
+    MC SE across randomizations and retention vs the structure-removed reference; then the factor effects E_input,
+    E_token, E_interaction with window-level intervals. Intervals describe stability across windows
+    (df.attrs["note"])."""
     if confidence is None:
-        confidence = Criteria.from_dict(meta["criteria"]).confidence if meta.get("criteria") else 0.95
-    conds, facs, rets = _window_level(records, meta, confidence)
+        confidence = Criteria.from_dict(config["criteria"]).confidence if config.get("criteria") else 0.95
+    conds, facs, rets = _window_level(records, config, confidence)
     table = conds.drop(columns=["family", "level", "pvalue", "n_positive"]).assign(kind="condition")
     r = rets.set_index("condition")[["retention", "ci_low", "ci_high"]]
     r.columns = ["retention", "retention_low", "retention_high"]
@@ -192,7 +161,8 @@ def checkpoint_summary(records: pd.DataFrame, meta: dict, confidence: float | No
 
 # ---- across checkpoints ---------------------------------------------------------------------------------------
 
-def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, confidence: float, family: str):
+def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, confidence: float, family: str,
+                      active: pd.Series):
     """per_ckpt: (per-window table, randomization means) of each checkpoint of one family."""
     n = len(per_ckpt)
     means = pd.DataFrame([pw.mean() for pw, _ in per_ckpt]).reset_index(drop=True)  # checkpoints x conditions
@@ -200,6 +170,7 @@ def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, c
         missing = means.columns[means.isna().any()].tolist()
         raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
                            "the same conditions")
+    means = means[sorted(means.columns, key=protocol.order)]
     conds = []
     for c in means.columns:
         x = means[c].to_numpy()
@@ -209,10 +180,12 @@ def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, c
                       "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
                       "n_positive": int((x > 0).sum()),
                       "mc_se": float(np.nanmean([mc_se(r[c]) for _, r in per_ckpt]))
-                      if any(len(r[c]) > 1 for _, r in per_ckpt) else float("nan")})
+                      if any(len(r[c]) > 1 for _, r in per_ckpt) else float("nan"),
+                      "active": float(active.get(c, np.nan))})
     facs = []
-    if all(c in means.columns for c in FACTOR_CONDITIONS):
-        dc, cs, ds = (means[c].to_numpy() for c in FACTOR_CONDITIONS)
+    roles = protocol.factorial()
+    if all(c in means.columns for c in roles.values()):
+        dc, cs, ds = (means[roles[k]].to_numpy() for k in ("input", "token", "both"))
         fe = factor_effects(np.zeros_like(dc), dc, cs, ds)
         for k, name in FACTORS.items():
             x = np.asarray(getattr(fe, k), dtype=float)
@@ -224,13 +197,13 @@ def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, c
         adjusted = holm([f["pvalue"] for f in facs])
         for f, p in zip(facs, adjusted):
             f["pvalue_holm"] = float(p)
-    rets = _retention_rows(means, family, labels, "checkpoint", n, confidence)
+    rets = _retention_rows(means, family, labels, "checkpoint", confidence)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
 def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str = "",
              fixed_at: str | None = None, source: str = "config.json") -> list[dict]:
-    """The two prespecified verdicts for one family (None where the needed condition was not audited)."""
+    """The two prespecified verdicts for one family (None where the needed number does not exist)."""
     pct = f"{100 * criteria.confidence:g}%"
     out = []
     s = conditions[conditions["condition"] == "StaticProfile"]
@@ -252,21 +225,12 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
     for v in out:
         v.update(criteria=criteria.to_dict(), fixed_in_advance=source == "config.json", fixed_at=fixed_at,
                  source=source, bound=v["bound"] if math.isfinite(v["bound"]) else None)
+        if v["level"] == "window":
+            v["level"] = WINDOW_LEVEL
     return out
 
 
-# ---- audit directories ----------------------------------------------------------------------------------------
-
-_TIME_KEYS = ("created", "created_at", "timestamp", "time", "started", "started_at", "date")
-
-
-def _timestamp(config: dict) -> str | None:
-    for where in (config.get("criteria") or {}, config):
-        for k in ("fixed_at", *_TIME_KEYS):
-            if isinstance(where, dict) and where.get(k):
-                return str(where[k])
-    return None
-
+# ---- families of audits ---------------------------------------------------------------------------------------
 
 def family_of(config: dict) -> str:
     """The group an audit belongs to: checkpoints of one model family differ only by training seed (and so by
@@ -286,39 +250,35 @@ def family_of(config: dict) -> str:
     return "model"
 
 
-def _load_records(audit_dir: Path) -> pd.DataFrame:
-    try:
-        from fcaudit.audit.results import load_records
-    except ImportError:  # engine not installed in this tree: read the Parquet records directly
-        return pd.read_parquet(audit_dir / "records")
-    return load_records(audit_dir)
+def _alike(config: dict) -> dict:
+    """What every audit pooled into one family must share: windows, corpus, R, criteria, conditions."""
+    windows = config.get("windows") or {}
+    corpus = (config.get("model") or {}).get("corpus") or {}
+    return {"windows": windows, "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
+            "randomizations": config.get("randomizations"),
+            "criteria": {k: v for k, v in (config.get("criteria") or {}).items() if k != "fixed_at"},
+            "conditions": config.get("conditions")}
 
 
-@dataclass
-class Audit:
-    """What the summary needs from one audit directory."""
-
-    path: Path
-    config: dict
-    records: pd.DataFrame
-    variation: dict | None
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Audit":
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "records").exists():
-            raise FcauditError(f"{path} is not an audit directory (needs config.json and records/); "
-                               "pass directories written by `fcaudit audit`")
-        var = path / "variation.json"
-        return cls(path, read_json(path / "config.json"), _load_records(path),
-                   read_json(var) if var.is_file() else None)
-
-    @property
-    def family(self) -> str:
-        return family_of(self.config)
+def _check_pool(family: str, members: list[AuditResult]) -> None:
+    seen: dict[str, Path] = {}
+    for a in members:
+        h = (a.config.get("model") or {}).get("params_sha256")
+        if h and h in seen:
+            raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters): pass one audit "
+                               "per independently trained checkpoint")
+        if h:
+            seen[h] = a.path
+    first = _alike(members[0].config)
+    for a in members[1:]:
+        other = _alike(a.config)
+        diff = sorted(k for k in first if first[k] != other[k])
+        if diff:
+            raise FcauditError(f"family {family!r}: {members[0].path} and {a.path} were audited differently "
+                               f"({', '.join(diff)}); audit every checkpoint of a family alike")
 
 
-def _criteria_of(audits: list[Audit], family: str) -> tuple[Criteria, str | None, str]:
+def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str | None, str]:
     names = {f.name for f in fields(Criteria)}
     found = [a.config.get("criteria") for a in audits]
     if all(f is None for f in found):
@@ -327,7 +287,8 @@ def _criteria_of(audits: list[Audit], family: str) -> tuple[Criteria, str | None
     if any(t is None or t != thresholds[0] for t in thresholds):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = sorted(t for t in (_timestamp(a.config) for a in audits) if t)
+    stamps = sorted(t for t in ((a.config.get("criteria") or {}).get("fixed_at") or a.config.get("created_at")
+                                for a in audits) if t)
     return Criteria.from_dict(thresholds[0]), (stamps[-1] if stamps else None), "config.json"
 
 
@@ -341,7 +302,7 @@ class Summary:
     factors: pd.DataFrame
     retention: pd.DataFrame
     criteria: list[dict]
-    groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation
+    groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation, partial
 
     def family(self, name: str) -> dict:
         return {"conditions": self.conditions[self.conditions["family"] == name],
@@ -352,17 +313,20 @@ class Summary:
     def __str__(self) -> str:
         lines = []
         for fam, g in self.groups.items():
-            lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals")
+            level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
+            lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
+                         + ("  [PARTIAL]" if g.get("partial") else ""))
             for r in self.conditions[self.conditions["family"] == fam].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
             for r in self.retention[self.retention["family"] == fam].itertuples():
-                value = f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else "undefined (ΔNLL(R) <= 0)"
+                value = (f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else f"undefined ({r.note})")
                 ci = f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]" if math.isfinite(r.ci_low) else ""
-                lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}")
+                lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}; "
+                             f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
             for v in (c for c in self.criteria if c["family"] == fam):
                 verdict = {True: "met", False: "not met"}.get(v["met"], "not evaluable")
-                lines.append(f"  criterion '{v['name']}' ({v['rule']}): {verdict}")
+                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {verdict}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -384,61 +348,54 @@ class Summary:
         path = Path(path)
         if not (path / "summary.json").is_file():
             raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
-        d = read_json(path / "summary.json")
-        return cls(*(_frame(d[k], k) for k in ("conditions", "factors", "retention")), d["criteria"], d["groups"])
+        try:
+            d = read_json(path / "summary.json")
+            return cls(*(_frame(d[k], k) for k in ("conditions", "factors", "retention")), d["criteria"], d["groups"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
+                               f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
 
 
-def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None) -> Summary:
+def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_partial: bool = False) -> Summary:
     """Group audits by model family and infer across checkpoints (training seeds are the units); a family with
-    a single checkpoint falls back to window-level intervals and says so. Writes summary.json, conditions.csv,
-    factors.csv, retention.csv and criteria.json into `out` (atomically) when given."""
-    audits = [_as_audit(a) for a in audit_dirs]
+    a single checkpoint falls back to window-level intervals and says so. Unfinished audits are refused unless
+    `allow_partial` (then marked partial). Writes summary.json, conditions.csv, factors.csv, retention.csv and
+    criteria.json into `out` (atomically) when given."""
+    audits = [a if isinstance(a, AuditResult) else AuditResult.load(a, allow_partial=allow_partial) for a in audit_dirs]
     if not audits:
         raise FcauditError("no audit directories given; pass one or more directories written by `fcaudit audit`")
-    paths = [a.path.resolve() for a in audits]
+    paths = [Path(a.path).resolve() for a in audits]
     if len(set(paths)) != len(paths):
         raise FcauditError("the same audit directory was given twice; pass each checkpoint's audit once")
-    by_family: dict[str, list[Audit]] = {}
+    by_family: dict[str, list[AuditResult]] = {}
     for a in audits:
-        by_family.setdefault(a.family, []).append(a)
+        by_family.setdefault(family_of(a.config), []).append(a)
 
     frames: dict[str, list[pd.DataFrame]] = {"conditions": [], "factors": [], "retention": []}
     criteria, groups = [], {}
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
+        _check_pool(fam, members)
         labels = labels_of(members[0].config)
         if len(members) == 1:
             c, f, r = _window_level(members[0].records, members[0].config, crit.confidence, fam)
             level, note = "window", WINDOW_NOTE
         else:
             per = [_window_table(a.records) for a in members]
-            c, f, r = _checkpoint_level(per, labels, crit.confidence, fam)
+            active = _active(pd.concat([a.records for a in members]))
+            c, f, r = _checkpoint_level(per, labels, crit.confidence, fam, active)
             level, note = "checkpoint", CHECKPOINT_NOTE
+        partial = any(a.partial for a in members)
         for k, df in zip(frames, (c, f, r)):
             frames[k].append(df)
         criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
-        groups[fam] = {"n_checkpoints": len(members), "level": level, "note": note, "labels": labels,
+        groups[fam] = {"n_checkpoints": len(members), "level": level,
+                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": labels, "partial": partial,
                        "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
-                       "audits": [str(a.path) for a in members],
-                       "replay": [a.config.get("replay") or _replay(a.path) for a in members],
-                       "variation": [a.variation for a in members if a.variation is not None]}
+                       "audits": [str(a.path) for a in members], "replay": [a.replay for a in members],
+                       "variation": [v for v in (a.variation for a in members) if v is not None]}
     summary = Summary(*(pd.concat(frames[k], ignore_index=True) if frames[k] else _frame([], k) for k in frames),
                       criteria, groups)
     if out is not None:
         summary.save(out)
     return summary
-
-
-def _as_audit(a) -> Audit:
-    """A path, an `Audit`, or a loaded result with .path/.config/.records (fcaudit.audit.results.AuditResult)."""
-    if isinstance(a, Audit):
-        return a
-    if all(hasattr(a, k) for k in ("path", "config", "records")):
-        var = Path(a.path) / "variation.json"
-        return Audit(Path(a.path), a.config, a.records, read_json(var) if var.is_file() else None)
-    return Audit.load(a)
-
-
-def _replay(path: Path) -> dict | None:
-    f = path / "replay.json"
-    return read_json(f) if f.is_file() else None

@@ -1,0 +1,154 @@
+"""An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration.
+
+    .fcaudit-audit      marker, written first: fcaudit never deletes or overwrites a file in a directory without it
+    .lock               exclusive fcntl lock of the process writing it (released by the OS when that process dies)
+    config.json         the audit's configuration; a rerun with the same configuration resumes, another is refused
+    coeffs/             the coefficient store (one chunk per capture batch)
+    calib/              per-batch calibration sums, until they are reduced into profiles.safetensors
+    parts/COND/rNNNN/   records of one replay unit (condition, randomization, batch), until merged
+    records/COND/rNNNN.parquet   the records of (condition, randomization) over all windows
+    replay.json  variation.json
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from fcaudit.audit import files
+from fcaudit.errors import FcauditError
+from fcaudit.provenance import provenance
+
+MARKER = ".fcaudit-audit"
+LOCK = ".lock"
+FORMAT = 2
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _ours_only(path: Path) -> bool:
+    """True when `path` holds nothing but what a killed first write of fcaudit can leave: the lock and temp files."""
+    return all(p.name == LOCK or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
+
+
+class AuditDir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self._lock_fd: int | None = None
+
+    # ---- paths ---------------------------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def coeffs(self) -> Path:
+        return self.root / "coeffs"
+
+    @property
+    def profiles(self) -> Path:
+        return self.root / "profiles.safetensors"
+
+    @property
+    def replay(self) -> Path:
+        return self.root / "replay.json"
+
+    @property
+    def variation(self) -> Path:
+        return self.root / "variation.json"
+
+    def calib_part(self, start: int) -> Path:
+        return self.root / "calib" / f"sum_{start:07d}.safetensors"
+
+    def part(self, condition: str, r: int, start: int) -> Path:
+        return self.root / "parts" / condition / f"r{r:04d}" / f"b{start:07d}.safetensors"
+
+    def records(self, condition: str, r: int) -> Path:
+        return self.root / "records" / condition / f"r{r:04d}.parquet"
+
+    def is_ours(self) -> bool:
+        return (self.root / MARKER).is_file()
+
+    # ---- lock ------------------------------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the exclusive lock, or fail at once: two processes must never write one audit directory."""
+        self._check_writable()
+        if self.root.exists() and not self.is_ours() and not _ours_only(self.root):
+            raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
+                               "--out directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise FcauditError(f"{self.root} is being written by another fcaudit process ({holder}); wait for it to "
+                               "finish or pass another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def _check_writable(self) -> None:
+        for parent in [self.root, *self.root.parents]:
+            if parent.exists():
+                if not parent.is_dir():
+                    what = "is a file" if parent == self.root else f"lies below the file {parent}"
+                    raise FcauditError(f"--out {self.root} {what}; pass a directory path")
+                if not os.access(parent, os.W_OK | os.X_OK):
+                    raise FcauditError(f"cannot write to {parent} (permission denied); pass a writable --out directory")
+                return
+
+    # ---- configuration -------------------------------------------------------------------------------------------
+    def open(self, config: dict) -> str:
+        """Claim the (locked) directory for `config`: a new audit, a resume of the same configuration, or a refusal.
+
+        Returns "new", "resume" or "repaired" (config.json was damaged and is rewritten from the same configuration,
+        whose hash the marker keeps). Removes the temp files of a killed write (the directory is ours by the marker).
+        """
+        digest = config_hash(config)
+        if not self.is_ours():
+            if not _ours_only(self.root):
+                raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
+                                   "--out directory")
+            files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": None})
+        for stale in self.root.rglob(".*.tmp"):
+            stale.unlink()
+        marker = files.quietly(files.read_json, self.root / MARKER) or {}
+        held = marker.get("config_hash")
+        if held is not None and held != digest and self.has_results():
+            old = files.quietly(files.read_json, self.config_path) or {}
+            old = {**old, "criteria": {k: v for k, v in (old.get("criteria") or {}).items() if k != "fixed_at"}}
+            changed = sorted(k for k in config if old.get(k) != config[k]) or ["(config.json unreadable)"]
+            raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
+                               "pass a new --out directory or delete the old one")
+        current = files.quietly(files.read_json, self.config_path)
+        if held == digest and current is not None and current.get("config_hash") == digest:
+            return "resume"
+        state = "repaired" if held == digest and self.has_results() else "new"
+        if state == "new":
+            self.replay.unlink(missing_ok=True)  # a failed replay report of a configuration with no results
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        files.write_json(self.config_path, {**config, "config_hash": digest, "created_at": now,
+                                             "criteria": {**config["criteria"], "fixed_at": now},
+                                             "provenance": provenance()})
+        files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": digest})
+        return state
+
+    def has_results(self) -> bool:
+        return any(p.suffix in (".parquet", ".safetensors") and not p.name.startswith(".")
+                   for d in ("coeffs", "calib", "parts", "records") for p in (self.root / d).rglob("*"))
+
+    def config(self) -> dict:
+        return files.read_json(self.config_path, keys=("seed", "randomizations", "windows", "model"))

@@ -1,0 +1,298 @@
+"""Algorithm 1 as work units: capture + exact replay check, calibration, profiles, replays, and the final merge.
+
+`Engine` runs one process's share of the units (audit.units) in an audit directory that audit.runner has already
+validated, configured and locked. Every unit's output is verified when it is reused and recomputed when damaged;
+randomness is keyed by (seed, randomization, example), so any partition of the units over processes, and any resume,
+gives the same files bit for bit. A `Group` says which share this process runs and carries a failure on any rank to
+all of them (fcaudit.audit.group; one process: a trivial group).
+"""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch import nn
+
+from fcaudit import protocol
+from fcaudit.audit import files
+from fcaudit.audit.directory import AuditDir
+from fcaudit.audit.group import Group
+from fcaudit.audit.store import CoefficientStore, check_finite
+from fcaudit.audit.units import Schedule, Unit, split
+from fcaudit.controllers.site import Controller
+from fcaudit.errors import FcauditError
+from fcaudit.loss import logits_of, token_nll
+from fcaudit.protocol import Coeffs
+
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+
+
+# ---- one forward pass --------------------------------------------------------------------------------------------
+
+def model_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, mean NLL per predicted token per window [B], float64 on the model's device)."""
+    out = model(ids)
+    nll = loss_fn(out, ids) if loss_fn is not None else token_nll(logits_of(out), ids).mean(1)
+    if not isinstance(nll, torch.Tensor) or tuple(nll.shape) != (ids.shape[0],):
+        shape = tuple(nll.shape) if isinstance(nll, torch.Tensor) else type(nll).__name__
+        raise FcauditError(f"loss_fn returned {shape}, not one loss per window [{ids.shape[0]}]; return a tensor "
+                           "of shape [batch]")
+    return logits_of(out), nll.detach().double()
+
+
+def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
+                  remember: bool = False) -> tuple[Coeffs, torch.Tensor, torch.Tensor]:
+    """Stage 1 on one batch: the coefficients of every site, the logits and the NLL of the unperturbed model."""
+    with controller.capture(ids.shape[0], ids.shape[1], remember=remember) as found:
+        logits, nll = forward_nll(model, ids, loss_fn)
+    missing = [s.path for s, c in zip(controller.sites, found) if c is None]
+    if missing:
+        raise FcauditError(f"sites {missing[:3]} did not run in the forward pass; pick modules the model calls")
+    return list(found), logits, nll
+
+
+def active(coeffs: Coeffs) -> torch.Tensor:
+    """Per window: mean over layers of the mean number of nonzero sources per (token, stream) [B], float64."""
+    return torch.stack([(c != 0).sum(-1).double().mean((1, 2)) for c in coeffs]).mean(0)
+
+
+def route_flips(live: dict[int, torch.Tensor], cached: Coeffs) -> int:
+    """(window, token, layer, stream) cells whose selected sources (the support) differ between the live router on
+    the replayed trajectory and the cache."""
+    return int(sum(((l != 0) != (cached[i] != 0)).any(-1).sum() for i, l in live.items()))
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+class Engine:
+    """One process's share of an audit. `ev`, `ca`: window ids [N, T] on the CPU."""
+
+    def __init__(self, model: nn.Module, controller: Controller, ev: torch.Tensor, ca: torch.Tensor, adir: AuditDir,
+                 schedule: Schedule, *, seed: int, tolerance: float, loss_fn: LossFn | None, dtypes: list[torch.dtype],
+                 group: Group, quiet: bool):
+        self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, adir
+        self.schedule, self.seed, self.tol, self.loss_fn, self.dtypes = schedule, seed, tolerance, loss_fn, dtypes
+        self.group, self.quiet = group, quiet
+        self.device = model_device(model)
+        self.B = schedule.batch_size
+        self.store = CoefficientStore(adir.coeffs)
+        self.starts = np.asarray(schedule.eval_starts)
+        self._perm: tuple[int, np.ndarray | None] = (-1, None)
+        self._static: dict[str, Coeffs] = {}
+        self._merged: dict[tuple[str, int], bool] = {}
+        self.redone: list[str] = []  # damaged files removed for recomputation
+        self.console = Console(stderr=True, quiet=quiet or not group.is_main)
+
+    # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------
+    def _verified(self, path: Path, read: Callable[[], object]) -> bool:
+        try:
+            read()
+            return True
+        except FileNotFoundError:
+            return False
+        except files.Damaged as e:
+            self.redone.append(f"{e.path.relative_to(self.dir.root)} ({e.why})")
+            e.path.unlink(missing_ok=True)
+            return False
+
+    def _merged_ok(self, condition: str, r: int) -> bool:
+        key = (condition, r)
+        if key not in self._merged:
+            path = self.dir.records(condition, r)
+            self._merged[key] = self._verified(path, lambda: self._check_frame(files.read_frame(path), path))
+        return self._merged[key]
+
+    def _check_frame(self, frame: pd.DataFrame, path: Path) -> None:
+        if len(frame) != self.ev.shape[0] or list(frame["example"]) != list(range(self.ev.shape[0])):
+            raise files.Damaged(path, "does not hold one row per evaluation window")
+
+    def _part_ok(self, condition: str, r: int, start: int) -> bool:
+        if self._merged_ok(condition, r):
+            return True
+        path = self.dir.part(condition, r, start)
+        return self._verified(path, lambda: files.read_tensors(path))
+
+    def done(self, unit: Unit) -> bool:
+        if unit.kind == "capture":
+            return (self._verified(self.store.chunk_path(unit.start), lambda: self.store.verify(unit.start))
+                    and self._part_ok("Correct", 0, unit.start))
+        if unit.kind == "calibrate":
+            path = self.dir.calib_part(unit.start)
+            return self.profiles_done() or self._verified(path, lambda: files.read_tensors(path))
+        return self._part_ok(unit.condition, unit.r, unit.start)
+
+    def profiles_done(self) -> bool:
+        return self._verified(self.dir.profiles, lambda: files.read_tensors(self.dir.profiles))
+
+    # ---- the run -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Stage 1, profiles, stage 2, merge; a failure on any rank stops every rank with its one-line error."""
+        stage1 = split(self.schedule.stage1(), self.group.rank, self.group.world)
+        stage2 = split(self.schedule.stage2(), self.group.rank, self.group.world)
+        total = sum(u.passes for u in stage1 + stage2)
+        with self._progress() as progress:
+            task = progress.add_task("audit (forward passes)", total=total)
+            step = lambda n=1: progress.advance(task, n)  # noqa: E731
+            self.group.run(lambda: self._stage1(stage1, step))
+            self.group.run(self._reduce_profiles, main_only=True)
+            self.group.run(lambda: self._stage2(stage2, step))
+        self.group.run(self._finalize, main_only=True)
+        if self.redone:
+            self.console.print(f"resumed: recomputed {len(self.redone)} damaged file(s): " + "; ".join(self.redone[:3])
+                               + (" ..." if len(self.redone) > 3 else ""), highlight=False)
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=self.console.quiet)
+
+    def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
+        return windows[start:start + self.B].to(self.device)
+
+    def _stage1(self, units: list[Unit], step) -> None:
+        for u in units:
+            if not self.done(u):
+                (self._capture if u.kind == "capture" else self._calibrate)(u.start)
+            step(u.passes)
+
+    def _capture(self, start: int) -> None:
+        """Stage 1 + the exact replay check on one evaluation batch; the chunk first, then its Correct records."""
+        ids = self._ids(self.ev, start)
+        last = start + ids.shape[0] - 1
+        coeffs, logits, nll = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        check_finite(coeffs, f"evaluation windows {start}..{last}", [s.path for s in self.controller.sites])
+        routers = [i for i, s in enumerate(self.controller.sites) if s.codec.top_k is not None]
+        with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
+            logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
+        flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs) if routers else None
+        finite = bool(torch.isfinite(logits).all() and torch.isfinite(logits_r).all())
+        dlogit = float((logits_r.float() - logits.float()).abs().max()) if finite else float("nan")
+        dnll = float((nll_r - nll).abs().max().cpu())
+        exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
+        passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol))
+        stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
+        if not passed:
+            files.write_json(self.dir.replay, {**stats, "passed": False, "tolerance": self.tol,
+                                               "windows": [start, last]})
+            if not finite:
+                raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "
+                                   "or its dtype (e.g. load in float32) before auditing")
+            flip = f", route flips = {flips}" if flips is not None else ""
+            raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
+                               f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
+                               "of the controller's computation (and deterministic), or pass a tolerance")
+        self.store.write(start, coeffs, stats)
+        self._write_part("Correct", 0, start, nll, active(coeffs))
+
+    def _write_part(self, condition: str, r: int, start: int, nll: torch.Tensor, act: torch.Tensor) -> None:
+        files.write_tensors(self.dir.part(condition, r, start), {"nll": nll.cpu(), "active": act.cpu()})
+
+    def _calibrate(self, start: int) -> None:
+        ids = self._ids(self.ca, start)
+        coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}",
+                     [s.path for s in self.controller.sites])
+        sums = {f"layer.{l}": c.detach().to("cpu", torch.float64).sum(0) for l, c in enumerate(coeffs)}
+        files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
+
+    def _reduce_profiles(self) -> None:
+        """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
+        if self.profiles_done():
+            return
+        sums, count = None, 0
+        for start in self.schedule.calib_starts:
+            tensors, meta = files.read_tensors(self.dir.calib_part(start))
+            batch = [tensors[f"layer.{l}"] for l in range(len(tensors))]
+            sums = batch if sums is None else [s + b for s, b in zip(sums, batch)]
+            count += meta["count"]
+        info = self.controller.info
+        cal = protocol.Calibration(sums, count, info.top_k)
+        static = [c for c in protocol.conditions(self.schedule.conditions, kind="static")]
+        tensors = {f"{c.name}.{l}": p for c in static for l, p in enumerate(c.profile(cal, info))}
+        files.write_tensors(self.dir.profiles, tensors, {"count": count, "conditions": [c.name for c in static]})
+        shutil.rmtree(self.dir.root / "calib", ignore_errors=True)
+
+    # ---- stage 2 -------------------------------------------------------------------------------------------------
+    def _stage2(self, units: list[Unit], step) -> None:
+        """Replays; the next unit's coefficients are prepared while the device still runs the current forward."""
+        self._load_profiles()
+        pending = None
+        for u in units:
+            if self.done(u):
+                step()
+                continue
+            examples = np.arange(u.start, min(u.start + self.B, self.ev.shape[0]))
+            coeffs = protocol.REGISTRY[u.condition].make(self, u.r, examples)
+            if pending is not None:
+                self._write_part(*pending)
+                step()
+            with self.controller.replay(coeffs):
+                _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
+            pending = (u.condition, u.r, u.start, nll, active(coeffs))
+        if pending is not None:
+            self._write_part(*pending)
+            step()
+
+    def _load_profiles(self) -> None:
+        tensors, _ = files.read_tensors(self.dir.profiles)
+        for name in self.schedule.conditions:
+            if protocol.REGISTRY[name].kind == "static":
+                self._static[name] = [tensors[f"{name}.{l}"].to(dt).to(self.device)
+                                      for l, dt in enumerate(self.dtypes)]
+
+    # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
+    def take(self, examples: np.ndarray) -> Coeffs:
+        coeffs = self.store.take(examples, self.starts)
+        if self.device.type == "cuda":
+            return [c.pin_memory().to(self.device, non_blocking=True) for c in coeffs]
+        return coeffs
+
+    def derangement(self, r: int) -> np.ndarray:
+        if self._perm[0] != r:  # one derangement per randomization, shared by CrossInput and CrossShuffle
+            self._perm = (r, protocol.derangement(self.ev.shape[0], self.seed, r))
+        return self._perm[1]
+
+    def static(self, condition: str, batch: int) -> Coeffs:
+        token = self.ev.shape[1]
+        return [p[None].expand(batch, -1, -1, -1) if p.dim() == 3 else p[None, None].expand(batch, token, -1, -1)
+                for p in self._static[condition]]
+
+    # ---- the end: merge records, replay report, variation ---------------------------------------------------------
+    def _finalize(self) -> None:
+        from fcaudit.audit.results import variation
+
+        n, tokens = self.ev.shape[0], self.ev.shape[1] - 1
+        for condition, r in self.schedule.record_keys():
+            if self._merged_ok(condition, r):
+                continue
+            nll, act = [], []
+            for start in self.schedule.eval_starts:
+                tensors, _ = files.read_tensors(self.dir.part(condition, r, start))
+                nll.append(tensors["nll"])
+                act.append(tensors["active"])
+            frame = pd.DataFrame({"example": np.arange(n, dtype=np.int64), "condition": condition,
+                                  "randomization": np.int64(r), "nll": torch.cat(nll).numpy(),
+                                  "tokens": np.int64(tokens), "active": torch.cat(act).numpy()})
+            files.write_frame(self.dir.records(condition, r), frame[list(protocol.RECORD_COLUMNS)])
+            shutil.rmtree(self.dir.part(condition, r, 0).parent, ignore_errors=True)
+        shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
+        meta = [self.store.metadata(int(s)) for s in self.starts]
+        flips = [m["route_flips"] for m in meta if m.get("route_flips") is not None]
+        files.write_json(self.dir.replay, {
+            "max_abs_dlogit": max(m["max_abs_dlogit"] for m in meta), "delta_nll": max(m["delta_nll"] for m in meta),
+            "bit_equal": all(m["bit_equal"] for m in meta), "route_flips": sum(flips) if flips else None,
+            "passed": True, "tolerance": self.tol, "windows": int(n)})
+        if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
+            files.write_json(self.dir.variation, variation(self.store, self.starts))

@@ -1,0 +1,146 @@
+"""The files of an audit directory, each written atomically with a content hash and verified when it is reused.
+
+Safetensors files carry one metadata key, "fcaudit" (sorted JSON holding the sha256 of every tensor and the file's own
+metadata), so equal content gives equal bytes; Parquet files carry the sha256 of their columns in the schema metadata;
+JSON files carry "_sha256" of the rest of their content. `read_*` raises `Damaged` for a file that is unreadable,
+truncated or edited: the engine then recomputes the unit that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fcaudit.io import atomic_write
+
+META_KEY = "fcaudit"
+
+
+class Damaged(Exception):
+    """A file of an audit directory is unreadable or does not match its recorded content hash."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = Path(path), why
+
+
+def _exists(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    return path
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> Path:
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    info = {"meta": meta or {}, "sha256": {k: tensor_sha256(v) for k, v in sorted(tensors.items())}}
+    header = {META_KEY: json.dumps(info, sort_keys=True)}
+    return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=header))
+
+
+def tensor_meta(path: str | os.PathLike) -> dict:
+    """The `meta` dict stored with `write_tensors` (header only; raises Damaged when unreadable)."""
+    _exists(Path(path))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})[META_KEY])["meta"]
+    except Exception as e:
+        raise Damaged(Path(path), f"unreadable ({type(e).__name__})") from None
+
+
+def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) of a file written by `write_tensors`; with `verify` every tensor's hash is checked."""
+    path = _exists(Path(path))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {})[META_KEY])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    if verify:
+        if sorted(tensors) != sorted(info["sha256"]):
+            raise Damaged(path, "tensors differ from those recorded")
+        for k, t in tensors.items():
+            if tensor_sha256(t) != info["sha256"][k]:
+                raise Damaged(path, f"content hash of {k!r} does not match")
+    return tensors, info["meta"]
+
+
+def _frame_sha256(frame: pd.DataFrame) -> str:
+    h = hashlib.sha256()
+    for col in frame.columns:
+        h.update(col.encode())
+        values = frame[col].to_numpy()
+        h.update(values.astype(str).tobytes() if values.dtype == object else np.ascontiguousarray(values).tobytes())
+    return h.hexdigest()
+
+
+def write_frame(path: str | os.PathLike, frame: pd.DataFrame) -> Path:
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"fcaudit_sha256": _frame_sha256(frame).encode()})
+    return atomic_write(path, lambda p: pq.write_table(table, p))
+
+
+def read_frame(path: str | os.PathLike, verify: bool = True) -> pd.DataFrame:
+    path = _exists(Path(path))
+    try:
+        table = pq.read_table(path)
+        frame = table.to_pandas()
+    except Exception as e:
+        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    recorded = (table.schema.metadata or {}).get(b"fcaudit_sha256")
+    if verify and recorded is not None and recorded.decode() != _frame_sha256(frame):
+        raise Damaged(path, "content hash does not match")
+    return frame
+
+
+def _json_sha256(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_json(path: str | os.PathLike, obj: dict) -> Path:
+    obj = {k: v for k, v in obj.items() if k != "_sha256"}
+    obj = json.loads(json.dumps(obj, default=str))  # hash what a reader will see
+    text = json.dumps({**obj, "_sha256": _json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
+    return atomic_write(path, lambda p: p.write_text(text))
+
+
+def read_json(path: str | os.PathLike, keys: tuple[str, ...] = ()) -> dict:
+    """A JSON object written by `write_json`: parsed, hash checked (when recorded), `keys` present."""
+    path = _exists(Path(path))
+    try:
+        obj = json.loads(path.read_text())
+    except Exception as e:
+        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise Damaged(path, "not a JSON object")
+    recorded = obj.pop("_sha256", None)
+    if recorded is not None and recorded != _json_sha256(obj):
+        raise Damaged(path, "content hash does not match")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise Damaged(path, f"lacks {missing}")
+    return obj
+
+
+def quietly(read, *args, **kwargs) -> Any | None:
+    """read(...) or None when the file is missing or damaged."""
+    try:
+        return read(*args, **kwargs)
+    except (Damaged, FileNotFoundError):
+        return None

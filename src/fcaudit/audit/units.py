@@ -1,0 +1,76 @@
+"""Work units of an audit (Algorithm 1 cut into independent pieces).
+
+    capture(b)          stage 1 on evaluation batch b: cache its coefficients, record Correct, check exact replay
+    calibrate(b)        calibration batch b: float64 sums of its coefficients (reduced into profiles in batch order)
+    replay(c, r, b)     stage 2: replay condition c, randomization r, on evaluation batch b; record its NLL
+
+Each unit's result is a pure function of (seed, window indices) written to its own file, so any executor (one process,
+or the ranks of `torchrun`) can run any partition of the units and the audit directory ends the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fcaudit import protocol
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # "capture" | "calibrate" | "replay"
+    start: int  # first window index of the batch
+    condition: str = "Correct"
+    r: int = 0
+
+    @property
+    def passes(self) -> int:
+        """Forward passes the unit runs (capture: the capture and the exact replay check)."""
+        return 2 if self.kind == "capture" else 1
+
+    def __str__(self) -> str:
+        if self.kind == "replay":
+            return f"{self.condition} r{self.r} windows {self.start}+"
+        return f"{self.kind} windows {self.start}+"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    n_eval: int
+    n_calib: int
+    batch_size: int
+    randomizations: int
+    conditions: tuple[str, ...]  # every condition the audit runs, Correct included
+
+    @property
+    def eval_starts(self) -> list[int]:
+        return list(range(0, self.n_eval, self.batch_size))
+
+    @property
+    def calib_starts(self) -> list[int]:
+        return list(range(0, self.n_calib, self.batch_size))
+
+    def stage1(self) -> list[Unit]:
+        return ([Unit("capture", b) for b in self.eval_starts] + [Unit("calibrate", b) for b in self.calib_starts])
+
+    def replay_keys(self) -> list[tuple[str, int]]:
+        """(condition, randomization) pairs of stage 2; randomization-major so one derangement serves its conditions."""
+        static = [(c, 0) for c in self.conditions if protocol.REGISTRY[c].kind == "static"]
+        randomized = [(c, r) for r in range(self.randomizations) for c in self.conditions
+                      if protocol.REGISTRY[c].randomized]
+        return static + randomized
+
+    def stage2(self) -> list[Unit]:
+        return [Unit("replay", b, c, r) for c, r in self.replay_keys() for b in self.eval_starts]
+
+    def record_keys(self) -> list[tuple[str, int]]:
+        return [("Correct", 0)] + self.replay_keys()
+
+    def forward_passes(self) -> int:
+        return protocol.forward_passes(self.conditions, math.ceil(self.n_eval / self.batch_size),
+                                       math.ceil(self.n_calib / self.batch_size), self.randomizations)
+
+
+def split(units: list[Unit], rank: int, world: int) -> list[Unit]:
+    """Rank `rank`'s share: every world-th unit, so each rank gets a mix of conditions and batches."""
+    return units[rank::world]

@@ -1,0 +1,57 @@
+"""The MUDDPythia family (the paper's external control, §4.4): fcaudit.models.muddpythia, loaded from the published
+HF-format checkpoint or trained byte-level here (`fcaudit train --model mudd`).
+
+Controller: the dynamic dense block of every layer emits dw [stream, batch, token, source]. dw already includes the
+static dense_bs, so replaying it with the controller disabled skips only the controller MLPs. The static profile is
+StaticMixMean (layer, stream, source); the structure-removed reference is SourceUniformMean (each source of a
+(layer, stream) gets the mean over sources, which keeps the signed sum over sources).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fcaudit.controllers.site import Controller, Layout, Site
+from fcaudit.errors import FcauditError
+from fcaudit.families import Family, register
+from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
+
+LAYOUT = "stream batch token source"
+
+
+def controller(model: MUDDPythia) -> Controller:
+    # The sites are exactly the children of model.dynamic_dense (a glob "dynamic_dense.*" would also match their
+    # w1/w2 submodules), one per layer in layer order.
+    layout = Layout.parse(LAYOUT)
+    sites = [Site(f"dynamic_dense.{i}", m, layout) for i, m in enumerate(model.dynamic_dense)]
+    return Controller(sites, static_name="StaticMixMean", reference="source_uniform_mean",
+                      reference_name="SourceUniformMean", description=f"{type(model).__name__}:dynamic_dense.*:{LAYOUT}")
+
+
+def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
+    from fcaudit.io import read_json
+
+    meta = {k: v for k, v in read_json(dir / "config.json").items() if k != "model_type"}
+    return from_pretrained(dir, dtype=dtype).to(device).eval(), meta
+
+
+def build(cfg) -> MUDDPythia:
+    if cfg.preset not in BYTE_PRESETS:
+        raise FcauditError(f"no byte-level MUDD preset {cfg.preset!r}: use one of {', '.join(BYTE_PRESETS)}")
+    return MUDDPythia(BYTE_PRESETS[cfg.preset])
+
+
+register(Family(
+    name="muddpythia",
+    accepts=lambda config: config.get("model_type") == MODEL_TYPE,
+    load=load,
+    matches=lambda model: isinstance(model, MUDDPythia),
+    controller=controller,
+    label=lambda model: "mudd",
+    trains=("mudd",),
+    build=build,
+    save=lambda model, out, meta: model.save_pretrained(out),
+))

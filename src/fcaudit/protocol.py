@@ -1,0 +1,306 @@
+"""The FCA protocol (paper §3.2-3.4): every condition, the record schema and the prespecified criteria.
+
+A condition is one registered `Condition`: its name, kind (the Correct reference, randomized, static), its factorial
+role (Eq. 5-7), its display label, one sentence on what it controls, and how it makes the replay coefficients of a
+batch. Everything else (the audit schedule, the forward-pass count, the statistics, the summary, the tables and the
+figures) reads this registry; adding a condition is one `register(...)` here.
+
+Coefficients are canonical per-layer tensors [batch, token, stream, source] (ragged across layers). Randomness comes
+from one seed and is keyed by what it permutes, never by batch, chunk or process: the derangement of randomization r
+from `default_rng([DERANGE, seed, r])`, the token permutations of example i from `default_rng([SHUFFLE, seed, r, i])`,
+the past resampling of example i from `default_rng([RESAMPLE, seed, r, i])`. CrossShuffle r uses the derangement of
+CrossInput r and the permutations of TokenShuffle r of the receiving example (paired sampling). Static profiles are
+functions of the calibration sums only (float64, reduced in batch order).
+
+This module imports nothing of fcaudit but its error type, so statistics and the report can read it without the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from fcaudit.errors import FcauditError
+
+Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
+
+# distinct leading tags: numpy pads short seed entropy with zeros, so [seed, r] would equal [seed, r, 0]
+DERANGE, SHUFFLE, RESAMPLE = 1, 2, 3
+
+RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
+"""One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
+window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
+along the source axis (for a top-k router: experts run per token)."""
+
+
+# ---- the transformations ---------------------------------------------------------------------------------------
+
+def derangement(n: int, seed: int, r: int) -> np.ndarray:
+    """A uniformly random permutation of range(n) without fixed points (rejection sampling, ~e draws)."""
+    if n < 2:
+        raise FcauditError(f"a derangement needs at least 2 evaluation windows, got {n}; pass more windows (--eval)")
+    rng = np.random.default_rng([DERANGE, seed, r])
+    while True:
+        perm = rng.permutation(n)
+        if not np.any(perm == np.arange(n)):
+            return perm
+
+
+def token_permutations(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:
+    """Per layer an int array [stream, token]: an independent permutation of positions per layer and stream."""
+    rng = np.random.default_rng([SHUFFLE, seed, r, example])
+    rows = rng.permuted(np.broadcast_to(np.arange(token), (sum(streams), token)), axis=1)
+    return np.split(rows, np.cumsum(streams)[:-1])
+
+
+def past_positions(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:
+    """Per layer an int array [stream, token]: position t takes a uniformly drawn position s <= t."""
+    rng = np.random.default_rng([RESAMPLE, seed, r, example])
+    rows = rng.integers(0, np.arange(1, token + 1), size=(sum(streams), token))
+    return np.split(rows, np.cumsum(streams)[:-1])
+
+
+def move_tokens(coeffs: Coeffs, index: list[np.ndarray]) -> Coeffs:
+    """new[b, t, s, :] = old[b, index[b][l][s, t], s, :] for every layer l: the source vector moves as one.
+
+    index: per example of the batch, the per-layer [stream, token] arrays of `token_permutations` or `past_positions`.
+    """
+    rows = np.stack([np.concatenate(per_layer) for per_layer in index])  # [batch, sum of streams, token]
+    out, s0 = [], 0
+    for c in coeffs:
+        s = c.shape[2]
+        idx = torch.from_numpy(np.ascontiguousarray(rows[:, s0:s0 + s].transpose(0, 2, 1))).to(c.device)
+        out.append(torch.gather(c, 1, idx[..., None].expand(-1, -1, -1, c.shape[3])))
+        s0 += s
+    return out
+
+
+def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
+    """TokenShuffle r of the receiving `examples`: independent permutations per example, layer and stream."""
+    token, streams = coeffs[0].shape[1], [c.shape[2] for c in coeffs]
+    return move_tokens(coeffs, [token_permutations(int(e), seed, r, token, streams) for e in examples])
+
+
+def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
+    """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example."""
+    token, streams = coeffs[0].shape[1], [c.shape[2] for c in coeffs]
+    return move_tokens(coeffs, [past_positions(int(e), seed, r, token, streams) for e in examples])
+
+
+# ---- static profiles from the calibration sums -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    """Float64 sums of the calibration coefficients over windows, per layer [token, stream, source], and the count.
+
+    The sums are accumulated batch by batch in batch order, so they are equal bit for bit however the calibration
+    batches were distributed over processes."""
+
+    sums: list[torch.Tensor]
+    count: int
+    top_k: tuple[int | None, ...]  # per site: experts per token of a top-k router, else None
+
+    def layer_position_mean(self) -> list[torch.Tensor]:
+        return [s / self.count for s in self.sums]
+
+    def layer_mean(self) -> list[torch.Tensor]:
+        return [p.mean(0) for p in self.layer_position_mean()]  # [stream, source]
+
+
+def global_mean(cal: Calibration) -> list[torch.Tensor]:
+    """Mass-matched GlobalMean: one scalar for every coefficient of every layer."""
+    total = sum(float(s.sum()) for s in cal.sums)
+    n = sum(s.numel() for s in cal.sums) * cal.count
+    return [torch.full_like(p, total / n) for p in cal.layer_mean()]
+
+
+def source_uniform_mean(cal: Calibration) -> list[torch.Tensor]:
+    """SourceUniformMean (ExpertUniformMean for routers): every source of (layer, stream) gets the mean over sources,
+    which keeps the signed sum over sources (for a router: m_l / E for every expert)."""
+    return [p.mean(1, keepdim=True).expand_as(p).clone() for p in cal.layer_mean()]
+
+
+REFERENCES: dict[str, Callable[[Calibration], list[torch.Tensor]]] = {
+    "global_mean": global_mean, "source_uniform_mean": source_uniform_mean}
+
+
+def static_top_k(cal: Calibration) -> list[torch.Tensor]:
+    """The top-k sources of each (layer, stream) mean vector with their mean weights, rescaled to the mean's mass
+    (a static sparse routing: k experts run per token, as under Correct)."""
+    out = []
+    for p, k in zip(cal.layer_mean(), cal.top_k):
+        keep = torch.zeros_like(p).scatter_(-1, p.topk(min(k, p.shape[-1]), dim=-1).indices, 1.0)
+        kept = p * keep
+        out.append(kept * (p.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)))
+    return out
+
+
+# ---- conditions ------------------------------------------------------------------------------------------------
+
+class ReplayContext(Protocol):
+    """What a condition may use to make a batch's replay coefficients (implemented by the audit engine)."""
+
+    seed: int
+
+    def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
+    def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
+    def static(self, condition: str, batch: int) -> Coeffs: ...  # a static profile, expanded to a batch
+
+
+@dataclass(frozen=True)
+class Controllers:
+    """What a condition may need to know about a controller: the reference it uses, its sites' top-k."""
+
+    reference: str = "global_mean"
+    top_k: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    kind: str  # "reference" (Correct), "randomized" (R draws) or "static" (one deterministic replay)
+    label: str  # default display label; a controller may rename StaticProfile and StructureRemoved
+    note: str  # what the condition controls for, in one sentence (printed in the report)
+    make: Callable[[ReplayContext, int, np.ndarray], Coeffs]  # (context, randomization, examples) -> coefficients
+    role: str | None = None  # factorial role: "input" (DC), "token" (CS), "both" (DS); None: outside Eq. 5-7
+    profile: Callable[[Calibration, Controllers], list[torch.Tensor]] | None = None  # static: the profile
+    retained: bool = False  # retention (Eq. 8) is reported for it against the structure-removed reference
+    structure_removed: bool = False  # the reference R of Eq. 8
+    applies: Callable[[Controllers], bool] = lambda ctrl: True
+
+    @property
+    def randomized(self) -> bool:
+        return self.kind == "randomized"
+
+
+REGISTRY: dict[str, Condition] = {}
+
+
+def register(condition: Condition) -> Condition:
+    if condition.kind not in ("reference", "randomized", "static"):
+        raise FcauditError(f"condition kind {condition.kind!r}: use reference, randomized or static")
+    REGISTRY[condition.name] = condition
+    return condition
+
+
+def _static(name: str) -> Callable:
+    return lambda ctx, r, examples: ctx.static(name, len(examples))
+
+
+register(Condition(
+    "Correct", "reference", "Correct", "each input's own cached coefficients at their own tokens (exact replay)",
+    lambda ctx, r, ex: ctx.take(ex)))
+register(Condition(
+    "CrossInput", "randomized", "Cross-input",
+    "a global derangement of inputs: coefficient multiset and coordinates kept, the source input changed",
+    lambda ctx, r, ex: ctx.take(ctx.derangement(r)[ex]), role="input"))
+register(Condition(
+    "TokenShuffle", "randomized", "Token-shuffle",
+    "positions permuted independently per layer and stream: values kept, token alignment broken",
+    lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r), role="token"))
+register(Condition(
+    "CrossShuffle", "randomized", "Cross+shuffle",
+    "the paired CrossInput donor and TokenShuffle permutations together",
+    lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r), role="both"))
+register(Condition(
+    "TokenResamplePast", "randomized", "Token-resample-past",
+    "position t takes the coefficient of a random position s <= t of the same input, so unlike TokenShuffle no "
+    "coefficient computed from later tokens moves to an earlier position (the causal control of TokenShuffle)",
+    lambda ctx, r, ex: resample_past(ctx.take(ex), ex, ctx.seed, r)))
+register(Condition(
+    "LayerPositionMean", "static", "Layer×PositionMean",
+    "calibration mean per layer, position, stream and source: content removed, stable position patterns kept",
+    _static("LayerPositionMean"), profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True))
+register(Condition(
+    "StaticProfile", "static", "StaticProfile",
+    "calibration mean per layer, stream and source: one static profile for every input and token",
+    _static("StaticProfile"), profile=lambda cal, ctrl: cal.layer_mean(), retained=True))
+register(Condition(
+    "StaticTopK", "static", "StaticTopK",
+    "the top-k experts of the static mean with its mass: static routing that stays sparse",
+    _static("StaticTopK"), profile=lambda cal, ctrl: static_top_k(cal), retained=True,
+    applies=lambda ctrl: any(k is not None for k in ctrl.top_k)))
+register(Condition(
+    "StructureRemoved", "static", "StructureRemoved",
+    "the model-specific reference that removes the structure of interest (Eq. 8's R)",
+    _static("StructureRemoved"), profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True))
+
+
+def conditions(names: Sequence[str] | None = None, *, kind: str | None = None) -> list[Condition]:
+    """Registered conditions in registry (paper) order, optionally only those named and/or of one kind."""
+    chosen = [c for c in REGISTRY.values() if names is None or c.name in names]
+    return [c for c in chosen if kind is None or c.kind == kind]
+
+
+def names(kind: str | None = None) -> list[str]:
+    return [c.name for c in conditions(kind=kind)]
+
+
+def for_controller(ctrl: Controllers) -> list[str]:
+    """The conditions an audit of this controller runs."""
+    return [c.name for c in REGISTRY.values() if c.applies(ctrl)]
+
+
+def factorial() -> dict[str, str]:
+    """Eq. 5-7's cells: {"input": DC, "token": CS, "both": DS} (CC = Correct, ΔNLL 0)."""
+    return {c.role: c.name for c in REGISTRY.values() if c.role}
+
+
+def retained() -> list[str]:
+    return [c.name for c in REGISTRY.values() if c.retained]
+
+
+def structure_removed() -> str:
+    return next(c.name for c in REGISTRY.values() if c.structure_removed)
+
+
+def default_labels() -> dict[str, str]:
+    return {c.name: c.label for c in REGISTRY.values()}
+
+
+def order(name: str) -> int:
+    """Sort key: registry order, unknown names last."""
+    keys = list(REGISTRY)
+    return keys.index(name) if name in keys else len(keys)
+
+
+def forward_passes(conditions_run: Sequence[str], eval_batches: int, calib_batches: int, randomizations: int) -> int:
+    """Calibration + capture + exact replay check + one pass per replay (R per randomized condition) per batch."""
+    per_batch = sum(randomizations if REGISTRY[c].randomized else 1 for c in conditions_run if c != "Correct")
+    return calib_batches + eval_batches * (2 + per_batch)
+
+
+# ---- prespecified criteria (§4.1) --------------------------------------------------------------------------------
+
+@dataclass
+class Criteria:
+    """The two prespecified criteria of §4.1 (thresholds configurable, fixed before the audit runs)."""
+
+    small_upper: float = 0.002  # StaticProfile ΔNLL: upper CI bound below this => "practically small"
+    retention_lower: float = 0.95  # StaticProfile retention: lower CI bound above this => "high retention"
+    confidence: float = 0.95  # level of the intervals the criteria are judged on
+
+    def __post_init__(self):
+        if not 0 < self.confidence < 1:
+            raise FcauditError(f"criteria confidence must be in (0, 1), got {self.confidence}; e.g. 0.95")
+        if not (math.isfinite(self.small_upper) and math.isfinite(self.retention_lower)):
+            raise FcauditError("criteria thresholds must be finite numbers, e.g. small_upper=0.002")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Criteria":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k != "fixed_at"}  # the engine stamps when the criteria were fixed
+        unknown = set(d) - known
+        if unknown:
+            raise FcauditError(f"unknown criteria keys {sorted(unknown)}; allowed: {sorted(known)}")
+        try:
+            return cls(**{k: float(v) for k, v in d.items()})
+        except (TypeError, ValueError):
+            raise FcauditError(f"criteria values must be numbers, got {d}") from None
