@@ -4,6 +4,7 @@ Capture and replay use fcaudit.families.hf_moe.fca_min (a stand-in for the engin
 the codecs exactly as the engine will: encode on a hook, decode in place of the router's forward.
 """
 
+import json
 import time
 
 import pytest
@@ -73,7 +74,9 @@ def test_decode_rebuilds_the_router_output_the_experts_received(family):
     forward_logits(model, ids_for())
     handle.remove()
     logits, weights, index = seen[0]
-    d_logits, d_weights, d_index = site.codec.decode(site.codec.encode(seen[0], 4, 12), site.codec.meta(seen[0]))
+    meta = site.codec.meta(seen[0])
+    assert json.loads(json.dumps(meta)) == meta  # metas are plain data: the engine may store them as JSON
+    d_logits, d_weights, d_index = site.codec.decode(site.codec.encode(seen[0], 4, 12), meta)
     assert (d_logits.dtype, d_weights.dtype, d_index.dtype) == (logits.dtype, weights.dtype, index.dtype)
     assert weights.dtype == (torch.float32 if family == "mixtral" else torch.bfloat16)  # Mixtral keeps fp32 weights
     assert d_index.shape == index.shape
@@ -85,7 +88,7 @@ def test_decode_rebuilds_the_router_output_the_experts_received(family):
 def test_decode_pads_variable_support_with_the_sentinel_in_descending_weight_order():
     codec = TopKRouterCodec(num_experts=4, top_k=2)
     c = torch.tensor([[0.1, 0.0, 0.7, 0.2], [0.0, 0.5, 0.0, 0.0], [0.3, 0.3, 0.0, 0.0]]).reshape(1, 3, 1, 4)
-    meta = {"logits_dtype": torch.float32, "weights_dtype": torch.float32, "index_dtype": torch.int64}
+    meta = {"logits_dtype": "float32", "weights_dtype": "float32", "index_dtype": "int64"}
     logits, weights, index = codec.decode(c, meta)
     assert index.tolist() == [[2, 3, 0], [1, 4, 4], [0, 1, 4]]  # width = largest support; ties: lower expert first
     assert torch.equal(weights, torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.0, 0.0], [0.3, 0.3, 0.0]]))
@@ -211,12 +214,27 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
 def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     tiny_moe("olmoe", experts=4, top_k=2).save_pretrained(tmp_path)
     model, tokenizer = load_hf_moe(tmp_path, dtype=torch.bfloat16)
-    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16
+    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16  # byte-level: no tokenizer
     assert model.config._experts_implementation == "eager"
     adapter = moe_adapter(model)
     ids = ids_for()
     cap = capture(model, adapter.sites, ids)
     assert torch.equal(replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas), cap.logits)
+
+
+def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_weights(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    model = tiny_moe("qwen3_moe", experts=4, top_k=2)
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(FcauditError, match="cannot load") as err:
+        load_hf_moe(tmp_path)
+    assert "\n" not in str(err.value)
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    loaded, tokenizer = load_hf_moe(tmp_path)
+    assert tokenizer("a")["input_ids"] == [1] and loaded.config._experts_implementation == "eager"
 
 
 def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):

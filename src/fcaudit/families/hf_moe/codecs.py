@@ -57,6 +57,15 @@ def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str | torch.dtype) -> torch.dtype:
+    """Metas hold dtype names (JSON-friendly); a torch.dtype is accepted too."""
+    return name if isinstance(name, torch.dtype) else getattr(torch, name)
+
+
 def experts_implementation(experts: nn.Module | None) -> str:
     """The experts implementation a transformers experts module dispatches to ("eager" for plain modules)."""
     config = getattr(experts, "config", None)
@@ -107,8 +116,8 @@ class TopKRouterCodec(Codec):
 
     def meta(self, output) -> dict:
         logits, weights, index = split_router_output(output, self.num_experts, self.name)
-        return {"logits_dtype": logits.dtype, "weights_dtype": weights.dtype, "index_dtype": index.dtype,
-                "num_experts": self.num_experts, "top_k": self.top_k}
+        return {"logits_dtype": dtype_name(logits.dtype), "weights_dtype": dtype_name(weights.dtype),
+                "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _require_eager(self._experts, self.name)
@@ -123,11 +132,12 @@ class TopKRouterCodec(Codec):
         _, order = torch.sort(key, dim=1, descending=True, stable=True)
         order = order[:, :width]
         keep = selected.gather(1, order)
-        index = torch.where(keep, order, torch.full_like(order, E)).to(meta["index_dtype"])
+        index = torch.where(keep, order, torch.full_like(order, E)).to(dtype_of(meta["index_dtype"]))
         weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
         placeholder = torch.where(selected, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
-                                  torch.full_like(c, torch.finfo(meta["logits_dtype"]).min))
-        return placeholder.to(meta["logits_dtype"]), weights.to(meta["weights_dtype"]).contiguous(), index.contiguous()
+                                  torch.full_like(c, torch.finfo(dtype_of(meta["logits_dtype"])).min))
+        return (placeholder.to(dtype_of(meta["logits_dtype"])), weights.to(dtype_of(meta["weights_dtype"])).contiguous(),
+                index.contiguous())
 
     def describe(self) -> str:
         return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector"
@@ -148,10 +158,11 @@ class SharedGateCodec(Codec):
         return output.detach().to(canonical_dtype(output.dtype)).reshape(batch, token, 1, 1).clone()
 
     def meta(self, output) -> dict:
-        return {"dtype": output.dtype, "shape_tail": tuple(output.shape[1:])}
+        return {"dtype": dtype_name(output.dtype), "shape_tail": list(output.shape[1:])}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
-        return canonical.reshape(-1, *meta["shape_tail"]).to(meta["dtype"]).clone(memory_format=torch.contiguous_format)
+        out = canonical.reshape(-1, *meta["shape_tail"]).to(dtype_of(meta["dtype"]))
+        return out.clone(memory_format=torch.contiguous_format)
 
     def describe(self) -> str:
         return "shared-expert gate: (batch token) 1, pre-sigmoid logit"
