@@ -1,0 +1,168 @@
+"""Codecs of Hugging Face transformers (>= 5) MoE controller sites: site output <-> canonical coefficients.
+
+Router site (the `gate` of a sparse MoE block, e.g. MixtralTopKRouter): its output is the triple
+(router_logits [N, E], top_k_weights [N, k], top_k_index [N, k]) over the N = batch * token flattened tokens.
+The canonical coefficient is the post-top-k combine vector c[t, e] (the weight expert e gets for token t, 0 when
+e is not selected), exactly as the experts module receives it: after softmax, top-k, any renormalization
+(Mixtral always, OLMoE / Qwen2-MoE / Qwen3-MoE when `norm_topk_prob`) and the cast to the weights' dtype.
+Layout "(batch token) expert": canonical [batch, token, 1, E], experts on the source axis.
+
+Decode rebuilds the triple from c: the selected experts are the support of c, in descending weight order
+(ties: lower expert first) like torch.topk's; rows with fewer selected experts than the width are padded with
+index E and weight 0, which the eager experts loop of transformers skips ("no expert"). The router logits are a
+placeholder: log(c), with finfo.min off the support (so softmax of it is the normalized combine vector). The
+forward pass never reads them; transformers uses router logits only for the auxiliary training loss.
+
+Decode is correct only under the *eager* experts implementation, and both codecs refuse to run under another:
+`grouped_mm` (transformers' default) leaves the rows of sentinel slots uninitialized (NaN * 0 = NaN reaches the
+output) and sums the k slot outputs in slot order (so a tie reordered by a bf16 cast changes bits);
+`batched_mm` indexes the weights with the sentinel (IndexError). The eager loop accumulates per expert in
+expert order, so the result does not depend on slot order or padding. See `ensure_eager_experts`.
+
+Shared-expert gate site (Qwen2-MoE's `shared_expert_gate`, a Linear(hidden, 1)): one pre-sigmoid scalar per
+token, canonical [batch, token, 1, 1]. The sigmoid is applied by the block after the site, so replay is exact;
+static means of this site are means of the gate logit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+
+try:  # engine v2 (fcaudit.controllers.site.Codec); this stand-in has the same interface until it lands
+    from fcaudit.controllers.site import Codec
+except ImportError:
+    class Codec:  # type: ignore[no-redef]
+        """Site output <-> canonical coefficients [batch, token, stream, source] (engine v2 interface)."""
+
+        top_k: int | None = None
+
+        def encode(self, output, batch: int, token: int) -> torch.Tensor:
+            raise NotImplementedError
+
+        def meta(self, output) -> dict:
+            raise NotImplementedError
+
+        def decode(self, canonical: torch.Tensor, meta: dict):
+            raise NotImplementedError
+
+        def describe(self) -> str:
+            return type(self).__name__
+
+
+def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or wider when the site is wider: bf16 / fp16 / fp32 values convert to it and back exactly."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str | torch.dtype) -> torch.dtype:
+    """Metas hold dtype names (JSON-friendly); a torch.dtype is accepted too."""
+    return name if isinstance(name, torch.dtype) else getattr(torch, name)
+
+
+def experts_implementation(experts: nn.Module | None) -> str:
+    """The experts implementation a transformers experts module dispatches to ("eager" for plain modules)."""
+    config = getattr(experts, "config", None)
+    return getattr(config, "_experts_implementation", None) or "eager"
+
+
+def _require_eager(experts: nn.Module | None, where: str) -> None:
+    impl = experts_implementation(experts)
+    if impl != "eager":
+        raise FcauditError(f"{where}: the experts run the {impl!r} implementation; FCA replay needs 'eager' "
+                           f"(call fcaudit.families.hf_moe.ensure_eager_experts(model) before capturing)")
+
+
+def split_router_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check and unpack (router_logits [N, E], top_k_weights [N, k], top_k_index [N, k])."""
+    if not (isinstance(output, (tuple, list)) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)):
+        shape = (f"({', '.join(type(t).__name__ if not isinstance(t, torch.Tensor) else 'Tensor' + str(list(t.shape)) for t in output)})"
+                 if isinstance(output, (tuple, list)) else type(output).__name__)
+        raise FcauditError(f"{where} returned {shape}, not (router_logits, top_k_weights, top_k_index)")
+    logits, weights, index = output
+    ok = (logits.dim() == 2 and logits.shape[1] == num_experts and weights.dim() == 2 and index.shape == weights.shape
+          and weights.shape[0] == logits.shape[0] and weights.is_floating_point() and logits.is_floating_point()
+          and not index.is_floating_point() and not index.is_complex())
+    if not ok:
+        raise FcauditError(f"{where} returned shapes {list(logits.shape)}, {list(weights.shape)}, {list(index.shape)} "
+                           f"({weights.dtype}, {index.dtype}), not logits [N, {num_experts}], weights [N, k], "
+                           f"integer index [N, k]")
+    return logits, weights, index
+
+
+class TopKRouterCodec(Codec):
+    """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
+
+    def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router"):
+        self.num_experts, self.top_k, self.name = int(num_experts), int(top_k), name
+        self._experts = experts  # the experts module this router feeds; checked to run eager
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        _require_eager(self._experts, self.name)
+        _, weights, index = split_router_output(output, self.num_experts, self.name)
+        if weights.shape[0] != batch * token:
+            raise FcauditError(f"{self.name} routed {weights.shape[0]} tokens, not batch {batch} x token {token}")
+        E = self.num_experts
+        c = torch.zeros(index.shape[0], E + 1, dtype=canonical_dtype(weights.dtype), device=weights.device)
+        # Column E absorbs sentinel slots a router may already emit (expert parallelism); dropped below.
+        c.scatter_(1, index.long().clamp(0, E), weights.detach().to(c.dtype))
+        return c[:, :E].reshape(batch, token, 1, E).contiguous()  # compact copy, not a view of c
+
+    def meta(self, output) -> dict:
+        logits, weights, index = split_router_output(output, self.num_experts, self.name)
+        return {"logits_dtype": dtype_name(logits.dtype), "weights_dtype": dtype_name(weights.dtype),
+                "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _require_eager(self._experts, self.name)
+        E = self.num_experts
+        if canonical.shape[-1] != E or canonical.shape[-2] != 1:
+            raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not [batch, token, 1, {E}]")
+        c = canonical.reshape(-1, E)
+        selected = c != 0
+        width = max(self.top_k, int(selected.sum(1).max().item()) if c.numel() else 0)
+        # Selected experts first, by descending weight; stable, so ties keep the lower expert first.
+        key = torch.where(selected, c, torch.full_like(c, -torch.inf))
+        _, order = torch.sort(key, dim=1, descending=True, stable=True)
+        order = order[:, :width]
+        keep = selected.gather(1, order)
+        index = torch.where(keep, order, torch.full_like(order, E)).to(dtype_of(meta["index_dtype"]))
+        weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
+        placeholder = torch.where(selected, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
+                                  torch.full_like(c, torch.finfo(dtype_of(meta["logits_dtype"])).min))
+        return (placeholder.to(dtype_of(meta["logits_dtype"])), weights.to(dtype_of(meta["weights_dtype"])).contiguous(),
+                index.contiguous())
+
+    def describe(self) -> str:
+        return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector"
+
+
+class SharedGateCodec(Codec):
+    """A Linear(hidden, 1) gate's output [N, 1] (pre-sigmoid) <-> canonical [batch, token, 1, 1]."""
+
+    top_k = None
+
+    def __init__(self, name: str = "shared_expert_gate"):
+        self.name = name
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor) or output.numel() != batch * token:
+            shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise FcauditError(f"{self.name} returned {shape}, not one scalar per token for batch {batch} x token {token}")
+        return output.detach().to(canonical_dtype(output.dtype)).reshape(batch, token, 1, 1).clone()
+
+    def meta(self, output) -> dict:
+        return {"dtype": dtype_name(output.dtype), "shape_tail": list(output.shape[1:])}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
+        out = canonical.reshape(-1, *meta["shape_tail"]).to(dtype_of(meta["dtype"]))
+        return out.clone(memory_format=torch.contiguous_format)
+
+    def describe(self) -> str:
+        return "shared-expert gate: (batch token) 1, pre-sigmoid logit"

@@ -1,0 +1,265 @@
+"""Finding the controller sites of a Hugging Face MoE model by structure, not by class name.
+
+A router is a module with a top-k attribute (`top_k`, `num_experts_per_tok`) and an expert-count attribute
+(`num_experts`, `num_local_experts`, `n_routed_experts`), holding a [num_experts, hidden] weight, next to an
+experts module (a sibling holding num_experts experts as 3-D weights or a ModuleList). One probe forward pass
+(4 tokens) then checks what makes the codec valid: the router returns (router_logits, top_k_weights,
+top_k_index), those very tensors are what the experts module receives, and the experts' eager loop skips the
+sentinel index num_experts. A router failing a check gets a one-line FcauditError naming its class and the
+closest supported router. A Linear(hidden, 1) sibling of a router (Qwen2-MoE's shared_expert_gate) is a
+second site kind: one scalar per token.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+from fcaudit.families.hf_moe.codecs import (Codec, SharedGateCodec, TopKRouterCodec, experts_implementation,
+                                            split_router_output)
+
+TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+# Routers tested end to end; used only to name the closest supported one in an error message.
+SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+PROBE_TOKENS = 4
+
+
+@dataclass
+class MoeSite:
+    """One controller site: a module path, the module, and the codec between its output and canonical form."""
+
+    path: str
+    module: nn.Module = field(repr=False)
+    codec: Codec = field(repr=False)
+    kind: str  # "router" (combine vector over experts) or "shared_gate" (one scalar per token)
+    experts_path: str | None = None  # the experts module a router feeds
+
+
+@dataclass
+class MoeAdapter:
+    """The sites of one MoE model plus the labels its static and reference conditions carry."""
+
+    sites: list[MoeSite]
+    description: str
+    experts_implementation_before: str  # what the model ran before the switch to eager
+    static_name: str = "StaticMixMean"
+    reference: str = "source_uniform_mean"  # m_l / E for every expert
+    reference_name: str = "ExpertUniformMean"
+
+    @property
+    def routers(self) -> list[MoeSite]:
+        return [s for s in self.sites if s.kind == "router"]
+
+    def describe(self) -> dict:
+        return {"description": self.description, "sites": [s.path for s in self.sites],
+                "kinds": [s.kind for s in self.sites], "codecs": [s.codec.describe() for s in self.sites],
+                "top_k": [s.codec.top_k for s in self.sites], "reference": self.reference,
+                "labels": {"StaticProfile": self.static_name, "StructureRemoved": self.reference_name},
+                "experts_implementation": "eager", "experts_implementation_before": self.experts_implementation_before}
+
+
+def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
+    for n in names:
+        v = getattr(m, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _holds_experts(m: nn.Module, num_experts: int) -> bool:
+    if isinstance(m, nn.ModuleList):
+        return len(m) == num_experts
+    return any(p.dim() == 3 and p.shape[0] == num_experts for p in m.parameters(recurse=False))
+
+
+def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that hold num_experts experts (their own expert-count attribute and 3-D weights)."""
+    out = {}
+    for path, m in model.named_modules():
+        E = _int_attr(m, NUM_EXPERTS_NAMES)
+        if E is not None and _holds_experts(m, E):
+            out[path] = m
+    return out
+
+
+def _closest(cls_name: str) -> str:
+    return difflib.get_close_matches(cls_name, SUPPORTED_EXAMPLES, n=1, cutoff=0.0)[0]
+
+
+def _unsupported(m: nn.Module, path: str, why: str) -> FcauditError:
+    cls = type(m).__name__
+    return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit audits transformers>=5 top-k routers "
+                        f"that hand (router_logits, top_k_weights, top_k_index) straight to an experts module, "
+                        f"like {_closest(cls)}")
+
+
+@dataclass
+class _Candidate:
+    path: str
+    module: nn.Module
+    top_k: int
+    num_experts: int
+    experts_path: str
+    experts: nn.Module
+    gate_paths: list[str]
+
+
+def _candidates(model: nn.Module) -> list[_Candidate]:
+    modules = dict(model.named_modules())
+    experts = _experts_modules(model)
+    found, routed_parents = [], set()
+    for path, m in modules.items():
+        k, E = _int_attr(m, TOP_K_NAMES), _int_attr(m, NUM_EXPERTS_NAMES)
+        if k is None or E is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
+            continue  # not router-like, or a block that contains the experts itself
+        weight = [p for p in m.parameters() if p.dim() == 2 and p.shape[0] == E]
+        parent_path = path.rpartition(".")[0]
+        parent = modules[parent_path]
+        siblings = {f"{parent_path}.{n}" if parent_path else n: c for n, c in parent.named_children() if c is not m}
+        ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
+        if not weight or not ex:
+            continue
+        hidden = weight[0].shape[1]
+        gates = [p for p, c in siblings.items()
+                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
+        found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
+        routed_parents.add(parent_path)
+    for path, m in experts.items():
+        parent_path = path.rpartition(".")[0]
+        if parent_path not in routed_parents:
+            block = modules[parent_path]
+            raise FcauditError(f"unsupported MoE block {type(block).__name__} at {parent_path or 'the model'}: its experts "
+                               f"({type(m).__name__}) have no router module with top_k and num_experts attributes; "
+                               f"fcaudit audits transformers>=5 top-k routers like {_closest(type(block).__name__)}")
+    return found
+
+
+def ensure_eager_experts(model: nn.Module) -> str:
+    """Switch a transformers model's experts to the eager implementation (see codecs.py for why); returns the
+    implementation it ran before. Capture and replay must both run eager: the audit's Correct NLL is eager's."""
+    experts = list(_experts_modules(model).values())
+    before = sorted({experts_implementation(m) for m in experts}) or ["eager"]
+    if before != ["eager"] and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    still = sorted({experts_implementation(m) for m in experts} - {"eager"})
+    if still:
+        raise FcauditError(f"cannot switch the experts of {type(model).__name__} from {still[0]!r} to 'eager'; "
+                           f"load the model with experts_implementation='eager'")
+    return ",".join(before)
+
+
+def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
+    """One short forward pass checking each router's output structure, its flow into the experts module, and
+    that the experts skip the sentinel index; also that each shared gate returns one scalar per token."""
+    modules = dict(model.named_modules())
+    outputs: dict[str, object] = {}
+    inputs: dict[str, tuple] = {}
+    handles = []
+    for c in cands:
+        for p in [c.path, *c.gate_paths]:
+            handles.append(modules[p].register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o)))
+        handles.append(c.experts.register_forward_pre_hook(
+            lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)), with_kwargs=True))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    for c in cands:
+        if c.path not in outputs or c.experts_path not in inputs:
+            raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
+        try:
+            _, weights, index = split_router_output(outputs[c.path], c.num_experts, "it")
+        except FcauditError as e:
+            raise _unsupported(c.module, c.path, str(e)) from None
+        if weights.shape[1] != c.top_k:
+            raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not top_k={c.top_k}")
+        args, kwargs = inputs[c.experts_path]
+        received = list(args) + list(kwargs.values())
+        if not (any(t is index for t in received) and any(t is weights for t in received)):
+            raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
+                                                 f"({c.experts_path}) receive them")
+        _check_sentinel(c, args, kwargs, index, weights)
+        # A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token.
+        c.gate_paths = [g for g in c.gate_paths
+                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == index.shape[0]]
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_sentinel(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> None:
+    """Padding with (index num_experts, weight 0) must leave the experts' output bit-identical."""
+    pad_index = torch.cat([index, torch.full_like(index[:, :1], c.num_experts)], 1)
+    pad_weights = torch.cat([weights, torch.zeros_like(weights[:, :1])], 1)
+    swap = {id(index): pad_index, id(weights): pad_weights}
+    sub = lambda t: swap.get(id(t), t)  # noqa: E731
+    with torch.no_grad():
+        plain = c.experts(*args, **kwargs)
+        try:
+            padded = c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+        except (IndexError, RuntimeError) as e:
+            raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) reject the sentinel index "
+                                                 f"{c.num_experts} ({type(e).__name__})") from None
+    if not torch.equal(plain, padded):
+        raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) do not skip the sentinel index "
+                                             f"{c.num_experts}")
+
+
+def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite]:
+    """The MoE controller sites of `model` in module order (switches its experts to eager first)."""
+    cands = _candidates(model)
+    if not cands:
+        raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts attributes "
+                           f"next to an experts module); fcaudit audits transformers>=5 MoE models like Mixtral")
+    ensure_eager_experts(model)
+    _probe(model, cands)
+    sites = []
+    for c in cands:
+        sites.append(MoeSite(c.path, c.module, TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path), "router",
+                             c.experts_path))
+        if shared_gates:
+            sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    return sorted(sites, key=lambda s: order[s.path])
+
+
+def moe_adapter(model: nn.Module, *, shared_gates: bool = True) -> MoeAdapter:
+    """Sites and condition labels of an MoE model, as plain data for the engine's Controller."""
+    before = ensure_eager_experts(model)
+    try:
+        sites = find_routers(model, shared_gates=shared_gates)
+    except FcauditError:
+        if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(before)  # leave a model we cannot audit as it was
+        raise
+    routers = [s for s in sites if s.kind == "router"]
+    desc = (f"{type(model).__name__}: {len(routers)} top-{routers[0].codec.top_k} routers over "
+            f"{routers[0].codec.num_experts} experts ({type(routers[0].module).__name__})"
+            + (f", {len(sites) - len(routers)} shared-expert gates" if len(sites) > len(routers) else ""))
+    return MoeAdapter(sites, desc, before)
+
+
+def moe_controller(model: nn.Module, *, shared_gates: bool = True):
+    """The engine's Controller for an MoE model (engine v2: sites carry codecs)."""
+    from fcaudit.controllers import site as engine
+
+    adapter = moe_adapter(model, shared_gates=shared_gates)
+    if "codec" not in getattr(engine.Site, "__dataclass_fields__", {}):
+        raise FcauditError("this fcaudit's engine has no codec sites yet; use fcaudit.families.hf_moe.moe_adapter(model)")
+    return engine.Controller([engine.Site(s.path, s.module, codec=s.codec) for s in adapter.sites],
+                             static_name=adapter.static_name, reference=adapter.reference,
+                             reference_name=adapter.reference_name, description=adapter.description)

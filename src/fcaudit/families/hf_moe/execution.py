@@ -1,0 +1,84 @@
+"""Execution measures for MoE models (the paper's question 3): which experts actually run, and their FLOPs.
+
+Counts come from what each experts module receives (the index tensor; the sentinel num_experts is skipped by
+the eager loop) and FLOPs from torch.utils.flop_counter inside each experts module, so a static dense
+mixture that selects every expert shows up as every expert running, not as a nominal top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fcaudit.families.hf_moe.discover import MoeSite, find_routers
+from fcaudit.families.hf_moe.fca_min import forward_logits, replaying
+
+
+@dataclass
+class ExpertExecution:
+    layers: list[str]                # experts module paths, in model order
+    num_experts: list[int]
+    experts_per_token: torch.Tensor  # [layers, batch, token] int64: experts run for each token
+    expert_flops: list[int]          # per layer: FLOPs counted inside the experts module
+    dense_flops: list[int]           # per layer: FLOPs if every token ran every expert (same per-expert cost)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.experts_per_token[0].numel())
+
+    def per_layer(self) -> list[dict]:
+        return [{"layer": p, "experts_per_token": float(n.float().mean()), "max_experts_per_token": int(n.max()),
+                 "num_experts": e, "expert_flops_per_token": f / self.tokens, "dense_flops_per_token": d / self.tokens,
+                 "active_fraction": f / d}
+                for p, e, n, f, d in zip(self.layers, self.num_experts, self.experts_per_token, self.expert_flops,
+                                         self.dense_flops)]
+
+    def summary(self) -> dict:
+        active, dense = sum(self.expert_flops), sum(self.dense_flops)
+        return {"experts_per_token": float(self.experts_per_token.float().mean()),
+                "expert_flops_per_token": active / self.tokens, "dense_flops_per_token": dense / self.tokens,
+                "active_fraction": active / dense}
+
+
+def _flops_per_pair(experts: nn.Module, num_experts: int) -> int:
+    """Matmul FLOPs of one (token, expert) pair: 2 x the size of one expert's slice of each 3-D weight."""
+    return sum(2 * p[0].numel() for p in experts.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == num_experts)
+
+
+def expert_execution(model: nn.Module, ids: torch.Tensor, coefficients: Sequence[torch.Tensor] | None = None,
+                     metas: Sequence[dict] | None = None, sites: Sequence[MoeSite] | None = None) -> ExpertExecution:
+    """Experts run per token and layer, and expert FLOPs, for ids [batch, token] on the unmodified model or,
+    given `coefficients` (and their `metas`) for `sites`, with those coefficients replayed."""
+    sites = list(sites) if sites is not None else find_routers(model)
+    routers = [s for s in sites if s.kind == "router"]
+    experts = [(s.experts_path, model.get_submodule(s.experts_path), s.codec.num_experts) for s in routers]
+    B, T = ids.shape
+    counts: dict[str, torch.Tensor] = {}
+
+    def count(path: str, E: int):
+        def hook(module, args, kwargs):
+            index = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+            counts[path] = ((index[0] >= 0) & (index[0] < E)).sum(1).reshape(B, T).cpu()
+        return hook
+
+    handles = [m.register_forward_pre_hook(count(p, E), with_kwargs=True) for p, m, E in experts]
+    replay = replaying(sites, coefficients, metas) if coefficients is not None else contextlib.nullcontext()
+    try:
+        with replay, FlopCounterMode(display=False) as counter:
+            forward_logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    by_module = counter.get_flop_counts()
+    flops = []
+    for p, _, _ in experts:
+        key = next((k for k in by_module if k == p or k.endswith("." + p)), None)
+        flops.append(int(sum(by_module[key].values())) if key else 0)
+    dense = [B * T * E * _flops_per_pair(m, E) for _, m, E in experts]
+    return ExpertExecution([p for p, _, _ in experts], [E for _, _, E in experts],
+                           torch.stack([counts[p] for p, _, _ in experts]), flops, dense)

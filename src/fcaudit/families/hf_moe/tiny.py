@@ -1,0 +1,61 @@
+"""Tiny Hugging Face MoE models built from configs (no download): tests, benchmarks and the byte-level demo.
+
+Each family keeps its real router semantics: Mixtral renormalizes the top-k weights (always, in float32),
+OLMoE and Qwen2-MoE do not (`norm_topk_prob=False`, as their released checkpoints), Qwen3-MoE does
+(`norm_topk_prob=True`, as Qwen3-30B-A3B); Qwen2-MoE adds a shared expert behind a sigmoid gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcaudit.errors import FcauditError
+from fcaudit.families.hf_moe.load import require_transformers
+
+FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+
+
+def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+                    experts: int = 4, top_k: int = 2, intermediate_size: int = 64, max_positions: int = 512, **overrides):
+    """A transformers config of one family at toy size, experts running the eager implementation."""
+    transformers = require_transformers()
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=heads, max_position_embeddings=max_positions, num_experts_per_tok=top_k,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+                  experts_implementation="eager")
+    if family == "mixtral":
+        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size)
+        cls = transformers.MixtralConfig
+    elif family == "olmoe":
+        cfg = dict(common, num_experts=experts, intermediate_size=intermediate_size, norm_topk_prob=False)
+        cls = transformers.OlmoeConfig
+    elif family == "qwen2_moe":
+        cfg = dict(common, num_experts=experts, moe_intermediate_size=intermediate_size, intermediate_size=intermediate_size,
+                   shared_expert_intermediate_size=intermediate_size, norm_topk_prob=False)
+        cls = transformers.Qwen2MoeConfig
+    elif family == "qwen3_moe":
+        cfg = dict(common, num_experts=experts, moe_intermediate_size=intermediate_size, intermediate_size=intermediate_size,
+                   head_dim=hidden_size // heads, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeConfig
+    else:
+        raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES)}")
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+def tiny_moe(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
+    """A randomly initialized (seeded) causal LM of one MoE family, in eval mode. See tiny_moe_config."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_moe_config(family, **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype).eval()
+
+
+def byte_mixtral_config(**overrides):
+    """The demo's byte-level Mixtral: 256-token vocabulary (ids are UTF-8 bytes), 4 layers, 8 experts, top-2."""
+    cfg = dict(hidden_size=128, layers=4, heads=4, experts=8, top_k=2, intermediate_size=256, max_positions=1024)
+    cfg.update(overrides)
+    return tiny_moe_config("mixtral", **cfg)

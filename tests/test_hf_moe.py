@@ -1,0 +1,252 @@
+"""Hugging Face MoE family: router codecs, structural discovery, loading, execution measures.
+
+Capture and replay use fcaudit.families.hf_moe.fca_min (a stand-in for the engine's), so these tests exercise
+the codecs exactly as the engine will: encode on a hook, decode in place of the router's forward.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fcaudit.errors import FcauditError  # noqa: E402
+from fcaudit.families.hf_moe import TopKRouterCodec, load_hf_moe, moe_adapter, require_transformers  # noqa: E402
+from fcaudit.families.hf_moe.discover import SUPPORTED_EXAMPLES  # noqa: E402
+from fcaudit.families.hf_moe.execution import expert_execution  # noqa: E402
+from fcaudit.families.hf_moe.fca_min import capture, forward_logits, replay_logits  # noqa: E402
+from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe  # noqa: E402
+from fcaudit.loss import token_nll  # noqa: E402
+
+E, K = 8, 2
+
+
+def ids_for(batch=4, token=12, seed=0):
+    return torch.randint(0, 256, (batch, token), generator=torch.Generator().manual_seed(seed))
+
+
+def spread_router(model, std=0.5):
+    """Trained routers are far from uniform; the init (std 0.02) routes almost at random. Make routing matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                p.normal_(0, std, generator=torch.Generator().manual_seed(len(name)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(family, dtype):
+    model = tiny_moe(family, dtype=dtype, experts=E, top_k=K)
+    spread_router(model)
+    adapter = moe_adapter(model)
+    routers = adapter.routers
+    assert len(routers) == 2 and all(s.codec.top_k == K for s in routers)
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    for site, c in zip(adapter.sites, cap.coefficients):
+        if site.kind == "router":
+            assert c.shape == (4, 12, 1, E) and c.dtype == torch.float32
+            assert ((c != 0).sum(-1) == K).all()  # k experts per token, after top-k
+            total = c.sum(-1)
+            if family in ("mixtral", "qwen3_moe"):  # renormalized top-k
+                assert torch.allclose(total, torch.ones_like(total), atol=1e-2)
+            else:  # OLMoE / Qwen2-MoE keep the softmax mass of the top-k, below 1
+                assert (total <= 1.01).all() and (total < 0.99).any()
+    # The router really does not run: poisoned router weights leave the replayed logits unchanged.
+    with torch.no_grad():
+        for s in routers:
+            s.module.weight.fill_(float("nan"))
+    replayed = replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas)
+    assert replayed.dtype == dtype
+    assert torch.equal(replayed, cap.logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_rebuilds_the_router_output_the_experts_received(family):
+    model = tiny_moe(family, dtype=torch.bfloat16, experts=E, top_k=K)
+    spread_router(model)
+    adapter = moe_adapter(model)
+    site = adapter.routers[0]
+    seen = []
+    handle = site.module.register_forward_hook(lambda m, a, out: seen.append(out))
+    forward_logits(model, ids_for())
+    handle.remove()
+    logits, weights, index = seen[0]
+    meta = site.codec.meta(seen[0])
+    assert json.loads(json.dumps(meta)) == meta  # metas are plain data: the engine may store them as JSON
+    d_logits, d_weights, d_index = site.codec.decode(site.codec.encode(seen[0], 4, 12), meta)
+    assert (d_logits.dtype, d_weights.dtype, d_index.dtype) == (logits.dtype, weights.dtype, index.dtype)
+    assert weights.dtype == (torch.float32 if family == "mixtral" else torch.bfloat16)  # Mixtral keeps fp32 weights
+    assert d_index.shape == index.shape
+    # Same (expert, weight) pairs per token; slot order may differ only between equal weights.
+    assert torch.equal(d_index.sort(1).values, index.sort(1).values)
+    assert torch.equal(d_weights.gather(1, d_index.argsort(1)), weights.gather(1, index.argsort(1)))
+
+
+def test_decode_pads_variable_support_with_the_sentinel_in_descending_weight_order():
+    codec = TopKRouterCodec(num_experts=4, top_k=2)
+    c = torch.tensor([[0.1, 0.0, 0.7, 0.2], [0.0, 0.5, 0.0, 0.0], [0.3, 0.3, 0.0, 0.0]]).reshape(1, 3, 1, 4)
+    meta = {"logits_dtype": "float32", "weights_dtype": "float32", "index_dtype": "int64"}
+    logits, weights, index = codec.decode(c, meta)
+    assert index.tolist() == [[2, 3, 0], [1, 4, 4], [0, 1, 4]]  # width = largest support; ties: lower expert first
+    assert torch.equal(weights, torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.0, 0.0], [0.3, 0.3, 0.0]]))
+    assert torch.equal(logits.softmax(-1)[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))  # placeholder: log of the vector
+    assert torch.equal(codec.encode((logits, weights, index), 1, 3), c)  # the sentinel round-trips to "not selected"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_shuffle(family):
+    model = tiny_moe(family, experts=E, top_k=K)
+    with torch.no_grad():  # every controller emits the same coefficient for every token
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.zero_()
+    adapter = moe_adapter(model)
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    nll = token_nll(cap.logits, ids)
+    g = torch.Generator().manual_seed(1)
+    derangement = torch.roll(torch.arange(4), 1)
+    cross = [c[derangement] for c in cap.coefficients]
+    shuffle = [c[:, torch.randperm(12, generator=g)] for c in cap.coefficients]
+    for coeffs in (cross, shuffle):
+        assert torch.equal(token_nll(replay_logits(model, adapter.sites, ids, coeffs, cap.metas), ids), nll)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaying_other_experts_changes_the_logits(family):
+    model = tiny_moe(family, experts=E, top_k=K)
+    adapter = moe_adapter(model)
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    other = [c.roll(1, dims=-1) if s.kind == "router" else c for s, c in zip(adapter.sites, cap.coefficients)]
+    replayed = replay_logits(model, adapter.sites, ids, other, cap.metas)
+    assert (replayed - cap.logits).abs().max() > 0
+
+
+def test_qwen2_shared_expert_gate_is_a_scalar_site_that_matters():
+    model = tiny_moe("qwen2_moe", experts=E, top_k=K)
+    adapter = moe_adapter(model)
+    assert [s.kind for s in adapter.sites] == ["router", "shared_gate", "router", "shared_gate"]
+    assert adapter.sites[1].path == "model.layers.0.mlp.shared_expert_gate" and adapter.sites[1].codec.top_k is None
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    assert cap.coefficients[1].shape == (4, 12, 1, 1)
+    changed = [c + 3.0 if s.kind == "shared_gate" else c for s, c in zip(adapter.sites, cap.coefficients)]
+    assert not torch.equal(replay_logits(model, adapter.sites, ids, changed, cap.metas), cap.logits)
+    assert [s.kind for s in moe_adapter(model, shared_gates=False).sites] == ["router", "router"]
+
+
+def test_adapter_labels_and_switch_from_grouped_mm_to_eager():
+    model = tiny_moe("mixtral", experts=4, top_k=2, experts_implementation="grouped_mm")
+    assert model.config._experts_implementation == "grouped_mm"
+    adapter = moe_adapter(model)
+    assert adapter.experts_implementation_before == "grouped_mm"
+    assert model.config._experts_implementation == "eager"
+    assert (adapter.static_name, adapter.reference, adapter.reference_name) == \
+        ("StaticMixMean", "source_uniform_mean", "ExpertUniformMean")
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    model.set_experts_implementation("grouped_mm")  # the sentinel is unsafe there: the codec refuses
+    with pytest.raises(FcauditError, match="eager"):
+        replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas)
+
+
+def _llama4():
+    cfg = transformers.Llama4TextConfig(vocab_size=256, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                        num_local_experts=4, num_experts_per_tok=1, bos_token_id=None,
+                                        eos_token_id=None, pad_token_id=None)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _gpt_oss():
+    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("build, cls, why", [
+    (_llama4, "Llama4Router", "not (router_logits, top_k_weights, top_k_index)"),  # dense scores + logits
+    (_gpt_oss, "GptOssTopKRouter", "reject the sentinel"),  # right triple, but its experts cannot skip a slot
+])
+def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supported(build, cls, why):
+    with pytest.raises(FcauditError) as err:
+        moe_adapter(build())
+    msg = str(err.value)
+    assert "\n" not in msg and cls in msg and why in msg
+    assert any(name in msg for name in SUPPORTED_EXAMPLES)
+
+
+def test_model_without_router_is_refused():
+    with pytest.raises(FcauditError, match="has no MoE router"):
+        moe_adapter(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_dense_mixture(family):
+    model = tiny_moe(family, experts=E, top_k=K)
+    adapter = moe_adapter(model)
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    correct = expert_execution(model, ids, sites=adapter.sites)
+    assert correct.experts_per_token.shape == (2, 4, 12) and (correct.experts_per_token == K).all()
+    assert correct.summary()["active_fraction"] == pytest.approx(K / E)
+    # A static dense mixture: every token gets the batch mean, with expert 0 never selected in layer 0.
+    static = []
+    for s, c in zip(adapter.sites, cap.coefficients):
+        m = c.mean((0, 1), keepdim=True).expand_as(c).clone()
+        if s.kind == "router":
+            m = m.clamp_min(1e-3)  # every expert in use, even one no token picked here
+            if s is adapter.routers[0]:
+                m[..., 0] = 0
+        static.append(m)
+    dense = expert_execution(model, ids, static, cap.metas, adapter.sites)
+    assert (dense.experts_per_token[0] == E - 1).all() and (dense.experts_per_token[1] == E).all()
+    per_pair = dense.dense_flops[1] // (4 * 12 * E)
+    assert dense.expert_flops == [4 * 12 * (E - 1) * per_pair, 4 * 12 * E * per_pair]  # measured == counted
+    assert correct.expert_flops == [4 * 12 * K * per_pair] * 2
+
+
+def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
+    tiny_moe("olmoe", experts=4, top_k=2).save_pretrained(tmp_path)
+    model, tokenizer = load_hf_moe(tmp_path, dtype=torch.bfloat16)
+    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16  # byte-level: no tokenizer
+    assert model.config._experts_implementation == "eager"
+    adapter = moe_adapter(model)
+    ids = ids_for()
+    cap = capture(model, adapter.sites, ids)
+    assert torch.equal(replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas), cap.logits)
+
+
+def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_weights(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    model = tiny_moe("qwen3_moe", experts=4, top_k=2)
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(FcauditError, match="cannot load") as err:
+        load_hf_moe(tmp_path)
+    assert "\n" not in str(err.value)
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    loaded, tokenizer = load_hf_moe(tmp_path)
+    assert tokenizer("a")["input_ids"] == [1] and loaded.config._experts_implementation == "eager"
+
+
+def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("fcaudit.hub.hub_reachable", lambda *a, **k: False)
+    start = time.monotonic()
+    with pytest.raises(FcauditError) as err:
+        load_hf_moe("nobody-fcaudit/no-such-moe")
+    assert time.monotonic() - start < 10 and "\n" not in str(err.value) and "no-such-moe" in str(err.value)
+
+
+def test_without_transformers_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(FcauditError, match=r"pip install 'fcaudit\[hf\]'"):
+        require_transformers()
