@@ -71,7 +71,7 @@ def _ci(est) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def _window_level(records: pd.DataFrame, config: dict, confidence: float, family: str = ""):
+def _window_level(records: pd.DataFrame, config: dict, confidence: float, family: str = "", partial: bool = False):
     """(conditions, factors, retention) frames for one checkpoint, window-bootstrap intervals."""
     per_window, rand = _window_table(records)
     labels = labels_of(config)
@@ -86,7 +86,7 @@ def _window_level(records: pd.DataFrame, config: dict, confidence: float, family
     facs = []
     if all(c in per_window.columns for c in protocol.factorial().values()):
         # paired CC/DC/CS/DS cells (same donor mapping and permutations per randomization), one value per window
-        arrays = factorial_cells(records).per_example_effects().as_dict()
+        arrays = factorial_cells(records, complete=not partial).per_example_effects().as_dict()
         for k, name in FACTORS.items():
             lo, hi = _ci(paired_bootstrap(arrays[k], confidence=confidence, seed=BOOT_SEED))
             facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": len(arrays[k]),
@@ -378,7 +378,7 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
         _check_pool(fam, members)
         labels = labels_of(members[0].config)
         if len(members) == 1:
-            c, f, r = _window_level(members[0].records, members[0].config, crit.confidence, fam)
+            c, f, r = _window_level(members[0].records, members[0].config, crit.confidence, fam, members[0].partial)
             level, note = "window", WINDOW_NOTE
         else:
             per = [_window_table(a.records) for a in members]

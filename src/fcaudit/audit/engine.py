@@ -94,7 +94,8 @@ class Engine:
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
         self.redone: list[str] = []  # damaged files removed for recomputation
-        self.console = Console(stderr=True, quiet=quiet or not group.is_main)
+        self.console = Console(stderr=True, quiet=quiet or not group.is_main)  # progress
+        self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
     # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------
     def _verified(self, path: Path, read: Callable[[], object]) -> bool:
@@ -151,8 +152,8 @@ class Engine:
             self.group.run(lambda: self._stage2(stage2, step))
         self.group.run(self._finalize, main_only=True)
         if self.redone:
-            self.console.print(f"resumed: recomputed {len(self.redone)} damaged file(s): " + "; ".join(self.redone[:3])
-                               + (" ..." if len(self.redone) > 3 else ""), highlight=False)
+            self.notices.print(f"resumed: recomputed {len(self.redone)} damaged file(s): " + "; ".join(self.redone[:3])
+                               + (" ..." if len(self.redone) > 3 else ""), soft_wrap=True)
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -211,7 +211,7 @@ class AuditResult:
         from fcaudit.stats.inference import mc_se, paired_bootstrap
 
         conf = self._confidence(confidence)
-        per_pair = factorial_cells(self.records).effects().as_dict()  # each [example, randomization]
+        per_pair = factorial_cells(self.records, complete=not self.partial).effects().as_dict()  # [example, r]
         rows = []
         for name, x in per_pair.items():
             est = paired_bootstrap(x.mean(axis=1), confidence=conf, n_resamples=n_resamples, seed=0)

@@ -283,10 +283,14 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             if group.is_main:
                 adir.lock()
             try:
-                group.run(lambda: adir.open(config), main_only=True)
+                state = []
+                group.run(lambda: state.append(adir.open(config)), main_only=True)
                 schedule = Schedule(ev.shape[0], ca.shape[0], batch_size, randomizations, tuple(conditions))
-                Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
-                       loss_fn=loss_fn, dtypes=[c.dtype for c in probe], group=group, quiet=quiet).run()
+                engine = Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
+                                loss_fn=loss_fn, dtypes=[c.dtype for c in probe], group=group, quiet=quiet)
+                if state == ["repaired"]:
+                    engine.redone.append("config.json (rewritten: the marker holds its hash)")
+                engine.run()
             finally:
                 adir.unlock()
     finally:

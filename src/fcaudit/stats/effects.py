@@ -137,10 +137,11 @@ class FactorialCells:
         return FactorEffects(float(e.input.mean()), float(e.token.mean()), float(e.interaction.mean()))
 
 
-def factorial_cells(records: pd.DataFrame) -> FactorialCells:
+def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCells:
     """Build paired CC/DC/CS/DS arrays from records: CC = Correct (ΔNLL 0), DC/CS/DS = the conditions registered with
     the roles input/token/both (CrossInput, TokenShuffle, CrossShuffle), paired by example and randomization. The
-    three must cover the same examples and the same randomizations (complete, balanced design)."""
+    three must cover the same examples and the same randomizations (complete, balanced design); with
+    `complete=False` (a partial audit) only the (example, randomization) pairs all three have are used."""
     d = _deltas(records)
     roles = protocol.factorial()
     cells = {}
@@ -149,6 +150,13 @@ def factorial_cells(records: pd.DataFrame) -> FactorialCells:
         if sub.empty:
             raise FcauditError(f"records have no {name} rows: run the audit with the randomized conditions enabled")
         cells[name] = sub.pivot(index="example", columns="randomization", values="delta").sort_index().sort_index(axis=1)
+    if not complete:
+        rows = sorted(set.intersection(*(set(w.dropna(how="any").index) for w in cells.values())))
+        cols = sorted(set.intersection(*(set(w.dropna(how="any", axis=0).columns) for w in cells.values())))
+        cells = {k: w.reindex(index=rows, columns=cols) for k, w in cells.items()}
+        if not rows or not cols:
+            raise FcauditError("the partial records hold no (example, randomization) pair of all three factorial "
+                               "conditions; rerun the audit to finish it")
     ref = cells[roles["input"]]
     for name, wide in cells.items():
         if not (wide.index.equals(ref.index) and wide.columns.equals(ref.columns)) or wide.isna().any().any():
