@@ -1,8 +1,5 @@
-"""Hugging Face MoE family: router codecs, structural discovery, loading, execution measures.
-
-Capture and replay use fcaudit.families.hf_moe.fca_min (a stand-in for the engine's), so these tests exercise
-the codecs exactly as the engine will: encode on a hook, decode in place of the router's forward.
-"""
+"""Hugging Face MoE family: router codecs, structural discovery, loading, execution measures, and whole audits
+through the engine (capture on hooks, decode in place of the router's forward)."""
 
 import json
 import time
@@ -15,12 +12,38 @@ transformers = pytest.importorskip("transformers")
 from fcaudit.errors import FcauditError  # noqa: E402
 from fcaudit.families.hf_moe import TopKRouterCodec, load_hf_moe, moe_adapter, require_transformers  # noqa: E402
 from fcaudit.families.hf_moe.discover import SUPPORTED_EXAMPLES  # noqa: E402
+from fcaudit.controllers import Controller, Site  # noqa: E402
 from fcaudit.families.hf_moe.execution import expert_execution  # noqa: E402
-from fcaudit.families.hf_moe.fca_min import capture, forward_logits, replay_logits  # noqa: E402
 from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe  # noqa: E402
 from fcaudit.loss import token_nll  # noqa: E402
 
 E, K = 8, 2
+
+
+class Captured:
+    def __init__(self, coefficients, logits):
+        self.coefficients, self.logits = coefficients, logits
+
+
+def controller_of(adapter) -> Controller:
+    return Controller([Site(s.path, s.module, codec=s.codec) for s in adapter.sites], adapter.static_name,
+                      adapter.reference, adapter.reference_name)
+
+
+def forward_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def capture(model, ctrl: Controller, ids) -> Captured:
+    with ctrl.capture(*ids.shape) as found:
+        logits = forward_logits(model, ids)
+    return Captured(list(found), logits)
+
+
+def replay_logits(model, ctrl: Controller, ids, coefficients):
+    with ctrl.replay(list(coefficients)):
+        return forward_logits(model, ids)
 
 
 def ids_for(batch=4, token=12, seed=0):
@@ -44,7 +67,8 @@ def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(f
     routers = adapter.routers
     assert len(routers) == 2 and all(s.codec.top_k == K for s in routers)
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
     for site, c in zip(adapter.sites, cap.coefficients):
         if site.kind == "router":
             assert c.shape == (4, 12, 1, E) and c.dtype == torch.float32
@@ -58,7 +82,7 @@ def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(f
     with torch.no_grad():
         for s in routers:
             s.module.weight.fill_(float("nan"))
-    replayed = replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas)
+    replayed = replay_logits(model, ctrl, ids, cap.coefficients)
     assert replayed.dtype == dtype
     assert torch.equal(replayed, cap.logits)
 
@@ -105,14 +129,15 @@ def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_s
                 p.zero_()
     adapter = moe_adapter(model)
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
     nll = token_nll(cap.logits, ids)
     g = torch.Generator().manual_seed(1)
     derangement = torch.roll(torch.arange(4), 1)
     cross = [c[derangement] for c in cap.coefficients]
     shuffle = [c[:, torch.randperm(12, generator=g)] for c in cap.coefficients]
     for coeffs in (cross, shuffle):
-        assert torch.equal(token_nll(replay_logits(model, adapter.sites, ids, coeffs, cap.metas), ids), nll)
+        assert torch.equal(token_nll(replay_logits(model, ctrl, ids, coeffs), ids), nll)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -120,9 +145,10 @@ def test_replaying_other_experts_changes_the_logits(family):
     model = tiny_moe(family, experts=E, top_k=K)
     adapter = moe_adapter(model)
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
     other = [c.roll(1, dims=-1) if s.kind == "router" else c for s, c in zip(adapter.sites, cap.coefficients)]
-    replayed = replay_logits(model, adapter.sites, ids, other, cap.metas)
+    replayed = replay_logits(model, ctrl, ids, other)
     assert (replayed - cap.logits).abs().max() > 0
 
 
@@ -132,10 +158,11 @@ def test_qwen2_shared_expert_gate_is_a_scalar_site_that_matters():
     assert [s.kind for s in adapter.sites] == ["router", "shared_gate", "router", "shared_gate"]
     assert adapter.sites[1].path == "model.layers.0.mlp.shared_expert_gate" and adapter.sites[1].codec.top_k is None
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
     assert cap.coefficients[1].shape == (4, 12, 1, 1)
     changed = [c + 3.0 if s.kind == "shared_gate" else c for s, c in zip(adapter.sites, cap.coefficients)]
-    assert not torch.equal(replay_logits(model, adapter.sites, ids, changed, cap.metas), cap.logits)
+    assert not torch.equal(replay_logits(model, ctrl, ids, changed), cap.logits)
     assert [s.kind for s in moe_adapter(model, shared_gates=False).sites] == ["router", "router"]
 
 
@@ -148,10 +175,11 @@ def test_adapter_labels_and_switch_from_grouped_mm_to_eager():
     assert (adapter.static_name, adapter.reference, adapter.reference_name) == \
         ("StaticMixMean", "source_uniform_mean", "ExpertUniformMean")
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
     model.set_experts_implementation("grouped_mm")  # the sentinel is unsafe there: the codec refuses
     with pytest.raises(FcauditError, match="eager"):
-        replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas)
+        replay_logits(model, ctrl, ids, cap.coefficients)
 
 
 def _llama4():
@@ -191,8 +219,9 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
     model = tiny_moe(family, experts=E, top_k=K)
     adapter = moe_adapter(model)
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
-    correct = expert_execution(model, ids, sites=adapter.sites)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
+    correct = expert_execution(model, ids, ctrl)
     assert correct.experts_per_token.shape == (2, 4, 12) and (correct.experts_per_token == K).all()
     assert correct.summary()["active_fraction"] == pytest.approx(K / E)
     # A static dense mixture: every token gets the batch mean, with expert 0 never selected in layer 0.
@@ -204,7 +233,7 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
             if s is adapter.routers[0]:
                 m[..., 0] = 0
         static.append(m)
-    dense = expert_execution(model, ids, static, cap.metas, adapter.sites)
+    dense = expert_execution(model, ids, ctrl, static)
     assert (dense.experts_per_token[0] == E - 1).all() and (dense.experts_per_token[1] == E).all()
     per_pair = dense.dense_flops[1] // (4 * 12 * E)
     assert dense.expert_flops == [4 * 12 * (E - 1) * per_pair, 4 * 12 * E * per_pair]  # measured == counted
@@ -218,8 +247,9 @@ def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     assert model.config._experts_implementation == "eager"
     adapter = moe_adapter(model)
     ids = ids_for()
-    cap = capture(model, adapter.sites, ids)
-    assert torch.equal(replay_logits(model, adapter.sites, ids, cap.coefficients, cap.metas), cap.logits)
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
 
 
 def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_weights(tmp_path):
@@ -250,3 +280,76 @@ def test_without_transformers_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(FcauditError, match=r"pip install 'fcaudit\[hf\]'"):
         require_transformers()
+
+
+# ---- whole audits through the engine ------------------------------------------------------------------------------
+
+def _windows(n, T=12, seed=0):
+    return torch.randint(0, 256, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_assignments(family, tmp_path):
+    import fcaudit as fca
+
+    model = tiny_moe(family, experts=E, top_k=K)
+    with torch.no_grad():  # every token routed alike (and every shared gate alike)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.zero_()
+    ctrl = fca.controller_for(model)  # the family registry recognizes the routers by structure
+    assert ctrl.reference_name == "ExpertUniformMean" and ctrl.static_name == "StaticMixMean"
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=2, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    pen = res.penalties().set_index("condition")
+    for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
+        assert pen.loc[c, "mean"] == 0.0, c
+    correct = res.records[res.records.condition == "Correct"]
+    assert (correct.active == K).all() and pen.loc["StaticTopK", "active"] == K  # every token: the same K experts
+    assert res.labels["StaticProfile"] == "StaticMixMean" and res.labels["StructureRemoved"] == "ExpertUniformMean"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
+    import fcaudit as fca
+
+    model = tiny_moe("qwen3_moe", experts=E, top_k=K, dtype=dtype)
+    spread_router(model)
+    model.to(dtype)
+    res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
+                    out=tmp_path, batch_size=3, quiet=True)
+    assert res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0 and res.replay["route_flips"] == 0
+    pen = res.penalties().set_index("condition")
+    assert abs(pen.loc["CrossInput", "mean"]) > 1e-3 and abs(pen.loc["TokenShuffle", "mean"]) > 1e-3  # untrained: any sign
+    assert pen.loc["CrossInput", "active"] == K and pen.loc["StaticTopK", "active"] == K
+    assert pen.loc["StaticProfile", "active"] > K  # a dense static mixture runs every expert with a nonzero mean
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
+def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
+    """The issue's bar: 2 layers, hidden 64, 150 steps on bytes; CrossInput and TokenShuffle clearly above 0.01."""
+    import numpy as np
+
+    import fcaudit as fca
+    from fcaudit.data import load_corpus, make_windows, random_batch
+
+    corpus = load_corpus("embedded")
+    model = tiny_moe(family, experts=8, top_k=2, output_router_logits=True).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        ids = random_batch(corpus.train, 16, 64, rng)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.config.output_router_logits = False
+    model.eval()
+    ev = make_windows(corpus.test, 16, 64, 0, "test")
+    ca = make_windows(corpus.validation, 16, 64, 0, "validation")
+    res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=tmp_path, quiet=True)
+    pen = res.penalties().set_index("condition")["mean"]
+    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    assert pen["CrossInput"] > 0.01 and pen["TokenShuffle"] > 0.01

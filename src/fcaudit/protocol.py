@@ -34,7 +34,7 @@ DERANGE, SHUFFLE, RESAMPLE = 1, 2, 3
 RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
 """One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
 window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
-along the source axis (for a top-k router: experts run per token)."""
+along the source axis, over the controller's top-k routers when it has any (then: experts run per token)."""
 
 
 # ---- the transformations ---------------------------------------------------------------------------------------
@@ -130,9 +130,13 @@ REFERENCES: dict[str, Callable[[Calibration], list[torch.Tensor]]] = {
 
 def static_top_k(cal: Calibration) -> list[torch.Tensor]:
     """The top-k sources of each (layer, stream) mean vector with their mean weights, rescaled to the mean's mass
-    (a static sparse routing: k experts run per token, as under Correct)."""
+    (a static sparse routing: k experts run per token, as under Correct). Sites that are not top-k routers (e.g. a
+    shared-expert gate) get their plain static mean."""
     out = []
     for p, k in zip(cal.layer_mean(), cal.top_k):
+        if k is None:
+            out.append(p)
+            continue
         keep = torch.zeros_like(p).scatter_(-1, p.topk(min(k, p.shape[-1]), dim=-1).indices, 1.0)
         kept = p * keep
         out.append(kept * (p.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)))

@@ -257,7 +257,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
 
     `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
     """
-    from fcaudit.data import all_windows, load_corpus, make_windows, random_batch  # data is the lead's module
+    from fcaudit import families
+    from fcaudit.data import all_windows, load_corpus, make_windows, random_batch
 
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
@@ -267,9 +268,11 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         raise FcauditError(f"corpus {corpus.name!r} was passed for a config naming {cfg.corpus!r}: pass the matching corpus")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
-    window = cfg.window or model.config.block_size
-    if window > model.config.block_size:
-        raise FcauditError(f"window {window} exceeds the model's block_size {model.config.block_size}: use a shorter window")
+    family = families.for_training(cfg.model)
+    context = families.context_length(model)
+    window = cfg.window or context
+    if window > context:
+        raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
     if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
         raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
     val = make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
@@ -295,7 +298,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 group["lr"] = lr_at(step, cfg)
             ids = random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
             with _autocast(device):
-                loss = token_nll(logits_of(model(ids)), ids).mean()
+                loss = (family.train_loss(model, ids) if family.train_loss is not None
+                        else token_nll(logits_of(model(ids)), ids).mean())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

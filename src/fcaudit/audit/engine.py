@@ -64,9 +64,11 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     return list(found), logits, nll
 
 
-def active(coeffs: Coeffs) -> torch.Tensor:
-    """Per window: mean over layers of the mean number of nonzero sources per (token, stream) [B], float64."""
-    return torch.stack([(c != 0).sum(-1).double().mean((1, 2)) for c in coeffs]).mean(0)
+def active(coeffs: Coeffs, sites: list[int] | None = None) -> torch.Tensor:
+    """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
+    float64. For top-k routers (`sites` = the routers): the experts run per token."""
+    chosen = [coeffs[i] for i in sites] if sites else coeffs
+    return torch.stack([(c != 0).sum(-1).double().mean((1, 2)) for c in chosen]).mean(0)
 
 
 def route_flips(live: dict[int, torch.Tensor], cached: Coeffs) -> int:
@@ -93,6 +95,7 @@ class Engine:
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
+        self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
         self.redone: list[str] = []  # damaged files removed for recomputation
         self.console = Console(stderr=True, quiet=quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
@@ -174,7 +177,7 @@ class Engine:
         last = start + ids.shape[0] - 1
         coeffs, logits, nll = capture_batch(self.model, self.controller, ids, self.loss_fn)
         check_finite(coeffs, f"evaluation windows {start}..{last}", [s.path for s in self.controller.sites])
-        routers = [i for i, s in enumerate(self.controller.sites) if s.codec.top_k is not None]
+        routers = self.routers
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
         flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs) if routers else None
@@ -195,7 +198,7 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, start, nll, active(coeffs))
+        self._write_part("Correct", 0, start, nll, active(coeffs, self.routers))
 
     def _write_part(self, condition: str, r: int, start: int, nll: torch.Tensor, act: torch.Tensor) -> None:
         files.write_tensors(self.dir.part(condition, r, start), {"nll": nll.cpu(), "active": act.cpu()})
@@ -241,7 +244,7 @@ class Engine:
                 step()
             with self.controller.replay(coeffs):
                 _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-            pending = (u.condition, u.r, u.start, nll, active(coeffs))
+            pending = (u.condition, u.r, u.start, nll, active(coeffs, self.routers))
         if pending is not None:
             self._write_part(*pending)
             step()

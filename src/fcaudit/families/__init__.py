@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +36,7 @@ class Family:
     gates: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     ungated_mass: float | None = None
     execution: Callable[[nn.Module, torch.Tensor], dict] | None = None  # extra execution columns (MoE: experts)
-    notes: dict = field(default_factory=dict)
+    train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -79,6 +79,16 @@ def for_training(name: str) -> Family:
 
 def trainable() -> list[str]:
     return [n for f in families() for n in f.trains]
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest window a model takes (block_size, or a transformers config's max_position_embeddings)."""
+    config = getattr(model, "config", None)
+    for key in ("block_size", "max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def label(model: nn.Module) -> str:

@@ -31,25 +31,7 @@ from torch import nn
 
 from fcaudit.errors import FcauditError
 
-try:  # engine v2 (fcaudit.controllers.site.Codec); this stand-in has the same interface until it lands
-    from fcaudit.controllers.site import Codec
-except ImportError:
-    class Codec:  # type: ignore[no-redef]
-        """Site output <-> canonical coefficients [batch, token, stream, source] (engine v2 interface)."""
-
-        top_k: int | None = None
-
-        def encode(self, output, batch: int, token: int) -> torch.Tensor:
-            raise NotImplementedError
-
-        def meta(self, output) -> dict:
-            raise NotImplementedError
-
-        def decode(self, canonical: torch.Tensor, meta: dict):
-            raise NotImplementedError
-
-        def describe(self) -> str:
-            return type(self).__name__
+from fcaudit.controllers.site import Codec
 
 
 def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,9 +81,11 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
-    def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router"):
+    def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
+                 experts_path: str | None = None):
         self.num_experts, self.top_k, self.name = int(num_experts), int(top_k), name
         self._experts = experts  # the experts module this router feeds; checked to run eager
+        self.experts_path = experts_path
 
     def encode(self, output, batch: int, token: int) -> torch.Tensor:
         _require_eager(self._experts, self.name)

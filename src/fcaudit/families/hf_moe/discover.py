@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fcaudit.controllers.site import Controller, Site
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf_moe.codecs import (Codec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output)
@@ -229,8 +230,8 @@ def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite
     _probe(model, cands)
     sites = []
     for c in cands:
-        sites.append(MoeSite(c.path, c.module, TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path), "router",
-                             c.experts_path))
+        codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path)
+        sites.append(MoeSite(c.path, c.module, codec, "router", c.experts_path))
         if shared_gates:
             sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
@@ -253,13 +254,17 @@ def moe_adapter(model: nn.Module, *, shared_gates: bool = True) -> MoeAdapter:
     return MoeAdapter(sites, desc, before)
 
 
-def moe_controller(model: nn.Module, *, shared_gates: bool = True):
-    """The engine's Controller for an MoE model (engine v2: sites carry codecs)."""
-    from fcaudit.controllers import site as engine
-
+def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller:
+    """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec."""
     adapter = moe_adapter(model, shared_gates=shared_gates)
-    if "codec" not in getattr(engine.Site, "__dataclass_fields__", {}):
-        raise FcauditError("this fcaudit's engine has no codec sites yet; use fcaudit.families.hf_moe.moe_adapter(model)")
-    return engine.Controller([engine.Site(s.path, s.module, codec=s.codec) for s in adapter.sites],
-                             static_name=adapter.static_name, reference=adapter.reference,
-                             reference_name=adapter.reference_name, description=adapter.description)
+    return Controller([Site(s.path, s.module, codec=s.codec) for s in adapter.sites], static_name=adapter.static_name,
+                      reference=adapter.reference, reference_name=adapter.reference_name,
+                      description=adapter.description)
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Structural check (no forward pass): does the model hold a router next to an experts module?"""
+    try:
+        return bool(_candidates(model))
+    except FcauditError:  # an MoE block of an unsupported kind: still this family's, its adapter will say why
+        return True

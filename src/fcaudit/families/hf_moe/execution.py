@@ -15,8 +15,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fcaudit.families.hf_moe.discover import MoeSite, find_routers
-from fcaudit.families.hf_moe.fca_min import forward_logits, replaying
+from fcaudit.controllers.site import Controller
 
 
 @dataclass
@@ -50,13 +49,15 @@ def _flops_per_pair(experts: nn.Module, num_experts: int) -> int:
     return sum(2 * p[0].numel() for p in experts.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == num_experts)
 
 
-def expert_execution(model: nn.Module, ids: torch.Tensor, coefficients: Sequence[torch.Tensor] | None = None,
-                     metas: Sequence[dict] | None = None, sites: Sequence[MoeSite] | None = None) -> ExpertExecution:
-    """Experts run per token and layer, and expert FLOPs, for ids [batch, token] on the unmodified model or,
-    given `coefficients` (and their `metas`) for `sites`, with those coefficients replayed."""
-    sites = list(sites) if sites is not None else find_routers(model)
-    routers = [s for s in sites if s.kind == "router"]
-    experts = [(s.experts_path, model.get_submodule(s.experts_path), s.codec.num_experts) for s in routers]
+def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller | None = None,
+                     coefficients: Sequence[torch.Tensor] | None = None) -> ExpertExecution:
+    """Experts run per token and layer, and expert FLOPs, for ids [batch, token] on the unmodified model or, with
+    `coefficients` (canonical, one per site of `controller`), with those coefficients replayed."""
+    from fcaudit.families.hf_moe.discover import moe_controller
+
+    controller = controller or moe_controller(model)
+    routers = [s.codec for s in controller.sites if s.codec.top_k is not None]
+    experts = [(c.experts_path, model.get_submodule(c.experts_path), c.num_experts) for c in routers]
     B, T = ids.shape
     counts: dict[str, torch.Tensor] = {}
 
@@ -67,10 +68,10 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, coefficients: Sequence
         return hook
 
     handles = [m.register_forward_pre_hook(count(p, E), with_kwargs=True) for p, m, E in experts]
-    replay = replaying(sites, coefficients, metas) if coefficients is not None else contextlib.nullcontext()
+    replay = controller.replay(list(coefficients)) if coefficients is not None else contextlib.nullcontext()
     try:
-        with replay, FlopCounterMode(display=False) as counter:
-            forward_logits(model, ids)
+        with torch.inference_mode(), replay, FlopCounterMode(display=False) as counter:
+            model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -39,9 +39,9 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     require_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fcaudit.models.checkpoint import resolve_checkpoint
+    from fcaudit.hub import resolve
 
-    dir = resolve_checkpoint(path_or_id, revision)
+    dir = resolve(path_or_id, revision)
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
     try:

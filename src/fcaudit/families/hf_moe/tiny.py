@@ -54,8 +54,16 @@ def tiny_moe(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     return model.to(dtype).eval()
 
 
-def byte_mixtral_config(**overrides):
-    """The demo's byte-level Mixtral: 256-token vocabulary (ids are UTF-8 bytes), 4 layers, 8 experts, top-2."""
-    cfg = dict(hidden_size=128, layers=4, heads=4, experts=8, top_k=2, intermediate_size=256, max_positions=1024)
-    cfg.update(overrides)
-    return tiny_moe_config("mixtral", **cfg)
+# `fcaudit train --model moe --preset P`: byte-level Mixtrals (256-token vocabulary, ids are UTF-8 bytes), sized like
+# the FeatureGate presets of the same name (context, depth, width): tiny for tests, demo for `fcaudit demo`.
+BYTE_PRESETS = {
+    "tiny": dict(hidden_size=32, layers=2, heads=2, experts=4, top_k=2, intermediate_size=64, max_positions=64),
+    "demo": dict(hidden_size=96, layers=4, heads=4, experts=8, top_k=2, intermediate_size=192, max_positions=128),
+}
+
+
+def byte_mixtral_config(preset: str = "demo", **overrides):
+    """A byte-level Mixtral config of one preset (BYTE_PRESETS), with overrides."""
+    if preset not in BYTE_PRESETS:
+        raise FcauditError(f"no byte-level MoE preset {preset!r}: use one of {', '.join(BYTE_PRESETS)}")
+    return tiny_moe_config("mixtral", **{**BYTE_PRESETS[preset], **overrides})
