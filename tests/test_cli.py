@@ -51,7 +51,7 @@ def test_train_audit_summarize_report(tmp_path):
 
 
 def test_unknown_model_writes_nothing(tmp_path):
-    one_line_error(run("train", "--model", "moe", "--out", tmp_path / "x"), "unknown model")
+    one_line_error(run("train", "--model", "gpt-9", "--out", tmp_path / "x"), "unknown model")
     assert not (tmp_path / "x").exists()
 
 

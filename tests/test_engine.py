@@ -492,7 +492,8 @@ def test_summary_printed_unless_quiet(tmp_path, capsys):
     model = ToyGated()
     audit(model, gated(model), windows(4, 0), windows(2, 1), randomizations=2, out=tmp_path / "s", quiet=False)
     text = capsys.readouterr().out
-    assert "exact replay: passed=True" in text and "CrossShuffle" in text and "LayerMean" in text
+    assert "exact replay: passed=True" in text and "Cross+shuffle" in text and "LayerMean" in text
+    assert "Token-resample-past" in text and "retention LayerMean vs GlobalMean" in text
 
 
 def test_hf_style_output_and_custom_loss(tmp_path):

@@ -114,7 +114,7 @@ def _retention_rows(table: pd.DataFrame, family: str, labels: dict, level: str, 
                      "reference_label": labels.get(reference, reference), "level": level, "n": len(s),
                      "retention": float(est.statistic), "ci_low": lo, "ci_high": hi,
                      "delta_nll": float(np.mean(s)), "reference_delta_nll": float(np.mean(ref)),
-                     "note": "" if math.isfinite(est.statistic) else est.method})
+                     "note": "" if est.has_interval else est.method})
     return rows
 
 
@@ -320,7 +320,9 @@ class Summary:
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
             for r in self.retention[self.retention["family"] == fam].itertuples():
-                value = (f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else f"undefined ({r.note})")
+                value = f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else f"undefined ({r.note})"
+                if math.isfinite(r.retention) and not math.isfinite(r.ci_low):
+                    value += f" ({r.note.split('; ')[-1]})"
                 ci = f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]" if math.isfinite(r.ci_low) else ""
                 lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}; "
                              f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")

@@ -242,7 +242,8 @@ class AuditResult:
         return pd.Series({"condition": cond, "label": self.labels[cond], "retention": est.statistic,
                           "ci_low": est.confidence_interval.low, "ci_high": est.confidence_interval.high,
                           "delta_static": float(s.mean()), "delta_reference": float(r.mean()),
-                          "reference": self.labels[reference], "n": int(est.n), "note": est.method})
+                          "reference": self.labels[reference], "n": int(est.n),
+                          "note": "" if est.has_interval else est.method})
 
     def retention_lines(self) -> list[str]:
         """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined)."""
@@ -251,8 +252,10 @@ class AuditResult:
             if c not in set(self.records["condition"]):
                 continue
             r = self.retention(c)
-            if math.isfinite(r["retention"]):
+            if math.isfinite(r["ci_low"]):
                 value = f"{100 * r['retention']:.2f}% [{100 * r['ci_low']:.2f}, {100 * r['ci_high']:.2f}]"
+            elif math.isfinite(r["retention"]):
+                value = f"{100 * r['retention']:.2f}% ({r['note'].split('; ')[-1]})"
             else:
                 value = f"undefined ({r['note']})"
             lines.append(f"retention {r['label']} vs {r['reference']}: {value}; "

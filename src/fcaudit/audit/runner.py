@@ -302,20 +302,21 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
 
 
 def print_summary(result: AuditResult, console: Console | None = None) -> None:
-    """Mean ΔNLL per condition (rich table), with the replay check on top."""
+    """Mean ΔNLL per condition (rich table), with the replay check on top and retention (or why it is undefined)."""
     console = console or Console()
     rep = result.replay
     flips = "" if rep.get("route_flips") is None else f" route flips={rep['route_flips']}"
     console.print(f"exact replay: passed={rep['passed']} bit_equal={rep.get('bit_equal')} "
-                  f"max|Δlogit|={rep['max_abs_dlogit']:.3g} ΔNLL={rep['delta_nll']:.3g}{flips}")
-    table = Table(title=f"FCA penalties ({result.path})")
-    for col in ("condition", "mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", "active"):
-        table.add_column(col, justify="left" if col == "condition" else "right", no_wrap=True)
+                  f"max|Δlogit|={rep['max_abs_dlogit']:.3g} ΔNLL={rep['delta_nll']:.3g}{flips}", markup=False)
+    table = Table(title=f"FCA penalties ({result.path})" + (" [PARTIAL]" if result.partial else ""))
+    active = "experts" if rep.get("route_flips") is not None else "active"  # per token
+    table.add_column("condition", overflow="fold")
+    for col in ("mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", active):
+        table.add_column(col, justify="right", no_wrap=True)
     for _, row in result.penalties().iterrows():
-        name = row["condition"] if row["label"] == row["condition"] else f"{row['condition']} ({row['label']})"
-        table.add_row(name, f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
+        table.add_row(row["label"], f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
                       "" if not np.isfinite(row["mc_se"]) else f"{row['mc_se']:.2g}",
                       "" if not np.isfinite(row["active"]) else f"{row['active']:.3g}")
     console.print(table)
     for line in result.retention_lines():
-        console.print(line, highlight=False)
+        console.print(line, markup=False, highlight=False)

@@ -242,8 +242,8 @@ def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95,
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
-        return Estimate(point, nan, None, int(s.size), method + "; interval undefined (some resamples have a "
-                        "reference ΔNLL <= 0)", confidence, se)
+        return Estimate(point, nan, None, int(s.size), method + "; interval undefined: some resamples have a "
+                        "reference ΔNLL <= 0", confidence, se)
     return Estimate(point, ci, None, int(s.size), method, confidence, se)
 
 

@@ -19,6 +19,7 @@ def require_transformers():
         import transformers
     except ImportError:
         raise FcauditError("auditing Hugging Face MoE models needs transformers: pip install 'fcaudit[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
     major = int(transformers.__version__.split(".")[0])
     if major < MIN_TRANSFORMERS:
         raise FcauditError(f"transformers {transformers.__version__} is too old for MoE audits (needs >= "
