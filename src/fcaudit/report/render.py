@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, read_json, write_json, write_text
+from fcaudit.io import atomic_write, prepare_out, read_json, write_json, write_text
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables
 from fcaudit.stats.summary import Summary, summarize
@@ -44,6 +44,32 @@ def _is_audit(d: Path) -> bool:
     return (d / "config.json").is_file() and (d / "records").exists()
 
 
+def _load_summary(d: Path) -> Summary:
+    try:
+        return Summary.load(d)
+    except FcauditError:
+        raise
+    except Exception as e:  # not JSON, or JSON without the summary's tables
+        raise FcauditError(f"{d / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}): "
+                           f"rewrite it with `fcaudit summarize AUDIT_DIR... --out {d}`") from None
+
+
+def _read_json(f: Path) -> Any:
+    try:
+        return read_json(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FcauditError(f"{f} is not valid JSON ({type(e).__name__}): rewrite it with the fcaudit command that "
+                           "made it, or leave its directory out") from None
+
+
+def _read_csv(f: Path) -> pd.DataFrame:
+    try:
+        return pd.read_csv(f)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise FcauditError(f"{f} is not a readable CSV table ({type(e).__name__}): rewrite it with the fcaudit "
+                           "command that made it, or leave its directory out") from None
+
+
 def discover(inputs: Sequence[str | Path]) -> Found:
     found = Found()
     for inp in map(Path, inputs):
@@ -55,15 +81,15 @@ def discover(inputs: Sequence[str | Path]) -> Found:
             files = sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith("."))
         for f in files:
             if f.name == "summary.json":
-                found.summaries.append((f.parent, Summary.load(f.parent)))
+                found.summaries.append((f.parent, _load_summary(f.parent)))
             elif f.name == "config.json" and _is_audit(f.parent):
                 found.audits.append(f.parent)
             elif f.name == "metrics.json":
-                m = read_json(f)
+                m = _read_json(f)
                 if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
                     found.training.append({**m, "_path": str(f.parent)})
             elif f.name == "table1.csv":
-                t = pd.read_csv(f)
+                t = _read_csv(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
                     raise FcauditError(f"{f} lacks columns {missing}; write it with fcaudit.report.tables.training_table")
                 found.table1.append(t[list(TABLE1_COLUMNS)])
@@ -306,10 +332,10 @@ def _execution_section(doc: Doc, files: list[Path]) -> list:
     for i, f in enumerate(files):
         name = "execution" if len(files) == 1 else f"execution_{i}"
         if f.suffix == ".csv":
-            df, extra, settings = pd.read_csv(f), None, None
+            df, extra, settings = _read_csv(f), None, None
             data = json.loads(df.to_json(orient="records"))
         else:
-            data = read_json(f)
+            data = _read_json(f)
             rows = data.get("rows") if isinstance(data, dict) else data
             if not isinstance(rows, list):
                 raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
@@ -352,9 +378,9 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
 def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
     """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
     number as CSV/JSON into `out`. Returns the path of report.html."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out(out, "report")
     found = discover(inputs)
+    out.mkdir(parents=True, exist_ok=True)
     summaries = [s for _, s in found.summaries]
     if found.audits:
         summaries.append(summarize(found.audits, out / "summary"))
