@@ -173,10 +173,10 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     console = Console(highlight=False)
     console.print(execution_table(table))
     if note := noisy_note(table):
-        console.print(note)
+        console.print(note, soft_wrap=True)
     if (Path(out) / "thresholding.csv").is_file():
         console.print(thresholding_table(pd.read_csv(Path(out) / "thresholding.csv")))
-    console.print(f"every column: {Path(out) / 'execution.csv'}")
+    console.print(f"every column: {Path(out) / 'execution.csv'}", soft_wrap=True)
 
 
 @command
