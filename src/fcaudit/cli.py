@@ -196,7 +196,8 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
 
 @command
 def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output directory (rerun to resume)"),
-         quick: bool = typer.Option(False, "--quick", help="tiny models: about half a minute instead of about 8"),
+         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 8 "
+                                                             "minutes on 2 CPU cores)"),
          device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
          threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the demo's small models "
                                                          "gain little from more, and a shared machine loses much)")
