@@ -3,16 +3,33 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OUT ?= demo-out
-# CPU build from this machine's disk by default; GPU users: make demo TORCH=torch (PyPI's Linux build is CUDA).
+# torch: the pinned version; it is the CPU build where pip finds a CPU wheel (as on this project's machines).
+# Elsewhere PyPI's Linux wheel is the CUDA build: for the CPU build pass
+#   TORCH_PIP="--index-url https://download.pytorch.org/whl/cpu"
+# GPU users: make demo TORCH=torch (PyPI's default Linux build). Changing TORCH or TORCH_PIP reinstalls torch.
 TORCH ?= torch==2.13.0
+TORCH_PIP ?=
+TORCH_SPEC := $(VENV)/.torch-spec
 
-$(BIN)/fcaudit: pyproject.toml
+.PHONY: setup demo test bench FORCE
+FORCE:
+
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q '$(TORCH)'
-	$(BIN)/pip install -q -e '.[test]'
+
+# Rewritten only when the torch request changes, so that torch is reinstalled exactly then.
+$(TORCH_SPEC): FORCE | $(BIN)/python
+	@echo '$(TORCH) $(TORCH_PIP)' | cmp -s - $@ || echo '$(TORCH) $(TORCH_PIP)' > $@
+
+$(VENV)/.torch: $(TORCH_SPEC)
+	$(BIN)/pip uninstall -q -y torch
+	$(BIN)/pip install -q $(TORCH_PIP) '$(TORCH)'
 	touch $@
 
-.PHONY: setup demo test bench
+$(BIN)/fcaudit: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e '.[test,hf]'
+	touch $@
+
 setup: $(BIN)/fcaudit
 
 demo: setup

@@ -45,6 +45,7 @@ def test_report_and_execution(demo):
     assert by_model.loc[f"fixeddepth-{QUICK.fixed_depth}", "executed_blocks"] == QUICK.fixed_depth
 
 
+@pytest.mark.slow  # reruns the whole quick demo (~15 s on 2 cores)
 def test_rerun_resumes_without_recomputing(demo):
     before = (demo / "audit" / "featuregate-s0" / "records" / "CrossInput" / "r0000.parquet").stat().st_mtime_ns
     run_demo(demo, quick=True, device="cpu")

@@ -220,7 +220,7 @@ def test_report_renders(fg7, tmp_path):
             "fca_muddpythia.csv", "variance_decomposition.csv"} <= {p.name for p in out.glob("*.csv")}
     fca = pd.read_csv(out / "fca_featuregate-tiny.csv").set_index("condition")
     assert fca.loc["StaticProfile", "mean"] == pytest.approx(FG["StaticProfile"], rel=1e-9)
-    assert "fixed in advance" in md and "Execution" not in md  # no execution data given: no section
+    assert "fixed in advance" in md and "## Execution" not in md  # no execution data given: no section
     assert "LayerMean" in md and "StaticMixMean" in md and "0.001287" in md
     numbers = json.loads((out / "report.json").read_text())
     assert len(numbers["table1"]) == 3 and numbers["variance_decomposition"]["MUDDPythia"]["layer"] == 0.9

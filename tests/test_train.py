@@ -109,7 +109,10 @@ def test_uniform_matched_takes_the_measured_gate_mass(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("kw, match", [(dict(model="gpt-9"), "unknown model"), (dict(preset="huge"), "unknown preset"),
-                                       (dict(device="tpu"), "unknown device"), (dict(steps=0), "at least 1")])
+                                       (dict(device="tpu"), "unknown device"), (dict(steps=0), "--steps 0"),
+                                       (dict(lr=-1.0), "--lr -1.0"), (dict(lr=float("inf")), "--lr inf"),
+                                       (dict(model="fixeddepth"), "--depth K"),
+                                       (dict(model="uniform-matched"), "--matched-to")])
 def test_bad_config_is_refused_with_one_line(kw, match):
     with pytest.raises(FcauditError, match=match) as e:
         TrainConfig(**kw)

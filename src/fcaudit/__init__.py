@@ -1,6 +1,8 @@
 """fcaudit: Frozen-Controller Auditing of dynamic neural networks.
 
     import fcaudit as fca
+    model = fca.load("runs/fg-s0")  # a checkpoint directory or hub id
+    eval_windows, calib_windows = fca.windows("embedded", n_eval=64, n_calib=64, window=128)
     ctrl = fca.controller_for(model)  # or fca.Controller.from_modules(model, "blocks.*.gate", layout="batch token")
     result = fca.audit(model, ctrl, eval_windows, calib_windows, randomizations=20, seed=0, out="audit-dir")
     fca.summarize([result, ...])
@@ -10,15 +12,18 @@ from fcaudit.errors import FcauditError
 
 __version__ = "0.1.0"
 
-# The engine imports torch; keep `import fcaudit` cheap for the CLI's --help by importing these on first use.
+# The public API: name -> module. The one place to update when a name moves. The engine imports torch; names are
+# imported on first use so that `import fcaudit` (and the CLI's --help) stays cheap.
 _LAZY = {
+    "load": "fcaudit.api", "windows": "fcaudit.api",
     "Controller": "fcaudit.controllers", "controller_for": "fcaudit.controllers", "register": "fcaudit.controllers",
     "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
     "AuditResult": "fcaudit.audit", "plan": "fcaudit.audit",
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol",
-    "build_report": "fcaudit.report.render", "load_model": "fcaudit.models.checkpoint",
-    "load_corpus": "fcaudit.data", "audit_windows": "fcaudit.data",
+    "build_report": "fcaudit.report.render",
 }
+
+__all__ = ["FcauditError", "__version__", "audit", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -33,4 +38,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fcaudit' has no attribute {name!r}")
 
 
-__all__ = ["FcauditError", "__version__", "audit", *_LAZY]
+def __dir__() -> list[str]:
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))

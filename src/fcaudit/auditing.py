@@ -19,7 +19,7 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
     return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name
 
 
-def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int,
+def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int | None,
                      randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
                      quiet: bool = False):
@@ -33,6 +33,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
     model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
+    window = window or min(getattr(getattr(model, "config", None), "block_size", 2048), 2048)  # None: the context
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer

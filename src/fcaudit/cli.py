@@ -1,11 +1,13 @@
-"""The `fcaudit` command: train, audit, summarize, report, demo.
+"""The `fcaudit` command: train, audit, summarize, execution, report, demo.
 
-Every command turns an FcauditError into one line on stderr and exit code 2.
+Every command turns an FcauditError into one line on stderr and exit code 2, and takes --threads (torch's CPU
+threads for the command; default: torch's choice, with a one-line hint on a busy machine).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -13,17 +15,37 @@ import typer
 
 from fcaudit.errors import FcauditError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Plain help (no rich panels): it wraps long option lists instead of cutting them at 80 columns, and shows each
+# option's value as a metavar (flags show none).
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Frozen-Controller Auditing: variation, functional dependence and execution of dynamic networks.")
+
+MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth) "
+               "or mudd")
+DEVICE_HELP = "auto, cpu or cuda (auto: CUDA when visible)"
+
+
+def threads_option(default: Optional[int] = None, help: str = "torch CPU threads (default: torch's choice, one "
+                   "per core; on a busy machine fewer is often faster)"):
+    return typer.Option(default, "--threads", metavar="N", help=help)
+
+
+def _hint(line: str) -> None:
+    if sys.stderr.isatty():  # a hint for people at a terminal; logs, pipes and tests stay clean
+        typer.echo(line, err=True)
 
 
 def command(fn: Callable) -> Callable:
-    """Register a command whose FcauditError becomes one line on stderr and exit code 2."""
+    """Register a command: --threads applies to its whole run, and an FcauditError becomes one line on stderr and
+    exit code 2."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        from fcaudit.threads import using_threads
+
         try:
-            return fn(*args, **kwargs)
+            with using_threads(kwargs.get("threads"), hint=_hint):
+                return fn(*args, **kwargs)
         except FcauditError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -33,20 +55,28 @@ def command(fn: Callable) -> Callable:
 
 @command
 def train(
-    model: str = typer.Option("featuregate", help="featuregate|dense|uniform|layerstatic|uniform-fixed|uniform-matched|fixeddepth|mudd"),
-    preset: str = typer.Option("demo", help="tiny|demo|paper-76m|paper-504m (mudd: tiny|demo)"),
-    seed: int = typer.Option(0),
-    corpus: str = typer.Option("embedded", help="embedded, a local text file/directory, wikitext-103 or openwebtext"),
-    out: Path = typer.Option(..., help="run directory (rerun the same command to resume)"),
-    steps: Optional[int] = typer.Option(None, help="optimizer steps (default: the preset's)"),
-    batch_size: Optional[int] = typer.Option(None),
-    lr: Optional[float] = typer.Option(None),
-    gate_value: Optional[float] = typer.Option(None, help="constant gate for uniform-fixed / uniform-matched"),
-    matched_to: Optional[Path] = typer.Option(None, help="uniform-matched: FeatureGate run dir whose gate mass it takes"),
-    depth: Optional[int] = typer.Option(None, help="number of blocks k for fixeddepth"),
-    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    model: str = typer.Option("featuregate", metavar="NAME", help=MODELS_HELP),
+    preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd: tiny "
+                                                              "or demo)"),
+    seed: int = typer.Option(0, metavar="N", help="training seed (weights, batches)"),
+    corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
+                                                                 "wikitext-103 or openwebtext"),
+    out: Path = typer.Option(..., metavar="DIR", help="run directory (rerun the same command to resume)"),
+    steps: Optional[int] = typer.Option(None, metavar="N", help="optimizer steps (default: the preset's)"),
+    batch_size: Optional[int] = typer.Option(None, metavar="N", help="windows per step (default: the preset's)"),
+    lr: Optional[float] = typer.Option(None, metavar="LR", help="peak learning rate, > 0 (default: the preset's)"),
+    gate_value: Optional[float] = typer.Option(None, metavar="G", help="constant gate in (0, 1) for uniform-fixed "
+                                                                        "(default 0.6) or uniform-matched"),
+    matched_to: Optional[Path] = typer.Option(None, metavar="DIR", help="uniform-matched: a trained FeatureGate run "
+                                                                         "whose gate mass it takes"),
+    depth: Optional[int] = typer.Option(None, metavar="K", help="fixeddepth: number of blocks K"),
+    device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
+    threads: Optional[int] = threads_option(),
 ) -> None:
-    """Train one model; writes a checkpoint and metrics.json (Byte-PPL, gate mass)."""
+    """Train one model.
+
+    Writes a checkpoint and metrics.json (Byte-PPL and gate mass on the test split); rerun to resume.
+    """
     from fcaudit.train import TrainConfig, train as run_train
 
     overrides = {k: v for k, v in dict(steps=steps, batch_size=batch_size, lr=lr, gate_value=gate_value,
@@ -60,23 +90,31 @@ def train(
 
 @command
 def audit(
-    checkpoint: str = typer.Argument(..., help="checkpoint directory or Hugging Face hub id"),
-    corpus: str = typer.Option("embedded"),
-    out: Path = typer.Option(..., help="audit directory (rerun the same command to resume)"),
-    eval: int = typer.Option(512, "--eval", help="evaluation windows (test split)"),
-    calib: int = typer.Option(512, "--calib", help="calibration windows (validation split)"),
-    window: int = typer.Option(512, help="tokens per window"),
-    randomizations: int = typer.Option(20, help="randomizations R of each randomized condition"),
-    seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8),
-    device: str = typer.Option("auto"),
-    revision: Optional[str] = typer.Option(None, help="hub revision (e.g. 3c241c8)"),
-    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16 (default: the checkpoint's)"),
-    tolerance: float = typer.Option(0.0, help="allowed max |Δlogit| of the exact replay (0 = bit-exact)"),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="checkpoint directory or Hugging Face hub id"),
+    corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
+                                                                 "wikitext-103 or openwebtext"),
+    out: Path = typer.Option(..., metavar="DIR", help="audit directory (rerun the same command to resume)"),
+    eval: int = typer.Option(512, "--eval", metavar="N", help="evaluation windows (test split)"),
+    calib: int = typer.Option(512, "--calib", metavar="N", help="calibration windows (validation split)"),
+    window: Optional[int] = typer.Option(None, metavar="T", help="tokens per window (default: the model's context, "
+                                                                  "at most 2048)"),
+    randomizations: int = typer.Option(20, metavar="R", help="randomizations of each randomized condition"),
+    seed: int = typer.Option(0, metavar="N", help="seed of the windows and randomizations"),
+    batch_size: int = typer.Option(8, metavar="N", help="windows per forward pass"),
+    device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
+    revision: Optional[str] = typer.Option(None, metavar="REV", help="hub revision (e.g. 3c241c8)"),
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32 or bfloat16 (default: the "
+                                                                     "checkpoint's)"),
+    tolerance: float = typer.Option(0.0, metavar="X", help="allowed max |Δlogit| of the exact replay (0: bit-exact)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
+    threads: Optional[int] = threads_option(),
 ) -> None:
-    """Frozen-Controller Audit of one checkpoint."""
+    """Frozen-Controller Audit of one checkpoint (question 2).
+
+    Captures the coefficients, checks the exact replay, then replays each intervention; writes records, replay.json
+    and variation.json into --out.
+    """
     from fcaudit.auditing import audit_checkpoint
 
     audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
@@ -85,9 +123,17 @@ def audit(
 
 
 @command
-def summarize(audit_dirs: List[Path] = typer.Argument(..., help="audit directories (one per checkpoint)"),
-              out: Path = typer.Option(...)) -> None:
-    """Checkpoint-level statistics across seeds (bootstrap CIs, sign-flip tests, Holm)."""
+def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
+                                                      help="audit directories (one per checkpoint)"),
+              out: Path = typer.Option(..., metavar="DIR", help="directory for summary.json and the CSV tables"),
+              threads: Optional[int] = threads_option()) -> None:
+    """Statistics across checkpoints (training seeds).
+
+    Bootstrap CIs, exact sign-flip tests, Holm; one checkpoint falls back to window-level intervals.
+    """
+    from fcaudit.io import prepare_out
+
+    prepare_out(out, "summary")
     from fcaudit.summary import summarize as run_summary
 
     summary = run_summary(audit_dirs, out=out)
@@ -95,29 +141,53 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., help="audit directori
 
 
 @command
-def execution(checkpoints: List[str] = typer.Argument(..., help="checkpoint directories (include a Dense one for ratios)"),
-              out: Path = typer.Option(...),
-              batch_size: int = typer.Option(8),
-              window: Optional[int] = typer.Option(None, help="tokens per window (default: smallest block_size)"),
-              thresholds: List[float] = typer.Option([], "--threshold", help="post-training gate threshold (repeatable)"),
-              corpus: str = typer.Option("embedded", help="corpus for the thresholding NLL"),
-              threshold_windows: int = typer.Option(32, help="test windows for thresholding"),
-              min_run_time: float = typer.Option(1.0, help="seconds of timing per model"),
-              threads: Optional[int] = typer.Option(None, help="torch CPU threads while timing"),
-              device: str = typer.Option("auto")) -> None:
-    """Executed blocks, FLOPs, latency and throughput (question 3), and optional gate thresholding."""
+def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
+                                                      help="checkpoint directories (include a Dense one for ratios)"),
+              out: Path = typer.Option(..., metavar="DIR", help="directory for execution.csv/.json and "
+                                                                "thresholding.csv"),
+              batch_size: int = typer.Option(8, metavar="N", help="windows per timed forward pass"),
+              window: Optional[int] = typer.Option(None, metavar="T", help="tokens per window (default: the "
+                                                                           "smallest block_size)"),
+              thresholds: List[float] = typer.Option([], "--threshold", metavar="TAU",
+                                                     help="post-training gate threshold (repeatable)"),
+              corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL"),
+              threshold_windows: int = typer.Option(32, metavar="N", help="test windows for thresholding"),
+              min_run_time: float = typer.Option(1.0, metavar="SECONDS", help="seconds of timing per model"),
+              threads: Optional[int] = threads_option(help="torch CPU threads (default: torch's choice; 1 gives the "
+                                                           "steadiest latencies on a shared machine)"),
+              device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP)) -> None:
+    """Executed blocks, FLOPs, latency (question 3).
+
+    Latencies of all models are measured round-robin (median and IQR over repetitions); --threshold adds
+    post-training gate thresholding.
+    """
+    import pandas as pd
+    from rich.console import Console
+
     from fcaudit.execution import measure_execution
+    from fcaudit.execution.display import execution_table, noisy_note, thresholding_table
 
     table = measure_execution(checkpoints, out, batch_size=batch_size, window=window, device=device,
                               thresholds=thresholds, corpus=corpus, threshold_windows=threshold_windows,
                               min_run_time=min_run_time, threads=threads)
-    typer.echo(table.to_string(index=False))
+    console = Console(highlight=False)
+    console.print(execution_table(table))
+    if note := noisy_note(table):
+        console.print(note, soft_wrap=True)
+    if (Path(out) / "thresholding.csv").is_file():
+        console.print(thresholding_table(pd.read_csv(Path(out) / "thresholding.csv")))
+    console.print(f"every column: {Path(out) / 'execution.csv'}", soft_wrap=True)
 
 
 @command
-def report(inputs: List[Path] = typer.Argument(..., help="summary, audit or training directories"),
-           out: Path = typer.Option(...)) -> None:
-    """Markdown + self-contained HTML report with the paper's tables and figures."""
+def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
+                                               help="summary, audit, training or execution directories"),
+           out: Path = typer.Option(..., metavar="DIR", help="directory for report.html, report.md, figures, CSVs"),
+           threads: Optional[int] = threads_option()) -> None:
+    """Markdown and HTML report with tables and figures.
+
+    Finds what the given directories hold (summaries, audits, training runs, execution results).
+    """
     from fcaudit.report.render import build_report
 
     path = build_report(inputs, out)
@@ -125,10 +195,17 @@ def report(inputs: List[Path] = typer.Argument(..., help="summary, audit or trai
 
 
 @command
-def demo(out: Path = typer.Option(Path("demo-out"), help="output directory (rerun to resume)"),
-         quick: bool = typer.Option(False, "--quick", help="tiny models, about 2 minutes"),
-         device: str = typer.Option("auto")) -> None:
-    """The whole study end to end on the embedded corpus: train, audit, summarize, report."""
+def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output directory (rerun to resume)"),
+         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 8 "
+                                                             "minutes on 2 CPU cores)"),
+         device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
+         threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the demo's small models "
+                                                         "gain little from more, and a shared machine loses much)")
+         ) -> None:
+    """The whole study end to end on the embedded corpus.
+
+    Trains, audits, summarizes, measures execution and writes the report; rerun to resume.
+    """
     from fcaudit.demo import run_demo
 
     run_demo(out, quick=quick, device=device)

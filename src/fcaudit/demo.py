@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import read_json, write_json, write_text
+from fcaudit.io import prepare_out, read_json, write_json, write_text
 
 console = Console(stderr=True)
 
@@ -74,7 +74,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.train import TrainConfig, train
 
     plan = QUICK if quick else FULL
-    out = Path(out)
+    out = prepare_out(out, "demo")
     _check_out(out, plan)
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")

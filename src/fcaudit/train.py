@@ -27,12 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import read_json, write_json
+from fcaudit.io import prepare_out, read_json, remove_stale_temps, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.models.featuregate import PRESETS
@@ -87,6 +88,7 @@ class TrainConfig:
         for k, v in TRAIN_PRESETS.get(self.preset, TRAIN_PRESETS["demo"]).items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
+        _check_hyperparameters(self)  # before anything is read or written: a bad value never leaves a run dir
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         if self.model == "uniform-matched":
@@ -94,14 +96,40 @@ class TrainConfig:
                 self.gate_value = _measured_gate_mass(self.matched_to)
                 self.matched_to = str(Path(self.matched_to).resolve())
             elif self.gate_value is None:
-                raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or a FeatureGate run dir (matched_to)")
+                raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or "
+                                   "--matched-to RUN_DIR (a trained FeatureGate run)")
+        if self.model == "fixeddepth" and self.fixed_depth is None:
+            raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
         if self.gate_value is None:
             self.gate_value = 0.6
-        if self.steps < 1 or self.batch_size < 1 or self.eval_interval < 1:
-            raise FcauditError("steps, batch_size and eval_interval must be at least 1: pass positive values")
 
     def identity(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in _NOT_IDENTITY}
+
+
+# (field, CLI flag, smallest allowed value, is the smallest value itself allowed). None fields are left to defaults.
+_LIMITS = (("steps", "--steps", 1, True), ("batch_size", "--batch-size", 1, True), ("lr", "--lr", 0.0, False),
+           ("min_lr", "min_lr", 0.0, True), ("warmup", "warmup", 0, True), ("weight_decay", "weight_decay", 0.0, True),
+           ("grad_clip", "grad_clip", 0.0, False), ("eval_interval", "eval_interval", 1, True),
+           ("eval_windows", "eval_windows", 1, True), ("test_windows", "test_windows", 0, True),
+           ("window", "window", 2, True), ("fixed_depth", "--depth", 1, True))
+
+
+def _check_hyperparameters(cfg: "TrainConfig") -> None:
+    """Finite numbers in range, integers where counts are meant; one line naming the flag otherwise."""
+    for name, flag, low, inclusive in _LIMITS:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        counts = isinstance(low, int)
+        ok_type = isinstance(v, int) and not isinstance(v, bool) if counts else isinstance(v, (int, float))
+        if not ok_type or not math.isfinite(v) or (v < low if inclusive else v <= low):
+            want = (f"an integer >= {low}" if counts else f"a finite number {'>=' if inclusive else '>'} {low:g}")
+            raise FcauditError(f"{flag} {v!r} is out of range: pass {want}")
+    if cfg.gate_value is not None and not (isinstance(cfg.gate_value, (int, float)) and 0 < cfg.gate_value < 1):
+        raise FcauditError(f"--gate-value {cfg.gate_value!r} is out of range: pass a gate value between 0 and 1")
+    if cfg.min_lr is not None and cfg.lr is not None and cfg.min_lr > cfg.lr:
+        raise FcauditError(f"min_lr {cfg.min_lr:g} exceeds --lr {cfg.lr:g}: pass a min_lr at most the learning rate")
 
 
 @dataclass
@@ -182,7 +210,9 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: t
         mass = gate_sum / n_gate
     else:
         mass = family.ungated_mass if family is not None else None
-    return {"nll": nll, "byte_ppl": math.exp(nll), "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
+    byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # nan stays nan; exp overflows above 709
+    return {"nll": nll, "byte_ppl": byte_ppl if nll == nll else nll, "gate_mass": mass, "tokens": n_tok,
+            "windows": len(windows)}
 
 
 # ---- training state: safetensors + JSON ------------------------------------------------------------------------
@@ -241,15 +271,47 @@ def _save_final(out: Path, model: nn.Module, meta: dict) -> None:
     families.for_model(model).save(model, out, meta)
 
 
+def _has_results(out: Path) -> bool:
+    """Whether a run dir holds anything trained: a training state or a finished model."""
+    return (out / "latest.json").is_file() or (out / "metrics.json").is_file() or any((out / "ckpt").glob("step-*"))
+
+
 def _check_run_dir(out: Path, cfg: TrainConfig) -> None:
+    """Refuse a run dir holding results of another config; a config file without results (a run stopped before
+    its first checkpoint) is replaced, so the corrected command is not blocked by the failed one."""
     path = out / "train_config.json"
-    if path.is_file():
-        previous = read_json(path)
+    if path.is_file() and _has_results(out):
+        try:
+            previous = read_json(path)
+        except (ValueError, UnicodeDecodeError):
+            raise FcauditError(f"{path} is not valid JSON: delete {out} and rerun") from None
         if previous != cfg.identity():
             diff = sorted(k for k in set(previous) | set(cfg.identity()) if previous.get(k) != cfg.identity().get(k))
             raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
     else:
         write_json(path, cfg.identity())
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """What an interrupted run left half written: atomic_write temp files and unfinished training states."""
+    remove_stale_temps(out)
+    remove_stale_temps(out / "ckpt")
+    for tmp in (out / "ckpt").glob(".tmp-step-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path, created: bool) -> FcauditError:
+    """The error for a diverged run. Without any saved state the run dir is removed again (when this run created
+    it), so the corrected command starts clean; otherwise the last good state stays."""
+    if _has_results(out):
+        kept = read_json(out / "latest.json")["step"] if (out / "latest.json").is_file() else "?"
+        return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}): the last good training state "
+                            f"(step {kept}) is kept in {out}; rerun with a smaller --lr and another --out")
+    (out / "train_config.json").unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
+    return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}), before any checkpoint: "
+                        f"rerun with a smaller --lr")
 
 
 def train(cfg: TrainConfig, corpus=None) -> TrainResult:
@@ -260,7 +322,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     from fcaudit import families
     from fcaudit.data import all_windows, load_corpus, make_windows, random_batch
 
-    out = Path(cfg.out)
+    out = prepare_out(cfg.out, "training run")
     device = resolve_device(cfg.device)
     if corpus is None:
         corpus = load_corpus(cfg.corpus)
@@ -277,6 +339,9 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
     val = make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
     test = all_windows(corpus.test, window, limit=cfg.test_windows or None)
+    rng = np.random.default_rng(cfg.seed)
+    opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     _check_run_dir(out, cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -284,13 +349,14 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         m = read_json(out / "metrics.json")
         return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
 
-    rng = np.random.default_rng(cfg.seed)
-    opt = make_optimizer(model, cfg, device)
+    _remove_stale_temps(out)
     start, history = _load_state(out, model, opt, rng, device)
     model.train()
     t0, tokens_seen = time.perf_counter(), 0
+    console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not cfg.progress)
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+                        disable=not (cfg.progress and (console.is_terminal or console.is_jupyter)))
     with progress:
         task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
@@ -302,19 +368,29 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                         else token_nll(logits_of(model(ids)), ids).mean())
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
+            loss_value, grad_value = loss.item(), grad_norm.item()
+            if not math.isfinite(loss_value):
+                raise _non_finite("the training loss", loss_value, step + 1, cfg, out, created)
+            if not math.isfinite(grad_value):
+                raise _non_finite("the gradient norm", grad_value, step + 1, cfg, out, created)
             opt.step()
             tokens_seen += ids.numel()
             done = step + 1
             if done % cfg.eval_interval == 0 or done == cfg.steps:
                 v = evaluate(model, val, cfg.batch_size, device)
-                history.append({"step": done, "train_loss": loss.item(), "val_nll": v["nll"]})
+                if not math.isfinite(v["nll"]):
+                    raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
+                history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
                 _save_state(out, done, model, opt, rng, history)
-            progress.update(task, completed=done, info=f"loss {loss.item():.3f}" +
+            progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
                             (f" val {history[-1]['val_nll']:.3f}" if history else ""))
     train_seconds = time.perf_counter() - t0
 
     result = evaluate(model, test, cfg.batch_size, device)
+    if not math.isfinite(result["nll"]):
+        raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
     metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],
                "test_windows": result["windows"], "test_tokens": result["tokens"], "variant": cfg.model,
                "preset": cfg.preset, "seed": cfg.seed, "corpus": cfg.corpus, "corpus_fingerprint": corpus.fingerprint,

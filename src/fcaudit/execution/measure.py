@@ -5,7 +5,8 @@ runs, on any PyTorch model:
 
     executed_blocks   forward hooks on the block modules count the block forwards of one forward pass
     flops             torch.utils.flop_counter.FlopCounterMode: forward FLOPs per token
-    latency           torch.utils.benchmark.Timer (warm-up, blocked_autorange, inference_mode): ms per batch, tokens/s
+    latencies         wall time per forward (warm-up, inference_mode, CUDA synchronized), all models round-robin:
+                      median, IQR, min and max over repetitions, tokens/s
     measure_execution all of the above for a list of checkpoints -> execution.csv / execution.json, with ratios to
                       Dense when a Dense model of the same architecture is among the inputs
 
@@ -19,21 +20,23 @@ import fnmatch
 import functools
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from rich.console import Console
 from torch import nn
-from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, read_json, write_json
+from fcaudit.io import atomic_write, prepare_out, read_json, write_json
 from fcaudit.provenance import provenance
+from fcaudit.threads import using_threads
 
 aten = torch.ops.aten
 
@@ -138,14 +141,25 @@ def flops(model: nn.Module, ids: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Latency:
-    ms_per_batch: float  # median over blocked_autorange measurements
-    iqr_ms: float
+    """Wall time of one forward pass over `measurements` repetitions (each the mean of `forwards` calls)."""
+
+    ms_per_batch: float  # median over repetitions
+    iqr_ms: float  # interquartile range over repetitions
+    min_ms: float
+    max_ms: float
     tokens_per_s: float  # batch_size * window / median
     batch_size: int
     window: int
     device: str
     threads: int
-    measurements: int
+    measurements: int  # repetitions
+    forwards: int = 1  # forward calls per repetition
+
+    @property
+    def noisy(self) -> bool:
+        """The spread over repetitions (max - min) exceeds the median: the machine's load changed while timing,
+        so single ratios are doubtful (rerun with --threads 1 on a quieter machine)."""
+        return self.max_ms - self.min_ms > self.ms_per_batch
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -161,34 +175,67 @@ def model_vocab(model: nn.Module, default: int = 256) -> int:
     return int(getattr(getattr(model, "config", None), "vocab_size", default))
 
 
-def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, device: str | torch.device | None = None,
-            *, min_run_time: float = 1.0, warmup: int = 3, seed: int = 0) -> Latency:
-    """Median wall time of one forward pass of a [batch_size, window] batch of random token ids.
+def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
+              device: str | torch.device | None = None, *, min_run_time: float = 1.0, repetitions: int = 10,
+              warmup: int = 3, seed: int = 0) -> list[Latency]:
+    """Forward-pass wall time of each model on a [batch_size, window] batch of random token ids, measured
+    round-robin: repetition r of every model runs before repetition r + 1 of any, so a change of the machine's
+    load hits every model alike and their ratios stay fair.
 
-    torch.utils.benchmark.Timer synchronizes CUDA around each block of runs and runs with the current number of
-    torch threads; `warmup` forwards run first (allocator, kernel selection, lazy tables). The model is moved to
-    `device` (default: where its parameters are).
+    Each model gets `repetitions` timed repetitions of about min_run_time / repetitions seconds each (enough
+    forward calls to fill it, estimated after `warmup` forwards), so about `min_run_time` seconds in all; CUDA is
+    synchronized around every repetition; torch runs with its current number of threads.
     """
     if batch_size < 1:
         raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
-    window = window or model_window(model)
-    device = torch.device(device) if device is not None else model_device(model)
-    model = model.to(device).eval()
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+    if not (min_run_time > 0 and math.isfinite(min_run_time)) or repetitions < 1:
+        raise FcauditError(f"min_run_time {min_run_time} / repetitions {repetitions}: pass positive values")
+    runs = []
+    for i, model in enumerate(models):
+        dev = torch.device(device) if device is not None else model_device(model)
+        model = model.to(dev).eval()
+        w = window or model_window(model)
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model_vocab(model), (batch_size, w), generator=gen).to(dev)
+        runs.append((model, ids, dev, w))
 
-    def forward():
+    def timed(model, ids, dev, n: int) -> float:
+        """Seconds per forward, averaged over n calls."""
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         with torch.inference_mode():
-            model(ids)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                model(ids)
+            sync()
+        return (time.perf_counter() - t0) / n
 
-    for _ in range(warmup):
-        forward()
-    m = benchmark.Timer(stmt="forward()", globals={"forward": forward},
-                        num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
-    median = m.median
-    return Latency(ms_per_batch=median * 1e3, iqr_ms=m.iqr * 1e3, tokens_per_s=batch_size * window / median,
-                   batch_size=batch_size, window=window, device=str(device), threads=torch.get_num_threads(),
-                   measurements=len(m.times))
+    forwards = []
+    for model, ids, dev, _ in runs:
+        timed(model, ids, dev, warmup) if warmup else None  # allocator, kernel selection, lazy tables
+        forwards.append(max(1, math.ceil(min_run_time / repetitions / timed(model, ids, dev, 1))))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repetitions):
+        for i, (model, ids, dev, _) in enumerate(runs):
+            times[i].append(timed(model, ids, dev, forwards[i]))
+
+    out = []
+    for (model, ids, dev, w), t, n in zip(runs, times, forwards):
+        ms = np.asarray(t) * 1e3
+        q1, median, q3 = np.percentile(ms, [25, 50, 75])
+        out.append(Latency(ms_per_batch=float(median), iqr_ms=float(q3 - q1), min_ms=float(ms.min()),
+                           max_ms=float(ms.max()), tokens_per_s=batch_size * w / (median / 1e3),
+                           batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
+                           measurements=len(t), forwards=n))
+    return out
+
+
+def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, device: str | torch.device | None = None,
+            *, min_run_time: float = 1.0, warmup: int = 3, seed: int = 0, repetitions: int = 10) -> Latency:
+    """Median wall time of one forward pass of one model (see `latencies`; the model is moved to `device`,
+    default: where its parameters are)."""
+    return latencies([model], batch_size, window, device, min_run_time=min_run_time, repetitions=repetitions,
+                     warmup=warmup, seed=seed)[0]
 
 
 # ---- many checkpoints ---------------------------------------------------------------------------------------------
@@ -223,18 +270,28 @@ def _metrics(checkpoint: Path) -> dict:
     return read_json(path) if path.is_file() else {}
 
 
-def measure_checkpoint(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
-                       min_run_time: float, pattern: str | None = None) -> dict:
-    """One row of execution.csv for a loaded model (already on `device`)."""
+def static_measures(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
+                    pattern: str | None = None) -> dict:
+    """Executed blocks, parameters and FLOPs/token of a loaded model (already on `device`): what does not
+    depend on the machine's load."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
     count = executed_blocks(model, ids, pattern)
-    lat = latency(model, batch_size, window, device, min_run_time=min_run_time)
     return {"block_pattern": count.pattern, "n_blocks": count.n_blocks, "executed_blocks": count.executed,
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "flops_per_token": flops(model, ids[:1]),
-            "latency_ms": lat.ms_per_batch, "latency_iqr_ms": lat.iqr_ms, "tokens_per_s": lat.tokens_per_s,
-            "measurements": lat.measurements}
+            "n_params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops(model, ids[:1])}
+
+
+def latency_columns(lat: Latency) -> dict:
+    return {"latency_ms": lat.ms_per_batch, "latency_iqr_ms": lat.iqr_ms, "latency_min_ms": lat.min_ms,
+            "latency_max_ms": lat.max_ms, "latency_noisy": lat.noisy, "tokens_per_s": lat.tokens_per_s,
+            "measurements": lat.measurements, "forwards_per_measurement": lat.forwards}
+
+
+def measure_checkpoint(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
+                       min_run_time: float, pattern: str | None = None) -> dict:
+    """One row of execution.csv for a loaded model (already on `device`), timed on its own."""
+    row = static_measures(model, batch_size=batch_size, window=window, device=device, pattern=pattern)
+    return {**row, **latency_columns(latency(model, batch_size, window, device, min_run_time=min_run_time))}
 
 
 def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -264,6 +321,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     with one window (default: the smallest block_size among them) so their rows compare. With `thresholds`, every
     scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on up to
     `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`.
+    Latencies are measured round-robin over all models (see `latencies`): every model stays loaded until then.
     `threads` sets torch's CPU threads for the measurement (restored afterwards): on a shared machine, 1 thread
     gives far steadier CPU latencies than competing for every core.
     """
@@ -275,6 +333,15 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         raise FcauditError(f"batch size {batch_size}: pass --batch-size 1 or more")
     if threads is not None and threads < 1:
         raise FcauditError(f"threads {threads}: pass --threads 1 or more")
+    if not (isinstance(min_run_time, (int, float)) and math.isfinite(min_run_time) and min_run_time > 0):
+        raise FcauditError(f"--min-run-time {min_run_time}: pass a positive number of seconds")
+    if window is not None and window < 2:
+        raise FcauditError(f"--window {window}: pass 2 or more tokens (or leave it out for the smallest block_size)")
+    if threshold_windows < 1:
+        raise FcauditError(f"--threshold-windows {threshold_windows}: pass 1 or more test windows")
+    if not all(math.isfinite(float(t)) for t in thresholds):
+        raise FcauditError(f"--threshold {list(thresholds)}: pass finite thresholds, e.g. 0.3")
+    out = prepare_out(out, "execution results")
     dev = resolve_device(device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
@@ -284,19 +351,14 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     if too_short:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
-    saved_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with using_threads(threads) as n_threads:
         rows, sweeps = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus,
                                     threshold_windows, progress)
-    finally:
-        torch.set_num_threads(saved_threads)
     df = add_dense_ratios(pd.DataFrame(rows))
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch_size": batch_size, "window": window, "device": str(dev), "min_run_time": min_run_time,
-                "threads": threads or saved_threads, "thresholds": list(thresholds),
+                "latency": "round-robin over models, median of repetitions", "threads": n_threads,
+                "thresholds": list(thresholds),
                 "corpus": corpus if thresholds else None, "threshold_windows": threshold_windows if thresholds else None}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
     if sweeps:
@@ -312,9 +374,12 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
 
 def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus, threshold_windows,
                  progress) -> tuple[list[dict], list[pd.DataFrame]]:
+    """Load every model first (a bad checkpoint fails before anything is printed or measured), then blocks, FLOPs
+    and thresholding model by model, then the latencies of all models round-robin."""
     from fcaudit.models.checkpoint import load_model
 
-    rows, sweeps = [], []
+    loaded = [load_model(path, device=dev) for path in paths]
+    rows, sweeps, models = [], [], []
 
     @functools.cache
     def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
@@ -323,21 +388,23 @@ def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, 
         return all_windows(load_corpus(corpus).test, window, limit=threshold_windows)
 
     console = Console(stderr=True, quiet=not progress)
-    for given, path in zip(checkpoint_dirs, paths):
-        console.log(f"execution: {given}")
-        model, meta = load_model(path, device=dev)
+    for given, path, (model, meta) in zip(checkpoint_dirs, paths, loaded):
+        console.print(f"execution: {given}", highlight=False)
         metrics = _metrics(path)
         row = {"checkpoint": str(given), "model": model_label(model, meta), "architecture": _architecture(model),
                "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
-        row.update(measure_checkpoint(model, batch_size=batch_size, window=window, device=dev, min_run_time=min_run_time))
+        row.update(static_measures(model, batch_size=batch_size, window=window, device=dev))
         rows.append(row)
+        models.append(model)
         if thresholds:
             sweep = _threshold_checkpoint(model, thresholds, test_windows, batch_size)
             if sweep is not None:
                 sweeps.append(sweep.assign(checkpoint=str(given), model=row["model"]))
-        del model
+    console.print(f"latency: {len(models)} model(s) round-robin, about {min_run_time:g} s each", highlight=False)
+    for row, lat in zip(rows, latencies(models, batch_size, window, dev, min_run_time=min_run_time)):
+        row.update(latency_columns(lat))
     return rows, sweeps
 
 

@@ -62,6 +62,20 @@ class GPTConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise FcauditError(f"unknown model variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
+        # config.json is user-editable: check types and ranges here rather than fail deep inside a forward pass
+        for name, low in (("n_layer", 1), ("n_head", 1), ("d_model", 1), ("block_size", 2), ("vocab_size", 1),
+                          ("gate_hidden", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to an integer >= {low} in "
+                                   "config.json")
+        for name in ("gate_value", "norm_eps"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to a finite number in config.json")
+        if not self.norm_eps > 0:
+            raise FcauditError(f"GPTConfig norm_eps={self.norm_eps!r} is invalid: set norm_eps > 0 (e.g. 1e-5) "
+                               "in config.json")
         if self.d_model % self.n_head:
             raise FcauditError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}: change one of them")
         if not 0.0 < self.gate_value < 1.0:
@@ -95,7 +109,7 @@ def config_for(preset: str, variant: str, *, gate_value: float = 0.6, fixed_dept
     cfg = replace(PRESETS[preset], variant=variant, gate_value=gate_value)
     if variant == "fixeddepth":
         if fixed_depth is None or fixed_depth < 1:
-            raise FcauditError("fixeddepth needs a depth: pass fixed_depth k >= 1 (--fixed-depth)")
+            raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (fixed_depth, K >= 1)")
         cfg = replace(cfg, n_layer=fixed_depth)
     return cfg
 

@@ -59,6 +59,7 @@ class MUDDConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self):
+        self._check_fields()
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim == -1:
@@ -78,6 +79,30 @@ class MUDDConfig:
                                f"n_local_heads={self.n_local_heads})")
         if self.torch_dtype not in DTYPES:
             raise FcauditError(f"MUDDPythia config torch_dtype={self.torch_dtype!r}: use one of {sorted(DTYPES)}")
+
+    def _check_fields(self) -> None:
+        """Types and ranges of config.json's values, before anything is derived from them (one line each)."""
+        def bad(name: str, want: str) -> FcauditError:
+            return FcauditError(f"MUDDPythia config {name}={getattr(self, name)!r} is invalid: set {name} to {want} "
+                                "in config.json")
+
+        counts = {"block_size": 2, "vocab_size": 1, "n_layer": 2, "n_head": 1, "dim": 1}  # n_layer 1: ffn_width / 0
+        optional = {"n_local_heads": 1, "head_dim": 1, "intermediate_size": 0}  # -1: derived from the others
+        for name, low in {**counts, **optional}.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or (v < low and not (name in optional and v == -1)):
+                raise bad(name, f"an integer >= {low}" + (" (or -1)" if name in optional else ""))
+        for name, (low, high) in {"rope_base": (0.0, math.inf), "rotary_pct": (0.0, 1.0),
+                                  "norm_eps": (0.0, math.inf)}.items():
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or not (low < v <= high if name != "rotary_pct" else low <= v <= high):
+                raise bad(name, "a number in [0, 1]" if name == "rotary_pct" else "a finite number > 0")
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise bad(f.name, "true or false")
+        if not isinstance(self.dense_type, str) or not isinstance(self.torch_dtype, str):
+            raise bad("dense_type" if not isinstance(self.dense_type, str) else "torch_dtype", "a string")
 
     @property
     def rotary_ndims(self) -> int:
@@ -372,17 +397,30 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if (path / "model.safetensors").exists():
-        return load_file(str(path / "model.safetensors"))
+        try:
+            return load_file(str(path / "model.safetensors"))
+        except Exception as e:  # SafetensorError, OSError: truncated or not safetensors at all
+            raise FcauditError(f"{path / 'model.safetensors'} is corrupt or truncated ({type(e).__name__}): "
+                               "re-download or rewrite the checkpoint") from None
     for index_name, loader in (("model.safetensors.index.json", lambda f: load_file(str(f))),
                                ("pytorch_model.bin.index.json",
                                 lambda f: torch.load(f, map_location="cpu", weights_only=True))):
         if (path / index_name).exists():
-            weight_map: dict[str, str] = json.loads((path / index_name).read_text())["weight_map"]
+            try:
+                weight_map: dict[str, str] = json.loads((path / index_name).read_text())["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise FcauditError(f"{path / index_name} is not a valid weights index (no weight_map): "
+                                   "re-download the checkpoint") from None
             state = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in shards:
                 if not (path / shard).exists():
                     raise FcauditError(f"shard {shard} listed in {path / index_name} is missing: download it")
-                state.update(loader(path / shard))
+                try:  # .bin shards: never full pickle (weights_only); a shard needing more is refused
+                    state.update(loader(path / shard))
+                except Exception as e:
+                    raise FcauditError(f"shard {shard} listed in {path / index_name} is not a plain weights file "
+                                       f"({type(e).__name__}): convert it to safetensors or re-download it") from None
             stray = sorted(set(state) - set(weight_map))
             if stray:
                 raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index_name}: re-download {path}")

@@ -46,6 +46,15 @@ def _xerr(df: pd.DataFrame) -> np.ndarray:
     return np.vstack([lo, hi])
 
 
+def _padded_limits(df: pd.DataFrame, pad: float = 0.12) -> tuple[float, float]:
+    """x-limits spanning 0, the means and the interval ends, padded on both sides (a zero span gets a unit one)."""
+    values = df[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
+    values = np.append(values[np.isfinite(values)], 0.0)
+    lo, hi = float(values.min()), float(values.max())
+    span = hi - lo if hi > lo else max(abs(hi), 1e-3)
+    return lo - pad * span, hi + pad * span
+
+
 def _interval_words(level: str, confidence: float = 0.95) -> str:
     pct = f"{100 * confidence:g}%"
     return (f"{pct} CI across checkpoints" if level == "checkpoint"
@@ -60,10 +69,12 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
                              gridspec_kw={"width_ratios": [3, 1.3]})
-    for ax, df in zip(axes, (main, ref)):
+    for ax, df, ticks in zip(axes, (main, ref), (5, 3)):  # the narrow reference panel gets few ticks: no overlap
         if df.empty:
             ax.set_axis_off()
             continue
+        ax.set_xlim(*_padded_limits(df))  # room on both sides: points and caps at an extreme are never cut off
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(ticks))
         y = np.arange(len(df))
         ax.errorbar(df["mean"], y, xerr=_xerr(df), fmt="o", color="#1f77b4", ecolor="#555555", capsize=4)
         ax.set_yticks(y, df["label"])
@@ -77,10 +88,6 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
                 ax.annotate(f"{int(r.n_positive)}/{int(r.n)} > 0", (r.mean, yi), textcoords="offset points",
                             xytext=(0, 7), ha="center", fontsize=8, color="#444444")
     if not ref.empty:
-        hi = float(np.nanmax([ref["ci_high"].max(), ref["mean"].max()]))
-        lo = float(np.nanmin([ref["ci_low"].min(), ref["mean"].min(), 0.0]))
-        axes[1].set_xlim(lo, hi * 1.15 if hi > 0 else 1.0)
-        axes[1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
         axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
     axes[0].set_title("assignment and static interventions", fontsize=9)
     fig.suptitle(f"{title}: intervention penalties ({_interval_words(level, confidence)})")
@@ -139,7 +146,8 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     ax.set_ylim(-0.6, len(df) - 0.4)
     ax.axvline(100, color="#999999", lw=0.8, ls="--")
     ax.set_xlabel("retention = 1 − ΔNLL(S)/ΔNLL(R)  (%)")
-    ax.set_title("Static retention (interpret within a family only: references differ)")
+    # left-aligned and lifted above the numbers column's heading, which it would otherwise run into
+    ax.set_title("Static retention (interpret within a family only: references differ)", loc="left", pad=30)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, Path(path))
 

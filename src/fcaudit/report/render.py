@@ -21,9 +21,9 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, read_json, write_json, write_text
+from fcaudit.io import atomic_write, prepare_out, read_json, write_json, write_text
 from fcaudit.provenance import provenance
-from fcaudit.report import figures, tables
+from fcaudit.report import figures, tables, verdicts
 from fcaudit.summary import Summary, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
@@ -44,6 +44,32 @@ def _is_audit(d: Path) -> bool:
     return (d / "config.json").is_file() and (d / "records").exists()
 
 
+def _load_summary(d: Path) -> Summary:
+    try:
+        return Summary.load(d)
+    except FcauditError:
+        raise
+    except Exception as e:  # not JSON, or JSON without the summary's tables
+        raise FcauditError(f"{d / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}): "
+                           f"rewrite it with `fcaudit summarize AUDIT_DIR... --out {d}`") from None
+
+
+def _read_json(f: Path) -> Any:
+    try:
+        return read_json(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FcauditError(f"{f} is not valid JSON ({type(e).__name__}): rewrite it with the fcaudit command that "
+                           "made it, or leave its directory out") from None
+
+
+def _read_csv(f: Path) -> pd.DataFrame:
+    try:
+        return pd.read_csv(f)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise FcauditError(f"{f} is not a readable CSV table ({type(e).__name__}): rewrite it with the fcaudit "
+                           "command that made it, or leave its directory out") from None
+
+
 def discover(inputs: Sequence[str | Path]) -> Found:
     found = Found()
     for inp in map(Path, inputs):
@@ -55,15 +81,15 @@ def discover(inputs: Sequence[str | Path]) -> Found:
             files = sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith("."))
         for f in files:
             if f.name == "summary.json":
-                found.summaries.append((f.parent, Summary.load(f.parent)))
+                found.summaries.append((f.parent, _load_summary(f.parent)))
             elif f.name == "config.json" and _is_audit(f.parent):
                 found.audits.append(f.parent)
             elif f.name == "metrics.json":
-                m = read_json(f)
+                m = _read_json(f)
                 if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
                     found.training.append({**m, "_path": str(f.parent)})
             elif f.name == "table1.csv":
-                t = pd.read_csv(f)
+                t = _read_csv(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
                     raise FcauditError(f"{f} lacks columns {missing}; write it with fcaudit.report.tables.training_table")
                 found.table1.append(t[list(TABLE1_COLUMNS)])
@@ -134,6 +160,9 @@ class Doc:
     def img(self, png: Path, caption: str):
         self.blocks.append(("img", png, caption))
 
+    def ul(self, items: list[str]):
+        self.blocks.append(("ul", items))
+
     def markdown(self) -> str:
         parts = []
         for b in self.blocks:
@@ -146,6 +175,8 @@ class Doc:
                 parts.append(f"{tables.to_markdown(b[1])}\n\n*{cap}(numbers: [{b[2]}]({b[2]}))*")
             elif b[0] == "img":
                 parts.append(f"![{b[2]}]({b[1].name})\n\n*{b[2]}*")
+            elif b[0] == "ul":
+                parts.append("\n".join(f"- {item}" for item in b[1]))
         return "\n\n".join(parts) + "\n"
 
     def html(self, title: str) -> str:
@@ -159,6 +190,8 @@ class Doc:
                 cap = html.escape(b[3]) + " " if b[3] else ""
                 parts.append(f"<figure class='tbl'>{tables.to_html(b[1])}<figcaption>{cap}(numbers: "
                              f"{html.escape(b[2])})</figcaption></figure>")
+            elif b[0] == "ul":
+                parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in b[1]) + "</ul>")
             elif b[0] == "img":
                 data = base64.b64encode(b[1].read_bytes()).decode("ascii")
                 parts.append(f"<figure><img alt='{html.escape(b[2], quote=True)}' src='data:image/png;base64,{data}'>"
@@ -177,6 +210,8 @@ th,td{border:1px solid #ccc;padding:.25rem .6rem;text-align:left}th{background:#
 td{font-variant-numeric:tabular-nums}tr:nth-child(even) td{background:#fafafa}
 figure{margin:1rem 0}figure.tbl{overflow-x:auto}figure img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:.85rem;color:#555;margin-top:.3rem}code{background:#f3f3f3;padding:0 .2rem}
+span.nw{white-space:nowrap}li{margin:.15rem 0}
+@media (max-width:820px){main{padding:1rem .7rem 3rem}table{font-size:.74rem}th,td{padding:.2rem .3rem}}
 """
 
 
@@ -258,20 +293,29 @@ def _family_section(doc: Doc, s: Summary, fam: str):
     doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
 
 
-def _variation_section(doc: Doc, s_list: list[Summary]) -> dict[str, dict[str, float]]:
-    fracs, profiles = {}, []
+def _fractions(s_list: list[Summary]) -> dict[str, dict[str, float]]:
+    """Per family the variance-decomposition fractions (mean over checkpoints); families whose coefficients have
+    no variance (or no variation.json) are absent."""
+    fracs = {}
+    for s in s_list:
+        for fam in _families(s):
+            decs = [d for d in (variation_fractions(v) for v in s.groups[fam].get("variation", [])) if d]
+            if decs:
+                fracs[fam] = pd.DataFrame(decs).mean().to_dict()
+    return fracs
+
+
+def _variation_section(doc: Doc, s_list: list[Summary], fracs: dict[str, dict[str, float]]) -> None:
+    profiles = []
     for s in s_list:
         for fam in _families(s):
             g = s.groups[fam]
-            decs = [d for d in (variation_fractions(v) for v in g.get("variation", [])) if d]
-            if decs:
-                fracs[fam] = pd.DataFrame(decs).mean().to_dict()  # mean over checkpoints
             for i, v in enumerate(g.get("variation", [])):
                 prof = variation_profile(v)
                 if prof is not None:
                     profiles.append(prof.assign(family=fam, checkpoint=i))
     if not fracs and not profiles:
-        return {}
+        return
     doc.h(2, "Coefficient variation (question 1)")
     doc.p("Descriptive only: how the coefficients spread over inputs, layers and tokens. It does not say whether "
           "the frozen model uses that spread; the interventions above test that.")
@@ -294,45 +338,85 @@ def _variation_section(doc: Doc, s_list: list[Summary]) -> dict[str, dict[str, f
                       "Per-layer coefficient mean and sd across inputs and tokens (mean over checkpoints).")
         else:
             doc.p(f"Per-layer coefficient mean and sd ({len(per_layer)} rows) are in coefficient_profile.csv.")
-    return fracs
 
 
-def _execution_section(doc: Doc, files: list[Path]) -> list:
+@dataclass
+class Execution:
+    """One execution.json (or execution.csv) as the report reads it."""
+
+    source: Path
+    data: Any
+    rows: pd.DataFrame
+    settings: dict | None
+    thresholding: pd.DataFrame | None
+
+
+def _read_execution(f: Path) -> Execution:
+    if f.suffix == ".csv":
+        df = _read_csv(f)
+        return Execution(f, json.loads(df.to_json(orient="records")), df, None, None)
+    data = _read_json(f)
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
+    settings = data.get("settings") if isinstance(data, dict) else None
+    sweep = pd.DataFrame(data["thresholding"]) if isinstance(data, dict) and data.get("thresholding") else None
+    return Execution(f, data, pd.json_normalize(rows), settings, sweep)
+
+
+def _threshold_note(sweep: pd.DataFrame, settings: dict | None) -> str:
+    """What the Byte-PPL column measures, and why it is not Table 1's."""
+    plain = sweep.groupby("model", sort=False).agg(plain_nll=("plain_nll", "first"), windows=("windows", "first"))
+    per_model = ", ".join(f"{m} {np.exp(r.plain_nll):.4g}" for m, r in plain.iterrows())
+    window = (settings or {}).get("window")
+    where = (f"{int(plain['windows'].iloc[0])} test windows of {window} tokens" if window
+             else f"{int(plain['windows'].iloc[0])} test windows")
+    return ("Post-training thresholding of scalar gates: gates below the threshold are set to 0 by replay. Byte-PPL "
+            f"is measured on the first {where}; threshold 0 sets no gate to 0, so its row is the unmodified model "
+            f"(unthresholded Byte-PPL: {per_model}). It differs from Table 1's Byte-PPL, which the training run "
+            "measured on its own test windows (more of them, of the model's block size). A zeroed gate still "
+            "executes its block here, so skippable blocks are potential, not realised, savings.")
+
+
+def _execution_section(doc: Doc, executions: list[Execution]) -> list:
     """Only data that exist: each execution file's rows (and settings, thresholding sweep) as tables."""
     doc.h(2, "Execution (question 3)")
     doc.p("Measured execution (executed blocks, FLOPs, latency, throughput) as written by `fcaudit execution`; "
-          "gate values are not a compute measure, so only these measurements speak to skipped work.")
+          "gate values are not a compute measure, so only these measurements speak to skipped work. Latency is the "
+          "median over repetitions, all models measured round-robin; IQR is its interquartile range.")
     out = []
-    for i, f in enumerate(files):
-        name = "execution" if len(files) == 1 else f"execution_{i}"
-        if f.suffix == ".csv":
-            df, extra, settings = pd.read_csv(f), None, None
-            data = json.loads(df.to_json(orient="records"))
-        else:
-            data = read_json(f)
-            rows = data.get("rows") if isinstance(data, dict) else data
-            if not isinstance(rows, list):
-                raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
-            df = pd.json_normalize(rows)
-            settings = data.get("settings") if isinstance(data, dict) else None
-            extra = pd.DataFrame(data["thresholding"]) if isinstance(data, dict) and data.get("thresholding") else None
-        out.append({"source": str(f), "data": data})
-        if settings:
-            doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items() if v not in (None, [], "")) + ".")
-        doc.table(_display(_pick(df, _EXECUTION_COLUMNS)), df, name, f"From {f}; every column is in the CSV.")
-        if extra is not None:
-            doc.table(_display(_pick(extra, _THRESHOLD_COLUMNS)), extra, f"{name}_thresholding",
-                      "Post-training thresholding of scalar gates: gates below the threshold set to 0 by replay. "
-                      "A zeroed gate still executes its block here, so skippable blocks are potential, not realised, "
-                      "savings.")
+    for i, e in enumerate(executions):
+        name = "execution" if len(executions) == 1 else f"execution_{i}"
+        out.append({"source": str(e.source), "data": e.data})
+        if e.settings:
+            doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in e.settings.items() if v not in (None, [], ""))
+                  + ".")
+        noisy = "latency_noisy" in e.rows.columns and e.rows["latency_noisy"].astype(bool).any()
+        doc.table(_execution_display(e.rows), e.rows, name,
+                  f"From {e.source}; every column is in the CSV."
+                  + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
+                     "quoting its ratio." if noisy else ""))
+        if e.thresholding is not None:
+            doc.table(_display(_pick(e.thresholding, _THRESHOLD_COLUMNS)), e.thresholding, f"{name}_thresholding",
+                      _threshold_note(e.thresholding, e.settings))
     return out
 
 
 # What a reader compares (the CSV keeps every measured column).
-_EXECUTION_COLUMNS = {"model": "Model", "executed_blocks": "Executed", "n_blocks": "Blocks", "n_params": "Params",
-                      "flops_per_token": "FLOPs/token", "latency_ms": "ms/batch", "latency_vs_dense": "Latency vs Dense",
-                      "tokens_per_s": "Tokens/s", "throughput_vs_dense": "Throughput vs Dense", "byte_ppl": "Byte-PPL",
-                      "gate_mass": "Gate mass"}
+_EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "flops_per_token": "FLOPs/token",
+                      "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
+                      "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}
+
+
+def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
+    """Nine columns that fit a narrow page: blocks run as k/n, a noisy latency marked with *."""
+    df = df.copy()
+    if {"executed_blocks", "n_blocks"} <= set(df.columns):
+        df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
+    shown = _display(_pick(df, _EXECUTION_COLUMNS))
+    if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
+        shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
+    return shown
 _THRESHOLD_COLUMNS = {"model": "Model", "threshold": "Threshold", "frac_below": "Gates below",
                       "skippable_blocks": "Skippable blocks / window", "n_layers": "Blocks", "byte_ppl": "Byte-PPL",
                       "delta_nll": "ΔNLL"}
@@ -352,9 +436,9 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
 def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
     """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
     number as CSV/JSON into `out`. Returns the path of report.html."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out(out, "report")
     found = discover(inputs)
+    out.mkdir(parents=True, exist_ok=True)
     summaries = [s for _, s in found.summaries]
     if found.audits:
         summaries.append(summarize(found.audits, out / "summary"))
@@ -368,6 +452,9 @@ def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
           "(does the frozen model need each coefficient at its own input and token? — the Frozen-Controller Audit), "
           "and execution (is work actually skipped?). Each section below answers only one of them.")
     numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs]}
+    fracs = _fractions(summaries)
+    executions = [_read_execution(f) for f in found.execution]
+    numbers["verdicts"] = _verdicts_section(doc, summaries, fracs, executions)
 
     t1 = _training_section(doc, found)
     if t1 is not None:
@@ -376,18 +463,36 @@ def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
         for fam in _families(s):
             _family_section(doc, s, fam)
     numbers["summaries"] = [s.to_dict() for s in summaries]
-    fracs = _variation_section(doc, summaries)
+    _variation_section(doc, summaries, fracs)
     numbers["variance_decomposition"] = fracs
 
     pngs = _figures(doc, summaries, fracs)
-    if found.execution:
-        numbers["execution"] = _execution_section(doc, found.execution)
+    if executions:
+        numbers["execution"] = _execution_section(doc, executions)
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
           + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
     write_json(out / "report.json", numbers)
     write_text(out / "report.md", doc.markdown())
     return write_text(out / "report.html", doc.html("fcaudit report"))
+
+
+def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, executions: list[Execution]) -> list[dict]:
+    """The headline: per audited family one line for each of the three questions, with its numbers."""
+    rows = [r for e in executions for r in e.rows.to_dict(orient="records")]
+    out = []
+    for s in summaries:
+        for fam in _families(s):
+            g = s.family(fam)
+            lines = {"variation": verdicts.variation_line(g.get("variation", []), fracs.get(fam)),
+                     "functional dependence": verdicts.dependence_line(g),
+                     "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
+            if not out:
+                doc.h(2, "Verdicts: the three questions per model family")
+            doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)")
+            doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
+            out.append({"family": fam, **lines})
+    return out
 
 
 def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> list[Path]:
@@ -410,7 +515,10 @@ def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> list[Path]:
             pngs.append(png)
     if fracs:
         png = figures.variance_figure(fracs, doc.out / "fig3_variance.png")
-        doc.img(png, "Figure 3: variance decomposition of the controller coefficients per model.")
+        missing = [f"{fam} ({verdicts.variation_line(s.groups[fam].get('variation', []), None)})"
+                   for s in summaries for fam in _families(s) if fam not in fracs]
+        doc.img(png, "Figure 3: variance decomposition of the controller coefficients per model."
+                + (f" Not shown: {'; '.join(missing)}." if missing else ""))
         pngs.append(png)
     if not rets.empty:
         png = figures.retention_figure(rets, doc.out / "fig4_retention.png")

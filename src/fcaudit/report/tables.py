@@ -157,8 +157,13 @@ def to_markdown(df: pd.DataFrame) -> str:
     return "\n".join([head, align, *body])
 
 
+def _cell(v: Any) -> str:
+    """A cell that wraps only at spaces (never inside a number such as 1.5e-07 or -0.25)."""
+    return " ".join(f"<span class='nw'>{html.escape(w)}</span>" if w else "" for w in str(v).split(" "))
+
+
 def to_html(df: pd.DataFrame) -> str:
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>"
+    head = "".join(f"<th>{_cell(c)}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in r) + "</tr>"
                    for r in df.itertuples(index=False))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -1,0 +1,56 @@
+"""What `fcaudit execution` prints: the columns a reader compares, as rich tables (every column stays in the CSV)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from rich import box
+from rich.table import Table
+
+
+def _num(v, fmt: str = "{:.4g}") -> str:
+    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+
+
+def _ratio(v) -> str:
+    return _num(v, "{:.2f}x")
+
+
+def execution_table(df: pd.DataFrame) -> Table:
+    """One row per model: blocks run, FLOPs and latency (median and IQR over repetitions) vs Dense, throughput."""
+    t = Table(title="Execution (question 3)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
+    t.add_column("Model", no_wrap=True)
+    for name in ("Blocks\nrun", "FLOPs\nvs Dense", "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s",
+                 "Byte-PPL"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in df.to_dict(orient="records"):
+        noisy = bool(r.get("latency_noisy", False))
+        t.add_row(str(r["model"]), f"{r['executed_blocks']}/{r['n_blocks']}", _ratio(r.get("flops_vs_dense")),
+                  _num(r["latency_ms"], "{:.3g}") + ("*" if noisy else ""), _num(r.get("latency_iqr_ms"), "{:.2g}"),
+                  _ratio(r.get("latency_vs_dense")), _num(r["tokens_per_s"], "{:,.0f}"), _num(r.get("byte_ppl")))
+    return t
+
+
+def noisy_note(df: pd.DataFrame) -> str | None:
+    """A line naming the models whose latency spread (max - min over repetitions) exceeds the median."""
+    if "latency_noisy" not in df or not df["latency_noisy"].any():
+        return None
+    names = ", ".join(map(str, df.loc[df["latency_noisy"].astype(bool), "model"]))
+    return (f"* {names}: latency spread over repetitions (max - min) exceeds the median, the machine's load changed "
+            "while timing; rerun with --threads 1 on a quieter machine before quoting these ratios")
+
+
+def thresholding_table(df: pd.DataFrame) -> Table:
+    """Post-training thresholding: how much could be skipped at each threshold, and at what Byte-PPL."""
+    t = Table(title="Gate thresholding (potential skipping: the blocks still run)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("Model", no_wrap=True)
+    for name in ("Threshold", "Gates\nbelow", "Skippable blocks\nper window", "Byte-PPL", "ΔNLL"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in df.to_dict(orient="records"):
+        t.add_row(str(r["model"]), _num(r["threshold"], "{:g}"), _num(r["frac_below"], "{:.1%}"),
+                  f"{_num(r['skippable_blocks'], '{:.2f}')} of {r['n_layers']}", _num(r["byte_ppl"]),
+                  _num(r["delta_nll"], "{:+.4g}"))
+    return t

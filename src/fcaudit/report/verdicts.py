@@ -1,0 +1,109 @@
+"""The report's headline: per model family one line for each of the paper's three questions, with its numbers.
+
+    variation              how the coefficient variance splits into layer vs input/token terms (descriptive)
+    functional dependence  the static profile's ΔNLL and retention, the assignment interventions, the two criteria
+    execution              blocks run, FLOPs and latency vs Dense, for the family's measured checkpoint(s)
+
+Each line only restates numbers found elsewhere in the report; where a question has no data, it says which command
+provides it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fcaudit.io import read_json
+
+_INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
+
+
+def _g(x: Any) -> str:
+    """A number for a sentence: 3 significant digits."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    return f"{float(x):.3g}"
+
+
+def _pct(x: Any) -> str:
+    return "—" if x is None or not math.isfinite(float(x)) else f"{100 * float(x):.1f}%"
+
+
+def variation_line(variations: list[dict], fractions: dict[str, float] | None) -> str:
+    if not variations:
+        return "no variation.json in its audits (rerun `fcaudit audit`)"
+    if not fractions:
+        return ("none: the coefficients are the same for every input, token and layer (variance 0, nothing to "
+                "decompose)")
+    layer = fractions.get("layer", 0.0)
+    rest = sum(fractions.get(t, 0.0) for t in _INPUT_TOKEN_TERMS)
+    if rest <= 1e-12:
+        return f"across layers only: layer identity explains {_pct(layer)} of the coefficient variance"
+    return (f"layer identity explains {_pct(layer)} of the coefficient variance; input, token and their "
+            f"interactions {_pct(rest)} (balanced ANOVA, descriptive)")
+
+
+def dependence_line(fam: dict) -> str:
+    conds = fam["conditions"].set_index("condition") if len(fam["conditions"]) else pd.DataFrame()
+    rets = fam["retention"].set_index("condition") if len(fam["retention"]) else pd.DataFrame()
+    parts = []
+    assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
+    if assignment:
+        parts.append(", ".join(f"{conds.loc[c, 'label']} ΔNLL {_g(conds.loc[c, 'mean'])}" for c in assignment))
+    if "StaticProfile" in conds.index:
+        s = conds.loc["StaticProfile"]
+        text = f"{s['label']} {_g(s['mean'])} [{_g(s['ci_low'])}, {_g(s['ci_high'])}]"
+        if "StructureRemoved" in conds.index:
+            text += f" vs {conds.loc['StructureRemoved', 'label']} {_g(conds.loc['StructureRemoved', 'mean'])}"
+        if "StaticProfile" in rets.index:
+            r = rets.loc["StaticProfile"]
+            value = _pct(r["retention"]) if math.isfinite(r["retention"]) else "undefined (no gap to retain)"
+            ci = (f" [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]"
+                  if math.isfinite(r["ci_low"]) and math.isfinite(r["ci_high"]) else "")
+            text += f", retention {value}{ci}"
+        parts.append(text)
+    verdicts = {True: "met", False: "not met"}
+    crit = "; ".join(f"{c['name']}: {verdicts.get(c['met'], 'not evaluable')}" for c in fam["criteria"])
+    line = "; ".join(parts) if parts else "no intervention results"
+    return line + (f" — criteria: {crit}" if crit else "")
+
+
+def _resolved(p: Any) -> str:
+    try:
+        return str(Path(p).resolve())
+    except (TypeError, OSError):
+        return str(p)
+
+
+def audited_checkpoints(fam: dict) -> set[str]:
+    """The checkpoints the family's audits ran on (from each audit's config.json)."""
+    out = set()
+    for audit in fam.get("audits", []):
+        cfg = Path(audit) / "config.json"
+        if cfg.is_file():
+            model = read_json(cfg).get("model")
+            if isinstance(model, dict) and model.get("checkpoint"):
+                out.add(_resolved(model["checkpoint"]))
+    return out
+
+
+def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
+    mine = [r for r in rows if _resolved(r.get("checkpoint")) in checkpoints]
+    if not mine:
+        return "not measured for these checkpoints (run `fcaudit execution` on them, with a Dense one)"
+    r = mine[0]
+    skipped = r["n_blocks"] - r["executed_blocks"]
+    text = (f"{r['executed_blocks']}/{r['n_blocks']} blocks run"
+            + (" (no block skipped)" if skipped == 0 else f" ({skipped} skipped)"))
+    ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
+    ratios = [(n, v) for n, v in ratios if v is not None and math.isfinite(float(v))]
+    if ratios:
+        text += "; " + ", ".join(f"{n} {float(v):.2f}x" for n, v in ratios) + " Dense's"
+    else:
+        text += "; no Dense model of the same architecture measured for ratios"
+    if r.get("latency_noisy"):
+        text += " (latency noisy: spread over repetitions exceeds the median)"
+    return text + (f" ({len(mine)} checkpoints measured; the first shown)" if len(mine) > 1 else "")
