@@ -103,7 +103,7 @@ def test_a_directory_fcaudit_did_not_create_is_left_untouched(tmp_path):
     assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before  # nothing deleted, changed or added
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    for out, why in ((a_file, "is a file"), (a_file / "sub", "below the file")):
+    for out, why in ((a_file, "is an existing file"), (a_file / "sub", "below the file")):
         with pytest.raises(FcauditError, match=why):
             toys.run(model, toys.gated(model), out)
     assert a_file.read_text() == "x"

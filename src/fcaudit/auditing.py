@@ -24,16 +24,19 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
                      quiet: bool = False):
     """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run)."""
-    from fcaudit import data
+    from fcaudit import data, families
     from fcaudit.audit.runner import audit, plan
+    from fcaudit.io import prepare_out
     from fcaudit.controllers import controller_for
     from fcaudit.hub import resolve
     from fcaudit.models.checkpoint import load_model
 
+    if not dry_run:
+        prepare_out(out, "audit")  # before loading anything: a bad --out costs nothing
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
     model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
-    window = window or min(getattr(getattr(model, "config", None), "block_size", 2048), 2048)  # None: the context
+    window = window or min(families.context_length(model) or 2048, 2048)  # None: the model's context (at most 2048)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer

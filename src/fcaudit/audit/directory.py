@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fcaudit.audit import files
 from fcaudit.errors import FcauditError
+from fcaudit.io import prepare_out
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
@@ -78,7 +79,7 @@ class AuditDir:
     # ---- lock ------------------------------------------------------------------------------------------------------
     def lock(self) -> None:
         """Take the exclusive lock, or fail at once: two processes must never write one audit directory."""
-        self._check_writable()
+        prepare_out(self.root, "audit")
         if self.root.exists() and not self.is_ours() and not _ours_only(self.root):
             raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
                                "--out directory")
@@ -99,16 +100,6 @@ class AuditDir:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing releases the flock
             self._lock_fd = None
-
-    def _check_writable(self) -> None:
-        for parent in [self.root, *self.root.parents]:
-            if parent.exists():
-                if not parent.is_dir():
-                    what = "is a file" if parent == self.root else f"lies below the file {parent}"
-                    raise FcauditError(f"--out {self.root} {what}; pass a directory path")
-                if not os.access(parent, os.W_OK | os.X_OK):
-                    raise FcauditError(f"cannot write to {parent} (permission denied); pass a writable --out directory")
-                return
 
     # ---- configuration -------------------------------------------------------------------------------------------
     def open(self, config: dict) -> str:
