@@ -143,11 +143,26 @@ for family, make in (("featuregate", fg_ckpt), ("mudd", mudd_ckpt)):
                          field))
 
 # Audit-engine cases (src/fcaudit/audit is the lead's): only those that already pass on this branch.
+AUDIT = ["--eval", 4, "--calib", 4, "--window", 32]
 ENGINE_ROWS: list[Row] = [
     ("audit-one-eval-window", lambda t: ["audit", fg_ckpt(t), "--eval", 1, "--calib", 2, "--window", 32,
                                          "--out", t / "a"], "derangement"),
-    ("audit-zero-randomizations", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 4, "--window", 32,
-                                             "--randomizations", 0, "--out", t / "a"], "randomizations"),
+    ("audit-zero-eval-windows", lambda t: ["audit", fg_ckpt(t), "--eval", 0, "--calib", 2, "--window", 32,
+                                           "--out", t / "a"], "--eval"),
+    ("audit-zero-calib-windows", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 0, "--window", 32,
+                                            "--out", t / "a"], "--calib"),
+    ("audit-zero-randomizations", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--randomizations", 0, "--out", t / "a"],
+     "randomizations"),
+    ("audit-dry-run-negative-randomizations", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--randomizations", -1,
+                                                         "--dry-run", "--out", t / "a"], "randomizations"),
+    ("audit-zero-batch-size", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--batch-size", 0, "--out", t / "a"],
+     "batch size"),
+    ("audit-out-is-a-file", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", a_file(t)], "existing file"),
+    ("audit-out-below-a-file", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", a_file(t) / "x"], "below the file"),
+    ("audit-out-read-only", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", read_only_dir(t) / "a"],
+     "cannot write"),
+    ("audit-out-someone-elses-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", fg_ckpt(t)],
+     "not an fcaudit audit directory"),
 ]
 
 
@@ -210,3 +225,52 @@ def test_resume_removes_stale_temp_files(tmp_path):
     train(TrainConfig(**cfg))
     assert not (run / "ckpt" / ".tmp-step-000002").exists() and not (run / ".model.safetensors.abcd1234.tmp").exists()
     assert (run / "notes.tmp").read_text() == "the user's own file"
+
+
+# ---- the Python API: fcaudit.audit(...) ---------------------------------------------------------------------------
+
+def _api_case(tmp: Path, **change):
+    """Arguments of a good fca.audit call on a tiny FeatureGate, with `change` applied."""
+    import fcaudit as fca
+
+    torch.manual_seed(0)
+    model = FeatureGateGPT(config_for("tiny", "featuregate"))
+    ids = lambda n, seed: torch.randint(0, 256, (n, 16), generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    kw = dict(model=model, controller=fca.controller_for(model), eval_windows=ids(4, 0), calib_windows=ids(2, 1),
+              randomizations=1, out=tmp / "a", quiet=True)
+    kw.update({k: (v(kw) if callable(v) and k != "loss_fn" else v) for k, v in change.items()})
+    return kw
+
+
+def _nan_head(kw):
+    """NaN in the output path only (the LM head), the controller untouched."""
+    model = kw["model"]
+    with torch.no_grad():
+        model.ln_f.bias.fill_(float("nan"))
+    return model
+
+
+API_ROWS = [
+    ("negative-token-ids", dict(eval_windows=lambda kw: kw["eval_windows"] - 300), "token ids range"),
+    ("token-ids-beyond-the-vocabulary", dict(eval_windows=lambda kw: kw["eval_windows"] + 256), "token ids range"),
+    ("out-is-a-file", dict(out=lambda kw: a_file(kw["out"].parent)), "existing file"),
+    ("fractional-randomizations", dict(randomizations=2.5), "randomizations must be an integer"),
+    ("scalar-loss", dict(loss_fn=lambda out, ids: out.float().mean()), "loss_fn returned ()"),
+    ("nan-only-in-the-output-path", dict(model=_nan_head), "logits on the first evaluation batch are non-finite"),
+    ("one-evaluation-window", dict(eval_windows=lambda kw: kw["eval_windows"][:1]), "at least 2"),
+    ("not-a-controller", dict(controller="blocks.*.gate"), "must be a fcaudit.Controller"),
+    ("unknown-criteria", dict(criteria={"small": 1}), "unknown criteria keys"),
+]
+
+
+@pytest.mark.parametrize("name, change, fragment", API_ROWS, ids=[r[0] for r in API_ROWS])
+def test_bad_python_api_input_is_one_line_and_leaves_nothing(tmp_path, name, change, fragment):
+    from fcaudit.audit import audit
+    from fcaudit.errors import FcauditError
+
+    kw = _api_case(tmp_path, **change)
+    before = snapshot(tmp_path)
+    with pytest.raises(FcauditError) as err:
+        audit(**kw)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert snapshot(tmp_path) == before, "a failed audit left something behind"

@@ -25,14 +25,22 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                      quiet: bool = False):
     """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run)."""
     from fcaudit import data, families
+    from fcaudit.audit.directory import AuditDir
     from fcaudit.audit.runner import audit, plan
-    from fcaudit.io import prepare_out
     from fcaudit.controllers import controller_for
     from fcaudit.hub import resolve
     from fcaudit.models.checkpoint import load_model
 
+    # before loading anything: bad counts or a bad --out cost nothing
+    if n_eval < 2:
+        raise FcauditError(f"--eval {n_eval}: CrossInput needs a derangement of at least 2 evaluation windows")
+    if n_calib < 1:
+        raise FcauditError(f"--calib {n_calib}: static profiles need at least 1 calibration window")
+    if randomizations < 1 or batch_size < 1:
+        raise FcauditError(f"--randomizations {randomizations} / --batch-size {batch_size}: pass integers >= 1 "
+                           "(randomizations and batch size)")
     if not dry_run:
-        prepare_out(out, "audit")  # before loading anything: a bad --out costs nothing
+        AuditDir(out).check()
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
     model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)

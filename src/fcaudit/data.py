@@ -184,6 +184,8 @@ def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str)
     """n non-overlapping windows of `window` tokens at seeded random slots of one split."""
     if window < 2:
         raise FcauditError(f"window {window} is too short; next-token NLL needs at least 2 tokens")
+    if n < 1:
+        raise FcauditError(f"{n} windows asked of the {split} split; pass a positive number of windows")
     slots = len(tokens) // window
     if slots == 0:
         raise FcauditError(f"window {window} is longer than the {split} split ({len(tokens)} tokens); use a shorter --window")

@@ -76,13 +76,17 @@ class AuditDir:
     def is_ours(self) -> bool:
         return (self.root / MARKER).is_file()
 
+    def check(self) -> None:
+        """Before any work: the directory can become this audit's (new, empty, or an fcaudit audit directory)."""
+        if self.root.is_dir() and not self.is_ours() and not _ours_only(self.root):
+            raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
+                               "--out directory")
+        prepare_out(self.root, "audit")
+
     # ---- lock ------------------------------------------------------------------------------------------------------
     def lock(self) -> None:
         """Take the exclusive lock, or fail at once: two processes must never write one audit directory."""
-        prepare_out(self.root, "audit")
-        if self.root.exists() and not self.is_ours() and not _ours_only(self.root):
-            raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
-                               "--out directory")
+        self.check()
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -272,9 +272,12 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         with torch.inference_mode():
             # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
             # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-            probe, _, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn,
-                                        remember=True)
+            probe, logits, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn,
+                                             remember=True)
             check_finite(probe, "the first evaluation batch", [s.path for s in controller.sites])
+            if not torch.isfinite(logits).all():
+                raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix "
+                                   "the model or its dtype (e.g. load in float32) before auditing")
             conditions = protocol.for_controller(controller.info)
             config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=conditions,
                              randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
