@@ -165,7 +165,7 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     from rich.console import Console
 
     from fcaudit.execution import measure_execution
-    from fcaudit.execution.display import execution_table, noisy_note, thresholding_table
+    from fcaudit.execution.display import conditions_table, execution_table, noisy_note, thresholding_table
 
     table = measure_execution(checkpoints, out, batch_size=batch_size, window=window, device=device,
                               thresholds=thresholds, corpus=corpus, threshold_windows=threshold_windows,
@@ -176,6 +176,8 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
         console.print(note, soft_wrap=True)
     if (Path(out) / "thresholding.csv").is_file():
         console.print(thresholding_table(pd.read_csv(Path(out) / "thresholding.csv")))
+    if (Path(out) / "conditions.csv").is_file():
+        console.print(conditions_table(pd.read_csv(Path(out) / "conditions.csv")))
     console.print(f"every column: {Path(out) / 'execution.csv'}", soft_wrap=True)
 
 

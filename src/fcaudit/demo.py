@@ -1,8 +1,9 @@
 """`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU.
 
 1. Table 1: train Dense, Uniform, UniformFixed, UniformMatched, LayerStatic, FixedDepth-k and FeatureGate
-   (several seeds for Uniform, LayerStatic and FeatureGate) and a byte-level MUDD model.
-2. FCA: audit every FeatureGate, Uniform and LayerStatic seed and the MUDD model.
+   (several seeds for Uniform, LayerStatic and FeatureGate), a byte-level MUDD model and a byte-level Mixtral
+   (a Hugging Face transformers mixture-of-experts model).
+2. FCA: audit every FeatureGate, Uniform and LayerStatic seed, the MUDD model and the MoE model.
 3. Checkpoint-level summaries across seeds, execution measurements, and the report.
 
 Every step writes into its own directory under OUT and is skipped when already finished, so rerunning the same
@@ -31,6 +32,7 @@ class DemoPlan:
     seeds: int  # training seeds of FeatureGate, Uniform and LayerStatic
     steps: int | None  # None: the preset's default
     mudd_steps: int | None
+    moe_steps: int | None  # the byte-level Mixtral (Hugging Face transformers), preset = `preset`
     fixed_depth: int  # k of FixedDepth-k
     n_eval: int
     n_calib: int
@@ -40,19 +42,20 @@ class DemoPlan:
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.6, 0.7)  # post-training gate thresholding (execution)
 
 
-FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, fixed_depth=2,
+FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, moe_steps=240, fixed_depth=2,
                 n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
-QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, fixed_depth=1,
+QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30, fixed_depth=1,
                  n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16)
 
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
-AUDITED = MULTI_SEED + ("mudd",)
+AUDITED = MULTI_SEED + ("mudd", "moe")
 
 
 def _runs(plan: DemoPlan) -> list[tuple[str, int]]:
     """(model, seed) in training order; uniform-matched comes after the FeatureGate seeds it is matched to."""
     runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)]
-    return runs + [("dense", 0), ("uniform-fixed", 0), ("uniform-matched", 0), ("fixeddepth", 0), ("mudd", 0)]
+    return runs + [("dense", 0), ("uniform-fixed", 0), ("uniform-matched", 0), ("fixeddepth", 0), ("mudd", 0),
+                   ("moe", 0)]
 
 
 def _check_out(out: Path, plan: DemoPlan) -> None:
@@ -87,9 +90,9 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
         run_dir = out / "train" / f"{model}-s{seed}"
         console.print(f"[bold]train[/bold] {i}/{len(runs)}: {model} seed {seed}")
         mudd = model == "mudd"
+        steps = {"mudd": plan.mudd_steps, "moe": plan.moe_steps}.get(model, plan.steps)
         cfg = TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed, out=str(run_dir),
-                          device=device, steps=plan.mudd_steps if mudd else plan.steps,
-                          window=plan.window if mudd else None,
+                          device=device, steps=steps, window=plan.window if mudd else None,
                           fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
                           matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None)
         r = train(cfg, corpus=corpus)
@@ -116,7 +119,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     summary = summarize(audits, out=out / "summary")
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
     inputs = [out / "train", out / "summary", *audits]
-    ckpts = [out / "train" / f"{m}-s0" for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd")]
+    ckpts = [out / "train" / f"{m}-s0"
+             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe")]
     measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
                       thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False)
     inputs.append(out / "execution")

@@ -54,3 +54,19 @@ def thresholding_table(df: pd.DataFrame) -> Table:
                   f"{_num(r['skippable_blocks'], '{:.2f}')} of {r['n_layers']}", _num(r["byte_ppl"]),
                   _num(r["delta_nll"], "{:+.4g}"))
     return t
+
+
+def conditions_table(df: pd.DataFrame) -> Table:
+    """Routed models under Correct and each static condition: experts run, their FLOPs, latency."""
+    t = Table(title="Routed models: executed experts under the audit's conditions", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("Model", no_wrap=True)
+    t.add_column("Condition", no_wrap=True)
+    for name in ("Experts\n/token", "FLOPs of\nall experts", "ms/batch\nmedian", "vs\nCorrect"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in df.to_dict(orient="records"):
+        t.add_row(str(r["model"]), str(r["label"]), _num(r["experts_per_token"], "{:.3g}"),
+                  _num(r["active_expert_fraction"], "{:.0%}"),
+                  _num(r["latency_ms"], "{:.3g}") + ("*" if r.get("latency_noisy") else ""),
+                  _ratio(r.get("latency_vs_correct")))
+    return t

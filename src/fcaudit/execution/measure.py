@@ -168,7 +168,9 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def model_window(model: nn.Module, default: int = 128) -> int:
-    return int(getattr(getattr(model, "config", None), "block_size", default))
+    from fcaudit.families import context_length
+
+    return context_length(model) or default
 
 
 def model_vocab(model: nn.Module, default: int = 256) -> int:
@@ -259,7 +261,8 @@ def _block_size(checkpoint: Path) -> int:
     path = checkpoint / "config.json"
     if not path.is_file():
         raise FcauditError(f"{checkpoint} has no config.json: pass a checkpoint directory written by `fcaudit train`")
-    size = read_json(path).get("block_size")
+    config = read_json(path)
+    size = next((config[k] for k in ("block_size", "max_position_embeddings", "n_positions") if k in config), None)
     if not isinstance(size, int) or size < 2:
         raise FcauditError(f"{path} has no valid block_size: use the config.json written with the checkpoint")
     return size
@@ -352,14 +355,14 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
     with using_threads(threads) as n_threads:
-        rows, sweeps = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus,
-                                    threshold_windows, progress)
+        rows, sweeps, conditions = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time,
+                                                thresholds, corpus, threshold_windows, progress)
     df = add_dense_ratios(pd.DataFrame(rows))
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch_size": batch_size, "window": window, "device": str(dev), "min_run_time": min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(thresholds),
-                "corpus": corpus if thresholds else None, "threshold_windows": threshold_windows if thresholds else None}
+                "corpus": corpus, "threshold_windows": threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
     if sweeps:
         sweep_df = pd.concat(sweeps, ignore_index=True)
@@ -367,25 +370,40 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         payload["thresholding"] = sweep_df.to_dict(orient="records")
     else:  # a sweep left by an earlier run with other settings must not sit next to these results
         (out / "thresholding.csv").unlink(missing_ok=True)
+    if conditions:  # routed models: experts, expert FLOPs and latency under Correct and each static condition
+        cond_df = pd.concat(conditions, ignore_index=True)
+        atomic_write(out / "conditions.csv", lambda p: cond_df.to_csv(p, index=False))
+        payload["conditions"] = cond_df.to_dict(orient="records")
+    else:
+        (out / "conditions.csv").unlink(missing_ok=True)
     atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
     write_json(out / "execution.json", payload)
     return df
 
 
 def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus, threshold_windows,
-                 progress) -> tuple[list[dict], list[pd.DataFrame]]:
+                 progress) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
     """Load every model first (a bad checkpoint fails before anything is printed or measured), then blocks, FLOPs
     and thresholding model by model, then the latencies of all models round-robin."""
     from fcaudit.models.checkpoint import load_model
 
+    from fcaudit import families
+    from fcaudit.execution.conditions import condition_execution
+
     loaded = [load_model(path, device=dev) for path in paths]
-    rows, sweeps, models = [], [], []
+    rows, sweeps, models, conditions = [], [], [], []
 
     @functools.cache
     def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
         from fcaudit.data import all_windows, load_corpus
 
         return all_windows(load_corpus(corpus).test, window, limit=threshold_windows)
+
+    @functools.cache
+    def calib_windows() -> torch.Tensor:  # static profiles of routed models, from the validation split as in audits
+        from fcaudit.data import all_windows, load_corpus
+
+        return all_windows(load_corpus(corpus).validation, window, limit=threshold_windows)
 
     console = Console(stderr=True, quiet=not progress)
     for given, path, (model, meta) in zip(checkpoint_dirs, paths, loaded):
@@ -396,6 +414,14 @@ def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, 
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         row.update(static_measures(model, batch_size=batch_size, window=window, device=dev))
+        family = families.for_model(model)
+        if family is not None and family.execution is not None:
+            ids = torch.randint(0, model_vocab(model), (batch_size, window),
+                                generator=torch.Generator().manual_seed(0)).to(dev)
+            row.update(family.execution(model, ids))
+            conditions.append(condition_execution(model, family, calib_windows(), batch_size=batch_size,
+                                                  window=window, device=dev, min_run_time=min_run_time)
+                              .assign(checkpoint=str(given), model=row["model"]))
         rows.append(row)
         models.append(model)
         if thresholds:
@@ -405,7 +431,7 @@ def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, 
     console.print(f"latency: {len(models)} model(s) round-robin, about {min_run_time:g} s each", highlight=False)
     for row, lat in zip(rows, latencies(models, batch_size, window, dev, min_run_time=min_run_time)):
         row.update(latency_columns(lat))
-    return rows, sweeps
+    return rows, sweeps, conditions
 
 
 def _threshold_checkpoint(model: nn.Module, thresholds, windows, batch_size: int) -> pd.DataFrame | None:

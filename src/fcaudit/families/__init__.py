@@ -35,7 +35,8 @@ class Family:
     # training evaluation: (logits, gates [L, B, T] or None); gate mass of an ungated member (Dense: 1.0) or None
     gates: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     ungated_mass: float | None = None
-    execution: Callable[[nn.Module, torch.Tensor], dict] | None = None  # extra execution columns (MoE: experts)
+    # extra execution columns (MoE: experts run, expert FLOPs): (model, ids, controller=None, coefficients=None)
+    execution: Callable[..., dict] | None = None
     train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
 
 

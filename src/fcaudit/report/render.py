@@ -349,6 +349,7 @@ class Execution:
     rows: pd.DataFrame
     settings: dict | None
     thresholding: pd.DataFrame | None
+    conditions: pd.DataFrame | None = None  # routed models under Correct and each static condition
 
 
 def _read_execution(f: Path) -> Execution:
@@ -361,7 +362,8 @@ def _read_execution(f: Path) -> Execution:
         raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
     settings = data.get("settings") if isinstance(data, dict) else None
     sweep = pd.DataFrame(data["thresholding"]) if isinstance(data, dict) and data.get("thresholding") else None
-    return Execution(f, data, pd.json_normalize(rows), settings, sweep)
+    conds = pd.DataFrame(data["conditions"]) if isinstance(data, dict) and data.get("conditions") else None
+    return Execution(f, data, pd.json_normalize(rows), settings, sweep, conds)
 
 
 def _threshold_note(sweep: pd.DataFrame, settings: dict | None) -> str:
@@ -399,6 +401,11 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
         if e.thresholding is not None:
             doc.table(_display(_pick(e.thresholding, _THRESHOLD_COLUMNS)), e.thresholding, f"{name}_thresholding",
                       _threshold_note(e.thresholding, e.settings))
+        if e.conditions is not None:
+            doc.table(_display(_pick(e.conditions, _CONDITION_COLUMNS)), e.conditions, f"{name}_conditions",
+                      "Routed models (top-k routers) under Correct (the live router) and each static condition of the "
+                      "audit, replayed: experts actually run per token, their FLOPs as a share of running every "
+                      "expert, and latency. A static profile is a computational shortcut only if it stays sparse.")
     return out
 
 
@@ -417,6 +424,9 @@ def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
     if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
         shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
     return shown
+_CONDITION_COLUMNS = {"model": "Model", "label": "Condition", "experts_per_token": "Experts/token",
+                      "active_expert_fraction": "FLOPs of all experts", "expert_flops_per_token": "Expert FLOPs/token",
+                      "latency_ms": "ms/batch", "latency_vs_correct": "Latency vs Correct"}
 _THRESHOLD_COLUMNS = {"model": "Model", "threshold": "Threshold", "frac_below": "Gates below",
                       "skippable_blocks": "Skippable blocks / window", "n_layers": "Blocks", "byte_ppl": "Byte-PPL",
                       "delta_nll": "ΔNLL"}

@@ -25,6 +25,7 @@ METHOD_NAMES = {
     "uniform-matched": "Uniform-Matched",
     "fixeddepth": "FixedDepth",
     "mudd": "MUDD",
+    "moe": "MoE (Mixtral)",  # the byte-level Mixtral of `fcaudit train --model moe`
 }
 
 

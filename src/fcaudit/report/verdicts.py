@@ -60,7 +60,8 @@ def dependence_line(fam: dict) -> str:
             text += f" vs {conds.loc['StructureRemoved', 'label']} {_g(conds.loc['StructureRemoved', 'mean'])}"
         if "StaticProfile" in rets.index:
             r = rets.loc["StaticProfile"]
-            value = _pct(r["retention"]) if math.isfinite(r["retention"]) else "undefined (no gap to retain)"
+            note = r.get("note") if isinstance(r.get("note"), str) and r.get("note") else "no clear gap to retain"
+            value = _pct(r["retention"]) if math.isfinite(r["retention"]) else f"undefined ({note})"
             ci = (f" [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]"
                   if math.isfinite(r["ci_low"]) and math.isfinite(r["ci_high"]) else "")
             text += f", retention {value}{ci}"
@@ -106,4 +107,7 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
         text += "; no Dense model of the same architecture measured for ratios"
     if r.get("latency_noisy"):
         text += " (latency noisy: spread over repetitions exceeds the median)"
+    if r.get("experts_per_token") is not None and math.isfinite(float(r["experts_per_token"])):
+        text += (f"; {float(r['experts_per_token']):.3g} experts per token run, {_pct(r['active_expert_fraction'])} "
+                 "of the expert FLOPs of running all")
     return text + (f" ({len(mine)} checkpoints measured; the first shown)" if len(mine) > 1 else "")

@@ -229,11 +229,10 @@ def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95,
     nan = ConfidenceInterval(math.nan, math.nan)
     ref = _mean_estimate(r, confidence, n_resamples, seed, unit)
     if not ref.has_interval:
-        return Estimate(math.nan, nan, None, int(s.size), f"undefined: a single {unit} gives the reference ΔNLL no "
-                        "interval", confidence)
+        return Estimate(math.nan, nan, None, int(s.size), f"a single {unit} gives the reference ΔNLL no interval", confidence)
     lo, hi = ref.confidence_interval
     if not lo > 0:
-        return Estimate(math.nan, nan, None, int(s.size), f"undefined: the reference ΔNLL {r.mean():.3g} has "
+        return Estimate(math.nan, nan, None, int(s.size), f"the reference ΔNLL {r.mean():.3g} has "
                         f"{100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not clearly above 0", confidence)
     point = float(retention(s.mean(), r.mean()))
     with warnings.catch_warnings():

@@ -1,0 +1,83 @@
+"""Execution under the audit's static conditions, for models whose controller routes (top-k routers, an MoE).
+
+Question 3 of the paper finally has a model that skips work: a top-k router runs k of E experts per token. A static
+profile is only a computational shortcut if it stays sparse: StaticMixMean (the calibration mean of the combine
+vectors) runs every expert with a nonzero mean, StaticTopK keeps k. For Correct (the live router) and each static
+condition (replayed, profiles from calibration windows as in the audit) this measures the experts actually run per
+token and layer, the expert FLOPs per token against running every expert, and the latency of a forward pass.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+from torch import nn
+
+from fcaudit import protocol
+from fcaudit.controllers.site import Controller
+from fcaudit.protocol import Coeffs
+
+
+def routes(controller: Controller) -> bool:
+    return any(s.codec.top_k is not None for s in controller.sites)
+
+
+def static_coefficients(model: nn.Module, controller: Controller, calib: torch.Tensor, batch: int,
+                        batch_size: int = 8) -> dict[str, Coeffs]:
+    """The replay coefficients of every static condition for a [batch, T] input, from calibration windows [N, T]
+    (float64 sums in batch order, as the audit computes them)."""
+    sums, dtypes = None, None
+    with torch.inference_mode():
+        for ids in calib.split(batch_size):
+            with controller.capture(*ids.shape) as found:
+                model(ids)
+            part = [c.detach().to("cpu", torch.float64).sum(0) for c in found]
+            sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+            dtypes = [c.dtype for c in found]
+    info = controller.info
+    cal = protocol.Calibration(sums, calib.shape[0], info.top_k)
+    token = calib.shape[1]
+    out = {}
+    for cond in protocol.conditions(kind="static"):
+        if cond.applies(info):
+            out[cond.name] = [(p[None].expand(batch, -1, -1, -1) if p.dim() == 3
+                               else p[None, None].expand(batch, token, -1, -1)).to(dt)
+                              for p, dt in zip(cond.profile(cal, info), dtypes)]
+    return out
+
+
+class Replaying(nn.Module):
+    """`model` with its controller replaying fixed coefficients on every forward (for timing a static condition)."""
+
+    def __init__(self, model: nn.Module, controller: Controller, coeffs: Coeffs):
+        super().__init__()
+        self.model, self.controller, self.coeffs = model, controller, coeffs
+        self.config = getattr(model, "config", None)
+
+    def forward(self, ids: torch.Tensor):
+        with self.controller.replay(self.coeffs):
+            return self.model(ids)
+
+
+def condition_execution(model: nn.Module, family, calib: torch.Tensor, *, batch_size: int, window: int,
+                        device: torch.device, min_run_time: float, labels: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per condition (Correct, then each static condition): experts run per token, expert FLOPs per token
+    and their fraction of running every expert (the family's `execution` hook), and latency, timed round-robin."""
+    from fcaudit.execution.measure import latencies, latency_columns
+
+    controller = family.controller(model)
+    labels = {**protocol.default_labels(), **controller.labels, **(labels or {})}
+    ids = torch.randint(0, int(model.config.vocab_size), (batch_size, window),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    statics = static_coefficients(model, controller, calib[:, :window].to(device), batch_size, batch_size)
+    rows = [{"condition": "Correct", "label": "Correct (live)", **family.execution(model, ids, controller)}]
+    runs = [model]
+    for name, coeffs in statics.items():
+        rows.append({"condition": name, "label": labels.get(name, name),
+                     **family.execution(model, ids, controller, coeffs)})
+        runs.append(Replaying(model, controller, coeffs))
+    for row, lat in zip(rows, latencies(runs, batch_size, window, device, min_run_time=min_run_time)):
+        row.update(latency_columns(lat))
+    df = pd.DataFrame(rows)
+    df["latency_vs_correct"] = df["latency_ms"] / df["latency_ms"].iloc[0]
+    return df
