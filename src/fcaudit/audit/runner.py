@@ -22,9 +22,9 @@ from rich.table import Table
 from torch import nn
 
 from fcaudit import protocol
-from fcaudit.audit.directory import AuditDir
+from fcaudit.audit.directory import AuditDir, Locked, config_hash
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, model_device
-from fcaudit.audit.group import Group
+from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import check_finite
 from fcaudit.audit.units import Schedule
@@ -239,6 +239,17 @@ def _config(model, controller, ev, ca, ev_set, ca_set, *, conditions, randomizat
             "criteria": crit.to_dict()}
 
 
+def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> None:
+    try:
+        adir.lock()
+    except Locked as e:
+        if group.world == 1 and launched_world() > 1:  # every torchrun rank running the whole audit on its own
+            raise FcauditError(f"{e}; under torchrun pass group=fcaudit.audit.group_from_env() so the ranks share "
+                               "one audit") from None
+        raise
+    adir.open(config)
+
+
 def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
           seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
           loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
@@ -248,7 +259,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     eval_windows / calib_windows: int tensors [N, T] of token ids or `fcaudit.data.WindowSet`s.
     tolerance: 0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and
     max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the next-token NLL.
-    group: the processes sharing this audit (fcaudit.audit.group; default: this process alone).
+    group: the processes sharing this audit (default: this process alone); under torchrun pass
+    `fcaudit.audit.group_from_env(device)` and every rank runs its share of the work units.
     """
     randomizations = _check_int("randomizations", randomizations, 1)
     batch_size = _check_int("batch size", batch_size, 1)
@@ -280,10 +292,16 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
                              randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
                              loss_fn=loss_fn, criteria=criteria, model_info=model_info,
                              coeff_dtype=str(probe[0].dtype).replace("torch.", ""))
-            if group.is_main:
-                adir.lock()
+            digests = group.gather(config_hash(config))
+            if len(set(digests)) > 1:  # every rank must audit the same model, windows and settings
+                odd = next(k for k, d in enumerate(digests) if d != digests[0])
+                raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (its checkpoint, "
+                                   "windows or settings differ); give every node the same checkpoint and corpus")
             try:
-                group.run(lambda: adir.open(config), main_only=True)
+                # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
+                # process (or a refused configuration) stops every rank with the same error instead of leaving the
+                # other ranks waiting at the next barrier
+                group.run(lambda: _lock_and_open(adir, config, group), main_only=True)
                 schedule = Schedule(ev.shape[0], ca.shape[0], batch_size, randomizations, tuple(conditions))
                 Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
                        loss_fn=loss_fn, dtypes=[c.dtype for c in probe], group=group, quiet=quiet).run()
