@@ -22,8 +22,34 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
 def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int,
                      randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
-                     quiet: bool = False):
-    """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run)."""
+                     quiet: bool = False, world_size: int | None = None):
+    """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run).
+
+    Under torchrun every rank runs this with the same arguments: each loads the model on its own device (cuda:LOCAL_RANK,
+    or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is the number of
+    processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
+    from fcaudit.audit.group import Group, group_from_env, launched_rank, launched_world, rank_device
+
+    launched = launched_world()
+    if world_size is not None and world_size < 1:
+        raise FcauditError(f"--world-size must be >= 1, got {world_size}")
+    if world_size is not None and not dry_run and world_size != launched:
+        raise FcauditError(f"--world-size {world_size} but this run has {launched} process(es); launch with "
+                           f"torchrun --nproc_per_node={world_size} (or drop --world-size, which is for --dry-run)")
+    torch_device = rank_device(resolve_device(device))
+    group = Group() if dry_run else group_from_env(torch_device)
+    try:
+        return _audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=n_eval, n_calib=n_calib, window=window,
+                                 randomizations=randomizations, seed=seed, batch_size=batch_size, device=torch_device,
+                                 revision=revision, dtype=dtype, tolerance=tolerance, criteria=criteria, quiet=quiet,
+                                 group=group, dry_run=dry_run, world_size=world_size or launched,
+                                 show_plan=launched_rank() == 0)
+    finally:
+        group.close()
+
+
+def _audit_checkpoint(checkpoint, *, corpus, out, n_eval, n_calib, window, randomizations, seed, batch_size, device,
+                      revision, dtype, tolerance, criteria, quiet, group, dry_run, world_size, show_plan):
     from fcaudit import data
     from fcaudit.audit.runner import audit, plan
     from fcaudit.controllers import controller_for
@@ -32,7 +58,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
 
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
-    model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
+    model, _ = load_model(ckpt_dir, device=device, dtype=torch_dtype)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer
@@ -46,10 +72,12 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     ev, ca = data.audit_windows(corp, n_eval, n_calib, window, seed)
     controller = controller_for(model)
     if dry_run:
-        p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations)
-        print(p)
+        p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
+                 world_size=world_size)
+        if show_plan:
+            print(p)
         return p
     info = {"family": family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
             "corpus": corp.describe()}
     return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out, batch_size=batch_size,
-                 tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet)
+                 tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet, group=group)

@@ -74,14 +74,17 @@ def audit(
     dtype: Optional[str] = typer.Option(None, help="float32|bfloat16 (default: the checkpoint's)"),
     tolerance: float = typer.Option(0.0, help="allowed max |Δlogit| of the exact replay (0 = bit-exact)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
+    world_size: Optional[int] = typer.Option(None, help="--dry-run: forward passes per rank for this many processes "
+                                             "(default: torchrun's WORLD_SIZE, else 1)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
 ) -> None:
-    """Frozen-Controller Audit of one checkpoint."""
+    """Frozen-Controller Audit of one checkpoint (under torchrun: shared by the ranks, see README "Sharded audits")."""
     from fcaudit.auditing import audit_checkpoint
 
     audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
                      randomizations=randomizations, seed=seed, batch_size=batch_size, device=device,
-                     revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet)
+                     revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet,
+                     world_size=world_size)
 
 
 @command
@@ -135,4 +138,4 @@ def demo(out: Path = typer.Option(Path("demo-out"), help="output directory (reru
 
 
 def main() -> None:
-    app()
+    app(prog_name="fcaudit")
