@@ -12,16 +12,19 @@ The units' outputs are files; the group only carries barriers and the verdicts (
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from fcaudit.errors import FcauditError
 
+T = TypeVar("T")
 # A rank waits at a phase's barrier for the slowest rank (e.g. rank 0's merge, or a resume that left one rank more
 # units); torchrun tears every rank down when one dies, so the wait needs no short timeout.
-TIMEOUT = timedelta(hours=float(os.environ.get("FCAUDIT_DIST_TIMEOUT_H", "24")))
+TIMEOUT = timedelta(hours=24)
 
 
 class Group:
@@ -29,20 +32,22 @@ class Group:
 
     rank = 0
     world = 1
+    on_failure: Callable[[], None] | None = None  # called on every rank once they have agreed on an error
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def run(self, phase: Callable[[], None], main_only: bool = False) -> None:
-        """Run `phase` (on rank 0 only if `main_only`), then agree on the outcome with every rank.
+    def run(self, phase: Callable[[], T], main_only: bool = False) -> T | None:
+        """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, return its result
+        (None on the ranks that skipped it).
 
         An FcauditError on any rank becomes that error on every rank. Any other exception (a bug, out of memory) is
         re-raised with its traceback on its own rank and stops the other ranks with a one-line error naming it."""
-        error, crash = None, None
+        error, crash, result = None, None, None
         try:
             if self.is_main or not main_only:
-                phase()
+                result = phase()
         except FcauditError as e:
             error = str(e)
         except Exception as e:
@@ -57,10 +62,15 @@ class Group:
             if crash is not None:
                 raise crash from None
             raise
+        return result
 
     def agree(self, error: str | None) -> None:
-        if error is not None:
-            raise FcauditError(error)
+        """Raise the first rank's error on every rank (a barrier)."""
+        first = next((e for e in self.gather(error) if e is not None), None)
+        if first is not None:
+            if self.on_failure is not None:
+                self.on_failure()
+            raise FcauditError(first)
 
     def gather(self, obj: object) -> list:
         """`obj` of every rank, in rank order (a barrier)."""
@@ -73,8 +83,8 @@ class Group:
 class TorchGroup(Group):
     """The ranks of the initialized torch.distributed process group.
 
-    `agree` gathers every rank's error with all_gather_object (a barrier) on a gloo group, so verdicts travel on the
-    CPU even when the default group is nccl; the first failing rank's error is raised on every rank."""
+    `gather` (and so `agree`) is all_gather_object on a gloo group, so verdicts travel on the CPU even when the default
+    group is nccl."""
 
     def __init__(self, owned: bool = False):
         import torch.distributed as dist
@@ -89,11 +99,6 @@ class TorchGroup(Group):
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self._objects)
         return out
-
-    def agree(self, error: str | None) -> None:
-        first = next((e for e in self.gather(error) if e is not None), None)
-        if first is not None:
-            raise FcauditError(first)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -149,3 +154,10 @@ def group_from_env(device: torch.device | str = "cpu") -> Group:
         raise FcauditError(f"WORLD_SIZE is {launched_world()} but the process group cannot start ({e}); launch with "
                            "torchrun, or unset WORLD_SIZE to run one process") from None
     return TorchGroup(owned=True)
+
+
+def ignore_sigterm() -> None:
+    """For a launched rank about to print its one-line error and exit 2: torchrun SIGTERMs the other ranks as soon as
+    the first one exits, and that must neither cut their line nor turn their exit code 2 into -15."""
+    if launched_world() > 1 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
