@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fcaudit.audit.group import Group, group_from_env, ignore_sigterm, launched_rank, launched_world, rank_device
 from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import read_json
-
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:
@@ -28,30 +28,37 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     Under torchrun every rank runs this with the same arguments: each loads the model on its own device (cuda:LOCAL_RANK,
     or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is the number of
     processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
-    from fcaudit.audit.group import Group, group_from_env, launched_rank, launched_world, rank_device
+    from fcaudit.audit.runner import audit, plan
 
-    launched = launched_world()
-    if world_size is not None and world_size < 1:
-        raise FcauditError(f"--world-size must be >= 1, got {world_size}")
-    if world_size is not None and not dry_run and world_size != launched:
-        raise FcauditError(f"--world-size {world_size} but this run has {launched} process(es); launch with "
-                           f"torchrun --nproc_per_node={world_size} (or drop --world-size, which is for --dry-run)")
     torch_device = rank_device(resolve_device(device))
     group = Group() if dry_run else group_from_env(torch_device)
+    group.on_failure = ignore_sigterm
     try:
-        return _audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=n_eval, n_calib=n_calib, window=window,
-                                 randomizations=randomizations, seed=seed, batch_size=batch_size, device=torch_device,
-                                 revision=revision, dtype=dtype, tolerance=tolerance, criteria=criteria, quiet=quiet,
-                                 group=group, dry_run=dry_run, world_size=world_size or launched,
-                                 show_plan=launched_rank() == 0)
+        # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
+        model, controller, ev, ca, info = group.run(lambda: _load(
+            checkpoint, corpus, n_eval, n_calib, window, seed, torch_device, revision, dtype,
+            world_size=world_size, world=None if dry_run else group.world))
+        if dry_run:
+            p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
+                     world_size=world_size or launched_world())
+            if launched_rank() == 0:
+                print(p)
+            return p
+        return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out,
+                     batch_size=batch_size, tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet,
+                     group=group)
     finally:
         group.close()
 
 
-def _audit_checkpoint(checkpoint, *, corpus, out, n_eval, n_calib, window, randomizations, seed, batch_size, device,
-                      revision, dtype, tolerance, criteria, quiet, group, dry_run, world_size, show_plan):
+def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, dtype, *, world_size, world):
+    """(model, controller, eval windows, calibration windows, model info) of a checkpoint on a corpus."""
+    if world_size is not None and world_size < 1:
+        raise FcauditError(f"--world-size must be >= 1, got {world_size}")
+    if world_size is not None and world is not None and world_size != world:
+        raise FcauditError(f"--world-size {world_size} but this run has {world} process(es); launch with "
+                           f"torchrun --nproc_per_node={world_size} (or drop --world-size, which is for --dry-run)")
     from fcaudit import data
-    from fcaudit.audit.runner import audit, plan
     from fcaudit.controllers import controller_for
     from fcaudit.hub import resolve
     from fcaudit.models.checkpoint import load_model
@@ -70,14 +77,6 @@ def _audit_checkpoint(checkpoint, *, corpus, out, n_eval, n_calib, window, rando
                            "tokenizer.json in its directory")
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
     ev, ca = data.audit_windows(corp, n_eval, n_calib, window, seed)
-    controller = controller_for(model)
-    if dry_run:
-        p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
-                 world_size=world_size)
-        if show_plan:
-            print(p)
-        return p
     info = {"family": family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
             "corpus": corp.describe()}
-    return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out, batch_size=batch_size,
-                 tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet, group=group)
+    return model, controller_for(model), ev, ca, info

@@ -25,6 +25,9 @@ def command(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except FcauditError as e:
+            from fcaudit.audit.group import ignore_sigterm
+
+            ignore_sigterm()  # under torchrun: every rank prints its line and exits 2
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
 
