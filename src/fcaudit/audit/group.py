@@ -27,6 +27,14 @@ T = TypeVar("T")
 TIMEOUT = timedelta(hours=24)
 
 
+class RankError(FcauditError):
+    """The error every rank raises after a phase: the one of the first failing rank, `rank`."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
 class Group:
     """A single process: rank 0 of 1."""
 
@@ -58,7 +66,7 @@ class Group:
             error = f"rank {self.rank} failed with {type(e).__name__}: {first} (its traceback is in that rank's log)"
         try:
             self.agree(error)
-        except FcauditError:
+        except RankError:
             if crash is not None:
                 raise crash from None
             raise
@@ -66,11 +74,11 @@ class Group:
 
     def agree(self, error: str | None) -> None:
         """Raise the first rank's error on every rank (a barrier)."""
-        first = next((e for e in self.gather(error) if e is not None), None)
-        if first is not None:
+        failed = [(k, e) for k, e in enumerate(self.gather(error)) if e is not None]
+        if failed:
             if self.on_failure is not None:
                 self.on_failure()
-            raise FcauditError(first)
+            raise RankError(failed[0][1], failed[0][0])
 
     def gather(self, obj: object) -> list:
         """`obj` of every rank, in rank order (a barrier)."""
