@@ -225,3 +225,39 @@ def test_killed_rank_resumes_at_another_world_size(ckpt, tmp_path):
     r = one_process(ckpt, tmp_path / "b", "--quiet", args=KILL_ARGS)  # the same killed state, resumed by one process
     assert r.exit_code == 0, r.output
     assert_same_audit(ref, tmp_path / "b")
+
+
+# ---- the library under torchrun --------------------------------------------------------------------------------
+
+LIBRARY_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_engine import Leaky, gated, windows
+from fcaudit.audit import audit, group_from_env
+from fcaudit.errors import FcauditError
+
+group = group_from_env()
+model = Leaky()
+try:
+    audit(model, gated(model), windows(8, 0), windows(4, 1), randomizations=1, out={out!r}, batch_size=2,
+          quiet=True, group=group)
+except FcauditError as e:
+    print(json.dumps({{"rank": group.rank, "error": str(e)}}))
+finally:
+    group.close()
+"""
+
+
+@pytest.mark.slow
+def test_library_ranks_failing_at_once_leave_one_consistent_report(tmp_path):
+    """Every rank fails the exact replay check of its first batch: the error raised everywhere is rank 0's, and so
+    is the one replay.json (it used to be whichever rank wrote last)."""
+    script = tmp_path / "leak.py"
+    script.write_text(LIBRARY_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "a")))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script)], env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outcomes = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(o["rank"] for o in outcomes) == [0, 1] and len({o["error"] for o in outcomes}) == 1
+    assert "exact replay failed on windows 0..1" in outcomes[0]["error"]
+    assert json.loads((tmp_path / "a" / "replay.json").read_text())["windows"] == [0, 1]
