@@ -11,15 +11,15 @@ Usage: python benchmarks/shard_speed.py [--reps 3] [--json out.json]
 
 Measured on the 2-core development machine, shared with other jobs (1-minute load 2.6-3.5 throughout), two
 invocations of --reps 3 (2026-11-29): audit median 10.13 s (world 1) vs 7.52 s (world 2), speed-up 1.35x; and
-9.62 s vs 8.47 s, 1.14x; single interleaved pairs ranged 0.97x-1.47x. The whole command is slower at world 2 (19.5-21.2 s vs
-14.3-16.9 s). What limits it, from the per-phase table:
+9.62 s vs 8.47 s, 1.14x; single interleaved pairs ranged 0.97x-1.47x. The whole command is slower at world 2
+(19.5-21.2 s vs 14.3-16.9 s). What limits it, from the per-phase table:
 - the cores: at world 2 each process spends 4.3-6.0 s inside model.forward for half of the passes that take 5.7-7.8 s
   in one process, i.e. the two ranks share two cores that other jobs also load (load > 2), so a pass runs slower;
 - the serial parts: rank 0's merge (about 0.7-1.0 s, the other rank waits at the barrier), the probe and the
   configuration that every rank computes, and AuditResult.load; the barriers themselves cost milliseconds (the
   stage-1 and stage-2 waits are 0.01-0.2 s, as the units split evenly);
 - the command: every rank imports torch and fcaudit and torchrun adds its rendezvous and teardown (about 7 s here),
-  which a 10 s audit cannot repay; sharding pays off for audits of minutes to hours on idle cores or GPUs.
+  which a 10 s audit cannot repay; sharding is meant for audits of minutes to hours (not measured here).
 """
 
 from __future__ import annotations
