@@ -169,8 +169,8 @@ def main() -> None:
     for w in (1, 2):
         rows = [r["phases_per_rank"] for r in runs if r["world"] == w]
         for i, name in enumerate(PHASES):
-            cells = [f"{statistics.median(x[k][i][0] for x in rows):6.2f} / {statistics.median(x[k][i][1] for x in rows):5.2f}"
-                     for k in range(w)]
+            med = [[statistics.median(x[k][i][j] for x in rows) for j in (0, 1)] for k in range(w)]
+            cells = [f"{own:6.2f} / {wait:5.2f}" for own, wait in med]
             print(f"  world {w} {name:<14} " + "   ".join(f"rank {k}: {c}" for k, c in enumerate(cells)))
     loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
     print(f"1-minute load average during the runs: {min(loads):.2f} .. {max(loads):.2f}")

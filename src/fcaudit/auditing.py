@@ -25,9 +25,10 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                      quiet: bool = False, world_size: int | None = None):
     """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run).
 
-    Under torchrun every rank runs this with the same arguments: each loads the model on its own device (cuda:LOCAL_RANK,
-    or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is the number of
-    processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
+    Under torchrun every rank runs this with the same arguments: each loads the model on its own device
+    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is
+    the number of processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run
+    checks it."""
     from fcaudit.audit.runner import audit, plan
 
     torch_device = rank_device(resolve_device(device))
