@@ -104,6 +104,18 @@ def test_two_ranks_equal_one_process(ckpt, reference, tmp_path):
     assert share < sched.forward_passes() and f"{share}/{share}" in r.stderr, r.stderr[-2000:]
 
 
+def test_dry_run_prints_the_split(ckpt, tmp_path):
+    r = one_process(ckpt, tmp_path / "a", "--dry-run", "--world-size", 3)
+    assert r.exit_code == 0, r.output
+    per_rank = json.loads(re.search(r"3 processes: forward passes per rank (\[[\d, ]+\])", r.output).group(1))
+    total = int(re.search(r"(\d+) forward passes", r.output).group(1))
+    assert len(per_rank) == 3 and sum(per_rank) == total and max(per_rank) - min(per_rank) <= 2
+    assert not (tmp_path / "a").exists()
+    r = one_process(ckpt, tmp_path / "a", "--world-size", 3)  # a real run of one process
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+    assert r.output.startswith("error: --world-size 3 but this run has 1 process")
+
+
 @pytest.mark.slow
 def test_three_ranks_equal_one_process(ckpt, reference, tmp_path):
     r = torchrun(3, ckpt, tmp_path / "a", "--quiet")
