@@ -251,8 +251,7 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> None:
 
 
 def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, randomizations, seed,
-             batch_size, tolerance, loss_fn, criteria, model_info, out, world) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                     list, dict]:
+             batch_size, tolerance, loss_fn, criteria, model_info, out, world) -> tuple:
     """Check the inputs, probe the first batch and fix the configuration: (eval ids, calib ids, probe, config)."""
     if out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
