@@ -9,7 +9,7 @@ are checked equal byte for byte.
 
 Usage: python benchmarks/shard_speed.py [--reps 3] [--json out.json]
 
-Measured on the 2-core development machine, shared with other jobs (1-minute load 2.6-3.5 throughout), two
+Measured on the 2-core development machine, shared with other jobs (1-minute load 3.0-3.5 throughout), two
 invocations of --reps 3 (2026-11-29): audit median 10.13 s (world 1) vs 7.52 s (world 2), speed-up 1.35x; and
 9.62 s vs 8.47 s, 1.14x; single interleaved pairs ranged 0.97x-1.47x. The whole command is slower at world 2
 (19.5-21.2 s vs 14.3-16.9 s). What limits it, from the per-phase table:
