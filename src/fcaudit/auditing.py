@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fcaudit.audit.group import Group, group_from_env, ignore_sigterm, launched_rank, launched_world, rank_device
 from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import read_json
-
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:
@@ -22,16 +22,47 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
 def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int | None,
                      randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
-                     quiet: bool = False):
-    """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run)."""
+                     quiet: bool = False, world_size: int | None = None):
+    """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run).
+
+    Under torchrun every rank runs this with the same arguments: each loads the model on its own device
+    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is
+    the number of processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run
+    checks it. `window` None: the model's context, at most 2048 tokens."""
+    from fcaudit.audit.runner import audit, plan
+
+    torch_device = rank_device(resolve_device(device))
+    group = Group() if dry_run else group_from_env(torch_device)
+    group.on_failure = ignore_sigterm
+    try:
+        # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
+        model, controller, ev, ca, info = group.run(lambda: _load(
+            checkpoint, corpus, n_eval, n_calib, window, seed, torch_device, revision, dtype,
+            world_size=world_size, world=None if dry_run else group.world, out=None if dry_run else out,
+            randomizations=randomizations, batch_size=batch_size))
+        if dry_run:
+            p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
+                     world_size=world_size or launched_world())
+            if launched_rank() == 0:
+                print(p)
+            return p
+        return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out,
+                     batch_size=batch_size, tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet,
+                     group=group)
+    finally:
+        group.close()
+
+
+def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, dtype, *, world_size, world, out,
+          randomizations, batch_size):
+    """(model, controller, eval windows, calibration windows, model info) of a checkpoint on a corpus; bad counts or
+    a bad --out fail before anything is loaded."""
     from fcaudit import data, families
     from fcaudit.audit.directory import AuditDir
-    from fcaudit.audit.runner import audit, plan
     from fcaudit.controllers import controller_for
     from fcaudit.hub import resolve
     from fcaudit.models.checkpoint import load_model
 
-    # before loading anything: bad counts or a bad --out cost nothing
     if n_eval < 2:
         raise FcauditError(f"--eval {n_eval}: CrossInput needs a derangement of at least 2 evaluation windows")
     if n_calib < 1:
@@ -39,12 +70,17 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     if randomizations < 1 or batch_size < 1:
         raise FcauditError(f"--randomizations {randomizations} / --batch-size {batch_size}: pass integers >= 1 "
                            "(randomizations and batch size)")
-    if not dry_run:
+    if out is not None:
         AuditDir(out).check()
+    if world_size is not None and world_size < 1:
+        raise FcauditError(f"--world-size must be >= 1, got {world_size}")
+    if world_size is not None and world is not None and world_size != world:
+        raise FcauditError(f"--world-size {world_size} but this run has {world} process(es); launch with "
+                           f"torchrun --nproc_per_node={world_size} (or drop --world-size, which is for --dry-run)")
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
-    model, _ = load_model(ckpt_dir, device=resolve_device(device), dtype=torch_dtype)
-    window = window or min(families.context_length(model) or 2048, 2048)  # None: the model's context (at most 2048)
+    model, _ = load_model(ckpt_dir, device=device, dtype=torch_dtype)
+    window = window or min(families.context_length(model) or 2048, 2048)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer
@@ -56,12 +92,6 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                            "tokenizer.json in its directory")
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
     ev, ca = data.audit_windows(corp, n_eval, n_calib, window, seed)
-    controller = controller_for(model)
-    if dry_run:
-        p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations)
-        print(p)
-        return p
     info = {"family": family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
             "corpus": corp.describe()}
-    return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out, batch_size=batch_size,
-                 tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet)
+    return model, controller_for(model), ev, ca, info

@@ -47,6 +47,9 @@ def command(fn: Callable) -> Callable:
             with using_threads(kwargs.get("threads"), hint=_hint):
                 return fn(*args, **kwargs)
         except FcauditError as e:
+            from fcaudit.audit.group import ignore_sigterm
+
+            ignore_sigterm()  # under torchrun: every rank prints its line and exits 2
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
 
@@ -107,19 +110,22 @@ def audit(
                                                                      "checkpoint's)"),
     tolerance: float = typer.Option(0.0, metavar="X", help="allowed max |Δlogit| of the exact replay (0: bit-exact)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
+    world_size: Optional[int] = typer.Option(None, metavar="N", help="--dry-run: forward passes per rank for this "
+                                             "many processes (default: torchrun's WORLD_SIZE, else 1)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
     threads: Optional[int] = threads_option(),
 ) -> None:
     """Frozen-Controller Audit of one checkpoint (question 2).
 
     Captures the coefficients, checks the exact replay, then replays each intervention; writes records, replay.json
-    and variation.json into --out.
+    and variation.json into --out. Under torchrun the ranks share the work (README "Sharded audits").
     """
     from fcaudit.auditing import audit_checkpoint
 
     audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
                      randomizations=randomizations, seed=seed, batch_size=batch_size, device=device,
-                     revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet)
+                     revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet,
+                     world_size=world_size)
 
 
 @command
@@ -214,4 +220,4 @@ def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output 
 
 
 def main() -> None:
-    app()
+    app(prog_name="fcaudit")

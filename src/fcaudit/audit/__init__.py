@@ -12,12 +12,13 @@
 
 import sys
 
+from fcaudit.audit.group import Group, TorchGroup, group_from_env
 from fcaudit.audit.results import AuditResult, load_records
 from fcaudit.audit.runner import AuditPlan, audit, dry_run, plan, print_summary
 from fcaudit.audit.store import CoefficientStore
 
-__all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "audit", "dry_run", "load_records", "plan",
-           "print_summary"]
+__all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "Group", "TorchGroup", "audit", "dry_run",
+           "group_from_env", "load_records", "plan", "print_summary"]
 
 
 class _CallableModule(type(sys)):

@@ -29,6 +29,10 @@ LOCK = ".lock"
 FORMAT = 2
 
 
+class Locked(FcauditError):
+    """Another process holds the directory's lock."""
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -94,8 +98,8 @@ class AuditDir:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise FcauditError(f"{self.root} is being written by another fcaudit process ({holder}); wait for it to "
-                               "finish or pass another --out") from None
+            raise Locked(f"{self.root} is being written by another fcaudit process ({holder}); wait for it to "
+                         "finish or pass another --out") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
         self._lock_fd = fd

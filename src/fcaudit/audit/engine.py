@@ -24,7 +24,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.audit import files
 from fcaudit.audit.directory import AuditDir
-from fcaudit.audit.group import Group
+from fcaudit.audit.group import Group, RankError
 from fcaudit.audit.store import CoefficientStore, check_finite
 from fcaudit.audit.units import Schedule, Unit, split
 from fcaudit.controllers.site import Controller
@@ -97,6 +97,7 @@ class Engine:
         self._merged: dict[tuple[str, int], bool] = {}
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
         self.redone: list[str] = []  # damaged files removed for recomputation
+        self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         self.console = Console(stderr=True, quiet=quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
@@ -150,13 +151,21 @@ class Engine:
         with self._progress() as progress:
             task = progress.add_task("audit (forward passes)", total=total)
             step = lambda n=1: progress.advance(task, n)  # noqa: E731
-            self.group.run(lambda: self._stage1(stage1, step))
+            try:
+                self.group.run(lambda: self._stage1(stage1, step))
+            except RankError as e:
+                # several ranks may fail the replay check at once: only the rank whose error every rank raises
+                # writes the failure report, so replay.json and the error name the same windows
+                if self._failed_replay is not None and e.rank == self.group.rank:
+                    files.write_json(self.dir.replay, self._failed_replay)
+                raise
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(stage2, step))
         self.group.run(self._finalize, main_only=True)
-        if self.redone:
-            self.notices.print(f"resumed: recomputed {len(self.redone)} damaged file(s): " + "; ".join(self.redone[:3])
-                               + (" ..." if len(self.redone) > 3 else ""), soft_wrap=True)
+        redone = [f for rank in self.group.gather(self.redone) for f in rank]  # damaged files found by any rank
+        if redone:
+            self.notices.print(f"resumed: recomputed {len(redone)} damaged file(s): " + "; ".join(redone[:3])
+                               + (" ..." if len(redone) > 3 else ""), soft_wrap=True)
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -188,8 +197,7 @@ class Engine:
         passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol))
         stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
         if not passed:
-            files.write_json(self.dir.replay, {**stats, "passed": False, "tolerance": self.tol,
-                                               "windows": [start, last]})
+            self._failed_replay = {**stats, "passed": False, "tolerance": self.tol, "windows": [start, last]}
             if not finite:
                 raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "
                                    "or its dtype (e.g. load in float32) before auditing")

@@ -22,9 +22,9 @@ from rich.table import Table
 from torch import nn
 
 from fcaudit import protocol
-from fcaudit.audit.directory import AuditDir
+from fcaudit.audit.directory import AuditDir, Locked, config_hash
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, model_device
-from fcaudit.audit.group import Group
+from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import check_finite
 from fcaudit.audit.units import Schedule
@@ -239,17 +239,23 @@ def _config(model, controller, ev, ca, ev_set, ca_set, *, conditions, randomizat
             "criteria": crit.to_dict()}
 
 
-def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
-          seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
-          loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
-          group: Group | None = None) -> AuditResult:
-    """Run (or resume) a Frozen-Controller Audit of `model` and return its results (also written to `out`).
+def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
+    try:
+        adir.lock()
+    except Locked as e:
+        if group.world == 1 and launched_world() > 1:  # every torchrun rank running the whole audit on its own
+            raise FcauditError(f"{e}; under torchrun pass group=fcaudit.audit.group_from_env() so the ranks share "
+                               "one audit") from None
+        raise
+    return adir.open(config)
 
-    eval_windows / calib_windows: int tensors [N, T] of token ids or `fcaudit.data.WindowSet`s.
-    tolerance: 0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and
-    max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the next-token NLL.
-    group: the processes sharing this audit (fcaudit.audit.group; default: this process alone).
-    """
+
+def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, randomizations, seed,
+             batch_size, tolerance, loss_fn, criteria, model_info, out, world) -> tuple:
+    """Check the inputs, probe the first batch and fix the configuration: (eval ids, calib ids, probe, config)."""
+    if out is None and world > 1:
+        raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
+                           "directory every rank sees)")
     randomizations = _check_int("randomizations", randomizations, 1)
     batch_size = _check_int("batch size", batch_size, 1)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -259,39 +265,68 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     if not isinstance(controller, Controller):
         raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
                            f"{type(controller).__name__}")
-    group = group or Group()
     ev, ev_set = as_windows(eval_windows, "evaluation")
     ca, ca_set = as_windows(calib_windows, "calibration")
     check_windows(ev, ca, ev_set, ca_set)
     check_ids(model, ev, ca)
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="fcaudit-audit-"))
-    adir = AuditDir(out)
+    # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
+    # it also fixes each site's codec metadata, so every replay decodes alike on every rank
+    probe, logits, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn, remember=True)
+    check_finite(probe, "the first evaluation batch", [s.path for s in controller.sites])
+    if not torch.isfinite(logits).all():
+        raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
+                           "model or its dtype (e.g. load in float32) before auditing")
+    config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
+                     randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
+                     loss_fn=loss_fn, criteria=criteria, model_info=model_info,
+                     coeff_dtype=str(probe[0].dtype).replace("torch.", ""))
+    return ev, ca, probe, config
+
+
+def _check_same(digests: list[str]) -> None:
+    """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
+    if len(set(digests)) > 1:
+        odd = next(k for k, d in enumerate(digests) if d != digests[0])
+        raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (its checkpoint, windows or "
+                           "settings differ); give every node the same checkpoint and corpus")
+
+
+def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
+          seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
+          loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
+          group: Group | None = None) -> AuditResult:
+    """Run (or resume) a Frozen-Controller Audit of `model` and return its results (also written to `out`).
+
+    eval_windows / calib_windows: int tensors [N, T] of token ids or `fcaudit.data.WindowSet`s.
+    tolerance: 0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and
+    max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the next-token NLL.
+    group: the processes sharing this audit (default: this process alone); under torchrun pass
+    `fcaudit.audit.group_from_env(device)` and every rank runs its share of the work units.
+    """
+    group = group or Group()
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
-            # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-            probe, logits, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn,
-                                             remember=True)
-            check_finite(probe, "the first evaluation batch", [s.path for s in controller.sites])
-            if not torch.isfinite(logits).all():
-                raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix "
-                                   "the model or its dtype (e.g. load in float32) before auditing")
-            conditions = protocol.for_controller(controller.info)
-            config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=conditions,
-                             randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
-                             loss_fn=loss_fn, criteria=criteria, model_info=model_info,
-                             coeff_dtype=str(probe[0].dtype).replace("torch.", ""))
-            if group.is_main:
-                adir.lock()
+            # an agreed phase: bad input on any rank stops every rank with its one-line error
+            ev, ca, probe, config = group.run(lambda: _prepare(
+                model, controller, eval_windows, calib_windows, randomizations=randomizations, seed=seed,
+                batch_size=batch_size, tolerance=tolerance, loss_fn=loss_fn, criteria=criteria,
+                model_info=model_info, out=out, world=group.world))
+            out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="fcaudit-audit-"))
+            adir = AuditDir(out)
+            digests = group.gather(config_hash(config))
+            group.run(lambda: _check_same(digests))
             try:
-                state = []
-                group.run(lambda: state.append(adir.open(config)), main_only=True)
-                schedule = Schedule(ev.shape[0], ca.shape[0], batch_size, randomizations, tuple(conditions))
+                # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
+                # process (or a refused configuration) stops every rank with the same error instead of leaving the
+                # other ranks waiting at the next barrier
+                state = group.run(lambda: _lock_and_open(adir, config, group), main_only=True)
+                schedule = Schedule(ev.shape[0], ca.shape[0], config["batch_size"], config["randomizations"],
+                                    tuple(config["conditions"]))
                 engine = Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
                                 loss_fn=loss_fn, dtypes=[c.dtype for c in probe], group=group, quiet=quiet)
-                if state == ["repaired"]:
+                if state == "repaired":
                     engine.redone.append("config.json (rewritten: the marker holds its hash)")
                 engine.run()
             finally:
