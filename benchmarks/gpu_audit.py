@@ -7,8 +7,8 @@ For each model (random weights; a trained-looking, non-silent controller):
   MUDDPythia-1.4B  the published config (shared/specs/muddpythia.md) in bfloat16, windows of 2048 tokens
   FeatureGate      the paper-76m preset in float32 (its features are float32 by definition), windows of 512 tokens
 it times one forward at batch 8 (median of 5 after 2 warm-ups; MUDDPythia also with fast_mix), counts its FLOPs
-with torch.utils.flop_counter (matmuls and attention as executed: the T x T products are counted in full, causal
-masking not discounted), runs a short audit through the public API (16 eval + 16 calibration windows of random
+with fcaudit.execution.measure.flops (torch.utils.flop_counter: matmuls and attention kernels as executed, the
+T x T products counted in full, causal masking not discounted; elementwise work not counted), runs a short audit through the public API (16 eval + 16 calibration windows of random
 token ids, R = 2, batch 8), times a bare loop of the same number of forward passes, and prints forward ms, the
 audit / bare-loop ratio, peak GPU memory and MFU = FLOPs / time / peak, with the peak of the model's dtype on an
 H100/H200 SXM (dense, no sparsity): bfloat16 989e12 FLOP/s (tensor cores), float32 67e12 FLOP/s (no TF32: torch's
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import fcaudit as fca
 from fcaudit.errors import FcauditError
+from fcaudit.execution.measure import flops
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig, config_for
 from fcaudit.models.muddpythia import MUDDConfig, MUDDPythia
 
@@ -114,11 +114,10 @@ def run_case(name: str, model, T: int, args, device: torch.device) -> dict:
         row["forward_ms_fast_mix" if model.fast_mix else "forward_ms_published_mix"] = 1e3 * time_forward(model, batch)
         model.fast_mix = not model.fast_mix
         row["fast_mix"] = model.fast_mix
-    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        model(batch)
-    row["flops_per_forward"] = counter.get_total_flops()
+    row["flops_per_forward"] = flops(model, batch) * batch.numel()
     row["peak_flops"] = PEAK_FLOPS[dtype]
-    row["mfu"] = row["flops_per_forward"] / (row["forward_ms"] / 1e3) / PEAK_FLOPS[dtype]
+    mfu = row["flops_per_forward"] / (row["forward_ms"] / 1e3) / PEAK_FLOPS[dtype]
+    row["mfu"] = mfu if device.type == "cuda" else None  # a GPU's peak means nothing for a CPU run
     row["forward_peak_mib"] = peak_mib(device)
 
     passes = forward_passes(args.n_eval, args.n_calib, B, R)
@@ -154,8 +153,8 @@ def report(row: dict) -> None:
                     for k in ("forward_ms_fast_mix", "forward_ms_published_mix") if k in row)
     print(f"\n{row['model']} ({row['dtype']}, batch {row['batch']} x {row['tokens']} tokens)")
     print(f"  forward            {row['forward_ms']:.1f} ms{extra}")
-    print(f"  FLOPs / forward    {row['flops_per_forward'] / 1e12:.2f} TFLOP (torch.utils.flop_counter); "
-          f"MFU {100 * row['mfu']:.1f}% of {row['peak_flops'] / 1e12:.0f} TFLOP/s")
+    mfu = "n/a (CPU)" if row["mfu"] is None else f"{100 * row['mfu']:.1f}% of {row['peak_flops'] / 1e12:.0f} TFLOP/s"
+    print(f"  FLOPs / forward    {row['flops_per_forward'] / 1e9:.4g} GFLOP (torch.utils.flop_counter); MFU {mfu}")
     print(f"  audit              {row['audit_s']:.1f} s vs bare loop of {row['forward_passes']} forwards "
           f"{row['bare_loop_s']:.1f} s: ratio {row['audit_over_bare']:.2f}; replay exact: {row['replay_passed']}")
     print(f"  peak GPU memory    forward {gib(row['forward_peak_mib'])}, audit {gib(row['audit_peak_mib'])}")
@@ -176,6 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if args.smoke:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # tiny models gain nothing from threads; on a busy machine threads only wait
         args.n_eval, args.n_calib, args.batch = min(args.n_eval, 4), min(args.n_calib, 4), min(args.batch, 2)
     elif not torch.cuda.is_available():
         raise FcauditError("no CUDA device is visible: run on a GPU machine, or pass --smoke to check the script on "
