@@ -28,7 +28,7 @@ def timed(fn, inner: int) -> float:
     return (time.perf_counter() - t0) / inner
 
 
-def compare(name: str, published, fast, reps: int, delta: float) -> None:
+def compare(name: str, published, fast, delta: float, reps: int) -> None:
     inner = max(1, round(0.2 / timed(published, 1)))
     a, b = [], []
     for _ in range(reps):
@@ -84,7 +84,7 @@ def main() -> None:
             return model(ids)
 
         delta = (run(False) - run(True)).abs().max().item()
-        compare("whole forward, demo preset 8x128", lambda: run(False), lambda: run(True), args.reps, delta)
+        compare("whole forward, demo preset 8x128", lambda: run(False), lambda: run(True), delta, args.reps)
     print("load average %.2f %.2f %.2f" % os.getloadavg())
 
 

@@ -254,6 +254,12 @@ def float64_features(h, upd, q, k, pq, pk) -> torch.Tensor:
     return torch.stack([entropy.masked_fill(visible == 1, 0), kl, (lse - visible.log()).mean(1), norm], -1)
 
 
+def test_features_of_bfloat16_queries_and_keys_match_the_reference():
+    h, upd, *qk = random_block(2, 3, 20, 24)  # Dh = 24: the 1/sqrt(Dh) scale is not exact in bfloat16
+    qk = [t.bfloat16() for t in qk]
+    torch.testing.assert_close(gate_features(h, upd, *qk), reference_gate_features(h, upd, *qk), atol=1e-6, rtol=1e-6)
+
+
 def test_features_without_a_map_are_as_accurate_as_the_reference():
     """Against float64, with scores of std 1 and 9: the new features are no further from the truth."""
     for scale in (1.0, 3.0):

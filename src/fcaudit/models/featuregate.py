@@ -27,8 +27,9 @@ argument; the gate of block l reads block l-1's lse from it and writes its own (
 nothing outlives the pass). The carry is keyed by the (q, k) tensors the lse was computed from: when it does not hold
 block l-1's (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without
 a carry), block l recomputes it from prev_q, prev_k, bit for bit the same, so a gate's features never depend on
-which other gates ran. That side path is the controller's extra cost: O(B H T^2 Dh) work per block, about one more
-attention (benchmarks/forward_speed.py measures it; reference_gate_features keeps the first, map-based version).
+which other gates ran. That side path is the controller's extra cost: O(B H T^2 Dh) work per block, on a CPU at
+paper-76m about 1.3-1.5 times the output path's fused attention (benchmarks/forward_speed.py measures the whole
+forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
@@ -185,10 +186,10 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor,
     B, H, T, Dh = q.shape
     scale = Dh ** -0.5
     with torch.autocast(q.device.type, enabled=False):  # a bf16 score would lose the float32 definition
-        flat = lambda x: x.float().reshape(B * H, T, Dh)  # noqa: E731
-        q, k = flat(q * scale), flat(k)
+        flat = lambda x, s=1.0: (x.float() * s).reshape(B * H, T, Dh)  # noqa: E731  (float first: bf16 inputs)
+        q, k = flat(q, scale), flat(k)
         if cross is not None:
-            cq, ck = flat(cross[0] * scale), flat(cross[1])
+            cq, ck = flat(cross[0], scale), flat(cross[1])
         lse, entropy = q.new_empty(B * H, T), q.new_empty(B * H, T)
         cross_score = None if cross is None else q.new_empty(B * H, T)
         rows, maps = _tiling(B * H, T, q.device)
@@ -248,16 +249,16 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
     the controller reads the block, it does not shape it: gradients reach the controller MLP only, so gating cannot
     be learned by distorting attention or update norms.
     """
-    first = prev_q is None
-    if not first:
-        prev_lse = carry.stats_of(prev_q, prev_k) if carry is not None else None
-        if prev_lse is None:  # block l-1's gate did not run in this pass (or no carry): its lse from scratch
-            prev_lse = attention_stats(prev_q, prev_k).lse
-    stats = attention_stats(q, k, None if first else (prev_q, prev_k))
-    if carry is not None:
-        carry.keep(q, k, stats.lse)
-    kl_h = None if first else -stats.entropy - (stats.cross_score - prev_lse)
     with torch.autocast(q.device.type, enabled=False):  # float32 by definition, whatever the caller's autocast
+        first = prev_q is None
+        if not first:
+            prev_lse = carry.stats_of(prev_q, prev_k) if carry is not None else None
+            if not isinstance(prev_lse, torch.Tensor):  # block l-1's gate did not run (or no carry): from scratch
+                prev_lse = attention_stats(prev_q, prev_k).lse
+        stats = attention_stats(q, k, None if first else (prev_q, prev_k))
+        if carry is not None:
+            carry.keep(q, k, stats.lse)
+        kl_h = None if first else -stats.entropy - (stats.cross_score - prev_lse)
         return _finish(stats.entropy, kl_h, stats.lse, h, update)
 
 
