@@ -89,7 +89,8 @@ def main() -> None:
     for preset in args.preset:
         before = load()
         r = bench_preset(preset, args.reps, args.batch, device)
-        r.update(load_before=before, load_after=load(), threads=args.threads, device=str(device), torch=torch.__version__)
+        r.update(load_before=before, load_after=load(), threads=args.threads, device=str(device),
+                 torch=torch.__version__)
         results.append(r)
         print(f"\n{preset}: batch {r['batch']} x {r['tokens']} tokens, {device}, {args.threads} thread(s), "
               f"{r['reps']} rounds x {r['inner']} forward(s); {before} -> {r['load_after']}")

@@ -8,9 +8,10 @@ For each model (random weights; a trained-looking, non-silent controller):
   FeatureGate      the paper-76m preset in float32 (its features are float32 by definition), windows of 512 tokens
 it times one forward at batch 8 (median of 5 after 2 warm-ups; MUDDPythia also with fast_mix), counts its FLOPs
 with fcaudit.execution.measure.flops (torch.utils.flop_counter: matmuls and attention kernels as executed, the
-T x T products counted in full, causal masking not discounted; elementwise work not counted), runs a short audit through the public API (16 eval + 16 calibration windows of random
-token ids, R = 2, batch 8), times a bare loop of the same number of forward passes, and prints forward ms, the
-audit / bare-loop ratio, peak GPU memory and MFU = FLOPs / time / peak, with the peak of the model's dtype on an
+T x T products counted in full, causal masking not discounted; elementwise work not counted), runs a short audit
+through the public API (16 eval + 16 calibration windows of random token ids, R = 2, batch 8), times a bare loop
+of the same number of forward passes, and prints forward ms, the audit / bare-loop ratio, peak GPU memory and
+MFU = FLOPs / time / peak, with the peak of the model's dtype on an
 H100/H200 SXM (dense, no sparsity): bfloat16 989e12 FLOP/s (tensor cores), float32 67e12 FLOP/s (no TF32: torch's
 default for float32 matmuls). It then extrapolates the paper's audit (512 eval + 512 calibration windows, R = 20):
 forward passes = calib batches + eval batches x (2 + 3R + 3), each costing the measured forward time times the
@@ -46,7 +47,7 @@ SMOKE_MUDD = dict(block_size=64, vocab_size=300, n_layer=3, n_head=4, dim=64, in
 
 
 def forward_passes(n_eval: int, n_calib: int, batch: int, R: int) -> int:
-    """The paper's count: calibration batches + evaluation batches x (capture, replay check, 3R randomized, 3 static)."""
+    """Calibration batches + evaluation batches x (capture, replay check, 3R randomized, 3 static): the paper's count."""
     return math.ceil(n_calib / batch) + math.ceil(n_eval / batch) * (2 + 3 * R + 3)
 
 

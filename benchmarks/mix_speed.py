@@ -1,12 +1,15 @@
 """MUDDPythia's stream mixing: the published-order sum mix() against mix_stacked() (MUDDPythia(fast_mix=True)).
 
-    python benchmarks/mix_speed.py [--reps 7] [--threads 1]
+    python benchmarks/mix_speed.py [--reps 7] [--threads 1] [--full-1p4b]
 
 Op level, per layer, as the forward pass runs it: mix(dw, hiddens) against writing the block output into the
 stack plus mix_stacked(dw, stack), at the demo byte preset's shape and at MUDDPythia-1.4B's width (D = 2048; a
 middle layer with 13 sources and the last layer, 25 sources into one stream), float32 and bfloat16. Whole forward:
 the demo byte preset at batch 8 x 128 tokens, float32. Interleaved rounds; median ms and the median of per-round
 speedups; the max |delta| between the two paths is printed with each row. The load average is printed.
+--full-1p4b also builds MUDDPythia-1.4B (published config, random weights, a non-silent controller) in bfloat16
+(~9 GiB of RAM at its peak) and prints max |delta logit| of one 1 x 64-token forward through both paths, and of
+each against float32 arithmetic on the same (bf16-rounded) weights.
 """
 
 from __future__ import annotations
@@ -55,10 +58,32 @@ def op_case(B: int, T: int, D: int, J: int, C: int, L: int, dtype: torch.dtype):
     return (lambda: mix(dw, hs)), fast, delta
 
 
+def logit_deltas_1p4b() -> dict[str, float]:
+    """max |delta logit| of the bf16 paths against each other and against float32 arithmetic on the same weights."""
+    cfg = MUDDConfig(block_size=2048, vocab_size=50432, n_layer=24, n_head=16, dim=2048, intermediate_size=8192,
+                     use_qk_norm=True, expand_last=True, round64=True)
+    torch.manual_seed(0)
+    model = MUDDPythia(cfg)
+    with torch.no_grad():
+        for dd in model.dynamic_dense:
+            dd.w2.weight.normal_(std=0.02)
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    model = model.to(torch.bfloat16).float().eval()  # float32 arithmetic on bf16-representable weights
+    exact = model(ids)
+    model = model.to(torch.bfloat16)
+    published = model(ids).float()
+    model.fast_mix = True
+    fast = model(ids).float()
+    d = lambda a, b: (a - b).abs().max().item()  # noqa: E731
+    return {"fast vs published": d(fast, published), "published vs float32": d(published, exact),
+            "fast vs float32": d(fast, exact), "max |logit|": exact.abs().max().item()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--full-1p4b", action="store_true", help="also compare the logits of a random 1.4B model")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print("%d thread(s), torch %s; load average %.2f %.2f %.2f" % (args.threads, torch.__version__, *os.getloadavg()))
@@ -85,6 +110,9 @@ def main() -> None:
 
         delta = (run(False) - run(True)).abs().max().item()
         compare("whole forward, demo preset 8x128", lambda: run(False), lambda: run(True), delta, args.reps)
+        if args.full_1p4b:
+            deltas = ", ".join(f"{k} {v:.3g}" for k, v in logit_deltas_1p4b().items())
+            print(f"  1.4B logits, 1 x 64 tokens, bfloat16 (max |delta|): {deltas}")
     print("load average %.2f %.2f %.2f" % os.getloadavg())
 
 
