@@ -47,7 +47,7 @@ SMOKE_MUDD = dict(block_size=64, vocab_size=300, n_layer=3, n_head=4, dim=64, in
 
 
 def forward_passes(n_eval: int, n_calib: int, batch: int, R: int) -> int:
-    """Calibration batches + evaluation batches x (capture, replay check, 3R randomized, 3 static): the paper's count."""
+    """The paper's count: calibration batches + eval batches x (capture, replay check, 3R randomized, 3 static)."""
     return math.ceil(n_calib / batch) + math.ceil(n_eval / batch) * (2 + 3 * R + 3)
 
 
