@@ -28,7 +28,7 @@ nothing outlives the pass). The carry is keyed by the (q, k) tensors the lse was
 block l-1's (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without
 a carry), block l recomputes it from prev_q, prev_k, bit for bit the same, so a gate's features never depend on
 which other gates ran. That side path is the controller's extra cost: O(B H T^2 Dh) work per block, on a CPU at
-paper-76m about 1.3-1.5 times the output path's fused attention (benchmarks/forward_speed.py measures the whole
+paper-76m about 1.2-1.5 times the output path's fused attention (benchmarks/forward_speed.py measures the whole
 forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
