@@ -226,7 +226,8 @@ def random_block(B, H, T, D, seed=0, scale=1.0):
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 5, 4), (2, 2, 8, 8), (3, 4, 37, 16), (2, 3, 50, 32)])
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_features_without_a_map_match_the_reference(shape, tiles, request):
-    """T = 37 and 50 are no multiple of the small tile (8 rows); 37 maps per tile split B*H = 12 maps unevenly."""
+    """T = 37 and 50 are no multiple of the small tile (8 rows), whose budget of 8*8*37 scores also splits the maps
+    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1)."""
     if tiles == "small":
         request.getfixturevalue("small_tiles")
     h, upd, q, k, pq, pk = random_block(*shape)
