@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import load_model, save_checkpoint
+import fcaudit.models.featuregate as fg
 from fcaudit.models.featuregate import (PRESETS, VARIANTS, FeatureGateGPT, GateCarry, GPTConfig, config_for,
-                                       gate_features)
+                                       gate_features, reference_gate_features)
 
 TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
 
@@ -134,7 +135,8 @@ def direct_attention(q, k):
     return P, Z
 
 
-def test_each_feature_equals_a_direct_computation():
+@pytest.mark.parametrize("gate_features", [gate_features, reference_gate_features])
+def test_each_feature_equals_a_direct_computation(gate_features):
     g = torch.Generator().manual_seed(0)
     B, H, T, D, d = 2, 3, 5, 4, 6
     q, k, pq, pk = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
@@ -184,8 +186,8 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
     for block in model.blocks:
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
     calls = []
-    original = fg.causal_attention
-    monkeypatch.setattr(fg, "causal_attention", lambda q, k: calls.append(q) or original(q, k))
+    original = fg.attention_stats
+    monkeypatch.setattr(fg, "attention_stats", lambda q, k, cross=None: calls.append(q) or original(q, k, cross))
     with torch.no_grad():
         logits, gates = model(ids, return_gates=True)
         assert len(calls) == 4  # one attention map per block and forward pass, not two
@@ -205,6 +207,99 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
             assert len(calls) == 4 - len(replaced) + fallbacks
     # the carry lives only in the forward pass: no module holds it or a map afterwards
     assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 query rows and few maps, so small shapes exercise several tiles, partial tiles and map chunks."""
+    monkeypatch.setattr(fg, "TILE_ROWS_CPU", 8)
+    monkeypatch.setattr(fg, "TILE_ELEMENTS", {"cpu": 8 * 8 * 37})
+
+
+def random_block(B, H, T, D, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, pq, pk = (torch.randn(B, H, T, D, generator=g) * scale for _ in range(4))
+    h, upd = torch.randn(B, T, H * D, generator=g), torch.randn(B, T, H * D, generator=g)
+    return h, upd, q, k, pq, pk
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 5, 4), (2, 2, 8, 8), (3, 4, 37, 16), (2, 3, 50, 32)])
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_features_without_a_map_match_the_reference(shape, tiles, request):
+    """T = 37 and 50 are no multiple of the small tile (8 rows), whose budget of 8*8*37 scores also splits the maps
+    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1)."""
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    h, upd, q, k, pq, pk = random_block(*shape)
+    for prev in [(pq, pk), (None, None)]:  # a middle block and the first block (no previous attention)
+        new, ref = gate_features(h, upd, q, k, *prev), reference_gate_features(h, upd, q, k, *prev)
+        # KL of unrelated random maps is about 2; float32 gets it to about 1e-6 relative (both versions)
+        torch.testing.assert_close(new, ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(new[..., [0, 2, 3]], ref[..., [0, 2, 3]], atol=1e-6, rtol=0)
+
+
+def float64_features(h, upd, q, k, pq, pk) -> torch.Tensor:
+    """The four features straight from their definitions, in float64."""
+    T, D = q.shape[-2:]
+    future = ~torch.ones(T, T, dtype=torch.bool).tril()
+
+    def log_p(q, k):
+        s = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)).masked_fill(future, float("-inf"))
+        return s.log_softmax(-1), s.logsumexp(-1)
+
+    (lp, lse), (lpp, _) = log_p(q, k), log_p(pq, pk)
+    p, visible = lp.exp(), torch.arange(1, T + 1, dtype=torch.float64)
+    entropy = -(p * lp.masked_fill(future, 0)).sum(-1).mean(1) / visible.log().clamp_min(1e-300)
+    kl = (p * (lp - lpp).masked_fill(future, 0)).sum(-1).mean(1)
+    norm = upd.double().norm(dim=-1) / (h.double().norm(dim=-1) + 1e-6)
+    return torch.stack([entropy.masked_fill(visible == 1, 0), kl, (lse - visible.log()).mean(1), norm], -1)
+
+
+def test_features_of_bfloat16_queries_and_keys_match_the_reference():
+    h, upd, *qk = random_block(2, 3, 20, 24)  # Dh = 24: the 1/sqrt(Dh) scale is not exact in bfloat16
+    qk = [t.bfloat16() for t in qk]
+    torch.testing.assert_close(gate_features(h, upd, *qk), reference_gate_features(h, upd, *qk), atol=1e-6, rtol=1e-6)
+
+
+def test_features_without_a_map_are_as_accurate_as_the_reference():
+    """Against float64, with scores of std 1 and 9: the new features are no further from the truth."""
+    for scale in (1.0, 3.0):
+        block = random_block(2, 4, 40, 16, seed=3, scale=scale)
+        truth = float64_features(*block)
+        new = (gate_features(*block).double() - truth).abs().amax((0, 1))
+        ref = (reference_gate_features(*block).double() - truth).abs().amax((0, 1))
+        assert (new <= ref * 1.5 + 2e-7).all(), (scale, new, ref)
+
+
+def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    h, upd, q, k, pq, pk = random_block(2, 3, 48, 8)
+    with Largest():
+        fg.attention_stats(q, k, (pq, pk))
+    assert Largest.numel <= fg.TILE_ELEMENTS["cpu"] < 2 * 3 * 48 * 48  # the [B, H, T, T] maps would hold 13824
+
+
+def test_gates_and_logits_of_a_trained_looking_model_match_the_reference(ids, monkeypatch):
+    model = tiny("featuregate", n_layer=4, n_head=4, d_model=32)
+    with torch.no_grad():  # sharper attention than at init, as after training
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(8.0)
+        logits, gates = model(ids, return_gates=True)
+        monkeypatch.setattr(fg, "gate_features", reference_gate_features)
+        ref_logits, ref_gates = model(ids, return_gates=True)
+    assert (gates - ref_gates).abs().max() <= 1e-6
+    assert (logits - ref_logits).abs().max() <= 1e-6
 
 
 def test_features_are_float32_under_autocast():

@@ -462,3 +462,74 @@ def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
     prof = load_file(str(tmp_path / "profiles.safetensors"))
     assert [tuple(prof[f"StaticProfile.{l}"].shape) for l in range(3)] == [(4, 2), (4, 3), (1, 4)]
     assert (recs[recs.condition != "Correct"].nll.to_numpy() != got.mean()).any()
+
+
+# ------------------------------------------------------------------------------------------ fast mix
+
+# Measured agreement of mix_stacked with the published-order mix (tests below; seeds fixed), max |delta|:
+# float32: streams of the 1.4B width (D = 2048, J = 2..25 sources, values up to ~11) 2.9e-6, tiny-model logits 8e-7;
+# bfloat16: streams 0.19 (against float64 the published order is off by up to 0.17, the matrix product by 0.03: it
+# rounds once instead of after every source), tiny-model logits 0.018. A random MUDDPythia-1.4B in bfloat16 (1 x 64
+# tokens, benchmarks/mix_speed.py --full-1p4b): logits up to 4.6 differ by up to 0.82 between the two paths; against
+# float32 arithmetic on the same weights the published order is off by up to 1.93, the fast path by 1.49.
+FAST_MIX_TOLERANCE = {torch.float32: dict(stream=5e-6, logit=2e-6), torch.bfloat16: dict(stream=0.25, logit=0.04)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_mix_agrees_with_the_published_order_on_1p4b_shaped_layers(dtype):
+    from fcaudit.models.muddpythia import mix, mix_stacked
+
+    g = torch.Generator().manual_seed(0)
+    cfg = MUDDConfig(**PUBLISHED)
+    worst, worst_exact = 0.0, {"published": 0.0, "fast": 0.0}
+    for i in (0, 11, 22, 23):  # 2, 13, 24 sources with 4 streams; 25 sources with the last layer's single stream
+        J, C = i + 2, cfg.n_streams(i)
+        hs = [torch.randn(1, 8, cfg.dim, generator=g).to(dtype) for _ in range(J)]
+        dw = (torch.randn(C, 1, 8, J, generator=g) * 0.5).to(dtype)
+        published, fast = mix(dw, hs), mix_stacked(dw, torch.stack(hs, 2))
+        assert len(fast) == C and all(f.shape == (1, 8, cfg.dim) and f.dtype == dtype for f in fast)
+        exact = [sum(dw[c, :, :, j, None].double() * hs[j].double() for j in range(J)) for c in range(C)]
+        for c in range(C):
+            worst = max(worst, (published[c].double() - fast[c].double()).abs().max().item())
+            for name, got in (("published", published[c]), ("fast", fast[c])):
+                worst_exact[name] = max(worst_exact[name], (got.double() - exact[c]).abs().max().item())
+    assert worst <= FAST_MIX_TOLERANCE[dtype]["stream"]
+    assert worst_exact["fast"] <= worst_exact["published"] * 1.01  # no less accurate than the published order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_mix_logits_agree_and_its_audit_replays_exactly(tmp_path, dtype):
+    from fcaudit.audit import audit
+    from fcaudit.controllers import controller_for
+
+    model = tiny_model(dtype)
+    x = ids()
+    with torch.no_grad():
+        published = model(x)
+        model.fast_mix = True
+        fast = model(x)
+    assert not torch.equal(fast, published)  # really the other path
+    assert (fast.float() - published.float()).abs().max() <= FAST_MIX_TOLERANCE[dtype]["logit"]
+    if dtype == torch.bfloat16:  # about as far from float32 arithmetic (same weights) as the published order
+        with torch.no_grad():
+            exact = tiny_model(torch.bfloat16).float()(x)
+        assert (fast.float() - exact).abs().max() <= (published.float() - exact).abs().max() * 1.25
+    rec, want = _trace(model, x)  # the controller site is unchanged: replaying its output is bit-exact
+    assert torch.equal(want, fast)
+    for i, dd in enumerate(model.dynamic_dense):
+        dd.forward = (lambda t: lambda *a, **k: t)(rec["dw"][i])
+    with torch.no_grad():
+        assert torch.equal(model(x), fast)
+    for dd in model.dynamic_dense:
+        del dd.forward
+    result = audit(model, controller_for(model), ids(4, 16, seed=10), ids(4, 16, seed=11), randomizations=1,
+                   seed=0, out=tmp_path, batch_size=2, quiet=True)
+    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
+
+
+def test_fast_mix_is_off_by_default_and_refuses_gradients():
+    model = tiny_model()
+    assert model.fast_mix is False and MUDDPythia(MUDDConfig(**TINY), fast_mix=True).fast_mix
+    model.fast_mix = True
+    with pytest.raises(FcauditError, match="fast_mix = False to train"):
+        model(ids())

@@ -18,15 +18,18 @@ are expanded), so an audit treats all variants alike: replacing that forward dis
 computation included, and leaves the output path (the residual stream, attention via scaled_dot_product_attention)
 untouched. Learned gates start at sigmoid(w) = 0.6.
 
-The controller's features need the attention probabilities of this block and of the previous one; the output path
+The controller's features need statistics of the attention of this block and of the previous one; the output path
 uses the fused scaled_dot_product_attention kernel, so the FeatureGate controller recomputes them in float32 from the
-q, k that the model loop passes to it explicitly. Each block's map is computed once per forward pass: the model loop
-creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last argument; the gate
-of block l reads block l-1's map from it and writes its own (nothing is stored on modules, so nothing
-outlives the pass). The carry is keyed by the (q, k) tensors the map was computed from: when it does not hold block
-l-1's map (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without a
-carry), block l recomputes it from prev_q, prev_k, so a gate's features never depend on which other gates ran. That
-side path is the controller's extra cost: O(B H T^2) elementwise work per block (benchmarks/train_speed.py measures it).
+q, k that the model loop passes to it explicitly, in one tiled pass per block that never holds a [T, T] map
+(attention_stats). The one statistic a block hands to the next gate, its lse, is computed once per forward pass: the
+model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
+argument; the gate of block l reads block l-1's lse from it and writes its own (nothing is stored on modules, so
+nothing outlives the pass). The carry is keyed by the (q, k) tensors the lse was computed from: when it does not hold
+block l-1's (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without
+a carry), block l recomputes it from prev_q, prev_k, bit for bit the same, so a gate's features never depend on
+which other gates ran. That side path is the controller's extra cost: O(B H T^2 Dh) work per block, on a CPU at
+paper-76m about 1.2-1.5 times the output path's fused attention (benchmarks/forward_speed.py measures the whole
+forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
@@ -34,6 +37,7 @@ this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; 
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -138,58 +142,100 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
-
-
-@dataclass
-class AttentionMap:
-    """One block's causal attention in float32, as the features use it (see causal_attention)."""
-
-    shifted: torch.Tensor  # S - max_{s <= t} S on visible keys, about MASKED_SCORE on future keys, [B, H, T, T]
-    log_z: torch.Tensor  # log sum_{s <= t} exp(S - max S) = -log max_s P, in [0, log(t + 1)], [B, H, T]
-
-
 @dataclass
 class GateCarry:
-    """What one forward pass hands from each block's gate to the next one's: the attention map of the last block
-    whose gate computed it, keyed by that block's q and k.
+    """What one forward pass hands from each block's gate to the next one's: what the feature function keeps of the
+    last block whose gate ran (`stats`: its lse, or its AttentionMap for reference_gate_features), keyed by that
+    block's q and k.
 
     FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). The key is compared by identity,
-    so a map is only reused for exactly the tensors it was computed from.
+    so stats are only reused for exactly the tensors they were computed from.
     """
 
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
-    attention: AttentionMap | None = None
+    stats: object = None
 
-    def attention_of(self, q: torch.Tensor, k: torch.Tensor) -> AttentionMap | None:
-        return self.attention if self.q is q and self.k is k else None
+    def stats_of(self, q: torch.Tensor, k: torch.Tensor):
+        return self.stats if self.q is q and self.k is k else None
+
+    def keep(self, q: torch.Tensor, k: torch.Tensor, stats) -> None:
+        self.q, self.k, self.stats = q, k, stats
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor) -> tuple[AttentionMap, torch.Tensor, torch.Tensor]:
-    """The attention map of (q, k), its causal probabilities P [B, H, T, T] (0 on future keys) and
-    lse = logsumexp_{s <= t} S [B, H, T].
+MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
 
-    In float32 whatever the autocast context. Scores are shifted by their row maximum in place, so the entropy and KL
-    sums work with values of the size of log P rather than of S (no cancellation against a large lse), and
-    log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1), so it never underflows).
-    P comes from the fused softmax rather than from exp(log P): on CPU, exp of the masked entries takes a slow path.
+# Scores held at a time by attention_stats, in float32 elements: 2 MiB keeps a CPU tile in cache; on a GPU one tile
+# covers a paper-size block (fewer kernel launches).
+TILE_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 26}
+TILE_ROWS_CPU = 64  # query rows per CPU tile: big enough for efficient matrix products, small enough to skip most
+# of the masked half of the map
+
+
+def _tiling(n_maps: int, T: int, device: torch.device) -> tuple[int, int]:
+    """(query rows, maps) per tile. It depends only on shapes and device, so every call on (q, k) of one shape
+    splits the work alike and its lse is bit-identical whether or not a cross score is asked for."""
+    rows = min(T, TILE_ROWS_CPU) if device.type == "cpu" else T
+    return rows, max(1, min(n_maps, TILE_ELEMENTS.get(device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
+
+
+class AttentionStats(NamedTuple):
+    """Per-head statistics of one block's causal attention P = softmax_{s <= t}(S), S = q k^T / sqrt(Dh), [B, H, T]."""
+
+    lse: torch.Tensor  # logsumexp_{s <= t} S[t, s]
+    entropy: torch.Tensor  # -sum_s P log P
+    cross_score: torch.Tensor | None  # sum_s P S' for the scores S' = q' k'^T / sqrt(Dh) of another block
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor,
+                    cross: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionStats:
+    """The AttentionStats of (q, k) [B, H, T, Dh], with cross_score for cross = (q', k'); float32 whatever the dtypes
+    and autocast.
+
+    Tiled over heads and query rows, each tile's keys ending at its last row (causality): only a cache-sized tile of
+    scores exists at a time, never the [B, H, T, T] map. As in the reference, scores are shifted by their row maximum
+    first, so the entropy sum works with values of the size of log P (no cancellation against a large lse), and
+    log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1): the log never underflows).
     """
     B, H, T, Dh = q.shape
-    future = torch.full((T, T), MASKED_SCORE, device=q.device).triu(1)
+    scale = Dh ** -0.5
     with torch.autocast(q.device.type, enabled=False):  # a bf16 score would lose the float32 definition
-        q, k = (q.float() * Dh ** -0.5).reshape(B * H, T, Dh), k.float().reshape(B * H, T, Dh)
-        shifted = torch.baddbmm(future, q, k.transpose(1, 2)).view(B, H, T, T)  # S + mask in one kernel
-    row_max = shifted.amax(-1, keepdim=True)
-    shifted.sub_(row_max)
-    p = shifted.softmax(-1)
-    log_z = p.amax(-1).log().neg_()
-    return AttentionMap(shifted, log_z), p, row_max.squeeze(-1) + log_z
+        flat = lambda x, s=1.0: (x.float() * s).reshape(B * H, T, Dh)  # noqa: E731  (float first: bf16 inputs)
+        q, k = flat(q, scale), flat(k)
+        if cross is not None:
+            cq, ck = flat(cross[0], scale), flat(cross[1])
+        lse, entropy = q.new_empty(B * H, T), q.new_empty(B * H, T)
+        cross_score = None if cross is None else q.new_empty(B * H, T)
+        rows, maps = _tiling(B * H, T, q.device)
+        future = torch.full((rows, rows), MASKED_SCORE, device=q.device).triu(1)
+        for m0 in range(0, B * H, maps):
+            m = slice(m0, m0 + maps)
+            for t0 in range(0, T, rows):
+                t = slice(t0, min(T, t0 + rows))
+                x = torch.bmm(q[m, t], k[m, : t.stop].transpose(1, 2))
+                x[:, :, t0:].add_(future[: x.size(1), : x.size(1)])  # the tile's own diagonal square holds the future
+                row_max = x.amax(-1, keepdim=True)
+                p = x.sub_(row_max).softmax(-1)
+                log_z = p.amax(-1).log().neg_()
+                lse[m, t] = row_max.squeeze(-1) + log_z
+                if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
+                    cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
+                entropy[m, t] = log_z - x.mul_(p).sum(-1)  # log P = x - log_z
+    view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
+    return AttentionStats(view(lse), view(entropy), view(cross_score))
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_s a[..., s] b[..., s] as a batched matrix product: no [B, H, T, T] product tensor is materialised."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3)
+def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; shared with the reference."""
+    T = lse.size(-1)
+    visible = torch.arange(1, T + 1, device=lse.device, dtype=torch.float32)  # t + 1 keys at position t
+    entropy = entropy_h.mean(1)  # [B, T]
+    entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
+    kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
+    log_partition = (lse - visible.log()).mean(1)
+    update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
+                   / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
+    return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
 
 
 @torch.no_grad()
@@ -209,34 +255,75 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
                      visible keys (0 when all scores are 0).
     3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6): the block update's L2 norm relative to the residual stream's.
 
-    Computed in float32 from one fused softmax per attention map (causal_attention): with X = S - max_s S and
-    log P = X - log_z, H = log_z - sum_s P X and KL = sum_s P (X - X') - log_z + log_z'. Block l-1's map comes
-    from `carry` when it holds the map of (prev_q, prev_k), else it is recomputed from them; this block's map is
-    written to `carry` for the next block. No gradient because the controller reads the block, it does not shape
-    it: gradients reach the controller MLP only, so gating cannot be learned by distorting attention or update norms.
+    Computed in float32 by attention_stats, a pass over tiles of query rows that never holds a [T, T] map; with
+    log P_{l-1} = S' - lse_{l-1} (S' the previous block's scores),
+        KL = -H - sum_s P_l log P_{l-1} = -H - sum_s P_l S' + lse_{l-1},
+    and sum_s P_l S' comes from the same pass. lse_{l-1} comes from `carry` when it holds that of (prev_q, prev_k),
+    else it is recomputed from them; this block's lse is written to `carry` for the next block. No gradient because
+    the controller reads the block, it does not shape it: gradients reach the controller MLP only, so gating cannot
+    be learned by distorting attention or update norms.
     """
     with torch.autocast(q.device.type, enabled=False):  # float32 by definition, whatever the caller's autocast
-        T = q.size(-2)
-        visible = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)  # t + 1 keys at position t
+        first = prev_q is None
+        if not first:
+            prev_lse = carry.stats_of(prev_q, prev_k) if carry is not None else None
+            if not isinstance(prev_lse, torch.Tensor):  # block l-1's gate did not run (or no carry): from scratch
+                prev_lse = attention_stats(prev_q, prev_k).lse
+        stats = attention_stats(q, k, None if first else (prev_q, prev_k))
+        if carry is not None:
+            carry.keep(q, k, stats.lse)
+        kl_h = None if first else -stats.entropy - (stats.cross_score - prev_lse)
+        return _finish(stats.entropy, kl_h, stats.lse, h, update)
+
+
+# ---- reference: the features from the materialized [B, H, T, T] map ---------------------------------------------
+# The first implementation, kept as the oracle of tests/test_featuregate.py and the "before" of
+# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`).
+
+@dataclass
+class AttentionMap:
+    """One block's causal attention in float32, as the reference features use it (see causal_attention)."""
+
+    shifted: torch.Tensor  # S - max_{s <= t} S on visible keys, about MASKED_SCORE on future keys, [B, H, T, T]
+    log_z: torch.Tensor  # log sum_{s <= t} exp(S - max S) = -log max_s P, in [0, log(t + 1)], [B, H, T]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor) -> tuple[AttentionMap, torch.Tensor, torch.Tensor]:
+    """The attention map of (q, k), its causal probabilities P [B, H, T, T] (0 on future keys) and
+    lse = logsumexp_{s <= t} S [B, H, T], in float32 whatever the autocast context."""
+    B, H, T, Dh = q.shape
+    future = torch.full((T, T), MASKED_SCORE, device=q.device).triu(1)
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = (q.float() * Dh ** -0.5).reshape(B * H, T, Dh), k.float().reshape(B * H, T, Dh)
+        shifted = torch.baddbmm(future, q, k.transpose(1, 2)).view(B, H, T, T)  # S + mask in one kernel
+    row_max = shifted.amax(-1, keepdim=True)
+    shifted.sub_(row_max)
+    p = shifted.softmax(-1)
+    log_z = p.amax(-1).log().neg_()
+    return AttentionMap(shifted, log_z), p, row_max.squeeze(-1) + log_z
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_s a[..., s] b[..., s] as a batched matrix product: no [B, H, T, T] product tensor is materialised."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3)
+
+
+@torch.no_grad()
+def reference_gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
+    """gate_features from the full float32 maps: with X = S - max_s S and log P = X - log_z,
+    H = log_z - sum_s P X and KL = sum_s P (X - X') - log_z + log_z'; O(B H T^2) memory per block."""
+    with torch.autocast(q.device.type, enabled=False):
         att, p, lse = causal_attention(q, k)
         if prev_q is not None:
-            prev = carry.attention_of(prev_q, prev_k) if carry is not None else None
-            if prev is None:
+            prev = carry.stats_of(prev_q, prev_k) if carry is not None else None
+            if not isinstance(prev, AttentionMap):
                 prev, _, _ = causal_attention(prev_q, prev_k)
             cross = row_dot(p, prev.shifted) - prev.log_z  # sum_s P_l log P_{l-1}, [B, H, T]
         if carry is not None:
-            carry.q, carry.k, carry.attention = q, k, att
-        head_entropy = att.log_z - row_dot(p, att.shifted)
-        entropy = head_entropy.mean(1)  # [B, T]
-        entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
-        if prev_q is None:
-            kl = torch.zeros_like(entropy)
-        else:
-            kl = (-head_entropy - cross).mean(1).clamp_min(0.0)  # sum_s P_l log P_l - sum_s P_l log P_{l-1}
-        log_partition = (lse - visible.log()).mean(1)
-        update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
-                       / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
-        return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
+            carry.keep(q, k, att)
+        entropy_h = att.log_z - row_dot(p, att.shifted)
+        kl_h = None if prev_q is None else -entropy_h - cross
+        return _finish(entropy_h, kl_h, lse, h, update)
 
 
 class FeatureGate(nn.Module):

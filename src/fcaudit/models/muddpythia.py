@@ -289,10 +289,30 @@ def mix(dw: torch.Tensor, hiddens: list[torch.Tensor]) -> tuple[torch.Tensor, ..
     return tuple(streams)
 
 
+def mix_stacked(dw: torch.Tensor, stack: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens.
+
+    stack [B, T, L+1, D] holds h_0, h_1, ... along dim 2 (filled as the layers run), so the J = dw.shape[-1]
+    sources are a view; the hiddens are read once for all streams, where mix() reads them once per stream and
+    writes 2 J intermediate sums. Not bit-exact against mix(): the matrix product sums in its own order (and in
+    bf16 rounds once instead of after every source). Streams come back as [B, T, D] views of one [B, T, C, D] tensor.
+    """
+    C, B, T, J = dw.shape
+    w = dw.permute(1, 2, 0, 3).reshape(B * T, C, J)
+    out = torch.bmm(w, stack[:, :, :J].reshape(B * T, J, -1))
+    return out.view(B, T, C, -1).unbind(2)
+
+
 class MUDDPythia(nn.Module):
-    def __init__(self, config: MUDDConfig):
+    """fast_mix: mix the streams with mix_stacked (one matrix product per layer) instead of the published-order sum
+    mix(); not bit-exact against it (tests/test_muddpythia.py states the measured agreement). A plain attribute, not
+    part of the config or the checkpoint, so it can be switched on a loaded model; capture and replay both use it,
+    so an audit's exact-replay check holds either way."""
+
+    def __init__(self, config: MUDDConfig, fast_mix: bool = False):
         super().__init__()
         self.config = cfg = replace(config)  # own copy: presets are shared module-level objects
+        self.fast_mix = fast_mix
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layer))
         self.dynamic_dense = nn.ModuleList(DynamicDense(cfg, i) for i in range(cfg.n_layer))
@@ -344,12 +364,22 @@ class MUDDPythia(nn.Module):
                                f"use --window {self.config.block_size} or less")
         table = self.rope(ids.device)
         x = self.tok_embeddings(ids)
+        if self.fast_mix:  # the stack is written in place as layers run: autograd could not differentiate through it
+            if torch.is_grad_enabled():
+                raise FcauditError("fast_mix is an inference path: run under torch.no_grad() or inference_mode, "
+                                   "or set model.fast_mix = False to train")
+            stack = x.new_empty(*x.shape[:2], self.config.n_layer + 1, x.shape[-1])
+            stack[:, :, 0] = x
         hiddens = [x]
         for i, layer in enumerate(self.layers):
             out = layer(x, table)
-            hiddens.append(out)
             dw = self.dynamic_dense[i](out, self.dense_bs[i])
-            x = mix(dw, hiddens)
+            if self.fast_mix:
+                stack[:, :, i + 1] = out
+                x = mix_stacked(dw, stack)
+            else:
+                hiddens.append(out)
+                x = mix(dw, hiddens)
         return self.output(self.norm(x[0]))
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -1,0 +1,38 @@
+"""The benchmark scripts that are meant for other machines still run here: gpu_audit.py in its CPU smoke mode."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_audit_smoke_mode_runs_on_the_cpu(tmp_path, capsys):
+    gpu_audit = load_script("gpu_audit")
+    rows = gpu_audit.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["model"] for r in rows] == ["muddpythia-tiny", "featuregate-tiny"]
+    for r in rows:
+        assert r["replay_passed"] and r["forward_ms"] > 0 and r["flops_per_forward"] > 0
+        assert r["forward_passes"] == 2 + 2 * (2 + 3 * 2 + 3)  # 4 + 4 windows at batch 2, R = 2
+        assert r["paper_forward_passes"] == 64 + 64 * (2 + 3 * 20 + 3)
+        assert r["audit_over_bare"] > 0 and r["paper_audit_h_extrapolated"] > 0 and r["mfu"] is None
+    assert "forward_ms_fast_mix" in rows[0] and rows[0]["fast_mix"] is False
+    assert json.loads((tmp_path / "gpu_audit.json").read_text()) == rows
+    assert (tmp_path / "audit-muddpythia-tiny").is_dir()
+    assert "paper audit" in capsys.readouterr().out
+
+
+def test_gpu_audit_without_a_gpu_names_the_smoke_mode(monkeypatch):
+    gpu_audit = load_script("gpu_audit")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(gpu_audit.FcauditError, match="--smoke"):
+        gpu_audit.main([])
