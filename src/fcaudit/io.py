@@ -19,7 +19,8 @@ _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call write(tmp_path) on a temp file next to `path`, then rename it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # a stat is far cheaper than mkdir's failing syscall on every write
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

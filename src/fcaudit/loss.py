@@ -5,11 +5,16 @@ import torch.nn.functional as F
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL [B, T-1] in float32: position t predicts ids[:, t+1] (targets shifted by one)."""
+    """Per-token NLL [B, T-1] in float32: position t predicts ids[:, t+1] (targets shifted by one).
+
+    Computed over all B*T rows of the logits as they are (a view, no copy of the [B, T-1, V] slice); the last
+    position of each window has no target and is dropped. Each row's value does not depend on the others."""
     if logits.dim() != 3 or ids.shape != logits.shape[:2]:
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
-    pred = logits[:, :-1].float()
-    return F.cross_entropy(pred.reshape(-1, pred.size(-1)), ids[:, 1:].reshape(-1), reduction="none").view(pred.shape[:2])
+    B, T, V = logits.shape
+    targets = torch.cat([ids[:, 1:], ids.new_full((B, 1), -100)], dim=1)  # -100: cross_entropy's ignore_index
+    nll = F.cross_entropy(logits.reshape(B * T, V).float(), targets.reshape(-1), reduction="none")
+    return nll.view(B, T)[:, :-1]
 
 
 def logits_of(output) -> torch.Tensor:

@@ -18,6 +18,7 @@ This module imports nothing of fcaudit but its error type, so statistics and the
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Protocol, Sequence
 
@@ -50,10 +51,37 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
             return perm
 
 
+class _Memo:
+    """The most recent results of a pure function of small keys, within a byte budget (TokenShuffle r and
+    CrossShuffle r use the same permutations of each receiving example; memory stays bounded at any window count)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.items = budget, 0, OrderedDict()
+
+    def get(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = make()
+        self.used += value.nbytes
+        while self.used > self.budget and len(self.items) > 1:
+            self.used -= self.items.popitem(last=False)[1].nbytes
+        return value
+
+
+_PERMUTATIONS = _Memo(32 * 2**20)
+
+
 def token_permutations(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:
     """Per layer an int array [stream, token]: an independent permutation of positions per layer and stream."""
-    rng = np.random.default_rng([SHUFFLE, seed, r, example])
-    rows = rng.permuted(np.broadcast_to(np.arange(token), (sum(streams), token)), axis=1)
+
+    def make() -> np.ndarray:
+        rng = np.random.default_rng([SHUFFLE, seed, r, example])
+        rows = rng.permuted(np.broadcast_to(np.arange(token), (sum(streams), token)), axis=1)
+        rows.flags.writeable = False  # shared by every caller of the memo
+        return rows
+
+    rows = _PERMUTATIONS.get((example, seed, r, token, tuple(streams)), make)
     return np.split(rows, np.cumsum(streams)[:-1])
 
 

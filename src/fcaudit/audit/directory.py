@@ -5,7 +5,7 @@
     config.json         the audit's configuration; a rerun with the same configuration resumes, another is refused
     coeffs/             the coefficient store (one chunk per capture batch)
     calib/              per-batch calibration sums, until they are reduced into profiles.safetensors
-    parts/COND/rNNNN/   records of one replay unit (condition, randomization, batch), until merged
+    parts/COND/rNNNN/   records of replay units (condition, randomization, batches) as each process wrote them
     records/COND/rNNNN.parquet   the records of (condition, randomization) over all windows
     replay.json  variation.json
 """
@@ -71,8 +71,12 @@ class AuditDir:
     def calib_part(self, start: int) -> Path:
         return self.root / "calib" / f"sum_{start:07d}.safetensors"
 
+    def parts(self, condition: str, r: int) -> Path:
+        return self.root / "parts" / condition / f"r{r:04d}"
+
     def part(self, condition: str, r: int, start: int) -> Path:
-        return self.root / "parts" / condition / f"r{r:04d}" / f"b{start:07d}.safetensors"
+        """Records of (condition, r) for windows from `start` (one or more consecutive batches of one process)."""
+        return self.parts(condition, r) / f"b{start:07d}.safetensors"
 
     def records(self, condition: str, r: int) -> Path:
         return self.root / "records" / condition / f"r{r:04d}.parquet"

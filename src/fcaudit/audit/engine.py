@@ -95,6 +95,7 @@ class Engine:
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
+        self._coverage: dict[tuple[str, int], set[int]] = {}
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
@@ -124,11 +125,22 @@ class Engine:
         if len(frame) != self.ev.shape[0] or list(frame["example"]) != list(range(self.ev.shape[0])):
             raise files.Damaged(path, "does not hold one row per evaluation window")
 
+    def _covered(self, condition: str, r: int) -> set[int]:
+        """Evaluation windows whose records of (condition, r) are in verified part files (cached)."""
+        key = (condition, r)
+        if key not in self._coverage:
+            found: set[int] = set()
+            for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
+                part = []
+                if self._verified(path, lambda p=path: part.append(files.read_tensors(p)[0])):
+                    found.update(part[0]["example"].tolist())
+            self._coverage[key] = found
+        return self._coverage[key]
+
     def _part_ok(self, condition: str, r: int, start: int) -> bool:
         if self._merged_ok(condition, r):
             return True
-        path = self.dir.part(condition, r, start)
-        return self._verified(path, lambda: files.read_tensors(path))
+        return set(range(start, min(start + self.B, self.ev.shape[0]))) <= self._covered(condition, r)
 
     def done(self, unit: Unit) -> bool:
         if unit.kind == "capture":
@@ -206,10 +218,16 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, start, nll, active(coeffs, self.routers))
+        self._write_part("Correct", 0, [(np.arange(start, last + 1), nll, active(coeffs, self.routers))])
 
-    def _write_part(self, condition: str, r: int, start: int, nll: torch.Tensor, act: torch.Tensor) -> None:
-        files.write_tensors(self.dir.part(condition, r, start), {"nll": nll.cpu(), "active": act.cpu()})
+    def _write_part(self, condition: str, r: int, batches: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]) -> None:
+        """One records file for consecutive batches of (condition, r): their windows, NLLs and active sources (a
+        single host sync for all of them)."""
+        examples = np.concatenate([e for e, _, _ in batches])
+        nll = torch.cat([n for _, n, _ in batches]).cpu()
+        act = torch.cat([a for _, _, a in batches]).cpu()
+        files.write_tensors(self.dir.part(condition, r, int(examples[0])),
+                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
@@ -238,24 +256,26 @@ class Engine:
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: list[Unit], step) -> None:
-        """Replays; the next unit's coefficients are prepared while the device still runs the current forward."""
+        """Replays. The records of consecutive units of one (condition, r) are written together, so the device is
+        synchronized once per (condition, r) and the next unit's coefficients are prepared while it still runs."""
         self._load_profiles()
-        pending = None
+        key, batches = None, []
         for u in units:
             if self.done(u):
                 step()
                 continue
+            if batches and key != (u.condition, u.r):
+                self._write_part(*key, batches)
+                batches = []
+            key = (u.condition, u.r)
             examples = np.arange(u.start, min(u.start + self.B, self.ev.shape[0]))
             coeffs = protocol.REGISTRY[u.condition].make(self, u.r, examples)
-            if pending is not None:
-                self._write_part(*pending)
-                step()
             with self.controller.replay(coeffs):
                 _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-            pending = (u.condition, u.r, u.start, nll, active(coeffs, self.routers))
-        if pending is not None:
-            self._write_part(*pending)
+            batches.append((examples, nll, active(coeffs, self.routers)))
             step()
+        if batches:
+            self._write_part(*key, batches)
 
     def _load_profiles(self) -> None:
         tensors, _ = files.read_tensors(self.dir.profiles)
@@ -289,16 +309,18 @@ class Engine:
         for condition, r in self.schedule.record_keys():
             if self._merged_ok(condition, r):
                 continue
-            nll, act = [], []
-            for start in self.schedule.eval_starts:
-                tensors, _ = files.read_tensors(self.dir.part(condition, r, start))
-                nll.append(tensors["nll"])
-                act.append(tensors["active"])
+            parts = [files.read_tensors(p)[0] for p in sorted(self.dir.parts(condition, r).glob("b*.safetensors"))]
+            example = torch.cat([t["example"] for t in parts])
+            order = torch.argsort(example)
+            if not torch.equal(example[order], torch.arange(n)):
+                raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
+                                   "the audit command to recompute them")
             frame = pd.DataFrame({"example": np.arange(n, dtype=np.int64), "condition": condition,
-                                  "randomization": np.int64(r), "nll": torch.cat(nll).numpy(),
-                                  "tokens": np.int64(tokens), "active": torch.cat(act).numpy()})
+                                  "randomization": np.int64(r), "nll": torch.cat([t["nll"] for t in parts])[order].numpy(),
+                                  "tokens": np.int64(tokens),
+                                  "active": torch.cat([t["active"] for t in parts])[order].numpy()})
             files.write_frame(self.dir.records(condition, r), frame[list(protocol.RECORD_COLUMNS)])
-            shutil.rmtree(self.dir.part(condition, r, 0).parent, ignore_errors=True)
+            shutil.rmtree(self.dir.parts(condition, r), ignore_errors=True)
         shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
         meta = [self.store.metadata(int(s)) for s in self.starts]
         flips = [m["route_flips"] for m in meta if m.get("route_flips") is not None]

@@ -48,9 +48,8 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
     if partial:
         for f in sorted(p for p in (adir.root / "parts").rglob("b*.safetensors")):
             tensors, _ = files.read_tensors(f)
-            condition, r, start = f.parent.parent.name, int(f.parent.name[1:]), int(f.stem[1:])
-            n = len(tensors["nll"])
-            frames.append(pd.DataFrame({"example": np.arange(start, start + n, dtype=np.int64), "condition": condition,
+            condition, r = f.parent.parent.name, int(f.parent.name[1:])
+            frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": condition,
                                         "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
                                         "tokens": np.int64(-1), "active": tensors["active"].numpy()}))
     if not frames:

@@ -24,6 +24,7 @@ from fcaudit.protocol import Coeffs
 
 _CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
 MAX_OPEN = 16  # memory-mapped chunk files kept open; bounds the mapped (resident) part of the store
+WHOLE_CHUNK_BYTES = 4 * 2**20  # chunks up to this size are read whole once and kept (at most MAX_OPEN of them)
 
 
 def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> None:
@@ -44,6 +45,7 @@ class CoefficientStore:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._handles: OrderedDict[int, object] = OrderedDict()
+        self._whole: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # small chunks, read once
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
 
     def chunk_path(self, start: int) -> Path:
@@ -61,6 +63,7 @@ class CoefficientStore:
             groups.setdefault(name, []).append(flat)
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
         self._handles.pop(start, None)
+        self._whole.pop(start, None)
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
     def starts(self) -> list[int]:
@@ -74,6 +77,7 @@ class CoefficientStore:
     def verify(self, start: int) -> dict:
         """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
         self._handles.pop(start, None)
+        self._whole.pop(start, None)
         return read_tensors(self.chunk_path(start))[1]
 
     def _open(self, start: int):
@@ -84,6 +88,20 @@ class CoefficientStore:
             if len(self._handles) > MAX_OPEN:
                 self._handles.popitem(last=False)
         return self._handles[start]
+
+    def _rows(self, start: int, dtype: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of one chunk's flat tensor: from the kept copy of a small chunk, else a memory-mapped slice
+        (a per-call cost that matters only for small models, whose chunks are small)."""
+        if start not in self._whole:
+            f = self._open(start)
+            size = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()) * 8
+            if size > WHOLE_CHUNK_BYTES:
+                return f.get_slice(f"coeffs.{dtype}")[lo:hi]
+            self._whole[start] = {k.removeprefix("coeffs."): f.get_tensor(k) for k in f.keys()}
+            if len(self._whole) > MAX_OPEN:
+                self._whole.popitem(last=False)
+        self._whole.move_to_end(start)
+        return self._whole[start][dtype][lo:hi]
 
     def metadata(self, start: int) -> dict:
         return tensor_meta(self.chunk_path(start))
@@ -127,9 +145,8 @@ class CoefficientStore:
                 j += 1
             start = int(chunk_starts[which[order[i]]])
             lo, hi = int(examples[order[i]]) - start, int(examples[order[j - 1]]) - start + 1
-            f = self._open(start)
             for d in dtypes:
-                pieces[d].append(f.get_slice(f"coeffs.{d}")[lo:hi])
+                pieces[d].append(self._rows(start, d, lo, hi))
             positions.append(order[i:j])
             i = j
         flat_pos = torch.from_numpy(np.concatenate(positions))
@@ -140,3 +157,4 @@ class CoefficientStore:
 
     def close(self) -> None:
         self._handles.clear()
+        self._whole.clear()

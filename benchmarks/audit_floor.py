@@ -1,0 +1,144 @@
+"""How close an audit is to its floor: the forward passes it must run, and nothing else.
+
+For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the tiny MUDD),
+one audit (64 + 64 windows, R = 20 by default, a fresh directory each time) is timed against a bare loop of the same
+forward passes: per evaluation batch a capture pass and a replay pass, per calibration batch a capture pass, and one
+replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute), with
+coefficients prepared once beforehand, and nothing written.
+Audit and bare loop alternate (A B A B ...), one thread, median of the repetitions; the ratio is audit / bare.
+Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fcaudit as fca
+from fcaudit import protocol
+from fcaudit.audit.units import Schedule
+from fcaudit.controllers import Controller
+from fcaudit.loss import token_nll
+
+
+class OwnGate(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, 1)
+
+    def forward(self, h):
+        return torch.sigmoid(self.proj(h)).squeeze(-1)
+
+
+class OwnBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.gate = nn.LayerNorm(d), OwnGate(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, h):
+        return h + self.gate(h)[..., None] * self.mlp(self.ln(h))
+
+
+class OwnGatedLM(nn.Module):
+    """A user's own gated LM: embedding, 4 gated MLP blocks with causal mean mixing, a head."""
+
+    def __init__(self, vocab=256, d=96, layers=4):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(OwnBlock(d) for _ in range(layers))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h.cumsum(1) / torch.arange(1, h.shape[1] + 1)[:, None])
+        return self.head(h)
+
+
+def build(name: str) -> tuple[nn.Module, Controller, int]:
+    torch.manual_seed(0)
+    if name == "featuregate":
+        from fcaudit.models.featuregate import FeatureGateGPT, config_for
+
+        model = FeatureGateGPT(config_for("demo", "featuregate")).eval()
+        return model, fca.controller_for(model), 128
+    if name == "own":
+        model = OwnGatedLM().eval()
+        return model, Controller.from_modules(model, "blocks.*.gate", layout="batch token"), 128
+    from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
+
+    model = MUDDPythia(BYTE_PRESETS["tiny"]).eval()
+    with torch.no_grad():  # a silent controller at init: give it something to say
+        for dd in model.dynamic_dense:
+            dd.w2.weight.normal_(0, 0.02)
+    return model, fca.controller_for(model), 64
+
+
+def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
+    """The audit's forward passes and their NLLs with nothing else: seconds."""
+    sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
+    nll = lambda ids: token_nll(model(ids), ids).mean(1)  # noqa: E731
+    with torch.inference_mode():
+        with ctrl.capture(batch, ev.shape[1]) as found:
+            model(ev[:batch])
+        coeffs = list(found)
+        t0 = time.perf_counter()
+        for u in sched.stage1():
+            ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
+            nll(ids)
+            if u.kind == "capture":
+                with ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+                    nll(ids)
+        for u in sched.stage2():
+            ids = ev[u.start:u.start + batch]
+            with ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+                nll(ids)
+        return time.perf_counter() - t0
+
+
+def audit_once(model, ctrl, ev, ca, batch: int, R: int) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        fca.audit(model, ctrl, ev, ca, randomizations=R, out=out, batch_size=batch, quiet=True)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd"])
+    p.add_argument("--n-eval", type=int, default=64)
+    p.add_argument("--n-calib", type=int, default=64)
+    p.add_argument("--randomizations", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cpus); one thread; "
+          f"{args.n_eval}+{args.n_calib} windows, R={args.randomizations}, batch {args.batch_size}", flush=True)
+    for name in args.models:
+        model, ctrl, T = build(name)
+        g = torch.Generator().manual_seed(0)
+        ev = torch.randint(0, 256, (args.n_eval, T), generator=g)
+        ca = torch.randint(0, 256, (args.n_calib, T), generator=g)
+        audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, allocator
+        audits, bares = [], []
+        for _ in range(args.reps):
+            audits.append(audit_once(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+            bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+        ratios = [a / b for a, b in zip(audits, bares)]
+        print(f"{name:<12} audit {statistics.median(audits):7.2f} s  bare loop {statistics.median(bares):7.2f} s  "
+              f"ratio median {statistics.median(ratios):.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)})",
+              flush=True)
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
