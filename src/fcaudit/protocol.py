@@ -69,7 +69,7 @@ class _Memo:
         return value
 
 
-_PERMUTATIONS = _Memo(32 * 2**20)
+_PERMUTATIONS = _Memo(2**20)
 
 
 def token_permutations(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -26,7 +26,7 @@ from fcaudit.audit import files
 from fcaudit.audit.directory import AuditDir
 from fcaudit.audit.group import Group, RankError
 from fcaudit.audit.store import CoefficientStore, check_finite
-from fcaudit.audit.units import Schedule, Unit, split
+from fcaudit.audit.units import Schedule, Unit, share
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.loss import logits_of, token_nll
@@ -157,14 +157,15 @@ class Engine:
     # ---- the run -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         """Stage 1, profiles, stage 2, merge; a failure on any rank stops every rank with its one-line error."""
-        stage1 = split(self.schedule.stage1(), self.group.rank, self.group.world)
-        stage2 = split(self.schedule.stage2(), self.group.rank, self.group.world)
-        total = sum(u.passes for u in stage1 + stage2)
+        rank, world, sched = self.group.rank, self.group.world, self.schedule
+        stage1 = lambda: share(sched.iter_stage1(), rank, world)  # noqa: E731  (generated, never held)
+        stage2 = lambda: share(sched.iter_stage2(), rank, world)  # noqa: E731
+        total = sum(u.passes for u in stage1()) + sum(u.passes for u in stage2())
         with self._progress() as progress:
             task = progress.add_task("audit (forward passes)", total=total)
             step = lambda n=1: progress.advance(task, n)  # noqa: E731
             try:
-                self.group.run(lambda: self._stage1(stage1, step))
+                self.group.run(lambda: self._stage1(stage1(), step))
             except RankError as e:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
@@ -172,7 +173,7 @@ class Engine:
                     files.write_json(self.dir.replay, self._failed_replay)
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
-            self.group.run(lambda: self._stage2(stage2, step))
+            self.group.run(lambda: self._stage2(stage2(), step))
         self.group.run(self._finalize, main_only=True)
         redone = [f for rank in self.group.gather(self.redone) for f in rank]  # damaged files found by any rank
         if redone:
@@ -186,7 +187,7 @@ class Engine:
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
 
-    def _stage1(self, units: list[Unit], step) -> None:
+    def _stage1(self, units: Iterable[Unit], step) -> None:
         for u in units:
             if not self.done(u):
                 (self._capture if u.kind == "capture" else self._calibrate)(u.start)
@@ -218,16 +219,15 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, [(np.arange(start, last + 1), nll, active(coeffs, self.routers))])
+        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, active(coeffs, self.routers))
 
-    def _write_part(self, condition: str, r: int, batches: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]) -> None:
-        """One records file for consecutive batches of (condition, r): their windows, NLLs and active sources (a
-        single host sync for all of them)."""
-        examples = np.concatenate([e for e, _, _ in batches])
-        nll = torch.cat([n for _, n, _ in batches]).cpu()
-        act = torch.cat([a for _, _, a in batches]).cpu()
-        files.write_tensors(self.dir.part(condition, r, int(examples[0])),
-                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
+    def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
+                    act: torch.Tensor) -> None:
+        """One records file for consecutive batches (first window, count) of (condition, r): their windows, NLLs and
+        active sources (a single host sync for all of them)."""
+        examples = torch.cat([torch.arange(start, start + count) for start, count in ranges])
+        files.write_tensors(self.dir.part(condition, r, ranges[0][0]),
+                            {"example": examples, "nll": nll.cpu(), "active": act.cpu()})
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
@@ -255,27 +255,35 @@ class Engine:
         shutil.rmtree(self.dir.root / "calib", ignore_errors=True)
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
-    def _stage2(self, units: list[Unit], step) -> None:
+    def _stage2(self, units: Iterable[Unit], step) -> None:
         """Replays. The records of consecutive units of one (condition, r) are written together, so the device is
-        synchronized once per (condition, r) and the next unit's coefficients are prepared while it still runs."""
+        synchronized once per (condition, r) and the next unit's coefficients are prepared while it still runs.
+        NLLs go into buffers allocated once: small per-batch tensors kept alive between the forwards' large
+        activations would fragment the host heap, and memory would grow with the number of windows."""
         self._load_profiles()
-        key, batches = None, []
+        n = self.ev.shape[0]
+        nll_buf = torch.empty(n, dtype=torch.float64, device=self.device)
+        act_buf = torch.empty(n, dtype=torch.float64, device=self.device)
+        key, ranges, filled = None, [], 0
         for u in units:
             if self.done(u):
                 step()
                 continue
-            if batches and key != (u.condition, u.r):
-                self._write_part(*key, batches)
-                batches = []
+            if ranges and key != (u.condition, u.r):
+                self._write_part(*key, ranges, nll_buf[:filled], act_buf[:filled])
+                ranges, filled = [], 0
             key = (u.condition, u.r)
-            examples = np.arange(u.start, min(u.start + self.B, self.ev.shape[0]))
+            examples = np.arange(u.start, min(u.start + self.B, n))
             coeffs = protocol.REGISTRY[u.condition].make(self, u.r, examples)
             with self.controller.replay(coeffs):
                 _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-            batches.append((examples, nll, active(coeffs, self.routers)))
+            nll_buf[filled:filled + len(examples)] = nll
+            act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
+            ranges.append((int(examples[0]), len(examples)))
+            filled += len(examples)
             step()
-        if batches:
-            self._write_part(*key, batches)
+        if ranges:
+            self._write_part(*key, ranges, nll_buf[:filled], act_buf[:filled])
 
     def _load_profiles(self) -> None:
         tensors, _ = files.read_tensors(self.dir.profiles)

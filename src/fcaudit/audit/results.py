@@ -18,6 +18,7 @@ from fcaudit.audit.directory import AuditDir
 from fcaudit.errors import FcauditError
 
 DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
+DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memory flat in the number of windows
 V1_CONDITIONS = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
                  "StructureRemoved")  # audits written before the protocol registry (no "conditions" in config.json)
 
@@ -70,6 +71,26 @@ def missing_records(records: pd.DataFrame, config: dict) -> list[str]:
     return [f"{c} r{r}" for c, r in expected_records(config) if have.get((c, r), 0) != n]
 
 
+def missing_files(root: Path, config: dict) -> list[str]:
+    """The expected (condition, randomization) records files that are absent or short, read from their Parquet
+    metadata only (the records themselves are read, and their hashes checked, when first used)."""
+    import pyarrow.parquet as pq
+
+    adir, n, missing = AuditDir(root), config["windows"]["n_eval"], []
+    for c, r in expected_records(config):
+        path = adir.records(c, r)
+        if not path.is_file():
+            missing.append(f"{c} r{r}")
+            continue
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except Exception as e:
+            raise _damaged(files.Damaged(path, f"unreadable ({type(e).__name__})"), adir.root) from None
+        if rows != n:
+            missing.append(f"{c} r{r}")
+    return missing
+
+
 def _clean(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
@@ -100,7 +121,7 @@ def variation(store, starts: np.ndarray) -> dict:
     token = store.read_chunk(int(starts[0]))[0].shape[1]
     per_window = len(shapes) * token * s_max * k_max * 8
     n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
-    n_used = max(2, min(n_total, DECOMPOSITION_BUDGET // per_window))
+    n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
     arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)
     for b0 in starts:
         if b0 >= n_used:
@@ -125,13 +146,21 @@ def variation(store, starts: np.ndarray) -> dict:
 class AuditResult:
     """The results directory of one audit: config, replay report and records, with the paper's summaries.
 
-    `partial` is True for an unfinished audit loaded with `allow_partial=True`; every summary says so."""
+    `partial` is True for an unfinished audit loaded with `allow_partial=True`; every summary says so. The records
+    are read from disk (and their content hashes checked) when first used, so loading an audit costs no memory
+    that grows with its number of windows until its records are needed."""
 
     path: Path
     config: dict
     replay: dict
-    records: pd.DataFrame
     partial: bool = False
+    _records: pd.DataFrame | None = None
+
+    @property
+    def records(self) -> pd.DataFrame:
+        if self._records is None:
+            self._records = load_records(self.path, partial=self.partial)
+        return self._records
 
     def __repr__(self) -> str:
         r = self.replay
@@ -156,17 +185,14 @@ class AuditResult:
         if replay.get("passed") is False:
             raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
                                "|Δlogit|); its interventions are not valid, see replay.json")
-        try:
-            records = load_records(adir.root, partial=allow_partial)
-        except FcauditError:
-            if not allow_partial:
-                raise FcauditError(f"{adir.root} is an unfinished audit (no records yet); {rerun}") from None
-            raise
-        missing = missing_records(records, config)
+        missing = missing_files(adir.root, config)
         if (missing or not replay) and not allow_partial:
             what = f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "has no replay.json"
             raise FcauditError(f"{adir.root} is an unfinished audit ({what}); {rerun} (or pass --allow-partial)")
-        return cls(adir.root, config, replay, records, partial=bool(missing) or not replay)
+        if not missing and replay:
+            return cls(adir.root, config, replay)
+        records = load_records(adir.root, partial=True)  # an unfinished audit, asked for: read what is there
+        return cls(adir.root, config, replay, partial=True, _records=records)
 
     @property
     def labels(self) -> dict[str, str]:

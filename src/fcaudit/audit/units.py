@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import islice
+from typing import Iterable, Iterator
 
 from fcaudit import protocol
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     kind: str  # "capture" | "calibrate" | "replay"
     start: int  # first window index of the batch
@@ -51,7 +53,11 @@ class Schedule:
         return list(range(0, self.n_calib, self.batch_size))
 
     def stage1(self) -> list[Unit]:
-        return ([Unit("capture", b) for b in self.eval_starts] + [Unit("calibrate", b) for b in self.calib_starts])
+        return list(self.iter_stage1())
+
+    def iter_stage1(self) -> Iterator[Unit]:
+        yield from (Unit("capture", b) for b in self.eval_starts)
+        yield from (Unit("calibrate", b) for b in self.calib_starts)
 
     def replay_keys(self) -> list[tuple[str, int]]:
         """(condition, randomization) pairs of stage 2; randomization-major so one derangement serves its conditions."""
@@ -61,7 +67,11 @@ class Schedule:
         return static + randomized
 
     def stage2(self) -> list[Unit]:
-        return [Unit("replay", b, c, r) for c, r in self.replay_keys() for b in self.eval_starts]
+        return list(self.iter_stage2())
+
+    def iter_stage2(self) -> Iterator[Unit]:
+        """Generated on demand: an audit's unit list is never held in memory (it grows with the windows)."""
+        return (Unit("replay", b, c, r) for c, r in self.replay_keys() for b in self.eval_starts)
 
     def record_keys(self) -> list[tuple[str, int]]:
         return [("Correct", 0)] + self.replay_keys()
@@ -74,3 +84,8 @@ class Schedule:
 def split(units: list[Unit], rank: int, world: int) -> list[Unit]:
     """Rank `rank`'s share: every world-th unit, so each rank gets a mix of conditions and batches."""
     return units[rank::world]
+
+
+def share(units: Iterable[Unit], rank: int, world: int) -> Iterator[Unit]:
+    """`split` of a generated unit sequence, without holding it."""
+    return islice(units, rank, None, world)

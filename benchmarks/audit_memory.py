@@ -1,0 +1,69 @@
+"""Does an audit's memory grow with the number of evaluation windows? Peak RSS above the level before the audit.
+
+Each window count runs in a fresh process (tiny FeatureGate preset, T = 64, R = 20, 64 calibration windows, batch 8):
+the model is built and warmed up, the peak resident set is reset (Linux /proc/self/clear_refs), the audit runs into a
+fresh directory, and the growth of the peak over the pre-audit level is reported with the on-disk store size.
+Usage: python benchmarks/audit_memory.py [--n-eval 64 512 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def child(n_eval: int, randomizations: int) -> dict:
+    import torch
+
+    import fcaudit as fca
+    from fcaudit.models.featuregate import FeatureGateGPT, config_for
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = FeatureGateGPT(config_for("tiny", "featuregate")).eval()
+    g = torch.Generator().manual_seed(0)
+    ev = torch.randint(0, 256, (n_eval, 64), generator=g)
+    ca = torch.randint(0, 256, (64, 64), generator=g)
+    with tempfile.TemporaryDirectory() as warm:  # imports, allocator pools, lazy tables
+        fca.audit(model, fca.controller_for(model), ev[:16], ca[:8], randomizations=1, out=warm, quiet=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size to the current one
+    before = _status("VmRSS")
+    with tempfile.TemporaryDirectory() as out:
+        fca.audit(model, fca.controller_for(model), ev, ca, randomizations=randomizations, out=out, quiet=True)
+        store = sum(p.stat().st_size for p in (Path(out) / "coeffs").iterdir())
+    return {"n_eval": n_eval, "rss_before_mib": before / 2**20, "peak_growth_mib": (_status("VmHWM") - before) / 2**20,
+            "store_mib": store / 2**20}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-eval", type=int, nargs="+", default=[64, 512, 2048])
+    p.add_argument("--randomizations", type=int, default=20)
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.randomizations)))
+        return
+    print(f"load before: {os.getloadavg()[0]:.2f}; tiny FeatureGate, T=64, R={args.randomizations}, 64 calibration "
+          "windows, batch 8, one thread, a fresh process per row", flush=True)
+    for n in args.n_eval:
+        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--randomizations", str(args.randomizations)],
+                             capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} MiB "
+              f"(store on disk {r['store_mib']:.2f} MiB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
