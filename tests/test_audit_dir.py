@@ -199,6 +199,11 @@ def test_an_unfinished_audit_is_refused_unless_asked_for(tmp_path):
     assert "[PARTIAL]" in str(summary) and next(iter(summary.groups.values()))["partial"]
     result = CliRunner().invoke(app, ["summarize", str(out), "--out", str(tmp_path / "s")])
     assert result.exit_code == 2 and "unfinished audit" in result.output and not (tmp_path / "s").exists()
+    result = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "unfinished audit" in result.output
+    result = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r"), "--allow-partial"])
+    assert result.exit_code == 0, result.output
+    assert "[PARTIAL]" in (tmp_path / "r" / "report.md").read_text()
 
 
 def test_summarize_refuses_audits_that_are_not_independent_checkpoints(tmp_path):

@@ -132,6 +132,8 @@ def audit(
 def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
                                                       help="audit directories (one per checkpoint)"),
               out: Path = typer.Option(..., metavar="DIR", help="directory for summary.json and the CSV tables"),
+              allow_partial: bool = typer.Option(False, "--allow-partial",
+                                                 help="summarize unfinished audits too (marked PARTIAL everywhere)"),
               threads: Optional[int] = threads_option()) -> None:
     """Statistics across checkpoints (training seeds).
 
@@ -142,7 +144,7 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
     prepare_out(out, "summary")
     from fcaudit.summary import summarize as run_summary
 
-    summary = run_summary(audit_dirs, out=out)
+    summary = run_summary(audit_dirs, out=out, allow_partial=allow_partial)
     typer.echo(str(summary))
 
 
@@ -191,6 +193,8 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
 def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
                                                help="summary, audit, training or execution directories"),
            out: Path = typer.Option(..., metavar="DIR", help="directory for report.html, report.md, figures, CSVs"),
+           allow_partial: bool = typer.Option(False, "--allow-partial",
+                                              help="report unfinished audits too (marked PARTIAL everywhere)"),
            threads: Optional[int] = threads_option()) -> None:
     """Markdown and HTML report with tables and figures.
 
@@ -198,7 +202,7 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
     """
     from fcaudit.report.render import build_report
 
-    path = build_report(inputs, out)
+    path = build_report(inputs, out, allow_partial=allow_partial)
     typer.echo(f"report: {path}")
 
 

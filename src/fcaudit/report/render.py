@@ -259,7 +259,7 @@ def _replay_line(replays: list) -> str:
 def _family_section(doc: Doc, s: Summary, fam: str):
     g = s.family(fam)
     slug = _slug(fam)
-    doc.h(2, f"Functional dependence (FCA): {fam}")
+    doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g.get("partial") else ""))
     n = g["n_checkpoints"]
     doc.p(f"**{n} checkpoint(s).** {g['note']}")
     doc.p(_replay_line(g.get("replay", [])))
@@ -443,7 +443,7 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
                                         else f"{v:.4g}" if isinstance(v, float) else v))
 
 
-def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
+def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
     """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
     number as CSV/JSON into `out`. Returns the path of report.html."""
     out = prepare_out(out, "report")
@@ -451,7 +451,7 @@ def build_report(inputs: Sequence[str | Path], out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     summaries = [s for _, s in found.summaries]
     if found.audits:
-        summaries.append(summarize(found.audits, out / "summary"))
+        summaries.append(summarize(found.audits, out / "summary", allow_partial=allow_partial))
     doc = Doc(out)
     prov = provenance()
     doc.h(1, "fcaudit report")
