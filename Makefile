@@ -39,5 +39,9 @@ test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: setup
-	$(BIN)/python benchmarks/train_speed.py
-	$(BIN)/python benchmarks/audit_speed.py
+	$(BIN)/python benchmarks/forward_speed.py --preset demo
+	$(BIN)/python benchmarks/train_speed.py --threads 1
+	$(BIN)/python benchmarks/audit_floor.py
+	$(BIN)/python benchmarks/audit_memory.py
+	$(BIN)/python benchmarks/shard_speed.py
+	$(BIN)/python benchmarks/moe_penalties.py
