@@ -208,11 +208,12 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
 
 @command
 def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output directory (rerun to resume)"),
-         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 8 "
-                                                             "minutes on 2 CPU cores)"),
+         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 11 "
+                                                             "minutes on one CPU thread)"),
          device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
-         threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the demo's small models "
-                                                         "gain little from more, and a shared machine loses much)")
+         threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the same numbers on every "
+                                                         "run, and no thrashing on a shared machine; 2 trains about "
+                                                         "1.45x faster on 2 idle cores, with other last digits)")
          ) -> None:
     """The whole study end to end on the embedded corpus.
 

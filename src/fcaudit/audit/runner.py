@@ -139,10 +139,14 @@ class AuditPlan:
         split = ""
         if self.world_size > 1:
             split = f"; {self.world_size} processes: forward passes per rank {self.passes_per_rank}"
-        return (f"{len(self.layer_shapes)} sites, store {self.store_bytes / 2**20:.1f} MiB, "
+        return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
                 f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
-                f"~{self.peak_memory_bytes / 2**30:.2f} GiB (parameters {self.param_bytes / 2**30:.2f} GiB + "
-                f"{self.batch_size} x {self.activation_bytes / 2**20:.1f} MiB per window){split}")
+                f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + {self.batch_size} x "
+                f"{_size(self.activation_bytes)} per window){split}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _peak_rss() -> int:
