@@ -131,7 +131,7 @@ class AuditPlan:
     forward_passes: int
     param_bytes: int
     activation_bytes: int  # measured growth of one 1-window forward pass, beyond the parameters
-    peak_memory_bytes: int  # parameters + batch_size x (activations + 3 batches of coefficients)
+    peak_memory_bytes: int  # parameters + batch_size x (activations + the first pass's logits + 3 x coefficients)
     world_size: int = 1
     passes_per_rank: list[int] | None = None
 
@@ -155,7 +155,15 @@ def _peak_rss() -> int:
 
 
 def _reset_peak_rss() -> bool:
-    try:  # Linux >= 4.0: "5" resets the peak resident set size (VmHWM) to the current one
+    """Return freed heap memory to the OS (glibc), so the next pass's growth is its own and not a reuse of what the
+    warm-up pass left, then reset the peak resident set size (VmHWM) to the current one (Linux >= 4.0)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return True
@@ -185,7 +193,8 @@ def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tenso
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
          randomizations: int = 20, world_size: int = 1) -> AuditPlan:
     """What an audit of these windows will cost: store size, forward passes (split over `world_size` processes),
-    peak memory (parameters + measured activations of one window x batch size)."""
+    peak memory: the parameters plus, per window of a batch, the measured activations of a one-window forward pass,
+    the capture pass's logits (kept while the exact replay check runs) and three windows of coefficients."""
     from fcaudit.audit.units import split
 
     randomizations = _check_int("randomizations", randomizations, 1)
@@ -200,11 +209,12 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
         one = ev[:1].to(device)
         acts = _activation_bytes(model, controller, one)
         with torch.inference_mode():
-            coeffs, _, _ = capture_batch(model, controller, one, None)
+            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
     finally:
         model.train(was_training)
     check_finite(coeffs, "a 1-window forward")
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
+    logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     conditions = protocol.for_controller(controller.info)
     sched = Schedule(ev.shape[0], n_calib, batch_size, randomizations, tuple(conditions))
@@ -213,7 +223,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch_size, randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
                      per_window * ev.shape[0], sched.forward_passes(), param_bytes, acts,
-                     param_bytes + batch_size * (acts + 3 * per_window), world_size, per_rank)
+                     param_bytes + batch_size * (acts + logits + 3 * per_window), world_size, per_rank)
 
 
 dry_run = plan
