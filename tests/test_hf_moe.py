@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a test dependency: fcaudit[test] includes fcaudit[hf])
 
 from fcaudit.errors import FcauditError  # noqa: E402
 from fcaudit.families.hf_moe import TopKRouterCodec, load_hf_moe, moe_adapter, require_transformers  # noqa: E402
@@ -353,3 +353,20 @@ def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
     pen = res.penalties().set_index("condition")["mean"]
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
     assert pen["CrossInput"] > 0.01 and pen["TokenShuffle"] > 0.01
+
+
+def test_from_modules_with_a_codec_audits_tuple_routers(tmp_path):
+    """The README's way for a router the family does not know: a path pattern and a codec, no adapter."""
+    import fcaudit as fca
+
+    model = tiny_moe("mixtral", experts=E, top_k=K)
+    spread_router(model)
+    with pytest.raises(FcauditError, match="give the site a codec"):  # a layout cannot read a tuple
+        fca.audit(model, fca.Controller.from_modules(model, "model.layers.*.mlp.gate", layout="(batch token) expert"),
+                  _windows(4), _windows(2, seed=1), randomizations=1, out=tmp_path / "layout", quiet=True)
+    ctrl = fca.Controller.from_modules(model, "model.layers.*.mlp.gate", codec=TopKRouterCodec(num_experts=E, top_k=K),
+                                       reference="source_uniform_mean")
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path / "codec",
+                    batch_size=3, quiet=True)
+    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    assert "StaticTopK" in set(res.records.condition)
