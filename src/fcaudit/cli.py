@@ -20,8 +20,8 @@ from fcaudit.errors import FcauditError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Frozen-Controller Auditing: variation, functional dependence and execution of dynamic networks.")
 
-MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth) "
-               "or mudd")
+MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth), "
+               "mudd or moe (a byte-level Mixtral; needs fcaudit[hf])")
 DEVICE_HELP = "auto, cpu or cuda (auto: CUDA when visible)"
 
 
@@ -59,8 +59,8 @@ def command(fn: Callable) -> Callable:
 @command
 def train(
     model: str = typer.Option("featuregate", metavar="NAME", help=MODELS_HELP),
-    preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd: tiny "
-                                                              "or demo)"),
+    preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd, moe: "
+                                                              "tiny or demo)"),
     seed: int = typer.Option(0, metavar="N", help="training seed (weights, batches)"),
     corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
                                                                  "wikitext-103 or openwebtext"),
