@@ -171,6 +171,13 @@ def static_top_k(cal: Calibration) -> list[torch.Tensor]:
     return out
 
 
+def expand(profile: torch.Tensor, batch: int, token: int) -> torch.Tensor:
+    """A static profile ([token, stream, source] or [stream, source]) as a batch's coefficients (a view)."""
+    if profile.dim() == 3:
+        return profile[None].expand(batch, -1, -1, -1)
+    return profile[None, None].expand(batch, token, -1, -1)
+
+
 # ---- conditions ------------------------------------------------------------------------------------------------
 
 class ReplayContext(Protocol):

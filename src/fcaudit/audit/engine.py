@@ -311,9 +311,7 @@ class Engine:
         return self._perm[1]
 
     def static(self, condition: str, batch: int) -> Coeffs:
-        token = self.ev.shape[1]
-        return [p[None].expand(batch, -1, -1, -1) if p.dim() == 3 else p[None, None].expand(batch, token, -1, -1)
-                for p in self._static[condition]]
+        return [protocol.expand(p, batch, self.ev.shape[1]) for p in self._static[condition]]
 
     # ---- the end: merge records, replay report, variation ---------------------------------------------------------
     def _finalize(self) -> None:

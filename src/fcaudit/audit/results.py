@@ -65,12 +65,6 @@ def expected_records(config: dict) -> list[tuple[str, int]]:
             for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
 
 
-def missing_records(records: pd.DataFrame, config: dict) -> list[str]:
-    n = config["windows"]["n_eval"]
-    have = records.groupby(["condition", "randomization"])["example"].nunique()
-    return [f"{c} r{r}" for c, r in expected_records(config) if have.get((c, r), 0) != n]
-
-
 def missing_files(root: Path, config: dict) -> list[str]:
     """The expected (condition, randomization) records files that are absent or short, read from their Parquet
     metadata only (the records themselves are read, and their hashes checked, when first used)."""

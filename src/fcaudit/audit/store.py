@@ -94,8 +94,7 @@ class CoefficientStore:
         (a per-call cost that matters only for small models, whose chunks are small)."""
         if start not in self._whole:
             f = self._open(start)
-            size = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()) * 8
-            if size > WHOLE_CHUNK_BYTES:
+            if self.chunk_path(start).stat().st_size > WHOLE_CHUNK_BYTES:
                 return f.get_slice(f"coeffs.{dtype}")[lo:hi]
             self._whole[start] = {k.removeprefix("coeffs."): f.get_tensor(k) for k in f.keys()}
             if len(self._whole) > MAX_OPEN:

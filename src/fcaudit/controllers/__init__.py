@@ -39,7 +39,7 @@ def controller_for(model: nn.Module) -> Controller:
     """The controller of `model`: a registered adapter, else its family's."""
     from fcaudit import families
 
-    if isinstance(model, tuple):  # (model, meta) as fcaudit.load_model returns it
+    if isinstance(model, tuple):  # (model, meta) as fcaudit.models.checkpoint.load_model returns it
         model = model[0]
     for match, factory in reversed(_ADAPTERS):
         if match(model):

@@ -24,9 +24,6 @@ from torch import nn
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs, Controllers, REFERENCES
 
-CANONICAL = ("batch", "token", "stream", "source")
-
-
 def path_matches(path: str, pattern: str) -> bool:
     """Glob over module paths: `*` matches within one dotted component ("blocks.*.gate" does not match
     "blocks.0.mlp.gate"); a pattern containing `**` is matched against the whole path with plain fnmatch."""

@@ -18,10 +18,6 @@ from fcaudit.controllers.site import Controller
 from fcaudit.protocol import Coeffs
 
 
-def routes(controller: Controller) -> bool:
-    return any(s.codec.top_k is not None for s in controller.sites)
-
-
 def static_coefficients(model: nn.Module, controller: Controller, calib: torch.Tensor, batch: int,
                         batch_size: int = 8) -> dict[str, Coeffs]:
     """The replay coefficients of every static condition for a [batch, T] input, from calibration windows [N, T]
@@ -40,9 +36,7 @@ def static_coefficients(model: nn.Module, controller: Controller, calib: torch.T
     out = {}
     for cond in protocol.conditions(kind="static"):
         if cond.applies(info):
-            out[cond.name] = [(p[None].expand(batch, -1, -1, -1) if p.dim() == 3
-                               else p[None, None].expand(batch, token, -1, -1)).to(dt)
-                              for p, dt in zip(cond.profile(cal, info), dtypes)]
+            out[cond.name] = [protocol.expand(p.to(dt), batch, token) for p, dt in zip(cond.profile(cal, info), dtypes)]
     return out
 
 
