@@ -72,51 +72,53 @@ class _Memo:
 _PERMUTATIONS = _Memo(2**20)
 
 
-def token_permutations(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:
-    """Per layer an int array [stream, token]: an independent permutation of positions per layer and stream."""
+def token_permutations(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
+    """An int array [rows, token]: an independent permutation of positions per row, one row per (layer, stream) in
+    layer order."""
 
     def make() -> np.ndarray:
         rng = np.random.default_rng([SHUFFLE, seed, r, example])
-        rows = rng.permuted(np.broadcast_to(np.arange(token), (sum(streams), token)), axis=1)
-        rows.flags.writeable = False  # shared by every caller of the memo
-        return rows
+        perm = rng.permuted(np.broadcast_to(np.arange(token), (rows, token)), axis=1)
+        perm.flags.writeable = False  # shared by every caller of the memo
+        return perm
 
-    rows = _PERMUTATIONS.get((example, seed, r, token, tuple(streams)), make)
-    return np.split(rows, np.cumsum(streams)[:-1])
+    return _PERMUTATIONS.get((example, seed, r, token, rows), make)
 
 
-def past_positions(example: int, seed: int, r: int, token: int, streams: Sequence[int]) -> list[np.ndarray]:
-    """Per layer an int array [stream, token]: position t takes a uniformly drawn position s <= t."""
+def past_positions(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
+    """An int array [rows, token], one row per (layer, stream): position t takes a uniformly drawn position s <= t."""
     rng = np.random.default_rng([RESAMPLE, seed, r, example])
-    rows = rng.integers(0, np.arange(1, token + 1), size=(sum(streams), token))
-    return np.split(rows, np.cumsum(streams)[:-1])
+    return rng.integers(0, _HIGH.get(token, lambda: np.arange(1, token + 1)), size=(rows, token))
 
 
-def move_tokens(coeffs: Coeffs, index: list[np.ndarray]) -> Coeffs:
-    """new[b, t, s, :] = old[b, index[b][l][s, t], s, :] for every layer l: the source vector moves as one.
+_HIGH = _Memo(2**16)  # arange(1, token + 1) of past_positions, made once per window length
 
-    index: per example of the batch, the per-layer [stream, token] arrays of `token_permutations` or `past_positions`.
+
+def move_tokens(coeffs: Coeffs, index: np.ndarray) -> Coeffs:
+    """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l: the source vector moves as one.
+
+    index: [batch, sum of streams over layers, token], stacked from `token_permutations` or `past_positions`.
     """
-    rows = np.stack([np.concatenate(per_layer) for per_layer in index])  # [batch, sum of streams, token]
+    # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
+    index = torch.from_numpy(np.ascontiguousarray(index.transpose(0, 2, 1))).to(coeffs[0].device)
     out, s0 = [], 0
     for c in coeffs:
         s = c.shape[2]
-        idx = torch.from_numpy(np.ascontiguousarray(rows[:, s0:s0 + s].transpose(0, 2, 1))).to(c.device)
-        out.append(torch.gather(c, 1, idx[..., None].expand(-1, -1, -1, c.shape[3])))
+        out.append(torch.gather(c, 1, index[:, :, s0:s0 + s, None].expand(-1, -1, -1, c.shape[3])))
         s0 += s
     return out
 
 
 def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
     """TokenShuffle r of the receiving `examples`: independent permutations per example, layer and stream."""
-    token, streams = coeffs[0].shape[1], [c.shape[2] for c in coeffs]
-    return move_tokens(coeffs, [token_permutations(int(e), seed, r, token, streams) for e in examples])
+    token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
+    return move_tokens(coeffs, np.stack([token_permutations(int(e), seed, r, token, rows) for e in examples]))
 
 
 def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
     """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example."""
-    token, streams = coeffs[0].shape[1], [c.shape[2] for c in coeffs]
-    return move_tokens(coeffs, [past_positions(int(e), seed, r, token, streams) for e in examples])
+    token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
+    return move_tokens(coeffs, np.stack([past_positions(int(e), seed, r, token, rows) for e in examples]))
 
 
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
