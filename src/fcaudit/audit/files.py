@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from fcaudit.io import atomic_write
+from fcaudit.io import write_bytes
 
 META_KEY = "fcaudit"
 
@@ -50,7 +50,7 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], met
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     info = {"meta": meta or {}, "sha256": {k: tensor_sha256(v) for k, v in sorted(tensors.items())}}
     header = {META_KEY: json.dumps(info, sort_keys=True)}
-    return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=header))
+    return write_bytes(path, save(tensors, metadata=header))
 
 
 def tensor_meta(path: str | os.PathLike) -> dict:
@@ -81,19 +81,31 @@ def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str
     return tensors, info["meta"]
 
 
-def _frame_sha256(frame: pd.DataFrame) -> str:
+def _column_bytes(values: np.ndarray) -> bytes:
+    values = np.asarray(values)
+    return values.astype(str).tobytes() if values.dtype.kind in "OUT" else np.ascontiguousarray(values).tobytes()
+
+
+def _columns_sha256(columns: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
-    for col in frame.columns:
-        h.update(col.encode())
-        values = frame[col].to_numpy()
-        h.update(values.astype(str).tobytes() if values.dtype == object else np.ascontiguousarray(values).tobytes())
+    for name, values in columns.items():
+        h.update(name.encode())
+        h.update(_column_bytes(values))
     return h.hexdigest()
 
 
-def write_frame(path: str | os.PathLike, frame: pd.DataFrame) -> Path:
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"fcaudit_sha256": _frame_sha256(frame).encode()})
-    return atomic_write(path, lambda p: pq.write_table(table, p))
+def _frame_sha256(frame: pd.DataFrame) -> str:
+    return _columns_sha256({col: frame[col].to_numpy() for col in frame.columns})
+
+
+def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray]) -> Path:
+    """A Parquet table of equal-length numpy columns (read back by `read_frame`). Built with pyarrow directly: a
+    pandas frame costs more than the write itself for the short per-(condition, r) record tables."""
+    table = pa.table({name: pa.array(values) for name, values in columns.items()})
+    table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns).encode()})
+    buffer = pa.BufferOutputStream()  # serialized in memory: arrow's own file opening costs more than the write
+    pq.write_table(table, buffer)
+    return write_bytes(path, buffer.getvalue().to_pybytes())
 
 
 def read_frame(path: str | os.PathLike, verify: bool = True) -> pd.DataFrame:
@@ -117,7 +129,7 @@ def write_json(path: str | os.PathLike, obj: dict) -> Path:
     obj = {k: v for k, v in obj.items() if k != "_sha256"}
     obj = json.loads(json.dumps(obj, default=str))  # hash what a reader will see
     text = json.dumps({**obj, "_sha256": _json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
-    return atomic_write(path, lambda p: p.write_text(text))
+    return write_bytes(path, text.encode())
 
 
 def read_json(path: str | os.PathLike, keys: tuple[str, ...] = ()) -> dict:
