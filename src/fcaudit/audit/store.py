@@ -9,6 +9,7 @@ and a killed run leaves only whole chunks. Reads are memory-mapped (`safe_open`)
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import OrderedDict
@@ -46,7 +47,9 @@ class CoefficientStore:
         self.path = Path(path)
         self._handles: OrderedDict[int, object] = OrderedDict()
         self._whole: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # small chunks, read once
+        self._large: set[int] = set()  # chunks read by slices
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
+        self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
 
     def chunk_path(self, start: int) -> Path:
         return self.path / f"chunk_{start:07d}.safetensors"
@@ -64,6 +67,7 @@ class CoefficientStore:
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
         self._handles.pop(start, None)
         self._whole.pop(start, None)
+        self._large.discard(start)
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
     def starts(self) -> list[int]:
@@ -78,6 +82,7 @@ class CoefficientStore:
         """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
         self._handles.pop(start, None)
         self._whole.pop(start, None)
+        self._large.discard(start)
         return read_tensors(self.chunk_path(start))[1]
 
     def _open(self, start: int):
@@ -94,7 +99,8 @@ class CoefficientStore:
         (a per-call cost that matters only for small models, whose chunks are small)."""
         if start not in self._whole:
             f = self._open(start)
-            if self.chunk_path(start).stat().st_size > WHOLE_CHUNK_BYTES:
+            if start in self._large or self.chunk_path(start).stat().st_size > WHOLE_CHUNK_BYTES:
+                self._large.add(start)
                 return f.get_slice(f"coeffs.{dtype}")[lo:hi]
             self._whole[start] = {k.removeprefix("coeffs."): f.get_tensor(k) for k in f.keys()}
             if len(self._whole) > MAX_OPEN:
@@ -105,18 +111,21 @@ class CoefficientStore:
     def metadata(self, start: int) -> dict:
         return tensor_meta(self.chunk_path(start))
 
+    def row_bytes(self, start: int) -> int:
+        """Bytes of one window's coefficients, all layers."""
+        return sum(math.prod(s["shape"]) * torch.empty(0, dtype=getattr(torch, s["dtype"])).element_size()
+                   for s in self.layout(start))
+
     def layout(self, start: int) -> list[dict]:
         if self._layout is None:
             self._layout = self.metadata(start)["layers"]
         return self._layout
 
     def _split(self, rows: dict[str, torch.Tensor], layout: list[dict]) -> Coeffs:
-        out = []
-        for spec in layout:
-            flat = rows[spec["dtype"]]
-            width = int(np.prod(spec["shape"]))
-            out.append(flat[:, spec["offset"]:spec["offset"] + width].reshape(flat.shape[0], *spec["shape"]))
-        return out
+        if self._slices is None:  # (dtype, first column, last column + 1, shape) per layer, computed once
+            self._slices = [(s["dtype"], s["offset"], s["offset"] + math.prod(s["shape"]), tuple(s["shape"]))
+                            for s in layout]
+        return [rows[d][:, lo:hi].reshape(-1, *shape) for d, lo, hi, shape in self._slices]
 
     def read_chunk(self, start: int) -> Coeffs:
         f = self._open(start)
@@ -124,34 +133,24 @@ class CoefficientStore:
         return self._split({s["dtype"]: f.get_tensor(f"coeffs.{s['dtype']}") for s in layout}, layout)
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
-        """Coefficients of the given example indices (any order, repeats allowed), per layer, as fresh tensors.
+        """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
+        kept chunk: callers never modify them in place (transformations gather, site codecs decode into copies).
 
-        `chunk_starts` is the sorted array of chunk start indices. Runs of consecutive rows inside one chunk are
-        read as one slice.
+        `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is read
+        as one slice.
         """
         examples = np.asarray(examples, dtype=np.int64)
         which = np.searchsorted(chunk_starts, examples, side="right") - 1
-        order = np.lexsort((examples, which))
         layout = self.layout(int(chunk_starts[0]))
         dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
-        pieces: dict[str, list[torch.Tensor]] = {d: [] for d in dtypes}
-        positions: list[np.ndarray] = []
-        i = 0
-        while i < len(order):
-            j = i + 1
-            while (j < len(order) and which[order[j]] == which[order[i]]
-                   and examples[order[j]] == examples[order[j - 1]] + 1):
-                j += 1
-            start = int(chunk_starts[which[order[i]]])
-            lo, hi = int(examples[order[i]]) - start, int(examples[order[j - 1]]) - start + 1
-            for d in dtypes:
-                pieces[d].append(self._rows(start, d, lo, hi))
-            positions.append(order[i:j])
-            i = j
-        flat_pos = torch.from_numpy(np.concatenate(positions))
-        inverse = torch.empty_like(flat_pos)
-        inverse[flat_pos] = torch.arange(len(flat_pos))
-        rows = {d: torch.cat(p)[inverse] for d, p in pieces.items()}
+        if which[0] == which[-1] and int(examples[-1] - examples[0]) == len(examples) - 1 \
+                and bool((np.diff(examples) == 1).all()):  # a batch's own rows (Correct, TokenShuffle, ...): one slice
+            start = int(chunk_starts[which[0]])
+            lo = int(examples[0]) - start
+            return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes}, layout)
+        firsts = chunk_starts[which]
+        rows = {d: torch.cat([self._rows(int(f), d, int(e - f), int(e - f) + 1) for f, e in zip(firsts, examples)])
+                for d in dtypes}  # e.g. a derangement's donors: one row each, in the order asked
         return self._split(rows, layout)
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -41,7 +42,7 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
 def with_memory_order(x: torch.Tensor, order: Sequence[int] | None) -> torch.Tensor:
     """A fresh copy of x (downstream in-place ops cannot touch the cache) whose dims are laid out in memory in
     `order` (outermost first), as the captured output was, so kernels see the same strides."""
-    if order is None or len(order) != x.dim():
+    if order is None or len(order) != x.dim() or all(d == i for i, d in enumerate(order)):
         return x.clone(memory_format=torch.contiguous_format)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return x.permute(tuple(order)).clone(memory_format=torch.contiguous_format).permute(inverse)
@@ -88,11 +89,15 @@ class Layout(Codec):
                                "merge them with parentheses, e.g. '(head expert)'")
         return cls(pattern, extra[0] if extra else None)
 
-    @property
+    @cached_property
     def canonical(self) -> str:
         names = self.pattern.replace("(", " ").replace(")", " ").split()
         stream = "stream" if "stream" in names else "1"
         return f"batch token {stream} {self.source or '1'}"
+
+    @cached_property
+    def _decoding(self) -> str:
+        return f"{self.canonical} -> {self.pattern}"
 
     @property
     def scalar(self) -> bool:
@@ -111,7 +116,7 @@ class Layout(Codec):
                                f"for batch={batch}, token={token}; pass the layout that names its axes") from None
 
     def from_canonical(self, c: torch.Tensor, memory_order: tuple[int, ...] | None = None) -> torch.Tensor:
-        return with_memory_order(rearrange(c, f"{self.canonical} -> {self.pattern}"), memory_order)
+        return with_memory_order(rearrange(c, self._decoding), memory_order)
 
     def encode(self, output, batch: int, token: int) -> torch.Tensor:
         return self.to_canonical(output, batch, token).detach().clone()  # the model may modify `output` in place
