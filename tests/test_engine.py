@@ -639,6 +639,8 @@ def finished_passes(out: Path, n_eval: int, batch_size: int) -> int:
 
     covered = sum(len(load_file(str(p))["example"]) for p in (out / "parts").rglob("b*.safetensors")
                   if p.parts[-3] != "Correct")  # a part file holds whole batches of one (condition, r)
+    # one process writes a whole (condition, r) straight to its records file
+    covered += n_eval * len([p for p in (out / "records").rglob("r*.parquet") if p.parts[-2] != "Correct"])
     return 2 * capture + calib + covered // batch_size
 
 
@@ -649,13 +651,13 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(out), "0.02"])
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if len(list((out / "parts").glob("*/r*/b*.safetensors"))) >= 8:
+        if len(list((out / "records").glob("*/r*.parquet"))) >= 4:  # stage 2 well under way
             break
         time.sleep(0.005)
     assert proc.poll() is None, "the audit finished (or failed) before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (out / "replay.json").exists() and not (out / "records").exists()
+    assert not (out / "replay.json").exists()
     finished = finished_passes(out, 12, 4)
     total = 1 + 3 * (2 + 4 * 4 + 3)  # calibration, then per batch: capture + check, 4 x R=4 randomized, 3 static
     assert 0 < finished < total

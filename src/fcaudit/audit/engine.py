@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import shutil
 from contextlib import nullcontext
+from itertools import groupby, islice
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -33,6 +34,14 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+PREPARE_WINDOWS = 128  # stage 2 prepares the coefficients of up to this many windows of one (condition, r) at once
+PREPARE_BYTES = 4 * 2**20  # ... and of at most this many bytes (memory stays flat in the number of windows)
+
+
+def _batched(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
 
 
 # ---- one forward pass --------------------------------------------------------------------------------------------
@@ -68,7 +77,10 @@ def active(coeffs: Coeffs, sites: list[int] | None = None) -> torch.Tensor:
     """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
     float64. For top-k routers (`sites` = the routers): the experts run per token."""
     chosen = [coeffs[i] for i in sites] if sites else coeffs
-    return torch.stack([(c != 0).sum(-1).double().mean((1, 2)) for c in chosen]).mean(0)
+    # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
+    # bit for bit (integer sums are exact in float64) and without a [batch, token, stream] intermediate per site
+    return torch.stack([torch.count_nonzero(c.reshape(c.shape[0], -1), 1).double() / (c.shape[1] * c.shape[2])
+                        for c in chosen]).mean(0)
 
 
 def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,7 +158,8 @@ class Engine:
     def _part_ok(self, condition: str, r: int, start: int) -> bool:
         if self._merged_ok(condition, r):
             return True
-        return set(range(start, min(start + self.B, self.ev.shape[0]))) <= self._covered(condition, r)
+        covered = self._covered(condition, r)  # empty in a fresh audit: no set to build per unit
+        return bool(covered) and set(range(start, min(start + self.B, self.ev.shape[0]))) <= covered
 
     def done(self, unit: Unit) -> bool:
         if unit.kind == "capture":
@@ -262,34 +275,65 @@ class Engine:
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: Iterable[Unit], step) -> None:
-        """Replays. The records of consecutive units of one (condition, r) are written together, so the device is
-        synchronized once per (condition, r) and the next unit's coefficients are prepared while it still runs.
-        NLLs go into buffers allocated once: small per-batch tensors kept alive between the forwards' large
-        activations would fragment the host heap, and memory would grow with the number of windows."""
+        """Replays. Consecutive pending units of one (condition, r) are prepared together, up to PREPARE_WINDOWS
+        windows or PREPARE_BYTES of coefficients: one `make`, one count of active sources, one host-to-device copy
+        for all their batches, so the per-batch work left is the forward pass itself. Their records are written
+        together (the device is synchronized once per (condition, r)). NLLs go into buffers allocated once: small
+        per-batch tensors kept alive between the forwards' large activations would fragment the host heap, and
+        memory would grow with the number of windows."""
         self._load_profiles()
         n = self.ev.shape[0]
         nll_buf = torch.empty(n, dtype=torch.float64, device=self.device)
         act_buf = torch.empty(n, dtype=torch.float64, device=self.device)
-        key, ranges, filled = None, [], 0
-        for u in units:
-            if self.done(u):
-                step()
-                continue
-            if ranges and key != (u.condition, u.r):
-                self._write_part(*key, ranges, nll_buf[:filled], act_buf[:filled])
-                ranges, filled = [], 0
-            key = (u.condition, u.r)
-            examples = np.arange(u.start, min(u.start + self.B, n))
-            coeffs = protocol.REGISTRY[u.condition].make(self, u.r, examples)
-            with self.controller.replay(coeffs):
-                _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-            nll_buf[filled:filled + len(examples)] = nll
-            act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
-            ranges.append((int(examples[0]), len(examples)))
-            filled += len(examples)
+        limit = max(1, min(PREPARE_WINDOWS, PREPARE_BYTES // max(1, self.store.row_bytes(int(self.starts[0])))) // self.B)
+        for key, group in groupby(units, key=lambda u: (u.condition, u.r)):
+            ranges, filled = [], 0
+            for batch in _batched((u for u in group if not self._skip(u, step)), limit):
+                examples = np.concatenate([np.arange(u.start, min(u.start + self.B, n)) for u in batch])
+                coeffs = protocol.REGISTRY[key[0]].make(self, key[1], examples)
+                act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
+                lo = 0
+                for u in batch:
+                    count = min(self.B, n - u.start)
+                    with self.controller.replay([c[lo:lo + count] for c in coeffs]):
+                        _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
+                    nll_buf[filled + lo:filled + lo + count] = nll
+                    ranges.append((u.start, count))
+                    lo += count
+                    step()
+                filled += len(examples)
+            if ranges:
+                self._write_run(key, ranges, nll_buf[:filled], act_buf[:filled])
+
+    def _skip(self, unit: Unit, step) -> bool:
+        """Whether a unit's records are already done (then it counts as progress)."""
+        if self.done(unit):
             step()
-        if ranges:
-            self._write_part(*key, ranges, nll_buf[:filled], act_buf[:filled])
+            return True
+        return False
+
+    def _write_run(self, key: tuple[str, int], ranges: list[tuple[int, int]], nll: torch.Tensor,
+                   act: torch.Tensor) -> None:
+        """A run of batches of one (condition, r) that covers every window in order (one process, no resume) is its
+        final records file at once; any other run is a part file that the final merge orders."""
+        n, covered = self.ev.shape[0], 0
+        for start, count in ranges:
+            if start != covered:
+                break
+            covered += count
+        if covered == n:
+            self._write_records(*key, nll.cpu().numpy(), act.cpu().numpy())
+            self._merged[key] = True
+        else:
+            self._write_part(*key, ranges, nll, act)
+
+    def _write_records(self, condition: str, r: int, nll: np.ndarray, act: np.ndarray) -> None:
+        """The records of (condition, r), one row per evaluation window in window order."""
+        n = self.ev.shape[0]
+        columns = {"example": np.arange(n, dtype=np.int64), "condition": np.full(n, condition),
+                   "randomization": np.full(n, r, dtype=np.int64), "nll": nll,
+                   "tokens": np.full(n, self.ev.shape[1] - 1, dtype=np.int64), "active": act}
+        files.write_columns(self.dir.records(condition, r), {c: columns[c] for c in protocol.RECORD_COLUMNS})
 
     def _load_profiles(self) -> None:
         tensors, _ = files.read_tensors(self.dir.profiles)
@@ -317,7 +361,7 @@ class Engine:
     def _finalize(self) -> None:
         from fcaudit.audit.results import variation
 
-        n, tokens = self.ev.shape[0], self.ev.shape[1] - 1
+        n = self.ev.shape[0]
         for condition, r in self.schedule.record_keys():
             if self._merged_ok(condition, r):
                 continue
@@ -327,11 +371,8 @@ class Engine:
             if not torch.equal(example[order], torch.arange(n)):
                 raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
                                    "the audit command to recompute them")
-            frame = pd.DataFrame({"example": np.arange(n, dtype=np.int64), "condition": condition,
-                                  "randomization": np.int64(r), "nll": torch.cat([t["nll"] for t in parts])[order].numpy(),
-                                  "tokens": np.int64(tokens),
-                                  "active": torch.cat([t["active"] for t in parts])[order].numpy()})
-            files.write_frame(self.dir.records(condition, r), frame[list(protocol.RECORD_COLUMNS)])
+            self._write_records(condition, r, torch.cat([t["nll"] for t in parts])[order].numpy(),
+                                torch.cat([t["active"] for t in parts])[order].numpy())
             shutil.rmtree(self.dir.parts(condition, r), ignore_errors=True)
         shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
         meta = [self.store.metadata(int(s)) for s in self.starts]
