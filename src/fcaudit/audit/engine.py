@@ -287,23 +287,28 @@ class Engine:
         act_buf = torch.empty(n, dtype=torch.float64, device=self.device)
         limit = max(1, min(PREPARE_WINDOWS, PREPARE_BYTES // max(1, self.store.row_bytes(int(self.starts[0])))) // self.B)
         for key, group in groupby(units, key=lambda u: (u.condition, u.r)):
-            ranges, filled = [], 0
-            for batch in _batched((u for u in group if not self._skip(u, step)), limit):
-                examples = np.concatenate([np.arange(u.start, min(u.start + self.B, n)) for u in batch])
-                coeffs = protocol.REGISTRY[key[0]].make(self, key[1], examples)
-                act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
-                lo = 0
-                for u in batch:
-                    count = min(self.B, n - u.start)
-                    with self.controller.replay([c[lo:lo + count] for c in coeffs]):
-                        _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-                    nll_buf[filled + lo:filled + lo + count] = nll
-                    ranges.append((u.start, count))
-                    lo += count
-                    step()
-                filled += len(examples)
-            if ranges:
-                self._write_run(key, ranges, nll_buf[:filled], act_buf[:filled])
+            self._replay(key, (u for u in group if not self._skip(u, step)), limit, nll_buf, act_buf, step)
+
+    def _replay(self, key: tuple[str, int], units: Iterable[Unit], limit: int, nll_buf: torch.Tensor,
+                act_buf: torch.Tensor, step) -> None:
+        """The pending units of one (condition, r), `limit` units prepared at a time; then their records."""
+        n, ranges, filled = self.ev.shape[0], [], 0
+        for batch in _batched(units, limit):
+            examples = np.concatenate([np.arange(u.start, min(u.start + self.B, n)) for u in batch])
+            coeffs = protocol.REGISTRY[key[0]].make(self, key[1], examples)
+            act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
+            lo = 0
+            for u in batch:
+                count = min(self.B, n - u.start)
+                with self.controller.replay([c[lo:lo + count] for c in coeffs]):
+                    _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
+                nll_buf[filled + lo:filled + lo + count] = nll
+                ranges.append((u.start, count))
+                lo += count
+                step()
+            filled += len(examples)
+        if ranges:
+            self._write_run(key, ranges, nll_buf[:filled], act_buf[:filled])
 
     def _skip(self, unit: Unit, step) -> bool:
         """Whether a unit's records are already done (then it counts as progress)."""
