@@ -297,6 +297,30 @@ def test_store_round_trip_take_and_reopen(tmp_path):
     assert (tmp_path / "twin" / "chunk_0000004.safetensors").read_bytes() == store.chunk_path(4).read_bytes()
 
 
+def test_store_reads_keep_no_memory(tmp_path):
+    """Reading the store many times holds no Python memory afterwards: safetensors' get_tensor/get_slice keep ~28
+    bytes per call, which over an audit's few hundred thousand reads grew with the number of windows."""
+    import tracemalloc
+
+    store = CoefficientStore(tmp_path)
+    data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
+    for b0 in range(0, 64, 2):  # more chunks than the store keeps open: chunks are opened again and again
+        store.write(b0, [d[b0:b0 + 2] for d in data])
+    starts, rng = np.array(store.starts()), np.random.default_rng(0)
+    reads = [rng.permutation(64)[:8] for _ in range(50)] + [np.arange(b, b + 2) for b in range(0, 64, 2)]
+    for idx in reads:  # warm: imports, caches, the LRU of mapped chunks at its bound
+        store.take(idx, starts)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(20):
+        for idx in reads:
+            got = store.take(idx, starts)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+    assert grown < 100_000, f"{grown} bytes kept after {20 * len(reads)} reads"
+
+
 # ---- interventions ----------------------------------------------------------------------------------------------
 
 def test_derangement_properties():

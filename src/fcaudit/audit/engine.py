@@ -34,7 +34,7 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
-PREPARE_WINDOWS = 128  # stage 2 prepares the coefficients of up to this many windows of one (condition, r) at once
+PREPARE_WINDOWS = 64  # stage 2 prepares the coefficients of up to this many windows of one (condition, r) at once
 PREPARE_BYTES = 4 * 2**20  # ... and of at most this many bytes (memory stays flat in the number of windows)
 
 

@@ -4,7 +4,8 @@ One safetensors file per capture batch (`chunk_{start:07d}.safetensors`). Each e
 layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coeffs.float32`, `coeffs.bfloat16`, ...),
 so reading the coefficients of any set of examples costs one slice per run of consecutive rows, not one per layer.
 Chunks are written atomically with a content hash (audit.files), so RAM does not grow with the number of windows
-and a killed run leaves only whole chunks. Reads are memory-mapped (`safe_open`).
+and a killed run leaves only whole chunks. Reads are views of memory maps of the chunks (`files.mapped_tensors`), at
+most MAX_OPEN of them at a time.
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-
-from fcaudit.audit.files import read_tensors, tensor_meta, write_tensors
+from fcaudit.audit.files import mapped_tensors, read_tensors, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs
 
 _CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
 MAX_OPEN = 16  # memory-mapped chunk files kept open; bounds the mapped (resident) part of the store
-WHOLE_CHUNK_BYTES = 4 * 2**20  # chunks up to this size are read whole once and kept (at most MAX_OPEN of them)
 
 
 def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> None:
@@ -45,14 +43,18 @@ class CoefficientStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._handles: OrderedDict[int, object] = OrderedDict()
-        self._whole: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # small chunks, read once
-        self._large: set[int] = set()  # chunks read by slices
+        self._root = os.fspath(path)
+        self._maps: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # chunk start -> {dtype: [n, F]}
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
 
     def chunk_path(self, start: int) -> Path:
-        return self.path / f"chunk_{start:07d}.safetensors"
+        return Path(self._file(start))
+
+    def _file(self, start: int) -> str:
+        # a str, not a Path: pathlib interns every path component, and a Path per chunk opening made Python's table
+        # of interned strings churn and be reallocated (MiBs at a time) as the audit went on
+        return os.path.join(self._root, f"chunk_{start:07d}.safetensors")
 
     def write(self, start: int, coeffs: Coeffs, metadata: dict | None = None) -> Path:
         """Write the coefficients of windows start..start+n atomically (the chunk is whole or absent)."""
@@ -65,9 +67,7 @@ class CoefficientStore:
             offsets[name] = offsets.get(name, 0) + flat.shape[1]
             groups.setdefault(name, []).append(flat)
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
-        self._handles.pop(start, None)
-        self._whole.pop(start, None)
-        self._large.discard(start)
+        self._maps.pop(start, None)
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
     def starts(self) -> list[int]:
@@ -80,33 +80,21 @@ class CoefficientStore:
 
     def verify(self, start: int) -> dict:
         """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
-        self._handles.pop(start, None)
-        self._whole.pop(start, None)
-        self._large.discard(start)
+        self._maps.pop(start, None)
         return read_tensors(self.chunk_path(start))[1]
 
-    def _open(self, start: int):
-        if start in self._handles:
-            self._handles.move_to_end(start)
+    def _open(self, start: int) -> dict[str, torch.Tensor]:
+        if start in self._maps:
+            self._maps.move_to_end(start)
         else:
-            self._handles[start] = safe_open(str(self.chunk_path(start)), framework="pt")
-            if len(self._handles) > MAX_OPEN:
-                self._handles.popitem(last=False)
-        return self._handles[start]
+            self._maps[start] = {k.removeprefix("coeffs."): t for k, t in mapped_tensors(self._file(start)).items()}
+            if len(self._maps) > MAX_OPEN:
+                self._maps.popitem(last=False)
+        return self._maps[start]
 
     def _rows(self, start: int, dtype: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows lo:hi of one chunk's flat tensor: from the kept copy of a small chunk, else a memory-mapped slice
-        (a per-call cost that matters only for small models, whose chunks are small)."""
-        if start not in self._whole:
-            f = self._open(start)
-            if start in self._large or self.chunk_path(start).stat().st_size > WHOLE_CHUNK_BYTES:
-                self._large.add(start)
-                return f.get_slice(f"coeffs.{dtype}")[lo:hi]
-            self._whole[start] = {k.removeprefix("coeffs."): f.get_tensor(k) for k in f.keys()}
-            if len(self._whole) > MAX_OPEN:
-                self._whole.popitem(last=False)
-        self._whole.move_to_end(start)
-        return self._whole[start][dtype][lo:hi]
+        """Rows lo:hi of one chunk's flat tensor (a view of its memory map)."""
+        return self._open(start)[dtype][lo:hi]
 
     def metadata(self, start: int) -> dict:
         return tensor_meta(self.chunk_path(start))
@@ -128,9 +116,7 @@ class CoefficientStore:
         return [rows[d][:, lo:hi].reshape(-1, *shape) for d, lo, hi, shape in self._slices]
 
     def read_chunk(self, start: int) -> Coeffs:
-        f = self._open(start)
-        layout = self.layout(start)
-        return self._split({s["dtype"]: f.get_tensor(f"coeffs.{s['dtype']}") for s in layout}, layout)
+        return self._split(self._open(start), self.layout(start))
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
         """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
@@ -154,5 +140,4 @@ class CoefficientStore:
         return self._split(rows, layout)
 
     def close(self) -> None:
-        self._handles.clear()
-        self._whole.clear()
+        self._maps.clear()
