@@ -4,8 +4,9 @@ import json
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fcaudit.errors import FcauditError
 
@@ -16,38 +17,37 @@ os.umask(_UMASK)
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call write(tmp_path) on a temp file next to `path`, then rename it into place."""
-    path = Path(path)
+@contextmanager
+def _replacing(path: Path) -> Iterator[tuple[int, str]]:
+    """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
+    0600); renamed onto `path` when the block ends, removed when it raises."""
     if not path.parent.is_dir():  # a stat is far cheaper than mkdir's failing syscall on every write
         path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the permissions open() would
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        yield fd, tmp
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp_path) on a temp file next to `path`, then rename it into place."""
+    path = Path(path)
+    with _replacing(path) as (fd, tmp):
+        os.close(fd)
+        write(Path(tmp))
     return path
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """`atomic_write` of bytes already in memory: written through the temp file's own descriptor (the audit writes
-    many small files, where opening the file a second time costs more than the write)."""
+    """`atomic_write` of bytes already in memory, through the temp file's own descriptor (the audit writes many small
+    files, where opening the file a second time costs more than the write)."""
     path = Path(path)
-    if not path.parent.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp creates 0600; give the permissions open() would
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _replacing(path) as (fd, _), os.fdopen(fd, "wb") as f:
+        f.write(data)
     return path
 
 

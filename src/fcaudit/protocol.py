@@ -88,10 +88,7 @@ def token_permutations(example: int, seed: int, r: int, token: int, rows: int) -
 def past_positions(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [rows, token], one row per (layer, stream): position t takes a uniformly drawn position s <= t."""
     rng = np.random.default_rng([RESAMPLE, seed, r, example])
-    return rng.integers(0, _HIGH.get(token, lambda: np.arange(1, token + 1)), size=(rows, token))
-
-
-_HIGH = _Memo(2**16)  # arange(1, token + 1) of past_positions, made once per window length
+    return rng.integers(0, np.arange(1, token + 1), size=(rows, token))
 
 
 def move_tokens(coeffs: Coeffs, index: np.ndarray) -> Coeffs:

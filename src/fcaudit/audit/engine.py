@@ -319,14 +319,9 @@ class Engine:
 
     def _write_run(self, key: tuple[str, int], ranges: list[tuple[int, int]], nll: torch.Tensor,
                    act: torch.Tensor) -> None:
-        """A run of batches of one (condition, r) that covers every window in order (one process, no resume) is its
-        final records file at once; any other run is a part file that the final merge orders."""
-        n, covered = self.ev.shape[0], 0
-        for start, count in ranges:
-            if start != covered:
-                break
-            covered += count
-        if covered == n:
+        """A run that holds every window of one (condition, r) (one process, nothing resumed: its units came in window
+        order) is its final records file at once; any other run is a part file that the final merge orders."""
+        if len(nll) == self.ev.shape[0]:
             self._write_records(*key, nll.cpu().numpy(), act.cpu().numpy())
             self._merged[key] = True
         else:

@@ -101,22 +101,22 @@ class CoefficientStore:
 
     def row_bytes(self, start: int) -> int:
         """Bytes of one window's coefficients, all layers."""
-        return sum(math.prod(s["shape"]) * torch.empty(0, dtype=getattr(torch, s["dtype"])).element_size()
-                   for s in self.layout(start))
+        return sum(math.prod(s["shape"]) * getattr(torch, s["dtype"]).itemsize for s in self.layout(start))
 
     def layout(self, start: int) -> list[dict]:
         if self._layout is None:
             self._layout = self.metadata(start)["layers"]
+            # (dtype, first column, last column + 1, shape) per layer: how `_split` cuts a row
+            self._slices = [(s["dtype"], s["offset"], s["offset"] + math.prod(s["shape"]), tuple(s["shape"]))
+                            for s in self._layout]
         return self._layout
 
-    def _split(self, rows: dict[str, torch.Tensor], layout: list[dict]) -> Coeffs:
-        if self._slices is None:  # (dtype, first column, last column + 1, shape) per layer, computed once
-            self._slices = [(s["dtype"], s["offset"], s["offset"] + math.prod(s["shape"]), tuple(s["shape"]))
-                            for s in layout]
+    def _split(self, rows: dict[str, torch.Tensor]) -> Coeffs:
         return [rows[d][:, lo:hi].reshape(-1, *shape) for d, lo, hi, shape in self._slices]
 
     def read_chunk(self, start: int) -> Coeffs:
-        return self._split(self._open(start), self.layout(start))
+        self.layout(start)
+        return self._split(self._open(start))
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
         """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
@@ -129,15 +129,14 @@ class CoefficientStore:
         which = np.searchsorted(chunk_starts, examples, side="right") - 1
         layout = self.layout(int(chunk_starts[0]))
         dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
-        if which[0] == which[-1] and int(examples[-1] - examples[0]) == len(examples) - 1 \
-                and bool((np.diff(examples) == 1).all()):  # a batch's own rows (Correct, TokenShuffle, ...): one slice
+        if which[0] == which[-1] and bool((np.diff(examples) == 1).all()):  # a batch's own rows: one slice
             start = int(chunk_starts[which[0]])
             lo = int(examples[0]) - start
-            return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes}, layout)
+            return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes})
         firsts = chunk_starts[which]
         rows = {d: torch.cat([self._rows(int(f), d, int(e - f), int(e - f) + 1) for f, e in zip(firsts, examples)])
                 for d in dtypes}  # e.g. a derangement's donors: one row each, in the order asked
-        return self._split(rows, layout)
+        return self._split(rows)
 
     def close(self) -> None:
         self._maps.clear()
