@@ -95,9 +95,10 @@ def prepare_out(path: str | os.PathLike, what: str) -> Path:
         raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
                            "that is not inside a file")
     try:  # os.access ignores read-only mounts and is always true for root: really try to create a file
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fcaudit-probe-")
+        # named like atomic_write's temp files: another rank checking the directory meanwhile counts it as ours
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fcaudit-probe.", suffix=".tmp")
         os.close(fd)
-        os.unlink(probe)
+        Path(probe).unlink(missing_ok=True)  # a rank that holds the lock may have cleaned it up already
     except OSError as e:
         where = "it" if existing == path else f"its parent {existing}"
         raise FcauditError(f"--out {path}: cannot write to {where} ({e.strerror}): pass a writable directory for the "
