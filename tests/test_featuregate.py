@@ -185,28 +185,56 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
     seen = []
     for block in model.blocks:
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
-    calls = []
-    original = fg.attention_stats
-    monkeypatch.setattr(fg, "attention_stats", lambda q, k, cross=None: calls.append(q) or original(q, k, cross))
+    stats, lses = [], []
+    monkeypatch.setattr(fg, "attention_stats", lambda a, c=None, f=fg.attention_stats: stats.append(a.q) or f(a, c))
+    monkeypatch.setattr(fg, "causal_lse", lambda q, k, f=fg.causal_lse: lses.append(q) or f(q, k))
     with torch.no_grad():
         logits, gates = model(ids, return_gates=True)
-        assert len(calls) == 4  # one attention map per block and forward pass, not two
-        assert all(calls[l] is seen[l][2] for l in range(4))
-        # a gate called without a carry recomputes the previous map itself and gets bit-identical gates
+        assert len(stats) == 4 and all(stats[l] is seen[l][2] for l in range(4))  # one pass per block and forward
+        assert not lses  # every lse came from the output path's fused kernel
+        # a gate called without a carry computes both lse itself (the fused kernel's, without the values) and gets
+        # bit-identical gates
         for l, block in enumerate(model.blocks):
             assert torch.equal(block.gate(*seen[l][:6]), gates[l])
-        for replaced in ([0], [1], [0, 2], [1, 2]):  # previous gate replaced (as by the engine's replay): fall back
-            calls.clear()
+        assert len(lses) == 4 + 3
+        for replaced in ([0], [1], [0, 2], [1, 2]):  # gates replaced (as by the engine's replay): same gates
+            stats.clear(), lses.clear()
             for l in replaced:
                 model.blocks[l].gate.forward = lambda *args, _g=gates[l], **kwargs: _g
             out, g = model(ids, return_gates=True)
             for l in replaced:
                 del model.blocks[l].gate.forward
             assert torch.equal(out, logits) and torch.equal(g, gates)
-            fallbacks = sum(1 for l in range(1, 4) if l not in replaced and l - 1 in replaced)
-            assert len(calls) == 4 - len(replaced) + fallbacks
+            assert len(stats) == 4 - len(replaced) and not lses
+        # where the output path does not give the lse (CUDA, autocast), the gates compute it: within rounding
+        monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
+        lses.clear()
+        out, g = model(ids, return_gates=True)
+        assert len(lses) == 4 and (g - gates).abs().max() <= 1e-6 and (out - logits).abs().max() <= 1e-6
     # the carry lives only in the forward pass: no module holds it or a map afterwards
     assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
+
+
+def test_the_output_path_is_the_fused_kernel_of_scaled_dot_product_attention(ids):
+    """FeatureGate's attention calls the fused CPU kernel itself (for its lse); its output is the same bit for bit
+    as F.scaled_dot_product_attention's, so checkpoints keep their function exactly, training included."""
+    import fcaudit.models.featuregate as fg
+
+    for shape in [(2, 3, 37, 8), (8, 4, 128, 24), (1, 1, 1, 4)]:
+        qkv = torch.randn(shape[0], shape[2], 3 * shape[1] * shape[3], requires_grad=True)
+        q, k, v = qkv.view(shape[0], shape[2], 3, shape[1], shape[3]).permute(2, 0, 3, 1, 4)
+        assert fg.fused_lse_applies(q)
+        y, lse = fg._fused_attention(q, k, v)
+        assert torch.equal(y, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        s = (q.double() @ k.double().transpose(-1, -2) / shape[3] ** 0.5)
+        s = s.masked_fill(~torch.ones(shape[2], shape[2], dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(lse.double(), s.logsumexp(-1), atol=1e-6, rtol=1e-6)
+        (g1,) = torch.autograd.grad(y.square().sum(), qkv)
+        (g2,) = torch.autograd.grad(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum(), qkv)
+        assert torch.equal(g1, g2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fg.fused_lse_applies(q)  # autocast: F.scaled_dot_product_attention casts; the gate computes lse
 
 
 @pytest.fixture
@@ -224,12 +252,15 @@ def random_block(B, H, T, D, seed=0, scale=1.0):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 5, 4), (2, 2, 8, 8), (3, 4, 37, 16), (2, 3, 50, 32)])
-@pytest.mark.parametrize("tiles", ["default", "small"])
-def test_features_without_a_map_match_the_reference(shape, tiles, request):
+@pytest.mark.parametrize("tiles", ["default", "small", "small, tiled lse"])
+def test_features_without_a_map_match_the_reference(shape, tiles, request, monkeypatch):
     """T = 37 and 50 are no multiple of the small tile (8 rows), whose budget of 8*8*37 scores also splits the maps
-    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1)."""
-    if tiles == "small":
+    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1). The lse comes from the fused
+    kernel, or from the tiled pass that replaces it where the output path gives none."""
+    if tiles != "default":
         request.getfixturevalue("small_tiles")
+    if tiles.endswith("tiled lse"):
+        monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
     h, upd, q, k, pq, pk = random_block(*shape)
     for prev in [(pq, pk), (None, None)]:  # a middle block and the first block (no previous attention)
         new, ref = gate_features(h, upd, q, k, *prev), reference_gate_features(h, upd, q, k, *prev)
@@ -271,7 +302,7 @@ def test_features_without_a_map_are_as_accurate_as_the_reference():
         assert (new <= ref * 1.5 + 2e-7).all(), (scale, new, ref)
 
 
-def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles):
+def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles, monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
@@ -286,7 +317,10 @@ def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles):
 
     h, upd, q, k, pq, pk = random_block(2, 3, 48, 8)
     with Largest():
-        fg.attention_stats(q, k, (pq, pk))
+        fg.attention_stats(fg.Attention(q, k), fg.Attention(pq, pk))
+        with monkeypatch.context() as m:  # the tiled lse too (where the output path gives none)
+            m.setattr(fg, "fused_lse_applies", lambda q: False)
+            fg.causal_lse(q, k)
     assert Largest.numel <= fg.TILE_ELEMENTS["cpu"] < 2 * 3 * 48 * 48  # the [B, H, T, T] maps would hold 13824
 
 

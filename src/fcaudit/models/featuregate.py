@@ -18,25 +18,27 @@ are expanded), so an audit treats all variants alike: replacing that forward dis
 computation included, and leaves the output path (the residual stream, attention via scaled_dot_product_attention)
 untouched. Learned gates start at sigmoid(w) = 0.6.
 
-The controller's features need statistics of the attention of this block and of the previous one; the output path
-uses the fused scaled_dot_product_attention kernel, so the FeatureGate controller recomputes them in float32 from the
-q, k that the model loop passes to it explicitly, in one tiled pass per block that never holds a [T, T] map
-(attention_stats). The one statistic a block hands to the next gate, its lse, is computed once per forward pass: the
-model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
-argument; the gate of block l reads block l-1's lse from it and writes its own (nothing is stored on modules, so
-nothing outlives the pass). The carry is keyed by the (q, k) tensors the lse was computed from: when it does not hold
-block l-1's (block l-1's gate forward was replaced, e.g. by the audit engine's replay, or the gate is called without
-a carry), block l recomputes it from prev_q, prev_k, bit for bit the same, so a gate's features never depend on
-which other gates ran. That side path is the controller's extra cost: O(B H T^2 Dh) work per block, on a CPU at
-paper-76m about 1.2-1.5 times the output path's fused attention (benchmarks/forward_speed.py measures the whole
-forward; reference_gate_features keeps the first, map-based version).
+The controller's features need statistics of the attention of this block and of the previous one. The output path
+(F.scaled_dot_product_attention's fused kernel) never materializes the attention map, so the FeatureGate controller
+recomputes them in float32 from the q, k that the model loop passes to it explicitly, in one tiled pass per block
+that never holds a [T, T] map (attention_stats). Each block's lse (logsumexp of its scores) comes with the output
+path: on the CPU in float32 the attention calls torch's fused kernel itself, which returns the lse with the output
+(the same kernel and the same output bits as F.scaled_dot_product_attention), and knowing the lse saves the pass the
+most (log P = S - lse straight from the scores). Elsewhere (CUDA, autocast) the gate computes the lse (causal_lse).
+The model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
+argument: each block leaves its lse there, the gate of block l reads block l-1's lse and flattened q, k from it
+(nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors: where it
+does not hold what a gate needs (the gate is called on its own), the gate recomputes it from q, k, bit for bit the
+same, so a gate's features never depend on which other gates ran. That side pass is the controller's extra cost:
+O(B H T^2 Dh) work per block, on a CPU at paper-76m about as much as the output path's fused attention
+(benchmarks/forward_speed.py measures the whole forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
 """
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -118,6 +120,18 @@ def config_for(preset: str, variant: str, *, gate_value: float = 0.6, fixed_dept
     return cfg
 
 
+def fused_lse_applies(q: torch.Tensor) -> bool:
+    """Whether the output path's attention runs torch's fused CPU kernel directly and gets its lse with it: float32
+    CPU tensors outside autocast (there F.scaled_dot_product_attention dispatches to that same kernel, so the output
+    is the same bit for bit; tests/test_featuregate.py checks it)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def _fused_attention(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its lse [B, H, T] from torch's fused CPU kernel (flash attention for the CPU)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -125,11 +139,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns the attention output [B, T, D] and the per-head queries and keys [B, H, T, Dh] (for the gate)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The attention output [B, T, D], the per-head queries and keys [B, H, T, Dh] (for the gate) and, where the
+        fused CPU kernel runs, the lse of its scores [B, H, T] (else None)."""
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k
+        if fused_lse_applies(q):
+            y, lse = _fused_attention(q, k, v)
+        else:
+            y, lse = F.scaled_dot_product_attention(q, k, v, is_causal=True), None
+        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k, lse
 
 
 class MLP(nn.Module):
@@ -143,18 +161,50 @@ class MLP(nn.Module):
 
 
 @dataclass
-class GateCarry:
-    """What one forward pass hands from each block's gate to the next one's: what the feature function keeps of the
-    last block whose gate ran (`stats`: its lse, or its AttentionMap for reference_gate_features), keyed by that
-    block's q and k.
+class Attention:
+    """What the features need of one block's causal attention: its lse [B, H, T] and its float32 queries (times
+    1/sqrt(Dh)) and keys, flattened to [B*H, T, Dh] for the tiled products; each filled when first needed."""
 
-    FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). The key is compared by identity,
-    so stats are only reused for exactly the tensors they were computed from.
+    q: torch.Tensor
+    k: torch.Tensor
+    lse: torch.Tensor | None = None
+    flat: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lse_(self) -> torch.Tensor:
+        if self.lse is None:
+            self.lse = causal_lse(self.q, self.k)
+        return self.lse
+
+    def flat_(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.flat is None:
+            B, H, T, Dh = self.q.shape
+            flat = lambda x, s=None: (x.float() if s is None else x.float() * s).reshape(B * H, T, Dh)  # noqa: E731
+            self.flat = flat(self.q, Dh ** -0.5), flat(self.k)
+        return self.flat
+
+
+@dataclass
+class GateCarry:
+    """What one forward pass hands on between blocks: the Attention of the last two blocks (each block's lse from
+    its output path where the fused kernel gives it, its flattened q and k once its gate made them), keyed by that
+    block's q and k, and the map the reference features keep (`stats`).
+
+    FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). Keys are compared by identity,
+    so what is kept is only reused for exactly the tensors it was computed from.
     """
 
+    seen: list[Attention] = field(default_factory=list)
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
     stats: object = None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor) -> Attention:
+        """The Attention of (q, k): the one kept, or a new one that is kept (with the previous block's)."""
+        for a in self.seen:
+            if a.q is q and a.k is k:
+                return a
+        self.seen = self.seen[-1:] + [Attention(q, k)]
+        return self.seen[-1]
 
     def stats_of(self, q: torch.Tensor, k: torch.Tensor):
         return self.stats if self.q is q and self.k is k else None
@@ -173,10 +223,40 @@ TILE_ROWS_CPU = 64  # query rows per CPU tile: big enough for efficient matrix p
 
 
 def _tiling(n_maps: int, T: int, device: torch.device) -> tuple[int, int]:
-    """(query rows, maps) per tile. It depends only on shapes and device, so every call on (q, k) of one shape
-    splits the work alike and its lse is bit-identical whether or not a cross score is asked for."""
+    """(query rows, maps) per tile; it depends only on shapes and device."""
     rows = min(T, TILE_ROWS_CPU) if device.type == "cpu" else T
     return rows, max(1, min(n_maps, TILE_ELEMENTS.get(device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
+
+
+def _score_tiles(q: torch.Tensor, k: torch.Tensor):
+    """(maps, query rows, masked scores [maps, rows, keys]) over the tiles of flat (q, k) [N, T, Dh]: each tile's
+    keys end at its last row (causality) and future keys hold MASKED_SCORE, so only a cache-sized tile of scores
+    exists at a time, never the [N, T, T] map."""
+    N, T, _ = q.shape
+    rows, maps = _tiling(N, T, q.device)
+    future = torch.full((rows, rows), MASKED_SCORE, device=q.device).triu(1)
+    for m0 in range(0, N, maps):
+        m = slice(m0, m0 + maps)
+        for t0 in range(0, T, rows):
+            t = slice(t0, min(T, t0 + rows))
+            x = torch.bmm(q[m, t], k[m, : t.stop].transpose(1, 2))
+            x[:, :, t0:].add_(future[: x.size(1), : x.size(1)])  # the tile's own diagonal square holds the future
+            yield m, t, x
+
+
+def causal_lse(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """lse = logsumexp_{s <= t} q_t . k_s / sqrt(Dh) of (q, k) [B, H, T, Dh], float32 [B, H, T]: where the output
+    path runs the fused kernel, from that kernel (its lse does not depend on the values: the same bits as the
+    output path's), else by a tiled pass in float32."""
+    with torch.autocast(q.device.type, enabled=False):
+        if fused_lse_applies(q):
+            return _fused_attention(q, k, k)[1]
+        B, H, T, Dh = q.shape
+        fq, fk = Attention(q, k).flat_()
+        lse = fq.new_empty(B * H, T)
+        for m, t, x in _score_tiles(fq, fk):
+            lse[m, t] = x.logsumexp(-1)
+        return lse.view(B, H, T)
 
 
 class AttentionStats(NamedTuple):
@@ -187,49 +267,38 @@ class AttentionStats(NamedTuple):
     cross_score: torch.Tensor | None  # sum_s P S' for the scores S' = q' k'^T / sqrt(Dh) of another block
 
 
-def attention_stats(q: torch.Tensor, k: torch.Tensor,
-                    cross: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionStats:
-    """The AttentionStats of (q, k) [B, H, T, Dh], with cross_score for cross = (q', k'); float32 whatever the dtypes
-    and autocast.
+def attention_stats(att: Attention, cross: Attention | None = None) -> AttentionStats:
+    """The AttentionStats of a block's attention, with cross_score for another block's; float32 whatever the dtypes.
 
-    Tiled over heads and query rows, each tile's keys ending at its last row (causality): only a cache-sized tile of
-    scores exists at a time, never the [B, H, T, T] map. As in the reference, scores are shifted by their row maximum
-    first, so the entropy sum works with values of the size of log P (no cancellation against a large lse), and
-    log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1): the log never underflows).
+    With the lse known, log P = S - lse comes straight from the scores: one pass over tiles of them (_score_tiles)
+    makes P = softmax(log P) (the fused softmax; renormalizing changes P by rounding only), H = -sum_s P log P and
+    sum_s P S' = q'_t . (P K')_t. log P holds values of the size of log P, so the entropy sum does not cancel.
     """
-    B, H, T, Dh = q.shape
-    scale = Dh ** -0.5
-    with torch.autocast(q.device.type, enabled=False):  # a bf16 score would lose the float32 definition
-        flat = lambda x, s=1.0: (x.float() * s).reshape(B * H, T, Dh)  # noqa: E731  (float first: bf16 inputs)
-        q, k = flat(q, scale), flat(k)
-        if cross is not None:
-            cq, ck = flat(cross[0], scale), flat(cross[1])
-        lse, entropy = q.new_empty(B * H, T), q.new_empty(B * H, T)
+    B, H, T, Dh = att.q.shape
+    with torch.autocast(att.q.device.type, enabled=False):
+        lse = att.lse_()
+        q, k = att.flat_()
+        shift = lse.reshape(B * H, T, 1)
+        entropy = q.new_empty(B * H, T)
         cross_score = None if cross is None else q.new_empty(B * H, T)
-        rows, maps = _tiling(B * H, T, q.device)
-        future = torch.full((rows, rows), MASKED_SCORE, device=q.device).triu(1)
-        for m0 in range(0, B * H, maps):
-            m = slice(m0, m0 + maps)
-            for t0 in range(0, T, rows):
-                t = slice(t0, min(T, t0 + rows))
-                x = torch.bmm(q[m, t], k[m, : t.stop].transpose(1, 2))
-                x[:, :, t0:].add_(future[: x.size(1), : x.size(1)])  # the tile's own diagonal square holds the future
-                row_max = x.amax(-1, keepdim=True)
-                p = x.sub_(row_max).softmax(-1)
-                log_z = p.amax(-1).log().neg_()
-                lse[m, t] = row_max.squeeze(-1) + log_z
-                if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
-                    cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
-                entropy[m, t] = log_z - x.mul_(p).sum(-1)  # log P = x - log_z
+        if cross is not None:
+            cq, ck = cross.flat_()
+        for m, t, x in _score_tiles(q, k):
+            log_p = x.sub_(shift[m, t])
+            p = log_p.softmax(-1)
+            if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
+                cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
+            entropy[m, t] = log_p.mul_(p).sum(-1).neg_()
     view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
-    return AttentionStats(view(lse), view(entropy), view(cross_score))
+    return AttentionStats(lse, view(entropy), view(cross_score))
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
-    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; shared with the reference."""
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; shared with the reference.
+    Both are >= 0 by definition; clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row)."""
     T = lse.size(-1)
     visible = torch.arange(1, T + 1, device=lse.device, dtype=torch.float32)  # t + 1 keys at position t
-    entropy = entropy_h.mean(1)  # [B, T]
+    entropy = entropy_h.mean(1).clamp_min(0.0)  # [B, T]
     entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
     kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
     log_partition = (lse - visible.log()).mean(1)
@@ -258,22 +327,16 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
     Computed in float32 by attention_stats, a pass over tiles of query rows that never holds a [T, T] map; with
     log P_{l-1} = S' - lse_{l-1} (S' the previous block's scores),
         KL = -H - sum_s P_l log P_{l-1} = -H - sum_s P_l S' + lse_{l-1},
-    and sum_s P_l S' comes from the same pass. lse_{l-1} comes from `carry` when it holds that of (prev_q, prev_k),
-    else it is recomputed from them; this block's lse is written to `carry` for the next block. No gradient because
-    the controller reads the block, it does not shape it: gradients reach the controller MLP only, so gating cannot
-    be learned by distorting attention or update norms.
+    and sum_s P_l S' comes from the same pass. Each lse comes from `carry` when the output path's fused kernel left
+    it there, else from causal_lse; the previous block's flattened q and k too when its gate made them. No gradient
+    because the controller reads the block, it does not shape it: gradients reach the controller MLP only, so gating
+    cannot be learned by distorting attention or update norms.
     """
-    with torch.autocast(q.device.type, enabled=False):  # float32 by definition, whatever the caller's autocast
-        first = prev_q is None
-        if not first:
-            prev_lse = carry.stats_of(prev_q, prev_k) if carry is not None else None
-            if not isinstance(prev_lse, torch.Tensor):  # block l-1's gate did not run (or no carry): from scratch
-                prev_lse = attention_stats(prev_q, prev_k).lse
-        stats = attention_stats(q, k, None if first else (prev_q, prev_k))
-        if carry is not None:
-            carry.keep(q, k, stats.lse)
-        kl_h = None if first else -stats.entropy - (stats.cross_score - prev_lse)
-        return _finish(stats.entropy, kl_h, stats.lse, h, update)
+    carry = carry if carry is not None else GateCarry()
+    prev = None if prev_q is None else carry.attention(prev_q, prev_k)
+    stats = attention_stats(carry.attention(q, k), prev)
+    kl_h = None if prev is None else -stats.entropy - (stats.cross_score - prev.lse_())
+    return _finish(stats.entropy, kl_h, stats.lse, h, update)
 
 
 # ---- reference: the features from the materialized [B, H, T, T] map ---------------------------------------------
@@ -379,10 +442,12 @@ class Block(nn.Module):
 
         The gate gets the carry positionally, so any replacement forward that accepts *args keeps working.
         """
-        a, q, k = self.attn(self.ln1(h))
+        a, q, k, lse = self.attn(self.ln1(h))
         update = a + self.mlp(self.ln2(h + a))
         if self.gate is None:
             return h + update, None, q, k
+        if lse is not None:  # for this block's gate and the next one's, whether or not this gate runs
+            carry.attention(q, k).lse = lse.detach()
         g = self.gate(h, update, q, k, prev_q, prev_k, carry)
         return h + g.unsqueeze(-1).to(update.dtype) * update, g, q, k
 
