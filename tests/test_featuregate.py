@@ -187,16 +187,16 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
     stats, lses = [], []
     monkeypatch.setattr(fg, "attention_stats", lambda a, c=None, f=fg.attention_stats: stats.append(a.q) or f(a, c))
-    monkeypatch.setattr(fg, "causal_lse", lambda q, k, f=fg.causal_lse: lses.append(q) or f(q, k))
+    monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: lses.append(q) or f(q, k, v))
     with torch.no_grad():
         logits, gates = model(ids, return_gates=True)
         assert len(stats) == 4 and all(stats[l] is seen[l][2] for l in range(4))  # one pass per block and forward
-        assert not lses  # every lse came from the output path's fused kernel
+        assert len(lses) == 4  # the output path's fused kernel, which gave every lse
         # a gate called without a carry computes both lse itself (the fused kernel's, without the values) and gets
         # bit-identical gates
         for l, block in enumerate(model.blocks):
             assert torch.equal(block.gate(*seen[l][:6]), gates[l])
-        assert len(lses) == 4 + 3
+        assert len(lses) == 4 + 4 + 3
         for replaced in ([0], [1], [0, 2], [1, 2]):  # gates replaced (as by the engine's replay): same gates
             stats.clear(), lses.clear()
             for l in replaced:
@@ -205,12 +205,19 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
             for l in replaced:
                 del model.blocks[l].gate.forward
             assert torch.equal(out, logits) and torch.equal(g, gates)
-            assert len(stats) == 4 - len(replaced) and not lses
-        # where the output path does not give the lse (CUDA, autocast), the gates compute it: within rounding
+            assert len(stats) == 4 - len(replaced) and len(lses) == 4
+        # where the output path does not give the lse (CUDA, autocast), each gate's pass computes it (within
+        # rounding of the fused kernel's), and a gate called on its own or after a replaced one gets the same bits
         monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
-        lses.clear()
+        seen.clear(), lses.clear(), stats.clear()
         out, g = model(ids, return_gates=True)
-        assert len(lses) == 4 and (g - gates).abs().max() <= 1e-6 and (out - logits).abs().max() <= 1e-6
+        assert not lses and len(stats) == 4
+        assert (g - gates).abs().max() <= 1e-6 and (out - logits).abs().max() <= 1e-6
+        for l, block in enumerate(model.blocks):
+            assert torch.equal(block.gate(*seen[l][:6]), g[l])
+        model.blocks[1].gate.forward = lambda *args, _g=g[1], **kwargs: _g
+        assert torch.equal(model(ids, return_gates=True)[1], g)
+        del model.blocks[1].gate.forward
     # the carry lives only in the forward pass: no module holds it or a map afterwards
     assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
 
@@ -320,7 +327,7 @@ def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles, monkeypatch):
         fg.attention_stats(fg.Attention(q, k), fg.Attention(pq, pk))
         with monkeypatch.context() as m:  # the tiled lse too (where the output path gives none)
             m.setattr(fg, "fused_lse_applies", lambda q: False)
-            fg.causal_lse(q, k)
+            fg.Attention(q, k).lse_()
     assert Largest.numel <= fg.TILE_ELEMENTS["cpu"] < 2 * 3 * 48 * 48  # the [B, H, T, T] maps would hold 13824
 
 

@@ -24,7 +24,7 @@ recomputes them in float32 from the q, k that the model loop passes to it explic
 that never holds a [T, T] map (attention_stats). Each block's lse (logsumexp of its scores) comes with the output
 path: on the CPU in float32 the attention calls torch's fused kernel itself, which returns the lse with the output
 (the same kernel and the same output bits as F.scaled_dot_product_attention), and knowing the lse saves the pass the
-most (log P = S - lse straight from the scores). Elsewhere (CUDA, autocast) the gate computes the lse (causal_lse).
+most (log P = S - lse straight from the scores). Elsewhere (CUDA, autocast) the gate's pass computes the lse as well.
 The model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
 argument: each block leaves its lse there, the gate of block l reads block l-1's lse and flattened q, k from it
 (nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors: where it
@@ -171,8 +171,9 @@ class Attention:
     flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lse_(self) -> torch.Tensor:
+        """The lse as a block's gate gets it: from the output path, else as attention_stats makes it."""
         if self.lse is None:
-            self.lse = causal_lse(self.q, self.k)
+            attention_stats(self)
         return self.lse
 
     def flat_(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,21 +245,6 @@ def _score_tiles(q: torch.Tensor, k: torch.Tensor):
             yield m, t, x
 
 
-def causal_lse(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """lse = logsumexp_{s <= t} q_t . k_s / sqrt(Dh) of (q, k) [B, H, T, Dh], float32 [B, H, T]: where the output
-    path runs the fused kernel, from that kernel (its lse does not depend on the values: the same bits as the
-    output path's), else by a tiled pass in float32."""
-    with torch.autocast(q.device.type, enabled=False):
-        if fused_lse_applies(q):
-            return _fused_attention(q, k, k)[1]
-        B, H, T, Dh = q.shape
-        fq, fk = Attention(q, k).flat_()
-        lse = fq.new_empty(B * H, T)
-        for m, t, x in _score_tiles(fq, fk):
-            lse[m, t] = x.logsumexp(-1)
-        return lse.view(B, H, T)
-
-
 class AttentionStats(NamedTuple):
     """Per-head statistics of one block's causal attention P = softmax_{s <= t}(S), S = q k^T / sqrt(Dh), [B, H, T]."""
 
@@ -270,27 +256,42 @@ class AttentionStats(NamedTuple):
 def attention_stats(att: Attention, cross: Attention | None = None) -> AttentionStats:
     """The AttentionStats of a block's attention, with cross_score for another block's; float32 whatever the dtypes.
 
-    With the lse known, log P = S - lse comes straight from the scores: one pass over tiles of them (_score_tiles)
-    makes P = softmax(log P) (the fused softmax; renormalizing changes P by rounding only), H = -sum_s P log P and
+    One pass over tiles of scores (_score_tiles). With the lse known, log P = S - lse comes straight from the
+    scores. The lse is known from the output path, or, where the fused kernel applies (a gate called on its own),
+    from that kernel without the values (the lse does not depend on them: the same bits as the output path's). Else
+    each row is shifted by its maximum first and log_z = -log max_s P comes from the
+    one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z. Then
+    P = softmax(log P) (renormalizing changes P by rounding only), H = -sum_s P log P and
     sum_s P S' = q'_t . (P K')_t. log P holds values of the size of log P, so the entropy sum does not cancel.
     """
     B, H, T, Dh = att.q.shape
     with torch.autocast(att.q.device.type, enabled=False):
-        lse = att.lse_()
+        if att.lse is None and fused_lse_applies(att.q):
+            att.lse = _fused_attention(att.q, att.k, att.k)[1]
         q, k = att.flat_()
-        shift = lse.reshape(B * H, T, 1)
+        known = att.lse is not None
+        lse = att.lse.reshape(B * H, T, 1) if known else q.new_empty(B * H, T, 1)
         entropy = q.new_empty(B * H, T)
         cross_score = None if cross is None else q.new_empty(B * H, T)
         if cross is not None:
             cq, ck = cross.flat_()
         for m, t, x in _score_tiles(q, k):
-            log_p = x.sub_(shift[m, t])
-            p = log_p.softmax(-1)
+            if known:
+                log_p = x.sub_(lse[m, t])
+                p = log_p.softmax(-1)
+            else:
+                row_max = x.amax(-1, keepdim=True)
+                p = x.sub_(row_max).softmax(-1)
+                log_z = p.amax(-1, keepdim=True).log_().neg_()
+                lse[m, t] = row_max + log_z
+                log_p = x.sub_(log_z)
             if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
                 cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
             entropy[m, t] = log_p.mul_(p).sum(-1).neg_()
+        if not known:
+            att.lse = lse.view(B, H, T)
     view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
-    return AttentionStats(lse, view(entropy), view(cross_score))
+    return AttentionStats(att.lse, view(entropy), view(cross_score))
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
@@ -328,9 +329,9 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
     log P_{l-1} = S' - lse_{l-1} (S' the previous block's scores),
         KL = -H - sum_s P_l log P_{l-1} = -H - sum_s P_l S' + lse_{l-1},
     and sum_s P_l S' comes from the same pass. Each lse comes from `carry` when the output path's fused kernel left
-    it there, else from causal_lse; the previous block's flattened q and k too when its gate made them. No gradient
-    because the controller reads the block, it does not shape it: gradients reach the controller MLP only, so gating
-    cannot be learned by distorting attention or update norms.
+    it there, else as attention_stats makes it; the previous block's flattened q and k too when its gate made them.
+    No gradient because the controller reads the block, it does not shape it: gradients reach the controller MLP
+    only, so gating cannot be learned by distorting attention or update norms.
     """
     carry = carry if carry is not None else GateCarry()
     prev = None if prev_q is None else carry.attention(prev_q, prev_k)
