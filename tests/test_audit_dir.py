@@ -182,6 +182,20 @@ def test_identical_audits_write_identical_files(tmp_path):
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
 
 
+@pytest.mark.parametrize("rows, name", [(1, "Correct"), (4096, "TokenShuffle"), (9001, "Ünïcode"), (5, "")])
+def test_a_constant_column_is_written_as_its_full_array_would_be(tmp_path, rows, name):
+    """Records name their condition in every row; it is passed as one str (no numpy array of rows x 4 bytes per
+    character), and the file, its content hash included, is the same byte for byte."""
+    from fcaudit.audit import files
+
+    cols = {"example": np.arange(rows), "condition": np.full(rows, name), "nll": np.random.default_rng(0).random(rows)}
+    files.write_columns(tmp_path / "array.parquet", cols)
+    files.write_columns(tmp_path / "str.parquet", dict(cols, condition=name))
+    assert (tmp_path / "array.parquet").read_bytes() == (tmp_path / "str.parquet").read_bytes()
+    frame = files.read_frame(tmp_path / "str.parquet")  # checks the recorded hash against the content
+    assert list(frame["condition"]) == [name] * rows
+
+
 # ---- unfinished audits, pooled checkpoints ------------------------------------------------------------------------
 
 def test_an_unfinished_audit_is_refused_unless_asked_for(tmp_path):

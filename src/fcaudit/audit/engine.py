@@ -330,7 +330,7 @@ class Engine:
     def _write_records(self, condition: str, r: int, nll: np.ndarray, act: np.ndarray) -> None:
         """The records of (condition, r), one row per evaluation window in window order."""
         n = self.ev.shape[0]
-        columns = {"example": np.arange(n, dtype=np.int64), "condition": np.full(n, condition),
+        columns = {"example": np.arange(n, dtype=np.int64), "condition": condition,
                    "randomization": np.full(n, r, dtype=np.int64), "nll": nll,
                    "tokens": np.full(n, self.ev.shape[1] - 1, dtype=np.int64), "active": act}
         files.write_columns(self.dir.records(condition, r), {c: columns[c] for c in protocol.RECORD_COLUMNS})

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -118,28 +119,39 @@ def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str
     return tensors, info["meta"]
 
 
-def _column_bytes(values: np.ndarray) -> bytes:
+def _column_bytes(values: np.ndarray | str, rows: int) -> Iterator[bytes]:
+    """The bytes a column is hashed by: a string column as numpy's fixed-width UTF-32 array of it. A str stands for
+    a column holding it in each of `rows` rows, hashed in pieces as that array would be, without making it (a
+    condition name in every row of a records table: 4 bytes per character and row)."""
+    if isinstance(values, str):
+        one = np.array([values]).tobytes()
+        for r0 in range(0, rows, 4096):
+            yield one * min(4096, rows - r0)
+        return
     values = np.asarray(values)
-    return values.astype(str).tobytes() if values.dtype.kind in "OUT" else np.ascontiguousarray(values).tobytes()
+    yield values.astype(str).tobytes() if values.dtype.kind in "OUT" else np.ascontiguousarray(values).tobytes()
 
 
-def _columns_sha256(columns: dict[str, np.ndarray]) -> str:
+def _columns_sha256(columns: dict[str, np.ndarray | str], rows: int) -> str:
     h = hashlib.sha256()
     for name, values in columns.items():
         h.update(name.encode())
-        h.update(_column_bytes(values))
+        for piece in _column_bytes(values, rows):
+            h.update(piece)
     return h.hexdigest()
 
 
 def _frame_sha256(frame: pd.DataFrame) -> str:
-    return _columns_sha256({col: frame[col].to_numpy() for col in frame.columns})
+    return _columns_sha256({col: frame[col].to_numpy() for col in frame.columns}, len(frame))
 
 
-def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray]) -> Path:
-    """A Parquet table of equal-length numpy columns (read back by `read_frame`). Built with pyarrow directly: a
-    pandas frame costs more than the write itself for the short per-(condition, r) record tables."""
-    table = pa.table({name: pa.array(values) for name, values in columns.items()})
-    table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns).encode()})
+def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str]) -> Path:
+    """A Parquet table of equal-length numpy columns (read back by `read_frame`); a str value is a column holding that
+    string in every row. Built with pyarrow directly: a pandas frame costs more than the write itself for the short
+    per-(condition, r) record tables."""
+    rows = next(len(v) for v in columns.values() if not isinstance(v, str))
+    table = pa.table({name: pa.repeat(v, rows) if isinstance(v, str) else pa.array(v) for name, v in columns.items()})
+    table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns, rows).encode()})
     buffer = pa.BufferOutputStream()  # serialized in memory: arrow's own file opening costs more than the write
     pq.write_table(table, buffer)
     return write_bytes(path, buffer.getvalue().to_pybytes())
