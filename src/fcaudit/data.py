@@ -81,7 +81,7 @@ class WindowSet:
 def _fingerprint(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
     for a in arrays:
-        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(a))
         h.update(b"|")
     return h.hexdigest()[:16]
 

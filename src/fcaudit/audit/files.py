@@ -44,7 +44,7 @@ def _exists(path: Path) -> Path:
 
 def tensor_sha256(t: torch.Tensor) -> str:
     t = t.detach().to("cpu").contiguous()
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> Path:
@@ -119,7 +119,7 @@ def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str
     return tensors, info["meta"]
 
 
-def _column_bytes(values: np.ndarray | str, rows: int) -> Iterator[bytes]:
+def _column_bytes(values: np.ndarray | str, rows: int) -> Iterator[bytes | np.ndarray]:
     """The bytes a column is hashed by: a string column as numpy's fixed-width UTF-32 array of it. A str stands for
     a column holding it in each of `rows` rows, hashed in pieces as that array would be, without making it (a
     condition name in every row of a records table: 4 bytes per character and row)."""
@@ -129,7 +129,7 @@ def _column_bytes(values: np.ndarray | str, rows: int) -> Iterator[bytes]:
             yield one * min(4096, rows - r0)
         return
     values = np.asarray(values)
-    yield values.astype(str).tobytes() if values.dtype.kind in "OUT" else np.ascontiguousarray(values).tobytes()
+    yield values.astype(str) if values.dtype.kind in "OUT" else np.ascontiguousarray(values)  # buffers, not copies
 
 
 def _columns_sha256(columns: dict[str, np.ndarray | str], rows: int) -> str:
@@ -147,13 +147,15 @@ def _frame_sha256(frame: pd.DataFrame) -> str:
 
 def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str]) -> Path:
     """A Parquet table of equal-length numpy columns (read back by `read_frame`); a str value is a column holding that
-    string in every row. Built with pyarrow directly: a pandas frame costs more than the write itself for the short
+    string in every row (dictionary-encoded). Built with pyarrow directly: a pandas frame costs more than the write itself for the short
     per-(condition, r) record tables."""
     rows = next(len(v) for v in columns.values() if not isinstance(v, str))
     table = pa.table({name: pa.repeat(v, rows) if isinstance(v, str) else pa.array(v) for name, v in columns.items()})
     table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns, rows).encode()})
     buffer = pa.BufferOutputStream()  # serialized in memory: arrow's own file opening costs more than the write
-    pq.write_table(table, buffer)
+    # a dictionary only for the constant columns: on columns of distinct numbers trying one costs more than the write
+    # (3.5x at 8192 rows) and arrow's memory for it grows with the rows
+    pq.write_table(table, buffer, use_dictionary=[name for name, v in columns.items() if isinstance(v, str)])
     return write_bytes(path, buffer.getvalue().to_pybytes())
 
 

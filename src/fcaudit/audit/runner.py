@@ -60,8 +60,11 @@ def check_windows(ev: torch.Tensor, ca: torch.Tensor, ev_set, ca_set) -> None:
                            "use one window length for both (--window)")
     if ev.shape[1] < 2:
         raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
-    ev_rows = {row.tobytes() for row in ev.numpy()}
-    shared = sum(row.tobytes() in ev_rows for row in ca.numpy())
+    # rows by their hash (a set of the rows' bytes would copy every evaluation window), equality checked on a match
+    evn, by_hash = ev.numpy(), {}
+    for i, row in enumerate(evn):
+        by_hash.setdefault(hash(row.tobytes()), []).append(i)
+    shared = sum(any(np.array_equal(row, evn[i]) for i in by_hash.get(hash(row.tobytes()), ())) for row in ca.numpy())
     if shared:
         raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
                            "from a different split (e.g. validation) than the evaluation windows (test)")
@@ -84,12 +87,12 @@ def parameter_hash(model: nn.Module) -> str:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(name.encode())
         h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # the buffer: no copy
     return h.hexdigest()
 
 
 def tensor_hash(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().numpy()).hexdigest()  # the buffer: no copy of the windows
 
 
 def vocab_size(model: nn.Module) -> int | None:
