@@ -42,7 +42,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return path
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Path:
     """`atomic_write` of bytes already in memory, through the temp file's own descriptor (the audit writes many small
     files, where opening the file a second time costs more than the write)."""
     path = Path(path)

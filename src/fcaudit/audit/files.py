@@ -156,7 +156,7 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
     # a dictionary only for the constant columns: on columns of distinct numbers trying one costs more than the write
     # (3.5x at 8192 rows) and arrow's memory for it grows with the rows
     pq.write_table(table, buffer, use_dictionary=[name for name, v in columns.items() if isinstance(v, str)])
-    return write_bytes(path, buffer.getvalue().to_pybytes())
+    return write_bytes(path, memoryview(buffer.getvalue()))  # arrow's buffer itself, not a copy as bytes
 
 
 def read_frame(path: str | os.PathLike, verify: bool = True) -> pd.DataFrame:
