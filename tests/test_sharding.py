@@ -254,7 +254,8 @@ try:
     audit(model, gated(model), windows(8, 0), windows(4, 1), randomizations=1, out={out!r}, batch_size=2,
           quiet=True, group=group)
 except FcauditError as e:
-    print(json.dumps({{"rank": group.rank, "error": str(e)}}))
+    # one write per line: print writes the newline apart, and two ranks share the pipe
+    sys.stdout.write(json.dumps({{"rank": group.rank, "error": str(e)}}) + "\\n")
 finally:
     group.close()
 """
