@@ -257,12 +257,12 @@ def attention_stats(att: Attention, cross: Attention | None = None) -> Attention
     """The AttentionStats of a block's attention, with cross_score for another block's; float32 whatever the dtypes.
 
     One pass over tiles of scores (_score_tiles). With the lse known, log P = S - lse comes straight from the
-    scores. The lse is known from the output path, or, where the fused kernel applies (a gate called on its own),
-    from that kernel without the values (the lse does not depend on them: the same bits as the output path's). Else
-    each row is shifted by its maximum first and log_z = -log max_s P comes from the
-    one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z. Then
-    P = softmax(log P) (renormalizing changes P by rounding only), H = -sum_s P log P and
-    sum_s P S' = q'_t . (P K')_t. log P holds values of the size of log P, so the entropy sum does not cancel.
+    scores, P = softmax(log P) (renormalizing changes P by rounding only) and H = -sum_s P log P. The lse is known
+    from the output path, or, where the fused kernel applies (a gate called on its own), from that kernel without
+    the values (the lse does not depend on them: the same bits as the output path's). Else each row is shifted by
+    its maximum x = S - max first, log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1):
+    the log never underflows), lse = max + log_z and H = log_z - sum_s P x. Either way the entropy sum works with
+    values of the size of log P, so it does not cancel; sum_s P S' = q'_t . (P K')_t.
     """
     B, H, T, Dh = att.q.shape
     with torch.autocast(att.q.device.type, enabled=False):
@@ -277,17 +277,16 @@ def attention_stats(att: Attention, cross: Attention | None = None) -> Attention
             cq, ck = cross.flat_()
         for m, t, x in _score_tiles(q, k):
             if known:
-                log_p = x.sub_(lse[m, t])
-                p = log_p.softmax(-1)
+                p = x.sub_(lse[m, t]).softmax(-1)  # x = log P
             else:
                 row_max = x.amax(-1, keepdim=True)
-                p = x.sub_(row_max).softmax(-1)
+                p = x.sub_(row_max).softmax(-1)  # x = log P + log_z
                 log_z = p.amax(-1, keepdim=True).log_().neg_()
                 lse[m, t] = row_max + log_z
-                log_p = x.sub_(log_z)
             if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
                 cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
-            entropy[m, t] = log_p.mul_(p).sum(-1).neg_()
+            px = x.mul_(p).sum(-1)
+            entropy[m, t] = px.neg_() if known else log_z.squeeze(-1) - px
         if not known:
             att.lse = lse.view(B, H, T)
     view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
