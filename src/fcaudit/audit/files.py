@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -147,8 +147,8 @@ def _frame_sha256(frame: pd.DataFrame) -> str:
 
 def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str]) -> Path:
     """A Parquet table of equal-length numpy columns (read back by `read_frame`); a str value is a column holding that
-    string in every row (dictionary-encoded). Built with pyarrow directly: a pandas frame costs more than the write itself for the short
-    per-(condition, r) record tables."""
+    string in every row (dictionary-encoded). Built with pyarrow directly: a pandas frame costs more than the write
+    itself for the short per-(condition, r) record tables."""
     rows = next(len(v) for v in columns.values() if not isinstance(v, str))
     table = pa.table({name: pa.repeat(v, rows) if isinstance(v, str) else pa.array(v) for name, v in columns.items()})
     table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns, rows).encode()})
