@@ -551,6 +551,35 @@ def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
               batch_size=4, quiet=True)
 
 
+def test_part_files_merge_into_the_records_and_a_window_twice_is_refused(tmp_path):
+    from fcaudit.audit import files
+
+    model = ToyGated()
+    expected = run(model, gated(model), tmp_path / "a").records.copy()  # 8 windows, batches of 4 (read now: lazy)
+    records = tmp_path / "a" / "records" / "Correct" / "r0000.parquet"
+    frame = files.read_frame(records)
+    parts = tmp_path / "a" / "parts" / "Correct" / "r0000"
+    parts.mkdir(parents=True)
+
+    def part(name, rows):  # a part file as a process writes it: its windows in any order
+        files.write_tensors(parts / name, {c: torch.from_numpy(frame[c].to_numpy()[rows])
+                                           for c in ("example", "nll", "active")})
+
+    part("b0000004.safetensors", [6, 4, 7, 5])
+    part("b0000000.safetensors", [0, 1, 2, 3])
+    records.unlink()
+    again = run(model, gated(model), tmp_path / "a")
+    pd.testing.assert_frame_equal(expected, again.records)  # put in window order, every column as it was
+    assert not (tmp_path / "a" / "parts").exists()
+
+    part("b0000000.safetensors", [0, 1, 2, 3])
+    part("b0000004.safetensors", [4, 5, 6, 7])
+    part("b0000002.safetensors", [2, 3, 4, 5])  # windows 2..5 twice: no window may count twice
+    records.unlink()
+    with pytest.raises(FcauditError, match="do not cover each evaluation window once; rerun"):
+        run(model, gated(model), tmp_path / "a")
+
+
 def test_records_independent_of_batch_size(tmp_path):
     # dynamic gates: a derangement or permutation keyed by batch position instead of example would change the NLLs
     model = ToyGated()

@@ -358,28 +358,49 @@ class Engine:
         return [protocol.expand(p, batch, self.ev.shape[1]) for p in self._static[condition]]
 
     # ---- the end: merge records, replay report, variation ---------------------------------------------------------
+    def _merge_parts(self, condition: str, r: int) -> None:
+        """The part files of (condition, r) into its records file, each window's row put in its place as the parts
+        are read (no list of them: memory stays that of the records)."""
+        n = self.ev.shape[0]
+        nll = act = None
+        seen, count = np.zeros(n, dtype=bool), 0
+        for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
+            part = {k: t.numpy() for k, t in files.read_tensors(path)[0].items()}
+            example = part["example"]
+            if len(example) and (example.min() < 0 or example.max() >= n):
+                count = -1
+                break
+            if nll is None:
+                nll, act = np.empty(n, part["nll"].dtype), np.empty(n, part["active"].dtype)
+            nll[example], act[example], seen[example] = part["nll"], part["active"], True
+            count += len(example)
+        if nll is None or count != n or not seen.all():
+            raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
+                               "the audit command to recompute them")
+        self._write_records(condition, r, nll, act)
+        shutil.rmtree(self.dir.parts(condition, r), ignore_errors=True)
+
+    def _replay_summary(self) -> dict:
+        """replay.json: the exact replay check over all capture batches, from their chunks' headers one at a time."""
+        dlogit = dnll = flips = None
+        bit_equal = True
+        for start in self.starts:
+            m = self.store.metadata(int(start))
+            dlogit = m["max_abs_dlogit"] if dlogit is None else max(dlogit, m["max_abs_dlogit"])
+            dnll = m["delta_nll"] if dnll is None else max(dnll, m["delta_nll"])
+            bit_equal = bit_equal and m["bit_equal"]
+            if m.get("route_flips") is not None:
+                flips = (flips or 0) + m["route_flips"]
+        return {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": bit_equal, "route_flips": flips,
+                "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0])}
+
     def _finalize(self) -> None:
         from fcaudit.audit.results import variation
 
-        n = self.ev.shape[0]
         for condition, r in self.schedule.record_keys():
-            if self._merged_ok(condition, r):
-                continue
-            parts = [files.read_tensors(p)[0] for p in sorted(self.dir.parts(condition, r).glob("b*.safetensors"))]
-            example = torch.cat([t["example"] for t in parts])
-            order = torch.argsort(example)
-            if not torch.equal(example[order], torch.arange(n)):
-                raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
-                                   "the audit command to recompute them")
-            self._write_records(condition, r, torch.cat([t["nll"] for t in parts])[order].numpy(),
-                                torch.cat([t["active"] for t in parts])[order].numpy())
-            shutil.rmtree(self.dir.parts(condition, r), ignore_errors=True)
+            if not self._merged_ok(condition, r):
+                self._merge_parts(condition, r)
         shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
-        meta = [self.store.metadata(int(s)) for s in self.starts]
-        flips = [m["route_flips"] for m in meta if m.get("route_flips") is not None]
-        files.write_json(self.dir.replay, {
-            "max_abs_dlogit": max(m["max_abs_dlogit"] for m in meta), "delta_nll": max(m["delta_nll"] for m in meta),
-            "bit_equal": all(m["bit_equal"] for m in meta), "route_flips": sum(flips) if flips else None,
-            "passed": True, "tolerance": self.tol, "windows": int(n)})
+        files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
             files.write_json(self.dir.variation, variation(self.store, self.starts))
