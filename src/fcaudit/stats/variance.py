@@ -35,11 +35,13 @@ def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, f
         eff = x.mean(axis=other, keepdims=True) if other else x.copy()
         for sub, sub_eff in effects.items():  # all proper subsets were computed earlier (smaller size first)
             if set(sub) < set(s):
-                eff = eff - sub_eff
+                eff -= sub_eff  # in place: the full interaction is as big as x (no temporary per subset)
         effects[s] = eff
         # each cell of the effect is repeated over the other axes' extent
         ss[":".join(names[a] for a in s)] = float((eff**2).sum() * np.prod([x.shape[a] for a in other]))
-    total = float(((x - grand) ** 2).sum())
+    del effects  # the full interaction, before the deviations below take as much again
+    dev = x - grand
+    total = float(np.square(dev, out=dev).sum())
     return ss, total
 
 
