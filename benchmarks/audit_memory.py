@@ -3,7 +3,10 @@
 Each window count runs in a fresh process (tiny FeatureGate preset, T = 64, R = 20, 64 calibration windows, batch 8):
 the model is built and warmed up, the peak resident set is reset (Linux /proc/self/clear_refs), the audit runs into a
 fresh directory, and the growth of the peak over the pre-audit level is reported with the on-disk store size.
-Usage: python benchmarks/audit_memory.py [--n-eval 64 512 2048]
+With --heap (needs `pip install memray`), each row is a second fresh process that counts instead the live
+allocations made during the audit at their peak (memray's high-water mark): what the audit holds, apart from the
+free memory the allocator keeps resident (which the peak RSS includes).
+Usage: python benchmarks/audit_memory.py [--n-eval 64 512 2048] [--heap]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def child(n_eval: int, randomizations: int) -> dict:
+def child(n_eval: int, randomizations: int, heap: bool) -> dict:
     import torch
 
     import fcaudit as fca
@@ -36,11 +39,21 @@ def child(n_eval: int, randomizations: int) -> dict:
     ca = torch.randint(0, 256, (64, 64), generator=g)
     with tempfile.TemporaryDirectory() as warm:  # imports, allocator pools, lazy tables
         fca.audit(model, fca.controller_for(model), ev[:16], ca[:8], randomizations=1, out=warm, quiet=True)
+    run = lambda out: fca.audit(model, fca.controller_for(model), ev, ca, randomizations=randomizations,  # noqa: E731
+                                out=out, quiet=True)
+    if heap:
+        import memray
+
+        with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as trace:
+            with memray.Tracker(Path(trace) / "audit.bin"):
+                run(out)
+            peak = memray.FileReader(Path(trace) / "audit.bin").metadata.peak_memory
+        return {"n_eval": n_eval, "heap_peak_mib": peak / 2**20}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size to the current one
     before = _status("VmRSS")
     with tempfile.TemporaryDirectory() as out:
-        fca.audit(model, fca.controller_for(model), ev, ca, randomizations=randomizations, out=out, quiet=True)
+        run(out)
         store = sum(p.stat().st_size for p in (Path(out) / "coeffs").iterdir())
     return {"n_eval": n_eval, "rss_before_mib": before / 2**20, "peak_growth_mib": (_status("VmHWM") - before) / 2**20,
             "store_mib": store / 2**20}
@@ -50,19 +63,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-eval", type=int, nargs="+", default=[64, 512, 2048])
     p.add_argument("--randomizations", type=int, default=20)
+    p.add_argument("--heap", action="store_true", help="also the live allocations' peak (memray)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-heap", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.randomizations)))
+        print(json.dumps(child(args.child, args.randomizations, args.child_heap)))
         return
     print(f"load before: {os.getloadavg()[0]:.2f}; tiny FeatureGate, T=64, R={args.randomizations}, 64 calibration "
           "windows, batch 8, one thread, a fresh process per row", flush=True)
     for n in args.n_eval:
-        out = subprocess.run([sys.executable, __file__, "--child", str(n), "--randomizations", str(args.randomizations)],
-                             capture_output=True, text=True, check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        print(f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} MiB "
-              f"(store on disk {r['store_mib']:.2f} MiB)", flush=True)
+        r = _run_child(n, args.randomizations, heap=False)
+        line = (f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} MiB "
+                f"(store on disk {r['store_mib']:.2f} MiB)")
+        if args.heap:
+            line += f"; live allocations at their peak {_run_child(n, args.randomizations, heap=True)['heap_peak_mib']:.3f} MiB"
+        print(line, flush=True)
+
+
+def _run_child(n: int, randomizations: int, heap: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(n), "--randomizations", str(randomizations)]
+    out = subprocess.run(cmd + (["--child-heap"] if heap else []), capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
