@@ -74,10 +74,11 @@ def main() -> None:
           "windows, batch 8, one thread, a fresh process per row", flush=True)
     for n in args.n_eval:
         r = _run_child(n, args.randomizations, heap=False)
-        line = (f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} MiB "
-                f"(store on disk {r['store_mib']:.2f} MiB)")
+        line = (f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} "
+                f"MiB (store on disk {r['store_mib']:.2f} MiB)")
         if args.heap:
-            line += f"; live allocations at their peak {_run_child(n, args.randomizations, heap=True)['heap_peak_mib']:.3f} MiB"
+            heap = _run_child(n, args.randomizations, heap=True)["heap_peak_mib"]
+            line += f"; live allocations at their peak {heap:.3f} MiB"
         print(line, flush=True)
 
 

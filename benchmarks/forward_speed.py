@@ -2,13 +2,16 @@
 
     python benchmarks/forward_speed.py [--preset demo paper-76m] [--reps 7] [--threads 1] [--json OUT]
 
-FeatureGate runs twice: with today's features (`gate_features`, a tiled pass with no T x T map) and with the
-first, map-based implementation (`reference_gate_features`, "FeatureGate-ref", the "before"). All models of a
-preset are built once and timed interleaved, one forward each per round (several when a forward is short), so load
-drift on a shared machine hits every variant alike; the table gives the median and min wall ms per batch over
-rounds and the median over rounds of each round's ratio to Dense, then the same median ms and ratio in CPU time of
-the (one) computing thread, which leaves out time spent waiting for a core. The load average is printed before and
-after.
+FeatureGate runs three times: as it is (in inference on the CPU each block's attention output and its gate's
+statistics come from one tiled pass, `attend`), as "featuregate-fused" (the output from torch's fused attention
+kernel and the statistics from the gate's own tiled pass: the forward with gradients, and last round's inference
+forward), and as "featuregate-ref" (fused output, features of the first, map-based implementation
+`reference_gate_features`, the first "before"). All models of a preset are built once and timed interleaved, one
+forward each per round (several when a forward is short), so load drift on a shared machine hits every variant
+alike; each timing is preceded by one untimed forward of the same model. The table gives the median and min wall ms
+per batch over rounds and the median over rounds of each round's ratio to Dense, then the same median ms and ratio in
+CPU time of the (one) computing thread, which leaves out time spent waiting for a core. The load average is printed
+before and after.
 The paper (GPU, 76M, batch 8): Dense 19.36 ms, Uniform 23.00, LayerStatic 24.10, FeatureGate 25.31 (1.308).
 """
 
@@ -26,18 +29,22 @@ import torch
 import fcaudit.models.featuregate as fg
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 
-VARIANTS = ("dense", "uniform", "layerstatic", "featuregate", "featuregate-ref")
+VARIANTS = ("dense", "uniform", "layerstatic", "featuregate", "featuregate-fused", "featuregate-ref")
 
 
 @contextmanager
-def reference_features(on: bool):
-    """Swap the map-based reference features in (FeatureGate.forward looks gate_features up at call time)."""
-    fast = fg.gate_features
-    fg.gate_features = fg.reference_gate_features if on else fast
+def features_of(name: str):
+    """-fused: the fused kernel's output path; -ref: that and the map-based reference features (the module looks
+    both up at call time)."""
+    saved = fg.gate_features, fg.attend_applies
+    if name.endswith(("-fused", "-ref")):
+        fg.attend_applies = lambda q: False
+    if name.endswith("-ref"):
+        fg.gate_features = fg.reference_gate_features
     try:
         yield
     finally:
-        fg.gate_features = fast
+        fg.gate_features, fg.attend_applies = saved
 
 
 def load() -> str:
@@ -51,13 +58,13 @@ def bench_preset(preset: str, reps: int, batch: int, device: torch.device) -> di
     models = {}
     for name in VARIANTS:
         torch.manual_seed(0)  # the same weights for every variant; gates differ only in their own parameters
-        models[name] = FeatureGateGPT(config_for(preset, name.removesuffix("-ref"))).to(device).eval()
+        models[name] = FeatureGateGPT(config_for(preset, name.split("-")[0])).to(device).eval()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def once(name: str, n: int) -> tuple[float, float]:
         """(wall, CPU time of this thread) per forward: with one thread, the CPU time leaves out the time this
         process waited for a core, so it is the steadier measure on a shared machine."""
-        with reference_features(name.endswith("-ref")), torch.inference_mode():
+        with features_of(name), torch.inference_mode():
             sync()
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(n):
@@ -72,6 +79,9 @@ def bench_preset(preset: str, reps: int, batch: int, device: torch.device) -> di
     cpu = {name: [] for name in VARIANTS}
     for _ in range(reps):
         for name in VARIANTS:
+            # one untimed forward first: with several models alive, memory a model has not touched for a few seconds
+            # was slow to touch again on the shared VM (up to +30% on the next forward), unlike on a dedicated machine
+            once(name, 1)
             w, c = once(name, inner)
             wall[name].append(w)
             cpu[name].append(c)

@@ -35,9 +35,22 @@ DATA = Path(__file__).parent / "data" / "v1"
 # ---- the records of the engine before the restructure ------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["featuregate", "mudd"])
-def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path):
+def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path, monkeypatch):
     """tests/data/v1/FAMILY holds a tiny trained checkpoint, its windows, and the records the v1 engine (b222979)
-    wrote for it (R = 2, seed 0, batch 4). The v2 engine must reproduce every one of them exactly."""
+    wrote for it (R = 2, seed 0, batch 4). The v2 engine must reproduce every one of them exactly.
+
+    FeatureGate's inference forward now computes its attention output and gate statistics in one pass (`attend`),
+    equal to the fused kernel's within rounding: the engine is checked with the kernel path the v1 records came
+    from, and the records of today's forward within 1e-6 nats of them."""
+    import fcaudit.models.featuregate as fg
+
+    if family == "featuregate":
+        today = audit(*_v1_inputs(family), randomizations=2, seed=0, out=tmp_path / "attend", batch_size=4,
+                      quiet=True).records
+        old = pd.read_parquet(DATA / family / "records.parquet")
+        both = old.merge(today, on=["condition", "randomization", "example"], suffixes=("_v1", "_v2"))
+        assert len(both) == len(old) and (both.nll_v1 - both.nll_v2).abs().max() <= 1e-6
+        monkeypatch.setattr(fg, "attend_applies", lambda q: False)
     model, _ = load_model(DATA / family)
     windows = load_file(str(DATA / family / "windows.safetensors"))
     ev, ca = windows["eval"], windows["calib"]
@@ -46,7 +59,7 @@ def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path):
         plain = torch.cat([token_nll(model(b), b).mean(1).double() for b in ev.split(4)]).numpy()
     if not np.array_equal(plain, old[old.condition == "Correct"].sort_values("example").nll.to_numpy()):
         pytest.skip("this CPU's kernels round differently from the machine that wrote the v1 fixture")
-    new = audit(model, fca.controller_for(model), ev, ca, randomizations=2, seed=0, out=tmp_path, batch_size=4,
+    new = audit(model, fca.controller_for(model), ev, ca, randomizations=2, seed=0, out=tmp_path / "v1", batch_size=4,
                 quiet=True).records
     assert set(new.condition) - set(old.condition) == {"TokenResamplePast"}
     keys = ["condition", "randomization", "example"]
@@ -54,6 +67,12 @@ def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path):
     assert len(merged) == len(old) == 12 * (1 + 3 * 2 + 3)
     assert (merged.nll_v1.to_numpy() == merged.nll_v2.to_numpy()).all()
     assert (merged.groupby("condition").nll_v2.mean() != merged.nll_v2[merged.condition == "Correct"].mean()).sum() > 3
+
+
+def _v1_inputs(family: str) -> tuple:
+    model, _ = load_model(DATA / family)
+    windows = load_file(str(DATA / family / "windows.safetensors"))
+    return model, fca.controller_for(model), windows["eval"], windows["calib"]
 
 
 # ---- concurrent writers, foreign directories, killed first writes -------------------------------------------------

@@ -185,34 +185,47 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
     seen = []
     for block in model.blocks:
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
-    stats, lses = [], []
-    monkeypatch.setattr(fg, "attention_stats", lambda a, c=None, f=fg.attention_stats: stats.append(a.q) or f(a, c))
-    monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: lses.append(q) or f(q, k, v))
+    passes, fused = [], []  # each pass over a block's scores: (its q, output made, statistics made)
+    monkeypatch.setattr(fg, "_tile_pass", lambda a, c, v, st, f=fg._tile_pass: passes.append((a.q, v is not None, st))
+                        or f(a, c, v, st))
+    monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: fused.append(q) or f(q, k, v))
+    result = {}
+    for mode, grad in (("inference", False), ("training", True)):
+        with torch.set_grad_enabled(grad):
+            seen.clear(), passes.clear(), fused.clear()
+            logits, gates = result[mode] = model(ids, return_gates=True)
+            assert [p[0] for p in passes] == [a[2] for a in seen]  # one pass per block and forward
+            if mode == "inference":  # the output and the gate's statistics from that one pass, no fused kernel
+                assert all(made and st for _, made, st in passes) and not fused
+            else:  # the fused kernel gives the output (for the backward) and the lse, the gate's pass the rest
+                assert not any(made for _, made, _ in passes) and len(fused) == 4
+            for replaced in ([0], [1], [0, 2], [1, 2]):  # gates replaced (as by the engine's replay): same bits
+                passes.clear(), fused.clear()
+                for l in replaced:
+                    model.blocks[l].gate.forward = lambda *args, _g=gates[l], **kwargs: _g
+                out, g = model(ids, return_gates=True)
+                for l in replaced:
+                    del model.blocks[l].gate.forward
+                assert torch.equal(out, logits) and torch.equal(g, gates)
+                statistics = sum(st for _, _, st in passes)  # computed for the gates that run only
+                assert statistics == 4 - len(replaced) and len(passes) == (4 if mode == "inference" else statistics)
+        with torch.no_grad():  # a gate called without a carry computes what it needs itself
+            for l, block in enumerate(model.blocks):
+                alone = block.gate(*seen[l][:6])
+                if mode == "training":  # from the fused kernel's lse, as in the model: the same bits
+                    assert torch.equal(alone, gates[l])
+                else:  # the fused kernel's lse against the pass's own: within rounding
+                    assert (alone - gates[l]).abs().max() <= 1e-6
+    (li, gi), (lt, gt) = result["inference"], result["training"]
+    assert (gi - gt).abs().max() <= 1e-6 and (li - lt).abs().max() <= 1e-5
     with torch.no_grad():
-        logits, gates = model(ids, return_gates=True)
-        assert len(stats) == 4 and all(stats[l] is seen[l][2] for l in range(4))  # one pass per block and forward
-        assert len(lses) == 4  # the output path's fused kernel, which gave every lse
-        # a gate called without a carry computes both lse itself (the fused kernel's, without the values) and gets
-        # bit-identical gates
-        for l, block in enumerate(model.blocks):
-            assert torch.equal(block.gate(*seen[l][:6]), gates[l])
-        assert len(lses) == 4 + 4 + 3
-        for replaced in ([0], [1], [0, 2], [1, 2]):  # gates replaced (as by the engine's replay): same gates
-            stats.clear(), lses.clear()
-            for l in replaced:
-                model.blocks[l].gate.forward = lambda *args, _g=gates[l], **kwargs: _g
-            out, g = model(ids, return_gates=True)
-            for l in replaced:
-                del model.blocks[l].gate.forward
-            assert torch.equal(out, logits) and torch.equal(g, gates)
-            assert len(stats) == 4 - len(replaced) and len(lses) == 4
         # where the output path does not give the lse (CUDA, autocast), each gate's pass computes it (within
         # rounding of the fused kernel's), and a gate called on its own or after a replaced one gets the same bits
         monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
-        seen.clear(), lses.clear(), stats.clear()
+        seen.clear(), fused.clear(), passes.clear()
         out, g = model(ids, return_gates=True)
-        assert not lses and len(stats) == 4
-        assert (g - gates).abs().max() <= 1e-6 and (out - logits).abs().max() <= 1e-6
+        assert not fused and len(passes) == 4 and not any(made for _, made, _ in passes)
+        assert (g - gt).abs().max() <= 1e-6 and (out - lt).abs().max() <= 1e-5
         for l, block in enumerate(model.blocks):
             assert torch.equal(block.gate(*seen[l][:6]), g[l])
         model.blocks[1].gate.forward = lambda *args, _g=g[1], **kwargs: _g
@@ -220,6 +233,36 @@ def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which
         del model.blocks[1].gate.forward
     # the carry lives only in the forward pass: no module holds it or a map afterwards
     assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
+
+
+def test_attend_is_attention_and_its_statistics_those_of_the_gates_own_pass(small_tiles):
+    """`attend` (a FeatureGate block's output in inference): softmax(S) V within float32 rounding of
+    F.scaled_dot_product_attention, the lse within rounding of the fused kernel's, the same output bits with or
+    without statistics, and the statistics the same bits as a gate's own pass computing the lse."""
+    for B, H, T, D in [(2, 3, 37, 8), (1, 2, 50, 16), (1, 1, 1, 4)]:
+        h, upd, q, k, pq, pk = random_block(B, H, T, D, seed=T, scale=2.0)
+        v = torch.randn(B, H, T, D)
+        prev = fg.Attention(pq, pk)
+        fg.attend(prev, torch.randn(B, H, T, D), None, False)
+        att = fg.Attention(q, k)
+        y = fg.attend(att, v, prev, True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+        torch.testing.assert_close(y.double(), ref, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(att.lse, fg._fused_attention(q, k, v)[1], atol=1e-6, rtol=1e-6)
+        bare = fg.Attention(q, k)
+        assert torch.equal(fg.attend(bare, v, prev, False), y) and bare.stats is None and torch.equal(bare.lse, att.lse)
+        assert fg.attention_stats(att, prev) is att.stats[1]  # what the gate reads: the pass's own
+        own = fg.Attention(q, k)  # the gate's own pass computing the lse: the same operations
+        own.lse = None
+        with torch.no_grad():
+            fused = fg.fused_lse_applies
+            try:
+                fg.fused_lse_applies = lambda q: False
+                stats = fg.attention_stats(own, prev)
+            finally:
+                fg.fused_lse_applies = fused
+        for a, b in zip(stats, att.stats[1]):
+            assert torch.equal(a, b)
 
 
 def test_the_output_path_is_the_fused_kernel_of_scaled_dot_product_attention(ids):

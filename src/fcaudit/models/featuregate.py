@@ -18,19 +18,25 @@ are expanded), so an audit treats all variants alike: replacing that forward dis
 computation included, and leaves the output path (the residual stream, attention via scaled_dot_product_attention)
 untouched. Learned gates start at sigmoid(w) = 0.6.
 
-The controller's features need statistics of the attention of this block and of the previous one. The output path
-(F.scaled_dot_product_attention's fused kernel) never materializes the attention map, so the FeatureGate controller
-recomputes them in float32 from the q, k that the model loop passes to it explicitly, in one tiled pass per block
-that never holds a [T, T] map (attention_stats). Each block's lse (logsumexp of its scores) comes with the output
-path: on the CPU in float32 the attention calls torch's fused kernel itself, which returns the lse with the output
-(the same kernel and the same output bits as F.scaled_dot_product_attention), and knowing the lse saves the pass the
-most (log P = S - lse straight from the scores). Elsewhere (CUDA, autocast) the gate's pass computes the lse as well.
+The controller's features need statistics of the attention of this block and of the previous one, in float32, from
+the q, k that the model loop passes to it explicitly; no pass holds a [T, T] map. Where they come from:
+
+- In inference on the CPU in float32 (no gradient, no autocast), a FeatureGate block computes its attention output
+  itself, in one pass over tiles of scores (`attend`) that also gives the lse (logsumexp of the scores) and, when
+  the block's gate is going to run, the gate's statistics: the output P V and the statistics' P K' come from the
+  same P. The output equals F.scaled_dot_product_attention's within float32 rounding (tests/test_featuregate.py);
+  capture and replay compute it by the same operations, so the exact replay check holds bit for bit.
+- With gradients (training) on the CPU in float32, the attention calls torch's fused kernel itself, which returns the
+  lse with the output (the same kernel and the same output bits as F.scaled_dot_product_attention), and the gate's
+  own pass knows the lse (log P = S - lse straight from the scores; attention_stats).
+- Elsewhere (CUDA, autocast) the output path is F.scaled_dot_product_attention and the gate's pass computes the lse.
+
 The model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
-argument: each block leaves its lse there, the gate of block l reads block l-1's lse and flattened q, k from it
-(nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors: where it
-does not hold what a gate needs (the gate is called on its own), the gate recomputes it from q, k, bit for bit the
-same, so a gate's features never depend on which other gates ran. That side pass is the controller's extra cost:
-O(B H T^2 Dh) work per block, on a CPU at paper-76m about as much as the output path's fused attention
+argument: each block leaves its lse (and statistics) there, the gate of block l reads block l-1's lse and flattened
+q, k from it (nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors:
+where it does not hold what a gate needs (the gate is called on its own), the gate recomputes it from q, k, so a
+gate's features never depend on which other gates ran. The controller's extra cost is O(B H T^2 Dh) work per block:
+in inference on a CPU the matrix product P K' and elementwise passes over the scores beside the output's own
 (benchmarks/forward_speed.py measures the whole forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
@@ -132,6 +138,12 @@ def _fused_attention(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
 
 
+def attend_applies(q: torch.Tensor) -> bool:
+    """Whether a FeatureGate block computes its attention output with its gate's statistics (`attend`): inference
+    (no gradient: the tiled pass keeps no activations for a backward) on the CPU in float32 outside autocast."""
+    return fused_lse_applies(q) and not torch.is_grad_enabled()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -139,11 +151,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, carry: "GateCarry | None" = None, prev: tuple | None = None,
+                stats: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The attention output [B, T, D], the per-head queries and keys [B, H, T, Dh] (for the gate) and, where the
-        fused CPU kernel runs, the lse of its scores [B, H, T] (else None)."""
+        fused CPU kernel or `attend` runs, the lse of its scores [B, H, T] (else None).
+
+        With a carry (a FeatureGate block) where `attend_applies`, the output comes from `attend`, which leaves the
+        lse and, with `stats`, the gate's statistics against the previous block's (q, k) `prev` in the carry."""
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
-        if fused_lse_applies(q):
+        if carry is not None and attend_applies(q):
+            cross = None if prev is None or prev[0] is None else carry.attention(*prev)
+            att = carry.attention(q, k)
+            y, lse = attend(att, v, cross, stats), att.lse
+        elif fused_lse_applies(q):
             y, lse = _fused_attention(q, k, v)
         else:
             y, lse = F.scaled_dot_product_attention(q, k, v, is_causal=True), None
@@ -160,15 +180,17 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-@dataclass
+@dataclass(eq=False)
 class Attention:
     """What the features need of one block's causal attention: its lse [B, H, T] and its float32 queries (times
-    1/sqrt(Dh)) and keys, flattened to [B*H, T, Dh] for the tiled products; each filled when first needed."""
+    1/sqrt(Dh)) and keys, flattened to [B*H, T, Dh] for the tiled products; each filled when first needed. `stats`:
+    the gate's AttentionStats from the block's own pass (`attend`), with the Attention they were crossed with."""
 
     q: torch.Tensor
     k: torch.Tensor
     lse: torch.Tensor | None = None
     flat: tuple[torch.Tensor, torch.Tensor] | None = None
+    stats: "tuple[Attention | None, AttentionStats] | None" = None
 
     def lse_(self) -> torch.Tensor:
         """The lse as a block's gate gets it: from the output path, else as attention_stats makes it."""
@@ -187,8 +209,8 @@ class Attention:
 @dataclass
 class GateCarry:
     """What one forward pass hands on between blocks: the Attention of the last two blocks (each block's lse from
-    its output path where the fused kernel gives it, its flattened q and k once its gate made them), keyed by that
-    block's q and k, and the map the reference features keep (`stats`).
+    its output path where `attend` or the fused kernel gives it, its gate's statistics where `attend` made them, its
+    flattened q and k once made), keyed by that block's q and k, and the map the reference features keep (`stats`).
 
     FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). Keys are compared by identity,
     so what is kept is only reused for exactly the tensors it was computed from.
@@ -256,41 +278,68 @@ class AttentionStats(NamedTuple):
 def attention_stats(att: Attention, cross: Attention | None = None) -> AttentionStats:
     """The AttentionStats of a block's attention, with cross_score for another block's; float32 whatever the dtypes.
 
-    One pass over tiles of scores (_score_tiles). With the lse known, log P = S - lse comes straight from the
-    scores, P = softmax(log P) (renormalizing changes P by rounding only) and H = -sum_s P log P. The lse is known
-    from the output path, or, where the fused kernel applies (a gate called on its own), from that kernel without
-    the values (the lse does not depend on them: the same bits as the output path's). Else each row is shifted by
-    its maximum x = S - max first, log_z = -log max_s P comes from the one fused softmax (max_s P >= 1 / (t + 1):
-    the log never underflows), lse = max + log_z and H = log_z - sum_s P x. Either way the entropy sum works with
-    values of the size of log P, so it does not cancel; sum_s P S' = q'_t . (P K')_t.
+    The ones its block's own pass left (`attend`), else one pass over tiles of scores (`_tile_pass`). With the lse
+    known, log P = S - lse comes straight from the scores, P = softmax(log P) (renormalizing changes P by rounding
+    only) and H = -sum_s P log P. The lse is known from the output path, or, where the fused kernel applies (a gate
+    called on its own), from that kernel without the values (the lse does not depend on them: the same bits as the
+    output path's). Else the pass computes it (see `_tile_pass`). Either way the entropy sum works with values of
+    the size of log P, so it does not cancel; sum_s P S' = q'_t . (P K')_t.
     """
-    B, H, T, Dh = att.q.shape
+    if att.stats is not None and att.stats[0] is cross:
+        return att.stats[1]
     with torch.autocast(att.q.device.type, enabled=False):
         if att.lse is None and fused_lse_applies(att.q):
             att.lse = _fused_attention(att.q, att.k, att.k)[1]
-        q, k = att.flat_()
-        known = att.lse is not None
-        lse = att.lse.reshape(B * H, T, 1) if known else q.new_empty(B * H, T, 1)
-        entropy = q.new_empty(B * H, T)
-        cross_score = None if cross is None else q.new_empty(B * H, T)
-        if cross is not None:
-            cq, ck = cross.flat_()
-        for m, t, x in _score_tiles(q, k):
-            if known:
-                p = x.sub_(lse[m, t]).softmax(-1)  # x = log P
-            else:
-                row_max = x.amax(-1, keepdim=True)
-                p = x.sub_(row_max).softmax(-1)  # x = log P + log_z
-                log_z = p.amax(-1, keepdim=True).log_().neg_()
-                lse[m, t] = row_max + log_z
-            if cross is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
-                cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
-            px = x.mul_(p).sum(-1)
-            entropy[m, t] = px.neg_() if known else log_z.squeeze(-1) - px
-        if not known:
-            att.lse = lse.view(B, H, T)
-    view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
-    return AttentionStats(att.lse, view(entropy), view(cross_score))
+        _tile_pass(att, cross, None, True)
+    return att.stats[1]
+
+
+def attend(att: Attention, v: torch.Tensor, cross: Attention | None, stats: bool) -> torch.Tensor:
+    """Causal attention softmax(S) V [B, H, T, Dh] of one block from one pass over tiles of its scores, which also
+    leaves its lse in `att` and, with `stats`, its gate's AttentionStats (cross: the previous block's Attention).
+    The output comes from the same operations whether or not `stats` is asked (the exact replay relies on it)."""
+    B, H, T, Dh = att.q.shape
+    return _tile_pass(att, cross, v.reshape(B * H, T, Dh), stats).view(B, H, T, Dh)
+
+
+def _tile_pass(att: Attention, cross: Attention | None, v: torch.Tensor | None, stats: bool) -> torch.Tensor | None:
+    """One pass over tiles of a block's scores (_score_tiles): P V [B*H, T, Dh] for flat values `v` (else None),
+    the lse into att.lse when unknown, and with `stats` the AttentionStats into att.stats.
+
+    With the lse unknown, each row is shifted by its maximum x = S - max first, log_z = -log max_s P comes from the
+    one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z and H = log_z - sum_s P x.
+    """
+    B, H, T, Dh = att.q.shape
+    q, k = att.flat_()
+    known = att.lse is not None
+    lse = att.lse.reshape(B * H, T, 1) if known else q.new_empty(B * H, T, 1)
+    y = None if v is None else q.new_empty(B * H, T, Dh)
+    entropy = q.new_empty(B * H, T) if stats else None
+    cross_score = q.new_empty(B * H, T) if stats and cross is not None else None
+    if cross_score is not None:
+        cq, ck = cross.flat_()
+    for m, t, x in _score_tiles(q, k):
+        if known:
+            p = x.sub_(lse[m, t]).softmax(-1)  # x = log P
+        else:
+            row_max = x.amax(-1, keepdim=True)
+            p = x.sub_(row_max).softmax(-1)  # x = log P + log_z
+            log_z = p.amax(-1, keepdim=True).log_().neg_()
+            lse[m, t] = row_max + log_z
+        if y is not None:
+            y[m, t] = torch.bmm(p, v[m, : t.stop])
+        if not stats:
+            continue
+        if cross_score is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
+            cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
+        px = x.mul_(p).sum(-1)
+        entropy[m, t] = px.neg_() if known else log_z.squeeze(-1) - px
+    if not known:
+        att.lse = lse.view(B, H, T)
+    if stats:
+        view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
+        att.stats = (cross, AttentionStats(att.lse, view(entropy), view(cross_score)))
+    return y
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
@@ -341,7 +390,8 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
 
 # ---- reference: the features from the materialized [B, H, T, T] map ---------------------------------------------
 # The first implementation, kept as the oracle of tests/test_featuregate.py and the "before" of
-# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`).
+# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`, and
+# `featuregate.attend_applies = lambda q: False` for the output path it had then).
 
 @dataclass
 class AttentionMap:
@@ -442,7 +492,11 @@ class Block(nn.Module):
 
         The gate gets the carry positionally, so any replacement forward that accepts *args keeps working.
         """
-        a, q, k, lse = self.attn(self.ln1(h))
+        feature_gate = isinstance(self.gate, FeatureGate)
+        # its statistics are worth computing with the output only if the gate's own forward is going to run (a
+        # replay replaces it, as Controller.replay does); the output is the same either way
+        runs = feature_gate and getattr(self.gate.forward, "__func__", None) is FeatureGate.forward
+        a, q, k, lse = self.attn(self.ln1(h), carry if feature_gate else None, (prev_q, prev_k), runs)
         update = a + self.mlp(self.ln2(h + a))
         if self.gate is None:
             return h + update, None, q, k
