@@ -44,8 +44,9 @@ this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; 
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -138,10 +139,25 @@ def _fused_attention(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
 
 
+_ATTEND = [True]  # cleared by fused_output()
+
+
 def attend_applies(q: torch.Tensor) -> bool:
     """Whether a FeatureGate block computes its attention output with its gate's statistics (`attend`): inference
     (no gradient: the tiled pass keeps no activations for a backward) on the CPU in float32 outside autocast."""
-    return fused_lse_applies(q) and not torch.is_grad_enabled()
+    return _ATTEND[0] and fused_lse_applies(q) and not torch.is_grad_enabled()
+
+
+@contextmanager
+def fused_output() -> Iterator[None]:
+    """Within it FeatureGate blocks take their output from the fused kernel in inference too. For FLOP counting
+    (execution.measure.flops): the counter counts a fused attention kernel over the full T x T square, but `attend`'s
+    matrix products over the causal tiles only, so Dense's and FeatureGate's counts would not compare."""
+    _ATTEND[0] = False
+    try:
+        yield
+    finally:
+        _ATTEND[0] = True
 
 
 class CausalSelfAttention(nn.Module):
