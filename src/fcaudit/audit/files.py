@@ -150,9 +150,10 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
     string in every row (dictionary-encoded). Built with pyarrow directly: a pandas frame costs more than the write
     itself for the short per-(condition, r) record tables."""
     rows = next(len(v) for v in columns.values() if not isinstance(v, str))
+    # glibc's pool, not arrow's default (mimalloc): that kept 2 MiB resident after one 2048-row write, 160 KiB in use
     pool = pa.system_memory_pool()
-    table = pa.table({name: pa.repeat(v, rows, memory_pool=pool) if isinstance(v, str) else pa.array(v, memory_pool=pool)
-                      for name, v in columns.items()})
+    table = pa.table({name: pa.repeat(v, rows, memory_pool=pool) if isinstance(v, str)
+                      else pa.array(v, memory_pool=pool) for name, v in columns.items()})
     table = table.replace_schema_metadata({b"fcaudit_sha256": _columns_sha256(columns, rows).encode()})
     buffer = pa.BufferOutputStream(pool)  # serialized in memory: arrow's own file opening costs more than the write
     # a dictionary only for the constant columns: on columns of distinct numbers trying one costs more than the write
