@@ -15,8 +15,8 @@ Variants (GPTConfig.variant), all executing every block:
 
 Every gated variant's gate is the module `model.blocks[l].gate`; its forward returns g of shape [B, T] (constants
 are expanded), so an audit treats all variants alike: replacing that forward disables the controller, feature
-computation included, and leaves the output path (the residual stream, attention via scaled_dot_product_attention)
-untouched. Learned gates start at sigmoid(w) = 0.6.
+computation included, and leaves the output path (the residual stream and the attention, computed by the same
+operations whether or not the gate runs) untouched. Learned gates start at sigmoid(w) = 0.6.
 
 The controller's features need statistics of the attention of this block and of the previous one, in float32, from
 the q, k that the model loop passes to it explicitly; no pass holds a [T, T] map. Where they come from:
