@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -36,15 +36,14 @@ VARIANTS = ("dense", "uniform", "layerstatic", "featuregate", "featuregate-fused
 def features_of(name: str):
     """-fused: the fused kernel's output path; -ref: that and the map-based reference features (the module looks
     both up at call time)."""
-    saved = fg.gate_features, fg.attend_applies
-    if name.endswith(("-fused", "-ref")):
-        fg.attend_applies = lambda q: False
+    fast = fg.gate_features
     if name.endswith("-ref"):
         fg.gate_features = fg.reference_gate_features
     try:
-        yield
+        with fg.fused_output() if name.endswith(("-fused", "-ref")) else nullcontext():
+            yield
     finally:
-        fg.gate_features, fg.attend_applies = saved
+        fg.gate_features = fast
 
 
 def load() -> str:

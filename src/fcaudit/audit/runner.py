@@ -24,6 +24,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.audit.directory import AuditDir, Locked, config_hash
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, model_device
+from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import check_finite
@@ -91,8 +92,6 @@ def parameter_hash(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy()).hexdigest()  # the buffer: no copy of the windows
 
 
 def vocab_size(model: nn.Module) -> int | None:
@@ -241,7 +240,7 @@ def _config(model, controller, ev, ca, ev_set, ca_set, *, conditions, randomizat
     except AttributeError:
         raise FcauditError(f"criteria must be a fcaudit.Criteria or a dict, got {type(criteria).__name__}") from None
     windows = {"n_eval": int(ev.shape[0]), "n_calib": int(ca.shape[0]), "window": int(ev.shape[1]),
-               "eval_sha256": tensor_hash(ev), "calib_sha256": tensor_hash(ca)}
+               "eval_sha256": tensor_sha256(ev), "calib_sha256": tensor_sha256(ca)}
     for name, s in (("eval", ev_set), ("calib", ca_set)):
         if s is not None and getattr(s, "split", None) is not None:
             windows[f"{name}_split"] = s.split

@@ -153,11 +153,11 @@ def fused_output() -> Iterator[None]:
     """Within it FeatureGate blocks take their output from the fused kernel in inference too. For FLOP counting
     (execution.measure.flops): the counter counts a fused attention kernel over the full T x T square, but `attend`'s
     matrix products over the causal tiles only, so Dense's and FeatureGate's counts would not compare."""
-    _ATTEND[0] = False
+    saved, _ATTEND[0] = _ATTEND[0], False
     try:
         yield
     finally:
-        _ATTEND[0] = True
+        _ATTEND[0] = saved
 
 
 class CausalSelfAttention(nn.Module):
@@ -406,8 +406,8 @@ def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = Non
 
 # ---- reference: the features from the materialized [B, H, T, T] map ---------------------------------------------
 # The first implementation, kept as the oracle of tests/test_featuregate.py and the "before" of
-# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`, and
-# `featuregate.attend_applies = lambda q: False` for the output path it had then).
+# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`,
+# within `featuregate.fused_output()` for the output path it had then).
 
 @dataclass
 class AttentionMap:
