@@ -46,6 +46,18 @@ def features_of(name: str):
         fg.gate_features = fast
 
 
+def share_weights(models: dict[str, torch.nn.Module]) -> None:
+    """Every variant computes with Dense's weights (gates keep their own parameters), so each round touches the same
+    weights in every variant and none is timed on memory left idle by the others: on the shared VM memory idle for
+    20-100 s was 2-3x slower to read once (a 1 GiB sum: 0.08 s warm, 0.16-0.24 s after the idle time)."""
+    base = dict(models["dense"].named_parameters(remove_duplicate=False))
+    for model in models.values():
+        for name, _ in list(model.named_parameters(remove_duplicate=False)):
+            if name in base:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, base[name])
+
+
 def load() -> str:
     return "load average %.2f %.2f %.2f" % os.getloadavg()
 
@@ -58,6 +70,7 @@ def bench_preset(preset: str, reps: int, batch: int, device: torch.device) -> di
     for name in VARIANTS:
         torch.manual_seed(0)  # the same weights for every variant; gates differ only in their own parameters
         models[name] = FeatureGateGPT(config_for(preset, name.split("-")[0])).to(device).eval()
+    share_weights(models)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def once(name: str, n: int) -> tuple[float, float]:
