@@ -290,7 +290,7 @@ def test_the_output_path_is_the_fused_kernel_of_scaled_dot_product_attention(ids
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 8 query rows and few maps, so small shapes exercise several tiles, partial tiles and map chunks."""
-    monkeypatch.setattr(fg, "TILE_ROWS_CPU", 8)
+    monkeypatch.setattr(fg, "TILE_ROWS_CPU", (8, 8))
     monkeypatch.setattr(fg, "TILE_ELEMENTS", {"cpu": 8 * 8 * 37})
 
 
