@@ -1,5 +1,6 @@
 """The FeatureGate family: shapes, the dense reference, gate ranges, each controller feature, checkpoints."""
 
+import hashlib
 import json
 import math
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import load_model, save_checkpoint
+from fcaudit.models.checkpoint import load_model, load_weights, save_checkpoint, save_weights
 import fcaudit.models.featuregate as fg
 from fcaudit.models.featuregate import (PRESETS, VARIANTS, FeatureGateGPT, GateCarry, GPTConfig, config_for,
                                        gate_features, reference_gate_features)
@@ -410,6 +411,18 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path, ids, variant):
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
     assert not list((tmp_path / "ck").glob(".*"))  # no temp files left behind
+
+
+def test_checkpoint_bytes_are_the_same_on_every_save(tmp_path):
+    """Uniform ties one logit across blocks: several ties, which safetensors' save_model wrote in a random order."""
+    model = tiny("uniform")
+    digests = {hashlib.sha256(save_weights(tmp_path / f"{i}.safetensors", model).read_bytes()).digest()
+               for i in range(8)}
+    assert len(digests) == 1
+    loaded = tiny("uniform")
+    load_weights(tmp_path / "0.safetensors", loaded)
+    assert len({id(b.gate.logit) for b in loaded.blocks}) == 1 and loaded.lm_head.weight is loaded.wte.weight
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
 def test_checkpoint_errors_are_one_line_and_name_the_fix(tmp_path):

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_model as load_safetensors_model
-from safetensors.torch import save_model as save_safetensors_model
+from safetensors.torch import save_file
 
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, read_json, write_json
@@ -24,8 +24,22 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(path: str | os.PathLike, model: nn.Module) -> Path:
-    """Atomically write a module's weights as safetensors (tied tensors stored once, restored on load)."""
-    return atomic_write(path, lambda p: save_safetensors_model(model, str(p)))
+    """Atomically write a module's weights as safetensors: tied tensors once, under the first of their names (as
+    safetensors' save_model keeps them; load_weights restores the ties), and the ties in one metadata entry. save_model
+    writes an entry per tie, and safetensors writes several entries in a random order, so a model with several ties
+    (Uniform: one logit in every block) got other bytes on every save."""
+    state = model.state_dict()
+    tied: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        where = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        tied.setdefault(where if t.numel() else (name,), []).append(name)  # empty tensors share no data
+    tensors, ties = {}, {}
+    for names in tied.values():
+        keep = min(names)
+        tensors[keep] = state[keep].contiguous()
+        ties.update({name: keep for name in names if name != keep})
+    meta = {"tied": json.dumps(ties, sort_keys=True)} if ties else None
+    return atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
 
 
 def load_weights(path: str | os.PathLike, model: nn.Module, *, device: str | torch.device = "cpu") -> None:
