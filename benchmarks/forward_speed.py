@@ -8,10 +8,10 @@ kernel and the statistics from the gate's own tiled pass: the forward with gradi
 forward), and as "featuregate-ref" (fused output, features of the first, map-based implementation
 `reference_gate_features`, the first "before"). All models of a preset are built once and timed interleaved, one
 forward each per round (several when a forward is short), so load drift on a shared machine hits every variant
-alike; each timing is preceded by one untimed forward of the same model. The table gives the median and min wall ms
-per batch over rounds and the median over rounds of each round's ratio to Dense, then the same median ms and ratio in
-CPU time of the (one) computing thread, which leaves out time spent waiting for a core. The load average is printed
-before and after.
+alike; every variant computes with Dense's weights (gates apart), and each timing is preceded by one untimed forward
+of the same model. The table gives the median and min wall ms per batch over rounds and the median over rounds of
+each round's ratio to Dense, then the same median ms and ratio in CPU time of the (one) computing thread, which
+leaves out time spent waiting for a core. The load average is printed before and after.
 The paper (GPU, 76M, batch 8): Dense 19.36 ms, Uniform 23.00, LayerStatic 24.10, FeatureGate 25.31 (1.308).
 """
 
@@ -68,7 +68,7 @@ def bench_preset(preset: str, reps: int, batch: int, device: torch.device) -> di
     ids = ids.to(device)
     models = {}
     for name in VARIANTS:
-        torch.manual_seed(0)  # the same weights for every variant; gates differ only in their own parameters
+        torch.manual_seed(0)
         models[name] = FeatureGateGPT(config_for(preset, name.split("-")[0])).to(device).eval()
     share_weights(models)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

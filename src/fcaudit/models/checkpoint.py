@@ -24,10 +24,10 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(path: str | os.PathLike, model: nn.Module) -> Path:
-    """Atomically write a module's weights as safetensors: tied tensors once, under the first of their names (as
-    safetensors' save_model keeps them; load_weights restores the ties), and the ties in one metadata entry. save_model
-    writes an entry per tie, and safetensors writes several entries in a random order, so a model with several ties
-    (Uniform: one logit in every block) got other bytes on every save."""
+    """Atomically write a module's weights as safetensors: tied tensors once, under the alphabetically first of their
+    names (as safetensors' save_model keeps them; load_weights restores the ties), and the ties in one metadata entry.
+    save_model writes an entry per tie, and safetensors writes several entries in a random order, so a model with
+    several ties (Uniform: one logit in every block) got other bytes on every save."""
     state = model.state_dict()
     tied: dict[tuple, list[str]] = {}
     for name, t in state.items():
