@@ -2,7 +2,10 @@
 
 Each window count runs in a fresh process (tiny FeatureGate preset, T = 64, R = 20, 64 calibration windows, batch 8):
 the model is built and warmed up, the peak resident set is reset (Linux /proc/self/clear_refs), the audit runs into a
-fresh directory, and the growth of the peak over the pre-audit level is reported with the on-disk store size.
+fresh directory, and the growth of the peak over the pre-audit level is reported with the on-disk store size. For
+the replays (stage 2, the part whose work grows with windows x R) it also reports their peak above the level they
+start at and the median of the resident set after each (condition, r): a peak is the running maximum of a level that
+glibc moves up and down by MiBs, so it creeps up as a run gets longer even when the level does not grow.
 With --heap (needs `pip install memray`), each row is a second fresh process that counts instead the live
 allocations made during the audit at their peak (memray's high-water mark): what the audit holds, apart from the
 free memory the allocator keeps resident (which the peak RSS includes).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,14 +53,41 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
                 run(out)
             peak = memray.FileReader(Path(trace) / "audit.bin").metadata.peak_memory
         return {"n_eval": n_eval, "heap_peak_mib": peak / 2**20}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set size to the current one
+    from fcaudit.audit.engine import Engine
+
+    stage2, replay, marks, levels = Engine._stage2, Engine._replay, {}, []
+
+    def replays(engine, *args, **kwargs):  # the replays (stage 2): the part of an audit that scales with windows x R
+        marks["peak_before"], marks["start"] = _reset_peak(), _status("VmRSS")
+        try:
+            return stage2(engine, *args, **kwargs)
+        finally:
+            marks["replays"] = _status("VmHWM") - marks["start"]
+
+    def one_run(engine, *args, **kwargs):  # the resident set after each (condition, r)
+        try:
+            return replay(engine, *args, **kwargs)
+        finally:
+            levels.append(_status("VmRSS") - marks["start"])
+
+    Engine._stage2, Engine._replay = replays, one_run
+    _reset_peak()
     before = _status("VmRSS")
     with tempfile.TemporaryDirectory() as out:
         run(out)
         store = sum(p.stat().st_size for p in (Path(out) / "coeffs").iterdir())
-    return {"n_eval": n_eval, "rss_before_mib": before / 2**20, "peak_growth_mib": (_status("VmHWM") - before) / 2**20,
+    peak = max(marks["peak_before"], _status("VmHWM"))
+    return {"n_eval": n_eval, "rss_before_mib": before / 2**20, "peak_growth_mib": (peak - before) / 2**20,
+            "replays_growth_mib": marks["replays"] / 2**20, "replays_median_mib": statistics.median(levels) / 2**20,
             "store_mib": store / 2**20}
+
+
+def _reset_peak() -> int:
+    """Reset the peak resident set size (VmHWM) to the current one; returns the peak before."""
+    peak = _status("VmHWM")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak
 
 
 def main() -> None:
@@ -75,7 +106,8 @@ def main() -> None:
     for n in args.n_eval:
         r = _run_child(n, args.randomizations, heap=False)
         line = (f"{r['n_eval']:>6} windows: peak RSS +{r['peak_growth_mib']:.1f} MiB above {r['rss_before_mib']:.0f} "
-                f"MiB (store on disk {r['store_mib']:.2f} MiB)")
+                f"MiB; replays: peak +{r['replays_growth_mib']:.2f}, median {r['replays_median_mib']:+.2f} MiB above "
+                f"their start (store on disk {r['store_mib']:.2f} MiB)")
         if args.heap:
             heap = _run_child(n, args.randomizations, heap=True)["heap_peak_mib"]
             line += f"; live allocations at their peak {heap:.3f} MiB"
