@@ -27,6 +27,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
+from fcaudit.allocator import MALLOC, keep_freed_memory
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers import Controller
 from fcaudit.loss import token_nll
@@ -129,7 +130,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cpus); one thread; "
+    kept = keep_freed_memory()  # as every fcaudit command runs
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cpus); one thread; {MALLOC[kept]}; "
           f"{args.n_eval}+{args.n_calib} windows, R={args.randomizations}, batch {args.batch_size}", flush=True)
     for name in args.models:
         model, ctrl, T = build(name)

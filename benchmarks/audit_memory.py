@@ -33,8 +33,10 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
     import torch
 
     import fcaudit as fca
+    from fcaudit.allocator import keep_freed_memory
     from fcaudit.models.featuregate import FeatureGateGPT, config_for
 
+    keep_freed_memory()  # as every fcaudit command runs (FCAUDIT_MALLOC=default: glibc's defaults)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = FeatureGateGPT(config_for("tiny", "featuregate")).eval()
