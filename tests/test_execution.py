@@ -13,7 +13,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution import block_pattern, executed_blocks, flops, latency, measure_execution, thresholding
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import save_checkpoint
-from fcaudit.models.featuregate import VARIANTS, FeatureGateGPT, GPTConfig
+from fcaudit.models.featuregate import VARIANTS, FeatureGateGPT, GPTConfig, fused_output
 
 TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
 
@@ -129,7 +129,7 @@ def test_latency_returns_positive_finite_numbers():
 @pytest.mark.parametrize("variant", ["featuregate", "layerstatic"])
 def test_threshold_zero_reproduces_the_plain_nll_and_one_removes_every_block(variant, ids):
     model = tiny(variant)
-    with torch.no_grad():
+    with torch.no_grad(), fused_output():  # the numerics of the controller's passes (families.featuregate)
         reference = token_nll(model(ids), ids).double().mean().item()
         _, gates = model(ids, return_gates=True)
         h = model.wte(ids) + model.wpe(torch.arange(ids.shape[1]))  # every gate 0: embeddings straight to the head
@@ -151,7 +151,7 @@ def test_threshold_zero_reproduces_the_plain_nll_and_one_removes_every_block(var
     assert df.loc[mid, "skippable_blocks"] == (gates < mid).all(dim=2).sum().item() / len(ids)
     assert (df["windows"] == 4).all() and (df["tokens"] == 4 * 15).all()
 
-    with torch.no_grad():  # the controller is restored afterwards
+    with torch.no_grad(), fused_output():  # the controller is restored afterwards
         assert torch.equal(model(ids), model(ids)) and token_nll(model(ids), ids).double().mean().item() == reference
 
 

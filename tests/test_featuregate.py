@@ -122,6 +122,32 @@ def test_replacing_the_gate_forward_gives_bit_identical_logits_and_skips_the_con
     assert torch.equal(replayed, logits)
 
 
+
+
+def test_audit_passes_take_the_fused_output_and_replays_compute_no_gate_statistics(ids, monkeypatch):
+    """The family's controller runs capture and replay within fused_output: a replay is the attention kernel alone
+    (outside it every block's tiled pass would still run), and it reproduces the captured logits bit for bit."""
+    from fcaudit.families.featuregate import controller
+
+    model = tiny("featuregate")
+    ctrl = controller(model)
+    assert ctrl.description.endswith(":fused_output")
+    passes = []
+    tile_pass = fg._tile_pass
+    monkeypatch.setattr(fg, "_tile_pass", lambda *a: passes.append(a[2] is None) or tile_pass(*a))
+    with torch.no_grad():
+        with ctrl.capture(*ids.shape) as found:
+            logits = model(ids)
+        assert passes == [True] * len(model.blocks)  # the gates' statistics only, never the output
+        with fg.fused_output():
+            assert torch.equal(model(ids), logits)
+        passes.clear()
+        with ctrl.replay(found):
+            replayed = model(ids)
+    assert passes == [] and torch.equal(replayed, logits)
+    with torch.no_grad():
+        model(ids)  # plain inference: one shared pass per block again
+    assert passes == [False] * len(model.blocks)
 # ---- features against direct computations -----------------------------------------------------------------------
 
 def direct_attention(q, k):

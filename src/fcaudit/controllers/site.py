@@ -7,16 +7,19 @@ a unit axis, and any axis name other than batch/token/stream is the source axis 
 
 Capture = forward hooks that encode each site's output. Replay = for the duration of a context manager each site's
 forward is replaced by a function returning the decoded coefficients, so the controller's computation does not run;
-the original forward is restored on exit and on error. The engine sees only canonical tensors and never a model class.
+the original forward is restored on exit and on error. Both run the model within the controller's `context` where it
+has one: a model whose output path can share work with its controller (FeatureGate's tiled attention) takes there a
+path that shares none, the same in capture and in replay. The engine sees only canonical tensors and never a model
+class.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from einops import EinopsError, rearrange
@@ -180,6 +183,7 @@ class Controller:
     reference: str = "global_mean"  # or "source_uniform_mean" (protocol.REFERENCES)
     reference_name: str = "GlobalMean"
     description: str = ""
+    context: Callable[[], AbstractContextManager] = nullcontext  # what every capture and replay pass runs within
 
     def __post_init__(self):
         if self.reference not in REFERENCES:
@@ -190,9 +194,11 @@ class Controller:
     @classmethod
     def from_modules(cls, model: nn.Module, pattern: str, layout: str | Codec | None = None, *,
                      codec: Codec | None = None, static_name: str = "StaticProfile", reference: str = "global_mean",
-                     reference_name: str | None = None) -> "Controller":
+                     reference_name: str | None = None,
+                     context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
         """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
-        with `codec` (or the einops `layout` of a single-tensor output)."""
+        with `codec` (or the einops `layout` of a single-tensor output). `context`: see Controller.context (its name
+        joins the description, so an audit made under another one is not resumed with this one)."""
         chosen = _codec(layout, codec)
         sites = [Site(name, m, chosen) for name, m in model.named_modules() if name and path_matches(name, pattern)]
         if not sites:
@@ -201,8 +207,10 @@ class Controller:
                                f"module paths look like {sample}")
         if reference_name is None:
             reference_name = "GlobalMean" if reference == "global_mean" else "SourceUniformMean"
-        return cls(sites, static_name, reference, reference_name,
-                   f"{type(model).__name__}:{pattern}:{chosen.describe()}")
+        described = f"{type(model).__name__}:{pattern}:{chosen.describe()}"
+        if context is None:
+            return cls(sites, static_name, reference, reference_name, described)
+        return cls(sites, static_name, reference, reference_name, f"{described}:{context.__name__}", context)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -238,7 +246,8 @@ class Controller:
 
         handles = [s.module.register_forward_hook(hook_for(i, s)) for i, s in enumerate(self.sites)]
         try:
-            yield found
+            with self.context():
+                yield found
         finally:
             for h in handles:
                 h.remove()
@@ -258,7 +267,8 @@ class Controller:
                 native = site.decode(c)
                 saved.append((site.module, site.module.__dict__.get("forward")))
                 site.module.forward = (lambda out: lambda *args, **kwargs: out)(native)
-            yield
+            with self.context():
+                yield
         finally:
             for module, original in saved:
                 if original is None:
