@@ -4,9 +4,10 @@
 
 The malloc settings hold for a whole process, so each measurement is a fresh process, and the two settings
 alternate (default, kept, default, kept, ...; one torch thread). Each process builds Dense and FeatureGate at the
-demo preset and measures, per model: the median inference forward (batch 8 x 128) with its minor page faults, the
-median AdamW training step (batch 16 x 128, forward + backward + step) with its faults, and one audit (FeatureGate
-only: 32 + 32 windows, R = 4). Printed: the median over pairs of each quantity and of the per-pair ratio kept /
+demo preset and measures first their inference forwards (batch 8 x 128) interleaved, as `fcaudit execution` times
+models (three rounds of 20 forwards of each, alternating models: median ms and minor page faults per forward), then
+per model: the median of its forwards run on their own, the median AdamW training step (batch 16 x 128, forward +
+backward + step) with its faults, and one audit (FeatureGate only: 32 + 32 windows, R = 4). Printed: the median over pairs of each quantity and of the per-pair ratio kept /
 default, and the load average before and after.
 """
 
@@ -39,9 +40,24 @@ def child(forwards: int, steps: int) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     out = {"kept": kept}
-    for variant in ("dense", "featuregate"):
-        model = FeatureGateGPT(config_for("demo", variant))
-        x = torch.randint(0, 256, (8, 128))
+    models = {v: FeatureGateGPT(config_for("demo", v)) for v in ("dense", "featuregate")}
+    x = torch.randint(0, 256, (8, 128))
+    times = {v: [] for v in models}
+    faults = dict.fromkeys(models, 0)
+    with torch.inference_mode():
+        for _ in range(3):
+            for v, model in models.items():
+                model(x)  # untimed: the switch from the other model
+                f0 = _faults()
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    model(x)
+                    times[v].append(time.perf_counter() - t0)
+                faults[v] += _faults() - f0
+    for v in models:
+        out[f"{v} interleaved ms"] = statistics.median(times[v]) * 1e3
+        out[f"{v} interleaved faults"] = faults[v] / len(times[v])
+    for variant, model in models.items():
         times, f0 = [], None
         with torch.inference_mode():
             for i in range(forwards + 3):
@@ -53,13 +69,13 @@ def child(forwards: int, steps: int) -> dict:
         out[f"{variant} forward ms"] = statistics.median(times[3:]) * 1e3
         out[f"{variant} forward faults"] = (_faults() - f0) / forwards
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 256, (16, 128))
+        batch = torch.randint(0, 256, (16, 128))
         times = []
         for i in range(steps + 3):
             if i == 3:
                 f0 = _faults()
             t0 = time.perf_counter()
-            loss = token_nll(model(x), x).mean()
+            loss = token_nll(model(batch), batch).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
