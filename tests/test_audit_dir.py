@@ -35,27 +35,20 @@ DATA = Path(__file__).parent / "data" / "v1"
 # ---- the records of the engine before the restructure ------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["featuregate", "mudd"])
-def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path, monkeypatch):
+def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path):
     """tests/data/v1/FAMILY holds a tiny trained checkpoint, its windows, and the records the v1 engine (b222979)
     wrote for it (R = 2, seed 0, batch 4). The v2 engine must reproduce every one of them exactly.
 
-    FeatureGate's inference forward now computes its attention output and gate statistics in one pass (`attend`),
-    equal to the fused kernel's within rounding: the engine is checked with the kernel path the v1 records came
-    from, and the records of today's forward within 1e-6 nats of them."""
-    import fcaudit.models.featuregate as fg
+    FeatureGate's audits run on the fused kernel's output (`fused_output`, the family controller's context), the path
+    the v1 records came from; its plain inference forward (`attend`) differs within rounding, so the precondition
+    below takes the fused path too."""
+    from fcaudit.models.featuregate import fused_output
 
-    if family == "featuregate":
-        today = audit(*_v1_inputs(family), randomizations=2, seed=0, out=tmp_path / "attend", batch_size=4,
-                      quiet=True).records
-        old = pd.read_parquet(DATA / family / "records.parquet")
-        both = old.merge(today, on=["condition", "randomization", "example"], suffixes=("_v1", "_v2"))
-        assert len(both) == len(old) and (both.nll_v1 - both.nll_v2).abs().max() <= 1e-6
-        monkeypatch.setattr(fg, "attend_applies", lambda q: False)
     model, _ = load_model(DATA / family)
     windows = load_file(str(DATA / family / "windows.safetensors"))
     ev, ca = windows["eval"], windows["calib"]
     old = pd.read_parquet(DATA / family / "records.parquet")
-    with torch.inference_mode():  # a precondition, not the test: does this CPU round like the fixture's?
+    with torch.inference_mode(), fused_output():  # a precondition, not the test: does this CPU round like the fixture's?
         plain = torch.cat([token_nll(model(b), b).mean(1).double() for b in ev.split(4)]).numpy()
     if not np.array_equal(plain, old[old.condition == "Correct"].sort_values("example").nll.to_numpy()):
         pytest.skip("this CPU's kernels round differently from the machine that wrote the v1 fixture")
@@ -67,12 +60,6 @@ def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path, monkeypatch):
     assert len(merged) == len(old) == 12 * (1 + 3 * 2 + 3)
     assert (merged.nll_v1.to_numpy() == merged.nll_v2.to_numpy()).all()
     assert (merged.groupby("condition").nll_v2.mean() != merged.nll_v2[merged.condition == "Correct"].mean()).sum() > 3
-
-
-def _v1_inputs(family: str) -> tuple:
-    model, _ = load_model(DATA / family)
-    windows = load_file(str(DATA / family / "windows.safetensors"))
-    return model, fca.controller_for(model), windows["eval"], windows["calib"]
 
 
 # ---- concurrent writers, foreign directories, killed first writes -------------------------------------------------
