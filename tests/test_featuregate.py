@@ -122,8 +122,6 @@ def test_replacing_the_gate_forward_gives_bit_identical_logits_and_skips_the_con
     assert torch.equal(replayed, logits)
 
 
-
-
 def test_audit_passes_take_the_fused_output_and_replays_compute_no_gate_statistics(ids, monkeypatch):
     """The family's controller runs capture and replay within fused_output: a replay is the attention kernel alone
     (outside it every block's tiled pass would still run), and it reproduces the captured logits bit for bit."""
@@ -148,6 +146,8 @@ def test_audit_passes_take_the_fused_output_and_replays_compute_no_gate_statisti
     with torch.no_grad():
         model(ids)  # plain inference: one shared pass per block again
     assert passes == [False] * len(model.blocks)
+
+
 # ---- features against direct computations -----------------------------------------------------------------------
 
 def direct_attention(q, k):

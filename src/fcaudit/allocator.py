@@ -4,7 +4,7 @@ PyTorch allocates every CPU tensor with malloc. By default glibc serves a block 
 at first, raised up to 32 MiB by what is freed) with a fresh mapping and gives the free top of the heap back once it
 exceeds the trim threshold (twice the mmap threshold). A forward pass frees most of its activations, so the next one
 faults their pages in again, zeroed by the kernel: on the shared 2-core VM a demo-preset forward (batch 8 x 128)
-took 400-4,600 minor page faults and a FeatureGate one 2,400-9,300, 15-20% of its time
+took 400-4,600 minor page faults and a FeatureGate one 2,400-9,300, 15-27% of its time
 (benchmarks/allocator_speed.py measures it). Fixing the mmap threshold at glibc's own upper bound and the trim
 threshold above it keeps those blocks in the heap: the same forwards then take no faults.
 
