@@ -17,6 +17,7 @@ from torch import nn
 
 from fcaudit import protocol
 from fcaudit.audit import CoefficientStore, audit, plan
+from fcaudit.audit import store as store_module
 from fcaudit.controllers import Controller, Layout, controller_for, registered
 from fcaudit.controllers.site import memory_order
 from fcaudit.errors import FcauditError
@@ -297,11 +298,12 @@ def test_store_round_trip_take_and_reopen(tmp_path):
     assert (tmp_path / "twin" / "chunk_0000004.safetensors").read_bytes() == store.chunk_path(4).read_bytes()
 
 
-def test_store_reads_keep_no_memory(tmp_path):
+def test_store_reads_keep_no_memory(tmp_path, monkeypatch):
     """Reading the store many times holds no Python memory afterwards: safetensors' get_tensor/get_slice keep ~28
     bytes per call, which over an audit's few hundred thousand reads grew with the number of windows."""
     import tracemalloc
 
+    monkeypatch.setattr(store_module, "MAX_OPEN", 8)
     store = CoefficientStore(tmp_path)
     data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
     for b0 in range(0, 64, 2):  # more chunks than the store keeps open: chunks are opened again and again
@@ -319,6 +321,31 @@ def test_store_reads_keep_no_memory(tmp_path):
     tracemalloc.stop()
     assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
     assert grown < 100_000, f"{grown} bytes kept after {20 * len(reads)} reads"
+
+
+def test_store_keeps_chunks_mapped_within_its_bounds(tmp_path, monkeypatch):
+    """Scattered reads (a derangement's donors) map each chunk once while the maps fit the bounds; past them the
+    least recently used go, by count (file descriptors) or by bytes, and reads stay right."""
+    data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
+    writer = CoefficientStore(tmp_path)
+    for b0 in range(0, 64, 2):
+        writer.write(b0, [d[b0:b0 + 2] for d in data])
+    opened = []
+    mapped = store_module.mapped_tensors
+    monkeypatch.setattr(store_module, "mapped_tensors", lambda path: opened.append(path) or mapped(path))
+    rng = np.random.default_rng(0)
+    reads = [rng.permutation(64)[:8] for _ in range(40)]
+    chunk_bytes = sum(d[:2].nbytes for d in data)
+    for max_open, max_mapped, kept in ((512, 2**30, 32), (5, 2**30, 5), (512, 3 * chunk_bytes, 3), (512, 1, 1)):
+        monkeypatch.setattr(store_module, "MAX_OPEN", max_open)
+        monkeypatch.setattr(store_module, "MAX_MAPPED", max_mapped)
+        store, opened[:] = CoefficientStore(tmp_path), []
+        starts = np.array(store.starts())
+        for idx in reads:
+            got = store.take(idx, starts)
+            assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+        assert len(store._maps) == kept and store._mapped == kept * chunk_bytes
+        assert (len(opened) == len(set(opened)) == 32) == (kept == 32)  # all kept: each chunk mapped once
 
 
 # ---- interventions ----------------------------------------------------------------------------------------------
