@@ -13,9 +13,11 @@ through the public API (16 eval + 16 calibration windows of random token ids, R 
 of the same number of forward passes, and prints forward ms, the audit / bare-loop ratio, peak GPU memory and
 MFU = FLOPs / time / peak, with the peak of the model's dtype on an
 H100/H200 SXM (dense, no sparsity): bfloat16 989e12 FLOP/s (tensor cores), float32 67e12 FLOP/s (no TF32: torch's
-default for float32 matmuls). It then extrapolates the paper's audit (512 eval + 512 calibration windows, R = 20):
-forward passes = calib batches + eval batches x (2 + 3R + 3), each costing the measured forward time times the
-measured audit / bare-loop ratio. Results also go to DIR/gpu_audit.json.
+default for float32 matmuls). The bare loop runs as many forward passes as the audit ran (counted with a hook on
+the model). It then extrapolates the paper's audit (512 eval + 512 calibration windows, R = 20) as fcaudit runs it:
+calibration batches + eval batches x (capture, replay check, R per randomized condition, one per static condition;
+protocol.forward_passes, so TokenResamplePast, which the paper does not have, counts too), each costing the
+measured forward time times the measured audit / bare-loop ratio. Results also go to DIR/gpu_audit.json.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 import fcaudit as fca
+from fcaudit import protocol
 from fcaudit.errors import FcauditError
 from fcaudit.execution.measure import flops
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig, config_for
@@ -46,9 +49,10 @@ SMOKE_MUDD = dict(block_size=64, vocab_size=300, n_layer=3, n_head=4, dim=64, in
                   use_qk_norm=True, expand_last=True, round64=True)
 
 
-def forward_passes(n_eval: int, n_calib: int, batch: int, R: int) -> int:
-    """The paper's count: calibration batches + eval batches x (capture, replay check, 3R randomized, 3 static)."""
-    return math.ceil(n_calib / batch) + math.ceil(n_eval / batch) * (2 + 3 * R + 3)
+def forward_passes(controller, n_eval: int, n_calib: int, batch: int, R: int) -> int:
+    """The forward passes of an audit of `controller` with these windows (its registered conditions)."""
+    conditions = protocol.for_controller(controller.info)
+    return protocol.forward_passes(conditions, math.ceil(n_eval / batch), math.ceil(n_calib / batch), R)
 
 
 def build_mudd(device: torch.device, smoke: bool, fast_mix: bool) -> tuple[MUDDPythia, int]:
@@ -121,15 +125,21 @@ def run_case(name: str, model, T: int, args, device: torch.device) -> dict:
     row["mfu"] = mfu if device.type == "cuda" else None  # a GPU's peak means nothing for a CPU run
     row["forward_peak_mib"] = peak_mib(device)
 
-    passes = forward_passes(args.n_eval, args.n_calib, B, R)
+    controller = fca.controller_for(model)
+    calls = [0]  # the audit's forward passes, for a bare loop of as many
+    counting = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out) / f"audit-{name}" if args.out else Path(tmp)
         sync(device)
         t0 = time.perf_counter()
-        result = fca.audit(model, fca.controller_for(model), eval_ids, calib_ids, randomizations=R, seed=0, out=out,
-                           batch_size=B, quiet=True)
+        try:
+            result = fca.audit(model, controller, eval_ids, calib_ids, randomizations=R, seed=0, out=out,
+                               batch_size=B, quiet=True)
+        finally:
+            counting.remove()
         sync(device)
         row["audit_s"] = time.perf_counter() - t0
+    passes = calls[0]
     row["replay_passed"] = bool(result.replay["passed"])
     row["audit_peak_mib"] = peak_mib(device)
     batches = [eval_ids[i:i + B].to(device) for i in range(0, args.n_eval, B)]
@@ -142,7 +152,7 @@ def run_case(name: str, model, T: int, args, device: torch.device) -> dict:
         row["bare_loop_s"] = time.perf_counter() - t0
     row["forward_passes"] = passes
     row["audit_over_bare"] = row["audit_s"] / row["bare_loop_s"]
-    full = forward_passes(512, 512, 8, 20)
+    full = forward_passes(controller, 512, 512, 8, 20)
     row["paper_forward_passes"] = full
     row["paper_audit_h_extrapolated"] = full * row["forward_ms"] / 1e3 * row["audit_over_bare"] / 3600
     return row
