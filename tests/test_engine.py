@@ -348,6 +348,42 @@ def test_store_keeps_chunks_mapped_within_its_bounds(tmp_path, monkeypatch):
         assert (len(opened) == len(set(opened)) == 32) == (kept == 32)  # all kept: each chunk mapped once
 
 
+def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
+    data = [torch.randn(10, T, 1, 1).to(torch.bfloat16), torch.randn(10, T, 3, 5)]
+    store = CoefficientStore(tmp_path)
+    for b0 in (0, 4, 8):
+        store.write(b0, [d[b0:b0 + 4] for d in data])
+    starts = np.array(store.starts())
+    store.load(starts, torch.device("cpu"))  # the engine loads onto a GPU; any device holds the same rows
+    assert store.device == torch.device("cpu")
+    for idx in (np.array([9, 0, 1, 2, 5, 5, 7, 3]), np.arange(2, 9), np.array([6])):
+        got = store.take(idx, starts)
+        assert [g.dtype for g in got] == [torch.bfloat16, torch.float32]
+        assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+    store.unload()
+    assert store.device is None and torch.equal(store.take(np.arange(4, 8), starts)[1], data[1][4:8])
+
+
+def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
+    """Stage 2 with the whole store on the device (as on a GPU with room for it) replays the same coefficients:
+    records equal bit for bit, and no replay reads a chunk file."""
+    from fcaudit.audit import engine as engine_module
+
+    model = ToyMudd()
+    ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="source_uniform_mean")
+    files_read, load = [], CoefficientStore.load
+    base = run(model, ctrl, tmp_path / "files", R=2)
+    monkeypatch.setattr(engine_module, "keeps_store_on", lambda device, nbytes: True)
+    monkeypatch.setattr(CoefficientStore, "load", lambda self, *a: files_read.append("load") or load(self, *a))
+    open_chunk = CoefficientStore._open
+    monkeypatch.setattr(CoefficientStore, "_open",
+                        lambda self, start: files_read.append(self.device) or open_chunk(self, start))
+    held = run(model, ctrl, tmp_path / "held", R=2)
+    assert "load" in files_read and not any(isinstance(x, torch.device) for x in files_read)
+    pd.testing.assert_frame_equal(held.records, base.records, check_exact=True)
+    assert randomized_means(held)["CrossInput"] != 0 and randomized_means(held)["TokenShuffle"] != 0  # they move NLLs
+
+
 # ---- interventions ----------------------------------------------------------------------------------------------
 
 def test_derangement_properties():

@@ -36,6 +36,14 @@ from fcaudit.protocol import Coeffs
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 PREPARE_WINDOWS = 64  # stage 2 prepares the coefficients of up to this many windows of one (condition, r) at once
 PREPARE_BYTES = 4 * 2**20  # ... and of at most this many bytes (memory stays flat in the number of windows)
+RESIDENT_FRACTION = 0.25  # on a GPU the whole store is held there when it takes at most this part of its free memory
+
+
+def keeps_store_on(device: torch.device, nbytes: int) -> bool:
+    """Whether stage 2 holds the whole coefficient store (`nbytes`) on `device`: a GPU with RESIDENT_FRACTION of its
+    free memory to spare. Replays then gather their coefficients there, with no host copy per batch; on the CPU the
+    store stays in its files, so memory does not grow with the windows."""
+    return device.type == "cuda" and nbytes <= RESIDENT_FRACTION * torch.cuda.mem_get_info(device)[0]
 
 
 def _batched(items: Iterable, size: int) -> Iterator[list]:
@@ -280,8 +288,17 @@ class Engine:
         for all their batches, so the per-batch work left is the forward pass itself. Their records are written
         together (the device is synchronized once per (condition, r)). NLLs go into buffers allocated once: small
         per-batch tensors kept alive between the forwards' large activations would fragment the host heap, and
-        memory would grow with the number of windows."""
+        memory would grow with the number of windows. On a GPU the store is held there for the stage when it fits
+        (`keeps_store_on`): no host gather, pinning or copy per batch."""
         self._load_profiles()
+        if keeps_store_on(self.device, self.store.row_bytes(int(self.starts[0])) * self.ev.shape[0]):
+            self.store.load(self.starts, self.device)
+        try:
+            self._replays(units, step)
+        finally:
+            self.store.unload()
+
+    def _replays(self, units: Iterable[Unit], step) -> None:
         n = self.ev.shape[0]
         nll_buf = torch.empty(n, dtype=torch.float64, device=self.device)
         act_buf = torch.empty(n, dtype=torch.float64, device=self.device)
@@ -345,7 +362,7 @@ class Engine:
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
         coeffs = self.store.take(examples, self.starts)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.store.device != self.device:
             return [c.pin_memory().to(self.device, non_blocking=True) for c in coeffs]
         return coeffs
 

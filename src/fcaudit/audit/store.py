@@ -5,7 +5,8 @@ layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coef
 so reading the coefficients of any set of examples costs one slice per run of consecutive rows, not one per layer.
 Chunks are written atomically with a content hash (audit.files), so RAM does not grow with the number of windows
 and a killed run leaves only whole chunks. Reads are views of memory maps of the chunks (`files.mapped_tensors`), at
-most MAX_OPEN of them and MAX_MAPPED bytes at a time (at least one).
+most MAX_OPEN of them and MAX_MAPPED bytes at a time (at least one). A store that fits a GPU can be held there whole
+(`load`, the engine decides), so reads gather on the device with no host copy.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class CoefficientStore:
         self._mapped = 0  # bytes of the kept maps' tensors
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
+        self._resident: dict[str, torch.Tensor] | None = None  # `load`: every row, in window order, per dtype
 
     def chunk_path(self, start: int) -> Path:
         return Path(self._file(start))
@@ -132,14 +134,42 @@ class CoefficientStore:
         self.layout(start)
         return self._split(self._open(start))
 
+    def load(self, chunk_starts: np.ndarray, device: torch.device) -> None:
+        """Hold every chunk's rows on `device`, one [windows, features] tensor per dtype in window order (each chunk
+        read once, straight into its rows); `take` then gathers there. `unload` lets them go."""
+        first = mapped_tensors(self._file(int(chunk_starts[0])))
+        last = int(chunk_starts[-1])
+        n = last + next(iter(mapped_tensors(self._file(last)).values())).shape[0]
+        rows = {k.removeprefix("coeffs."): torch.empty(n, t.shape[1], dtype=t.dtype, device=device)
+                for k, t in first.items()}
+        for start in chunk_starts:
+            for k, t in mapped_tensors(self._file(int(start))).items():
+                rows[k.removeprefix("coeffs.")][int(start):int(start) + t.shape[0]].copy_(t)
+        self._resident = rows
+
+    def unload(self) -> None:
+        self._resident = None
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where `load` holds the store (None: read from the chunk files)."""
+        return None if self._resident is None else next(iter(self._resident.values())).device
+
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
         """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
         kept chunk: callers never modify them in place (transformations gather, site codecs decode into copies).
 
         `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is read
-        as one slice.
+        as one slice. A loaded store gathers on its device.
         """
         examples = np.asarray(examples, dtype=np.int64)
+        if self._resident is not None:
+            self.layout(int(chunk_starts[0]))
+            if bool((np.diff(examples) == 1).all()):
+                lo, hi = int(examples[0]), int(examples[-1]) + 1
+                return self._split({d: t[lo:hi] for d, t in self._resident.items()})
+            index = torch.from_numpy(examples).to(self.device)
+            return self._split({d: t.index_select(0, index) for d, t in self._resident.items()})
         which = np.searchsorted(chunk_starts, examples, side="right") - 1
         layout = self.layout(int(chunk_starts[0]))
         dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
@@ -155,3 +185,4 @@ class CoefficientStore:
     def close(self) -> None:
         self._maps.clear()
         self._mapped = 0
+        self._resident = None
