@@ -8,7 +8,10 @@ coefficients prepared once beforehand, and nothing written.
 Audit and bare loop alternate (A B A B ...), one thread; printed: the median of the per-pair ratios audit / bare, and
 the ratio of the two minima (the least disturbed run of each, steadier on a shared machine), in wall time and in
 CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk).
-Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd]
+With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers): the forward
+passes with their NLLs, making the replayed coefficients (of which reading the store), records files, decoding the
+coefficients into each replay, counting active sources, and the rest.
+Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd] [--parts]
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -108,6 +114,51 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
         return clock() - t0
 
 
+@contextmanager
+def timed_parts() -> Iterator[Counter]:
+    """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after)."""
+    from fcaudit.audit import engine
+    from fcaudit.controllers.site import Site
+
+    spent: Counter = Counter()
+    steps = [(engine, "forward_nll", "forward passes and NLLs"), (engine.Engine, "take", "reading the store"),
+             (engine.Engine, "_write_run", "records files"), (Site, "decode", "decoding into each replay"),
+             (engine, "active", "counting active sources")]
+    steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in steps]
+
+    def timer(fn, part):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t0
+        return run
+
+    def put(owner, attr, fn):  # conditions are frozen dataclasses
+        (object.__setattr__ if isinstance(owner, protocol.Condition) else setattr)(owner, attr, fn)
+
+    for (owner, attr, part), (_, _, fn) in zip(steps, saved):
+        put(owner, attr, timer(fn, part))
+    try:
+        yield spent
+    finally:
+        for owner, attr, fn in saved:
+            put(owner, attr, fn)
+
+
+def parts_line(model, ctrl, ev, ca, batch: int, R: int) -> str:
+    with timed_parts() as spent:
+        total = audit_once(model, ctrl, ev, ca, batch, R)[0]
+    rest = total - sum(v for k, v in spent.items() if k != "reading the store")  # `take` runs within `make`
+    return (f"audit {total:.2f} s: forward passes and NLLs {spent['forward passes and NLLs']:.2f} s, making "
+            f"coefficients {spent['making coefficients']:.2f} s (reading the store {spent['reading the store']:.2f} s), "
+            f"records files {spent['records files']:.2f} s, decoding into each replay "
+            f"{spent['decoding into each replay']:.2f} s, counting active sources "
+            f"{spent['counting active sources']:.2f} s, the rest {rest:.2f} s")
+
+
 def clock() -> np.ndarray:
     """(wall, process CPU) seconds."""
     return np.array([time.perf_counter(), time.process_time()])
@@ -128,6 +179,7 @@ def main() -> None:
     p.add_argument("--randomizations", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--parts", action="store_true", help="also time one audit by parts")
     args = p.parse_args()
     torch.set_num_threads(1)
     kept = keep_freed_memory()  # as every fcaudit command runs
@@ -143,6 +195,9 @@ def main() -> None:
         for _ in range(args.reps):
             audits.append(audit_once(model, ctrl, ev, ca, args.batch_size, args.randomizations))
             bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+        if args.parts:
+            print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
+                  flush=True)
         for i, what in enumerate(("wall", "CPU")):
             a, b = [t[i] for t in audits], [t[i] for t in bares]
             ratios = [x / y for x, y in zip(a, b)]

@@ -38,3 +38,22 @@ def test_gpu_audit_without_a_gpu_names_the_smoke_mode(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(gpu_audit.FcauditError, match="--smoke"):
         gpu_audit.main([])
+
+
+def test_audit_floor_parts_time_the_engine_steps_and_restore_them():
+    import torch
+
+    from fcaudit import protocol
+    from fcaudit.audit import engine
+
+    audit_floor = load_script("audit_floor")
+    steps = (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
+             [c.make for c in protocol.REGISTRY.values()])
+    model, ctrl, T = audit_floor.build("own")
+    ev, ca = torch.randint(0, 256, (16, T)), torch.randint(0, 256, (8, T))
+    with audit_floor.timed_parts() as spent:
+        audit_floor.audit_once(model, ctrl, ev, ca, 8, 1)
+    assert spent["forward passes and NLLs"] > 0 and spent["making coefficients"] > 0 and spent["records files"] > 0
+    assert spent["reading the store"] > 0 and spent["decoding into each replay"] > 0
+    assert (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
+            [c.make for c in protocol.REGISTRY.values()]) == steps
