@@ -733,6 +733,18 @@ def test_plan_reports_sizes():
     assert p.conditions == [c for c in protocol.names() if c != "StaticTopK"]
     assert p.activation_bytes > 0
     assert p.peak_memory_bytes > sum(x.numel() * 4 for x in model.parameters())
+    assert p.store_device is None and "hold the store" not in str(p)  # the CPU reads the store from its files
+
+
+def test_plan_names_the_device_that_holds_the_store(monkeypatch):
+    from fcaudit.audit import runner
+
+    asked = []
+    monkeypatch.setattr(runner, "keeps_store_on", lambda device, nbytes: asked.append(nbytes) or True)
+    model = ToyMoE()
+    p = plan(model, Controller.from_modules(model, "layers.*.router", "(batch token) expert"), windows(32, 0))
+    assert asked == [p.store_bytes] and p.store_device == "cpu"
+    assert str(p).endswith("per window); the replays also hold the store on cpu")
 
 
 KILL_SCRIPT = """

@@ -23,7 +23,7 @@ from torch import nn
 
 from fcaudit import protocol
 from fcaudit.audit.directory import AuditDir, Locked, config_hash
-from fcaudit.audit.engine import Engine, LossFn, capture_batch, model_device
+from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on, model_device
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
@@ -136,15 +136,17 @@ class AuditPlan:
     peak_memory_bytes: int  # parameters + batch_size x (activations + the first pass's logits + 3 x coefficients)
     world_size: int = 1
     passes_per_rank: list[int] | None = None
+    store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
 
     def __str__(self) -> str:
         split = ""
         if self.world_size > 1:
             split = f"; {self.world_size} processes: forward passes per rank {self.passes_per_rank}"
+        held = f"; the replays also hold the store on {self.store_device}" if self.store_device else ""
         return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
                 f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
                 f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + {self.batch_size} x "
-                f"{_size(self.activation_bytes)} per window){split}")
+                f"{_size(self.activation_bytes)} per window){held}{split}")
 
 
 def _size(n: float) -> str:
@@ -222,10 +224,12 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     sched = Schedule(ev.shape[0], n_calib, batch_size, randomizations, tuple(conditions))
     per_rank = [sum(u.passes for u in split(sched.stage1(), k, world_size) + split(sched.stage2(), k, world_size))
                 for k in range(world_size)]
+    store = per_window * ev.shape[0]
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch_size, randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
-                     per_window * ev.shape[0], sched.forward_passes(), param_bytes, acts,
-                     param_bytes + batch_size * (acts + logits + 3 * per_window), world_size, per_rank)
+                     store, sched.forward_passes(), param_bytes, acts,
+                     param_bytes + batch_size * (acts + logits + 3 * per_window), world_size, per_rank,
+                     str(device) if keeps_store_on(device, store) else None)
 
 
 dry_run = plan
