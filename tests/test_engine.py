@@ -354,7 +354,7 @@ def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
     for b0 in (0, 4, 8):
         store.write(b0, [d[b0:b0 + 4] for d in data])
     starts = np.array(store.starts())
-    store.load(starts, torch.device("cpu"))  # the engine loads onto a GPU; any device holds the same rows
+    store.load(starts, 10, torch.device("cpu"))  # the engine loads onto a GPU; any device holds the same rows
     assert store.device == torch.device("cpu")
     for idx in (np.array([9, 0, 1, 2, 5, 5, 7, 3]), np.arange(2, 9), np.array([6])):
         got = store.take(idx, starts)

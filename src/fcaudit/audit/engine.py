@@ -292,7 +292,7 @@ class Engine:
         (`keeps_store_on`): no host gather, pinning or copy per batch."""
         self._load_profiles()
         if keeps_store_on(self.device, self.store.row_bytes(int(self.starts[0])) * self.ev.shape[0]):
-            self.store.load(self.starts, self.device)
+            self.store.load(self.starts, self.ev.shape[0], self.device)
         try:
             self._replays(units, step)
         finally:

@@ -134,17 +134,17 @@ class CoefficientStore:
         self.layout(start)
         return self._split(self._open(start))
 
-    def load(self, chunk_starts: np.ndarray, device: torch.device) -> None:
-        """Hold every chunk's rows on `device`, one [windows, features] tensor per dtype in window order (each chunk
-        read once, straight into its rows); `take` then gathers there. `unload` lets them go."""
-        first = mapped_tensors(self._file(int(chunk_starts[0])))
-        last = int(chunk_starts[-1])
-        n = last + next(iter(mapped_tensors(self._file(last)).values())).shape[0]
-        rows = {k.removeprefix("coeffs."): torch.empty(n, t.shape[1], dtype=t.dtype, device=device)
-                for k, t in first.items()}
+    def load(self, chunk_starts: np.ndarray, windows: int, device: torch.device) -> None:
+        """Hold the rows of all `windows` on `device`, one [windows, features] tensor per dtype in window order (each
+        chunk read once, straight into its rows); `take` then gathers there. `unload` lets them go."""
+        self.layout(int(chunk_starts[0]))
+        rows: dict[str, torch.Tensor] = {}
         for start in chunk_starts:
             for k, t in mapped_tensors(self._file(int(start))).items():
-                rows[k.removeprefix("coeffs.")][int(start):int(start) + t.shape[0]].copy_(t)
+                d = k.removeprefix("coeffs.")
+                if d not in rows:
+                    rows[d] = torch.empty(windows, t.shape[1], dtype=t.dtype, device=device)
+                rows[d][int(start):int(start) + t.shape[0]].copy_(t)
         self._resident = rows
 
     def unload(self) -> None:
@@ -164,7 +164,6 @@ class CoefficientStore:
         """
         examples = np.asarray(examples, dtype=np.int64)
         if self._resident is not None:
-            self.layout(int(chunk_starts[0]))
             if bool((np.diff(examples) == 1).all()):
                 lo, hi = int(examples[0]), int(examples[-1]) + 1
                 return self._split({d: t[lo:hi] for d, t in self._resident.items()})
