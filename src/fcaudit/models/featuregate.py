@@ -25,7 +25,9 @@ the q, k that the model loop passes to it explicitly; no pass holds a [T, T] map
   itself, in one pass over tiles of scores (`attend`) that also gives the lse (logsumexp of the scores) and, when
   the block's gate is going to run, the gate's statistics: the output P V and the statistics' P K' come from the
   same P. The output equals F.scaled_dot_product_attention's within float32 rounding (tests/test_featuregate.py);
-  capture and replay compute it by the same operations, so the exact replay check holds bit for bit.
+  capture and replay compute it by the same operations, so the exact replay check holds bit for bit. That pass is
+  the C++ kernel of models/kernel.py (one loop per map, built on first use) where it takes the tensors, else torch
+  ops over tiles of scores (`_tile_pass`): the same formulas, the same values within float32 rounding.
 - With gradients (training) on the CPU in float32, the attention calls torch's fused kernel itself, which returns the
   lse with the output (the same kernel and the same output bits as F.scaled_dot_product_attention), and the gate's
   own pass knows the lse (log P = S - lse straight from the scores; attention_stats).
@@ -36,7 +38,7 @@ argument: each block leaves its lse (and statistics) there, the gate of block l 
 q, k from it (nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors:
 where it does not hold what a gate needs (the gate is called on its own), the gate recomputes it from q, k, so a
 gate's features never depend on which other gates ran. The controller's extra cost is O(B H T^2 Dh) work per block:
-in inference on a CPU the matrix product P K' and elementwise passes over the scores beside the output's own
+in inference on a CPU the product P K' and a sum over the scores beside the output's own, in the kernel's one loop
 (benchmarks/forward_speed.py measures the whole forward; reference_gate_features keeps the first, map-based version).
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
@@ -54,6 +56,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fcaudit.errors import FcauditError
+from fcaudit.models import kernel
 
 VARIANTS = ("dense", "uniform", "uniform-fixed", "uniform-matched", "layerstatic", "fixeddepth", "featuregate")
 GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.6)
@@ -316,18 +319,24 @@ def attend(att: Attention, v: torch.Tensor, cross: Attention | None, stats: bool
     """Causal attention softmax(S) V [B, H, T, Dh] of one block from one pass over tiles of its scores, which also
     leaves its lse in `att` and, with `stats`, its gate's AttentionStats (cross: the previous block's Attention).
     The output comes from the same operations whether or not `stats` is asked (the exact replay relies on it)."""
-    B, H, T, Dh = att.q.shape
-    return _tile_pass(att, cross, v.reshape(B * H, T, Dh), stats).view(B, H, T, Dh)
+    return _tile_pass(att, cross, v, stats)
 
 
 def _tile_pass(att: Attention, cross: Attention | None, v: torch.Tensor | None, stats: bool) -> torch.Tensor | None:
-    """One pass over tiles of a block's scores (_score_tiles): P V [B*H, T, Dh] for flat values `v` (else None),
-    the lse into att.lse when unknown, and with `stats` the AttentionStats into att.stats.
+    """One pass over tiles of a block's scores (_score_tiles): P V [B, H, T, Dh] for values `v` (else None), the
+    lse into att.lse when unknown, and with `stats` the AttentionStats into att.stats.
 
     With the lse unknown, each row is shifted by its maximum x = S - max first, log_z = -log max_s P comes from the
     one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z and H = log_z - sum_s P x.
+
+    With values (`attend`), where the C++ kernel takes the tensors (models/kernel.py: float32 CPU, a head size it is
+    compiled for), the kernel makes all of it in one loop per map instead, with the same formulas and its own lse. Its
+    choice depends on q, k, v only, so the output has the same bits with or without statistics.
     """
     B, H, T, Dh = att.q.shape
+    if v is not None and kernel.applies(att.q, att.k, v):
+        return _kernel_pass(att, cross, v, stats)
+    v = None if v is None else v.reshape(B * H, T, Dh)
     q, k = att.flat_()
     known = att.lse is not None
     lse = att.lse.reshape(B * H, T, 1) if known else q.new_empty(B * H, T, 1)
@@ -357,6 +366,21 @@ def _tile_pass(att: Attention, cross: Attention | None, v: torch.Tensor | None, 
     if stats:
         view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
         att.stats = (cross, AttentionStats(att.lse, view(entropy), view(cross_score)))
+    return None if y is None else y.view(B, H, T, Dh)
+
+
+def _kernel_pass(att: Attention, cross: Attention | None, v: torch.Tensor, stats: bool) -> torch.Tensor:
+    """_tile_pass's work by the C++ kernel (the other block's statistics by torch ops where the kernel does not take
+    its q, k: the output stays the kernel's)."""
+    crossed = stats and cross is not None and kernel.applies(cross.q, cross.k)
+    y, lse, entropy, cross_score = kernel.attend(att.q, att.k, v, stats and (cross is None or crossed),
+                                                 *((cross.q, cross.k) if crossed else ()))
+    if att.lse is None:
+        att.lse = lse
+    if entropy is not None:
+        att.stats = (cross, AttentionStats(att.lse, entropy, cross_score))
+    elif stats:
+        attention_stats(att, cross)
     return y
 
 
