@@ -2,11 +2,12 @@
 
     python benchmarks/forward_speed.py [--preset demo paper-76m] [--reps 7] [--threads 1] [--json OUT]
 
-FeatureGate runs three times: as it is (in inference on the CPU each block's attention output and its gate's
-statistics come from one tiled pass, `attend`), as "featuregate-fused" (the output from torch's fused attention
-kernel and the statistics from the gate's own tiled pass: the forward with gradients, and last round's inference
-forward), and as "featuregate-ref" (fused output, features of the first, map-based implementation
-`reference_gate_features`, the first "before"). All models of a preset are built once and timed interleaved, one
+FeatureGate runs four times: as it is (in inference on the CPU each block's attention output and its gate's
+statistics come from one pass, `attend`, by the C++ kernel of fcaudit/models/kernel.py where it is built), as
+"featuregate-ops" (that pass in torch ops over tiles of scores: the inference forward before the kernel, and where no
+compiler is found), as "featuregate-fused" (the output from torch's fused attention kernel and the statistics from
+the gate's own tiled pass: the forward with gradients, and an audit's capture), and as "featuregate-ref" (fused
+output, features of the first, map-based implementation `reference_gate_features`, the first "before"). All models of a preset are built once and timed interleaved, one
 forward each per round (several when a forward is short), so load drift on a shared machine hits every variant
 alike; every variant computes with Dense's weights (gates apart), and each timing is preceded by one untimed forward
 of the same model. The table gives the median and min wall ms per batch over rounds and the median over rounds of
@@ -28,23 +29,27 @@ import torch
 
 import fcaudit.models.featuregate as fg
 from fcaudit.allocator import MALLOC, keep_freed_memory
+from fcaudit.models import kernel
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 
-VARIANTS = ("dense", "uniform", "layerstatic", "featuregate", "featuregate-fused", "featuregate-ref")
+VARIANTS = ("dense", "uniform", "layerstatic", "featuregate", "featuregate-ops", "featuregate-fused",
+            "featuregate-ref")
 
 
 @contextmanager
 def features_of(name: str):
-    """-fused: the fused kernel's output path; -ref: that and the map-based reference features (the module looks
-    both up at call time)."""
-    fast = fg.gate_features
+    """-ops: the torch-op pass instead of the C++ kernel; -fused: the fused kernel's output path; -ref: that and the
+    map-based reference features (the module looks all of them up at call time)."""
+    fast, applies = fg.gate_features, kernel.applies
     if name.endswith("-ref"):
         fg.gate_features = fg.reference_gate_features
+    if name.endswith("-ops"):
+        kernel.applies = lambda *tensors: False
     try:
         with fg.fused_output() if name.endswith(("-fused", "-ref")) else nullcontext():
             yield
     finally:
-        fg.gate_features = fast
+        fg.gate_features, kernel.applies = fast, applies
 
 
 def share_weights(models: dict[str, torch.nn.Module]) -> None:
@@ -124,10 +129,11 @@ def main() -> None:
         before = load()
         r = bench_preset(preset, args.reps, args.batch, device)
         r.update(load_before=before, load_after=load(), threads=args.threads, device=str(device),
-                 torch=torch.__version__, malloc=MALLOC[kept])
+                 torch=torch.__version__, malloc=MALLOC[kept], kernel=kernel.library() is not None)
         results.append(r)
         print(f"\n{preset}: batch {r['batch']} x {r['tokens']} tokens, {device}, {args.threads} thread(s), "
-              f"{r['reps']} rounds x {r['inner']} forward(s), {r['malloc']}; {before} -> {r['load_after']}")
+              f"{r['reps']} rounds x {r['inner']} forward(s), {r['malloc']}, attention kernel "
+              f"{'built' if r['kernel'] else 'not available'}; {before} -> {r['load_after']}")
         print(f"  {'variant':16s} {'median ms':>10s} {'min ms':>10s} {'x Dense':>8s}   {'CPU ms':>10s} {'x Dense':>8s}")
         for name, row in r["rows"].items():
             print(f"  {name:16s} {row['median_ms']:10.2f} {row['min_ms']:10.2f} {row['ratio']:8.3f}   "

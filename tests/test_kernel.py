@@ -35,9 +35,10 @@ def truth(q, k, v, pq, pk):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 8), (2, 3, 5, 16), (2, 2, 37, 24), (1, 4, 130, 40), (1, 2, 64, 64),
-                                   (1, 1, 9, 128)])
+                                   (1, 1, 9, 136)])
 def test_kernel_matches_float64_truth_and_the_torch_pass(shape):
-    """T = 1, 5, 37, 130: no multiple of the kernel's 4 rows or 8 keys; D = 40: a head size of 5 vectors."""
+    """T = 1, 5, 37, 130: no multiple of the kernel's 16 (or 8) rows per block; D = 40, 64 and 136: head columns
+    accumulated in chunks of 24, 16 and 8."""
     B, H, T, D = shape
     q, k, v = qkv(B, H, T, D, seed=T, scale=2.0)
     pq, pk, _ = qkv(B, H, T, D, seed=T + 1, scale=2.0)
@@ -95,7 +96,7 @@ def test_other_dtypes_devices_and_head_sizes_stay_on_torch_ops():
     assert kernel.applies(q, k, v)
     assert not kernel.applies(q.double(), k.double(), v.double())
     assert not kernel.applies(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    for D in (4, 12, 56):  # not a multiple of 8, and 7 vectors: not compiled
+    for D in (4, 12, 20):  # not multiples of 8
         q, k, v = qkv(1, 2, 6, D, seed=0)
         assert not kernel.applies(q, k, v)
     assert not kernel.applies(*(t.transpose(-1, -2) for t in qkv(1, 2, 8, 8, seed=0)))  # D not of unit stride
@@ -105,9 +106,9 @@ def test_other_dtypes_devices_and_head_sizes_stay_on_torch_ops():
 def fresh(monkeypatch, tmp_path):
     """The loader's caches cleared, the build going to tmp_path; restored afterwards."""
     monkeypatch.setenv("FCAUDIT_CACHE", str(tmp_path / "cache"))
-    kernel.library.cache_clear(), kernel.head_sizes.cache_clear()
+    kernel.library.cache_clear()
     yield tmp_path / "cache"
-    kernel.library.cache_clear(), kernel.head_sizes.cache_clear()
+    kernel.library.cache_clear()
 
 
 def test_the_kernel_is_built_once_into_the_cache_and_reused(fresh, monkeypatch):
@@ -148,3 +149,26 @@ def test_without_the_kernel_featuregate_runs_on_torch_ops_with_one_warning(how, 
         assert len(messages) == 1 and "torch ops" in messages[0] and "FCAUDIT_KERNEL=off" in messages[0]
         assert ("fake: error: no" if how == "failing compiler" else "missing-c++") in messages[0]
     assert not list(fresh.glob("*")) if fresh.exists() else True  # nothing half written
+
+
+def test_the_eight_lane_build_of_cpus_without_avx512_gives_the_same_values(tmp_path, monkeypatch):
+    """Where the CPU has no 512-bit registers the kernel works on blocks of 8 query rows and 8 head columns (KW = 8);
+    built that way here, it must agree with the 16-lane build within float32 rounding, and ask no other ABI."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    out = tmp_path / "attend8.so"
+    subprocess.run([cxx, *kernel.FLAGS, "-DKW=8", "-o", str(out), str(kernel.SOURCE)], check=True)
+    eight = ctypes.CDLL(str(out))
+    eight.fg_attend.argtypes, eight.fg_attend.restype = kernel.library().fg_attend.argtypes, ctypes.c_int
+    for shape in [(2, 3, 37, 24), (1, 2, 20, 64), (1, 1, 5, 8)]:
+        q, k, v = qkv(*shape, seed=1)
+        pq, pk, _ = qkv(*shape, seed=2)
+        wide = kernel.attend(q, k, v, True, pq, pk)
+        monkeypatch.setattr(kernel, "library", lambda: eight)
+        narrow = kernel.attend(q, k, v, True, pq, pk)
+        monkeypatch.undo()
+        for a, b in zip(wide, narrow):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

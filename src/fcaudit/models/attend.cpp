@@ -5,8 +5,10 @@
 // and, where the gate's statistics are asked (`ent` given; `cross` with the other block's `cq`, `ck`):
 //     ent_t   = -sum_s P log P = log_z - sum_s P x     (x = S - max_s S, log_z = log sum_s exp x: no cancellation)
 //     cross_t = sum_s P S'[t, s] = (q'_t / sqrt(D)) . sum_s P k'_s   (S': another block's scores)
-// The output comes from the same operations with or without the statistics (the template flags only add work), and
-// each map is computed by one thread alone, so the bits do not depend on the thread count.
+// Every vector holds one value for each of KW query rows (a block of rows), so scores, softmax and the weighted sums
+// over keys are all lane-wise and each row of k, v, k' is read once per block. The output comes from the same
+// operations with or without the statistics (the template flags only add work), and each map is computed by one
+// thread alone, so the bits do not depend on the thread count.
 //
 // Loaded by fcaudit/models/kernel.py (built with the machine's C++ compiler on first use, -O3 -march=native, no
 // fast-math). Plain C ABI so ctypes can call it: no torch headers, a one-second build.
@@ -14,48 +16,36 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <pthread.h>
 
-typedef float v8 __attribute__((vector_size(32)));  // a row of v or k: head sizes are multiples of 8
 #ifndef KW
 #if defined(__AVX512F__)
-#define KW 16  // keys per score vector: a 512-bit register where the CPU has them
+#define KW 16  // query rows per vector: a 512-bit register where the CPU has them
 #else
 #define KW 8
 #endif
 #endif
 typedef float vk __attribute__((vector_size(4 * KW)));
 typedef int32_t ik __attribute__((vector_size(4 * KW)));
+static const int CHUNK = KW == 16 ? 24 : 8;  // head columns accumulated at a time (registers: 32 zmm, 16 ymm)
 
 static const float MASKED = -1e30f;  // future keys: exp gives exactly 0 (see expk)
 
-static inline v8 splat(float x) { return v8{} + x; }
-static inline vk splatk(float x) { return vk{} + x; }
-template <typename V> static inline V load(const float *p) { V r; std::memcpy(&r, p, sizeof r); return r; }
-template <typename V> static inline void store(float *p, V x) { std::memcpy(p, &x, sizeof x); }
-static inline v8 load8(const float *p) { return load<v8>(p); }
-static inline void store8(float *p, v8 x) { store(p, x); }
-template <typename V> static inline float hsum(V x) {
-    float s = 0.f;
-    for (unsigned i = 0; i < sizeof x / 4; i++) s += x[i];
-    return s;
-}
-static inline float hmax(vk x) {
-    float m = x[0];
-    for (int i = 1; i < KW; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
+static inline vk splat(float x) { return vk{} + x; }
+static inline vk load(const float *p) { vk r; std::memcpy(&r, p, sizeof r); return r; }
+static inline void store(float *p, vk x) { std::memcpy(p, &x, sizeof x); }
 
 // exp(x) for x <= 0: Cephes' expf (range reduction to [-ln2/2, ln2/2], degree-6 polynomial), within 2 ulp; inputs
 // below -87.3 (P < 1e-38, and every masked key) give exactly 0, so they add nothing to any sum, P * x included.
 static inline vk expk(vk x0) {
-    const vk lo = splatk(-87.3f);
+    const vk lo = splat(-87.3f);
     vk x = x0 < lo ? lo : x0;
     vk fx = x * 1.44269504088896341f + 0.5f;
     vk fn = __builtin_convertvector(__builtin_convertvector(fx, ik), vk);
     fn = fn > fx ? fn - 1.f : fn;  // floor
     x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    vk y = splatk(1.9875691500e-4f);
+    vk y = splat(1.9875691500e-4f);
     y = y * x + 1.3981999507e-3f;
     y = y * x + 8.3334519073e-3f;
     y = y * x + 4.1665795894e-2f;
@@ -65,7 +55,7 @@ static inline vk expk(vk x0) {
     ik e = (__builtin_convertvector(fn, ik) + 127) << 23;
     vk pow2;
     std::memcpy(&pow2, &e, sizeof pow2);
-    return x0 < lo ? splatk(0.f) : y * pow2;
+    return x0 < lo ? splat(0.f) : y * pow2;
 }
 
 struct Strided {  // a [B, H, T, D] float32 tensor with unit stride in D
@@ -82,140 +72,143 @@ struct Job {
     int n0, n1;  // maps (b * H + h) of this thread
 };
 
-static const int ROWS = 4;  // query rows whose scores are computed together (4 accumulators per key vector)
+struct Buffers {  // one thread's: rows of k, v, k' packed [T, D]; a block's q, q' transposed [D, KW]; P [T, KW]
+    float *k, *v, *ck, *qt, *cqt, *p;
+};
 
-template <int D8, bool ENT, bool CROSS>
-static void map_pass(const Job &j, int n, float *kt, float *s, float *vc, float *kc) {
-    const int T = j.T, D = D8 * 8, Tp = (T + KW - 1) / KW * KW, bi = n / j.H, hi = n % j.H;
-    const int64_t qt = j.q.t, kt_ = j.k.t, yt = j.y.t, cqt = j.cq.t;
-    const float *q = j.q.map(bi, hi), *k = j.k.map(bi, hi), *cq = CROSS ? j.cq.map(bi, hi) : nullptr;
-    // the rows of v and k' that every query row reads again, packed: strided rows (a projection's [B, T, 3HD]
-    // output) lie a page or more apart, so reading them T times thrashes the cache and the TLB
-    const float *v = vc, *ck = CROSS ? kc : nullptr;
-    for (int t = 0; t < T; t++) {
-        std::memcpy(vc + t * D, j.v.map(bi, hi) + t * j.v.t, sizeof(float) * D);
-        if (CROSS) std::memcpy(kc + t * D, j.ck.map(bi, hi) + t * j.ck.t, sizeof(float) * D);
-    }
-    const int64_t vt = D, ckt = D;
-    float *y = const_cast<float *>(j.y.map(bi, hi));
-    float *lse = j.lse + (int64_t)n * T, *ent = ENT ? j.ent + (int64_t)n * T : nullptr;
-    float *cross = CROSS ? j.cross + (int64_t)n * T : nullptr;
-    const float scale = j.scale;
-    for (int t = 0; t < Tp; t++)  // keys transposed [D, Tp]: scores of KW keys per vector
-        for (int d = 0; d < D; d++) kt[d * Tp + t] = t < T ? k[t * kt_ + d] : 0.f;
-    for (int i0 = 0; i0 < T; i0 += ROWS) {
-        const int R = T - i0 < ROWS ? T - i0 : ROWS, nkv = (i0 + R + KW - 1) / KW;
-        float qs[ROWS][D];
-        for (int r = 0; r < ROWS; r++)
-            for (int d = 0; d < D; d++) qs[r][d] = r < R ? q[(i0 + r) * qt + d] * scale : 0.f;
-        for (int jb = 0; jb < nkv; jb++) {
-            vk a[ROWS] = {};
-            for (int d = 0; d < D; d++) {
-                const vk kk = load<vk>(kt + d * Tp + jb * KW);
-                for (int r = 0; r < ROWS; r++) a[r] += qs[r][d] * kk;
-            }
-            for (int r = 0; r < ROWS; r++) store(s + r * Tp + jb * KW, a[r]);
-        }
-        for (int r = 0; r < R; r++) {  // softmax of each row in place: s becomes P
-            const int t = i0 + r;
-            float *sr = s + r * Tp;
-            for (int c = t + 1; c < nkv * KW; c++) sr[c] = MASKED;
-            vk m = splatk(MASKED);
-            for (int jb = 0; jb < nkv; jb++) { const vk x = load<vk>(sr + jb * KW); m = x > m ? x : m; }
-            const float mx = hmax(m);
-            vk z = {}, px = {};
-            for (int jb = 0; jb < nkv; jb++) {
-                const vk x = load<vk>(sr + jb * KW) - mx, p = expk(x);
-                z += p;
-                if (ENT) px += p * x;
-                store(sr + jb * KW, p);
-            }
-            const float zs = hsum(z), log_z = std::log(zs), inv = 1.f / zs;
-            lse[t] = mx + log_z;
-            if (ENT) ent[t] = log_z - hsum(px) * inv;
-            for (int jb = 0; jb < nkv; jb++) store(sr + jb * KW, load<vk>(sr + jb * KW) * inv);
-        }
-        // P V (and P K') of RB rows at a time, over keys up to the block's last row (later keys have P = 0)
-        constexpr int RB = D8 <= 2 ? 4 : D8 <= 4 ? 2 : 1;
-        for (int r0 = 0; r0 < R; r0 += RB) {
-            const int rb = R - r0 < RB ? R - r0 : RB, last = i0 + r0 + rb - 1;
-            v8 ay[RB][D8] = {}, ac[RB][D8] = {};
-            for (int c = 0; c <= last; c++) {
-                v8 vv[D8], kk[D8];
-                for (int b = 0; b < D8; b++) {
-                    vv[b] = load8(v + c * vt + b * 8);
-                    if (CROSS) kk[b] = load8(ck + c * ckt + b * 8);
-                }
-                for (int r = 0; r < RB; r++) {
-                    const v8 p = splat(s[(r0 + r) * Tp + c]);
-                    for (int b = 0; b < D8; b++) {
-                        ay[r][b] += p * vv[b];
-                        if (CROSS) ac[r][b] += p * kk[b];
-                    }
-                }
-            }
-            for (int r = 0; r < rb; r++) {
-                const int t = i0 + r0 + r;
-                for (int b = 0; b < D8; b++) store8(y + t * yt + b * 8, ay[r][b]);
-                if (CROSS) {
-                    v8 acc = {};
-                    for (int b = 0; b < D8; b++) acc += ac[r][b] * (load8(cq + t * cqt + b * 8) * splat(scale));
-                    cross[t] = hsum(acc);
-                }
-            }
-        }
-    }
+// a map's rows [T, D] packed: strided rows (a projection's [B, T, 3HD] output) lie a page or more apart
+static void pack(float *dst, const Strided &x, int bi, int hi, int T, int D) {
+    const float *src = x.map(bi, hi);
+    for (int t = 0; t < T; t++) std::memcpy(dst + (int64_t)t * D, src + t * x.t, sizeof(float) * D);
 }
 
-template <int D8>
-static void run_maps(const Job &j, float *kt, float *s, float *vc, float *kc) {
-    for (int n = j.n0; n < j.n1; n++) {
-        if (j.cq.data) map_pass<D8, true, true>(j, n, kt, s, vc, kc);
-        else if (j.ent) map_pass<D8, true, false>(j, n, kt, s, vc, kc);
-        else map_pass<D8, false, false>(j, n, kt, s, vc, kc);
+// rows i0 .. i0 + KW of x times `scale`, transposed [D, KW] (0 past row T)
+static void transpose_rows(float *dst, const Strided &x, int bi, int hi, int i0, int R, int D, float scale) {
+    const float *src = x.map(bi, hi);
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < KW; r++) dst[d * KW + r] = r < R ? src[(i0 + r) * x.t + d] * scale : 0.f;
+}
+
+// acc[i] = sum_c P[c] rows[c, d0 + i] for DC columns: lane r of acc is query row i0 + r
+template <int DC>
+static inline void weigh(const float *rows, int D, int d0, const float *p, int keys, vk *acc) {
+    vk a[DC] = {};
+    for (int c = 0; c < keys; c++) {
+        const vk pc = load(p + c * KW);
+        const float *row = rows + (int64_t)c * D + d0;
+        for (int i = 0; i < DC; i++) a[i] += pc * row[i];
+    }
+    for (int i = 0; i < DC; i++) acc[i] = a[i];
+}
+
+static inline int weigh_chunk(const float *rows, int D, int d0, const float *p, int keys, vk *acc) {
+    const int left = D - d0;
+    if (CHUNK >= 24 && left >= 24) { weigh<24>(rows, D, d0, p, keys, acc); return 24; }
+    if (CHUNK >= 16 && left >= 16) { weigh<16>(rows, D, d0, p, keys, acc); return 16; }
+    weigh<8>(rows, D, d0, p, keys, acc);
+    return 8;
+}
+
+template <bool ENT, bool CROSS>
+static void map_pass(const Job &j, int n, const Buffers &b) {
+    const int T = j.T, D = j.D, bi = n / j.H, hi = n % j.H;
+    pack(b.k, j.k, bi, hi, T, D);
+    pack(b.v, j.v, bi, hi, T, D);
+    if (CROSS) pack(b.ck, j.ck, bi, hi, T, D);
+    float *y = const_cast<float *>(j.y.map(bi, hi)), *lse = j.lse + (int64_t)n * T;
+    vk lane;
+    for (int r = 0; r < KW; r++) lane[r] = (float)r;
+    vk acc[CHUNK];
+    for (int i0 = 0; i0 < T; i0 += KW) {
+        const int R = T - i0 < KW ? T - i0 : KW, keys = i0 + R;
+        transpose_rows(b.qt, j.q, bi, hi, i0, R, D, j.scale);
+        // scores of 4 keys at a time: lane r of p[c] is S[i0 + r, c]
+        int c = 0;
+        for (; c + 4 <= keys; c += 4) {
+            vk a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            const float *k0 = b.k + (int64_t)c * D;
+            for (int d = 0; d < D; d++) {
+                const vk qd = load(b.qt + d * KW);
+                a0 += qd * k0[d]; a1 += qd * k0[D + d]; a2 += qd * k0[2 * D + d]; a3 += qd * k0[3 * D + d];
+            }
+            store(b.p + c * KW, a0); store(b.p + (c + 1) * KW, a1);
+            store(b.p + (c + 2) * KW, a2); store(b.p + (c + 3) * KW, a3);
+        }
+        for (; c < keys; c++) {
+            vk a0 = {};
+            const float *k0 = b.k + (int64_t)c * D;
+            for (int d = 0; d < D; d++) a0 += load(b.qt + d * KW) * k0[d];
+            store(b.p + c * KW, a0);
+        }
+        // softmax over keys, lane-wise; keys past a row's own (c > i0 + r) are masked
+        const vk row = lane + (float)i0;
+        vk m = splat(MASKED);
+        for (c = 0; c < keys; c++) {
+            vk x = load(b.p + c * KW);
+            if (c > i0) { x = row < (float)c ? splat(MASKED) : x; store(b.p + c * KW, x); }
+            m = x > m ? x : m;
+        }
+        vk z = {}, px = {};
+        for (c = 0; c < keys; c++) {
+            const vk x = load(b.p + c * KW) - m, p = expk(x);
+            z += p;
+            if (ENT) px += p * x;
+            store(b.p + c * KW, p);  // unnormalized: the sums below are divided by z once
+        }
+        const vk inv = 1.f / z;
+        for (int r = 0; r < R; r++) {
+            const float log_z = std::log(z[r]);
+            lse[i0 + r] = m[r] + log_z;
+            if (ENT) j.ent[(int64_t)n * T + i0 + r] = log_z - px[r] * inv[r];
+        }
+        for (int d0 = 0; d0 < D;) {
+            const int dc = weigh_chunk(b.v, D, d0, b.p, keys, acc);
+            for (int i = 0; i < dc; i++) {
+                const vk out = acc[i] * inv;
+                for (int r = 0; r < R; r++) y[(i0 + r) * j.y.t + d0 + i] = out[r];
+            }
+            d0 += dc;
+        }
+        if (CROSS) {  // q'_t . (P K')_t
+            transpose_rows(b.cqt, j.cq, bi, hi, i0, R, D, j.scale);
+            vk cross = {};
+            for (int d0 = 0; d0 < D;) {
+                const int dc = weigh_chunk(b.ck, D, d0, b.p, keys, acc);
+                for (int i = 0; i < dc; i++) cross += acc[i] * load(b.cqt + (d0 + i) * KW);
+                d0 += dc;
+            }
+            cross *= inv;
+            for (int r = 0; r < R; r++) j.cross[(int64_t)n * T + i0 + r] = cross[r];
+        }
     }
 }
 
 static void *run_job(void *arg) {
     const Job &j = *static_cast<Job *>(arg);
-    const int Tp = (j.T + KW - 1) / KW * KW;
-    float *kt = static_cast<float *>(std::malloc(sizeof(float) * j.D * Tp));
-    float *s = static_cast<float *>(std::malloc(sizeof(float) * ROWS * Tp));
-    float *vc = static_cast<float *>(std::malloc(sizeof(float) * j.D * j.T));
-    float *kc = static_cast<float *>(std::malloc(sizeof(float) * j.D * j.T));
-    if (!kt || !s || !vc || !kc) { std::free(kt); std::free(s); std::free(vc); std::free(kc); return arg; }
-    switch (j.D / 8) {
-        case 1: run_maps<1>(j, kt, s, vc, kc); break;
-        case 2: run_maps<2>(j, kt, s, vc, kc); break;
-        case 3: run_maps<3>(j, kt, s, vc, kc); break;
-        case 4: run_maps<4>(j, kt, s, vc, kc); break;
-        case 5: run_maps<5>(j, kt, s, vc, kc); break;
-        case 6: run_maps<6>(j, kt, s, vc, kc); break;
-        case 8: run_maps<8>(j, kt, s, vc, kc); break;
-        case 16: run_maps<16>(j, kt, s, vc, kc); break;
+    const size_t rows = sizeof(float) * j.T * j.D, block = sizeof(float) * j.D * KW;
+    Buffers b{static_cast<float *>(std::malloc(rows)), static_cast<float *>(std::malloc(rows)),
+              static_cast<float *>(std::malloc(rows)), static_cast<float *>(std::malloc(block)),
+              static_cast<float *>(std::malloc(block)),
+              static_cast<float *>(std::malloc(sizeof(float) * (j.T + KW) * KW))};
+    const bool ok = b.k && b.v && b.ck && b.qt && b.cqt && b.p;
+    for (int n = j.n0; ok && n < j.n1; n++) {
+        if (j.cq.data) map_pass<true, true>(j, n, b);
+        else if (j.ent) map_pass<true, false>(j, n, b);
+        else map_pass<false, false>(j, n, b);
     }
-    std::free(kt);
-    std::free(s);
-    std::free(vc);
-    std::free(kc);
-    return nullptr;
+    for (float *p : {b.k, b.v, b.ck, b.qt, b.cqt, b.p}) std::free(p);
+    return ok ? nullptr : arg;
 }
 
 extern "C" {
 
-// head sizes the kernel takes (D = 8 * each, zero-terminated); others stay on torch ops
-extern const int fg_attend_head_blocks[16] = {1, 2, 3, 4, 5, 6, 8, 16};
-
 // Strides are (batch, head, row) in elements; ent null: no statistics; cq / ck / cross null: no cross score (they
-// need ent). Returns 0, or 1 when a
-// thread could not allocate its buffers, 2 for an unsupported head size.
+// need ent). Returns 0, or 1 when a thread could not allocate its buffers, 2 for a head size that is no multiple of 8.
 int fg_attend(int B, int H, int T, int D, float scale, const float *q, const int64_t *qs, const float *k,
               const int64_t *ks, const float *v, const int64_t *vs, const float *cq, const int64_t *cqs,
               const float *ck, const int64_t *cks, float *y, const int64_t *ys, float *lse, float *ent,
               float *cross, int threads) {
-    bool supported = false;
-    for (const int *b = fg_attend_head_blocks; *b; b++) supported |= D == 8 * *b;
-    if (!supported) return 2;
+    if (D % 8 || D < 8) return 2;
     const int N = B * H;
     if (threads > N) threads = N;
     if (threads > 64) threads = 64;

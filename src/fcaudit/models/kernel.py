@@ -3,7 +3,8 @@
 In inference on the CPU a FeatureGate block needs the attention output and its gate's statistics (lse, entropy and
 the cross score against the previous block) from one pass over the scores. In torch ops that pass is about 20 small
 operations per tile of scores (`featuregate._tile_pass`); the kernel does it in one loop per (batch, head) map with
-no tile of scores leaving the cache and no copies of q, k, v (it reads them strided from the qkv projection).
+each vector holding one value for each of 16 query rows (8 without AVX-512), so every row of k, v and the other
+block's k' is read once per 16 rows; q, k, v are read strided from the qkv projection (no copies in torch).
 
 Built once per machine and source into the cache directory ($FCAUDIT_CACHE, else $XDG_CACHE_HOME/fcaudit, else
 ~/.cache/fcaudit), under a name that hashes the source, the flags, the compiler and the CPU's features (-march=native
@@ -93,21 +94,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def head_sizes() -> frozenset[int]:
-    """The head sizes the kernel takes (multiples of 8 it is compiled for)."""
-    lib = library()
-    if lib is None:
-        return frozenset()
-    blocks = (ctypes.c_int * 16).in_dll(lib, "fg_attend_head_blocks")
-    return frozenset(8 * b for b in blocks[: list(blocks).index(0)])
-
-
 def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the kernel takes these [B, H, T, D] tensors: float32 on the CPU, unit stride in D, a head size it is
-    compiled for (the last check builds it on first use)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
-               for t in tensors) and tensors[0].size(-1) in head_sizes()
+    """Whether the kernel takes these [B, H, T, D] tensors: float32 on the CPU, unit stride in D, D a multiple of 8
+    (the kernel accumulates 8 columns or more at a time); the kernel built (on the first call)."""
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
+                for t in tensors) and tensors[0].size(-1) % 8 == 0 and library() is not None)
 
 
 def _strides(t: torch.Tensor | None):
@@ -133,5 +124,5 @@ def attend(q, k, v, stats: bool = False, cross_q=None, cross_k=None):
                              _ptr(lse), _ptr(entropy), _ptr(cross), torch.get_num_threads())
     if rc:
         raise MemoryError("FeatureGate's attention kernel could not allocate its buffers") if rc == 1 else \
-            RuntimeError(f"FeatureGate's attention kernel refused head size {D}")
+            RuntimeError(f"FeatureGate's attention kernel refused head size {D}: it takes multiples of 8")
     return y, lse, entropy, cross
