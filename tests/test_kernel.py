@@ -59,15 +59,16 @@ def test_kernel_matches_float64_truth_and_the_torch_pass(shape):
 def test_kernel_output_is_the_same_bits_with_or_without_statistics_and_any_thread_count():
     q, k, v = qkv(3, 4, 50, 24, seed=0)
     pq, pk, _ = qkv(3, 4, 50, 24, seed=1)
+    one = kernel.attend(q, k, v, True, pq, pk, threads=1)
+    five = kernel.attend(q, k, v, True, pq, pk, threads=5)  # more threads than cores: uneven shares of the 12 maps
+    assert all(torch.equal(a, b) for a, b in zip(one, five))
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel.attend(q, k, v, True, pq, pk)
-        torch.set_num_threads(5)  # more threads than cores: uneven shares of the 12 maps
-        five = kernel.attend(q, k, v, True, pq, pk)
+    try:  # by default torch's thread count, but not more than the work is worth
+        torch.set_num_threads(4)
+        assert kernel.threads_for(3, 4, 50, 24) == 1 and kernel.threads_for(8, 4, 512, 64) == 4
+        assert kernel.threads_for(1, 2, 2048, 128) == 2  # one thread per map at most
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one, five))
     for stats, cross in [(False, ()), (True, ())]:
         y, lse, entropy, cross_score = kernel.attend(q, k, v, stats, *cross)
         assert torch.equal(y, one[0]) and torch.equal(lse, one[1]) and cross_score is None

@@ -51,7 +51,8 @@ def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_features()])
                          .encode()).hexdigest()[:16]
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"fcaudit-{os.getuid()}"):
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"fcaudit-{user}"):
         target = folder / f"attend-{key}.so"
         if target.exists():
             return target
@@ -109,10 +110,22 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def attend(q, k, v, stats: bool = False, cross_q=None, cross_k=None):
+# multiply-adds per thread at least: the kernel starts its threads per call (about 20 us each), so a small block on a
+# many-core machine runs on fewer threads than torch's count
+WORK_PER_THREAD = 1 << 21
+
+
+def threads_for(B: int, H: int, T: int, D: int) -> int:
+    """Threads for one call: torch's intra-op count, at most one per map and per WORK_PER_THREAD of work."""
+    work = B * H * T * T * D // 2 * 3  # scores, P V and P K' over the causal half
+    return max(1, min(torch.get_num_threads(), B * H, -(-work // WORK_PER_THREAD)))
+
+
+def attend(q, k, v, stats: bool = False, cross_q=None, cross_k=None, threads: int | None = None):
     """(y [B, H, T, D] (a view of a [B, T, H, D] tensor, so its "b t (h d)" form needs no copy), lse [B, H, T],
     entropy, cross score) of causal attention over strided [B, H, T, D] float32 q, k, v. The entropy with `stats`,
-    the cross score with `stats` and the other block's (cross_q, cross_k); else None. The caller checks `applies`."""
+    the cross score with `stats` and the other block's (cross_q, cross_k); else None. The caller checks `applies`.
+    Each map is one thread's, so the bits do not depend on `threads` (default: threads_for)."""
     B, H, T, D = q.shape
     y = q.new_empty(B, T, H, D).transpose(1, 2)
     lse = q.new_empty(B, H, T)
@@ -121,7 +134,7 @@ def attend(q, k, v, stats: bool = False, cross_q=None, cross_k=None):
     cross_q, cross_k = (cross_q, cross_k) if cross is not None else (None, None)
     rc = library().fg_attend(B, H, T, D, D ** -0.5, _ptr(q), _strides(q), _ptr(k), _strides(k), _ptr(v), _strides(v),
                              _ptr(cross_q), _strides(cross_q), _ptr(cross_k), _strides(cross_k), _ptr(y), _strides(y),
-                             _ptr(lse), _ptr(entropy), _ptr(cross), torch.get_num_threads())
+                             _ptr(lse), _ptr(entropy), _ptr(cross), threads or threads_for(B, H, T, D))
     if rc:
         raise MemoryError("FeatureGate's attention kernel could not allocate its buffers") if rc == 1 else \
             RuntimeError(f"FeatureGate's attention kernel refused head size {D}: it takes multiples of 8")
