@@ -525,3 +525,30 @@ def test_paper_presets_have_the_papers_sizes():
     assert round(count("paper-76m") / 1e6, 1) == 75.9
     assert (PRESETS["paper-504m"].n_layer, PRESETS["paper-504m"].d_model, PRESETS["paper-504m"].n_head) == (40, 1024, 16)
     assert round(count("paper-504m") / 1e6) == 504
+
+
+def test_feature_finishing_gives_the_bits_of_its_first_form():
+    """_finish caches log(t + 1) and works in place; the features must keep their bits (audit records rely on it)."""
+
+    def first_form(entropy_h, kl_h, lse, h, update):
+        T = lse.size(-1)
+        visible = torch.arange(1, T + 1, dtype=torch.float32)
+        entropy = entropy_h.mean(1).clamp_min(0.0)
+        entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
+        kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
+        log_partition = (lse - visible.log()).mean(1)
+        update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
+                       / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
+        return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
+
+    g = torch.Generator().manual_seed(0)
+    for B, H, T, d in [(2, 3, 1, 4), (2, 3, 17, 8), (1, 4, 128, 96)]:
+        entropy_h, kl_h, lse = (torch.randn(B, H, T, generator=g) for _ in range(3))
+        entropy_h[0, :, -1] = 0.0  # a one-hot row in every head
+        kl_h[:, :, 0] = -1e-7  # rounding noise below 0
+        h, update = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+        for kl in (kl_h, None):
+            with torch.inference_mode():
+                fast = fg._finish(entropy_h, kl, lse, h, update)
+            assert torch.equal(fast, first_form(entropy_h, kl, lse, h, update))
+            assert torch.equal(fg._finish(entropy_h, kl, lse, h, update), fast)  # the cached log outside it too

@@ -45,6 +45,7 @@ The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
 """
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -384,17 +385,25 @@ def _kernel_pass(att: Attention, cross: Attention | None, v: torch.Tensor, stats
     return y
 
 
+@functools.lru_cache(maxsize=16)
+def _log_visible(T: int, device: torch.device) -> torch.Tensor:
+    """log(t + 1) for t < T (t + 1 keys are visible at position t), float32; made once per window length and device
+    (a plain tensor even when first asked within inference_mode, so training may use it too)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.arange(1, T + 1, device=device, dtype=torch.float32).log_()
+
+
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
     """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; shared with the reference.
-    Both are >= 0 by definition; clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row)."""
-    T = lse.size(-1)
-    visible = torch.arange(1, T + 1, device=lse.device, dtype=torch.float32)  # t + 1 keys at position t
-    entropy = entropy_h.mean(1).clamp_min(0.0)  # [B, T]
-    entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
-    kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
-    log_partition = (lse - visible.log()).mean(1)
-    update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
-                   / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
+    Both are >= 0 by definition; clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row). The
+    entropy is 0 at t = 0 (one visible key); elsewhere divided by log(t + 1) >= log 2."""
+    log_visible = _log_visible(lse.size(-1), lse.device)
+    entropy = entropy_h.mean(1).clamp_min_(0.0).div_(log_visible)  # [B, T]
+    entropy[:, 0] = 0.0  # 0 / 0 there
+    kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min_(0.0)
+    log_partition = (lse - log_visible).mean(1)
+    update_norm = torch.linalg.vector_norm(update.float(), dim=-1).div_(
+        torch.linalg.vector_norm(h.float(), dim=-1).add_(1e-6))
     return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
 
 
