@@ -74,7 +74,7 @@ def child(args) -> None:
     from fcaudit.audit import audit, group_from_env
     from fcaudit.controllers import controller_for
     from fcaudit.models.featuregate import FeatureGateGPT, config_for
-    import fcaudit.stats  # noqa: F401  (scipy's import time is per process, not per audit)
+    import fcaudit.stats.inference  # noqa: F401  (scipy's import time is per process, not per audit)
 
     torch.set_num_threads(1)
     base = group_from_env()

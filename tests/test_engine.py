@@ -798,3 +798,29 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
     assert len(whole.records) == 12 * (1 + 4 * 4 + 3)
     pd.testing.assert_frame_equal(resumed.records, whole.records, check_exact=True)
+
+
+def test_an_audit_does_not_import_scipy_or_statsmodels(tmp_path):
+    """They take about a second to import: an audit (its variance decomposition included) must not need them; the
+    intervals and tests import them when asked (fcaudit.stats resolves those names lazily)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import torch
+import fcaudit as fca
+from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
+torch.manual_seed(0)
+model = FeatureGateGPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=16, gate_hidden=4)).eval()
+ids = torch.randint(0, 256, (16, 16))
+result = fca.audit(model, fca.controller_for(model), ids[:8], ids[8:], randomizations=1, seed=0,
+                   out={str(tmp_path / "a")!r}, batch_size=4, quiet=True)
+assert result.variation is not None
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "statsmodels") and "stats" in m))
+from fcaudit.stats import holm
+print("statsmodels" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]

@@ -11,18 +11,20 @@ from fcaudit.stats.effects import (
     randomization_means,
     retention,
 )
-from fcaudit.stats.inference import (
-    ConfidenceInterval,
-    Estimate,
-    checkpoint_bootstrap,
-    holm,
-    mc_se,
-    paired_bootstrap,
-    retention_bootstrap,
-    retention_window_bootstrap,
-    sign_flip_test,
-)
 from fcaudit.stats.variance import coefficient_profile, functional_anova, variance_by_slice, variance_decomposition
+
+# inference needs scipy and statsmodels, about a second to import: an audit (which ends with the variance
+# decomposition, from this package) pays for them only where it computes intervals or tests
+_INFERENCE = ("ConfidenceInterval", "Estimate", "checkpoint_bootstrap", "holm", "mc_se", "paired_bootstrap",
+              "retention_bootstrap", "retention_window_bootstrap", "sign_flip_test")
+
+
+def __getattr__(name: str):
+    if name in _INFERENCE:
+        from fcaudit.stats import inference
+
+        return getattr(inference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ConfidenceInterval", "Estimate", "FactorEffects", "FactorialCells", "checkpoint_bootstrap",
