@@ -101,6 +101,14 @@ def test_other_dtypes_devices_and_head_sizes_stay_on_torch_ops():
         q, k, v = qkv(1, 2, 6, D, seed=0)
         assert not kernel.applies(q, k, v)
     assert not kernel.applies(*(t.transpose(-1, -2) for t in qkv(1, 2, 8, 8, seed=0)))  # D not of unit stride
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:  # torch.compile traces with these: no data to hand to the kernel
+        fake = [mode.from_tensor(t) for t in qkv(1, 2, 6, 8, seed=0)]
+        assert not kernel.applies(*fake)
+        model = fg.FeatureGateGPT(fg.GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8)).eval()
+        with torch.no_grad():
+            assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 256)  # the torch-op pass
 
 
 @pytest.fixture

@@ -45,7 +45,6 @@ The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
 """
 
-import functools
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -55,6 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fcaudit.errors import FcauditError
 from fcaudit.models import kernel
@@ -385,12 +385,22 @@ def _kernel_pass(att: Attention, cross: Attention | None, v: torch.Tensor, stats
     return y
 
 
-@functools.lru_cache(maxsize=16)
+_LOG_VISIBLE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def _log_visible(T: int, device: torch.device) -> torch.Tensor:
-    """log(t + 1) for t < T (t + 1 keys are visible at position t), float32; made once per window length and device
-    (a plain tensor even when first asked within inference_mode, so training may use it too)."""
-    with torch.inference_mode(False), torch.no_grad():
-        return torch.arange(1, T + 1, device=device, dtype=torch.float32).log_()
+    """log(t + 1) for t < T (t + 1 keys are visible at position t), float32; kept once made per window length and
+    device (a plain tensor even when first asked within inference_mode, so training may use it too). Under a
+    dispatch mode (fake tensors of torch.compile's tracing, FLOP counters) made afresh and not kept: a kept tensor
+    must not mix with the mode's tensors, nor one of the mode's be kept."""
+    moded = _get_current_dispatch_mode() is not None
+    log = None if moded else _LOG_VISIBLE.get((T, device))
+    if log is None:
+        with torch.inference_mode(False), torch.no_grad():
+            log = torch.arange(1, T + 1, device=device, dtype=torch.float32).log_()
+        if not moded:
+            _LOG_VISIBLE[T, device] = log
+    return log
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:

@@ -96,10 +96,11 @@ def library() -> ctypes.CDLL | None:
 
 
 def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the kernel takes these [B, H, T, D] tensors: float32 on the CPU, unit stride in D, D a multiple of 8
-    (the kernel accumulates 8 columns or more at a time); the kernel built (on the first call)."""
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1
-                for t in tensors) and tensors[0].size(-1) % 8 == 0 and library() is not None)
+    """Whether the kernel takes these [B, H, T, D] tensors: plain tensors (not subclasses such as the fake tensors of
+    torch.compile's tracing, which have no data), float32 on the CPU, unit stride in D, D a multiple of 8 (the kernel
+    accumulates 8 columns or more at a time); the kernel built (on the first call)."""
+    return (all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
+                and t.stride(-1) == 1 for t in tensors) and tensors[0].size(-1) % 8 == 0 and library() is not None)
 
 
 def _strides(t: torch.Tensor | None):
