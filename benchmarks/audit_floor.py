@@ -3,7 +3,8 @@
 For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the tiny MUDD),
 one audit (64 + 64 windows, R = 20 by default, a fresh directory each time) is timed against a bare loop of the same
 forward passes: per evaluation batch a capture pass and a replay pass, per calibration batch a capture pass, and one
-replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute), with
+replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute) and within
+the controller's capture or replay context as in the audit (FeatureGate: the fused attention path), with
 coefficients prepared once beforehand, and nothing written.
 Audit and bare loop alternate (A B A B ...), one thread; printed: the median of the per-pair ratios audit / bare, and
 the ratio of the two minima (the least disturbed run of each, steadier on a shared machine), in wall time and in
@@ -103,7 +104,8 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
         t0 = clock()
         for u in sched.stage1():
             ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
-            nll(ids)
+            with ctrl.capture(*ids.shape):  # the audit's capture pass: within the controller's context, as a replay
+                nll(ids)
             if u.kind == "capture":
                 with ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
                     nll(ids)

@@ -57,3 +57,20 @@ def test_audit_floor_parts_time_the_engine_steps_and_restore_them():
     assert spent["reading the store"] > 0 and spent["decoding into each replay"] > 0
     assert (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
             [c.make for c in protocol.REGISTRY.values()]) == steps
+
+
+def test_audit_floors_bare_loop_runs_featuregate_passes_as_the_audit_does(monkeypatch):
+    """FeatureGate's audit runs every pass, captures included, on the fused attention path (its controller's
+    context); the bare loop must too, or it times plain inference (the C++ kernel) against the audit's path."""
+    import torch
+
+    import fcaudit.models.featuregate as fg
+
+    audit_floor = load_script("audit_floor")
+    model, ctrl, _ = audit_floor.build("featuregate")
+    ev, ca = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (2, 16))
+    passes, fused = [], []
+    model.register_forward_pre_hook(lambda *a: passes.append(1))
+    monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: fused.append(1) or f(q, k, v))
+    audit_floor.bare_loop(model, ctrl, ev, ca, 2, 1)
+    assert len(passes) > 10 and len(fused) == len(model.blocks) * len(passes)
