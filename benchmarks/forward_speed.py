@@ -4,15 +4,16 @@
 
 FeatureGate runs four times: as it is (in inference on the CPU each block's attention output and its gate's
 statistics come from one pass, `attend`, by the C++ kernel of fcaudit/models/kernel.py where it is built), as
-"featuregate-ops" (that pass in torch ops over tiles of scores: the inference forward before the kernel, and where no
-compiler is found), as "featuregate-fused" (the output from torch's fused attention kernel and the statistics from
-the gate's own tiled pass: the forward with gradients, and an audit's capture), and as "featuregate-ref" (fused
-output, features of the first, map-based implementation `reference_gate_features`, the first "before"). All models of a preset are built once and timed interleaved, one
-forward each per round (several when a forward is short), so load drift on a shared machine hits every variant
-alike; every variant computes with Dense's weights (gates apart), and each timing is preceded by one untimed forward
-of the same model. The table gives the median and min wall ms per batch over rounds and the median over rounds of
-each round's ratio to Dense, then the same median ms and ratio in CPU time of the (one) computing thread, which
-leaves out time spent waiting for a core. The load average is printed before and after.
+"featuregate-ops" (that pass in torch ops over tiles of scores: the inference forward before the kernel, and where
+no compiler is found), as "featuregate-fused" (the output from torch's fused attention kernel and the statistics
+from the gate's own tiled pass: the forward with gradients, and an audit's capture), and as "featuregate-ref" (fused
+output, features of the first, map-based implementation `reference_gate_features`, the first "before"). All models
+of a preset are built once and timed interleaved, one forward each per round (several when a forward is short), so
+load drift on a shared machine hits every variant alike; every variant computes with Dense's weights (gates apart),
+and each timing is preceded by one untimed forward of the same model. The table gives the median and min wall ms per
+batch over rounds and the median over rounds of each round's ratio to Dense, then the same median ms and ratio in
+CPU time of the (one) computing thread, which leaves out time spent waiting for a core.
+The load average is printed before and after.
 The paper (GPU, 76M, batch 8): Dense 19.36 ms, Uniform 23.00, LayerStatic 24.10, FeatureGate 25.31 (1.308).
 """
 

@@ -213,7 +213,9 @@ int fg_attend(int B, int H, int T, int D, float scale, const float *q, const int
     if (threads > N) threads = N;
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
-    auto strided = [](const float *p, const int64_t *st) { return Strided{p, st ? st[0] : 0, st ? st[1] : 0, st ? st[2] : 0}; };
+    auto strided = [](const float *p, const int64_t *st) {
+        return Strided{p, st ? st[0] : 0, st ? st[1] : 0, st ? st[2] : 0};
+    };
     Job jobs[64];
     pthread_t tid[64];
     bool started[64] = {};

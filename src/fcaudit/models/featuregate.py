@@ -331,8 +331,8 @@ def _tile_pass(att: Attention, cross: Attention | None, v: torch.Tensor | None, 
     one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z and H = log_z - sum_s P x.
 
     With values (`attend`), where the C++ kernel takes the tensors (models/kernel.py: float32 CPU, a head size that
-    is a multiple of 8), the kernel makes all of it in one loop per map instead, with the same formulas and its own lse. Its
-    choice depends on q, k, v only, so the output has the same bits with or without statistics.
+    is a multiple of 8), the kernel makes all of it in one loop per map instead, with the same formulas and its own
+    lse. Its choice depends on q, k, v only, so the output has the same bits with or without statistics.
     """
     B, H, T, Dh = att.q.shape
     if v is not None and kernel.applies(att.q, att.k, v):
