@@ -17,7 +17,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifndef KW
 #if defined(__AVX512F__)
@@ -69,7 +71,6 @@ struct Job {
     float scale;
     Strided q, k, v, cq, ck, y;
     float *lse, *ent, *cross;
-    int n0, n1;  // maps (b * H + h) of this thread
 };
 
 struct Buffers {  // one thread's: rows of k, v, k' packed [T, D]; a block's q, q' transposed [D, KW]; P [T, KW]
@@ -183,21 +184,21 @@ static void map_pass(const Job &j, int n, const Buffers &b) {
     }
 }
 
-static void *run_job(void *arg) {
-    const Job &j = *static_cast<Job *>(arg);
+// the maps [n0, n1) with this thread's buffers; false where they could not be allocated
+static bool run_maps(const Job &j, int n0, int n1) {
     const size_t rows = sizeof(float) * j.T * j.D, block = sizeof(float) * j.D * KW;
     Buffers b{static_cast<float *>(std::malloc(rows)), static_cast<float *>(std::malloc(rows)),
               static_cast<float *>(std::malloc(rows)), static_cast<float *>(std::malloc(block)),
               static_cast<float *>(std::malloc(block)),
               static_cast<float *>(std::malloc(sizeof(float) * (j.T + KW) * KW))};
     const bool ok = b.k && b.v && b.ck && b.qt && b.cqt && b.p;
-    for (int n = j.n0; ok && n < j.n1; n++) {
+    for (int n = n0; ok && n < n1; n++) {
         if (j.cq.data) map_pass<true, true>(j, n, b);
         else if (j.ent) map_pass<true, false>(j, n, b);
         else map_pass<false, false>(j, n, b);
     }
     for (float *p : {b.k, b.v, b.ck, b.qt, b.cqt, b.p}) std::free(p);
-    return ok ? nullptr : arg;
+    return ok;
 }
 
 extern "C" {
@@ -211,24 +212,23 @@ int fg_attend(int B, int H, int T, int D, float scale, const float *q, const int
     if (D % 8 || D < 8) return 2;
     const int N = B * H;
     if (threads > N) threads = N;
-    if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     auto strided = [](const float *p, const int64_t *st) {
         return Strided{p, st ? st[0] : 0, st ? st[1] : 0, st ? st[2] : 0};
     };
-    Job jobs[64];
-    pthread_t tid[64];
-    bool started[64] = {};
-    for (int i = 0; i < threads; i++)
-        jobs[i] = Job{B, H, T, D, scale, strided(q, qs), strided(k, ks), strided(v, vs), strided(cq, cqs),
-                      strided(ck, cks), strided(y, ys), lse, ent, cross, N * i / threads, N * (i + 1) / threads};
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], nullptr, run_job, &jobs[i]) == 0;
-    int rc = run_job(&jobs[0]) ? 1 : 0;
-    for (int i = 1; i < threads; i++) {
-        if (!started[i]) { rc |= run_job(&jobs[i]) ? 1 : 0; continue; }  // no thread: run its maps here
-        void *out = nullptr;
-        pthread_join(tid[i], &out);
-        rc |= out ? 1 : 0;
+    const Job job{B, H, T, D, scale, strided(q, qs), strided(k, ks), strided(v, vs), strided(cq, cqs),
+                  strided(ck, cks), strided(y, ys), lse, ent, cross};
+    int rc = 0;
+    // torch's own OpenMP runtime where the build links it (the same libgomp.so.1 torch loaded): its pool, not
+    // threads of our own that would compete with torch's spinning workers for the cores
+#pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+#ifdef _OPENMP
+        const int i = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int i = 0, n = 1;
+#endif
+        rc |= run_maps(job, (int)((int64_t)N * i / n), (int)((int64_t)N * (i + 1) / n)) ? 0 : 1;
     }
     return rc;
 }

@@ -30,7 +30,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("attend.cpp")
 # no -ffast-math: it would link code that sets flush-to-zero for the whole process, and reorder the sums
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+# OpenMP: the kernel then runs its maps on the libgomp.so.1 that torch has loaded (one pool, no threads of its own
+# competing with torch's spinning workers); a compiler without OpenMP builds it single-threaded
+OPENMP = "-fopenmp"
 
 
 def cache_dir() -> Path:
@@ -49,7 +52,7 @@ def _cpu_features() -> str:
 
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_features()])
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, OPENMP, version, platform.machine(), _cpu_features()])
                          .encode()).hexdigest()[:16]
     user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"fcaudit-{user}"):
@@ -63,8 +66,12 @@ def _build(cxx: str) -> Path:
             continue  # not writable: the next folder
         os.close(fd)
         try:
-            done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-            if done.returncode:
+            for flags in ((*FLAGS, OPENMP), FLAGS):
+                done = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                      timeout=300)
+                if not done.returncode:
+                    break
+            else:
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[0])
             os.replace(tmp, target)
         finally:
@@ -111,8 +118,8 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-# multiply-adds per thread at least: the kernel starts its threads per call (about 20 us each), so a small block on a
-# many-core machine runs on fewer threads than torch's count
+# multiply-adds per thread at least (a share of about 0.2 ms): waking and joining a thread of the pool costs
+# microseconds, so a small block on a many-core machine runs on fewer threads than torch's count
 WORK_PER_THREAD = 1 << 21
 
 
