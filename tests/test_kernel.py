@@ -181,3 +181,34 @@ def test_the_eight_lane_build_of_cpus_without_avx512_gives_the_same_values(tmp_p
         monkeypatch.undo()
         for a, b in zip(wide, narrow):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """Built with OpenMP, the kernel runs its maps on the libgomp that torch loaded: one runtime in the process, so
+    no second pool of threads competes with torch's for the cores."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/maps")
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+
+
+def test_a_compiler_without_openmp_builds_it_single_threaded(fresh, tmp_path, monkeypatch):
+    import shutil
+
+    real = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = tmp_path / "c++"
+    cxx.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no openmp" >&2; exit 1; }}; done\n'
+                   f'exec {real} "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the kernel is built, without OpenMP
+        assert kernel.library() is not None
+    q, k, v = qkv(2, 3, 20, 16, seed=3)
+    single = kernel.attend(q, k, v, True, threads=3)
+    monkeypatch.undo()
+    kernel.library.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(single, kernel.attend(q, k, v, True, threads=3)) if a is not None)
