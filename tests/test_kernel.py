@@ -164,10 +164,9 @@ def test_the_eight_lane_build_of_cpus_without_avx512_gives_the_same_values(tmp_p
     """Where the CPU has no 512-bit registers the kernel works on blocks of 8 query rows and 8 head columns (KW = 8);
     built that way here, it must agree with the 16-lane build within float32 rounding, and ask no other ABI."""
     import ctypes
-    import shutil
     import subprocess
 
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = kernel.compiler()
     out = tmp_path / "attend8.so"
     subprocess.run([cxx, *kernel.FLAGS, "-DKW=8", "-o", str(out), str(kernel.SOURCE)], check=True)
     eight = ctypes.CDLL(str(out))
@@ -196,9 +195,7 @@ def test_the_kernel_shares_torchs_openmp_runtime():
 
 
 def test_a_compiler_without_openmp_builds_it_single_threaded(fresh, tmp_path, monkeypatch):
-    import shutil
-
-    real = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    real = kernel.compiler()
     cxx = tmp_path / "c++"
     cxx.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no openmp" >&2; exit 1; }}; done\n'
                    f'exec {real} "$@"\n')

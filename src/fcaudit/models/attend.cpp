@@ -67,7 +67,7 @@ struct Strided {  // a [B, H, T, D] float32 tensor with unit stride in D
 };
 
 struct Job {
-    int B, H, T, D;
+    int H, T, D;
     float scale;
     Strided q, k, v, cq, ck, y;
     float *lse, *ent, *cross;
@@ -216,7 +216,7 @@ int fg_attend(int B, int H, int T, int D, float scale, const float *q, const int
     auto strided = [](const float *p, const int64_t *st) {
         return Strided{p, st ? st[0] : 0, st ? st[1] : 0, st ? st[2] : 0};
     };
-    const Job job{B, H, T, D, scale, strided(q, qs), strided(k, ks), strided(v, vs), strided(cq, cqs),
+    const Job job{H, T, D, scale, strided(q, qs), strided(k, ks), strided(v, vs), strided(cq, cqs),
                   strided(ck, cks), strided(y, ys), lse, ent, cross};
     int rc = 0;
     // torch's own OpenMP runtime where the build links it (the same libgomp.so.1 torch loaded): its pool, not

@@ -81,12 +81,17 @@ def _build(cxx: str) -> Path:
     raise RuntimeError(f"no writable cache folder (tried {cache_dir()})")
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: $CXX, else c++, g++ or clang++ on PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (FCAUDIT_KERNEL=off, no compiler, or a failed build: warned once)."""
     if os.environ.get("FCAUDIT_KERNEL", "").lower() in ("off", "0", "no"):
         return None
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = compiler()
     try:
         if cxx is None:
             raise RuntimeError("no C++ compiler on PATH")
