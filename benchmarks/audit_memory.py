@@ -57,7 +57,7 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
         return {"n_eval": n_eval, "heap_peak_mib": peak / 2**20}
     from fcaudit.audit.engine import Engine
 
-    stage2, replay, marks, levels = Engine._stage2, Engine._replay, {}, []
+    stage2, write_run, marks, levels = Engine._stage2, Engine._write_run, {}, []
 
     def replays(engine, *args, **kwargs):  # the replays (stage 2): the part of an audit that scales with windows x R
         marks["peak_before"], marks["start"] = _reset_peak(), _status("VmRSS")
@@ -66,13 +66,13 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
         finally:
             marks["replays"] = _status("VmHWM") - marks["start"]
 
-    def one_run(engine, *args, **kwargs):  # the resident set after each (condition, r)
+    def one_run(engine, *args, **kwargs):  # the resident set after each (condition, r)'s records
         try:
-            return replay(engine, *args, **kwargs)
+            return write_run(engine, *args, **kwargs)
         finally:
             levels.append(_status("VmRSS") - marks["start"])
 
-    Engine._stage2, Engine._replay = replays, one_run
+    Engine._stage2, Engine._write_run = replays, one_run
     _reset_peak()
     before = _status("VmRSS")
     with tempfile.TemporaryDirectory() as out:

@@ -384,6 +384,41 @@ def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
     assert randomized_means(held)["CrossInput"] != 0 and randomized_means(held)["TokenShuffle"] != 0  # they move NLLs
 
 
+class SparseGate(Gate):
+    """Exact zeros for some tokens: the active count differs between windows."""
+
+    def forward(self, h):
+        return torch.relu(self.proj(h)).squeeze(-1)
+
+
+@pytest.mark.parametrize("windows_per_chunk,make_windows", [(1, 64), (6, 64), (9, 64), (26, 64), (26, 5)])
+def test_stage2_chunks_give_the_same_records_and_one_file_per_run(windows_per_chunk, make_windows, tmp_path,
+                                                                   monkeypatch):
+    """Stage 2 prepares chunks of units across (condition, r) runs. Chunks of one batch, chunks ending inside a run
+    (6, 9: batches of 4, 4 and 2 windows), chunks of several runs (26), and runs made a batch at a time (5) give the
+    records of the default, bit for bit (NLLs and active counts), and each run's records are written once,
+    complete."""
+    from fcaudit.audit import engine as engine_module
+
+    model = ToyGated()
+    for b in model.blocks:
+        b.gate = SparseGate(16)
+    base = run(model, gated(model), tmp_path / "default", n_eval=10, R=2)
+    varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
+    assert varies.sum() >= 1 + 4 * 2  # Correct and every randomized run: the active count differs between windows
+    written, write_run = [], engine_module.Engine._write_run
+    monkeypatch.setattr(engine_module, "PREPARE_WINDOWS", windows_per_chunk)
+    monkeypatch.setattr(engine_module, "MAKE_WINDOWS", make_windows)
+    monkeypatch.setattr(engine_module.Engine, "_write_run",
+                        lambda self, key, ranges, nll, act: written.append((key, len(nll)))
+                        or write_run(self, key, ranges, nll, act))
+    got = run(model, gated(model), tmp_path / "chunked", n_eval=10, R=2)
+    pd.testing.assert_frame_equal(got.records, base.records, check_exact=True)
+    keys = [k for k, _ in written]
+    assert len(keys) == len(set(keys)) == len(got.records.groupby(["condition", "randomization"])) - 1  # not Correct
+    assert {n for _, n in written} == {10}
+
+
 # ---- interventions ----------------------------------------------------------------------------------------------
 
 def test_derangement_properties():

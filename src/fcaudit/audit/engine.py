@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import shutil
 from contextlib import nullcontext
-from itertools import groupby, islice
+from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -34,8 +35,9 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
-PREPARE_WINDOWS = 64  # stage 2 prepares the coefficients of up to this many windows of one (condition, r) at once
+PREPARE_WINDOWS = 1024  # stage 2 prepares the coefficients of up to this many windows at once (across runs)
 PREPARE_BYTES = 4 * 2**20  # ... and of at most this many bytes (memory stays flat in the number of windows)
+MAKE_WINDOWS = 64  # ... in `make` calls of up to this many windows of one run
 RESIDENT_FRACTION = 0.25  # on a GPU the whole store is held there when it takes at most this part of its free memory
 
 
@@ -46,10 +48,28 @@ def keeps_store_on(device: torch.device, nbytes: int) -> bool:
     return device.type == "cuda" and nbytes <= RESIDENT_FRACTION * torch.cuda.mem_get_info(device)[0]
 
 
-def _batched(items: Iterable, size: int) -> Iterator[list]:
-    it = iter(items)
-    while chunk := list(islice(it, size)):
+def _chunks(units: Iterable[Unit], windows: int, count: Callable[[Unit], int]) -> Iterator[list[Unit]]:
+    """Consecutive units, as many as hold at most `windows` windows together (at least one)."""
+    chunk, held = [], 0
+    for u in units:
+        if chunk and held + count(u) > windows:
+            yield chunk
+            chunk, held = [], 0
+        chunk.append(u)
+        held += count(u)
+    if chunk:
         yield chunk
+
+
+@dataclass
+class _Run:
+    """The replays of one (condition, r) done so far in this stage: their (first window, count) batches, and where
+    their NLLs and active counts are in the stage's buffers."""
+
+    key: tuple[str, int]
+    ranges: list[tuple[int, int]]
+    lo: int
+    hi: int
 
 
 # ---- one forward pass --------------------------------------------------------------------------------------------
@@ -283,13 +303,8 @@ class Engine:
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: Iterable[Unit], step) -> None:
-        """Replays. Consecutive pending units of one (condition, r) are prepared together, up to PREPARE_WINDOWS
-        windows or PREPARE_BYTES of coefficients: one `make`, one count of active sources, one host-to-device copy
-        for all their batches, so the per-batch work left is the forward pass itself. Their records are written
-        together (the device is synchronized once per (condition, r)). NLLs go into buffers allocated once: small
-        per-batch tensors kept alive between the forwards' large activations would fragment the host heap, and
-        memory would grow with the number of windows. On a GPU the store is held there for the stage when it fits
-        (`keeps_store_on`): no host gather, pinning or copy per batch."""
+        """Replays. On a GPU the store is held there for the stage when it fits (`keeps_store_on`): no host gather,
+        pinning or copy per batch."""
         self._load_profiles()
         if keeps_store_on(self.device, self.store.row_bytes(int(self.starts[0])) * self.ev.shape[0]):
             self.store.load(self.starts, self.ev.shape[0], self.device)
@@ -299,33 +314,63 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
+        """Stage 2 in chunks of consecutive pending units, across (condition, r) runs: up to PREPARE_WINDOWS windows
+        and PREPARE_BYTES of coefficients, at least one batch. A chunk runs in three bursts: its coefficients (a
+        `make` and a count of active sources per MAKE_WINDOWS of a run), the forward passes, the records of the runs
+        it completed. Bookkeeping between two forwards finds its code and data evicted from the caches (a records
+        write took about 4x as long there as in a row of them). A run's records are written once, when it is
+        complete; the NLLs and active counts wait in buffers allocated once (small per-batch tensors kept alive
+        between the forwards' large activations would fragment the host heap, and memory would grow with the number
+        of windows)."""
         n = self.ev.shape[0]
-        nll_buf = torch.empty(n, dtype=torch.float64, device=self.device)
-        act_buf = torch.empty(n, dtype=torch.float64, device=self.device)
-        limit = max(1, min(PREPARE_WINDOWS, PREPARE_BYTES // max(1, self.store.row_bytes(int(self.starts[0])))) // self.B)
-        for key, group in groupby(units, key=lambda u: (u.condition, u.r)):
-            self._replay(key, (u for u in group if not self._skip(u, step)), limit, nll_buf, act_buf, step)
+        limit = max(self.B, min(PREPARE_WINDOWS, PREPARE_BYTES // max(1, self.store.row_bytes(int(self.starts[0])))))
+        # the run still open at a chunk's end (at most n windows, moved to the front), then a chunk's windows
+        nll_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
+        act_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
+        pending = (u for u in units if not self._skip(u, step))
+        carried: _Run | None = None
+        for chunk in _chunks(pending, limit, self._count):
+            runs = self._replay_chunk(chunk, carried, nll_buf, act_buf, step)
+            carried = runs.pop()  # it may go on in the next chunk
+            for run in runs:
+                self._write_run(run.key, run.ranges, nll_buf[run.lo:run.hi], act_buf[run.lo:run.hi])
+            if carried.lo:
+                m = carried.hi - carried.lo
+                nll_buf[:m], act_buf[:m] = nll_buf[carried.lo:carried.hi].clone(), act_buf[carried.lo:carried.hi].clone()
+                carried.lo, carried.hi = 0, m
+        if carried is not None:
+            self._write_run(carried.key, carried.ranges, nll_buf[:carried.hi], act_buf[:carried.hi])
 
-    def _replay(self, key: tuple[str, int], units: Iterable[Unit], limit: int, nll_buf: torch.Tensor,
-                act_buf: torch.Tensor, step) -> None:
-        """The pending units of one (condition, r), `limit` units prepared at a time; then their records."""
-        n, ranges, filled = self.ev.shape[0], [], 0
-        for batch in _batched(units, limit):
-            examples = np.concatenate([np.arange(u.start, min(u.start + self.B, n)) for u in batch])
-            coeffs = protocol.REGISTRY[key[0]].make(self, key[1], examples)
-            act_buf[filled:filled + len(examples)] = active(coeffs, self.routers)
+    def _count(self, unit: Unit) -> int:
+        return min(self.B, self.ev.shape[0] - unit.start)
+
+    def _replay_chunk(self, chunk: list[Unit], carried: _Run | None, nll_buf: torch.Tensor, act_buf: torch.Tensor,
+                      step) -> list[_Run]:
+        """The replays of one chunk, their NLLs and active counts put in the buffers after the carried run's; returns
+        the runs it touched (the carried one first), in order."""
+        runs = [carried] if carried is not None else []
+        end, prepared = (carried.hi if carried is not None else 0), []
+        for key, group in groupby(chunk, key=lambda u: (u.condition, u.r)):
+            if not runs or runs[-1].key != key:
+                runs.append(_Run(key, [], end, end))
+            for units in _chunks(group, MAKE_WINDOWS, self._count):  # a make's temporaries stay small
+                examples = np.concatenate([np.arange(u.start, u.start + self._count(u)) for u in units])
+                coeffs = protocol.REGISTRY[key[0]].make(self, key[1], examples)
+                act_buf[end:end + len(examples)] = active(coeffs, self.routers)
+                prepared.append((runs[-1], units, coeffs))
+                end += len(examples)
+        for run, units, coeffs in prepared:
             lo = 0
-            for u in batch:
-                count = min(self.B, n - u.start)
+            for u in units:
+                count = self._count(u)
                 with self.controller.replay([c[lo:lo + count] for c in coeffs]):
                     _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
-                nll_buf[filled + lo:filled + lo + count] = nll
-                ranges.append((u.start, count))
+                nll_buf[run.hi:run.hi + count] = nll
+                run.ranges.append((u.start, count))
+                run.hi += count
                 lo += count
                 step()
-            filled += len(examples)
-        if ranges:
-            self._write_run(key, ranges, nll_buf[:filled], act_buf[:filled])
+        return runs
 
     def _skip(self, unit: Unit, step) -> bool:
         """Whether a unit's records are already done (then it counts as progress)."""
