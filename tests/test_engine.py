@@ -435,6 +435,27 @@ def test_derangement_properties():
         derangement(1, 0, 0)
 
 
+@pytest.mark.parametrize("seed", [0, 12345, 2**32 - 1, 2**32, 2**40 + 7])
+def test_keyed_draws_are_numpys_generator_of_the_key_list(seed):
+    """The per-window draws build their generator from a uint32 array of the key; they must equal
+    default_rng([tag, seed, r, example]) as written in the protocol, also for values of 2**32 and more (several
+    words each)."""
+    for r, e in [(0, 0), (3, 63), (19, 2**31), (2, 2**32 + 5)]:
+        for T, rows in [(16, 3), (128, 4)]:
+            perm = np.random.default_rng([protocol.SHUFFLE, seed, r, e]).permuted(
+                np.broadcast_to(np.arange(T), (rows, T)), axis=1)
+            past = np.random.default_rng([protocol.RESAMPLE, seed, r, e]).integers(0, np.arange(1, T + 1), size=(rows, T))
+            for got, want in [(protocol.token_permutations(e, seed, r, T, rows), perm),
+                              (protocol.past_positions(e, seed, r, T, rows), past)]:
+                assert got.dtype == want.dtype and np.array_equal(got, want)
+    rng = np.random.default_rng([protocol.DERANGE, seed, 4])
+    while np.any((want := rng.permutation(50)) == np.arange(50)):
+        pass
+    assert np.array_equal(derangement(50, seed, 4), want)
+    with pytest.raises(ValueError):  # a negative key is refused as numpy refuses it, never wrapped into uint32
+        protocol.keyed_rng(protocol.SHUFFLE, -1, 0, 0)
+
+
 def labelled(b, t, s, k, offset=0):
     """Coefficients whose value encodes (example, token, stream, source) so moves can be traced."""
     e = torch.arange(b)[:, None, None, None] + offset
