@@ -318,7 +318,7 @@ class Engine:
         and PREPARE_BYTES of coefficients, at least one batch. A chunk runs in three bursts: its coefficients (a
         `make` and a count of active sources per MAKE_WINDOWS of a run), the forward passes, the records of the runs
         it completed. Bookkeeping between two forwards finds its code and data evicted from the caches (a records
-        write took about 4x as long there as in a row of them). A run's records are written once, when it is
+        write took about twice as long there as in a burst of them). A run's records are written once, when it is
         complete; the NLLs and active counts wait in buffers allocated once (small per-batch tensors kept alive
         between the forwards' large activations would fragment the host heap, and memory would grow with the number
         of windows)."""
