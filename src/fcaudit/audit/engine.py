@@ -52,11 +52,12 @@ def _chunks(units: Iterable[Unit], windows: int, count: Callable[[Unit], int]) -
     """Consecutive units, as many as hold at most `windows` windows together (at least one)."""
     chunk, held = [], 0
     for u in units:
-        if chunk and held + count(u) > windows:
+        n = count(u)
+        if chunk and held + n > windows:
             yield chunk
             chunk, held = [], 0
         chunk.append(u)
-        held += count(u)
+        held += n
     if chunk:
         yield chunk
 
