@@ -211,7 +211,8 @@ class Engine:
         total = sum(u.passes for u in stage1()) + sum(u.passes for u in stage2())
         with self._progress() as progress:
             task = progress.add_task("audit (forward passes)", total=total)
-            step = lambda n=1: progress.advance(task, n)  # noqa: E731
+            # a quiet audit takes no progress lock per forward pass
+            step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
             try:
                 self.group.run(lambda: self._stage1(stage1(), step))
             except RankError as e:
@@ -328,10 +329,11 @@ class Engine:
         # the run still open at a chunk's end (at most n windows, moved to the front), then a chunk's windows
         nll_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
         act_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
+        ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
         pending = (u for u in units if not self._skip(u, step))
         carried: _Run | None = None
         for chunk in _chunks(pending, limit, self._count):
-            runs = self._replay_chunk(chunk, carried, nll_buf, act_buf, step)
+            runs = self._replay_chunk(chunk, carried, ev, nll_buf, act_buf, step)
             carried = runs.pop()  # it may go on in the next chunk
             for run in runs:
                 self._write_run(run.key, run.ranges, nll_buf[run.lo:run.hi], act_buf[run.lo:run.hi])
@@ -345,8 +347,8 @@ class Engine:
     def _count(self, unit: Unit) -> int:
         return min(self.B, self.ev.shape[0] - unit.start)
 
-    def _replay_chunk(self, chunk: list[Unit], carried: _Run | None, nll_buf: torch.Tensor, act_buf: torch.Tensor,
-                      step) -> list[_Run]:
+    def _replay_chunk(self, chunk: list[Unit], carried: _Run | None, ev: torch.Tensor, nll_buf: torch.Tensor,
+                      act_buf: torch.Tensor, step) -> list[_Run]:
         """The replays of one chunk, their NLLs and active counts put in the buffers after the carried run's; returns
         the runs it touched (the carried one first), in order."""
         runs = [carried] if carried is not None else []
@@ -365,7 +367,7 @@ class Engine:
             for u in units:
                 count = self._count(u)
                 with self.controller.replay([c[lo:lo + count] for c in coeffs]):
-                    _, nll = forward_nll(self.model, self._ids(self.ev, u.start), self.loss_fn)
+                    _, nll = forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)
                 nll_buf[run.hi:run.hi + count] = nll
                 run.ranges.append((u.start, count))
                 run.hi += count
