@@ -391,19 +391,23 @@ class SparseGate(Gate):
         return torch.relu(self.proj(h)).squeeze(-1)
 
 
-@pytest.mark.parametrize("windows_per_chunk,make_windows", [(1, 64), (6, 64), (9, 64), (26, 64), (26, 5)])
+@pytest.mark.parametrize("windows_per_chunk,make_windows", [(1, 64), (6, 64), (9, 64), (26, 64), (26, 5), (1024, 5)])
 def test_stage2_chunks_give_the_same_records_and_one_file_per_run(windows_per_chunk, make_windows, tmp_path,
                                                                    monkeypatch):
     """Stage 2 prepares chunks of units across (condition, r) runs. Chunks of one batch, chunks ending inside a run
     (6, 9: batches of 4, 4 and 2 windows), chunks of several runs (26), and runs made a batch at a time (5) give the
     records of the default, bit for bit (NLLs and active counts), and each run's records are written once,
-    complete."""
+    complete. CrossShuffle r reuses the permutations of TokenShuffle r when both are made in one chunk (in the
+    default, one chunk: each example's are drawn once per r)."""
     from fcaudit.audit import engine as engine_module
 
     model = ToyGated()
     for b in model.blocks:
         b.gate = SparseGate(16)
+    drawn, permutations = [], protocol.token_permutations
+    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.append(e) or permutations(e, *a))
     base = run(model, gated(model), tmp_path / "default", n_eval=10, R=2)
+    assert sorted(drawn) == sorted(list(range(10)) * 2)
     varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
     assert varies.sum() >= 1 + 4 * 2  # Correct and every randomized run: the active count differs between windows
     written, write_run = [], engine_module.Engine._write_run
@@ -412,8 +416,10 @@ def test_stage2_chunks_give_the_same_records_and_one_file_per_run(windows_per_ch
     monkeypatch.setattr(engine_module.Engine, "_write_run",
                         lambda self, key, ranges, nll, act: written.append((key, len(nll)))
                         or write_run(self, key, ranges, nll, act))
+    drawn.clear()
     got = run(model, gated(model), tmp_path / "chunked", n_eval=10, R=2)
     pd.testing.assert_frame_equal(got.records, base.records, check_exact=True)
+    assert 20 <= len(drawn) <= 40 and (windows_per_chunk < 1024 or len(drawn) == 20)  # a batch at a time: 20
     keys = [k for k, _ in written]
     assert len(keys) == len(set(keys)) == len(got.records.groupby(["condition", "randomization"])) - 1  # not Correct
     assert {n for _, n in written} == {10}
@@ -511,6 +517,29 @@ def test_cross_shuffle_pairs_cross_input_and_token_shuffle():
     src_shuf = torch.round((shuf[1][:, :, 0, 0] - torch.from_numpy(ex)[:, None] * 1000) / 10)
     src_both = torch.round((both[1][:, :, 0, 0] - torch.from_numpy(perm[ex])[:, None] * 1000) / 10)
     assert torch.equal(src_shuf, src_both)
+
+
+def test_shared_permutations_draw_once_for_the_same_key_and_again_for_another(monkeypatch):
+    """Within `shared_permutations` CrossShuffle r reuses TokenShuffle r's permutations of the same examples (the
+    same coefficients as drawn anew); any other seed, r or examples draws; outside the block nothing is kept."""
+    data = [labelled(6, T, 1, 1), labelled(6, T, 2, 3)]
+    ctx, ex = Context(data, seed=3), np.array([1, 4, 5])
+    want = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
+    drawn = []
+    real = protocol.token_permutations
+    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.append(e) or real(e, *a))
+    with protocol.shared_permutations():
+        got = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
+        assert drawn == [1, 4, 5]  # drawn for TokenShuffle only
+        make("CrossShuffle", ctx, 3, ex)  # another r
+        make("CrossShuffle", ctx, 3, ex[:2])  # other examples
+        make("CrossShuffle", Context(data, seed=4), 3, ex[:2])  # another seed
+        assert drawn == [1, 4, 5] * 2 + [1, 4] * 2
+    for c in want:
+        assert all(torch.equal(a, b) for a, b in zip(got[c], want[c]))
+    make("CrossShuffle", ctx, 2, ex)
+    make("CrossShuffle", ctx, 2, ex)
+    assert drawn == [1, 4, 5] * 2 + [1, 4] * 2 + [1, 4, 5] * 2 and protocol._shared is None
 
 
 def test_token_resample_past_takes_only_earlier_or_same_positions():
