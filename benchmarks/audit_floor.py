@@ -8,7 +8,9 @@ the controller's capture or replay context as in the audit (FeatureGate: the fus
 coefficients prepared once beforehand, and nothing written.
 Audit and bare loop alternate (A B A B ...), one thread; printed: the median of the per-pair ratios audit / bare, and
 the ratio of the two minima (the least disturbed run of each, steadier on a shared machine), in wall time and in
-CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk).
+CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk); and each pair
+split in two: the audit's own forward passes / the bare loop (about 1 when the machine kept its speed between the two
+runs: the pair's noise), and the rest of the audit / the bare loop (its overhead; one timer per forward pass).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers): the forward
 passes with their NLLs, making the replayed coefficients (of which reading the store), records files, decoding the
 coefficients into each replay, counting active sources, and the rest.
@@ -173,6 +175,26 @@ def audit_once(model, ctrl, ev, ca, batch: int, R: int) -> np.ndarray:
         return clock() - t0
 
 
+def audit_split(model, ctrl, ev, ca, batch: int, R: int) -> tuple[np.ndarray, float]:
+    """`audit_once` and the wall seconds of the audit's own forward passes and NLLs (one timer around each)."""
+    from fcaudit.audit import engine
+
+    inner, spent = engine.forward_nll, [0.0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    engine.forward_nll = timed
+    try:
+        return audit_once(model, ctrl, ev, ca, batch, R), spent[0]
+    finally:
+        engine.forward_nll = inner
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd"])
@@ -193,9 +215,11 @@ def main() -> None:
         ev = torch.randint(0, 256, (args.n_eval, T), generator=g)
         ca = torch.randint(0, 256, (args.n_calib, T), generator=g)
         audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, allocator
-        audits, bares = [], []
+        audits, forwards, bares = [], [], []
         for _ in range(args.reps):
-            audits.append(audit_once(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+            audit, forward = audit_split(model, ctrl, ev, ca, args.batch_size, args.randomizations)
+            audits.append(audit)
+            forwards.append(forward)
             bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
         if args.parts:
             print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
@@ -206,6 +230,13 @@ def main() -> None:
             print(f"{name:<12} {what:<4} audit {statistics.median(a):7.2f} s  bare loop {statistics.median(b):7.2f} s  "
                   f"ratio median {statistics.median(ratios):.3f}, of the minima {min(a) / min(b):.3f} "
                   f"(runs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+        # where each pair's ratio comes from: the audit's forward passes against the bare loop's (the machine's speed
+        # drifting between the two runs moves this), and the audit's time outside its forward passes
+        own = [f / b[0] for f, b in zip(forwards, bares)]
+        rest = [(a[0] - f) / b[0] for a, f, b in zip(audits, forwards, bares)]
+        print(f"{name:<12} split: the audit's forward passes / bare loop median {statistics.median(own):.3f} (runs "
+              f"{', '.join(f'{r:.3f}' for r in own)}); the rest of the audit / bare loop median "
+              f"{statistics.median(rest):.3f} (runs {', '.join(f'{r:.3f}' for r in rest)})", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

@@ -57,6 +57,8 @@ def test_audit_floor_parts_time_the_engine_steps_and_restore_them():
     assert spent["reading the store"] > 0 and spent["decoding into each replay"] > 0
     assert (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
             [c.make for c in protocol.REGISTRY.values()]) == steps
+    (wall, _), forward = audit_floor.audit_split(model, ctrl, ev, ca, 8, 1)
+    assert 0 < forward < wall and engine.forward_nll is steps[0]
 
 
 def test_audit_floors_bare_loop_runs_featuregate_passes_as_the_audit_does(monkeypatch):
