@@ -9,8 +9,9 @@ coefficients prepared once beforehand, and nothing written.
 Audit and bare loop alternate (A B A B ...), one thread; printed: the median of the per-pair ratios audit / bare, and
 the ratio of the two minima (the least disturbed run of each, steadier on a shared machine), in wall time and in
 CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk); and each pair
-split in two: the audit's own forward passes / the bare loop (about 1 when the machine kept its speed between the two
-runs: the pair's noise), and the rest of the audit / the bare loop (its overhead; one timer per forward pass).
+split in two: the audit's own forward passes (with each replay's context, as in the bare loop) / the bare loop (about 1
+when the machine kept its speed between the two runs: the pair's noise), and the rest of the audit / the bare loop (its
+overhead; a timer per forward pass).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers): the forward
 passes with their NLLs, making the replayed coefficients (of which reading the store), records files, decoding the
 coefficients into each replay, counting active sources, and the rest.
@@ -176,23 +177,37 @@ def audit_once(model, ctrl, ev, ca, batch: int, R: int) -> np.ndarray:
 
 
 def audit_split(model, ctrl, ev, ca, batch: int, R: int) -> tuple[np.ndarray, float]:
-    """`audit_once` and the wall seconds of the audit's own forward passes and NLLs (one timer around each)."""
+    """`audit_once` and the wall seconds of what the bare loop also runs: each replay's context with its forward
+    pass and NLL, and the capture passes with their NLLs (a timer around each)."""
     from fcaudit.audit import engine
 
-    inner, spent = engine.forward_nll, [0.0]
+    inner, replay, spent, depth = engine.forward_nll, ctrl.replay, [0.0], [0]
 
-    def timed(*args, **kwargs):
+    def forward(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return inner(*args, **kwargs)
         finally:
+            if not depth[0]:  # within a replay the replay's timer counts it
+                spent[0] += time.perf_counter() - t0
+
+    @contextmanager
+    def timed_replay(coeffs):
+        t0 = time.perf_counter()
+        depth[0] += 1
+        try:
+            with replay(coeffs):
+                yield
+        finally:
+            depth[0] -= 1
             spent[0] += time.perf_counter() - t0
 
-    engine.forward_nll = timed
+    engine.forward_nll, ctrl.replay = forward, timed_replay
     try:
         return audit_once(model, ctrl, ev, ca, batch, R), spent[0]
     finally:
         engine.forward_nll = inner
+        del ctrl.replay  # the class's method again
 
 
 def main() -> None:
@@ -230,8 +245,9 @@ def main() -> None:
             print(f"{name:<12} {what:<4} audit {statistics.median(a):7.2f} s  bare loop {statistics.median(b):7.2f} s  "
                   f"ratio median {statistics.median(ratios):.3f}, of the minima {min(a) / min(b):.3f} "
                   f"(runs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
-        # where each pair's ratio comes from: the audit's forward passes against the bare loop's (the machine's speed
-        # drifting between the two runs moves this), and the audit's time outside its forward passes
+        # where each pair's ratio comes from: the audit's forward passes (with each replay's context, as the bare loop
+        # times them) against the bare loop (the machine's speed drifting between the two runs moves this), and the
+        # audit's time outside them
         own = [f / b[0] for f, b in zip(forwards, bares)]
         rest = [(a[0] - f) / b[0] for a, f, b in zip(audits, forwards, bares)]
         print(f"{name:<12} split: the audit's forward passes / bare loop median {statistics.median(own):.3f} (runs "
