@@ -909,3 +909,20 @@ print("statsmodels" in sys.modules)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_nan_and_inf_and_no_overflow_of_large_values(dtype):
+    from fcaudit.audit.store import all_finite
+
+    big = torch.finfo(dtype).max
+    x = torch.full((4, 1000), big, dtype=dtype)  # a float32 sum of these would overflow
+    assert all_finite(x) and all_finite(-x) and all_finite(torch.zeros(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[2, 17] = bad
+        assert not all_finite(y)
+    y = torch.zeros(3, 5, dtype=dtype)
+    y[0, 0], y[1, 1] = float("inf"), float("-inf")  # they would cancel in no sum: inf + -inf is nan
+    assert not all_finite(y)
+    assert all_finite(torch.arange(10)) and all_finite(torch.ones(2, dtype=torch.bool))

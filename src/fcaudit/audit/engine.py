@@ -27,7 +27,7 @@ from fcaudit import protocol
 from fcaudit.audit import files
 from fcaudit.audit.directory import AuditDir
 from fcaudit.audit.group import Group, RankError
-from fcaudit.audit.store import CoefficientStore, check_finite
+from fcaudit.audit.store import CoefficientStore, all_finite, check_finite
 from fcaudit.audit.units import Schedule, Unit, share
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
@@ -252,10 +252,10 @@ class Engine:
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
         flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs) if routers else None
-        finite = bool(torch.isfinite(logits).all() and torch.isfinite(logits_r).all())
+        exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
+        finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
         dlogit = max_abs_difference(logits_r, logits) if finite else float("nan")
         dnll = float((nll_r - nll).abs().max().cpu())
-        exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
         passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol))
         stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
         if not passed:

@@ -27,7 +27,7 @@ from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on, 
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
-from fcaudit.audit.store import check_finite
+from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
@@ -293,7 +293,7 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
     probe, logits, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn, remember=True)
     check_finite(probe, "the first evaluation batch", [s.path for s in controller.sites])
-    if not torch.isfinite(logits).all():
+    if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
     config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
