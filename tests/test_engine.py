@@ -926,3 +926,24 @@ def test_all_finite_finds_nan_and_inf_and_no_overflow_of_large_values(dtype):
     y[0, 0], y[1, 1] = float("inf"), float("-inf")  # they would cancel in no sum: inf + -inf is nan
     assert not all_finite(y)
     assert all_finite(torch.arange(10)) and all_finite(torch.ones(2, dtype=torch.bool))
+
+
+def test_active_counts_nonzero_sources_as_count_nonzero_does():
+    """Per window, the mean over sites of the nonzero sources per (token, stream): nan counts, -0.0 does not; the
+    same bits for float32, bf16, strided and expanded (static-profile) coefficients, and over the routers only."""
+    from fcaudit.audit.engine import active
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 7, 3, 4, generator=g)
+    a[a.abs() < 0.7] = 0.0
+    a[0, 0, 0, 0], a[1, 2, 1, 3], a[2, 3, 2, 1], a[3, 0, 0, 2] = -0.0, float("nan"), float("inf"), -0.0
+    b = torch.randn(5, 7, 1, 6, generator=g).relu().to(torch.bfloat16)
+    c = torch.tensor([0.0, 1.0, 0.0, 2.0]).expand(5, 7, 2, 4)  # a static profile, expanded to a batch
+    d = torch.randn(5, 4, 7, 3, generator=g).relu().permute(0, 2, 3, 1)  # strided
+    want = lambda t: np.count_nonzero(t.float().numpy().reshape(t.shape[0], -1), 1) / (t.shape[1] * t.shape[2])
+    coeffs = [a, b, c, d]
+    assert torch.equal(active(coeffs), torch.from_numpy(np.mean([want(t) for t in coeffs], 0)))
+    assert torch.equal(active(coeffs, [1, 3]), torch.from_numpy((want(b) + want(d)) / 2))
+    signed = torch.full((1, 2, 1, 3), -0.0)
+    signed[0, 1, 0, 2] = float("nan")
+    assert active([signed]).tolist() == [0.5]  # -0.0 is zero, nan is not: 1 source over 2 tokens
