@@ -376,7 +376,8 @@ class Engine:
             for u in units:
                 count = self._count(u)
                 with self.controller.replay([c[lo:lo + count] for c in coeffs]):
-                    nll = forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1]  # its logits go now, not in the next forward
+                    # the NLL alone: the logits go now, not during the next forward
+                    nll = forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1]
                 nll_buf[run.hi:run.hi + count] = nll
                 run.ranges.append((u.start, count))
                 run.hi += count
