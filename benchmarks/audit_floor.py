@@ -6,7 +6,8 @@ forward passes: per evaluation batch a capture pass and a replay pass, per calib
 replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute) and within
 the controller's capture or replay context as in the audit (FeatureGate: the fused attention path), with
 coefficients prepared once beforehand, and nothing written.
-Audit and bare loop alternate (A B A B ...), one thread; printed: the median of the per-pair ratios audit / bare, and
+Audit and bare loop alternate (A B B A A B ...: each pair's order alternates, so an effect of running first or
+second cancels), one thread; printed: the median of the per-pair ratios audit / bare, and
 the ratio of the two minima (the least disturbed run of each, steadier on a shared machine), in wall time and in
 CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk); and each pair
 split in two: the audit's own forward passes (with each replay's context, as in the bare loop) / the bare loop (about 1
@@ -231,11 +232,14 @@ def main() -> None:
         ca = torch.randint(0, 256, (args.n_calib, T), generator=g)
         audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, allocator
         audits, forwards, bares = [], [], []
-        for _ in range(args.reps):
+        for i in range(args.reps):  # A B, B A, A B, ...: the order within a pair alternates, so an order effect cancels
+            if i % 2:
+                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
             audit, forward = audit_split(model, ctrl, ev, ca, args.batch_size, args.randomizations)
             audits.append(audit)
             forwards.append(forward)
-            bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+            if not i % 2:
+                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
         if args.parts:
             print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
                   flush=True)
