@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -568,11 +569,17 @@ def test_shared_permutations_draw_once_for_the_same_key_and_again_for_another(mo
         make("CrossShuffle", ctx, 3, ex[:2])  # other examples
         make("CrossShuffle", Context(data, seed=4), 3, ex[:2])  # another seed
         assert drawn == [1, 4, 5] * 2 + [1, 4] * 2
+        make("TokenShuffle", ctx, 2, ex)
+        thread = threading.Thread(target=make, args=("CrossShuffle", ctx, 2, ex))  # another thread: its own draws
+        thread.start()
+        thread.join()
+        assert drawn == [1, 4, 5] * 2 + [1, 4] * 2 + [1, 4, 5] * 2
+        drawn.clear()
     for c in want:
         assert all(torch.equal(a, b) for a, b in zip(got[c], want[c]))
     make("CrossShuffle", ctx, 2, ex)
     make("CrossShuffle", ctx, 2, ex)
-    assert drawn == [1, 4, 5] * 2 + [1, 4] * 2 + [1, 4, 5] * 2 and protocol._shared is None
+    assert drawn == [1, 4, 5] * 2 and protocol._SHARED.get() is None
 
 
 def test_token_resample_past_takes_only_earlier_or_same_positions():
@@ -926,6 +933,7 @@ def test_an_audit_does_not_import_scipy_or_statsmodels(tmp_path):
 
     script = f"""
 import sys
+import threading
 import torch
 import fcaudit as fca
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -96,7 +97,7 @@ def move_tokens(coeffs: Coeffs, index: np.ndarray) -> Coeffs:
     return out
 
 
-_shared: list | None = None  # within `shared_permutations`: [key, index] of the last shuffle_tokens call
+_SHARED: ContextVar[list | None] = ContextVar("shared_permutations", default=None)  # [(key, index)] of the last call
 
 
 @contextmanager
@@ -104,24 +105,24 @@ def shared_permutations() -> Iterator[None]:
     """Within the block, a shuffle_tokens call with the same seed, r, shape and examples as the call before it reuses
     that call's permutations instead of drawing them again: CrossShuffle r pairs with TokenShuffle r (the same
     permutations of the receiving example), so making the two for one batch back to back draws them once. Holds one
-    index, released at the end of the block."""
-    global _shared
-    _shared = [None, None]
+    index, released at the end of the block (per thread and context, so concurrent audits keep their own)."""
+    token = _SHARED.set([None])
     try:
         yield
     finally:
-        _shared = None
+        _SHARED.reset(token)
 
 
 def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
     """TokenShuffle r of the receiving `examples`: independent permutations per example, layer and stream."""
     token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
     key = (seed, r, token, rows, np.asarray(examples, dtype=np.int64).tobytes())
-    if _shared is not None and _shared[0] == key:
-        return move_tokens(coeffs, _shared[1])
+    shared = _SHARED.get()
+    if shared is not None and shared[0] is not None and shared[0][0] == key:
+        return move_tokens(coeffs, shared[0][1])
     index = np.stack([token_permutations(int(e), seed, r, token, rows) for e in examples])
-    if _shared is not None:
-        _shared[:] = key, index
+    if shared is not None:
+        shared[0] = (key, index)
     return move_tokens(coeffs, index)
 
 
