@@ -72,8 +72,8 @@ def _positions(rows: int, token: int, first: int = 0) -> np.ndarray:
 
 def token_permutations(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [rows, token]: an independent permutation of positions per row, one row per (layer, stream) in
-    layer order. Drawn anew for TokenShuffle r and again for CrossShuffle r: a memo of them saved no measurable time
-    and held up to its budget in memory (it cannot hit once the windows' permutations exceed it)."""
+    layer order. TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws them once when the
+    two are made back to back (a memo over all windows saved no measurable time and held memory growing with them)."""
     return keyed_rng(SHUFFLE, seed, r, example).permuted(_positions(rows, token), axis=1)
 
 

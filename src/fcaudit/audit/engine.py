@@ -353,7 +353,7 @@ class Engine:
         """The replays of one chunk, their NLLs and active counts put in the buffers after the carried run's; returns
         the runs it touched (the carried one first), in order."""
         runs = [carried] if carried is not None else []
-        end, pieces = (carried.hi if carried is not None else 0), []  # (run, units, offset in the buffers)
+        end, pieces = (carried.hi if carried is not None else 0), []  # (run, units, examples, offset in the buffers)
         per_piece = max(1, MAKE_WINDOWS // self.B)  # batches per make: its temporaries stay small
         for key, group in groupby(chunk, key=lambda u: (u.condition, u.r)):
             if not runs or runs[-1].key != key:
@@ -361,17 +361,17 @@ class Engine:
             # pieces aligned to the batches, so every run of a chunk cuts the same windows into the same pieces
             for _, units in groupby(group, key=lambda u: u.start // self.B // per_piece):
                 units = list(units)
-                pieces.append((runs[-1], units, end))
-                end += sum(self._count(u) for u in units)
+                examples = np.concatenate([np.arange(u.start, u.start + self._count(u)) for u in units])
+                pieces.append((runs[-1], units, examples, end))
+                end += len(examples)
         # made by (r, piece): TokenShuffle r and CrossShuffle r of one piece back to back draw its permutations once
         prepared: list[Coeffs | None] = [None] * len(pieces)
         with protocol.shared_permutations():
-            for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][0].key[1], pieces[i][1][0].start)):
-                run, units, at = pieces[i]
-                examples = np.concatenate([np.arange(u.start, u.start + self._count(u)) for u in units])
+            for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][0].key[1], pieces[i][2][0])):
+                run, _, examples, at = pieces[i]
                 prepared[i] = protocol.REGISTRY[run.key[0]].make(self, run.key[1], examples)
                 act_buf[at:at + len(examples)] = active(prepared[i], self.routers)
-        for (run, units, _), coeffs in zip(pieces, prepared):
+        for (run, units, _, _), coeffs in zip(pieces, prepared):
             lo = 0
             for u in units:
                 count = self._count(u)
