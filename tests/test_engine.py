@@ -285,10 +285,12 @@ def test_store_round_trip_take_and_reopen(tmp_path):
     for b0 in (0, 4, 8):
         store.write(b0, [d[b0:b0 + 4] for d in data])
     again = CoefficientStore(tmp_path)
-    idx = np.array([9, 0, 1, 2, 5, 5, 7, 3])
-    got = again.take(idx, np.array(again.starts()))
-    assert got[0].dtype == torch.bfloat16
-    assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+    # rows one by one, runs within a chunk, runs across chunks, repeats, one batch, all windows
+    for idx in ([9, 0, 1, 2, 5, 5, 7, 3], [2, 3, 4, 5, 6], list(range(10)), [4, 5, 6, 7], [6, 7, 8, 9, 0, 1], [3]):
+        idx = np.array(idx)
+        got = again.take(idx, np.array(again.starts()))
+        assert got[0].dtype == torch.bfloat16
+        assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
     assert all(torch.equal(g, d[4:8]) for g, d in zip(again.read_chunk(4), data))
     with pytest.raises(FcauditError, match="non-finite"):
         store.write(12, [torch.full((1, T, 1, 1), float("nan")), torch.zeros(1, T, 3, 5)])
@@ -722,6 +724,19 @@ def test_hf_style_output_and_custom_loss(tmp_path):
 
     res = run(model, gated(model), tmp_path / "custom", R=1, loss_fn=loss_fn)
     assert calls and not np.allclose(res.records["nll"], ref.records["nll"])
+
+
+def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
+    """The probe's capture of the first batch is that batch's stage 1 capture: the first batch is not run twice."""
+    from fcaudit.audit.units import Schedule
+
+    model = ToyGated()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
+    sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
+    assert len(calls) == sum(u.passes for u in (*sched.stage1(), *sched.stage2()))
+    assert [b.gate.calls for b in model.blocks] == [3 + 2] * 3  # a capture pass per evaluation and calibration batch
 
 
 def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):

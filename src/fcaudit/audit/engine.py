@@ -132,7 +132,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, controller: Controller, ev: torch.Tensor, ca: torch.Tensor, adir: AuditDir,
                  schedule: Schedule, *, seed: int, tolerance: float, loss_fn: LossFn | None, dtypes: list[torch.dtype],
-                 group: Group, quiet: bool):
+                 group: Group, quiet: bool, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None):
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, adir
         self.schedule, self.seed, self.tol, self.loss_fn, self.dtypes = schedule, seed, tolerance, loss_fn, dtypes
         self.group, self.quiet = group, quiet
@@ -147,6 +147,9 @@ class Engine:
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
+        # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
+        # uses it instead of running the same forward pass again
+        self._first = first
         self.console = Console(stderr=True, quiet=quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
@@ -239,15 +242,24 @@ class Engine:
 
     def _stage1(self, units: Iterable[Unit], step) -> None:
         for u in units:
+            # the probe serves the first batch or nothing (resumed, or another rank's): its logits go at once
+            first, self._first = (self._first if u.kind == "capture" and u.start == 0 else None), None
             if not self.done(u):
-                (self._capture if u.kind == "capture" else self._calibrate)(u.start)
+                if u.kind == "capture":
+                    self._capture(u.start, first)
+                else:
+                    self._calibrate(u.start)
+            del first
             step(u.passes)
 
-    def _capture(self, start: int) -> None:
-        """Stage 1 + the exact replay check on one evaluation batch; the chunk first, then its Correct records."""
+    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Stage 1 + the exact replay check on one evaluation batch (captured now, or `first`: the same batch's
+        capture by the probe); the chunk first, then its Correct records."""
         ids = self._ids(self.ev, start)
         last = start + ids.shape[0] - 1
-        coeffs, logits, nll = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
+                                                                            self.loss_fn)
+        del first
         check_finite(coeffs, f"evaluation windows {start}..{last}", [s.path for s in self.controller.sites])
         routers = self.routers
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:

@@ -272,7 +272,8 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
 
 def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, randomizations, seed,
              batch_size, tolerance, loss_fn, criteria, model_info, out, world) -> tuple:
-    """Check the inputs, probe the first batch and fix the configuration: (eval ids, calib ids, probe, config)."""
+    """Check the inputs, probe the first batch and fix the configuration: (eval ids, calib ids, probe, config). The
+    probe is the first evaluation batch's capture (coefficients, logits, NLL): stage 1 uses it for that batch."""
     if out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
@@ -291,15 +292,16 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     check_ids(model, ev, ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-    probe, logits, _ = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn, remember=True)
-    check_finite(probe, "the first evaluation batch", [s.path for s in controller.sites])
+    probe = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn, remember=True)
+    coeffs, logits, _ = probe
+    check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
     config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
                      randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
                      loss_fn=loss_fn, criteria=criteria, model_info=model_info,
-                     coeff_dtype=str(probe[0].dtype).replace("torch.", ""))
+                     coeff_dtype=str(coeffs[0].dtype).replace("torch.", ""))
     return ev, ca, probe, config
 
 
@@ -345,7 +347,9 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
                 schedule = Schedule(ev.shape[0], ca.shape[0], config["batch_size"], config["randomizations"],
                                     tuple(config["conditions"]))
                 engine = Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
-                                loss_fn=loss_fn, dtypes=[c.dtype for c in probe], group=group, quiet=quiet)
+                                loss_fn=loss_fn, dtypes=[c.dtype for c in probe[0]], group=group, quiet=quiet,
+                                first=probe)
+                del probe  # the engine holds it until the first batch's capture, then lets it go
                 if state == "repaired":
                     engine.redone.append("config.json (rewritten: the marker holds its hash)")
                 engine.run()

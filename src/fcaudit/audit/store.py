@@ -181,14 +181,16 @@ class CoefficientStore:
         which = np.searchsorted(chunk_starts, examples, side="right") - 1
         layout = self.layout(int(chunk_starts[0]))
         dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
-        if which[0] == which[-1] and bool((np.diff(examples) == 1).all()):  # a batch's own rows: one slice
+        # runs of consecutive rows within one chunk: [lo, hi) positions in `examples`
+        cuts = np.flatnonzero((np.diff(examples) != 1) | (np.diff(which) != 0)) + 1
+        if not len(cuts):  # a batch's own rows: one slice
             start = int(chunk_starts[which[0]])
             lo = int(examples[0]) - start
             return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes})
-        firsts = chunk_starts[which]
-        rows = {d: torch.cat([self._rows(int(f), d, int(e - f), int(e - f) + 1) for f, e in zip(firsts, examples)])
-                for d in dtypes}  # e.g. a derangement's donors: one row each, in the order asked
-        return self._split(rows)
+        # e.g. the windows of several batches: a slice per chunk; a derangement's donors: one row each, in order
+        runs = [(int(chunk_starts[which[lo]]), int(examples[lo]), int(examples[lo]) + hi - lo)
+                for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(examples)])]
+        return self._split({d: torch.cat([self._rows(f, d, a - f, b - f) for f, a, b in runs]) for d in dtypes})
 
     def close(self) -> None:
         self._maps.clear()
