@@ -13,9 +13,11 @@ CPU time of the process (all its threads; it leaves out time spent waiting for a
 split in two: the audit's own forward passes (with each replay's context, as in the bare loop) / the bare loop (about 1
 when the machine kept its speed between the two runs: the pair's noise), and the rest of the audit / the bare loop (its
 overhead; a timer per forward pass).
-With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers): the forward
-passes with their NLLs, making the replayed coefficients (of which reading the store), records files, decoding the
-coefficients into each replay, counting active sources, and the rest.
+With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
+time): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
+decoding the coefficients into each replay, counting active sources, stage 1's checks and writes (beside its forward
+passes), setting up and finishing (inputs, directory, profiles, merge, variation, reading the results back), and the
+rest (the replays' loop and contexts).
 Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd] [--parts]
 """
 
@@ -122,31 +124,45 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
 
 @contextmanager
 def timed_parts() -> Iterator[Counter]:
-    """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after)."""
-    from fcaudit.audit import engine
+    """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
+    step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
+    reads within making coefficients), so the parts add up."""
+    from fcaudit.audit import engine, runner
+    from fcaudit.audit.results import AuditResult
     from fcaudit.controllers.site import Site
 
     spent: Counter = Counter()
     steps = [(engine, "forward_nll", "forward passes and NLLs"), (engine.Engine, "take", "reading the store"),
              (engine.Engine, "_write_run", "records files"), (Site, "decode", "decoding into each replay"),
-             (engine, "active", "counting active sources")]
+             (engine, "active", "counting active sources"),
+             (engine.Engine, "_capture", "stage 1's checks and writes"),
+             (engine.Engine, "_calibrate", "stage 1's checks and writes")]
     steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in steps]
+    steps += [(runner, "_prepare", "setting up and finishing"), (runner, "_lock_and_open", "setting up and finishing"),
+              (engine.Engine, "_reduce_profiles", "setting up and finishing"),
+              (engine.Engine, "_finalize", "setting up and finishing"), (AuditResult, "load", "setting up and finishing")]
+    # what each step's owner holds under its name (a class keeps its classmethod, not a method bound to it)
+    saved = [(owner, attr, vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr))
+             for owner, attr, _ in steps]
+    inner = [0.0]  # seconds the steps running within the current one took
 
     def timer(fn, part):
         def run(*args, **kwargs):
+            outer, inner[0] = inner[0], 0.0
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[part] += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                spent[part] += took - inner[0]
+                inner[0] = outer + took
         return run
 
     def put(owner, attr, fn):  # conditions are frozen dataclasses
         (object.__setattr__ if isinstance(owner, protocol.Condition) else setattr)(owner, attr, fn)
 
     for (owner, attr, part), (_, _, fn) in zip(steps, saved):
-        put(owner, attr, timer(fn, part))
+        put(owner, attr, timer(getattr(owner, attr), part))
     try:
         yield spent
     finally:
@@ -154,15 +170,17 @@ def timed_parts() -> Iterator[Counter]:
             put(owner, attr, fn)
 
 
+PARTS = ("forward passes and NLLs", "making coefficients", "reading the store", "records files",
+         "decoding into each replay", "counting active sources", "stage 1's checks and writes",
+         "setting up and finishing")
+
+
 def parts_line(model, ctrl, ev, ca, batch: int, R: int) -> str:
     with timed_parts() as spent:
         total = audit_once(model, ctrl, ev, ca, batch, R)[0]
-    rest = total - sum(v for k, v in spent.items() if k != "reading the store")  # `take` runs within `make`
-    return (f"audit {total:.2f} s: forward passes and NLLs {spent['forward passes and NLLs']:.2f} s, making "
-            f"coefficients {spent['making coefficients']:.2f} s (reading the store {spent['reading the store']:.2f} s), "
-            f"records files {spent['records files']:.2f} s, decoding into each replay "
-            f"{spent['decoding into each replay']:.2f} s, counting active sources "
-            f"{spent['counting active sources']:.2f} s, the rest {rest:.2f} s")
+    rest = total - sum(spent.values())  # the replays' loop and contexts, the engine's set-up
+    return (f"audit {total:.3f} s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
+            + f", the rest {rest:.3f} s")
 
 
 def clock() -> np.ndarray:

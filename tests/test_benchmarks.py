@@ -49,14 +49,19 @@ def test_audit_floor_parts_time_the_engine_steps_and_restore_them():
     audit_floor = load_script("audit_floor")
     steps = (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
              [c.make for c in protocol.REGISTRY.values()])
+    from fcaudit.audit.results import AuditResult
+
     model, ctrl, T = audit_floor.build("own")
     ev, ca = torch.randint(0, 256, (16, T)), torch.randint(0, 256, (8, T))
+    load = vars(AuditResult)["load"]
     with audit_floor.timed_parts() as spent:
-        audit_floor.audit_once(model, ctrl, ev, ca, 8, 1)
-    assert spent["forward passes and NLLs"] > 0 and spent["making coefficients"] > 0 and spent["records files"] > 0
-    assert spent["reading the store"] > 0 and spent["decoding into each replay"] > 0
+        total = audit_floor.audit_once(model, ctrl, ev, ca, 8, 1)[0]
+    assert set(spent) == set(audit_floor.PARTS) and all(v > 0 for v in spent.values())
+    assert sum(spent.values()) < total  # each step's own time: nothing counted twice
+    assert spent["forward passes and NLLs"] > spent["stage 1's checks and writes"]
     assert (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
             [c.make for c in protocol.REGISTRY.values()]) == steps
+    assert vars(AuditResult)["load"] is load and isinstance(load, classmethod)
     (wall, _), forward = audit_floor.audit_split(model, ctrl, ev, ca, 8, 1)
     assert 0 < forward < wall and engine.forward_nll is steps[0]
 
