@@ -892,16 +892,24 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads({threads})
 import test_engine as t
+from fcaudit.audit import engine
+engine.PREPARE_WINDOWS = 4  # a batch per stage 2 chunk: records files appear as stage 2 goes, not all at its end
 model = t.ToyGated(sleep=float(sys.argv[2]))
 t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
 """
 
 
+def captured(out: Path, start: int) -> bool:
+    """Whether a killed audit left the capture of the batch at `start` done: its chunk and its Correct records (a
+    part file, or the records file the end merges them into)."""
+    return (out / "coeffs" / f"chunk_{start:07d}.safetensors").exists() and (
+        (out / "records" / "Correct" / "r0000.parquet").exists()
+        or (out / "parts" / "Correct" / "r0000" / f"b{start:07d}.safetensors").exists())
+
+
 def finished_passes(out: Path, n_eval: int, batch_size: int) -> int:
     """Forward passes whose results a killed audit left on disk, counted from its files."""
-    starts = range(0, n_eval, batch_size)
-    capture = sum((out / "coeffs" / f"chunk_{b:07d}.safetensors").exists()
-                  and (out / "parts" / "Correct" / "r0000" / f"b{b:07d}.safetensors").exists() for b in starts)
+    capture = sum(captured(out, b) for b in range(0, n_eval, batch_size))
     calib = 1 if (out / "profiles.safetensors").exists() else len(list((out / "calib").glob("sum_*.safetensors")))
     from safetensors.torch import load_file
 
@@ -933,7 +941,8 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     resumed = run(model, gated(model), out, n_eval=12, R=4)  # same process settings: one thread
-    assert len(calls) == 1 + total - finished  # the probe, then only the units the kill left undone
+    # the probe (stage 1 uses it when the first batch is undone), then only the units the kill left undone
+    assert len(calls) == total - finished + captured(out, 0)
     assert not list(out.rglob("*.tmp")) and not (out / "parts").exists()
     whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
     assert len(whole.records) == 12 * (1 + 4 * 4 + 3)
