@@ -249,7 +249,6 @@ class Engine:
                     self._capture(u.start, first)
                 else:
                     self._calibrate(u.start)
-            del first
             step(u.passes)
 
     def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -259,7 +258,6 @@ class Engine:
         last = start + ids.shape[0] - 1
         coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
                                                                             self.loss_fn)
-        del first
         check_finite(coeffs, f"evaluation windows {start}..{last}", [s.path for s in self.controller.sites])
         routers = self.routers
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:

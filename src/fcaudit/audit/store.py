@@ -188,9 +188,11 @@ class CoefficientStore:
             lo = int(examples[0]) - start
             return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes})
         # e.g. the windows of several batches: a slice per chunk; a derangement's donors: one row each, in order
-        runs = [(int(chunk_starts[which[lo]]), int(examples[lo]), int(examples[lo]) + hi - lo)
-                for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(examples)])]
-        return self._split({d: torch.cat([self._rows(f, d, a - f, b - f) for f, a, b in runs]) for d in dtypes})
+        lo, hi = np.concatenate(([0], cuts)), np.concatenate((cuts, [len(examples)]))
+        firsts = chunk_starts[which[lo]]
+        rows = examples[lo] - firsts  # each run's first row within its chunk
+        runs = list(zip(firsts.tolist(), rows.tolist(), (rows + hi - lo).tolist()))
+        return self._split({d: torch.cat([self._rows(f, d, a, b) for f, a, b in runs]) for d in dtypes})
 
     def close(self) -> None:
         self._maps.clear()
