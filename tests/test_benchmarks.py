@@ -81,3 +81,11 @@ def test_audit_floors_bare_loop_runs_featuregate_passes_as_the_audit_does(monkey
     monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: fused.append(1) or f(q, k, v))
     audit_floor.bare_loop(model, ctrl, ev, ca, 2, 1)
     assert len(passes) > 10 and len(fused) == len(model.blocks) * len(passes)
+
+
+def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is_not():
+    moe_families = load_script("moe_families")
+    assert moe_families.audit("glm4_moe").startswith("audited: 2 sites (Glm4MoeTopkRouter), padding sentinel, "
+                                                     "exact replay True, route flips 0")
+    line = moe_families.audit("jetmoe")
+    assert line.startswith("not audited: unsupported MoE router JetMoeTopKGating") and "\n" not in line

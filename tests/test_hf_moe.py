@@ -50,12 +50,28 @@ def ids_for(batch=4, token=12, seed=0):
     return torch.randint(0, 256, (batch, token), generator=torch.Generator().manual_seed(seed))
 
 
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight")  # GPT-OSS names its router "router"
+# The combine vector's mass per token: Mixtral, Qwen3-MoE, GPT-OSS renormalize (or softmax) the top-k to 1,
+# DeepSeek-V3 then scales it by routed_scaling_factor; OLMoE and Qwen2-MoE keep the softmax mass of the top-k (< 1).
+MASS = {"mixtral": 1.0, "qwen3_moe": 1.0, "gpt_oss": 1.0, "deepseek_v3": 2.5}
+# The dtype of the top-k weights the experts receive in a bf16 model: Mixtral's and DeepSeek-V3's routers stay fp32.
+WEIGHTS_DTYPE = {"mixtral": torch.float32, "deepseek_v3": torch.float32}
+
+
 def spread_router(model, std=0.5):
     """Trained routers are far from uniform; the init (std 0.02) routes almost at random. Make routing matter."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            if name.endswith(ROUTER_WEIGHTS) or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
                 p.normal_(0, std, generator=torch.Generator().manual_seed(len(name)))
+
+
+def zero_routers(model):
+    """Every token routed alike (and every shared gate alike): routers' weights 0, their biases shared by all."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(ROUTER_WEIGHTS) or name.endswith("shared_expert_gate.weight"):
+                p.zero_()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -74,8 +90,8 @@ def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(f
             assert c.shape == (4, 12, 1, E) and c.dtype == torch.float32
             assert ((c != 0).sum(-1) == K).all()  # k experts per token, after top-k
             total = c.sum(-1)
-            if family in ("mixtral", "qwen3_moe"):  # renormalized top-k
-                assert torch.allclose(total, torch.ones_like(total), atol=1e-2)
+            if family in MASS:  # renormalized top-k
+                assert torch.allclose(total, torch.full_like(total, MASS[family]), atol=1e-2)
             else:  # OLMoE / Qwen2-MoE keep the softmax mass of the top-k, below 1
                 assert (total <= 1.01).all() and (total < 0.99).any()
     # The router really does not run: poisoned router weights leave the replayed logits unchanged.
@@ -102,7 +118,7 @@ def test_decode_rebuilds_the_router_output_the_experts_received(family):
     assert json.loads(json.dumps(meta)) == meta  # metas are plain data: the engine may store them as JSON
     d_logits, d_weights, d_index = site.codec.decode(site.codec.encode(seen[0], 4, 12), meta)
     assert (d_logits.dtype, d_weights.dtype, d_index.dtype) == (logits.dtype, weights.dtype, index.dtype)
-    assert weights.dtype == (torch.float32 if family == "mixtral" else torch.bfloat16)  # Mixtral keeps fp32 weights
+    assert weights.dtype == WEIGHTS_DTYPE.get(family, torch.bfloat16)
     assert d_index.shape == index.shape
     # Same (expert, weight) pairs per token; slot order may differ only between equal weights.
     assert torch.equal(d_index.sort(1).values, index.sort(1).values)
@@ -120,13 +136,59 @@ def test_decode_pads_variable_support_with_the_sentinel_in_descending_weight_ord
     assert torch.equal(codec.encode((logits, weights, index), 1, 3), c)  # the sentinel round-trips to "not selected"
 
 
+def test_repeat_padding_names_the_rows_top_expert_again_at_weight_0():
+    codec = TopKRouterCodec(num_experts=4, top_k=2, pad="repeat")
+    c = torch.tensor([[0.1, 0.0, 0.7, 0.2], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]).reshape(1, 3, 1, 4)
+    meta = {"logits_dtype": "float32", "weights_dtype": "float32", "index_dtype": "int64"}
+    logits, weights, index = codec.decode(c, meta)
+    assert index.tolist() == [[2, 3, 0], [1, 1, 1], [0, 0, 0]]  # an empty row: expert 0 at weight 0
+    assert torch.equal(weights, torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert torch.equal(codec.encode((logits, weights, index), 1, 3), c)  # the zero slots add nothing to the weight
+    with pytest.raises(FcauditError, match="padding 'skip'"):
+        TopKRouterCodec(num_experts=4, top_k=2, pad="skip")
+
+
+def test_gpt_oss_experts_get_repeat_padding_and_run_variable_support_within_rounding():
+    """GPT-OSS's experts one-hot the index over E classes, so the sentinel E fails there: discovery picks "repeat".
+    A batch whose tokens keep 1 or 2 experts then runs; the padded slots add 0, up to the rounding of a matmul with
+    more rows, and FLOPs count the padded slots that the experts compute."""
+    model = tiny_moe("gpt_oss", experts=E, top_k=K)
+    spread_router(model)
+    adapter = moe_adapter(model)
+    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
+    assert "padded with a selected expert" in adapter.routers[0].codec.describe()
+    ids = ids_for()
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)  # Correct: no padding
+    narrow = [c.clone() for c in cap.coefficients]
+    for c in narrow:  # every other token keeps only its top expert
+        top = c.argmax(-1, keepdim=True)
+        c[:, ::2] = torch.zeros_like(c[:, ::2]).scatter(-1, top[:, ::2], c[:, ::2].gather(-1, top[:, ::2]))
+    assert (replay_logits(model, ctrl, ids, narrow) - cap.logits).abs().max() > 1e-3  # dropping experts matters
+    # At the experts: rows padded in one call equal the same rows run unpadded on their own, up to rounding
+    experts = model.model.layers[0].mlp.experts
+    h = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[1, 3], [2, 2], [0, 5], [4, 4]])  # rows 1 and 3: one expert, padded by repeating it
+    weights = torch.tensor([[.6, .4], [1., 0.], [.7, .3], [.9, 0.]])
+    with torch.no_grad():
+        joint = experts(h, index, weights)
+        alone = {(0, 2): experts(h[[0, 2]], index[[0, 2]], weights[[0, 2]]),
+                 (1, 3): experts(h[[1, 3]], index[[1, 3], :1], weights[[1, 3], :1])}
+    for rows, out in alone.items():
+        # fp32 matmuls of 2 and 4 rows differ in rounding (here up to ~1e-5 relative); a weighted slot: ~1
+        torch.testing.assert_close(joint[list(rows)], out, rtol=1e-4, atol=1e-5)
+    execution = expert_execution(model, ids, ctrl, narrow)
+    kept = torch.tensor([1, 2] * 6).expand(4, 12)
+    assert all(torch.equal(n, kept) for n in execution.experts_per_token)  # distinct experts, the padding not counted
+    per_pair = execution.dense_flops[0] // (4 * 12 * E)
+    assert execution.expert_flops == [4 * 12 * K * per_pair] * 2  # ... but computed: K slots per token
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_shuffle(family):
     model = tiny_moe(family, experts=E, top_k=K)
-    with torch.no_grad():  # every controller emits the same coefficient for every token
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
-                p.zero_()
+    zero_routers(model)  # every controller emits the same coefficient for every token
     adapter = moe_adapter(model)
     ids = ids_for()
     ctrl = controller_of(adapter)
@@ -190,16 +252,26 @@ def _llama4():
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _gpt_oss():
-    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+def _jetmoe():
+    cfg = transformers.JetMoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    kv_channels=16, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
+                                    eos_token_id=None, pad_token_id=None)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _gpt_oss_unpaddable():
+    """GPT-OSS with experts whose output depends on the index width: neither padding keeps it."""
+    model = tiny_moe("gpt_oss", experts=4, top_k=2, layers=1)
+    experts = model.model.layers[0].mlp.experts
+    forward = experts.forward
+    experts.forward = lambda h, index, weights: forward(h, index, weights) + index.shape[1]
+    return model
 
 
 @pytest.mark.parametrize("build, cls, why", [
     (_llama4, "Llama4Router", "not (router_logits, top_k_weights, top_k_index)"),  # dense scores + logits
-    (_gpt_oss, "GptOssTopKRouter", "reject the sentinel"),  # right triple, but its experts cannot skip a slot
+    (_jetmoe, "JetMoeTopKGating", "not (router_logits, top_k_weights, top_k_index)"),  # a 5-tuple of its own
+    (_gpt_oss_unpaddable, "GptOssTopKRouter", "cannot be padded"),  # the right triple, but no padding holds
 ])
 def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supported(build, cls, why):
     with pytest.raises(FcauditError) as err:
@@ -293,10 +365,7 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     import fcaudit as fca
 
     model = tiny_moe(family, experts=E, top_k=K)
-    with torch.no_grad():  # every token routed alike (and every shared gate alike)
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
-                p.zero_()
+    zero_routers(model)  # every token routed alike (and every shared gate alike)
     ctrl = fca.controller_for(model)  # the family registry recognizes the routers by structure
     assert ctrl.reference_name == "ExpertUniformMean" and ctrl.static_name == "StaticMixMean"
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=2, out=tmp_path, batch_size=3,
@@ -327,7 +396,7 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
     """The issue's bar: 2 layers, hidden 64, 150 steps on bytes; CrossInput and TokenShuffle clearly above 0.01."""
     import numpy as np

@@ -1,5 +1,6 @@
 """The Hugging Face MoE family: transformers (>= 5) mixture-of-experts LMs audited as they are (Mixtral, OLMoE,
-Qwen2-MoE, Qwen3-MoE and any router with the same structure, see discover.py). Coefficient semantics: codecs.py.
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS and any router with the same structure, see discover.py and
+benchmarks/moe_families.py). Coefficient semantics: codecs.py.
 `fcaudit train --model moe` trains a byte-level Mixtral (tiny.py); transformers is the optional extra fcaudit[hf].
 """
 

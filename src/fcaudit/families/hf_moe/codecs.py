@@ -9,9 +9,15 @@ Layout "(batch token) expert": canonical [batch, token, 1, E], experts on the so
 
 Decode rebuilds the triple from c: the selected experts are the support of c, in descending weight order
 (ties: lower expert first) like torch.topk's; rows with fewer selected experts than the width are padded with
-index E and weight 0, which the eager experts loop of transformers skips ("no expert"). The router logits are a
-placeholder: log(c), with finfo.min off the support (so softmax of it is the normalized combine vector). The
-forward pass never reads them; transformers uses router logits only for the auxiliary training loss.
+index E and weight 0, which the eager experts loop of transformers skips ("no expert"). Experts that cannot take
+that index (GPT-OSS's one_hot over E classes) get padding "repeat" instead: the row's first selected expert again
+(expert 0 for an empty row) at weight 0. That adds an exact 0 to the token's output, but one more row to that
+expert's matmul, which can move the other rows' rounding (discover.py's probe picks the padding). Only rows whose
+support is narrower than the batch's widest are padded: never under Correct (k experts per token, so its replay
+stays bit-exact) or the randomized conditions (whole k-expert vectors move), at most under a static profile with
+zeros in it. The router logits are a placeholder: log(c), with finfo.min off the support (so softmax of it is
+the normalized combine vector). The forward pass never reads them; transformers uses router logits only for the
+auxiliary training loss.
 
 Decode is correct only under the *eager* experts implementation, and both codecs refuse to run under another:
 `grouped_mm` (transformers' default) leaves the rows of sentinel slots uninitialized (NaN * 0 = NaN reaches the
@@ -32,6 +38,9 @@ from torch import nn
 from fcaudit.errors import FcauditError
 
 from fcaudit.controllers.site import Codec
+
+
+PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (see the module docstring)
 
 
 def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,8 +91,10 @@ class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
     def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
-                 experts_path: str | None = None):
-        self.num_experts, self.top_k, self.name = int(num_experts), int(top_k), name
+                 experts_path: str | None = None, pad: str = "sentinel"):
+        if pad not in PADDINGS:
+            raise FcauditError(f"{name}: padding {pad!r} is not one of {', '.join(PADDINGS)}")
+        self.num_experts, self.top_k, self.name, self.pad = int(num_experts), int(top_k), name, pad
         self._experts = experts  # the experts module this router feeds; checked to run eager
         self.experts_path = experts_path
 
@@ -94,8 +105,9 @@ class TopKRouterCodec(Codec):
             raise FcauditError(f"{self.name} routed {weights.shape[0]} tokens, not batch {batch} x token {token}")
         E = self.num_experts
         c = torch.zeros(index.shape[0], E + 1, dtype=canonical_dtype(weights.dtype), device=weights.device)
-        # Column E absorbs sentinel slots a router may already emit (expert parallelism); dropped below.
-        c.scatter_(1, index.long().clamp(0, E), weights.detach().to(c.dtype))
+        # Column E absorbs sentinel slots a router may already emit (expert parallelism); dropped below. Added, not
+        # set: a repeated expert's zero-weight padding slot must not overwrite its weight (distinct experts: the same)
+        c.scatter_add_(1, index.long().clamp(0, E), weights.detach().to(c.dtype))
         return c[:, :E].reshape(batch, token, 1, E).contiguous()  # compact copy, not a view of c
 
     def meta(self, output) -> dict:
@@ -116,7 +128,9 @@ class TopKRouterCodec(Codec):
         _, order = torch.sort(key, dim=1, descending=True, stable=True)
         order = order[:, :width]
         keep = selected.gather(1, order)
-        index = torch.where(keep, order, torch.full_like(order, E)).to(dtype_of(meta["index_dtype"]))
+        filler = torch.full_like(order[:, :1], E) if self.pad == "sentinel" else \
+            torch.where(keep[:, :1], order[:, :1], torch.zeros_like(order[:, :1]))  # the row's top expert, or 0
+        index = torch.where(keep, order, filler).to(dtype_of(meta["index_dtype"]))
         weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
         placeholder = torch.where(selected, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
                                   torch.full_like(c, torch.finfo(dtype_of(meta["logits_dtype"])).min))
@@ -124,7 +138,8 @@ class TopKRouterCodec(Codec):
                 index.contiguous())
 
     def describe(self) -> str:
-        return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector"
+        pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
+        return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector{pad}"
 
 
 class SharedGateCodec(Codec):

@@ -4,9 +4,10 @@ A router is a module with a top-k attribute (`top_k`, `num_experts_per_tok`) and
 (`num_experts`, `num_local_experts`, `n_routed_experts`), holding a [num_experts, hidden] weight, next to an
 experts module (a sibling holding num_experts experts as 3-D weights or a ModuleList). One probe forward pass
 (4 tokens) then checks what makes the codec valid: the router returns (router_logits, top_k_weights,
-top_k_index), those very tensors are what the experts module receives, and the experts' eager loop skips the
-sentinel index num_experts. A router failing a check gets a one-line FcauditError naming its class and the
-closest supported router. A Linear(hidden, 1) sibling of a router (Qwen2-MoE's shared_expert_gate) is a
+top_k_index), those very tensors are what the experts module receives, and the experts' output stays the same
+when a slot is padded: bit for bit with the sentinel index num_experts (which the eager loop skips), or else to
+within rounding with a repeated expert at weight 0. A router failing a check gets a one-line FcauditError naming its
+class and the closest supported router. A Linear(hidden, 1) sibling of a router (Qwen2-MoE's shared_expert_gate) is a
 second site kind: one scalar per token.
 """
 
@@ -27,8 +28,10 @@ from fcaudit.families.hf_moe.codecs import (Codec, SharedGateCodec, TopKRouterCo
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
-SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
+                      "DeepseekV3TopkRouter", "GptOssTopKRouter")
 PROBE_TOKENS = 4
+REPEAT_TOLERANCE = 1e-3  # "repeat" padding: the probe's bound on the output's change, relative to its largest value
 
 
 @dataclass
@@ -109,6 +112,7 @@ class _Candidate:
     experts_path: str
     experts: nn.Module
     gate_paths: list[str]
+    pad: str = "sentinel"  # how decode pads a row (codecs.PADDINGS), set by the probe
 
 
 def _candidates(model: nn.Module) -> list[_Candidate]:
@@ -189,7 +193,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if not (any(t is index for t in received) and any(t is weights for t in received)):
             raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
                                                  f"({c.experts_path}) receive them")
-        _check_sentinel(c, args, kwargs, index, weights)
+        c.pad = _padding(c, args, kwargs, index, weights)
         # A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token.
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == index.shape[0]]
@@ -202,22 +206,36 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return False
 
 
-def _check_sentinel(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> None:
-    """Padding with (index num_experts, weight 0) must leave the experts' output bit-identical."""
-    pad_index = torch.cat([index, torch.full_like(index[:, :1], c.num_experts)], 1)
-    pad_weights = torch.cat([weights, torch.zeros_like(weights[:, :1])], 1)
-    swap = {id(index): pad_index, id(weights): pad_weights}
-    sub = lambda t: swap.get(id(t), t)  # noqa: E731
+def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
+    """How decode may pad a row beyond its support (codecs.PADDINGS). "sentinel": one more slot of (index
+    num_experts, weight 0) leaves the experts' output bit-identical. Else "repeat" (experts that cannot take the
+    index num_experts, like GPT-OSS's): one more slot repeating each token's first expert at weight 0 adds an exact 0,
+    but gives that expert's matmul more rows, which may change the rounding of its other rows (float matmuls are not
+    row-count invariant), so it must agree to REPEAT_TOLERANCE of the output's largest value (or 4 units of rounding
+    of the dtype, when coarser): a slot not weighted 0 would move a token's output by a whole expert's."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
+    failed = {}
+    for pad, filler in (("sentinel", torch.full_like(index[:, :1], c.num_experts)), ("repeat", index[:, :1])):
+        swap = {id(index): torch.cat([index, filler], 1),
+                id(weights): torch.cat([weights, torch.zeros_like(weights[:, :1])], 1)}
+        sub = lambda t: swap.get(id(t), t)  # noqa: E731
         try:
-            padded = c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+            with torch.no_grad():
+                padded = c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
         except (IndexError, RuntimeError) as e:
-            raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) reject the sentinel index "
-                                                 f"{c.num_experts} ({type(e).__name__})") from None
-    if not torch.equal(plain, padded):
-        raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) do not skip the sentinel index "
-                                             f"{c.num_experts}")
+            failed[pad] = f"reject it ({type(e).__name__})"
+            continue
+        if torch.equal(plain, padded):
+            return pad
+        scale = float(plain.abs().max()) if plain.numel() else 0.0
+        tolerance = max(REPEAT_TOLERANCE, 4 * torch.finfo(plain.dtype).eps) * scale
+        if pad == "repeat" and float((padded - plain).abs().max()) <= tolerance:
+            return pad
+        failed[pad] = "change their output"
+    raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) cannot be padded: the sentinel index "
+                                         f"{c.num_experts} at weight 0 they {failed['sentinel']}, a repeated expert at "
+                                         f"weight 0 they {failed['repeat']}")
 
 
 def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite]:
@@ -230,7 +248,7 @@ def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite
     _probe(model, cands)
     sites = []
     for c in cands:
-        codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path)
+        codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
         sites.append(MoeSite(c.path, c.module, codec, "router", c.experts_path))
         if shared_gates:
             sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]

@@ -1,8 +1,9 @@
 """Execution measures for MoE models (the paper's question 3): which experts actually run, and their FLOPs.
 
-Counts come from what each experts module receives (the index tensor; the sentinel num_experts is skipped by
-the eager loop) and FLOPs from torch.utils.flop_counter inside each experts module, so a static dense
-mixture that selects every expert shows up as every expert running, not as a nominal top-k.
+Counts come from what each experts module receives (the distinct experts of each token's index row; the sentinel
+num_experts is skipped by the eager loop) and FLOPs from torch.utils.flop_counter inside each experts module, so a
+static dense mixture that selects every expert shows up as every expert running, not as a nominal top-k (and the
+zero-weight slots of "repeat" padding, which GPT-OSS's experts do compute, show up in the FLOPs).
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
 
     def count(path: str, E: int):
         def hook(module, args, kwargs):
-            index = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-            counts[path] = ((index[0] >= 0) & (index[0] < E)).sum(1).reshape(B, T).cpu()
+            index = next(t for t in (*args, *kwargs.values())
+                         if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            # distinct experts per token: a "repeat" padding slot names one of the token's experts again
+            hit = torch.zeros(index.shape[0], E + 1, dtype=torch.bool, device=index.device)
+            hit.scatter_(1, torch.where((index >= 0) & (index < E), index, E).long(), True)
+            counts[path] = hit[:, :E].sum(1).reshape(B, T).cpu()
         return hook
 
     handles = [m.register_forward_pre_hook(count(p, E), with_kwargs=True) for p, m, E in experts]

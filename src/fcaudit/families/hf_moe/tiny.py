@@ -2,7 +2,10 @@
 
 Each family keeps its real router semantics: Mixtral renormalizes the top-k weights (always, in float32),
 OLMoE and Qwen2-MoE do not (`norm_topk_prob=False`, as their released checkpoints), Qwen3-MoE does
-(`norm_topk_prob=True`, as Qwen3-30B-A3B); Qwen2-MoE adds a shared expert behind a sigmoid gate.
+(`norm_topk_prob=True`, as Qwen3-30B-A3B); Qwen2-MoE adds a shared expert behind a sigmoid gate. DeepSeek-V3 scores
+experts by sigmoid, picks within the best groups of experts, renormalizes and scales by `routed_scaling_factor` (2.5,
+its default), beside an ungated shared expert; GPT-OSS softmaxes its top-k logits (a router with a bias) and its
+experts cannot skip a slot (their padding is "repeat", see codecs.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf_moe.load import require_transformers
 
-FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64, layers: int = 2, heads: int = 4,
@@ -37,6 +40,18 @@ def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64
         cfg = dict(common, num_experts=experts, moe_intermediate_size=intermediate_size, intermediate_size=intermediate_size,
                    head_dim=hidden_size // heads, norm_topk_prob=True)
         cls = transformers.Qwen3MoeConfig
+    elif family == "deepseek_v3":
+        groups = max(1, experts // 2)  # two experts per group: the router ranks a group by its best two
+        cfg = dict(common, n_routed_experts=experts, moe_intermediate_size=intermediate_size,
+                   intermediate_size=intermediate_size, n_shared_experts=1, first_k_dense_replace=0, n_group=groups,
+                   topk_group=max(1, groups // 2), kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                   qk_nope_head_dim=hidden_size // heads - 8, v_head_dim=hidden_size // heads,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.DeepseekV3Config
+    elif family == "gpt_oss":
+        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size, head_dim=hidden_size // heads,
+                   rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+        cls = transformers.GptOssConfig
     else:
         raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES)}")
     cfg.update(overrides)
