@@ -2,7 +2,8 @@
 `fca.controller_for` and a whole `fca.audit` (4 + 4 windows of 16 tokens, R = 2). Prints one line per family: its
 router class, the padding its experts take, and whether the exact replay held, or the one-line error it got.
 
-The tested families (tiny.FAMILIES) are in tests/test_hf_moe.py; this covers the others that transformers ships.
+The tested families (tiny.FAMILIES, tiny.SCORE_FAMILIES) are in tests/test_hf_moe.py; this adds others that
+transformers ships.
 Usage: python benchmarks/moe_families.py [--families glm4_moe dots1 ...]
 """
 
@@ -19,7 +20,7 @@ import transformers
 import fcaudit as fca
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf_moe import moe_adapter
-from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe
+from fcaudit.families.hf_moe.tiny import FAMILIES, SCORE_FAMILIES, tiny_moe
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
@@ -39,14 +40,12 @@ OTHERS = {
                                       layer_types=["full_attention", "full_attention"])),
     "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
                                            moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=8)),
-    "llama4_text": ("Llama4TextConfig", dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=64,
-                                             head_dim=8)),
     "jetmoe": ("JetMoeConfig", dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8)),
 }
 
 
 def build(family: str) -> torch.nn.Module:
-    if family in FAMILIES:
+    if family in FAMILIES + SCORE_FAMILIES:
         return tiny_moe(family, vocab_size=64, hidden_size=32, experts=8, top_k=2)
     cls, extra = OTHERS[family]
     torch.manual_seed(0)
@@ -65,14 +64,14 @@ def audit(family: str) -> str:
     with tempfile.TemporaryDirectory() as out:
         res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=out, batch_size=2, quiet=True)
     router = type(adapter.routers[0].module).__name__
-    pads = sorted({s.codec.pad for s in adapter.routers})
+    pads = sorted({getattr(s.codec, "pad", "none (scores)") for s in adapter.routers})
     return (f"audited: {len(adapter.sites)} sites ({router}), padding {'/'.join(pads)}, exact replay "
             f"{res.replay['bit_equal']}, route flips {res.replay['route_flips']}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--families", nargs="+", default=[*FAMILIES, *OTHERS])
+    p.add_argument("--families", nargs="+", default=[*FAMILIES, *SCORE_FAMILIES, *OTHERS])
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

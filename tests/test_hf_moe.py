@@ -244,12 +244,52 @@ def test_adapter_labels_and_switch_from_grouped_mm_to_eager():
         replay_logits(model, ctrl, ids, cap.coefficients)
 
 
-def _llama4():
-    cfg = transformers.Llama4TextConfig(vocab_size=256, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
-                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                        num_local_experts=4, num_experts_per_tok=1, bos_token_id=None,
-                                        eos_token_id=None, pad_token_id=None)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama4_score_router_replays_bit_exact_and_its_experts_all_run(dtype):
+    """Llama 4's router returns (scores, logits): dense scores, zero off the top-k, scaling each expert's input."""
+    model = tiny_moe("llama4", dtype=dtype, experts=E, top_k=K)
+    adapter = moe_adapter(model)
+    assert [type(s.codec).__name__ for s in adapter.sites] == ["ScoreRouterCodec"] * 2
+    ids = ids_for()
+    ctrl = controller_of(adapter)
+    cap = capture(model, ctrl, ids)
+    for c in cap.coefficients:
+        assert c.shape == (4, 12, 1, E) and ((c != 0).sum(-1) == K).all() and ((c >= 0) & (c <= 1)).all()  # sigmoid
+    other = [c.roll(1, dims=-1) for c in cap.coefficients]
+    assert (replay_logits(model, ctrl, ids, other) - cap.logits).abs().max() > 0
+    with torch.no_grad():  # the router really does not run
+        for s in adapter.routers:
+            s.module.weight.fill_(float("nan"))
+    assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
+    execution = expert_execution(model, ids, ctrl)
+    assert (execution.experts_per_token == E).all() and execution.summary()["active_fraction"] == 1.0
+
+
+def test_llama4_audit_with_a_zero_router_gives_exactly_zero_for_assignments(tmp_path):
+    import fcaudit as fca
+
+    model = tiny_moe("llama4", experts=E, top_k=K)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("feed_forward.router.weight"):
+                p.zero_()
+    res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
+                    out=tmp_path, batch_size=3, quiet=True)
+    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    pen = res.penalties().set_index("condition")
+    for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
+        assert pen.loc[c, "mean"] == 0.0, c
+    assert (res.records[res.records.condition == "Correct"].active == K).all() and pen.loc["StaticTopK", "active"] == K
+
+
+def test_score_router_refuses_scores_with_more_than_top_k_experts():
+    model = tiny_moe("llama4", experts=4, top_k=1, layers=1)
+    router = model.model.layers[0].feed_forward.router
+    forward = type(router).forward  # dense sigmoid scores of every expert: more than its top_k = 1
+    router.forward = lambda h: (torch.sigmoid(torch.nn.functional.linear(h, router.weight)), forward(router, h)[1])
+    with pytest.raises(FcauditError, match="select more than top_k=1 experts") as err:
+        moe_adapter(model)
+    assert "\n" not in str(err.value)
 
 
 def _jetmoe():
@@ -269,7 +309,6 @@ def _gpt_oss_unpaddable():
 
 
 @pytest.mark.parametrize("build, cls, why", [
-    (_llama4, "Llama4Router", "not (router_logits, top_k_weights, top_k_index)"),  # dense scores + logits
     (_jetmoe, "JetMoeTopKGating", "not (router_logits, top_k_weights, top_k_index)"),  # a 5-tuple of its own
     (_gpt_oss_unpaddable, "GptOssTopKRouter", "cannot be padded"),  # the right triple, but no padding holds
 ])
@@ -396,7 +435,7 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
 def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
     """The issue's bar: 2 layers, hidden 64, 150 steps on bytes; CrossInput and TokenShuffle clearly above 0.01."""
     import numpy as np

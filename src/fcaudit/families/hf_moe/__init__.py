@@ -1,5 +1,5 @@
 """The Hugging Face MoE family: transformers (>= 5) mixture-of-experts LMs audited as they are (Mixtral, OLMoE,
-Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS and any router with the same structure, see discover.py and
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS, Llama 4 and any router with the same structure, see discover.py and
 benchmarks/moe_families.py). Coefficient semantics: codecs.py.
 `fcaudit train --model moe` trains a byte-level Mixtral (tiny.py); transformers is the optional extra fcaudit[hf].
 """
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fcaudit.families import Family, register
-from fcaudit.families.hf_moe.codecs import SharedGateCodec, TopKRouterCodec
+from fcaudit.families.hf_moe.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
 from fcaudit.families.hf_moe.discover import (MoeAdapter, MoeSite, ensure_eager_experts, find_routers, is_moe,
                                               moe_adapter, moe_controller)
 from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require_transformers
@@ -80,5 +80,5 @@ register(Family(
     execution=_execution,
 ))
 
-__all__ = ["TopKRouterCodec", "SharedGateCodec", "MoeSite", "MoeAdapter", "find_routers", "moe_adapter",
-           "moe_controller", "ensure_eager_experts", "load_hf_moe", "looks_like_hf_moe", "require_transformers"]
+__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "MoeSite", "MoeAdapter", "find_routers",
+           "moe_adapter", "moe_controller", "ensure_eager_experts", "load_hf_moe", "looks_like_hf_moe", "require_transformers"]

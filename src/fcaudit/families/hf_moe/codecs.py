@@ -25,6 +25,10 @@ output) and sums the k slot outputs in slot order (so a tie reordered by a bf16 
 `batched_mm` indexes the weights with the sentinel (IndexError). The eager loop accumulates per expert in
 expert order, so the result does not depend on slot order or padding. See `ensure_eager_experts`.
 
+Score router site (Llama 4's router): its output is (router_scores [N, E], router_logits [N, E]), the scores zero
+off each token's top-k, and its block scales every expert's input by the expert's score. The scores are the
+canonical coefficient as they are; see ScoreRouterCodec.
+
 Shared-expert gate site (Qwen2-MoE's `shared_expert_gate`, a Linear(hidden, 1)): one pre-sigmoid scalar per
 token, canonical [batch, token, 1, 1]. The sigmoid is applied by the block after the site, so replay is exact;
 static means of this site are means of the gate logit.
@@ -140,6 +144,60 @@ class TopKRouterCodec(Codec):
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
         return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector{pad}"
+
+
+def split_score_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
+    """Check and unpack (router_scores [N, E], router_logits [N, E])."""
+    ok = (isinstance(output, (tuple, list)) and len(output) == 2
+          and all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 for t in output)
+          and output[0].shape == output[1].shape and output[0].shape[1] == num_experts)
+    if not ok:
+        raise FcauditError(f"{where} returned {_shapes(output)}, not (router_scores [N, {num_experts}], "
+                           f"router_logits [N, {num_experts}])")
+    return output[0], output[1]
+
+
+def _shapes(output) -> str:
+    if not isinstance(output, (tuple, list)):
+        return type(output).__name__
+    return f"({', '.join('Tensor' + str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in output)})"
+
+
+class ScoreRouterCodec(Codec):
+    """A router returning dense scores: (router_scores [N, E], router_logits [N, E]), the scores zero off each
+    token's top-k (Llama 4: the sigmoid of the top-k logits, 0 elsewhere). Its block scales every expert's input by
+    the expert's score, so the scores are the coefficient as they are: canonical [batch, token, 1, E]; decode returns
+    them with log-score placeholder logits (finfo.min off the support; the block only passes the logits on, for the
+    auxiliary loss). Replay needs no padding: a score of 0 is a zero input to that expert. transformers' Llama 4
+    computes every expert for every token this way, so its routing saves no work (`fcaudit execution` counts E)."""
+
+    def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):
+        self.num_experts, self.top_k, self.name, self.experts_path = int(num_experts), int(top_k), name, experts_path
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        scores, _ = split_score_output(output, self.num_experts, self.name)
+        if scores.shape[0] != batch * token:
+            raise FcauditError(f"{self.name} routed {scores.shape[0]} tokens, not batch {batch} x token {token}")
+        return scores.detach().to(canonical_dtype(scores.dtype)).reshape(batch, token, 1, self.num_experts).clone()
+
+    def meta(self, output) -> dict:
+        scores, logits = split_score_output(output, self.num_experts, self.name)
+        return {"scores_dtype": dtype_name(scores.dtype), "logits_dtype": dtype_name(logits.dtype),
+                "num_experts": self.num_experts, "top_k": self.top_k}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        E = self.num_experts
+        if canonical.shape[-1] != E or canonical.shape[-2] != 1:
+            raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not [batch, token, 1, {E}]")
+        c = canonical.reshape(-1, E)
+        logits_dtype = dtype_of(meta["logits_dtype"])
+        placeholder = torch.where(c != 0, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
+                                  torch.full_like(c, torch.finfo(logits_dtype).min))
+        return c.to(dtype_of(meta["scores_dtype"])).contiguous(), placeholder.to(logits_dtype)
+
+    def describe(self) -> str:
+        return (f"top-{self.top_k} score router over {self.num_experts} experts: (batch token) expert scores, "
+                f"each expert's input scaled by its score")
 
 
 class SharedGateCodec(Codec):

@@ -6,9 +6,11 @@ experts module (a sibling holding num_experts experts as 3-D weights or a Module
 (4 tokens) then checks what makes the codec valid: the router returns (router_logits, top_k_weights,
 top_k_index), those very tensors are what the experts module receives, and the experts' output stays the same
 when a slot is padded: bit for bit with the sentinel index num_experts (which the eager loop skips), or else to
-within rounding with a repeated expert at weight 0. A router failing a check gets a one-line FcauditError naming its
-class and the closest supported router. A Linear(hidden, 1) sibling of a router (Qwen2-MoE's shared_expert_gate) is a
-second site kind: one scalar per token.
+within rounding with a repeated expert at weight 0. A router that returns (router_scores, router_logits) instead
+(Llama 4) is a score router if its scores select at most top_k experts per token (ScoreRouterCodec; the audit's
+exact replay check is what shows its block reads nothing else of the router). A router failing a check gets a
+one-line FcauditError naming its class and the closest supported router. A Linear(hidden, 1) sibling of a router
+(Qwen2-MoE's shared_expert_gate) is a second site kind: one scalar per token.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from torch import nn
 
 from fcaudit.controllers.site import Controller, Site
 from fcaudit.errors import FcauditError
-from fcaudit.families.hf_moe.codecs import (Codec, SharedGateCodec, TopKRouterCodec, experts_implementation,
-                                            split_router_output)
+from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
+                                            experts_implementation, split_router_output, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
-                      "DeepseekV3TopkRouter", "GptOssTopKRouter")
+                      "DeepseekV3TopkRouter", "GptOssTopKRouter", "Llama4Router")
 PROBE_TOKENS = 4
 REPEAT_TOLERANCE = 1e-3  # "repeat" padding: the probe's bound on the output's change, relative to its largest value
 
@@ -99,8 +101,8 @@ def _closest(cls_name: str) -> str:
 def _unsupported(m: nn.Module, path: str, why: str) -> FcauditError:
     cls = type(m).__name__
     return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit audits transformers>=5 top-k routers "
-                        f"that hand (router_logits, top_k_weights, top_k_index) straight to an experts module, "
-                        f"like {_closest(cls)}")
+                        f"that hand (router_logits, top_k_weights, top_k_index) straight to an experts module, or "
+                        f"return (router_scores, router_logits) with scores zero off the top-k, like {_closest(cls)}")
 
 
 @dataclass
@@ -112,7 +114,8 @@ class _Candidate:
     experts_path: str
     experts: nn.Module
     gate_paths: list[str]
-    pad: str = "sentinel"  # how decode pads a row (codecs.PADDINGS), set by the probe
+    kind: str = "top_k"  # set by the probe: "top_k" (a (logits, weights, index) triple) or "scores" (dense scores)
+    pad: str = "sentinel"  # how decode pads a top-k row (codecs.PADDINGS), set by the probe
 
 
 def _candidates(model: nn.Module) -> list[_Candidate]:
@@ -182,8 +185,18 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     for c in cands:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
+        output = outputs[c.path]
+        if isinstance(output, (tuple, list)) and len(output) == 2:  # dense scores, the input scale of every expert
+            try:
+                scores, _ = split_score_output(output, c.num_experts, "it")
+            except FcauditError as e:
+                raise _unsupported(c.module, c.path, str(e)) from None
+            if ((scores != 0).sum(1) > c.top_k).any():
+                raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
+            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, scores.shape[0])
+            continue
         try:
-            _, weights, index = split_router_output(outputs[c.path], c.num_experts, "it")
+            _, weights, index = split_router_output(output, c.num_experts, "it")
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
         if weights.shape[1] != c.top_k:
@@ -194,9 +207,12 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
             raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
                                                  f"({c.experts_path}) receive them")
         c.pad = _padding(c, args, kwargs, index, weights)
-        # A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token.
-        c.gate_paths = [g for g in c.gate_paths
-                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == index.shape[0]]
+        c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
+
+
+def _scalar_gates(c: _Candidate, outputs: dict, tokens: int) -> list[str]:
+    """A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token."""
+    return [g for g in c.gate_paths if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == tokens]
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -248,7 +264,8 @@ def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite
     _probe(model, cands)
     sites = []
     for c in cands:
-        codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
+        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
+            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
         sites.append(MoeSite(c.path, c.module, codec, "router", c.experts_path))
         if shared_gates:
             sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]

@@ -64,8 +64,11 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
 
     def count(path: str, E: int):
         def hook(module, args, kwargs):
-            index = next(t for t in (*args, *kwargs.values())
-                         if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            index = next((t for t in (*args, *kwargs.values())
+                          if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+            if index is None:  # no index: every expert computes every token (Llama 4: inputs scaled by scores)
+                counts[path] = torch.full((B, T), E, dtype=torch.int64)
+                return
             # distinct experts per token: a "repeat" padding slot names one of the token's experts again
             hit = torch.zeros(index.shape[0], E + 1, dtype=torch.bool, device=index.device)
             hit.scatter_(1, torch.where((index >= 0) & (index < E), index, E).long(), True)

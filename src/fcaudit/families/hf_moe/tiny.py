@@ -5,7 +5,8 @@ OLMoE and Qwen2-MoE do not (`norm_topk_prob=False`, as their released checkpoint
 (`norm_topk_prob=True`, as Qwen3-30B-A3B); Qwen2-MoE adds a shared expert behind a sigmoid gate. DeepSeek-V3 scores
 experts by sigmoid, picks within the best groups of experts, renormalizes and scales by `routed_scaling_factor` (2.5,
 its default), beside an ungated shared expert; GPT-OSS softmaxes its top-k logits (a router with a bias) and its
-experts cannot skip a slot (their padding is "repeat", see codecs.py).
+experts cannot skip a slot (their padding is "repeat", see codecs.py). Llama 4 (SCORE_FAMILIES) returns dense
+scores, the sigmoid of its top-k logits, which scale each expert's input beside a shared expert.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf_moe.load import require_transformers
 
-FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")  # (logits, weights, index)
+SCORE_FAMILIES = ("llama4",)  # routers returning (scores, logits): ScoreRouterCodec
 
 
 def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64, layers: int = 2, heads: int = 4,
@@ -52,8 +54,12 @@ def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64
         cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size, head_dim=hidden_size // heads,
                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
         cls = transformers.GptOssConfig
+    elif family == "llama4":
+        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size,
+                   intermediate_size_mlp=intermediate_size, head_dim=hidden_size // heads)
+        cls = transformers.Llama4TextConfig
     else:
-        raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES)}")
+        raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES + SCORE_FAMILIES)}")
     cfg.update(overrides)
     return cls(**cfg)
 
