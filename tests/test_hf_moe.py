@@ -478,3 +478,34 @@ def test_from_modules_with_a_codec_audits_tuple_routers(tmp_path):
                     batch_size=3, quiet=True)
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
     assert "StaticTopK" in set(res.records.condition)
+
+
+def test_checkpoint_configs_of_moe_families_are_recognized_nested_or_with_their_own_keys():
+    from fcaudit.families.hf_moe import looks_like_hf_moe
+
+    assert looks_like_hf_moe({"model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6})
+    assert looks_like_hf_moe({"model_type": "hunyuan_v1_moe", "num_experts": 16, "moe_topk": 1})
+    assert looks_like_hf_moe({"model_type": "llama4", "text_config": {"num_local_experts": 16, "num_experts_per_tok": 1}})
+    assert not looks_like_hf_moe({"model_type": "llama", "num_hidden_layers": 2})
+    assert not looks_like_hf_moe({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 0})
+
+
+def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_path):
+    """Llama 4's released checkpoints are multimodal: the CLI loads their language model (AutoModelForCausalLM)."""
+    import fcaudit as fca
+    from fcaudit.families.hf_moe import looks_like_hf_moe
+
+    text = tiny_moe("llama4", experts=4, top_k=1).config.to_dict()
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    torch.manual_seed(0)
+    full = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text,
+                                                                                 vision_config=vision)).eval()
+    full.save_pretrained(tmp_path / "ckpt")
+    assert looks_like_hf_moe(json.loads((tmp_path / "ckpt" / "config.json").read_text()))
+    model, _ = load_hf_moe(tmp_path / "ckpt")
+    ids = ids_for()
+    assert torch.equal(forward_logits(model, ids), forward_logits(full.language_model, ids))  # its weights, all
+    res = fca.audit(model, fca.controller_for(model), _windows(4), _windows(2, seed=1), randomizations=1,
+                    out=tmp_path / "audit", batch_size=2, quiet=True)
+    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0

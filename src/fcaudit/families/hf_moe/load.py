@@ -27,10 +27,19 @@ def require_transformers():
     return transformers
 
 
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # ERNIE-4.5: moe_*
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")  # ERNIE-4.5: moe_k, Hunyuan-MoE: moe_topk
+
+
 def looks_like_hf_moe(config: dict) -> bool:
-    """Whether a config.json describes a transformers MoE model (top-k routing over several experts)."""
-    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
-    return isinstance(config.get("model_type"), str) and bool(config.get("num_experts_per_tok")) and bool(experts)
+    """Whether a config.json describes a transformers MoE model (top-k routing over several experts), itself or in
+    its `text_config` (a multimodal checkpoint such as Llama 4's, whose language model AutoModelForCausalLM loads)."""
+    if not isinstance(config.get("model_type"), str):
+        return False
+    for c in (config, config.get("text_config")):
+        if isinstance(c, dict) and any(c.get(k) for k in EXPERTS_KEYS) and any(c.get(k) for k in TOP_K_KEYS):
+            return True
+    return False
 
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
