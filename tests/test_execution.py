@@ -220,3 +220,13 @@ def test_measure_execution_rejects_bad_input(checkpoints, tmp_path):
     with pytest.raises(FcauditError, match="no checkpoint directory"):
         measure_execution([tmp_path / "missing"], tmp_path / "x", progress=False)
     assert not (tmp_path / "x" / "execution.csv").exists()
+
+
+def test_block_size_is_read_from_a_multimodal_text_config_and_the_default_window_is_capped(tmp_path):
+    from fcaudit.execution import measure
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4",
+                                                      "text_config": {"max_position_embeddings": 10_485_760}}))
+    assert measure._block_size(tmp_path) == 10_485_760  # Llama 4 Scout's context
+    assert measure.default_window([10_485_760, 131_072]) == 2048
+    assert measure.default_window([128, 4096]) == 128

@@ -80,7 +80,8 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
     model, _ = load_model(ckpt_dir, device=device, dtype=torch_dtype)
-    window = window or min(families.context_length(model) or 2048, 2048)
+    cap = families.DEFAULT_WINDOW_CAP
+    window = window or min(families.context_length(model) or cap, cap)
     tokenizer = None
     if (ckpt_dir / "tokenizer.json").is_file():
         from fcaudit.tokens import load_tokenizer

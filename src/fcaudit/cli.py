@@ -157,7 +157,7 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
                                                                 "thresholding.csv"),
               batch_size: int = typer.Option(8, metavar="N", help="windows per timed forward pass"),
               window: Optional[int] = typer.Option(None, metavar="T", help="tokens per window (default: the "
-                                                                           "smallest block_size)"),
+                                                                           "smallest block_size, at most 2048)"),
               thresholds: List[float] = typer.Option([], "--threshold", metavar="TAU",
                                                      help="post-training gate threshold (repeatable)"),
               corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL"),

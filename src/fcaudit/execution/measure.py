@@ -34,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
+from fcaudit.families import DEFAULT_WINDOW_CAP
 from fcaudit.io import atomic_write, prepare_out, read_json, write_json
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
@@ -262,12 +263,19 @@ def _architecture(model: nn.Module) -> str:
     return type(model).__name__ + ":" + ",".join(f"{k}={getattr(c, k)}" for k in keys if hasattr(c, k))
 
 
+def default_window(block_sizes) -> int:
+    """One window for every model measured: the smallest context, at most DEFAULT_WINDOW_CAP tokens."""
+    return min(*block_sizes, DEFAULT_WINDOW_CAP)
+
+
 def _block_size(checkpoint: Path) -> int:
     path = checkpoint / "config.json"
     if not path.is_file():
         raise FcauditError(f"{checkpoint} has no config.json: pass a checkpoint directory written by `fcaudit train`")
     config = read_json(path)
-    size = next((config[k] for k in ("block_size", "max_position_embeddings", "n_positions") if k in config), None)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal checkpoint
+    size = next((c[k] for c in (config, text) for k in ("block_size", "max_position_embeddings", "n_positions")
+                 if k in c), None)
     if not isinstance(size, int) or size < 2:
         raise FcauditError(f"{path} has no valid block_size: use the config.json written with the checkpoint")
     return size
@@ -326,7 +334,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint.
 
     Writes `out/execution.csv` and `out/execution.json` (settings, rows, provenance), each atomically. All models run
-    with one window (default: the smallest block_size among them) so their rows compare. With `thresholds`, every
+    with one window (default: the smallest block_size among them, at most 2048) so their rows compare. With `thresholds`, every
     scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on up to
     `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`.
     Latencies are measured round-robin over all models (see `latencies`): every model stays loaded until then.
@@ -354,7 +362,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
     contexts = {p: _block_size(p) for p in paths}
-    window = window or min(contexts.values())
+    window = window or default_window(contexts.values())
     too_short = [str(p) for p, size in contexts.items() if size < window]
     if too_short:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")

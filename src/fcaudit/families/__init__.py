@@ -82,6 +82,9 @@ def trainable() -> list[str]:
     return [n for f in families() for n in f.trains]
 
 
+DEFAULT_WINDOW_CAP = 2048  # a window left to default is the model's context, at most this (Llama 4's is 10M tokens)
+
+
 def context_length(model: nn.Module) -> int | None:
     """The longest window a model takes (block_size, or a transformers config's max_position_embeddings)."""
     config = getattr(model, "config", None)
