@@ -509,3 +509,25 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
     res = fca.audit(model, fca.controller_for(model), _windows(4), _windows(2, seed=1), randomizations=1,
                     out=tmp_path / "audit", batch_size=2, quiet=True)
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+
+
+def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_class(monkeypatch):
+    """On CUDA an index the experts refuse trips a device-side assert that ends the CUDA context, so a model off the
+    CPU has its experts probed on the CPU (moved there and back), once per class. Here: the CPU stands in."""
+    from fcaudit.families.hf_moe import discover
+
+    model = tiny_moe("gpt_oss", experts=E, top_k=K)
+    calls = []
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.register_forward_pre_hook(lambda m, a: calls.append(next(m.parameters()).device.type))
+    moved = []
+    to = type(model.model.layers[0].mlp.experts).to
+    monkeypatch.setattr(type(model.model.layers[0].mlp.experts), "to",
+                        lambda self, *a, **k: moved.append(a) or to(self, *a, **k), raising=False)
+    monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
+    adapter = moe_adapter(model)
+    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
+    # the probe's forward (2 layers), then one class's padding: plain, the sentinel (refused), the repeat
+    assert len(calls) == 2 + 3
+    assert moved == [("cpu",), (torch.device("cpu"),)]  # there and back, once

@@ -164,7 +164,7 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     """One short forward pass checking each router's output structure, its flow into the experts module, and
-    that the experts skip the sentinel index; also that each shared gate returns one scalar per token."""
+    how the experts take a padded slot; also that each shared gate returns one scalar per token."""
     modules = dict(model.named_modules())
     outputs: dict[str, object] = {}
     inputs: dict[str, tuple] = {}
@@ -182,6 +182,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     finally:
         for h in handles:
             h.remove()
+    pads: dict[type, str] = {}  # the padding of each experts class, probed on the CPU for a model elsewhere
     for c in cands:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
@@ -206,8 +207,27 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if not (any(t is index for t in received) and any(t is weights for t in received)):
             raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
                                                  f"({c.experts_path}) receive them")
-        c.pad = _padding(c, args, kwargs, index, weights)
+        if not _off_cpu(index):
+            c.pad = _padding(c, args, kwargs, index, weights)
+        else:  # an index the experts refuse raises on the CPU, but on CUDA it trips a device-side assert that ends
+            # the process's CUDA context: the experts are probed on the CPU (moved there and back in place), once
+            # per experts class (the padding is a property of their code)
+            if type(c.experts) not in pads:
+                device = next(c.experts.parameters()).device
+                moved: dict[int, torch.Tensor] = {}
+                cpu = lambda t: moved.setdefault(id(t), t.cpu()) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                try:
+                    c.experts.to("cpu")
+                    pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
+                                                     cpu(index), cpu(weights))
+                finally:
+                    c.experts.to(device)
+            c.pad = pads[type(c.experts)]
         c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
+
+
+def _off_cpu(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
 
 
 def _scalar_gates(c: _Candidate, outputs: dict, tokens: int) -> list[str]:
