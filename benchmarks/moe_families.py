@@ -40,7 +40,21 @@ OTHERS = {
                                       layer_types=["full_attention", "full_attention"])),
     "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
                                            moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=8)),
+    "deepseek_v2": ("DeepseekV2Config", dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                             first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=16,
+                                             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
+    "flex_olmo": ("FlexOlmoConfig", dict(num_experts=8, num_experts_per_tok=2)),
+    "jamba": ("JambaConfig", dict(num_experts=8, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0,
+                                  attn_layer_period=1, attn_layer_offset=0, use_mamba_kernels=False)),
+    # 8 experts and 2 zero-computation (identity) ones
+    "longcat_flash": ("LongcatFlashConfig", dict(hidden_size=64, n_routed_experts=8, zero_expert_num=2, moe_topk=2,
+                                                 num_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=32,
+                                                 head_dim=32, qk_nope_head_dim=8, v_head_dim=16, ffn_hidden_size=64,
+                                                 expert_ffn_hidden_size=32)),
     "jetmoe": ("JetMoeConfig", dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8)),
+    "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                                attn_config={"kv_n_heads": 4, "rope_theta": 10000.0},
+                                ffn_config={"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 64})),
 }
 
 
@@ -65,7 +79,8 @@ def audit(family: str) -> str:
         res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=out, batch_size=2, quiet=True)
     router = type(adapter.routers[0].module).__name__
     pads = sorted({getattr(s.codec, "pad", "none (scores)") for s in adapter.routers})
-    return (f"audited: {len(adapter.sites)} sites ({router}), padding {'/'.join(pads)}, exact replay "
+    sites = f"{len(adapter.sites)} site" + "s" * (len(adapter.sites) != 1)
+    return (f"audited: {sites} ({router}), padding {'/'.join(pads)}, exact replay "
             f"{res.replay['bit_equal']}, route flips {res.replay['route_flips']}")
 
 

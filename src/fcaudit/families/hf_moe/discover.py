@@ -28,7 +28,9 @@ from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateC
                                             experts_implementation, split_router_output, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
-NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+# LongCat-Flash: the router's n_routed_experts and the experts' total_experts count its zero-computation (identity)
+# experts too, which its router's num_experts does not; a router's count is the one its weight has rows for
+NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
                       "DeepseekV3TopkRouter", "GptOssTopKRouter", "Llama4Router")
@@ -78,6 +80,15 @@ def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _router_experts(m: nn.Module) -> int | None:
+    """A router-like module's expert count: the first of its counts that its [num_experts, hidden] weight has rows
+    for (or its first count, when no weight matches: then it is no router)."""
+    counts = [v for n in NUM_EXPERTS_NAMES if isinstance(v := getattr(m, n, None), int) and not isinstance(v, bool)
+              and v > 0]
+    rows = {p.shape[0] for p in m.parameters() if p.dim() == 2}
+    return next((v for v in counts if v in rows), counts[0] if counts else None)
+
+
 def _holds_experts(m: nn.Module, num_experts: int) -> bool:
     if isinstance(m, nn.ModuleList):
         return len(m) == num_experts
@@ -123,7 +134,7 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
     experts = _experts_modules(model)
     found, routed_parents = [], set()
     for path, m in modules.items():
-        k, E = _int_attr(m, TOP_K_NAMES), _int_attr(m, NUM_EXPERTS_NAMES)
+        k, E = _int_attr(m, TOP_K_NAMES), _router_experts(m)
         if k is None or E is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
             continue  # not router-like, or a block that contains the experts itself
         weight = [p for p in m.parameters() if p.dim() == 2 and p.shape[0] == E]
