@@ -12,7 +12,8 @@ the ratio of the two minima (the least disturbed run of each, steadier on a shar
 CPU time of the process (all its threads; it leaves out time spent waiting for a core or for the disk); and each pair
 split in two: the audit's own forward passes (with each replay's context, as in the bare loop) / the bare loop (about 1
 when the machine kept its speed between the two runs: the pair's noise), and the rest of the audit / the bare loop (its
-overhead; a timer per forward pass).
+overhead; a timer per forward pass); and per pair the audit's median replay against the bare loop's (steadier than the
+sums: a slow spell of the machine moves a median less).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
 time): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
 decoding the coefficients into each replay, counting active sources, stage 1's checks and writes (beside its forward
@@ -99,8 +100,9 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
     return model, fca.controller_for(model), 64
 
 
-def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
-    """The audit's forward passes and their NLLs with nothing else: seconds."""
+def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> float:
+    """The audit's forward passes and their NLLs with nothing else: seconds. `replays` gets each replay's seconds
+    (its context and forward pass, as `audit_split` times the audit's)."""
     sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
     nll = lambda ids: token_nll(model(ids), ids).mean(1)  # noqa: E731
     with torch.inference_mode():
@@ -113,13 +115,24 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int) -> float:
             with ctrl.capture(*ids.shape):  # the audit's capture pass: within the controller's context, as a replay
                 nll(ids)
             if u.kind == "capture":
-                with ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+                with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
                     nll(ids)
         for u in sched.stage2():
             ids = ev[u.start:u.start + batch]
-            with ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+            with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
                 nll(ids)
         return clock() - t0
+
+
+@contextmanager
+def timed(seconds: list[float] | None) -> Iterator[None]:
+    """Append the block's seconds to `seconds` (when given)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds.append(time.perf_counter() - t0)
 
 
 @contextmanager
@@ -195,9 +208,11 @@ def audit_once(model, ctrl, ev, ca, batch: int, R: int) -> np.ndarray:
         return clock() - t0
 
 
-def audit_split(model, ctrl, ev, ca, batch: int, R: int) -> tuple[np.ndarray, float]:
+def audit_split(model, ctrl, ev, ca, batch: int, R: int,
+                replays: list[float] | None = None) -> tuple[np.ndarray, float]:
     """`audit_once` and the wall seconds of what the bare loop also runs: each replay's context with its forward
-    pass and NLL, and the capture passes with their NLLs (a timer around each)."""
+    pass and NLL, and the capture passes with their NLLs (a timer around each). `replays` gets each replay's
+    seconds."""
     from fcaudit.audit import engine
 
     inner, replay, spent, depth = engine.forward_nll, ctrl.replay, [0.0], [0]
@@ -219,7 +234,10 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int) -> tuple[np.ndarray, fl
                 yield
         finally:
             depth[0] -= 1
-            spent[0] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            spent[0] += took
+            if replays is not None:
+                replays.append(took)
 
     engine.forward_nll, ctrl.replay = forward, timed_replay
     try:
@@ -249,15 +267,17 @@ def main() -> None:
         ev = torch.randint(0, 256, (args.n_eval, T), generator=g)
         ca = torch.randint(0, 256, (args.n_calib, T), generator=g)
         audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, allocator
-        audits, forwards, bares = [], [], []
+        audits, forwards, bares, per_replay = [], [], [], []
         for i in range(args.reps):  # A B, B A, A B, ...: the order within a pair alternates, so an order effect cancels
+            mine, theirs = [], []
             if i % 2:
-                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
-            audit, forward = audit_split(model, ctrl, ev, ca, args.batch_size, args.randomizations)
+                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations, theirs))
+            audit, forward = audit_split(model, ctrl, ev, ca, args.batch_size, args.randomizations, mine)
             audits.append(audit)
             forwards.append(forward)
             if not i % 2:
-                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations))
+                bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations, theirs))
+            per_replay.append(statistics.median(mine) / statistics.median(theirs))
         if args.parts:
             print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
                   flush=True)
@@ -275,6 +295,10 @@ def main() -> None:
         print(f"{name:<12} split: the audit's forward passes / bare loop median {statistics.median(own):.3f} (runs "
               f"{', '.join(f'{r:.3f}' for r in own)}); the rest of the audit / bare loop median "
               f"{statistics.median(rest):.3f} (runs {', '.join(f'{r:.3f}' for r in rest)})", flush=True)
+        # a median replay is what a replay costs when the machine is not in one of its slow spells: the audit's
+        # against the bare loop's within each pair says whether the audit's forward passes themselves are slower
+        print(f"{name:<12} replays: the audit's median replay / the bare loop's median {statistics.median(per_replay):.3f} "
+              f"(runs {', '.join(f'{r:.3f}' for r in per_replay)})", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

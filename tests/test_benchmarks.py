@@ -79,8 +79,11 @@ def test_audit_floors_bare_loop_runs_featuregate_passes_as_the_audit_does(monkey
     passes, fused = [], []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: fused.append(1) or f(q, k, v))
-    audit_floor.bare_loop(model, ctrl, ev, ca, 2, 1)
+    theirs, mine = [], []
+    audit_floor.bare_loop(model, ctrl, ev, ca, 2, 1, theirs)
     assert len(passes) > 10 and len(fused) == len(model.blocks) * len(passes)
+    audit_floor.audit_split(model, ctrl, ev, ca, 2, 1, mine)
+    assert len(mine) == len(theirs) > 0  # the same replays, each timed, in both
 
 
 def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is_not():
