@@ -74,12 +74,18 @@ def _require_eager(experts: nn.Module | None, where: str) -> None:
                            f"(call fcaudit.families.hf_moe.ensure_eager_experts(model) before capturing)")
 
 
+def _shapes(output) -> str:
+    """What a router returned, for an error message: "(Tensor[4, 8], list)"."""
+    if not isinstance(output, (tuple, list)):
+        return type(output).__name__
+    return "(" + ", ".join(f"Tensor{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                           for t in output) + ")"
+
+
 def split_router_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check and unpack (router_logits [N, E], top_k_weights [N, k], top_k_index [N, k])."""
     if not (isinstance(output, (tuple, list)) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)):
-        shape = (f"({', '.join(type(t).__name__ if not isinstance(t, torch.Tensor) else 'Tensor' + str(list(t.shape)) for t in output)})"
-                 if isinstance(output, (tuple, list)) else type(output).__name__)
-        raise FcauditError(f"{where} returned {shape}, not (router_logits, top_k_weights, top_k_index)")
+        raise FcauditError(f"{where} returned {_shapes(output)}, not (router_logits, top_k_weights, top_k_index)")
     logits, weights, index = output
     ok = (logits.dim() == 2 and logits.shape[1] == num_experts and weights.dim() == 2 and index.shape == weights.shape
           and weights.shape[0] == logits.shape[0] and weights.is_floating_point() and logits.is_floating_point()
@@ -155,12 +161,6 @@ def split_score_output(output, num_experts: int, where: str = "router") -> tuple
         raise FcauditError(f"{where} returned {_shapes(output)}, not (router_scores [N, {num_experts}], "
                            f"router_logits [N, {num_experts}])")
     return output[0], output[1]
-
-
-def _shapes(output) -> str:
-    if not isinstance(output, (tuple, list)):
-        return type(output).__name__
-    return f"({', '.join('Tensor' + str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in output)})"
 
 
 class ScoreRouterCodec(Codec):
