@@ -1,6 +1,9 @@
 """How close an audit is to its floor: the forward passes it must run, and nothing else.
 
-For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the tiny MUDD),
+For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the tiny MUDD;
+`--models moe` adds the demo's byte-level Mixtral, whose bare loop replays the captured routing of k experts in every
+pass while the audit's dense static conditions run every expert: its forward halves differ by that work, its rest is
+the comparable number),
 one audit (64 + 64 windows, R = 20 by default, a fresh directory each time) is timed against a bare loop of the same
 forward passes: per evaluation batch a capture pass and a replay pass, per calibration batch a capture pass, and one
 replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute) and within
@@ -44,7 +47,7 @@ from fcaudit import protocol
 from fcaudit.allocator import MALLOC, keep_freed_memory
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers import Controller
-from fcaudit.loss import token_nll
+from fcaudit.loss import logits_of, token_nll
 
 
 class OwnGate(nn.Module):
@@ -91,6 +94,13 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
     if name == "own":
         model = OwnGatedLM().eval()
         return model, Controller.from_modules(model, "blocks.*.gate", layout="batch token"), 128
+    if name == "moe":  # the demo's byte-level Mixtral (transformers), at random weights
+        from transformers import AutoModelForCausalLM
+
+        from fcaudit.families.hf_moe.tiny import byte_mixtral_config
+
+        model = AutoModelForCausalLM.from_config(byte_mixtral_config("demo")).eval()
+        return model, fca.controller_for(model), 128
     from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
 
     model = MUDDPythia(BYTE_PRESETS["tiny"]).eval()
@@ -104,7 +114,7 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | No
     """The audit's forward passes and their NLLs with nothing else: seconds. `replays` gets each replay's seconds
     (its context and forward pass, as `audit_split` times the audit's)."""
     sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
-    nll = lambda ids: token_nll(model(ids), ids).mean(1)  # noqa: E731
+    nll = lambda ids: token_nll(logits_of(model(ids)), ids).mean(1)  # noqa: E731
     with torch.inference_mode():
         with ctrl.capture(batch, ev.shape[1]) as found:
             model(ev[:batch])
@@ -249,7 +259,8 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd"])
+    p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd"],
+                   choices=["featuregate", "own", "mudd", "moe"])
     p.add_argument("--n-eval", type=int, default=64)
     p.add_argument("--n-calib", type=int, default=64)
     p.add_argument("--randomizations", type=int, default=20)
