@@ -490,7 +490,20 @@ def test_checkpoint_configs_of_moe_families_are_recognized_nested_or_with_their_
     assert not looks_like_hf_moe({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 0})
 
 
-def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_path):
+def test_a_checkpoint_missing_a_weight_is_refused_rather_than_audited_with_a_random_one(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_moe("mixtral", experts=4, top_k=2).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.gate.weight"]  # Mixtral's checkpoints keep their older names
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FcauditError, match=r"lacks 1 weights of MixtralForCausalLM \(e.g. model.layers.1.mlp.gate.weight"
+                                           r"\), which would be random") as err:
+        load_hf_moe(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_path, caplog):
     """Llama 4's released checkpoints are multimodal: the CLI loads their language model (AutoModelForCausalLM)."""
     import fcaudit as fca
     from fcaudit.families.hf_moe import looks_like_hf_moe
@@ -503,7 +516,9 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
                                                                                  vision_config=vision)).eval()
     full.save_pretrained(tmp_path / "ckpt")
     assert looks_like_hf_moe(json.loads((tmp_path / "ckpt" / "config.json").read_text()))
+    caplog.set_level("WARNING")
     model, _ = load_hf_moe(tmp_path / "ckpt")
+    assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]  # its list of unused vision weights
     ids = ids_for()
     assert torch.equal(forward_logits(model, ids), forward_logits(full.language_model, ids))  # its weights, all
     res = fca.audit(model, fca.controller_for(model), _windows(4), _windows(2, seed=1), randomizations=1,

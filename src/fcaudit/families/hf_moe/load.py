@@ -3,6 +3,7 @@ extra: `pip install 'fcaudit[hf]'`."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -54,13 +55,25 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     dir = resolve(path_or_id, revision)
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
+    # transformers' load report lists every checkpoint weight the model does not use: hundreds of lines for the
+    # vision tower of a multimodal checkpoint (Llama 4's), whose language model is what is audited. What matters of
+    # it is checked below: a weight the model lacks would be random, and a size mismatch is an error anyway.
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
     try:
-        model = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
-                                                     experts_implementation="eager")
-    except (OSError, ValueError, KeyError) as e:
+        model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
+                                                           experts_implementation="eager", output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = " ".join(str(e).split())[:160]
         raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg}): pass a complete checkpoint "
                            f"directory of a transformers>=5 MoE model") from None
+    finally:
+        report.setLevel(level)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
+                           f"would be random: pass a complete checkpoint directory")
     tokenizer = AutoTokenizer.from_pretrained(dir) if _has_tokenizer(dir) else None
     return model.to(device).eval(), tokenizer
 
