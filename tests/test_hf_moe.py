@@ -546,3 +546,27 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
     # the probe's forward (2 layers), then one class's padding: plain, the sentinel (refused), the repeat
     assert len(calls) == 2 + 3
     assert moved == [("cpu",), (torch.device("cpu"),)]  # there and back, once
+
+
+def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the_count():
+    """LongCat-Flash routes some tokens to identity experts, which compute nothing: they count as no expert run,
+    and the FLOPs measured inside the experts are the computing experts' count times one expert's cost."""
+    cfg = transformers.LongcatFlashConfig(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                          max_position_embeddings=64, n_routed_experts=6, zero_expert_num=2,
+                                          moe_topk=2, num_layers=1, kv_lora_rank=16, q_lora_rank=16,
+                                          qk_rope_head_dim=32, head_dim=32, qk_nope_head_dim=8, v_head_dim=16,
+                                          ffn_hidden_size=64, expert_ffn_hidden_size=32, bos_token_id=None,
+                                          eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # route many tokens to the identity experts (6 and 7)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b[6:] = 0.3
+    ctrl = controller_of(moe_adapter(model))
+    assert ctrl.sites[0].codec.num_experts == 8
+    execution = expert_execution(model, ids_for(), ctrl)
+    n = execution.experts_per_token[0]
+    assert execution.num_experts == [6] and (n < K).any() and (n <= K).all()
+    per_pair = execution.dense_flops[0] // (4 * 12 * 6)
+    assert execution.expert_flops[0] == int(n.sum()) * per_pair  # measured == counted

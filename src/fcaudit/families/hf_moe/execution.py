@@ -22,7 +22,7 @@ from fcaudit.controllers.site import Controller
 @dataclass
 class ExpertExecution:
     layers: list[str]                # experts module paths, in model order
-    num_experts: list[int]
+    num_experts: list[int]           # per layer: experts that compute (LongCat-Flash's identity experts left out)
     experts_per_token: torch.Tensor  # [layers, batch, token] int64: experts run for each token
     expert_flops: list[int]          # per layer: FLOPs counted inside the experts module
     dense_flops: list[int]           # per layer: FLOPs if every token ran every expert (same per-expert cost)
@@ -45,9 +45,15 @@ class ExpertExecution:
                 "active_fraction": active / dense}
 
 
-def _flops_per_pair(experts: nn.Module, num_experts: int) -> int:
-    """Matmul FLOPs of one (token, expert) pair: 2 x the size of one expert's slice of each 3-D weight."""
-    return sum(2 * p[0].numel() for p in experts.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == num_experts)
+def computing_experts(experts: nn.Module, num_experts: int) -> int:
+    """How many of the experts compute: those with a slice of every 3-D weight. LongCat-Flash's zero-computation
+    (identity) experts come after its routed ones and have no down_proj slice; other families' count is all of them."""
+    return min([num_experts, *(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)])
+
+
+def _flops_per_pair(experts: nn.Module, computing: int) -> int:
+    """Matmul FLOPs of one (token, computing expert) pair: 2 x the size of one expert's slice of each 3-D weight."""
+    return sum(2 * p[0].numel() for p in experts.parameters(recurse=False) if p.dim() == 3 and p.shape[0] >= computing)
 
 
 def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller | None = None,
@@ -58,7 +64,8 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
 
     controller = controller or moe_controller(model)
     routers = [s.codec for s in controller.sites if s.codec.top_k is not None]
-    experts = [(c.experts_path, model.get_submodule(c.experts_path), c.num_experts) for c in routers]
+    experts = [(c.experts_path, m, computing_experts(m, c.num_experts))
+               for c in routers for m in [model.get_submodule(c.experts_path)]]
     B, T = ids.shape
     counts: dict[str, torch.Tensor] = {}
 
@@ -69,7 +76,8 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
             if index is None:  # no index: every expert computes every token (Llama 4: inputs scaled by scores)
                 counts[path] = torch.full((B, T), E, dtype=torch.int64)
                 return
-            # distinct experts per token: a "repeat" padding slot names one of the token's experts again
+            # distinct computing experts per token: a "repeat" padding slot names one of the token's experts again,
+            # and a zero-computation expert (or the sentinel) lands in the column dropped at the end
             hit = torch.zeros(index.shape[0], E + 1, dtype=torch.bool, device=index.device)
             hit.scatter_(1, torch.where((index >= 0) & (index < E), index, E).long(), True)
             counts[path] = hit[:, :E].sum(1).reshape(B, T).cpu()
