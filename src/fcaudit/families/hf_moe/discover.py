@@ -218,27 +218,37 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if not (any(t is index for t in received) and any(t is weights for t in received)):
             raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
                                                  f"({c.experts_path}) receive them")
-        if not _off_cpu(index):
-            c.pad = _padding(c, args, kwargs, index, weights)
-        else:  # an index the experts refuse raises on the CPU, but on CUDA it trips a device-side assert that ends
-            # the process's CUDA context: the experts are probed on the CPU (moved there and back in place), once
-            # per experts class (the padding is a property of their code)
-            if type(c.experts) not in pads:
-                device = next(c.experts.parameters()).device
-                moved: dict[int, torch.Tensor] = {}
-                cpu = lambda t: moved.setdefault(id(t), t.cpu()) if isinstance(t, torch.Tensor) else t  # noqa: E731
-                try:
-                    c.experts.to("cpu")
-                    pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
-                                                     cpu(index), cpu(weights))
-                finally:
-                    c.experts.to(device)
-            c.pad = pads[type(c.experts)]
+        c.pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
         c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
 
 
 def _off_cpu(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
+
+
+def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
+                    pads: dict[type, str]) -> str:
+    """`_padding`, probed on the CPU: an index the experts refuse raises there, but on CUDA it trips a device-side
+    assert that ends the process's CUDA context. The experts of a model elsewhere are moved to the CPU and back (in
+    place), once per experts class in `pads`: the padding is a property of their code."""
+    if not _off_cpu(index):
+        return _padding(c, args, kwargs, index, weights)
+    if type(c.experts) not in pads:
+        moved: dict[int, torch.Tensor] = {}  # one CPU copy per tensor: `_padding` finds index and weights by identity
+
+        def cpu(t):
+            if isinstance(t, torch.Tensor) and id(t) not in moved:
+                moved[id(t)] = t.cpu()
+            return moved.get(id(t), t)
+
+        device = next(c.experts.parameters()).device
+        try:
+            c.experts.to("cpu")
+            pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
+                                             cpu(index), cpu(weights))
+        finally:
+            c.experts.to(device)
+    return pads[type(c.experts)]
 
 
 def _scalar_gates(c: _Candidate, outputs: dict, tokens: int) -> list[str]:
