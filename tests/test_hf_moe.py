@@ -532,14 +532,11 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
     from fcaudit.families.hf_moe import discover
 
     model = tiny_moe("gpt_oss", experts=E, top_k=K)
-    calls = []
+    calls, moved = [], []
     for layer in model.model.layers:
-        experts = layer.mlp.experts
-        experts.register_forward_pre_hook(lambda m, a: calls.append(next(m.parameters()).device.type))
-    moved = []
-    to = type(model.model.layers[0].mlp.experts).to
-    monkeypatch.setattr(type(model.model.layers[0].mlp.experts), "to",
-                        lambda self, *a, **k: moved.append(a) or to(self, *a, **k), raising=False)
+        layer.mlp.experts.register_forward_pre_hook(lambda m, a: calls.append(m))
+    cls = type(model.model.layers[0].mlp.experts)
+    monkeypatch.setattr(cls, "to", lambda self, *a, to=cls.to: moved.append(a) or to(self, *a), raising=False)
     monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
     adapter = moe_adapter(model)
     assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
