@@ -58,9 +58,9 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     # transformers' load report lists every checkpoint weight the model does not use: hundreds of lines for the
     # vision tower of a multimodal checkpoint (Llama 4's), whose language model is what is audited. What matters of
     # it is checked below: a weight the model lacks would be random, and a size mismatch is an error anyway.
-    report = logging.getLogger("transformers.modeling_utils")
-    level = report.level
-    report.setLevel(logging.ERROR)
+    # A filter, not a level: at WARNING or above that logger's level makes transformers check tensor-parallel plans.
+    report, quiet = logging.getLogger("transformers.modeling_utils"), _NoLoadReport()
+    report.addFilter(quiet)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
                                                            experts_implementation="eager", output_loading_info=True)
@@ -69,13 +69,18 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg}): pass a complete checkpoint "
                            f"directory of a transformers>=5 MoE model") from None
     finally:
-        report.setLevel(level)
+        report.removeFilter(quiet)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
     tokenizer = AutoTokenizer.from_pretrained(dir) if _has_tokenizer(dir) else None
     return model.to(device).eval(), tokenizer
+
+
+class _NoLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
 
 
 def _has_tokenizer(dir: Path) -> bool:
