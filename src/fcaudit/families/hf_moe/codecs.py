@@ -97,6 +97,21 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
     return logits, weights, index
 
 
+def _expert_rows(canonical: torch.Tensor, num_experts: int, name: str) -> torch.Tensor:
+    """Canonical router coefficients [batch, token, 1, E] as one row per token [N, E]."""
+    if canonical.shape[-1] != num_experts or canonical.shape[-2] != 1:
+        raise FcauditError(f"{name}: coefficients of shape {list(canonical.shape)} are not "
+                           f"[batch, token, 1, {num_experts}]")
+    return canonical.reshape(-1, num_experts)
+
+
+def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Router logits the forward pass does not read: log(c) on the support, finfo.min off it (softmax of them is
+    the normalized vector)."""
+    return torch.where(c != 0, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
+                       torch.full_like(c, torch.finfo(dtype_of(dtype)).min)).to(dtype_of(dtype))
+
+
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
@@ -128,9 +143,7 @@ class TopKRouterCodec(Codec):
     def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _require_eager(self._experts, self.name)
         E = self.num_experts
-        if canonical.shape[-1] != E or canonical.shape[-2] != 1:
-            raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not [batch, token, 1, {E}]")
-        c = canonical.reshape(-1, E)
+        c = _expert_rows(canonical, E, self.name)
         selected = c != 0
         width = max(self.top_k, int(selected.sum(1).max().item()) if c.numel() else 0)
         # Selected experts first, by descending weight; stable, so ties keep the lower expert first.
@@ -142,9 +155,7 @@ class TopKRouterCodec(Codec):
             torch.where(keep[:, :1], order[:, :1], torch.zeros_like(order[:, :1]))  # the row's top expert, or 0
         index = torch.where(keep, order, filler).to(dtype_of(meta["index_dtype"]))
         weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
-        placeholder = torch.where(selected, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
-                                  torch.full_like(c, torch.finfo(dtype_of(meta["logits_dtype"])).min))
-        return (placeholder.to(dtype_of(meta["logits_dtype"])), weights.to(dtype_of(meta["weights_dtype"])).contiguous(),
+        return (_placeholder_logits(c, meta["logits_dtype"]), weights.to(dtype_of(meta["weights_dtype"])).contiguous(),
                 index.contiguous())
 
     def describe(self) -> str:
@@ -186,14 +197,8 @@ class ScoreRouterCodec(Codec):
                 "num_experts": self.num_experts, "top_k": self.top_k}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        E = self.num_experts
-        if canonical.shape[-1] != E or canonical.shape[-2] != 1:
-            raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not [batch, token, 1, {E}]")
-        c = canonical.reshape(-1, E)
-        logits_dtype = dtype_of(meta["logits_dtype"])
-        placeholder = torch.where(c != 0, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
-                                  torch.full_like(c, torch.finfo(logits_dtype).min))
-        return c.to(dtype_of(meta["scores_dtype"])).contiguous(), placeholder.to(logits_dtype)
+        c = _expert_rows(canonical, self.num_experts, self.name)
+        return c.to(dtype_of(meta["scores_dtype"])).contiguous(), _placeholder_logits(c, meta["logits_dtype"])
 
     def describe(self) -> str:
         return (f"top-{self.top_k} score router over {self.num_experts} experts: (batch token) expert scores, "
