@@ -57,6 +57,24 @@ def mudd_pickle_shard(tmp: Path) -> Path:
     return d
 
 
+def moe_ckpt(tmp: Path) -> Path:
+    """A tiny Hugging Face Mixtral checkpoint (2 layers)."""
+    from fcaudit.families.hf_moe.tiny import tiny_moe
+
+    d = tmp / "moe"
+    tiny_moe("mixtral").save_pretrained(d)
+    return d
+
+
+def device_map_file(tmp: Path, text: str | None = None) -> Path:
+    """A --device-map JSON file: by default one that puts the tiny Mixtral's second layer on disk."""
+    f = tmp / "map.json"
+    f.write_text(text if text is not None else json.dumps(
+        {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+         "model.norm": "cpu", "lm_head": "cpu"}))
+    return f
+
+
 def a_file(tmp: Path) -> Path:
     f = tmp / "taken.txt"
     f.write_text("a file the user made\n")
@@ -163,6 +181,19 @@ ENGINE_ROWS: list[Row] = [
      "cannot write"),
     ("audit-out-someone-elses-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", fg_ckpt(t)],
      "not an fcaudit audit directory"),
+    # --device-map (accelerate spreading a Hugging Face model)
+    ("audit-device-map-unknown", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "fastest",
+                                            "--out", t / "a"], "a JSON file of"),
+    ("audit-device-map-not-json", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
+                                             device_map_file(t, "{layers: 0"), "--out", t / "a"], "not valid JSON"),
+    ("audit-device-map-not-an-object", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
+                                                  device_map_file(t, "[0, 1]"), "--out", t / "a"], "JSON object"),
+    ("audit-device-map-and-device", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "auto", "--device",
+                                               "cpu", "--out", t / "a"], "pass one"),
+    ("audit-device-map-of-featuregate", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--device-map", "auto",
+                                                   "--out", t / "a"], "runs on one device"),
+    ("audit-device-map-disk-without-folder", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
+                                                        device_map_file(t), "--out", t / "a"], "--offload-folder"),
 ]
 
 

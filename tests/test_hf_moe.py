@@ -529,21 +529,32 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
 
 def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_class(monkeypatch):
     """On CUDA an index the experts refuse trips a device-side assert that ends the CUDA context, so a model off the
-    CPU has its experts probed on the CPU (moved there and back), once per class. Here: the CPU stands in."""
+    CPU has its experts probed on CPU copies of their weights (placement.on_cpu), once per class. Here: the CPU
+    stands in."""
+    from contextlib import contextmanager
+
+    from fcaudit import placement
     from fcaudit.families.hf_moe import discover
 
     model = tiny_moe("gpt_oss", experts=E, top_k=K)
-    calls, moved = [], []
+    calls, entered = [], []
     for layer in model.model.layers:
         layer.mlp.experts.register_forward_pre_hook(lambda m, a: calls.append(m))
-    cls = type(model.model.layers[0].mlp.experts)
-    monkeypatch.setattr(cls, "to", lambda self, *a, to=cls.to: moved.append(a) or to(self, *a), raising=False)
+    on_cpu = placement.on_cpu
+
+    @contextmanager
+    def recorded(module):
+        with on_cpu(module):
+            entered.append(module)
+            yield
+
+    monkeypatch.setattr(placement, "on_cpu", recorded)
     monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
     adapter = moe_adapter(model)
     assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
     # the probe's forward (2 layers), then one class's padding: plain, the sentinel (refused), the repeat
     assert len(calls) == 2 + 3
-    assert moved == [("cpu",), (torch.device("cpu"),)]  # there and back, once
+    assert entered == [model.model.layers[0].mlp.experts]  # once, for the first router's experts
 
 
 def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the_count():
@@ -568,3 +579,59 @@ def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the
     assert execution.num_experts == [6] and (n < K).any() and (n <= K).all()
     per_pair = execution.dense_flops[0] // (4 * 12 * 6)
     assert execution.expert_flops[0] == int(n.sum()) * per_pair  # measured == counted
+
+
+# ---- models spread by a device map (accelerate) -------------------------------------------------------------------
+
+ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+           "model.norm": "cpu", "lm_head": "cpu"}
+
+
+def test_a_model_with_a_layer_offloaded_to_disk_audits_to_the_records_of_the_model_loaded_whole(tmp_path):
+    """A device map changes where weights live and when they are loaded, not the function: accelerate loads layer 1
+    from disk for each forward pass, and the replay replaces its router's hooked forward. Records and the checkpoint
+    hash (read through the offloaded weights) equal those of the model loaded whole."""
+    import fcaudit as fca
+    from fcaudit import placement
+
+    tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
+    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    assert placement.is_dispatched(placed) and not placement.is_dispatched(whole)
+    layer = placed.model.layers[1]
+    assert all(p.is_meta for p in layer.parameters())
+    results = [fca.audit(m, fca.controller_for(m), _windows(6), _windows(4, seed=1), randomizations=2,
+                         out=tmp_path / name, batch_size=4, quiet=True)
+               for name, m in (("placed", placed), ("whole", whole))]
+    assert results[0].replay["bit_equal"] and results[0].replay["route_flips"] == 0
+    a, b = (r.records.sort_values(["condition", "randomization", "example"]).reset_index(drop=True) for r in results)
+    assert len(a) == 6 * (1 + 4 * 2 + 4) and a.equals(b)
+    assert results[0].config["model"]["params_sha256"] == results[1].config["model"]["params_sha256"]
+    assert all(p.is_meta for p in layer.parameters())  # offloaded again
+    plan = fca.plan(placed, fca.controller_for(placed), _windows(6), _windows(4, seed=1), batch_size=4)
+    assert plan.devices == ["cpu", "disk"] and "over cpu, disk (its device map)" in str(plan)
+    assert fca.plan(whole, fca.controller_for(whole), _windows(6), batch_size=4).devices is None
+
+
+def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
+    from fcaudit import placement
+
+    tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
+    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    experts = placed.model.layers[1].mlp.experts
+    with placement.on_cpu(experts):
+        assert torch.equal(experts.down_proj, whole.model.layers[1].mlp.experts.down_proj)
+    assert experts.down_proj.is_meta
+    kept = whole.model.layers[0].mlp.experts.down_proj
+    with placement.on_cpu(whole.model.layers[0].mlp.experts):  # already on the CPU: left as it is
+        assert whole.model.layers[0].mlp.experts.down_proj is kept
+
+
+def test_a_device_map_under_torchrun_with_several_processes_is_refused(tmp_path):
+    from fcaudit.auditing import _load
+
+    tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(FcauditError, match="torchrun started 2 processes"):
+        _load(str(tmp_path / "ckpt"), "embedded", 4, 4, 16, 0, torch.device("cpu"), None, None, world_size=None,
+              world=2, out=None, randomizations=1, batch_size=2, placed={"device_map": "auto", "offload_folder": None})

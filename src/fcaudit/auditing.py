@@ -22,14 +22,22 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
 def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_calib: int, window: int | None,
                      randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
-                     quiet: bool = False, world_size: int | None = None):
+                     quiet: bool = False, world_size: int | None = None, device_map: str | None = None,
+                     offload_folder: Path | None = None):
     """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run).
 
     Under torchrun every rank runs this with the same arguments: each loads the model on its own device
     (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is
     the number of processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run
-    checks it. `window` None: the model's context, at most 2048 tokens."""
+    checks it. `window` None: the model's context, at most 2048 tokens. `device_map` (instead of `device`): one
+    process spreads the model over this machine's devices (fcaudit.placement.parse_device_map)."""
     from fcaudit.audit.runner import audit, plan
+    from fcaudit.placement import parse_device_map
+
+    if device_map is not None and device != "auto":
+        raise FcauditError(f"--device {device} and --device-map {device_map}: pass one (the map names the devices)")
+    placed = None if device_map is None else {"device_map": parse_device_map(device_map),
+                                              "offload_folder": offload_folder}
 
     torch_device = rank_device(resolve_device(device))
     group = Group() if dry_run else group_from_env(torch_device)
@@ -39,7 +47,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
         model, controller, ev, ca, info = group.run(lambda: _load(
             checkpoint, corpus, n_eval, n_calib, window, seed, torch_device, revision, dtype,
             world_size=world_size, world=None if dry_run else group.world, out=None if dry_run else out,
-            randomizations=randomizations, batch_size=batch_size))
+            randomizations=randomizations, batch_size=batch_size, placed=placed))
         if dry_run:
             p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
                      world_size=world_size or launched_world())
@@ -54,7 +62,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
 
 
 def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, dtype, *, world_size, world, out,
-          randomizations, batch_size):
+          randomizations, batch_size, placed=None):
     """(model, controller, eval windows, calibration windows, model info) of a checkpoint on a corpus; bad counts or
     a bad --out fail before anything is loaded."""
     from fcaudit import data, families
@@ -77,9 +85,12 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
     if world_size is not None and world is not None and world_size != world:
         raise FcauditError(f"--world-size {world_size} but this run has {world} process(es); launch with "
                            f"torchrun --nproc_per_node={world_size} (or drop --world-size, which is for --dry-run)")
+    if placed is not None and (world or 1) > 1:
+        raise FcauditError(f"--device-map spreads one model over this machine's devices, but torchrun started {world} "
+                           "processes, each of which would load it whole: run one process, or drop --device-map")
     torch_dtype = None if dtype is None else as_dtype(dtype)
     ckpt_dir = resolve(checkpoint, revision)
-    model, _ = load_model(ckpt_dir, device=device, dtype=torch_dtype)
+    model, _ = load_model(ckpt_dir, device=device, dtype=torch_dtype, **(placed or {}))
     cap = families.DEFAULT_WINDOW_CAP
     window = window or min(families.context_length(model) or cap, cap)
     tokenizer = None

@@ -114,6 +114,11 @@ def audit(
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
     world_size: Optional[int] = typer.Option(None, metavar="N", help="--dry-run: forward passes per rank for this "
                                              "many processes (default: torchrun's WORLD_SIZE, else 1)"),
+    device_map: Optional[str] = typer.Option(None, metavar="MAP", help="spread a Hugging Face model over this "
+                                             "machine's GPUs, CPU and disk with accelerate: auto, balanced, "
+                                             "sequential or a JSON file {module: device} (instead of --device)"),
+    offload_folder: Optional[Path] = typer.Option(None, metavar="DIR", help="--device-map: where the weights it "
+                                                  "puts on disk go"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
     threads: Optional[int] = threads_option(),
 ) -> None:
@@ -127,7 +132,7 @@ def audit(
     audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
                      randomizations=randomizations, seed=seed, batch_size=batch_size, device=device,
                      revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet,
-                     world_size=world_size)
+                     world_size=world_size, device_map=device_map, offload_folder=offload_folder)
 
 
 @command

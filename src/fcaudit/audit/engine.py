@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
-from fcaudit import protocol
+from fcaudit import placement, protocol
 from fcaudit.audit import files
 from fcaudit.audit.directory import AuditDir
 from fcaudit.audit.group import Group, RankError
@@ -75,20 +75,18 @@ class _Run:
 
 # ---- one forward pass --------------------------------------------------------------------------------------------
 
-def model_device(model: nn.Module) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, mean NLL per predicted token per window [B], float64 on the model's device)."""
     out = model(ids)
-    nll = loss_fn(out, ids) if loss_fn is not None else token_nll(logits_of(out), ids).mean(1)
+    logits = logits_of(out)
+    if logits.device != ids.device:  # a model spread over devices by hand: its logits are on its last one
+        ids = ids.to(logits.device)
+    nll = loss_fn(out, ids) if loss_fn is not None else token_nll(logits, ids).mean(1)
     if not isinstance(nll, torch.Tensor) or tuple(nll.shape) != (ids.shape[0],):
         shape = tuple(nll.shape) if isinstance(nll, torch.Tensor) else type(nll).__name__
         raise FcauditError(f"loss_fn returned {shape}, not one loss per window [{ids.shape[0]}]; return a tensor "
                            "of shape [batch]")
-    return logits_of(out), nll.detach().double()
+    return logits, nll.detach().double()
 
 
 def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
@@ -99,7 +97,7 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     missing = [s.path for s, c in zip(controller.sites, found) if c is None]
     if missing:
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass; pick modules the model calls")
-    return list(found), logits, nll
+    return [c.to(ids.device) for c in found], logits, nll  # one device, also for sites on others (a device_map)
 
 
 def active(coeffs: Coeffs, sites: list[int] | None = None) -> torch.Tensor:
@@ -122,7 +120,7 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 def route_flips(live: dict[int, torch.Tensor], cached: Coeffs) -> int:
     """(window, token, layer, stream) cells whose selected sources (the support) differ between the live router on
     the replayed trajectory and the cache."""
-    return int(sum(((l != 0) != (cached[i] != 0)).any(-1).sum() for i, l in live.items()))
+    return int(sum(((l.to(cached[i].device) != 0) != (cached[i] != 0)).any(-1).sum() for i, l in live.items()))
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -136,7 +134,7 @@ class Engine:
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, adir
         self.schedule, self.seed, self.tol, self.loss_fn, self.dtypes = schedule, seed, tolerance, loss_fn, dtypes
         self.group, self.quiet = group, quiet
-        self.device = model_device(model)
+        self.device = placement.input_device(model)
         self.B = schedule.batch_size
         self.store = CoefficientStore(adir.coeffs)
         self.starts = np.asarray(schedule.eval_starts)

@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from fcaudit import protocol
+from fcaudit import placement, protocol
 from fcaudit.audit.directory import AuditDir, Locked, config_hash
-from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on, model_device
+from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
@@ -85,7 +85,7 @@ def check_windows(ev: torch.Tensor, ca: torch.Tensor, ev_set, ca_set) -> None:
 
 def parameter_hash(model: nn.Module) -> str:
     h = hashlib.sha256()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in placement.named_tensors(model):  # an offloaded layer's weights too, one module at a time
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # the buffer: no copy
@@ -137,16 +137,18 @@ class AuditPlan:
     world_size: int = 1
     passes_per_rank: list[int] | None = None
     store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
+    devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
 
     def __str__(self) -> str:
         split = ""
         if self.world_size > 1:
             split = f"; {self.world_size} processes: forward passes per rank {self.passes_per_rank}"
         held = f"; the replays also hold the store on {self.store_device}" if self.store_device else ""
+        over = f" over {', '.join(self.devices)} (its device map)" if self.devices else ""
         return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
                 f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
                 f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + {self.batch_size} x "
-                f"{_size(self.activation_bytes)} per window){held}{split}")
+                f"{_size(self.activation_bytes)} per window){over}{held}{split}")
 
 
 def _size(n: float) -> str:
@@ -206,7 +208,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     world_size = _check_int("world size", world_size, 1)
     ev, _ = as_windows(eval_windows, "evaluation")
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
-    device = model_device(model)
+    device = placement.input_device(model)
     was_training = model.training
     model.eval()
     try:
@@ -229,7 +231,8 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
                      store, sched.forward_passes(), param_bytes, acts,
                      param_bytes + batch_size * (acts + logits + 3 * per_window), world_size, per_rank,
-                     str(device) if keeps_store_on(device, store) else None)
+                     str(device) if keeps_store_on(device, store) else None,
+                     sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None)
 
 
 dry_run = plan
@@ -251,7 +254,7 @@ def _config(model, controller, ev, ca, ev_set, ca_set, *, conditions, randomizat
     model_desc = {**(model_info or {}), "class": type(model).__name__,
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
-                  "device_type": model_device(model).type, "coeff_dtype": coeff_dtype}
+                  "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
     return {"format": 2, "seed": int(seed), "randomizations": int(randomizations), "batch_size": int(batch_size),
             "tolerance": float(tolerance), "conditions": list(conditions), "windows": windows, "model": model_desc,
             "controller": controller.describe(), "labels": controller.labels,
@@ -292,7 +295,8 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     check_ids(model, ev, ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-    probe = capture_batch(model, controller, ev[:batch_size].to(model_device(model)), loss_fn, remember=True)
+    probe = capture_batch(model, controller, ev[:batch_size].to(placement.input_device(model)), loss_fn,
+                          remember=True)
     coeffs, logits, _ = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
     if not all_finite(logits):

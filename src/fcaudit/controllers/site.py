@@ -142,6 +142,7 @@ class Site:
     module: nn.Module = field(repr=False)
     codec: Codec = field(default=None)
     meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
+    device: torch.device | None = field(default=None, repr=False)  # where that output was (the site's device)
 
     def encode(self, out, batch: int, token: int) -> torch.Tensor:
         try:
@@ -154,13 +155,26 @@ class Site:
         return c
 
     def remember(self, out) -> None:
-        """Keep what decoding needs (memory order, dtypes) from one captured output; replays decode with it."""
+        """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
+        self.device = _device_of(out)
 
     def decode(self, c: torch.Tensor):
+        """The site's output from canonical coefficients, on the device its captured output was on (a model spread
+        over devices by a device_map computes each layer on its own)."""
         if self.meta is None:
             raise FcauditError(f"site {self.path!r} has no captured output to replay into; capture a batch first")
+        if self.device is not None and c.device != self.device:
+            c = c.to(self.device)
         return self.codec.decode(c, self.meta)
+
+
+def _device_of(out) -> torch.device | None:
+    """The device of the first tensor in a module output (a tensor, or a tuple, list or dict holding tensors)."""
+    if isinstance(out, torch.Tensor):
+        return out.device
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return next((d for d in map(_device_of, items) if d is not None), None)
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:

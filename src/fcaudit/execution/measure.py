@@ -36,6 +36,7 @@ from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.families import DEFAULT_WINDOW_CAP
 from fcaudit.io import atomic_write, prepare_out, read_json, write_json
+from fcaudit.placement import input_device
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
@@ -168,11 +169,6 @@ class Latency:
         return self.max_ms - self.min_ms > self.ms_per_batch
 
 
-def model_device(model: nn.Module) -> torch.device:
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def model_window(model: nn.Module, default: int = 128) -> int:
     from fcaudit.families import context_length
 
@@ -200,7 +196,7 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
         raise FcauditError(f"min_run_time {min_run_time} / repetitions {repetitions}: pass positive values")
     runs = []
     for i, model in enumerate(models):
-        dev = torch.device(device) if device is not None else model_device(model)
+        dev = torch.device(device) if device is not None else input_device(model)
         model = model.to(dev).eval()
         w = window or model_window(model)
         gen = torch.Generator().manual_seed(seed)

@@ -21,6 +21,7 @@ from torch import nn
 from fcaudit.controllers.site import Controller, Layout
 from fcaudit.errors import FcauditError
 from fcaudit.loss import logits_of, token_nll
+from fcaudit.placement import input_device
 
 
 def scalar_gate_controller(controller: Controller) -> Controller:
@@ -62,8 +63,7 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
         raise FcauditError(f"thresholds {list(thresholds)}: pass one or more finite thresholds, e.g. 0.1,0.3,0.5")
     if batch_size < 1:
         raise FcauditError(f"batch size {batch_size}: pass a batch size of at least 1")
-    p = next(iter(model.parameters()), None)
-    device = p.device if p is not None else torch.device("cpu")
+    device = input_device(model)
     n_layers = len(controller.sites)
 
     plain_sum = 0.0

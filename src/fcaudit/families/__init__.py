@@ -38,6 +38,8 @@ class Family:
     # extra execution columns (MoE: experts run, expert FLOPs): (model, ids, controller=None, coefficients=None)
     execution: Callable[..., dict] | None = None
     train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
+    # load(dir, device, dtype, device_map=..., offload_folder=...) spreads a model with accelerate (fcaudit.placement)
+    device_maps: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}

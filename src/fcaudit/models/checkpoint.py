@@ -68,9 +68,10 @@ def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | 
 
 
 def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
+               dtype: torch.dtype | None = None, device_map: str | dict | None = None,
+               offload_folder: str | os.PathLike | None = None) -> tuple[nn.Module, dict]:
     """Load a checkpoint directory or hub id with the family that accepts its config.json: returns (model in eval
-    mode on `device`, meta dict)."""
+    mode on `device`, or spread as `device_map` says (fcaudit.placement), meta dict)."""
     from fcaudit import families
     from fcaudit.hub import resolve
 
@@ -88,7 +89,12 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
         known = ", ".join(f.name for f in families.families())
         raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}); "
                            "pass a checkpoint of one of them")
-    return family.load(dir, torch.device(device), dtype)
+    if device_map is None:
+        return family.load(dir, torch.device(device), dtype)
+    if not family.device_maps:
+        raise FcauditError(f"a device map spreads Hugging Face checkpoints; {dir} is a {family.name} checkpoint, "
+                           "which runs on one device: drop --device-map and pass --device")
+    return family.load(dir, torch.device(device), dtype, device_map=device_map, offload_folder=offload_folder)
 
 
 def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:

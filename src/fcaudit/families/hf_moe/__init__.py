@@ -25,8 +25,8 @@ def _is_hf_moe(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.") and is_moe(model)
 
 
-def _load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    model, _ = load_hf_moe(dir, dtype=dtype, device=device)
+def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
+    model, _ = load_hf_moe(dir, dtype=dtype, device=device, **placed)
     c = model.config
     return model, {"model_type": c.model_type, "variant": f"moe-{c.model_type}"}
 
@@ -78,6 +78,7 @@ register(Family(
     save=_save,
     train_loss=_train_loss,
     execution=_execution,
+    device_maps=True,
 ))
 
 __all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "MoeSite", "MoeAdapter", "find_routers",

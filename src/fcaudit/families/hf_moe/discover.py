@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fcaudit import placement
 from fcaudit.controllers.site import Controller, Site
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
@@ -186,7 +187,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         handles.append(c.experts.register_forward_pre_hook(
             lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)), with_kwargs=True))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(next(model.parameters()).device)
+    ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
@@ -229,8 +230,8 @@ def _off_cpu(t: torch.Tensor) -> bool:
 def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
                     pads: dict[type, str]) -> str:
     """`_padding`, probed on the CPU: an index the experts refuse raises there, but on CUDA it trips a device-side
-    assert that ends the process's CUDA context. The experts of a model elsewhere are moved to the CPU and back (in
-    place), once per experts class in `pads`: the padding is a property of their code."""
+    assert that ends the process's CUDA context. The experts of a model elsewhere run on CPU copies of their weights
+    (loaded there when offloaded), once per experts class in `pads`: the padding is a property of their code."""
     if not _off_cpu(index):
         return _padding(c, args, kwargs, index, weights)
     if type(c.experts) not in pads:
@@ -241,13 +242,9 @@ def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tenso
                 moved[id(t)] = t.cpu()
             return moved.get(id(t), t)
 
-        device = next(c.experts.parameters()).device
-        try:
-            c.experts.to("cpu")
+        with placement.on_cpu(c.experts):
             pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
                                              cpu(index), cpu(weights))
-        finally:
-            c.experts.to(device)
     return pads[type(c.experts)]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fcaudit.errors import FcauditError
+from fcaudit.placement import require_accelerate
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
@@ -44,10 +45,15 @@ def looks_like_hf_moe(config: dict) -> bool:
 
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                revision: str | None = None):
+                revision: str | None = None, device_map: str | dict | None = None,
+                offload_folder: str | os.PathLike | None = None):
     """(model in eval mode with eager experts, tokenizer or None for byte-level checkpoints) from a checkpoint
-    directory or hub id. A hub id offline fails in seconds (fcaudit.hub) unless it is in the local cache."""
+    directory or hub id. A hub id offline fails in seconds (fcaudit.hub) unless it is in the local cache.
+    `device_map` (instead of `device`): spread the model with accelerate (fcaudit.placement.parse_device_map);
+    `offload_folder` holds the weights it puts on "disk"."""
     require_transformers()
+    if device_map is not None:
+        require_accelerate()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fcaudit.hub import resolve
@@ -62,12 +68,17 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     report, quiet = logging.getLogger("transformers.modeling_utils"), _NoLoadReport()
     report.addFilter(quiet)
     try:
+        placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
         model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
-                                                           experts_implementation="eager", output_loading_info=True)
+                                                           experts_implementation="eager", output_loading_info=True,
+                                                           **placed)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        msg = " ".join(str(e).split())[:160]
-        raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg}): pass a complete checkpoint "
-                           f"directory of a transformers>=5 MoE model") from None
+        msg = " ".join(str(e).split())
+        if device_map is not None and offload_folder is None and "offload" in msg:
+            raise FcauditError("the device map puts weights on disk: pass --offload-folder DIR (room for them)") \
+                from None
+        raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg[:160]}): pass a complete "
+                           f"checkpoint directory of a transformers>=5 MoE model") from None
     finally:
         report.removeFilter(quiet)
     missing = sorted(info.get("missing_keys") or [])
@@ -75,7 +86,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
     tokenizer = AutoTokenizer.from_pretrained(dir) if _has_tokenizer(dir) else None
-    return model.to(device).eval(), tokenizer
+    return (model if device_map is not None else model.to(device)).eval(), tokenizer
 
 
 class _NoLoadReport(logging.Filter):

@@ -1,0 +1,130 @@
+"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` (transformers'
+`from_pretrained(device_map=...)`) over several devices, with layers offloaded to the CPU or to disk.
+
+A dispatched model holds accelerate hooks: each module computes on its hook's execution device, an offloaded module's
+parameters sit on the meta device between its forward passes, and the top-level hook moves the inputs to the first
+device and the outputs back to the inputs' device. The audit needs three things of it, all here: the device its
+inputs go to, every weight's bytes (for the checkpoint hash), and whether it is dispatched at all.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack, contextmanager, nullcontext
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+
+
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's own device-map strategies
+
+
+def parse_device_map(spec: str) -> str | dict[str, str | int]:
+    """`--device-map`: one of accelerate's strategies (auto: fill the GPUs, then the CPU, then disk), or a JSON file
+    of {module path: device} ("cuda:0", 1, "cpu", "disk")."""
+    if spec in STRATEGIES:
+        return spec
+    path = Path(spec)
+    if not path.is_file():
+        raise FcauditError(f"--device-map {spec!r}: pass {', '.join(STRATEGIES)} or a JSON file of "
+                           '{"module.path": "cuda:0" | "cpu" | "disk"}')
+    try:
+        mapping = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FcauditError(f"--device-map {spec}: not valid JSON ({e.msg}); fix the file") from None
+    if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, (str, int)) for v in mapping.values()):
+        raise FcauditError(f'--device-map {spec}: pass a JSON object of {{"module.path": device}}, e.g. '
+                           '{"model.embed_tokens": 0, "model.layers": 1, "lm_head": "cpu"}')
+    return mapping
+
+
+def require_accelerate() -> None:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise FcauditError("a device map needs accelerate: pip install 'fcaudit[hf]'") from None
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device the model's input ids go to: its top-level hook's execution device when accelerate dispatched it,
+    else the device of its first parameter that holds data (the CPU when none does)."""
+    hook = getattr(model, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    p = next((p for p in model.parameters() if not p.is_meta), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def device_map(model: nn.Module) -> dict[str, str] | None:
+    """The `hf_device_map` transformers keeps of a model loaded with a device_map (module path -> device, "cpu" or
+    "disk"), as strings; None for a model on one device that nothing dispatched."""
+    mapping = getattr(model, "hf_device_map", None)
+    if not isinstance(mapping, dict):
+        return None
+    return {str(k): str(v if not isinstance(v, int) else f"cuda:{v}") for k, v in mapping.items()}
+
+
+def is_dispatched(model: nn.Module) -> bool:
+    """Whether accelerate spread the model over several devices or offloaded any of it."""
+    mapping = device_map(model)
+    return mapping is not None and (len(set(mapping.values())) > 1 or any(p.is_meta for p in model.parameters()))
+
+
+def _offloaded(module: nn.Module) -> bool:
+    return bool(getattr(getattr(module, "_hf_hook", None), "offload", False))
+
+
+def _onloaded(module: nn.Module):
+    """A context in which an offloaded module's own parameters hold their data on the CPU (accelerate's
+    align_module_device); a plain module's are left as they are."""
+    if _offloaded(module):
+        from accelerate.utils import align_module_device
+
+        return align_module_device(module, torch.device("cpu"))
+    return nullcontext()
+
+
+@contextmanager
+def on_cpu(module: nn.Module) -> Iterator[None]:
+    """Within the block every weight of `module` and its submodules holds its data on the CPU: an offloaded
+    module's are loaded there, any other's are CPU copies; afterwards each holds its own data again (no copy back)."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with ExitStack() as stack:
+        try:
+            for m in module.modules():
+                if _offloaded(m):
+                    stack.enter_context(_onloaded(m))
+                    continue
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                    if t.device.type != "cpu":
+                        saved.append((t, t.data))
+                        t.data = t.data.cpu()
+            yield
+        finally:
+            for t, data in saved:
+                t.data = data
+
+
+def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter, then every buffer, by name, with its data: an offloaded module's are loaded one module at a
+    time (memory holds one module's weights, not the model's), each valid until the next is asked for. Order:
+    named_parameters(), then named_buffers()."""
+    owners = dict(model.named_modules())
+    for kind in ("parameters", "buffers"):
+        for name, t in getattr(model, f"named_{kind}")():
+            if not t.is_meta:
+                yield name, t
+                continue
+            owner, _, leaf = name.rpartition(".")
+            module = owners[owner]
+            with _onloaded(module):
+                t = getattr(module, leaf)
+                if t.is_meta:
+                    raise FcauditError(f"{name} has no data (it is on the meta device, and accelerate did not offload "
+                                       f"it): load the model's weights before auditing it")
+                yield name, t
