@@ -12,19 +12,24 @@ from torch import nn
 
 
 def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
-         revision: str | None = None) -> nn.Module:
+         revision: str | None = None, device_map: str | dict | None = None,
+         offload_folder: str | os.PathLike | None = None) -> nn.Module:
     """The model of a checkpoint directory or Hugging Face hub id (any registered family: FeatureGate, MUDDPythia,
     Hugging Face MoE), in eval mode.
 
     What the checkpoint says about itself (variant, seed, ...) is in `model.fcaudit_meta`, with the resolved
-    directory under "checkpoint". device: auto | cpu | cuda; dtype: None keeps the checkpoint's.
+    directory under "checkpoint". device: auto | cpu | cuda; dtype: None keeps the checkpoint's. device_map (Hugging
+    Face checkpoints, instead of device): accelerate's "auto", "balanced", "sequential", or {module path: device};
+    offload_folder holds what it puts on "disk".
     """
     from fcaudit.device import as_dtype, resolve_device
     from fcaudit.hub import resolve
     from fcaudit.models.checkpoint import load_model
 
     path = resolve(path_or_id, revision)
-    model, meta = load_model(path, device=resolve_device(device), dtype=None if dtype is None else as_dtype(dtype))
+    placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
+    model, meta = load_model(path, device=resolve_device(device), dtype=None if dtype is None else as_dtype(dtype),
+                             **placed)
     model.fcaudit_meta = {**meta, "checkpoint": str(path)}
     return model
 
