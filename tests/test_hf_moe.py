@@ -635,3 +635,17 @@ def test_a_device_map_under_torchrun_with_several_processes_is_refused(tmp_path)
     with pytest.raises(FcauditError, match="torchrun started 2 processes"):
         _load(str(tmp_path / "ckpt"), "embedded", 4, 4, 16, 0, torch.device("cpu"), None, None, world_size=None,
               world=2, out=None, randomizations=1, batch_size=2, placed={"device_map": "auto", "offload_folder": None})
+
+
+def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_the_cpu(tmp_path, monkeypatch):
+    """As on a GPU with CPU offload: the experts' padding is probed on the CPU (placement.on_cpu) while accelerate's
+    hook loads their weights for each call; they are offloaded again afterwards."""
+    from fcaudit.families.hf_moe import discover
+
+    tiny_moe("gpt_oss", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
+    both = {**ON_DISK, "model.layers.0": "disk"}  # the first experts probed are offloaded
+    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
+    monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
+    adapter = moe_adapter(placed)
+    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
+    assert all(p.is_meta for p in placed.model.layers[0].mlp.experts.parameters())
