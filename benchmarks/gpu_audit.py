@@ -6,6 +6,8 @@
 For each model (random weights; a trained-looking, non-silent controller):
   MUDDPythia-1.4B  the published config (shared/specs/muddpythia.md) in bfloat16, windows of 2048 tokens
   FeatureGate      the paper-76m preset in float32 (its features are float32 by definition), windows of 512 tokens
+  OLMoE-1B-7B      the public config of allenai/OLMoE-1B-7B-0924 (64 experts, top-8, 16 layers) in bfloat16 through
+                   transformers, windows of 2048 tokens (the experts run eager, as in every audit)
 it times one forward at batch 8 (median of 5 after 2 warm-ups; MUDDPythia also with fast_mix), counts its FLOPs
 with fcaudit.execution.measure.flops (torch.utils.flop_counter: matmuls and attention kernels as executed, the
 T x T products counted in full, causal masking not discounted; elementwise work not counted), runs a short audit
@@ -77,6 +79,26 @@ def build_featuregate(device: torch.device, smoke: bool) -> tuple[FeatureGateGPT
                 for p in block.gate.parameters():
                     p.add_(torch.randn_like(p) * 0.5)
     return model.eval(), (32 if smoke else cfg.block_size)
+
+
+# allenai/OLMoE-1B-7B-0924's config.json (its sizes; 6.9B parameters, 1.3B active per token)
+OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                   num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                   max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, clip_qkv=None,
+                   norm_topk_prob=False, tie_word_embeddings=False, pad_token_id=1, eos_token_id=50279)
+
+
+def build_olmoe(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, int]:
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    from fcaudit.families.hf_moe.tiny import tiny_moe_config
+
+    cfg = tiny_moe_config("olmoe", experts=8, top_k=2) if smoke else \
+        OlmoeConfig(**OLMOE_1B_7B, experts_implementation="eager")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
+    return model.eval(), (32 if smoke else 2048)
 
 
 def sync(device: torch.device) -> None:
@@ -176,7 +198,7 @@ def report(row: dict) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (checks the script, in seconds)")
-    p.add_argument("--only", choices=["mudd", "featuregate"], help="run one model only")
+    p.add_argument("--only", choices=["mudd", "featuregate", "olmoe"], help="run one model only")
     p.add_argument("--fast-mix", action="store_true", help="audit MUDDPythia with fast_mix (default: published order)")
     p.add_argument("--n-eval", type=int, default=16)
     p.add_argument("--n-calib", type=int, default=16)
@@ -206,6 +228,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.only in (None, "featuregate"):
         model, T = build_featuregate(device, args.smoke)
         rows.append(run_case("featuregate-76m" if not args.smoke else "featuregate-tiny", model, T, args, device))
+        report(rows[-1])
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.only in (None, "olmoe"):
+        model, T = build_olmoe(device, args.smoke)
+        rows.append(run_case("olmoe-1b-7b" if not args.smoke else "olmoe-tiny", model, T, args, device))
         report(rows[-1])
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:

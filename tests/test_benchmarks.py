@@ -19,13 +19,13 @@ def load_script(name: str):
 def test_gpu_audit_smoke_mode_runs_on_the_cpu(tmp_path, capsys):
     gpu_audit = load_script("gpu_audit")
     rows = gpu_audit.main(["--smoke", "--out", str(tmp_path)])
-    assert [r["model"] for r in rows] == ["muddpythia-tiny", "featuregate-tiny"]
-    for r in rows:
+    assert [r["model"] for r in rows] == ["muddpythia-tiny", "featuregate-tiny", "olmoe-tiny"]
+    for r, static in zip(rows, (3, 3, 4)):  # the MoE has StaticTopK too
         assert r["replay_passed"] and r["forward_ms"] > 0 and r["flops_per_forward"] > 0
         # counted in the audit: 4 + 4 windows at batch 2 with R = 2 (calibration, capture (the first batch's by the
-        # probe) and replay check, R per randomized condition (4 of them), the 3 static ones)
-        assert r["forward_passes"] == 2 + 2 * (2 + 4 * 2 + 3)
-        assert r["paper_forward_passes"] == 64 + 64 * (2 + 4 * 20 + 3)
+        # probe) and replay check, R per randomized condition (4 of them), the static ones)
+        assert r["forward_passes"] == 2 + 2 * (2 + 4 * 2 + static)
+        assert r["paper_forward_passes"] == 64 + 64 * (2 + 4 * 20 + static)
         assert r["audit_over_bare"] > 0 and r["paper_audit_h_extrapolated"] > 0 and r["mfu"] is None
     assert "forward_ms_fast_mix" in rows[0] and rows[0]["fast_mix"] is False
     assert json.loads((tmp_path / "gpu_audit.json").read_text()) == rows
