@@ -550,3 +550,21 @@ def test_feature_finishing_gives_the_bits_of_its_first_form():
                 fast = fg._finish(entropy_h, kl, lse, h, update)
             assert torch.equal(fast, first_form(entropy_h, kl, lse, h, update))
             assert torch.equal(fg._finish(entropy_h, kl, lse, h, update), fast)  # the cached log outside it too
+
+
+def test_a_model_loaded_in_bfloat16_audits_with_exact_replay(tmp_path):
+    """`--dtype bfloat16`: the features stay float32 (by definition), the gate's MLP computes in the weights' dtype."""
+    import fcaudit as fca
+
+    torch.manual_seed(0)
+    model = FeatureGateGPT(config_for("tiny", "featuregate"))
+    with torch.no_grad():  # gates that vary over tokens and inputs, as after training
+        for block in model.blocks:
+            for p in block.gate.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+    model = model.to(torch.bfloat16).eval()
+    windows = torch.randint(0, 256, (10, 32), generator=torch.Generator().manual_seed(1))
+    res = fca.audit(model, fca.controller_for(model), windows[:6], windows[6:], randomizations=2,
+                    out=tmp_path / "audit", batch_size=3, quiet=True)
+    assert res.replay["bit_equal"] and res.config["model"]["dtype"] == "bfloat16"
+    assert res.penalties().set_index("condition").loc["CrossInput", "mean"] != 0

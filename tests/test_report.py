@@ -11,6 +11,7 @@ import pytest
 from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
+from fcaudit.audit import files
 from fcaudit.errors import FcauditError
 from fcaudit.io import write_json
 from fcaudit.report import build_report, training_table
@@ -47,7 +48,8 @@ def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=
     rec = make_records(penalties, seed=seed, **kw)
     for (c, r), g in rec.groupby(["condition", "randomization"]):
         (path / "records" / c).mkdir(parents=True, exist_ok=True)
-        g.to_parquet(path / "records" / c / f"r{r:04d}.parquet", index=False)
+        files.write_columns(path / "records" / c / f"r{r:04d}.parquet",  # as the engine writes them (hashed)
+                            {**{k: g[k].to_numpy() for k in g.columns}, "condition": c})
     crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
     write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
                                       "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
@@ -265,3 +267,61 @@ def test_criteria_missing_from_config_are_flagged(tmp_path):
     assert not any(v["fixed_in_advance"] for v in s.criteria)
     build_report([d], tmp_path / "r")
     assert "not prespecified" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_summary_json_keeps_full_precision_absolute_audit_paths_and_no_nan(fg7, tmp_path, monkeypatch):
+    """summary.json holds the CSVs' numbers to the last bit (pandas' to_json would round to 10 digits), its audits
+    as absolute paths (a report run from elsewhere finds them), and null where a number is undefined."""
+    monkeypatch.chdir(tmp_path)
+    s = summarize([Path(p.name) for p in fg7], tmp_path / "summary")
+    text = (tmp_path / "summary" / "summary.json").read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
+    csv = pd.read_csv(tmp_path / "summary" / "conditions.csv")
+    assert [r["mean"] for r in saved["conditions"]] == csv["mean"].tolist() == s.conditions["mean"].tolist()
+    assert saved["groups"]["FeatureGate tiny"]["audits"] == [str(p.resolve()) for p in fg7]
+    assert any(r["mc_se"] is None for r in saved["conditions"])  # static conditions: no Monte Carlo error
+    monkeypatch.chdir("/")  # the audits are covered by the summary however the report is run
+    build_report([tmp_path / "summary", fg7[0]], tmp_path / "report")
+
+
+def test_report_refuses_one_family_from_two_sources_and_writes_nothing(fg7, tmp_path):
+    summarize(fg7[:3], tmp_path / "summary")
+    with pytest.raises(FcauditError, match="'FeatureGate tiny' is in .*summary and in the audit directories given"):
+        build_report([tmp_path / "summary", fg7[3]], tmp_path / "report")
+    summarize(fg7[3:], tmp_path / "summary2")
+    with pytest.raises(FcauditError, match="summarize all of its audits together"):
+        build_report([tmp_path / "summary", tmp_path / "summary2"], tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+
+
+def test_records_rewritten_without_their_hash_are_damaged(fg7, tmp_path):
+    """A records file edited with pandas (which drops fcaudit's content hash) is not trusted."""
+    f = fg7[0] / "records" / "StaticProfile" / "r0000.parquet"
+    frame = pd.read_parquet(f)
+    frame.loc[0, "nll"] = 10.0
+    frame.to_parquet(f, index=False)
+    with pytest.raises(FcauditError, match="r0000.parquet is damaged .*no content hash"):
+        summarize(fg7, tmp_path / "summary")
+
+
+def test_write_json_writes_null_for_non_finite_numbers(tmp_path):
+    from fcaudit.io import read_json
+
+    write_json(tmp_path / "x.json", {"a": float("nan"), "b": [np.float64("inf"), np.float32(1.5)], "c": np.int64(3)})
+    text = (tmp_path / "x.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert read_json(tmp_path / "x.json") == {"a": None, "b": [None, 1.5], "c": 3}
+
+
+def test_a_report_rewritten_into_its_directory_leaves_none_of_the_earlier_reports_files(fg7, tmp_path):
+    mudd = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS)
+    out = tmp_path / "report"
+    build_report([*fg7, mudd], out)
+    assert (out / "fca_muddpythia.csv").is_file() and (out / "fig2_penalties_muddpythia.png").is_file()
+    (out / "notes.txt").write_text("the user's own file")
+    build_report(fg7, out)
+    names = {p.name for p in out.iterdir()}
+    assert "fca_muddpythia.csv" not in names and "fig2_penalties_muddpythia.png" not in names
+    assert {"fca_featuregate-tiny.csv", "notes.txt", "report.html"} <= names
+    assert set(json.loads((out / "report.json").read_text())["files"]) | {"report.json", "notes.txt", "summary"} \
+        == names | {f"summary/{f.name}" for f in (out / "summary").iterdir()}

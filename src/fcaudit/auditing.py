@@ -75,9 +75,9 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
         raise FcauditError(f"--eval {n_eval}: CrossInput needs a derangement of at least 2 evaluation windows")
     if n_calib < 1:
         raise FcauditError(f"--calib {n_calib}: static profiles need at least 1 calibration window")
-    if randomizations < 1 or batch_size < 1:
-        raise FcauditError(f"--randomizations {randomizations} / --batch-size {batch_size}: pass integers >= 1 "
-                           "(randomizations and batch size)")
+    for flag, value in (("--randomizations", randomizations), ("--batch-size", batch_size)):
+        if value < 1:
+            raise FcauditError(f"{flag} {value}: pass an integer >= 1")
     if out is not None:
         AuditDir(out).check()
     if world_size is not None and world_size < 1:

@@ -148,7 +148,7 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
     """
     from fcaudit.io import prepare_out
 
-    prepare_out(out, "summary")
+    prepare_out(out, "summary", alone=True)
     from fcaudit.summary import summarize as run_summary
 
     summary = run_summary(audit_dirs, out=out, allow_partial=allow_partial)

@@ -77,7 +77,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.train import TrainConfig, train
 
     plan = QUICK if quick else FULL
-    out = prepare_out(out, "demo")
+    out = prepare_out(out, "demo", alone=True)
     _check_out(out, plan)
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")

@@ -1,6 +1,7 @@
 """Atomic writes (a file is either absent or complete, never half written) and output-directory checks."""
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -55,8 +56,24 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_bytes(path, text.encode())
 
 
+def finite_json(obj: Any) -> Any:
+    """`obj` with every nan or infinite float (Python or numpy) as None: JSON has no NaN, and strict readers
+    (JavaScript's JSON.parse, jq) refuse the bare NaN that Python's json writes. Numpy scalars become Python's."""
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a numpy scalar
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """Pretty, sorted JSON; non-finite numbers are written as null (`finite_json`)."""
+    return write_text(path, json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+                      + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -76,16 +93,25 @@ def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def prepare_out(path: str | os.PathLike, what: str) -> Path:
+# files that make a directory a checkpoint or an audit: no other command's output goes into it
+OTHERS = {".fcaudit-audit": "an audit", "config.json": "a checkpoint", "model.safetensors": "a checkpoint"}
+
+
+def prepare_out(path: str | os.PathLike, what: str, *, alone: bool = False) -> Path:
     """Check, before any work, that `path` can become (or already is) a writable directory for the `what`.
 
     Creates nothing and deletes nothing: a file at `path`, a file among its parents, or a directory that cannot
-    be written becomes one FcauditError naming the fix. Returns `path` as a Path.
+    be written becomes one FcauditError naming the fix; so does, with `alone`, a directory holding a checkpoint or
+    an audit (OTHERS), whose files the `what` would mix with. Returns `path` as a Path.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                            "(fcaudit does not overwrite files it did not write)")
+    if alone and path.is_dir():
+        held = next((kind for name, kind in OTHERS.items() if (path / name).exists()), None)
+        if held is not None:
+            raise FcauditError(f"--out {path} holds {held}: pass a directory of its own for the {what}")
     existing = path
     while not existing.exists():  # the nearest existing ancestor is where the first directory would be created
         if existing.parent == existing:

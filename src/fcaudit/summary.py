@@ -13,7 +13,6 @@ from each audit's config.json, where the engine wrote them before the audit ran.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +24,7 @@ import pandas as pd
 from fcaudit import protocol
 from fcaudit.audit.results import AuditResult
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, read_json, write_json
+from fcaudit.io import atomic_write, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means
 from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap
@@ -38,8 +37,8 @@ WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap interval
                "evaluation windows (and MC SE the randomization error) for this checkpoint, not uncertainty across "
                "independently trained checkpoints.")
 CHECKPOINT_NOTE = ("Training seeds are the units: intervals are percentile bootstrap CIs over checkpoints, p-values "
-                   "exact two-sided sign-flip tests over checkpoints; MC SE is the mean within-checkpoint "
-                   "randomization error.")
+                   "two-sided sign-flip tests over checkpoints (exact up to 20 checkpoints, Monte Carlo above); MC SE "
+                   "is the mean within-checkpoint randomization error.")
 PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
 
 
@@ -323,7 +322,7 @@ class Summary:
                 value = f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else f"undefined ({r.note})"
                 if math.isfinite(r.retention) and not math.isfinite(r.ci_low):
                     value += f" ({r.note.split('; ')[-1]})"
-                ci = f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]" if math.isfinite(r.ci_low) else ""
+                ci = f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]" if math.isfinite(r.ci_low) else ""
                 lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}; "
                              f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
             for v in (c for c in self.criteria if c["family"] == fam):
@@ -332,8 +331,8 @@ class Summary:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        def recs(df):
-            return json.loads(df.to_json(orient="records"))
+        def recs(df):  # full precision (to_json rounds to 10 digits), nan as None
+            return finite_json(df.to_dict(orient="records"))
         return {"groups": self.groups, "conditions": recs(self.conditions), "factors": recs(self.factors),
                 "retention": recs(self.retention), "criteria": self.criteria}
 
@@ -394,7 +393,8 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
         groups[fam] = {"n_checkpoints": len(members), "level": level,
                        "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": labels, "partial": partial,
                        "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
-                       "audits": [str(a.path) for a in members], "replay": [a.replay for a in members],
+                       # absolute: a report run from another directory finds them
+                       "audits": [str(Path(a.path).resolve()) for a in members], "replay": [a.replay for a in members],
                        "variation": [v for v in (a.variation for a in members) if v is not None]}
     summary = Summary(*(pd.concat(frames[k], ignore_index=True) if frames[k] else _frame([], k) for k in frames),
                       criteria, groups)

@@ -163,7 +163,9 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
     return write_bytes(path, memoryview(buffer.getvalue()))  # arrow's buffer itself, not a copy as bytes
 
 
-def read_frame(path: str | os.PathLike, verify: bool = True) -> pd.DataFrame:
+def read_frame(path: str | os.PathLike, verify: bool = True, require_hash: bool = False) -> pd.DataFrame:
+    """A Parquet table written by `write_columns`, its content hash checked (with `verify`). `require_hash`: a table
+    without one is damaged too (it was rewritten by something else, e.g. pandas, which drops the hash)."""
     path = _exists(Path(path))
     try:
         table = pq.read_table(path)
@@ -171,6 +173,8 @@ def read_frame(path: str | os.PathLike, verify: bool = True) -> pd.DataFrame:
     except Exception as e:
         raise Damaged(path, f"unreadable ({type(e).__name__})") from None
     recorded = (table.schema.metadata or {}).get(b"fcaudit_sha256")
+    if verify and require_hash and recorded is None:
+        raise Damaged(path, "it has no content hash (rewritten by another program)")
     if verify and recorded is not None and recorded.decode() != _frame_sha256(frame):
         raise Damaged(path, "content hash does not match")
     return frame

@@ -14,7 +14,7 @@ import pandas as pd
 
 from fcaudit import protocol
 from fcaudit.audit import files
-from fcaudit.audit.directory import AuditDir
+from fcaudit.audit.directory import MARKER, AuditDir
 from fcaudit.errors import FcauditError
 
 DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
@@ -43,7 +43,7 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
     frames = []
     for f in sorted(p for p in (adir.root / "records").rglob("*.parquet") if not p.name.startswith(".")):
         try:
-            frames.append(files.read_frame(f))
+            frames.append(files.read_frame(f, require_hash=True))  # records/ files always carry one
         except files.Damaged as e:
             raise _damaged(e, adir.root) from None
     if partial:
@@ -171,6 +171,9 @@ class AuditResult:
         if not adir.config_path.is_file():
             raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
                                "`fcaudit audit`")
+        if not any((adir.root / n).exists() for n in (MARKER, "records", "records.parquet")):  # 2.x, or the first
+            raise FcauditError(f"{adir.root} is not an audit directory (a checkpoint?): audit it first with "
+                               f"`fcaudit audit {adir.root} --out DIR` and pass DIR")
         try:
             config = adir.config()
         except files.Damaged as e:
@@ -272,7 +275,7 @@ class AuditResult:
                 continue
             r = self.retention(c)
             if math.isfinite(r["ci_low"]):
-                value = f"{100 * r['retention']:.2f}% [{100 * r['ci_low']:.2f}, {100 * r['ci_high']:.2f}]"
+                value = f"{100 * r['retention']:.2f}% [{100 * r['ci_low']:.2f}%, {100 * r['ci_high']:.2f}%]"
             elif math.isfinite(r["retention"]):
                 value = f"{100 * r['retention']:.2f}% ({r['note'].split('; ')[-1]})"
             else:

@@ -510,7 +510,8 @@ class FeatureGate(nn.Module):
         nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
 
     def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
-        feats = gate_features(h, update, q, k, prev_q, prev_k, carry)
+        feats = gate_features(h, update, q, k, prev_q, prev_k, carry)  # float32 by definition
+        feats = feats.to(self.fc.weight.dtype)  # a model loaded in bf16: its MLP computes in bf16 (float32: no-op)
         return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
 
 

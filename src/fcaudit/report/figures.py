@@ -135,7 +135,7 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     for yi, r in zip(y, df.itertuples()):
         unit = "checkpoints" if r.level == "checkpoint" else "windows"
         ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
-              else f" [{100 * r.ci_low:.2f}, {100 * r.ci_high:.2f}]")
+              else f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]")
         ret = f"{100 * r.retention:.2f}%" if np.isfinite(r.retention) else "undefined (ΔNLL(R) not clearly > 0)"
         ax.text(1.02, yi, f"{ret}{ci}\n{r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}, "
                 f"n={int(r.n)} {unit}", transform=ax.get_yaxis_transform(), fontsize=8, va="center", ha="left")

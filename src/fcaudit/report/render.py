@@ -24,6 +24,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, prepare_out, read_json, write_json, write_text
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
+from fcaudit.stats.inference import sign_flip_kind
 from fcaudit.summary import Summary, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
@@ -274,8 +275,8 @@ def _family_section(doc: Doc, s: Summary, fam: str):
         doc.csvs.append(f"retention_{slug}.csv")
     if len(facs):
         doc.h(3, "Factor effects (Eq. 5-7)")
-        holm_note = ("p-values: exact two-sided sign-flip tests over checkpoints, Holm-adjusted across the three "
-                     "effects." if g["level"] == "checkpoint" else
+        holm_note = (f"p-values: {sign_flip_kind(n)} two-sided sign-flip tests over checkpoints, Holm-adjusted "
+                     "across the three effects." if g["level"] == "checkpoint" else
                      "No p-values: with one checkpoint there are no independent units for a test.")
         doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
                   "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
@@ -446,12 +447,18 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
     """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
     number as CSV/JSON into `out`. Returns the path of report.html."""
-    out = prepare_out(out, "report")
+    out = prepare_out(out, "report", alone=True)
     found = discover(inputs)
+    sources = [(str(d), s) for d, s in found.summaries]
+    made = summarize(found.audits, allow_partial=allow_partial) if found.audits else None
+    if made is not None:
+        sources.append(("the audit directories given", made))
+    _one_source_per_family(sources)
     out.mkdir(parents=True, exist_ok=True)
-    summaries = [s for _, s in found.summaries]
-    if found.audits:
-        summaries.append(summarize(found.audits, out / "summary", allow_partial=allow_partial))
+    _remove_earlier_report(out)
+    if made is not None:
+        made.save(out / "summary")
+    summaries = [s for _, s in sources]
     doc = Doc(out)
     prov = provenance()
     doc.h(1, "fcaudit report")
@@ -482,9 +489,36 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
           + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
+    summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("*"))] if made is not None else []
+    numbers["files"] = [*doc.csvs, *(p.name for p in pngs), *summary_files, "report.md", "report.html"]
     write_json(out / "report.json", numbers)
     write_text(out / "report.md", doc.markdown())
     return write_text(out / "report.html", doc.html("fcaudit report"))
+
+
+def _remove_earlier_report(out: Path) -> None:
+    """The files an earlier report into `out` wrote (listed in its report.json), so that none of them stays beside
+    this one (e.g. the tables of a family this report does not cover). Nothing else is touched."""
+    try:
+        listed = read_json(out / "report.json").get("files")
+    except (OSError, ValueError, AttributeError):
+        return
+    for name in listed if isinstance(listed, list) else []:
+        f = out / str(name)
+        if f.resolve().parent in (out.resolve(), (out / "summary").resolve()) and f.is_file():
+            f.unlink()
+
+
+def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:
+    """A family's checkpoints are pooled in one summary: the same family from two sources would give two sets of
+    statistics under one name (and one figure row each)."""
+    seen: dict[str, str] = {}
+    for where, s in sources:
+        for fam in _families(s):
+            if fam in seen:
+                raise FcauditError(f"model family {fam!r} is in {seen[fam]} and in {where}: summarize all of its audits "
+                                   "together (fcaudit summarize AUDIT_DIR... --out DIR) and pass that summary")
+            seen[fam] = where
 
 
 def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, executions: list[Execution]) -> list[dict]:
@@ -499,7 +533,8 @@ def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, execution
                      "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
             if not out:
                 doc.h(2, "Verdicts: the three questions per model family")
-            doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)")
+            doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)"
+                  + (" **[PARTIAL: from unfinished audits]**" if g.get("partial") else ""))
             doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
             out.append({"family": fam, **lines})
     return out

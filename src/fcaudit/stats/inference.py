@@ -157,11 +157,20 @@ def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, 
     est = _mean_estimate(x, confidence, n_resamples, seed, "checkpoint")
     if sign_flip and est.n >= 2:
         est = Estimate(est.statistic, est.confidence_interval, sign_flip_test(x, seed=seed), est.n,
-                       est.method + "; exact two-sided sign-flip p-value", est.confidence_level, est.standard_error)
+                       est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value", est.confidence_level,
+                       est.standard_error)
     return est
 
 
-def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = 20) -> float:
+SIGN_FLIP_EXACT_MAX_N = 20  # up to 2^20 sign patterns are enumerated; beyond, a Monte Carlo sample of them
+
+
+def sign_flip_kind(n: int) -> str:
+    """How `sign_flip_test` computes the p-value of n checkpoints: "exact" or "Monte Carlo"."""
+    return "exact" if n <= SIGN_FLIP_EXACT_MAX_N else "Monte Carlo"
+
+
+def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIGN_FLIP_EXACT_MAX_N) -> float:
     """Two-sided sign-flip (one-sample permutation) test of mean 0.
 
     p = fraction of sign patterns whose |mean| >= the observed |mean| (ties within a relative tolerance of 1e-12
