@@ -152,6 +152,8 @@ ROWS: list[Row] = [
     ("execution-negative-threshold-windows", lambda t: ["execution", fg_ckpt(t), "--threshold", 0.5,
                                                         "--threshold-windows", -1, "--out", t / "e"],
      "--threshold-windows -1"),
+    ("execution-same-checkpoint-twice", lambda t: ["execution", fg_ckpt(t), fg_ckpt(t), "--out", t / "e"],
+     "given twice"),
     ("execution-zero-min-run-time", lambda t: ["execution", fg_ckpt(t), "--min-run-time", 0, "--out", t / "e"],
      "--min-run-time 0"),
     # weights stored as pickle

@@ -357,6 +357,8 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     dev = resolve_device(device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise FcauditError("the same checkpoint was given twice: pass each checkpoint once")
     contexts = {p: _block_size(p) for p in paths}
     window = window or default_window(contexts.values())
     too_short = [str(p) for p, size in contexts.items() if size < window]

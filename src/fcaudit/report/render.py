@@ -400,7 +400,9 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
                   + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
                      "quoting its ratio." if noisy else ""))
         if e.thresholding is not None:
-            doc.table(_display(_pick(e.thresholding, _THRESHOLD_COLUMNS)), e.thresholding, f"{name}_thresholding",
+            shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct)) \
+                if "frac_below" in e.thresholding.columns else e.thresholding  # as the terminal shows it
+            doc.table(_display(_pick(shown, _THRESHOLD_COLUMNS)), e.thresholding, f"{name}_thresholding",
                       _threshold_note(e.thresholding, e.settings))
         if e.conditions is not None:
             doc.table(_display(_pick(e.conditions, _CONDITION_COLUMNS)), e.conditions, f"{name}_conditions",
