@@ -325,3 +325,10 @@ def test_a_report_rewritten_into_its_directory_leaves_none_of_the_earlier_report
     assert {"fca_featuregate-tiny.csv", "notes.txt", "report.html"} <= names
     assert set(json.loads((out / "report.json").read_text())["files"]) | {"report.json", "notes.txt", "summary"} \
         == names | {f"summary/{f.name}" for f in (out / "summary").iterdir()}
+
+
+def test_a_family_of_few_checkpoints_says_how_coarse_its_intervals_are(fg7, tmp_path):
+    few, many = summarize(fg7[:2]), summarize(fg7[2:])
+    assert "With 2 checkpoints the intervals are coarse" in few.groups["FeatureGate tiny"]["note"]
+    assert "below 0.5" in few.groups["FeatureGate tiny"]["note"]
+    assert "coarse" not in many.groups["FeatureGate tiny"]["note"]

@@ -39,6 +39,9 @@ WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap interval
 CHECKPOINT_NOTE = ("Training seeds are the units: intervals are percentile bootstrap CIs over checkpoints, p-values "
                    "two-sided sign-flip tests over checkpoints (exact up to 20 checkpoints, Monte Carlo above); MC SE "
                    "is the mean within-checkpoint randomization error.")
+FEW_CHECKPOINTS = 5
+FEW_NOTE = (" With {n} checkpoints the intervals are coarse (with 2, the range of the two) and no p-value can be "
+            "below {p:.3g}: read the criteria with that in mind.")
 PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
 
 
@@ -385,7 +388,8 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
             per = [_window_table(a.records) for a in members]
             active = _active(pd.concat([a.records for a in members]))
             c, f, r = _checkpoint_level(per, labels, crit.confidence, fam, active)
-            level, note = "checkpoint", CHECKPOINT_NOTE
+            level, note = "checkpoint", CHECKPOINT_NOTE + (FEW_NOTE.format(n=len(members), p=2 / 2 ** len(members))
+                                                           if len(members) < FEW_CHECKPOINTS else "")
         partial = any(a.partial for a in members)
         for k, df in zip(frames, (c, f, r)):
             frames[k].append(df)
