@@ -281,3 +281,49 @@ def test_a_gate_scale_invariant_model_has_undefined_retention(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "retention StaticProfile vs GlobalMean: undefined" in out and "ΔNLL" in out
     assert "undefined" in str(s) and not any(c["met"] for c in s.criteria if c["name"] == "high retention")
+
+
+# ---- what a resume compares ----------------------------------------------------------------------------------
+
+def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_json_says_so(tmp_path):
+    """Where a checkpoint was read from and the family it is summarized under describe it; its parameters identify
+    it. A moved checkpoint (or "./ckpt" for "ckpt") resumes its audit; other parameters are refused by name."""
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0", "family": "toy"})
+    records = {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")}
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "/scratch/s0", "family": "toy seeds"})
+    assert len(calls) == 1  # the probe: every unit was done
+    assert {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")} == records
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+    saved = json.loads((out / "config.json").read_text())["model"]
+    assert (saved["checkpoint"], saved["family"]) == ("/scratch/s0", "toy seeds")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(FcauditError, match=r"differs in \['model.params_sha256'\]"):
+        toys.run(model, toys.gated(model), out, model_info={"checkpoint": "/scratch/s0", "family": "toy seeds"})
+
+
+def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resumes(tmp_path):
+    from fcaudit.audit import files
+    from fcaudit.audit.directory import MARKER, _legacy_hash, config_hash
+
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0"})
+    config = json.loads((out / "config.json").read_text())
+    bare = {k: v for k, v in config.items() if k not in ("config_hash", "created_at", "provenance", "_sha256")}
+    bare["criteria"] = {k: v for k, v in bare["criteria"].items() if k != "fixed_at"}
+    legacy, digest = _legacy_hash(bare), config_hash(bare)
+    assert legacy != digest and config["config_hash"] == digest
+    files.write_json(out / "config.json", {**config, "config_hash": legacy})  # as the earlier fcaudit wrote it
+    (out / MARKER).write_text(json.dumps({"format": 2, "config_hash": legacy}))
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0"})
+    assert len(calls) == 1
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+    assert json.loads((out / MARKER).read_text())["config_hash"] == digest
+    assert files.read_json(out / "config.json")["config_hash"] == digest  # migrated, its own hash valid

@@ -33,8 +33,39 @@ class Locked(FcauditError):
     """Another process holds the directory's lock."""
 
 
+# What describes a checkpoint without being it: the path or hub id it was read from (a moved or copied checkpoint,
+# "./ckpt" or "ckpt/", is the same one; params_sha256 says which it is) and the family label it is summarized under.
+DESCRIPTIVE = ("checkpoint", "family")
+
+
+def identity(config: dict) -> dict:
+    """The configuration without the model's DESCRIPTIVE fields: what must match for an audit to resume."""
+    model = config.get("model")
+    if not isinstance(model, dict):
+        return config
+    return {**config, "model": {k: v for k, v in model.items() if k not in DESCRIPTIVE}}
+
+
 def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(identity(config), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _legacy_hash(config: dict) -> str:
+    """The hash fcaudit wrote before DESCRIPTIVE fields were left out (audits made then still resume)."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """Top-level keys whose values differ, and model.KEY for the model's own (which of its fields changed)."""
+    out = []
+    for k in sorted(new):
+        if old.get(k) == new[k]:
+            continue
+        if k == "model" and isinstance(old.get(k), dict) and isinstance(new[k], dict):
+            out += [f"model.{m}" for m in sorted(set(old[k]) | set(new[k])) if old[k].get(m) != new[k].get(m)]
+        else:
+            out.append(k)
+    return out
 
 
 def _ours_only(path: Path) -> bool:
@@ -130,14 +161,24 @@ class AuditDir:
             stale.unlink()
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
+        current = files.quietly(files.read_json, self.config_path)
+        if held is not None and held == _legacy_hash(config):  # made before DESCRIPTIVE fields were left out:
+            held = digest                                          # the same configuration, now under its new hash
+            if current is not None and current.get("config_hash") == marker["config_hash"]:
+                current = {**current, "config_hash": digest}
+                files.write_json(self.config_path, current)
+            files.write_json(self.root / MARKER, {**marker, "config_hash": digest})
         if held is not None and held != digest and self.has_results():
-            old = files.quietly(files.read_json, self.config_path) or {}
-            old = {**old, "criteria": {k: v for k, v in (old.get("criteria") or {}).items() if k != "fixed_at"}}
-            changed = sorted(k for k in config if old.get(k) != config[k]) or ["(config.json unreadable)"]
+            old = identity({**(current or {}), "criteria": {k: v for k, v in ((current or {}).get("criteria") or {})
+                                                            .items() if k != "fixed_at"}})
+            changed = _differences(old, identity(config)) or ["(config.json unreadable)"]
             raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
                                "pass a new --out directory or delete the old one")
-        current = files.quietly(files.read_json, self.config_path)
         if held == digest and current is not None and current.get("config_hash") == digest:
+            if any(current.get("model", {}).get(k) != config["model"].get(k) for k in DESCRIPTIVE):
+                # the same checkpoint read from elsewhere (or relabelled): config.json says where it was read now
+                files.write_json(self.config_path, {**current, "model": {**current["model"], **{
+                    k: config["model"][k] for k in DESCRIPTIVE if k in config["model"]}}})
             return "resume"
         state = "repaired" if held == digest and self.has_results() else "new"
         if state == "new":
