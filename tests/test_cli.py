@@ -94,3 +94,26 @@ def test_dry_run_prints_plan(tmp_path, tiny_ckpt):
     r = run("audit", tiny_ckpt, "--eval", 8, "--calib", 8, "--window", 32, "--dry-run", "--out", tmp_path / "a")
     assert r.exit_code == 0, r.output
     assert "store" in r.output.lower() and not (tmp_path / "a").exists()
+
+
+def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved_one_resumes(tmp_path, monkeypatch):
+    """Hugging Face checkpoints carry no variant: without --family each is its own family (its directory name);
+    --family pools them. A checkpoint moved after its audit (or named as ./dir) resumes that audit."""
+    from fcaudit.families.hf_moe.tiny import tiny_moe
+
+    for seed in (0, 1):
+        tiny_moe("mixtral", seed=seed).save_pretrained(tmp_path / f"mix-s{seed}")
+    args = ["--eval", 4, "--calib", 4, "--window", 16, "--randomizations", 1, "--batch-size", 2, "--quiet"]
+    for seed in (0, 1):
+        r = run("audit", tmp_path / f"mix-s{seed}", "--out", tmp_path / f"a{seed}", "--family", "mixtral seeds", *args)
+        assert r.exit_code == 0, r.output
+    assert run("summarize", tmp_path / "a0", tmp_path / "a1", "--out", tmp_path / "s").exit_code == 0
+    groups = json.loads((tmp_path / "s" / "summary.json").read_text())["groups"]
+    assert list(groups) == ["mixtral seeds"] and groups["mixtral seeds"]["n_checkpoints"] == 2
+    records = {p: p.stat().st_mtime_ns for p in (tmp_path / "a0" / "records").rglob("*.parquet")}
+    (tmp_path / "mix-s0").rename(tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)
+    r = run("audit", "./moved", "--out", tmp_path / "a0", "--family", "mixtral seeds", *args)
+    assert r.exit_code == 0, r.output
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a0" / "records").rglob("*.parquet")} == records
+    assert json.loads((tmp_path / "a0" / "config.json").read_text())["model"]["checkpoint"] == "./moved"

@@ -23,14 +23,16 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                      randomizations: int, seed: int, batch_size: int, device: str = "auto", revision: str | None = None,
                      dtype: str | None = None, tolerance: float = 0.0, dry_run: bool = False, criteria=None,
                      quiet: bool = False, world_size: int | None = None, device_map: str | None = None,
-                     offload_folder: Path | None = None):
+                     offload_folder: Path | None = None, family: str | None = None):
     """Audit one checkpoint directory or hub id on `corpus`; returns the AuditResult (or the AuditPlan of a dry run).
 
     Under torchrun every rank runs this with the same arguments: each loads the model on its own device
     (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). `world_size` is
     the number of processes a dry run splits the work over (default: the launcher's WORLD_SIZE, else 1); a real run
     checks it. `window` None: the model's context, at most 2048 tokens. `device_map` (instead of `device`): one
-    process spreads the model over this machine's devices (fcaudit.placement.parse_device_map)."""
+    process spreads the model over this machine's devices (fcaudit.placement.parse_device_map). `family`: the name
+    `summarize` pools checkpoints by (default: what the checkpoint's metrics.json says it is, else its directory
+    name or hub id)."""
     from fcaudit.audit.runner import audit, plan
     from fcaudit.placement import parse_device_map
 
@@ -47,7 +49,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
         model, controller, ev, ca, info = group.run(lambda: _load(
             checkpoint, corpus, n_eval, n_calib, window, seed, torch_device, revision, dtype,
             world_size=world_size, world=None if dry_run else group.world, out=None if dry_run else out,
-            randomizations=randomizations, batch_size=batch_size, placed=placed))
+            randomizations=randomizations, batch_size=batch_size, placed=placed, family=family))
         if dry_run:
             p = plan(model, controller, ev, ca, batch_size=batch_size, randomizations=randomizations,
                      world_size=world_size or launched_world())
@@ -62,7 +64,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
 
 
 def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, dtype, *, world_size, world, out,
-          randomizations, batch_size, placed=None):
+          randomizations, batch_size, placed=None, family=None):
     """(model, controller, eval windows, calibration windows, model info) of a checkpoint on a corpus; bad counts or
     a bad --out fail before anything is loaded."""
     from fcaudit import data, families
@@ -104,6 +106,8 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
                            "tokenizer.json in its directory")
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
     ev, ca = data.audit_windows(corp, n_eval, n_calib, window, seed)
-    info = {"family": family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
+    if family is not None and not family.strip():
+        raise FcauditError("--family '': pass a name, e.g. --family mixtral-seeds")
+    info = {"family": family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint), "revision": revision,
             "corpus": corp.describe()}
     return model, controller_for(model), ev, ca, info

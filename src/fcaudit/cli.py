@@ -119,6 +119,9 @@ def audit(
                                              "sequential or a JSON file {module: device} (instead of --device)"),
     offload_folder: Optional[Path] = typer.Option(None, metavar="DIR", help="--device-map: where the weights it "
                                                   "puts on disk go"),
+    family: Optional[str] = typer.Option(None, metavar="NAME", help="model family: summarize pools the checkpoints "
+                                         "of one family as training seeds (default: the checkpoint's own variant "
+                                         "and preset, else its directory name or hub id)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
     threads: Optional[int] = threads_option(),
 ) -> None:
@@ -132,7 +135,7 @@ def audit(
     audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
                      randomizations=randomizations, seed=seed, batch_size=batch_size, device=device,
                      revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet,
-                     world_size=world_size, device_map=device_map, offload_folder=offload_folder)
+                     world_size=world_size, device_map=device_map, offload_folder=offload_folder, family=family)
 
 
 @command
