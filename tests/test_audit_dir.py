@@ -327,3 +327,20 @@ def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resum
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert json.loads((out / MARKER).read_text())["config_hash"] == digest
     assert files.read_json(out / "config.json")["config_hash"] == digest  # migrated, its own hash valid
+
+
+def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_recomputed(tmp_path):
+    """safetensors' own reader refuses a file longer than its header says; so does fcaudit, at every read, so the
+    rerun recomputes it instead of failing in stage 2."""
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, R=2)
+    chunk, profiles = out / "coeffs" / "chunk_0000004.safetensors", out / "profiles.safetensors"
+    good = chunk.read_bytes(), profiles.read_bytes()
+    for f in (chunk, profiles):
+        with open(f, "ab") as fh:
+            fh.write(b"garbage\n")
+    again = toys.run(model, toys.gated(model), out, R=2)
+    assert (chunk.read_bytes(), profiles.read_bytes()) == good
+    load_file(chunk), load_file(profiles)  # readable by safetensors again
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)

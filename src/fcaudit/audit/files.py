@@ -20,7 +20,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 
 from fcaudit.io import write_bytes
@@ -88,14 +87,25 @@ def mapped_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return _views(mm, *_header(mm))
 
 
+def _data_end(header: dict) -> int:
+    return max((spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"), default=0)
+
+
 def tensor_meta(path: str | os.PathLike) -> dict:
-    """The `meta` dict stored with `write_tensors` (header only; raises Damaged when unreadable)."""
-    _exists(Path(path))
+    """The `meta` dict stored with `write_tensors`, from the header (and the file's size, which must be the one
+    the header gives: `read_tensors` holds a file to the same); raises Damaged when unreadable."""
+    path = _exists(Path(path))
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {})[META_KEY])["meta"]
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(n, size)))  # a torn length reads no more than the file
+        meta = json.loads(header["__metadata__"][META_KEY])["meta"]
     except Exception as e:
-        raise Damaged(Path(path), f"unreadable ({type(e).__name__})") from None
+        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    if size != 8 + n + _data_end(header):
+        raise Damaged(path, "its size is not the one its header gives")
+    return meta
 
 
 def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
@@ -110,6 +120,8 @@ def read_tensors(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str
         tensors = _views(data, header, base)
     except Exception as e:
         raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    if len(data) != base + _data_end(header):  # bytes beyond the data: safetensors' own reader refuses the file
+        raise Damaged(path, "its size is not the one its header gives")
     if verify:
         if sorted(tensors) != sorted(info["sha256"]):
             raise Damaged(path, "tensors differ from those recorded")
