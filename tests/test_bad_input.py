@@ -57,12 +57,19 @@ def mudd_pickle_shard(tmp: Path) -> Path:
     return d
 
 
-def moe_ckpt(tmp: Path) -> Path:
-    """A tiny Hugging Face Mixtral checkpoint (2 layers)."""
+def moe_ckpt(tmp: Path, truncate: bool = False, **config) -> Path:
+    """A tiny Hugging Face Mixtral checkpoint (2 layers); `config` overrides fields of its config.json, `truncate`
+    cuts its weights file short."""
     from fcaudit.families.hf_moe.tiny import tiny_moe
 
     d = tmp / "moe"
     tiny_moe("mixtral").save_pretrained(d)
+    if config:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    if truncate:
+        weights = d / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
     return d
 
 
@@ -190,6 +197,13 @@ ENGINE_ROWS: list[Row] = [
     ("audit-out-someone-elses-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", fg_ckpt(t)],
      "not an fcaudit audit directory"),
     # --device-map (accelerate spreading a Hugging Face model)
+    # Hugging Face checkpoints that do not load or route
+    ("audit-moe-config-not-fitting-weights", lambda t: ["audit", moe_ckpt(t, num_local_experts=6), *AUDIT,
+                                                       "--out", t / "a"], "config.json does not fit the weights"),
+    ("audit-moe-truncated-weights", lambda t: ["audit", moe_ckpt(t, truncate=True), *AUDIT, "--out", t / "a"],
+     "SafetensorError"),
+    ("audit-moe-top-k-above-experts", lambda t: ["audit", moe_ckpt(t, num_experts_per_tok=5), *AUDIT,
+                                                 "--out", t / "a"], "top_k 5 of 4 experts"),
     ("audit-device-map-unknown", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "fastest",
                                             "--out", t / "a"], "a JSON file of"),
     ("audit-device-map-not-json", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",

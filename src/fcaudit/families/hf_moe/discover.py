@@ -191,6 +191,12 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
+    except (RuntimeError, IndexError, ValueError) as e:
+        msg = " ".join(str(e).split())[:120]
+        c = cands[0]
+        raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
+                           f"{msg}); check its config.json (its routers read top_k {c.top_k} of {c.num_experts} "
+                           "experts)") from None
     finally:
         for h in handles:
             h.remove()

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from fcaudit.errors import FcauditError
 from fcaudit.placement import require_accelerate
@@ -72,11 +73,15 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
                                                            experts_implementation="eager", output_loading_info=True,
                                                            **placed)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         msg = " ".join(str(e).split())
         if device_map is not None and offload_folder is None and "offload" in msg:
             raise FcauditError("the device map puts weights on disk: pass --offload-folder DIR (room for them)") \
                 from None
+        mismatch = quiet.mismatch()
+        if mismatch:  # the report the message refers to is the one filtered out: its first mismatched weight
+            raise FcauditError(f"{dir}: config.json does not fit the weights ({mismatch}): use the config.json "
+                               "saved with these weights") from None
         raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg[:160]}): pass a complete "
                            f"checkpoint directory of a transformers>=5 MoE model") from None
     finally:
@@ -90,8 +95,25 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
 
 
 class _NoLoadReport(logging.Filter):
+    """Drops transformers' load report, keeping its text for an error message."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports: list[str] = []
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in record.getMessage()
+        message = record.getMessage()
+        if "LOAD REPORT" in message:
+            self.reports.append(message)
+            return False
+        return True
+
+    def mismatch(self) -> str | None:
+        """The first size mismatch the dropped reports list: "KEY: ckpt torch.Size(..) vs model torch.Size(..)"."""
+        for line in (l for r in self.reports for l in r.splitlines() if "size mismatch" in l):
+            key, _, why = (part.strip() for part in line.split("|", 2))
+            return f"{key}: {why.split(' - ', 1)[-1]}"
+        return None
 
 
 def _has_tokenizer(dir: Path) -> bool:
