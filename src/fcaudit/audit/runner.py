@@ -102,8 +102,15 @@ def vocab_size(model: nn.Module) -> int | None:
 
 
 def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
-    vocab = vocab_size(model)
+    """Token ids the model embeds, in windows no longer than its context (positions it was never trained on
+    would give NLLs of another model; some models do not refuse them)."""
+    from fcaudit.families import context_length
+
+    vocab, context = vocab_size(model), context_length(model)
     for ids in windows:
+        if context is not None and ids.dim() == 2 and ids.shape[1] > context:
+            raise FcauditError(f"windows of {ids.shape[1]} tokens exceed the model's context of {context} positions; "
+                               f"pass windows of at most {context} tokens (--window {context})")
         if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
             raise FcauditError(f"token ids range over [{int(ids.min())}, {int(ids.max())}] but the model embeds ids "
                                f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
@@ -207,6 +214,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     batch_size = _check_int("batch size", batch_size, 1)
     world_size = _check_int("world size", world_size, 1)
     ev, _ = as_windows(eval_windows, "evaluation")
+    check_ids(model, ev)
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     device = placement.input_device(model)
     was_training = model.training
