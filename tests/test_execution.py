@@ -230,3 +230,14 @@ def test_block_size_is_read_from_a_multimodal_text_config_and_the_default_window
     assert measure._block_size(tmp_path) == 10_485_760  # Llama 4 Scout's context
     assert measure.default_window([10_485_760, 131_072]) == 2048
     assert measure.default_window([128, 4096]) == 128
+
+
+def test_checkpoints_of_one_label_are_told_apart_and_a_model_without_gates_says_it_is_not_thresholded(
+        checkpoints, tmp_path, capsys):
+    dirs, corpus = checkpoints
+    seed1 = tmp_path / "fg-s1"
+    save_checkpoint(seed1, tiny("featuregate", seed=1), {"variant": "featuregate", "seed": 1})
+    df = measure_execution([dirs[0], dirs[1], seed1], tmp_path / "exec", batch_size=2, min_run_time=0.01,
+                           thresholds=[0.5], corpus=str(corpus), threshold_windows=2, threads=1)
+    assert df["model"].tolist() == ["dense", "featuregate (fg)", "featuregate (fg-s1)"]
+    assert "thresholding: dense has no scalar gates to threshold; skipped" in capsys.readouterr().err

@@ -417,10 +417,13 @@ def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, 
         return all_windows(load_corpus(corpus).validation, window, limit=threshold_windows)
 
     console = Console(stderr=True, quiet=not progress)
-    for given, path, (model, meta) in zip(checkpoint_dirs, paths, loaded):
+    labels = [model_label(model, meta) for model, meta in loaded]
+    # checkpoints of one label (seeds, a model and its copy) are told apart by their directory names
+    labels = [f"{l} ({Path(str(g)).name})" if labels.count(l) > 1 else l for l, g in zip(labels, checkpoint_dirs)]
+    for given, path, (model, meta), label in zip(checkpoint_dirs, paths, loaded, labels):
         console.print(f"execution: {given}", highlight=False)
         metrics = _metrics(path)
-        row = {"checkpoint": str(given), "model": model_label(model, meta), "architecture": _architecture(model),
+        row = {"checkpoint": str(given), "model": label, "architecture": _architecture(model),
                "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
@@ -439,6 +442,8 @@ def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, 
             sweep = _threshold_checkpoint(model, thresholds, test_windows, batch_size)
             if sweep is not None:
                 sweeps.append(sweep.assign(checkpoint=str(given), model=row["model"]))
+            else:
+                console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
     console.print(f"latency: {len(models)} model(s) round-robin, about {min_run_time:g} s each", highlight=False)
     for row, lat in zip(rows, latencies(models, batch_size, window, dev, min_run_time=min_run_time)):
         row.update(latency_columns(lat))

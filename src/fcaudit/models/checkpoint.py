@@ -78,7 +78,8 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
     dir = resolve(path_or_id, revision)
     config_path = dir / CONFIG_NAME
     if not config_path.is_file():
-        raise FcauditError(f"{dir} has no {CONFIG_NAME}: pass a checkpoint directory written by `fcaudit train`")
+        raise FcauditError(f"{dir} has no {CONFIG_NAME}: pass a checkpoint directory (one written by `fcaudit train`, "
+                           "or a Hugging Face checkpoint: config.json + safetensors)")
     try:
         config = read_json(config_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
