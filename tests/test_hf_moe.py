@@ -649,3 +649,15 @@ def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_
     adapter = moe_adapter(placed)
     assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
     assert all(p.is_meta for p in placed.model.layers[0].mlp.experts.parameters())
+
+
+def test_variation_names_each_layers_site_where_the_first_block_is_dense(tmp_path):
+    """DeepSeek-V3 with first_k_dense_replace=1: the audit's layer 0 is the router of model.layers.1."""
+    import fcaudit as fca
+
+    model = tiny_moe("deepseek_v3", experts=E, top_k=K, layers=3, first_k_dense_replace=1)
+    ctrl = fca.controller_for(model)
+    res = fca.audit(model, ctrl, _windows(4), _windows(2, seed=1), randomizations=1, out=tmp_path, batch_size=2,
+                    quiet=True)
+    layers = res.variation["layers"]
+    assert [l["site"] for l in layers] == [s.path for s in ctrl.sites] and layers[0]["site"].startswith("model.layers.1.")

@@ -486,4 +486,5 @@ class Engine:
         shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
         files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
-            files.write_json(self.dir.variation, variation(self.store, self.starts))
+            files.write_json(self.dir.variation, variation(self.store, self.starts,
+                                                           [s.path for s in self.controller.sites]))

@@ -89,8 +89,9 @@ def _clean(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
 
-def variation(store, starts: np.ndarray) -> dict:
-    """Per-layer mean/sd of the evaluation coefficients and the balanced variance decomposition."""
+def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict:
+    """Per-layer mean/sd of the evaluation coefficients and the balanced variance decomposition. `sites`: each
+    layer's module path (a layer is a site: an MoE whose first block is dense has its layer 0 in model.layers.1)."""
     from fcaudit.stats.variance import variance_decomposition
 
     sums = sq = None
@@ -106,7 +107,8 @@ def variation(store, starts: np.ndarray) -> dict:
     for l, (s, q) in enumerate(zip(sums, sq)):
         n = count * s.numel()
         mean = float(s.sum()) / n
-        layers.append({"layer": l, "shape": [int(x) for x in s.shape], "mean": mean,
+        layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
+                       "mean": mean,
                        "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
                        "stream_source_mean": (s / count).tolist()})
     shapes = [tuple(s.shape) for s in sums]
