@@ -120,6 +120,10 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | No
             model(ev[:batch])
         coeffs = list(found)
         t0 = clock()
+        with ctrl.capture(1, ev.shape[1]):  # the site checks (runner.check_sites_read): window 0 captured alone,
+            nll(ev[:1])
+        with timed(replays), ctrl.replay([torch.zeros_like(c[:1]) for c in coeffs]):  # then replayed with zeros
+            nll(ev[:1])
         for u in sched.stage1():
             ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
             with ctrl.capture(*ids.shape):  # the audit's capture pass: within the controller's context, as a replay

@@ -19,6 +19,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.audit import CoefficientStore, audit, plan
 from fcaudit.audit import store as store_module
+from fcaudit.audit.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout, controller_for, registered
 from fcaudit.controllers.site import memory_order
 from fcaudit.errors import FcauditError
@@ -735,8 +736,9 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
     sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
-    assert len(calls) == sum(u.passes for u in (*sched.stage1(), *sched.stage2()))
-    assert [b.gate.calls for b in model.blocks] == [3 + 2] * 3  # a capture pass per evaluation and calibration batch
+    assert len(calls) == SITE_CHECK_PASSES + sum(u.passes for u in (*sched.stage1(), *sched.stage2()))
+    # a capture pass per evaluation and calibration batch, and the site check's capture of window 0 alone
+    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1] * 3
 
 
 def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
@@ -745,7 +747,7 @@ def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     again = run(model, gated(model), tmp_path / "a")
-    assert len(calls) == 1  # only the probe: every unit was already on disk
+    assert len(calls) == 1 + SITE_CHECK_PASSES  # only the probe and its checks: every unit was already on disk
     pd.testing.assert_frame_equal(first.records, again.records)
     with pytest.raises(FcauditError, match=r"different configuration \(differs in \['randomizations'\]\)"):
         run(model, gated(model), tmp_path / "a", R=4)
@@ -942,7 +944,7 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     resumed = run(model, gated(model), out, n_eval=12, R=4)  # same process settings: one thread
     # the probe (stage 1 uses it when the first batch is undone), then only the units the kill left undone
-    assert len(calls) == total - finished + captured(out, 0)
+    assert len(calls) == SITE_CHECK_PASSES + total - finished + captured(out, 0)
     assert not list(out.rglob("*.tmp")) and not (out / "parts").exists()
     whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
     assert len(whole.records) == 12 * (1 + 4 * 4 + 3)
@@ -1012,3 +1014,103 @@ def test_active_counts_nonzero_sources_as_count_nonzero_does():
     signed = torch.full((1, 2, 1, 3), -0.0)
     signed[0, 1, 0, 2] = float("nan")
     assert active([signed]).tolist() == [0.5]  # -0.0 is zero, nan is not: 1 source over 2 tokens
+
+
+# ---- controllers the audit would misread: caught before anything is written ------------------------------------
+
+class KeptGate(Gate):
+    """A gate whose block reads the value it kept, not the one it returns: a replay changes nothing."""
+
+    def forward(self, h):
+        self.kept = super().forward(h)
+        return self.kept
+
+
+class KeptBlock(Block):
+    def forward(self, h):
+        mix = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]
+        self.gate(h)
+        return h + self.gate.kept[..., None] * self.mlp(torch.cat([self.ln(h), mix], -1))
+
+
+class FlatRouter(nn.Module):
+    """Softmax weights over 4 sources, returned flattened as [(batch token), source]."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, 4)
+
+    def forward(self, h):
+        return torch.softmax(self.proj(h), -1).reshape(-1, 4)
+
+
+class FlatBlock(Block):
+    def __init__(self, d):
+        super().__init__(d, FlatRouter(d))
+        self.experts = nn.Linear(d, 4 * d)
+
+    def forward(self, h):
+        w = self.gate(h).reshape(*h.shape[:2], 4, 1)
+        out = self.experts(self.ln(h)).reshape(*h.shape[:2], 4, -1)
+        return h + (w * out).sum(2)
+
+
+def test_a_model_that_does_not_read_what_its_sites_return_is_refused(tmp_path):
+    model = ToyGated()
+    for b in model.blocks:
+        b.__class__, b.gate.__class__ = KeptBlock, KeptGate
+    with pytest.raises(FcauditError, match="replaying zeros for every coefficient leaves the logits unchanged"):
+        run(model, gated(model), tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_layout_naming_a_flattened_outputs_axes_in_the_wrong_order_is_refused(tmp_path):
+    model = ToyGated()
+    model.blocks = nn.ModuleList(FlatBlock(16) for _ in range(2))
+    wrong = Controller.from_modules(model, "blocks.*.gate", layout="(token batch) source")
+    with pytest.raises(FcauditError, match=r"'\(token batch\) source' names the output's axes"):
+        run(model, wrong, tmp_path / "a")
+    right = run(model, Controller.from_modules(model, "blocks.*.gate", layout="(batch token) source"), tmp_path / "b")
+    assert right.replay["bit_equal"]
+
+
+@pytest.mark.parametrize("wrap", [lambda x: {"logits": x}, lambda x: (x, None)], ids=["dict", "tuple"])
+def test_a_model_returning_a_dict_or_a_tuple_is_read_for_its_logits(tmp_path, wrap):
+    class Wrapped(ToyGated):
+        def forward(self, ids):
+            return wrap(super().forward(ids))
+
+    plain, wrapped = ToyGated(), Wrapped()
+    a, b = run(plain, gated(plain), tmp_path / "a"), run(wrapped, gated(wrapped), tmp_path / "b")
+    pd.testing.assert_frame_equal(a.records, b.records, check_exact=True)
+
+
+def test_model_mistakes_get_one_line_each(tmp_path):
+    class Opaque(ToyGated):
+        def forward(self, ids):
+            return {"scores": super().forward(ids)}
+
+    opaque = Opaque()
+    with pytest.raises(FcauditError, match="returned dict, in which fcaudit finds no logits"):
+        run(opaque, gated(opaque), tmp_path / "a")
+    model, other = ToyGated(), ToyGated()
+    with pytest.raises(FcauditError, match="module of another model instance"):
+        run(model, gated(other), tmp_path / "b")
+    shared = ToyGated()
+    for b in shared.blocks:
+        b.gate = shared.blocks[0].gate
+    with pytest.raises(FcauditError, match="also at another path"):
+        gated(shared)
+
+    class Positions(ToyGated):  # a position table of 8 rows that the model does not declare
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(8, 16)
+
+        def forward(self, ids):
+            self.pos(torch.arange(ids.shape[1]))
+            return super().forward(ids)
+
+    short = Positions()
+    with pytest.raises(FcauditError, match=r"first evaluation batch \(4 windows of 16 tokens\) failed \(IndexError"):
+        run(short, gated(short), tmp_path / "c")

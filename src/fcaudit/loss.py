@@ -18,5 +18,18 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def logits_of(output) -> torch.Tensor:
-    """Models may return a tensor or an object with `.logits` (HF style)."""
-    return output if isinstance(output, torch.Tensor) else output.logits
+    """The logits in a model's output: the tensor itself, its `.logits` (HF style), its "logits" entry (a dict), or
+    its first element (a tuple or list, as `return_dict=False` gives)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    found = getattr(output, "logits", None)
+    if found is None and isinstance(output, dict):
+        found = output.get("logits")
+    if found is None and isinstance(output, (tuple, list)) and output:
+        found = output[0]
+    if not isinstance(found, torch.Tensor):
+        from fcaudit.errors import FcauditError
+
+        raise FcauditError(f"the model returned {type(output).__name__}, in which fcaudit finds no logits: return "
+                           "them as a tensor, an attribute or dict entry 'logits', or a tuple's first element")
+    return found

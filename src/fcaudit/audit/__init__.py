@@ -28,5 +28,7 @@ class _CallableModule(type(sys)):
     def __call__(self, *args, **kwargs):
         return audit(*args, **kwargs)
 
+    __signature__ = property(lambda self: __import__("inspect").signature(audit))  # help(), inspect: the function's
+
 
 sys.modules[__name__].__class__ = _CallableModule

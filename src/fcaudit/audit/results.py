@@ -258,8 +258,8 @@ class AuditResult:
         per_window = per_example_deltas(self.records)
         if cond not in protocol.retained() or cond not in per_window.columns:
             have = [c for c in protocol.retained() if c in per_window.columns]
-            raise FcauditError(f"retention is defined for the static conditions {have} "
-                               f"({self.labels['StaticProfile']}), not {name!r}")
+            named = ", ".join(f"{c} ({self.labels.get(c, c)})" for c in have)
+            raise FcauditError(f"retention is defined for the static conditions {named}, not {name!r}")
         s, r = per_window[cond].to_numpy(), per_window[reference].to_numpy()
         est = retention_bootstrap(s, r, confidence=self._confidence(confidence), n_resamples=n_resamples, seed=0,
                                   unit="window")

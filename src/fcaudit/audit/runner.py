@@ -31,6 +31,7 @@ from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
+from fcaudit.loss import logits_of
 from fcaudit.protocol import Criteria
 
 
@@ -114,6 +115,48 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
             raise FcauditError(f"token ids range over [{int(ids.min())}, {int(ids.max())}] but the model embeds ids "
                                f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
+
+
+# A layout check compares window 0 captured alone with its row of the batch. Batched and single-window forward
+# passes may round differently (and a router may then pick another expert at a near-tie): most positions must agree.
+AGREEING_POSITIONS = 0.9
+SITE_CHECK_PASSES = 2  # check_sites_read's single-window forward passes, run by every audit (and resume) before its units
+
+
+def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
+                     loss_fn: LossFn | None) -> None:
+    """Two single-window forward passes on window 0 that catch a controller the audit would misread:
+    - captured alone, its coefficients must be its row of the batch's capture: a layout that names the axes of a
+      flattened output in the wrong order ("(token batch)" for "(batch token)") passes the exact replay check but
+      moves coefficients between windows;
+    - replaying zeros for every coefficient must change its logits: a model that keeps its controller's value
+      elsewhere (an attribute read after the site returns) replays unchanged, whatever an intervention replays.
+    A codec or model that cannot take zero coefficients leaves the second check out."""
+    one = first[:1]
+    alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
+    if first.shape[0] > 1:
+        for site, a, c in zip(controller.sites, alone, coeffs):
+            row = c[:1].to(a.device)
+            if a.shape != row.shape or a.dtype != row.dtype:
+                continue  # a site whose canonical shape depends on the batch: nothing to compare
+            scale = float(row.abs().amax()) if row.numel() else 0.0
+            rtol = max(1e-3, 8 * torch.finfo(row.dtype).eps) if row.is_floating_point() else 0.0  # bf16: 6%
+            close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+            if close.numel() and float(close.double().mean()) < AGREEING_POSITIONS:
+                raise FcauditError(f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
+                                   f"of the batch ({float(close.double().mean()):.0%} of positions agree): check the "
+                                   f"layout {site.codec.describe()!r} names the output's axes in their order (e.g. "
+                                   "'(batch token) expert' for a [batch*token, expert] output); if the routing "
+                                   "depends on the other windows of a batch (capacity limits), use batch size 1")
+    try:
+        with controller.replay([torch.zeros_like(a) for a in alone]):
+            unchanged = torch.equal(logits_of(model(one)), logits_alone)
+    except Exception:  # noqa: BLE001 (a codec that refuses all-zero coefficients: no conclusion to draw)
+        return
+    if unchanged:
+        raise FcauditError("replaying zeros for every coefficient leaves the logits unchanged: the model does not use "
+                           "what its sites return (does it keep the controller's value elsewhere, e.g. in an "
+                           "attribute?); point the pattern at the modules whose output the model consumes")
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -297,19 +340,31 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     if not isinstance(controller, Controller):
         raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
                            f"{type(controller).__name__}")
+    modules = {id(m) for m in model.modules()}
+    foreign = [s.path for s in controller.sites if id(s.module) not in modules]
+    if foreign:
+        raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
+                           "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
     ev, ev_set = as_windows(eval_windows, "evaluation")
     ca, ca_set = as_windows(calib_windows, "calibration")
     check_windows(ev, ca, ev_set, ca_set)
     check_ids(model, ev, ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-    probe = capture_batch(model, controller, ev[:batch_size].to(placement.input_device(model)), loss_fn,
-                          remember=True)
+    first = ev[:batch_size].to(placement.input_device(model))
+    try:
+        probe = capture_batch(model, controller, first, loss_fn, remember=True)
+    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
+        msg = " ".join(str(e).split())[:160]
+        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
+                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {msg}); check that the windows fit "
+                           "the model (its context and vocabulary) and a batch fits in memory (batch size)") from None
     coeffs, logits, _ = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
+    check_sites_read(model, controller, first, coeffs, loss_fn)
     config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
                      randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
                      loss_fn=loss_fn, criteria=criteria, model_info=model_info,
@@ -332,8 +387,12 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     """Run (or resume) a Frozen-Controller Audit of `model` and return its results (also written to `out`).
 
     eval_windows / calib_windows: int tensors [N, T] of token ids or `fcaudit.data.WindowSet`s.
-    tolerance: 0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and
-    max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the next-token NLL.
+    batch_size: windows per forward pass. tolerance: 0 demands bit-equal replay of logits and NLL; a positive value
+    accepts max |Δlogit| and max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the
+    next-token NLL (the logits are still read from the output, for the exact replay check). criteria: a
+    fcaudit.Criteria (or dict) fixed before the audit runs. model_info: what the config records about the model;
+    its "family" is the name `summarize` pools checkpoints by as training seeds (default: class and size), and
+    "checkpoint" where it came from. quiet: no progress bar or summary table.
     group: the processes sharing this audit (default: this process alone); under torchrun pass
     `fcaudit.audit.group_from_env(device)` and every rank runs its share of the work units.
     """

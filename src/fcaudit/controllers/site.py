@@ -215,6 +215,12 @@ class Controller:
         joins the description, so an audit made under another one is not resumed with this one)."""
         chosen = _codec(layout, codec)
         sites = [Site(name, m, chosen) for name, m in model.named_modules() if name and path_matches(name, pattern)]
+        shared = [name for name, _ in model.named_modules(remove_duplicate=False) if name and path_matches(name, pattern)
+                  and name not in {s.path for s in sites}]
+        if shared:  # named_modules lists a module once, under its first path: one module computing several layers
+            raise FcauditError(f"pattern {pattern!r} matches {shared[0]!r}, a module that is also at another path: "
+                               "fcaudit audits one module per layer (each replayed with its own coefficients); give "
+                               "each layer its own controller module")
         if not sites:
             sample = [n for n, _ in model.named_modules() if n][:6]
             raise FcauditError(f"pattern {pattern!r} matches no module of {type(model).__name__}; "
