@@ -82,6 +82,17 @@ def device_map_file(tmp: Path, text: str | None = None) -> Path:
     return f
 
 
+def an_audit(tmp: Path) -> Path:
+    """A finished audit directory of a tiny FeatureGate."""
+    import fcaudit as fca
+
+    torch.manual_seed(0)
+    model = FeatureGateGPT(config_for("tiny", "featuregate"))
+    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
+    fca.audit(model, fca.controller_for(model), ids[:4], ids[4:], randomizations=1, out=tmp / "audit", quiet=True)
+    return tmp / "audit"
+
+
 def a_file(tmp: Path) -> Path:
     f = tmp / "taken.txt"
     f.write_text("a file the user made\n")
@@ -136,6 +147,8 @@ ROWS: list[Row] = [
     ("train-out-is-a-file", lambda t: [*TRAIN, "--out", a_file(t)], "existing file"),
     ("train-out-below-a-file", lambda t: [*TRAIN, "--out", a_file(t) / "run"], "below the file"),
     ("train-out-read-only", lambda t: [*TRAIN, "--out", read_only_dir(t) / "run"], "cannot write"),
+    ("train-out-holds-a-checkpoint", lambda t: [*TRAIN, "--out", moe_ckpt(t)], "fcaudit train did not write"),
+    ("train-out-holds-an-audit", lambda t: [*TRAIN, "--out", an_audit(t)], "fcaudit train did not write"),
     ("summarize-out-is-a-file", lambda t: ["summarize", t, "--out", a_file(t)], "existing file"),
     ("summarize-out-read-only", lambda t: ["summarize", t, "--out", read_only_dir(t) / "s"], "cannot write"),
     ("report-out-is-a-file", lambda t: ["report", fg_ckpt(t), "--out", a_file(t)], "existing file"),
@@ -277,6 +290,7 @@ def test_resume_removes_stale_temp_files(tmp_path):
                out=str(tmp_path / "run"), progress=False)
     run = tmp_path / "run"
     (run / "ckpt" / ".tmp-step-000002").mkdir(parents=True)  # as left by a kill inside _save_state
+    (run / "train_config.json").write_text("{}")  # a run writes it before its first step
     (run / ".model.safetensors.abcd1234.tmp").write_bytes(b"half")  # as left by a kill inside atomic_write
     (run / "notes.tmp").write_text("the user's own file")  # not fcaudit's pattern: must survive
     train(TrainConfig(**cfg))

@@ -1,5 +1,6 @@
 """Atomic writes (a file is either absent or complete, never half written) and output-directory checks."""
 
+import fcntl
 import json
 import math
 import os
@@ -78,6 +79,32 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
+
+
+class Locked(FcauditError):
+    """Another process holds a directory's lock."""
+
+
+LOCK = ".lock"
+
+
+def lock_dir(path: str | os.PathLike, what: str) -> int:
+    """Take the exclusive lock of directory `path` (created if need be) for the `what`, or fail at once: two
+    processes must never write one run or audit directory. Returns the lock's descriptor; closing it (or the
+    process ending, however it ends) releases the lock."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise Locked(f"{path} is being written by another fcaudit process ({holder}); wait for it to finish or pass "
+                     f"another --out for the {what}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    return fd
 
 
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:

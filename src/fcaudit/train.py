@@ -19,6 +19,7 @@ so each window predicts window-1 bytes. Gate mass = mean gate over the same wind
 """
 
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import prepare_out, read_json, remove_stale_temps, write_json
+from fcaudit.io import LOCK, lock_dir, prepare_out, read_json, remove_stale_temps, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.models.featuregate import PRESETS
@@ -276,20 +277,23 @@ def _has_results(out: Path) -> bool:
     return (out / "latest.json").is_file() or (out / "metrics.json").is_file() or any((out / "ckpt").glob("step-*"))
 
 
-def _check_run_dir(out: Path, cfg: TrainConfig) -> None:
-    """Refuse a run dir holding results of another config; a config file without results (a run stopped before
-    its first checkpoint) is replaced, so the corrected command is not blocked by the failed one."""
+def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None:
+    """Refuse a run dir holding results of another config, or of the same corpus path with other content (a resumed
+    run would train its remaining steps on other data); a config file without results (a run stopped before its
+    first checkpoint) is replaced, so the corrected command is not blocked by the failed one."""
     path = out / "train_config.json"
+    current = {**cfg.identity(), "corpus_fingerprint": corpus_fingerprint}
     if path.is_file() and _has_results(out):
         try:
             previous = read_json(path)
         except (ValueError, UnicodeDecodeError):
             raise FcauditError(f"{path} is not valid JSON: delete {out} and rerun") from None
-        if previous != cfg.identity():
-            diff = sorted(k for k in set(previous) | set(cfg.identity()) if previous.get(k) != cfg.identity().get(k))
+        previous.setdefault("corpus_fingerprint", corpus_fingerprint)  # a run from before it was recorded
+        if previous != current:
+            diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
             raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
     else:
-        write_json(path, cfg.identity())
+        write_json(path, current)
 
 
 def _remove_stale_temps(out: Path) -> None:
@@ -308,7 +312,8 @@ def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path,
         return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}): the last good training state "
                             f"(step {kept}) is kept in {out}; rerun with a smaller --lr and another --out")
     (out / "train_config.json").unlink(missing_ok=True)
-    if created and not any(out.iterdir()):
+    if created and not any(p.name != LOCK for p in out.iterdir()):
+        (out / LOCK).unlink(missing_ok=True)  # the lock is held by its descriptor, not its name
         out.rmdir()
     return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}), before any checkpoint: "
                         f"rerun with a smaller --lr")
@@ -322,7 +327,13 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     from fcaudit import families
     from fcaudit.data import all_windows, load_corpus, make_windows, random_batch
 
-    out = prepare_out(cfg.out, "training run")
+    out = Path(cfg.out)
+    if out.is_dir() and not (out / "train_config.json").is_file():  # not a run of ours: a checkpoint, an audit, ...
+        theirs = sorted(p.name for p in out.iterdir() if p.name != LOCK and not p.name.endswith(".tmp"))
+        if theirs:
+            raise FcauditError(f"--out {out} holds files fcaudit train did not write ({theirs[0]}, ...): pass a new "
+                               "or empty directory for the training run")
+    out = prepare_out(out, "training run")
     device = resolve_device(cfg.device)
     if corpus is None:
         corpus = load_corpus(cfg.corpus)
@@ -342,8 +353,18 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    _check_run_dir(out, cfg)
+    lock = lock_dir(out, "training run")  # released when this process ends, however it ends
+    try:
+        return _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt, device)
+    finally:
+        os.close(lock)
+
+
+def _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt, device) -> "TrainResult":
+    """`train` within the run directory's lock."""
+    from fcaudit.data import random_batch
+
+    _check_run_dir(out, cfg, corpus.fingerprint)
     n_params = sum(p.numel() for p in model.parameters())
     if (out / "metrics.json").is_file():  # finished earlier with the same config
         m = read_json(out / "metrics.json")

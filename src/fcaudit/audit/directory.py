@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -21,16 +20,11 @@ from pathlib import Path
 
 from fcaudit.audit import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import prepare_out
+from fcaudit.io import LOCK, Locked, lock_dir, prepare_out
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
-LOCK = ".lock"
 FORMAT = 2
-
-
-class Locked(FcauditError):
-    """Another process holds the directory's lock."""
 
 
 # What describes a checkpoint without being it: the path or hub id it was read from (a moved or copied checkpoint,
@@ -126,18 +120,7 @@ class AuditDir:
     def lock(self) -> None:
         """Take the exclusive lock, or fail at once: two processes must never write one audit directory."""
         self.check()
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise Locked(f"{self.root} is being written by another fcaudit process ({holder}); wait for it to "
-                         "finish or pass another --out") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = lock_dir(self.root, "audit")
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
