@@ -346,3 +346,16 @@ def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_r
     assert (chunk.read_bytes(), profiles.read_bytes()) == good
     load_file(chunk), load_file(profiles)  # readable by safetensors again
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+
+
+def test_ranks_with_other_configurations_are_told_which_fields_differ_and_a_corpus_path_is_descriptive():
+    from fcaudit.audit.runner import _check_same
+
+    base = {"seed": 0, "windows": {"n_eval": 8, "eval_sha256": "a"},
+            "model": {"params_sha256": "p", "checkpoint": "/node0/ckpt", "corpus": "/node0/text.txt"}}
+    moved = {**base, "model": {**base["model"], "checkpoint": "/node1/ckpt", "corpus": "/node1/text.txt"}}
+    _check_same([base, moved])  # the same checkpoint and text at other paths: one audit
+    other = {**moved, "windows": {"n_eval": 8, "eval_sha256": "b"}, "model": {**moved["model"], "params_sha256": "q"}}
+    with pytest.raises(FcauditError, match=r"rank 2 has another audit configuration than rank 0 \(differs in "
+                                           r"\['model.params_sha256', 'windows'\]\)"):
+        _check_same([base, moved, other])

@@ -27,9 +27,10 @@ MARKER = ".fcaudit-audit"
 FORMAT = 2
 
 
-# What describes a checkpoint without being it: the path or hub id it was read from (a moved or copied checkpoint,
-# "./ckpt" or "ckpt/", is the same one; params_sha256 says which it is) and the family label it is summarized under.
-DESCRIPTIVE = ("checkpoint", "family")
+# What describes an audit's inputs without being them: the path or hub id (and revision) a checkpoint was read from
+# (a moved or copied checkpoint, "./ckpt" or "ckpt/", is the same one: params_sha256 says which it is), the corpus
+# path (the windows' sha256 says what was read) and the family label it is summarized under.
+DESCRIPTIVE = ("checkpoint", "family", "corpus", "revision")
 
 
 def identity(config: dict) -> dict:
@@ -49,7 +50,7 @@ def _legacy_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _differences(old: dict, new: dict) -> list[str]:
+def differences(old: dict, new: dict) -> list[str]:
     """Top-level keys whose values differ, and model.KEY for the model's own (which of its fields changed)."""
     out = []
     for k in sorted(new):
@@ -154,7 +155,7 @@ class AuditDir:
         if held is not None and held != digest and self.has_results():
             old = identity({**(current or {}), "criteria": {k: v for k, v in ((current or {}).get("criteria") or {})
                                                             .items() if k != "fixed_at"}})
-            changed = _differences(old, identity(config)) or ["(config.json unreadable)"]
+            changed = differences(old, identity(config)) or ["(config.json unreadable)"]
             raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
                                "pass a new --out directory or delete the old one")
         if held == digest and current is not None and current.get("config_hash") == digest:

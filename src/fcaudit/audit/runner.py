@@ -22,7 +22,7 @@ from rich.table import Table
 from torch import nn
 
 from fcaudit import placement, protocol
-from fcaudit.audit.directory import AuditDir, Locked, config_hash
+from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
@@ -372,12 +372,14 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     return ev, ca, probe, config
 
 
-def _check_same(digests: list[str]) -> None:
+def _check_same(configs: list[dict]) -> None:
     """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
+    digests = [config_hash(c) for c in configs]
     if len(set(digests)) > 1:
         odd = next(k for k, d in enumerate(digests) if d != digests[0])
-        raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (its checkpoint, windows or "
-                           "settings differ); give every node the same checkpoint and corpus")
+        fields = differences(identity(configs[0]), identity(configs[odd]))
+        raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (differs in {fields}); give "
+                           "every node the same checkpoint and corpus")
 
 
 def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
@@ -408,8 +410,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
                 model_info=model_info, out=out, world=group.world))
             out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="fcaudit-audit-"))
             adir = AuditDir(out)
-            digests = group.gather(config_hash(config))
-            group.run(lambda: _check_same(digests))
+            configs = group.gather(config)
+            group.run(lambda: _check_same(configs))
             try:
                 # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
                 # process (or a refused configuration) stops every rank with the same error instead of leaving the
