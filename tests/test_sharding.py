@@ -276,3 +276,16 @@ def test_library_ranks_failing_at_once_leave_one_consistent_report(tmp_path):
     assert sorted(o["rank"] for o in outcomes) == [0, 1] and len({o["error"] for o in outcomes}) == 1
     assert "exact replay failed on windows 0..1" in outcomes[0]["error"]
     assert json.loads((tmp_path / "a" / "replay.json").read_text())["windows"] == [0, 1]
+
+
+def test_ranks_that_do_not_share_the_out_directory_are_stopped_before_any_work(ckpt, tmp_path):
+    """--out on a node-local disk (here: another path per rank) would split the audit's files between the ranks."""
+    script = tmp_path / "rank.sh"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fcaudit audit "{ckpt}" --out "{tmp_path}/out$RANK" '
+                      + " ".join(map(str, ARGS)) + " --quiet\n")
+    script.chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "--no-python", str(script)], env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "error: rank 1 does not see rank 0's audit directory" in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "out0").glob("coeffs/*")) and not (tmp_path / "out0" / "records").exists()

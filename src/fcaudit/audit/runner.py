@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
+from fcaudit.io import write_text
 from fcaudit.loss import logits_of
 from fcaudit.protocol import Criteria
 
@@ -372,6 +374,26 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     return ev, ca, probe, config
 
 
+SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
+
+
+def _check_shared(adir: AuditDir, group: Group) -> None:
+    """Every rank must see rank 0's audit directory: a node-local path, or other paths on other ranks, would split
+    the audit's files (found only once the merge misses them). Rank 0 writes a token there; every rank reads it."""
+    token = group.gather(secrets.token_hex(8))[0]  # rank 0's, on every rank
+    path = adir.root / SHARED_CHECK
+    group.run(lambda: write_text(path, token), main_only=True)
+
+    def read() -> None:
+        seen = path.read_text() if path.is_file() else None
+        if seen != token:
+            raise FcauditError(f"rank {group.rank} does not see rank 0's audit directory at {adir.root} ("
+                               f"{'its check file is missing' if seen is None else 'another audit is there'}): --out "
+                               "must be one directory that every rank shares (a network filesystem), at one path")
+    group.run(read)
+    group.run(lambda: path.unlink(missing_ok=True), main_only=True)
+
+
 def _check_same(configs: list[dict]) -> None:
     """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
     digests = [config_hash(c) for c in configs]
@@ -417,6 +439,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
                 # process (or a refused configuration) stops every rank with the same error instead of leaving the
                 # other ranks waiting at the next barrier
                 state = group.run(lambda: _lock_and_open(adir, config, group), main_only=True)
+                if group.world > 1:
+                    _check_shared(adir, group)
                 schedule = Schedule(ev.shape[0], ca.shape[0], config["batch_size"], config["randomizations"],
                                     tuple(config["conditions"]))
                 engine = Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
