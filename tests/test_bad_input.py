@@ -57,13 +57,15 @@ def mudd_pickle_shard(tmp: Path) -> Path:
     return d
 
 
-def moe_ckpt(tmp: Path, truncate: bool = False, **config) -> Path:
+def moe_ckpt(tmp: Path, truncate: bool = False, tokenizer: str | None = None, **config) -> Path:
     """A tiny Hugging Face Mixtral checkpoint (2 layers); `config` overrides fields of its config.json, `truncate`
-    cuts its weights file short."""
+    cuts its weights file short, `tokenizer` is written as its tokenizer.json."""
     from fcaudit.families.hf_moe.tiny import tiny_moe
 
     d = tmp / "moe"
     tiny_moe("mixtral").save_pretrained(d)
+    if tokenizer is not None:
+        (d / "tokenizer.json").write_text(tokenizer)
     if config:
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, **config}))
@@ -143,6 +145,10 @@ ROWS: list[Row] = [
     ("train-gate-value-out-of-range", lambda t: ["train", "--model", "uniform-fixed", "--gate-value", 1.5,
                                                  "--out", t / "run"], "--gate-value 1.5"),
     ("train-zero-threads", lambda t: [*TRAIN, "--threads", 0, "--out", t / "run"], "--threads 0"),
+    ("train-negative-seed", lambda t: [*TRAIN, "--seed", -1, "--out", t / "run"], "--seed -1"),
+    ("train-depth-for-another-model", lambda t: [*TRAIN, "--depth", 2, "--out", t / "run"], "--depth is for"),
+    ("train-gate-value-for-another-model", lambda t: [*TRAIN, "--gate-value", 0.5, "--out", t / "run"],
+     "--gate-value is for"),
     # --out that cannot be written
     ("train-out-is-a-file", lambda t: [*TRAIN, "--out", a_file(t)], "existing file"),
     ("train-out-below-a-file", lambda t: [*TRAIN, "--out", a_file(t) / "run"], "below the file"),
@@ -221,6 +227,15 @@ ENGINE_ROWS: list[Row] = [
                                                    "--out", t / "a"], "exceed the model's context of 16"),
     ("audit-dry-run-window-beyond-the-context", lambda t: ["audit", moe_ckpt(t, max_position_embeddings=16), *AUDIT,
                                                            "--dry-run", "--out", t / "a"], "--window 16"),
+    ("audit-moe-torn-tokenizer", lambda t: ["audit", moe_ckpt(t, tokenizer="{}"), *AUDIT, "--out", t / "a"],
+     "not a tokenizers JSON file"),
+    ("audit-negative-seed", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--seed", -1, "--out", t / "a"],
+     "--seed -1: pass an integer >= 0"),
+    ("audit-offload-folder-without-device-map", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--offload-folder",
+                                                           t / "off", "--out", t / "a"], "pass --device-map too"),
+    ("audit-dry-run-device-map-for-two-ranks", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "auto",
+                                                          "--dry-run", "--world-size", 2, "--out", t / "a"],
+     "plans a run that would be refused"),
     ("audit-device-map-unknown", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "fastest",
                                             "--out", t / "a"], "a JSON file of"),
     ("audit-device-map-not-json", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
@@ -345,3 +360,14 @@ def test_bad_python_api_input_is_one_line_and_leaves_nothing(tmp_path, name, cha
         audit(**kw)
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert snapshot(tmp_path) == before, "a failed audit left something behind"
+
+
+def test_a_mistyped_path_beside_an_existing_directory_is_not_read_as_a_hub_id(tmp_path, monkeypatch):
+    """"runs/fg-s9" with runs/ here is a path with a typo, not the hub repository runs/fg-s9: no network call."""
+    from fcaudit import hub
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "snapshot", lambda *a, **k: pytest.fail("looked on the hub"))
+    result = runner.invoke(app, ["audit", "runs/fg-s9", "--out", "a"])
+    assert result.exit_code == 2 and "in the existing directory runs" in result.output

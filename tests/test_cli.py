@@ -117,3 +117,17 @@ def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved
     assert r.exit_code == 0, r.output
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a0" / "records").rglob("*.parquet")} == records
     assert json.loads((tmp_path / "a0" / "config.json").read_text())["model"]["checkpoint"] == "./moved"
+
+
+def test_a_full_disk_is_one_line_that_says_the_rerun_resumes(tiny_ckpt, tmp_path, monkeypatch):
+    import errno
+
+    from fcaudit.audit import files
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(files, "write_tensors", full)
+    r = run("audit", tiny_ckpt, "--out", tmp_path / "a", "--eval", 4, "--calib", 4, "--window", 16,
+            "--randomizations", 1, "--quiet")
+    one_line_error(r, "no space left on the device", ".safetensors", "resumes")

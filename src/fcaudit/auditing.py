@@ -36,6 +36,11 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     from fcaudit.audit.runner import audit, plan
     from fcaudit.placement import parse_device_map
 
+    if offload_folder is not None and device_map is None:
+        raise FcauditError("--offload-folder holds what a device map puts on disk: pass --device-map too, or drop it")
+    if device_map is not None and dry_run and (world_size or launched_world()) > 1:
+        raise FcauditError("--device-map spreads one model in one process: a dry run for several processes "
+                           "(--world-size) plans a run that would be refused; drop one of them")
     if device_map is not None and device != "auto":
         raise FcauditError(f"--device {device} and --device-map {device_map}: pass one (the map names the devices)")
     placed = None if device_map is None else {"device_map": parse_device_map(device_map),
@@ -77,9 +82,10 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
         raise FcauditError(f"--eval {n_eval}: CrossInput needs a derangement of at least 2 evaluation windows")
     if n_calib < 1:
         raise FcauditError(f"--calib {n_calib}: static profiles need at least 1 calibration window")
-    for flag, value in (("--randomizations", randomizations), ("--batch-size", batch_size)):
-        if value < 1:
-            raise FcauditError(f"{flag} {value}: pass an integer >= 1")
+    for flag, value, low in (("--randomizations", randomizations, 1), ("--batch-size", batch_size, 1),
+                             ("--seed", seed, 0)):
+        if value < low:
+            raise FcauditError(f"{flag} {value}: pass an integer >= {low}")
     if out is not None:
         AuditDir(out).check()
     if world_size is not None and world_size < 1:

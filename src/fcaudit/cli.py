@@ -6,6 +6,7 @@ threads for the command; default: torch's choice, with a one-line hint on a busy
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from pathlib import Path
@@ -53,6 +54,13 @@ def command(fn: Callable) -> Callable:
 
             ignore_sigterm()  # under torchrun: every rank prints its line and exits 2
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # every file is written atomically: what was done is complete on disk, and the same command resumes
+            typer.echo(f"error: no space left on the device ({e.filename or e.strerror}): free some space and rerun "
+                       "the same command (a training run or an audit resumes where it stopped)", err=True)
             raise typer.Exit(2) from None
 
     return app.command()(run)

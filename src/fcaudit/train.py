@@ -101,6 +101,10 @@ class TrainConfig:
                                    "--matched-to RUN_DIR (a trained FeatureGate run)")
         if self.model == "fixeddepth" and self.fixed_depth is None:
             raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
+        if self.fixed_depth is not None and self.model != "fixeddepth":
+            raise FcauditError(f"--depth is for --model fixeddepth, not {self.model}: drop it")
+        if self.gate_value is not None and self.model not in ("uniform-fixed", "uniform-matched"):
+            raise FcauditError(f"--gate-value is for --model uniform-fixed or uniform-matched, not {self.model}: drop it")
         if self.gate_value is None:
             self.gate_value = 0.6
 
@@ -113,7 +117,7 @@ _LIMITS = (("steps", "--steps", 1, True), ("batch_size", "--batch-size", 1, True
            ("min_lr", "min_lr", 0.0, True), ("warmup", "warmup", 0, True), ("weight_decay", "weight_decay", 0.0, True),
            ("grad_clip", "grad_clip", 0.0, False), ("eval_interval", "eval_interval", 1, True),
            ("eval_windows", "eval_windows", 1, True), ("test_windows", "test_windows", 0, True),
-           ("window", "window", 2, True), ("fixed_depth", "--depth", 1, True))
+           ("window", "window", 2, True), ("fixed_depth", "--depth", 1, True), ("seed", "--seed", 0, True))
 
 
 def _check_hyperparameters(cfg: "TrainConfig") -> None:

@@ -335,8 +335,8 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
                            "directory every rank sees)")
     randomizations = _check_int("randomizations", randomizations, 1)
     batch_size = _check_int("batch size", batch_size, 1)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise FcauditError(f"seed must be an integer, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise FcauditError(f"seed must be an integer >= 0 (numpy's generators take no negative seed), got {seed!r}")
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0 and math.isfinite(tolerance)):
         raise FcauditError(f"tolerance must be a number >= 0, got {tolerance!r}")
     if not isinstance(controller, Controller):

@@ -47,11 +47,11 @@ def looks_like_hf_moe(config: dict) -> bool:
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 revision: str | None = None, device_map: str | dict | None = None,
-                offload_folder: str | os.PathLike | None = None):
+                offload_folder: str | os.PathLike | None = None, tokenizer: bool = True):
     """(model in eval mode with eager experts, tokenizer or None for byte-level checkpoints) from a checkpoint
     directory or hub id. A hub id offline fails in seconds (fcaudit.hub) unless it is in the local cache.
     `device_map` (instead of `device`): spread the model with accelerate (fcaudit.placement.parse_device_map);
-    `offload_folder` holds the weights it puts on "disk"."""
+    `offload_folder` holds the weights it puts on "disk". `tokenizer` False: do not load it (returns None)."""
     require_transformers()
     if device_map is not None:
         require_accelerate()
@@ -90,8 +90,14 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     if missing:
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
-    tokenizer = AutoTokenizer.from_pretrained(dir) if _has_tokenizer(dir) else None
-    return (model if device_map is not None else model.to(device)).eval(), tokenizer
+    found = None
+    if tokenizer and _has_tokenizer(dir):
+        try:
+            found = AutoTokenizer.from_pretrained(dir)
+        except Exception as e:  # noqa: BLE001 (a torn tokenizer.json fails in many ways inside transformers)
+            raise FcauditError(f"the tokenizer files in {dir} are unreadable ({type(e).__name__}): restore them from "
+                               "the checkpoint") from None
+    return (model if device_map is not None else model.to(device)).eval(), found
 
 
 class _NoLoadReport(logging.Filter):
