@@ -95,6 +95,12 @@ def an_audit(tmp: Path) -> Path:
     return tmp / "audit"
 
 
+def small_text(tmp: Path) -> Path:
+    f = tmp / "small.txt"
+    f.write_text("a few words of text, repeated. " * 16)  # 5% of it validates: 25 bytes
+    return f
+
+
 def a_file(tmp: Path) -> Path:
     f = tmp / "taken.txt"
     f.write_text("a file the user made\n")
@@ -145,6 +151,8 @@ ROWS: list[Row] = [
     ("train-gate-value-out-of-range", lambda t: ["train", "--model", "uniform-fixed", "--gate-value", 1.5,
                                                  "--out", t / "run"], "--gate-value 1.5"),
     ("train-zero-threads", lambda t: [*TRAIN, "--threads", 0, "--out", t / "run"], "--threads 0"),
+    ("train-corpus-too-small", lambda t: [*TRAIN, "--corpus", small_text(t), "--out", t / "run"],
+     "shorter than one window"),
     ("train-negative-seed", lambda t: [*TRAIN, "--seed", -1, "--out", t / "run"], "--seed -1"),
     ("train-depth-for-another-model", lambda t: [*TRAIN, "--depth", 2, "--out", t / "run"], "--depth is for"),
     ("train-gate-value-for-another-model", lambda t: [*TRAIN, "--gate-value", 0.5, "--out", t / "run"],

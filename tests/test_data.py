@@ -93,3 +93,23 @@ def test_random_batch(corpus):
     rng = np.random.default_rng(0)
     x = data.random_batch(corpus.train, 4, 64, rng)
     assert x.shape == (4, 64) and x.dtype == torch.int64
+
+
+def test_a_small_directory_still_gets_three_splits_and_hidden_files_are_not_read(tmp_path):
+    d = tmp_path / "repo"
+    (d / ".git" / "objects").mkdir(parents=True)
+    (d / ".git" / "objects" / "ab").write_bytes(b"\x78\x9c compressed object " * 100)
+    (d / ".env").write_text("SECRET=1\n")
+    for i in range(3):
+        (d / f"{i}.txt").write_text(f"document {i}: plain text\n" * 200)
+    c = data.load_corpus(str(d))
+    assert all(len(c.split(s)) > 0 for s in ("train", "validation", "test"))
+    text = b"".join(c.split(s).astype("uint8").tobytes() for s in ("train", "validation", "test"))
+    assert b"compressed object" not in text and b"SECRET" not in text
+    assert text == b"".join((d / f"{i}.txt").read_bytes() for i in range(3))  # joined in path order, 90/5/5
+    many = tmp_path / "docs"
+    many.mkdir()
+    for i in range(60):
+        (many / f"{i}.txt").write_text(f"document {i} " * 50)
+    by_hash = data._split_by_path([(f"{i}.txt", (many / f"{i}.txt").read_bytes()) for i in sorted(range(60), key=str)])
+    assert data.load_corpus(str(many)).validation.astype("uint8").tobytes() == by_hash[1]  # unchanged when it works

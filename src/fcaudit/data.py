@@ -95,6 +95,15 @@ def _split_by_path(named_texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes, 
     return tuple(b"".join(parts[s]) for s in ("train", "validation", "test"))  # type: ignore[return-value]
 
 
+def _split_directory(named_texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes, bytes]:
+    """A local directory: whole files by path hash (`_split_by_path`, 1 in 20 files per held-out split); one too
+    small for that to give both held-out splits a file has its files joined in path order and split 90/5/5."""
+    train, validation, test = _split_by_path(named_texts)
+    if validation and test:
+        return train, validation, test
+    return _split_contiguous(b"".join(text for _, text in named_texts))
+
+
 def _split_contiguous(text: bytes) -> tuple[bytes, bytes, bytes]:
     """One file: the first 90% trains, the next 5% validates, the last 5% tests."""
     n = len(text)
@@ -166,10 +175,12 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
             raise FcauditError(f"unknown corpus {name!r}; use 'embedded', {', '.join(HF_CORPORA)}, or a path to a "
                                f"text file or directory")
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            # hidden files and directories (.git, .cache) are not text the user meant
+            files = sorted(p for p in path.rglob("*") if p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
             if not files:
                 raise FcauditError(f"corpus directory {path} holds no files; point --corpus at text files")
-            texts = _split_by_path([(p.relative_to(path).as_posix(), p.read_bytes()) for p in files])
+            texts = _split_directory([(p.relative_to(path).as_posix(), p.read_bytes()) for p in files])
         else:
             texts = _split_contiguous(path.read_bytes())
         source, license = f"local:{path.resolve()}", "as stated by the files' owner"

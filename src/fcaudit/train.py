@@ -352,6 +352,9 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
     if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
         raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
+    if len(corpus.validation) < window:
+        raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
+                           f"than one window of {window}: give it more text (its validation split is 5% of a file)")
     val = make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
     test = all_windows(corpus.test, window, limit=cfg.test_windows or None)
     rng = np.random.default_rng(cfg.seed)

@@ -71,7 +71,8 @@ def check_windows(ev: torch.Tensor, ca: torch.Tensor, ev_set, ca_set) -> None:
     shared = sum(any(np.array_equal(row, evn[i]) for i in by_hash.get(hash(row.tobytes()), ())) for row in ca.numpy())
     if shared:
         raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
-                           "from a different split (e.g. validation) than the evaluation windows (test)")
+                           "from a different split (e.g. validation) than the evaluation windows (test), or, when "
+                           "they already are (as fcaudit audit draws them), use a corpus whose text does not repeat")
     starts = [getattr(s, "starts", None) for s in (ev_set, ca_set)]
     if all(s is not None for s in starts) and ev_set.split == ca_set.split:
         t = ev.shape[1]
