@@ -168,3 +168,11 @@ def test_a_run_whose_corpus_file_changed_is_refused_and_a_busy_run_dir_too(tmp_p
             train(TrainConfig(**{**cfg, "out": str(tmp_path / "run2")}))
     finally:
         os.close(busy)
+
+
+def test_a_run_logged_to_a_file_prints_a_line_per_validation(tmp_path, corpus, capsys):
+    """No progress bar in a log file (it would leave stray lines): one line per validation instead."""
+    train(TrainConfig(model="dense", out=str(tmp_path / "run"), **{**FAST, "steps": 16, "progress": True}),
+          corpus=corpus)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train dense s0: step")]
+    assert [l.split(" loss")[0] for l in lines] == ["train dense s0: step 8/16", "train dense s0: step 16/16"]

@@ -55,6 +55,10 @@ def command(fn: Callable) -> Callable:
             ignore_sigterm()  # under torchrun: every rank prints its line and exits 2
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted: rerun the same command to resume (a training run or an audit continues where "
+                       "it stopped)", err=True)
+            raise typer.Exit(130) from None
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise

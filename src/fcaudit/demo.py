@@ -94,7 +94,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
         cfg = TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed, out=str(run_dir),
                           device=device, steps=steps, window=plan.window if mudd else None,
                           fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
-                          matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None)
+                          matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None,
+                          progress=console.is_terminal)  # a bar on a terminal; a log gets the demo's own lines only
         r = train(cfg, corpus=corpus)
         console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""))
 

@@ -382,9 +382,12 @@ def _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt
     model.train()
     t0, tokens_seen = time.perf_counter(), 0
     console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
+    bar = cfg.progress and (console.is_terminal or console.is_jupyter)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
-                        disable=not (cfg.progress and (console.is_terminal or console.is_jupyter)))
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=not bar)
+    lines = cfg.progress and not bar  # a log file gets a line per validation instead
+    if lines and start:
+        console.print(f"train {cfg.model} s{cfg.seed}: resuming at step {start} of {cfg.steps}", highlight=False)
     with progress:
         task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
@@ -412,6 +415,9 @@ def _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt
                     raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
                 history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
                 _save_state(out, done, model, opt, rng, history)
+                if lines:
+                    console.print(f"train {cfg.model} s{cfg.seed}: step {done}/{cfg.steps} loss {loss_value:.3f} "
+                                  f"val {v['nll']:.3f} ({time.perf_counter() - t0:.0f} s)", highlight=False)
             progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
                             (f" val {history[-1]['val_nll']:.3f}" if history else ""))
     train_seconds = time.perf_counter() - t0
