@@ -113,3 +113,19 @@ def test_a_small_directory_still_gets_three_splits_and_hidden_files_are_not_read
         (many / f"{i}.txt").write_text(f"document {i} " * 50)
     by_hash = data._split_by_path([(f"{i}.txt", (many / f"{i}.txt").read_bytes()) for i in sorted(range(60), key=str)])
     assert data.load_corpus(str(many)).validation.astype("uint8").tobytes() == by_hash[1]  # unchanged when it works
+
+
+def test_text_that_is_not_utf8_is_noted_when_a_tokenizer_reads_it(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    latin1, utf8 = tmp_path / "latin1.txt", tmp_path / "utf8.txt"
+    latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 100)
+    utf8.write_text("café au lait \ufffd\n" * 100)  # a replacement character the text holds itself
+    data.load_corpus(str(utf8), tokenizer=tok)
+    assert "not UTF-8" not in capsys.readouterr().err
+    data.load_corpus(str(latin1), tokenizer=tok)
+    assert "the corpus holds 100 bytes that are not UTF-8" in capsys.readouterr().err

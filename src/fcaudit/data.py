@@ -16,6 +16,7 @@ split and calibration windows from the validation split, so the two never overla
 from __future__ import annotations
 
 import hashlib
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
@@ -133,7 +134,14 @@ def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...
                 for s, t in zip(SPLITS, texts)], 256
     from fcaudit.tokens import encode
 
-    arrays = [encode(tokenizer, t.decode("utf-8", errors="replace").splitlines(keepends=True)).astype(np.int32)
+    raw = {s: t for s, t in zip(SPLITS, texts) if s in splits}
+    decoded = {s: t.decode("utf-8", errors="replace") for s, t in raw.items()}
+    # replacement characters decoding added (not those the text holds as such)
+    bad = sum(decoded[s].count("\ufffd") - t.decode("utf-8", errors="ignore").count("\ufffd") for s, t in raw.items())
+    if bad:  # e.g. Latin-1 text: the tokenizer sees U+FFFD where each such byte was
+        print(f"note: the corpus holds {bad} bytes that are not UTF-8; the tokenizer reads each as U+FFFD (convert "
+              "the text to UTF-8 to keep them)", file=sys.stderr)
+    arrays = [encode(tokenizer, decoded[s].splitlines(keepends=True)).astype(np.int32)
               if s in splits else np.zeros(0, np.int32) for s, t in zip(SPLITS, texts)]
     return arrays, int(tokenizer.get_vocab_size())
 
