@@ -218,24 +218,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     t_start = time.perf_counter()
     rows = []
-    if args.only in (None, "mudd"):
-        model, T = build_mudd(device, args.smoke, args.fast_mix)
-        rows.append(run_case("muddpythia-1.4b" if not args.smoke else "muddpythia-tiny", model, T, args, device))
+    cases = {"mudd": ("muddpythia-1.4b", "muddpythia-tiny", lambda: build_mudd(device, args.smoke, args.fast_mix)),
+             "featuregate": ("featuregate-76m", "featuregate-tiny", lambda: build_featuregate(device, args.smoke)),
+             "olmoe": ("olmoe-1b-7b", "olmoe-tiny", lambda: build_olmoe(device, args.smoke))}
+    for key, (name, smoke_name, build) in cases.items():
+        if args.only not in (None, key):
+            continue
+        model, T = build()
+        rows.append(run_case(smoke_name if args.smoke else name, model, T, args, device))
         report(rows[-1])
-        del model
+        del model  # one model on the device at a time
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.only in (None, "featuregate"):
-        model, T = build_featuregate(device, args.smoke)
-        rows.append(run_case("featuregate-76m" if not args.smoke else "featuregate-tiny", model, T, args, device))
-        report(rows[-1])
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if args.only in (None, "olmoe"):
-        model, T = build_olmoe(device, args.smoke)
-        rows.append(run_case("olmoe-1b-7b" if not args.smoke else "olmoe-tiny", model, T, args, device))
-        report(rows[-1])
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
