@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save
 
-from fcaudit.io import write_bytes
+from fcaudit.io import finite_json, write_bytes
 
 META_KEY = "fcaudit"
 
@@ -198,7 +198,7 @@ def _json_sha256(obj: dict) -> str:
 
 def write_json(path: str | os.PathLike, obj: dict) -> Path:
     obj = {k: v for k, v in obj.items() if k != "_sha256"}
-    obj = json.loads(json.dumps(obj, default=str))  # hash what a reader will see
+    obj = json.loads(json.dumps(finite_json(obj), default=str))  # hash what a reader will see; nan as null
     text = json.dumps({**obj, "_sha256": _json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
     return write_bytes(path, text.encode())
 

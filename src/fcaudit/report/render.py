@@ -252,7 +252,8 @@ def _replay_line(replays: list) -> str:
     if not reps:
         return "Exact replay: no replay record found in the audit directories."
     passed = sum(bool(r.get("passed")) for r in reps)
-    worst = max((float(r.get("max_abs_dlogit", np.nan)) for r in reps), default=np.nan)
+    worst = max((float(np.nan if r.get("max_abs_dlogit") is None else r["max_abs_dlogit"]) for r in reps),
+                default=np.nan)  # null: not finite
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
             f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}.")
 
