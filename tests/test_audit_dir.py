@@ -309,8 +309,10 @@ def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_js
 
 
 def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resumes(tmp_path):
+    import hashlib
+
     from fcaudit.audit import files
-    from fcaudit.audit.directory import MARKER, _legacy_hash, config_hash
+    from fcaudit.audit.directory import MARKER, config_hash
 
     model = toys.ToyGated()
     out = tmp_path / "a"
@@ -318,13 +320,14 @@ def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resum
     config = json.loads((out / "config.json").read_text())
     bare = {k: v for k, v in config.items() if k not in ("config_hash", "created_at", "provenance", "_sha256")}
     bare["criteria"] = {k: v for k, v in bare["criteria"].items() if k != "fixed_at"}
-    legacy, digest = _legacy_hash(bare), config_hash(bare)
+    legacy = hashlib.sha256(json.dumps(bare, sort_keys=True, default=str).encode()).hexdigest()  # all fields
+    digest = config_hash(bare)
     assert legacy != digest and config["config_hash"] == digest
     files.write_json(out / "config.json", {**config, "config_hash": legacy})  # as the earlier fcaudit wrote it
     (out / MARKER).write_text(json.dumps({"format": 2, "config_hash": legacy}))
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
-    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0"})
+    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "./runs/s0"})  # and read from elsewhere
     assert len(calls) == 1 + SITE_CHECK_PASSES
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert json.loads((out / MARKER).read_text())["config_hash"] == digest

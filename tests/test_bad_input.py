@@ -18,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from fcaudit.cli import app
+from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
@@ -370,12 +371,18 @@ def test_bad_python_api_input_is_one_line_and_leaves_nothing(tmp_path, name, cha
     assert snapshot(tmp_path) == before, "a failed audit left something behind"
 
 
-def test_a_mistyped_path_beside_an_existing_directory_is_not_read_as_a_hub_id(tmp_path, monkeypatch):
-    """"runs/fg-s9" with runs/ here is a path with a typo, not the hub repository runs/fg-s9: no network call."""
+def test_a_mistyped_path_beside_an_existing_directory_is_named_as_such(tmp_path, monkeypatch):
+    """"runs/fg-s9" with runs/ here: a path with a typo, most likely, though a hub repository of that name is tried
+    first (a folder named after a hub organization may be beside it)."""
     from fcaudit import hub
 
     (tmp_path / "runs").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hub, "snapshot", lambda *a, **k: pytest.fail("looked on the hub"))
+
+    def offline(name, *a, **k):
+        raise FcauditError(f"cannot fetch {name} from the Hugging Face hub")
+
+    monkeypatch.setattr(hub, "snapshot", offline)
     result = runner.invoke(app, ["audit", "runs/fg-s9", "--out", "a"])
-    assert result.exit_code == 2 and "in the existing directory runs" in result.output
+    assert result.exit_code == 2 and "in the existing directory runs, nor a hub repository" in result.output
+    assert "check the path" in result.output

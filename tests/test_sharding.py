@@ -278,6 +278,7 @@ def test_library_ranks_failing_at_once_leave_one_consistent_report(tmp_path):
     assert json.loads((tmp_path / "a" / "replay.json").read_text())["windows"] == [0, 1]
 
 
+@pytest.mark.slow  # rank 1 looks for rank 0's token for about a minute (network filesystems cache "not found")
 def test_ranks_that_do_not_share_the_out_directory_are_stopped_before_any_work(ckpt, tmp_path):
     """--out on a node-local disk (here: another path per rank) would split the audit's files between the ranks."""
     script = tmp_path / "rank.sh"
@@ -289,3 +290,34 @@ def test_ranks_that_do_not_share_the_out_directory_are_stopped_before_any_work(c
     assert r.returncode != 0
     assert "error: rank 1 does not see rank 0's audit directory" in r.stderr, r.stderr[-2000:]
     assert not list((tmp_path / "out0").glob("coeffs/*")) and not (tmp_path / "out0" / "records").exists()
+
+
+class _Rank(fcaudit.audit.Group):
+    """Rank `rank` of 2 in this process: rank 0's token is `token`; phases run here, main-only ones on rank 0."""
+
+    def __init__(self, rank: int, token: str):
+        self.rank, self.world, self.token = rank, 2, token
+
+    def gather(self, obj):
+        return [self.token, obj] if self.rank else [obj, self.token]
+
+    def run(self, phase, main_only=False):
+        return phase() if self.is_main or not main_only else None
+
+
+def test_the_shared_directory_check_reads_rank_0s_token_and_leaves_no_file(tmp_path, monkeypatch):
+    from fcaudit.audit import runner
+
+    monkeypatch.setattr(runner, "SHARED_WAIT", (0.0, 0.01))
+    monkeypatch.setattr(runner.secrets, "token_hex", lambda n: "b" * 16)
+    adir = AuditDir(tmp_path / "a")
+    adir.root.mkdir()
+    runner._check_shared(adir, _Rank(0, "unused"))  # rank 0 writes its token, reads it back, removes it
+    assert not (adir.root / runner.SHARED_CHECK).exists()
+    (adir.root / runner.SHARED_CHECK).write_text("a" * 16)  # rank 0's token, as rank 1 finds it on a shared disk
+    runner._check_shared(adir, _Rank(1, "a" * 16))
+    with pytest.raises(FcauditError, match=r"rank 1 does not see rank 0.s audit directory at .* \(another audit is there\)"):
+        runner._check_shared(adir, _Rank(1, "c" * 16))
+    (adir.root / runner.SHARED_CHECK).unlink()
+    with pytest.raises(FcauditError, match="its check file is missing"):
+        runner._check_shared(adir, _Rank(1, "a" * 16))

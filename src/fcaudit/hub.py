@@ -63,10 +63,13 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     if not is_hub_id(name):
         raise FcauditError(f"no checkpoint directory {name}: pass a directory written by `fcaudit train` (config.json "
                            f"and weights) or a Hugging Face hub id like org/name")
-    if local.parent.is_dir() and local.parent != Path("."):  # "runs/fg-s9" beside runs/: a mistyped path, surely
-        raise FcauditError(f"no checkpoint directory {name} in the existing directory {local.parent} (it is not read "
-                           "as a hub id, since that directory exists here): check the path")
-    path = snapshot(name, revision, CHECKPOINT_FILES)
+    try:
+        path = snapshot(name, revision, CHECKPOINT_FILES)
+    except FcauditError as e:
+        if local.parent.is_dir() and local.parent != Path("."):  # "runs/fg-s9" beside runs/: a mistyped path?
+            raise FcauditError(f"no checkpoint directory {name} in the existing directory {local.parent}, nor a hub "
+                               f"repository of that name ({e}); check the path") from None
+        raise
     if not list(path.glob("*.safetensors")):
         path = snapshot(name, revision, CHECKPOINT_FILES + PICKLE_FALLBACK)
     return path

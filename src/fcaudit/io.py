@@ -107,6 +107,16 @@ def lock_dir(path: str | os.PathLike, what: str) -> int:
     return fd
 
 
+@contextmanager
+def locked(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """`lock_dir` for the duration of the block."""
+    fd = lock_dir(path, what)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
     """Delete the temp files an interrupted atomic_write left in `directory` (not below it); returns them.
 

@@ -19,7 +19,6 @@ so each window predicts window-1 bytes. Gate mass = mean gate over the same wind
 """
 
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import LOCK, lock_dir, prepare_out, read_json, remove_stale_temps, write_json
+from fcaudit.io import LOCK, locked, prepare_out, read_json, remove_stale_temps, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.models.featuregate import PRESETS
@@ -292,10 +291,13 @@ def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None
             previous = read_json(path)
         except (ValueError, UnicodeDecodeError):
             raise FcauditError(f"{path} is not valid JSON: delete {out} and rerun") from None
+        recorded = "corpus_fingerprint" in previous
         previous.setdefault("corpus_fingerprint", corpus_fingerprint)  # a run from before it was recorded
         if previous != current:
             diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
             raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
+        if not recorded:  # from now on a later resume checks the corpus too
+            write_json(path, current)
     else:
         write_json(path, current)
 
@@ -360,78 +362,70 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
     created = not out.exists()
-    lock = lock_dir(out, "training run")  # released when this process ends, however it ends
-    try:
-        return _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt, device)
-    finally:
-        os.close(lock)
+    with locked(out, "training run"):  # one writer per run directory; released however the process ends
+        _check_run_dir(out, cfg, corpus.fingerprint)
+        n_params = sum(p.numel() for p in model.parameters())
+        if (out / "metrics.json").is_file():  # finished earlier with the same config
+            m = read_json(out / "metrics.json")
+            return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
+
+        _remove_stale_temps(out)
+        start, history = _load_state(out, model, opt, rng, device)
+        model.train()
+        t0, tokens_seen = time.perf_counter(), 0
+        console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
+        bar = cfg.progress and (console.is_terminal or console.is_jupyter)
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=not bar)
+        lines = cfg.progress and not bar  # a log file gets a line per validation instead
+        if lines and start:
+            console.print(f"train {cfg.model} s{cfg.seed}: resuming at step {start} of {cfg.steps}", highlight=False)
+        with progress:
+            task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
+            for step in range(start, cfg.steps):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                ids = random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
+                with _autocast(device):
+                    loss = (family.train_loss(model, ids) if family.train_loss is not None
+                            else token_nll(logits_of(model(ids)), ids).mean())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
+                loss_value, grad_value = loss.item(), grad_norm.item()
+                if not math.isfinite(loss_value):
+                    raise _non_finite("the training loss", loss_value, step + 1, cfg, out, created)
+                if not math.isfinite(grad_value):
+                    raise _non_finite("the gradient norm", grad_value, step + 1, cfg, out, created)
+                opt.step()
+                tokens_seen += ids.numel()
+                done = step + 1
+                if done % cfg.eval_interval == 0 or done == cfg.steps:
+                    v = evaluate(model, val, cfg.batch_size, device)
+                    if not math.isfinite(v["nll"]):
+                        raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
+                    history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
+                    _save_state(out, done, model, opt, rng, history)
+                    if lines:
+                        console.print(f"train {cfg.model} s{cfg.seed}: step {done}/{cfg.steps} loss {loss_value:.3f} "
+                                      f"val {v['nll']:.3f} ({time.perf_counter() - t0:.0f} s)", highlight=False)
+                progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
+                                (f" val {history[-1]['val_nll']:.3f}" if history else ""))
+        train_seconds = time.perf_counter() - t0
+
+        result = evaluate(model, test, cfg.batch_size, device)
+        if not math.isfinite(result["nll"]):
+            raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
+        metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],
+                   "test_windows": result["windows"], "test_tokens": result["tokens"], "variant": cfg.model,
+                   "preset": cfg.preset, "seed": cfg.seed, "corpus": cfg.corpus, "corpus_fingerprint": corpus.fingerprint,
+                   "n_params": n_params, "steps": cfg.steps, "window": window, "device": str(device),
+                   "train_seconds_this_session": train_seconds,
+                   "train_tokens_per_s_this_session": tokens_seen / train_seconds if tokens_seen else None,
+                   "history": history, "config": cfg.identity(), **provenance()}
+        _save_final(out, model, {k: metrics[k] for k in ("byte_ppl", "gate_mass", "variant", "seed", "corpus", "steps")})
+        write_json(out / "metrics.json", metrics)
+        return TrainResult(out, metrics["byte_ppl"], metrics["gate_mass"], n_params, metrics)
 
 
-def _train(cfg, out, created, corpus, model, family, window, val, test, rng, opt, device) -> "TrainResult":
-    """`train` within the run directory's lock."""
-    from fcaudit.data import random_batch
-
-    _check_run_dir(out, cfg, corpus.fingerprint)
-    n_params = sum(p.numel() for p in model.parameters())
-    if (out / "metrics.json").is_file():  # finished earlier with the same config
-        m = read_json(out / "metrics.json")
-        return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
-
-    _remove_stale_temps(out)
-    start, history = _load_state(out, model, opt, rng, device)
-    model.train()
-    t0, tokens_seen = time.perf_counter(), 0
-    console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
-    bar = cfg.progress and (console.is_terminal or console.is_jupyter)
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=not bar)
-    lines = cfg.progress and not bar  # a log file gets a line per validation instead
-    if lines and start:
-        console.print(f"train {cfg.model} s{cfg.seed}: resuming at step {start} of {cfg.steps}", highlight=False)
-    with progress:
-        task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
-        for step in range(start, cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            ids = random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
-            with _autocast(device):
-                loss = (family.train_loss(model, ids) if family.train_loss is not None
-                        else token_nll(logits_of(model(ids)), ids).mean())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
-            loss_value, grad_value = loss.item(), grad_norm.item()
-            if not math.isfinite(loss_value):
-                raise _non_finite("the training loss", loss_value, step + 1, cfg, out, created)
-            if not math.isfinite(grad_value):
-                raise _non_finite("the gradient norm", grad_value, step + 1, cfg, out, created)
-            opt.step()
-            tokens_seen += ids.numel()
-            done = step + 1
-            if done % cfg.eval_interval == 0 or done == cfg.steps:
-                v = evaluate(model, val, cfg.batch_size, device)
-                if not math.isfinite(v["nll"]):
-                    raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
-                history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
-                _save_state(out, done, model, opt, rng, history)
-                if lines:
-                    console.print(f"train {cfg.model} s{cfg.seed}: step {done}/{cfg.steps} loss {loss_value:.3f} "
-                                  f"val {v['nll']:.3f} ({time.perf_counter() - t0:.0f} s)", highlight=False)
-            progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
-                            (f" val {history[-1]['val_nll']:.3f}" if history else ""))
-    train_seconds = time.perf_counter() - t0
-
-    result = evaluate(model, test, cfg.batch_size, device)
-    if not math.isfinite(result["nll"]):
-        raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
-    metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],
-               "test_windows": result["windows"], "test_tokens": result["tokens"], "variant": cfg.model,
-               "preset": cfg.preset, "seed": cfg.seed, "corpus": cfg.corpus, "corpus_fingerprint": corpus.fingerprint,
-               "n_params": n_params, "steps": cfg.steps, "window": window, "device": str(device),
-               "train_seconds_this_session": train_seconds,
-               "train_tokens_per_s_this_session": tokens_seen / train_seconds if tokens_seen else None,
-               "history": history, "config": cfg.identity(), **provenance()}
-    _save_final(out, model, {k: metrics[k] for k in ("byte_ppl", "gate_mass", "variant", "seed", "corpus", "steps")})
-    write_json(out / "metrics.json", metrics)
-    return TrainResult(out, metrics["byte_ppl"], metrics["gate_mass"], n_params, metrics)

@@ -45,11 +45,6 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(identity(config), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _legacy_hash(config: dict) -> str:
-    """The hash fcaudit wrote before DESCRIPTIVE fields were left out (audits made then still resume)."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def differences(old: dict, new: dict) -> list[str]:
     """Top-level keys whose values differ, and model.KEY for the model's own (which of its fields changed)."""
     out = []
@@ -146,16 +141,17 @@ class AuditDir:
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
         current = files.quietly(files.read_json, self.config_path)
-        if held is not None and held == _legacy_hash(config):  # made before DESCRIPTIVE fields were left out:
-            held = digest                                          # the same configuration, now under its new hash
-            if current is not None and current.get("config_hash") == marker["config_hash"]:
+        changed = ["(config.json unreadable)"]
+        if held is not None and held != digest and current is not None and current.get("config_hash") == held:
+            old = identity({**current, "criteria": {k: v for k, v in (current.get("criteria") or {}).items()
+                                                    if k != "fixed_at"}})
+            changed = differences(old, identity(config))
+            if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
+                held = digest
                 current = {**current, "config_hash": digest}
                 files.write_json(self.config_path, current)
-            files.write_json(self.root / MARKER, {**marker, "config_hash": digest})
+                files.write_json(self.root / MARKER, {**marker, "config_hash": digest})
         if held is not None and held != digest and self.has_results():
-            old = identity({**(current or {}), "criteria": {k: v for k, v in ((current or {}).get("criteria") or {})
-                                                            .items() if k != "fixed_at"}})
-            changed = differences(old, identity(config)) or ["(config.json unreadable)"]
             raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
                                "pass a new --out directory or delete the old one")
         if held == digest and current is not None and current.get("config_hash") == digest:

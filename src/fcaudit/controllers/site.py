@@ -143,6 +143,7 @@ class Site:
     codec: Codec = field(default=None)
     meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
     device: torch.device | None = field(default=None, repr=False)  # where that output was (the site's device)
+    dtype: torch.dtype | None = field(default=None, repr=False)  # its precision (a codec may widen it, e.g. bf16)
 
     def encode(self, out, batch: int, token: int) -> torch.Tensor:
         try:
@@ -157,7 +158,10 @@ class Site:
     def remember(self, out) -> None:
         """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
-        self.device = _device_of(out)
+        first = _first_tensor(out)
+        self.device = first.device if first is not None else None
+        floats = _first_tensor(out, floating=True)
+        self.dtype = floats.dtype if floats is not None else None
 
     def decode(self, c: torch.Tensor):
         """The site's output from canonical coefficients, on the device its captured output was on (a model spread
@@ -169,12 +173,13 @@ class Site:
         return self.codec.decode(c, self.meta)
 
 
-def _device_of(out) -> torch.device | None:
-    """The device of the first tensor in a module output (a tensor, or a tuple, list or dict holding tensors)."""
+def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
+    """The first tensor (floating-point, with `floating`) in a module output: a tensor, or a tuple, list or dict
+    holding tensors."""
     if isinstance(out, torch.Tensor):
-        return out.device
+        return out if out.is_floating_point() or not floating else None
     items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    return next((d for d in map(_device_of, items) if d is not None), None)
+    return next((t for t in (_first_tensor(i, floating) for i in items) if t is not None), None)
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:

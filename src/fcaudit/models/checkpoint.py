@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model as load_safetensors_model
 from safetensors.torch import save_file
 
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import atomic_write, read_json, write_json
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
 
@@ -50,9 +50,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, device: str | tor
     try:
         load_safetensors_model(model, str(path), strict=True, device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
-        raise FcauditError(f"weights file {path} is corrupt or truncated ({_one_line(e)}): retrain or re-download the checkpoint") from None
+        raise FcauditError(f"weights file {path} is corrupt or truncated ({one_line(e)}): retrain or re-download the checkpoint") from None
     except RuntimeError as e:
-        raise FcauditError(f"weights in {path} do not match its config.json ({_one_line(e)}): use the config.json written with these weights") from None
+        raise FcauditError(f"weights in {path} do not match its config.json ({one_line(e)}): use the config.json written with these weights") from None
 
 
 def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | None = None) -> Path:
@@ -83,7 +83,7 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
     try:
         config = read_json(config_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FcauditError(f"{config_path} is not valid JSON ({_one_line(e)}): restore it from the training run") from None
+        raise FcauditError(f"{config_path} is not valid JSON ({one_line(e)}): restore it from the training run") from None
     family = families.for_config(config) if isinstance(config, dict) else None
     if family is None:
         model_type = config.get("model_type") if isinstance(config, dict) else None
@@ -106,12 +106,9 @@ def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None)
     try:
         model = FeatureGateGPT(GPTConfig.from_dict(config))
     except TypeError as e:
-        raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({_one_line(e)}): use the config.json written "
+        raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None
     load_weights(dir / WEIGHTS_NAME, model)
     return model.to(device=device, dtype=dtype).eval(), meta
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 160 else text[:157] + "..."

@@ -24,7 +24,7 @@ from torch import nn
 
 from fcaudit import placement
 from fcaudit.controllers.site import Controller, Site
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
                                             experts_implementation, split_router_output, split_score_output)
 
@@ -192,11 +192,10 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
     except (RuntimeError, IndexError, ValueError) as e:
-        msg = " ".join(str(e).split())[:120]
         c = cands[0]
         raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
-                           f"{msg}); check its config.json (its routers read top_k {c.top_k} of {c.num_experts} "
-                           "experts)") from None
+                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {c.top_k} of "
+                           f"{c.num_experts} experts) and that the model fits in memory") from e
     finally:
         for h in handles:
             h.remove()

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.placement import require_accelerate
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
@@ -74,7 +74,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
                                                            experts_implementation="eager", output_loading_info=True,
                                                            **placed)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        msg = " ".join(str(e).split())
+        msg = one_line(e, 100_000)
         if device_map is not None and offload_folder is None and "offload" in msg:
             raise FcauditError("the device map puts weights on disk: pass --offload-folder DIR (room for them)") \
                 from None
@@ -82,7 +82,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         if mismatch:  # the report the message refers to is the one filtered out: its first mismatched weight
             raise FcauditError(f"{dir}: config.json does not fit the weights ({mismatch}): use the config.json "
                                "saved with these weights") from None
-        raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {msg[:160]}): pass a complete "
+        raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {one_line(e)}): pass a complete "
                            f"checkpoint directory of a transformers>=5 MoE model") from None
     finally:
         report.removeFilter(quiet)
