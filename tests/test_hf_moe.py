@@ -661,3 +661,12 @@ def test_variation_names_each_layers_site_where_the_first_block_is_dense(tmp_pat
                     quiet=True)
     layers = res.variation["layers"]
     assert [l["site"] for l in layers] == [s.path for s in ctrl.sites] and layers[0]["site"].startswith("model.layers.1.")
+
+
+def test_a_site_remembers_its_outputs_precision_which_the_store_may_widen():
+    """A bf16 router's weights are stored as float32 (codecs.canonical_dtype); the layout check's tolerance is the
+    precision the model computed in, which the site keeps from its captured output."""
+    model = tiny_moe("mixtral", experts=E, top_k=K, dtype=torch.bfloat16)
+    ctrl = controller_of(moe_adapter(model))
+    coeffs = capture(model, ctrl, ids_for()).coefficients
+    assert coeffs[0].dtype == torch.float32 and ctrl.sites[0].dtype == torch.bfloat16
