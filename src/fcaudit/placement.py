@@ -17,8 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from fcaudit.errors import FcauditError
-
+from fcaudit.errors import FcauditError, one_line
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's own device-map strategies
 
@@ -35,7 +34,7 @@ def parse_device_map(spec: str) -> str | dict[str, str | int]:
     try:
         mapping = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FcauditError(f"--device-map {spec}: not valid JSON ({e.msg}); fix the file") from None
+        raise FcauditError(f"--device-map {spec}: not valid JSON ({one_line(e, 80)}); fix the file") from None
     if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, (str, int)) for v in mapping.values()):
         raise FcauditError(f'--device-map {spec}: pass a JSON object of {{"module.path": device}}, e.g. '
                            '{"model.embed_tokens": 0, "model.layers": 1, "lm_head": "cpu"}')
