@@ -131,3 +131,13 @@ def test_a_full_disk_is_one_line_that_says_the_rerun_resumes(tiny_ckpt, tmp_path
     r = run("audit", tiny_ckpt, "--out", tmp_path / "a", "--eval", 4, "--calib", 4, "--window", 16,
             "--randomizations", 1, "--quiet")
     one_line_error(r, "no space left on the device", ".safetensors", "resumes")
+
+
+def test_a_dry_run_into_an_existing_audit_says_whether_the_real_run_resumes_or_refuses_it(tiny_ckpt, tmp_path):
+    args = ["--out", tmp_path / "a", "--eval", 4, "--calib", 4, "--window", 16, "--randomizations", 1]
+    assert run("audit", tiny_ckpt, *args, "--quiet").exit_code == 0
+    same = run("audit", tiny_ckpt, *args, "--dry-run")
+    assert same.exit_code == 0 and "holds this audit: the real run resumes it" in same.output
+    other = run("audit", tiny_ckpt, *args, "--seed", 3, "--dry-run")
+    assert other.exit_code == 0 and "differs in ['seed', 'windows']" in other.output, other.output
+    assert run("audit", tiny_ckpt, *args[:1], tmp_path / "new", *args[2:], "--dry-run").output.count("note:") == 0

@@ -33,7 +33,7 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
     process spreads the model over this machine's devices (fcaudit.placement.parse_device_map). `family`: the name
     `summarize` pools checkpoints by (default: what the checkpoint's metrics.json says it is, else its directory
     name or hub id)."""
-    from fcaudit.audit.runner import audit, plan
+    from fcaudit.audit.runner import against_out, audit, plan
     from fcaudit.placement import parse_device_map
 
     if offload_folder is not None and device_map is None:
@@ -60,6 +60,10 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                      world_size=world_size or launched_world())
             if launched_rank() == 0:
                 print(p)
+                note = against_out(out, model, controller, ev, ca, p, seed=seed, tolerance=tolerance,
+                                   criteria=criteria, model_info=info)
+                if note:
+                    print(note)
             return p
         return audit(model, controller, ev, ca, randomizations=randomizations, seed=seed, out=out,
                      batch_size=batch_size, tolerance=tolerance, criteria=criteria, model_info=info, quiet=quiet,

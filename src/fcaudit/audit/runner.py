@@ -26,6 +26,7 @@ from torch import nn
 from fcaudit import placement, protocol
 from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
+from fcaudit.audit import files
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
@@ -299,6 +300,29 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
 
 
 dry_run = plan
+
+
+def against_out(out: str | Path, model: nn.Module, controller: Controller, eval_windows, calib_windows,
+                planned: AuditPlan, *, seed: int = 0, tolerance: float = 0.0, criteria=None,
+                model_info: dict | None = None) -> str | None:
+    """For a dry run into `out`: a line saying whether the real run would resume the audit `out` holds or refuse it
+    (another configuration, and which fields); None when `out` holds no audit results."""
+    adir = AuditDir(out)
+    current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
+    if current is None or not adir.has_results():
+        return None
+    ev, ev_set = as_windows(eval_windows, "evaluation")
+    ca, ca_set = as_windows(calib_windows, "calibration")
+    config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=planned.conditions,
+                     randomizations=planned.randomizations, seed=seed, batch_size=planned.batch_size,
+                     tolerance=tolerance, loss_fn=None, criteria=criteria, model_info=model_info,
+                     coeff_dtype=planned.coeff_dtype)
+    old = identity({**current, "criteria": {k: v for k, v in (current.get("criteria") or {}).items() if k != "fixed_at"}})
+    changed = differences(old, identity(config))
+    if changed:
+        return f"note: {out} holds an audit with another configuration (differs in {changed}): the real run would " \
+               "refuse it; pass a new --out"
+    return f"note: {out} holds this audit: the real run resumes it"
 
 
 # ---- the audit --------------------------------------------------------------------------------------------------
