@@ -240,6 +240,10 @@ def test_summarize_refuses_audits_that_are_not_independent_checkpoints(tmp_path)
     with pytest.raises(FcauditError, match="audit the same checkpoint") as err:
         summarize([a, b])
     assert str(tmp_path / "a") in str(err.value) and str(tmp_path / "b") in str(err.value)
+    relabelled = audit(model, toys.gated(model), toys.windows(8, 0), toys.windows(4, 1), randomizations=2,
+                       out=tmp_path / "r", batch_size=4, quiet=True, model_info={"family": "another name"})
+    with pytest.raises(FcauditError, match="whatever their family labels"):
+        summarize([a, relabelled])
     other = toys.ToyGated()
     with torch.no_grad():
         other.head.bias.add_(0.01)  # another checkpoint, audited on other windows

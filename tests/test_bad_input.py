@@ -255,6 +255,18 @@ ENGINE_ROWS: list[Row] = [
                                                "cpu", "--out", t / "a"], "pass one"),
     ("audit-device-map-of-featuregate", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--device-map", "auto",
                                                    "--out", t / "a"], "runs on one device"),
+    ("audit-device-map-on-cuda-without-cuda", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
+                                                         device_map_file(t, '{"": "cuda:0"}'), "--out", t / "a"],
+     "no CUDA device is visible"),
+    ("audit-device-map-unknown-device", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
+                                                   device_map_file(t, '{"": "gpu7"}'), "--out", t / "a"],
+     "unknown device 'gpu7'"),
+    ("audit-device-map-leaving-modules-out", lambda t: [
+        "audit", moe_ckpt(t), *AUDIT, "--device-map", device_map_file(t, '{"model.layers.1": "disk", "lm_head": "cpu"}'),
+        "--offload-folder", t / "off", "--out", t / "a"], "give every module a device"),
+    ("audit-offload-folder-is-the-out", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", device_map_file(t),
+                                                   "--offload-folder", t / "a", "--out", t / "a"],
+     "is the audit's --out or the checkpoint"),
     ("audit-device-map-disk-without-folder", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map",
                                                         device_map_file(t), "--out", t / "a"], "--offload-folder"),
 ]

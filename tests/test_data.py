@@ -100,12 +100,13 @@ def test_a_small_directory_still_gets_three_splits_and_hidden_files_are_not_read
     (d / ".git" / "objects").mkdir(parents=True)
     (d / ".git" / "objects" / "ab").write_bytes(b"\x78\x9c compressed object " * 100)
     (d / ".env").write_text("SECRET=1\n")
+    (d / "blob.bin").write_bytes(bytes(range(256)) * 40)  # binary: a NUL byte in its first bytes
     for i in range(3):
         (d / f"{i}.txt").write_text(f"document {i}: plain text\n" * 200)
     c = data.load_corpus(str(d))
     assert all(len(c.split(s)) > 0 for s in ("train", "validation", "test"))
     text = b"".join(c.split(s).astype("uint8").tobytes() for s in ("train", "validation", "test"))
-    assert b"compressed object" not in text and b"SECRET" not in text
+    assert b"compressed object" not in text and b"SECRET" not in text and bytes(range(256)) not in text
     assert text == b"".join((d / f"{i}.txt").read_bytes() for i in range(3))  # joined in path order, 90/5/5
     many = tmp_path / "docs"
     many.mkdir()

@@ -43,6 +43,10 @@ def audit_checkpoint(checkpoint: str, *, corpus: str, out: Path, n_eval: int, n_
                            "(--world-size) plans a run that would be refused; drop one of them")
     if device_map is not None and device != "auto":
         raise FcauditError(f"--device {device} and --device-map {device_map}: pass one (the map names the devices)")
+    if offload_folder is not None and Path(offload_folder).resolve() in (Path(out).resolve(),
+                                                                          Path(checkpoint).resolve()):
+        raise FcauditError(f"--offload-folder {offload_folder} is the audit's --out or the checkpoint: pass a "
+                           "directory of its own (it receives a copy of the offloaded weights)")
     placed = None if device_map is None else {"device_map": parse_device_map(device_map),
                                               "offload_folder": offload_folder}
 

@@ -183,12 +183,19 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
             raise FcauditError(f"unknown corpus {name!r}; use 'embedded', {', '.join(HF_CORPORA)}, or a path to a "
                                f"text file or directory")
         if path.is_dir():
-            # hidden files and directories (.git, .cache) are not text the user meant
+            # hidden files and directories (.git, .cache) and binary files are not text the user meant
             files = sorted(p for p in path.rglob("*") if p.is_file()
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
-            if not files:
-                raise FcauditError(f"corpus directory {path} holds no files; point --corpus at text files")
-            texts = _split_directory([(p.relative_to(path).as_posix(), p.read_bytes()) for p in files])
+            named = [(p.relative_to(path).as_posix(), p.read_bytes()) for p in files]
+            binary = {n for n, t in named if b"\0" in t[:8000]}  # git's test: a NUL byte early on
+            text = [(n, t) for n, t in named if n not in binary]
+            if binary:
+                print(f"note: corpus {path}: {len(binary)} binary file(s) left out (e.g. {min(binary)})",
+                      file=sys.stderr)
+            if not text:
+                raise FcauditError(f"corpus directory {path} holds no text files (hidden and binary files are not "
+                                   "read); point --corpus at text files")
+            texts = _split_directory(text)
         else:
             texts = _split_contiguous(path.read_bytes())
         source, license = f"local:{path.resolve()}", "as stated by the files' owner"

@@ -38,6 +38,14 @@ def parse_device_map(spec: str) -> str | dict[str, str | int]:
     if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, (str, int)) for v in mapping.values()):
         raise FcauditError(f'--device-map {spec}: pass a JSON object of {{"module.path": device}}, e.g. '
                            '{"model.embed_tokens": 0, "model.layers": 1, "lm_head": "cpu"}')
+    gpus = [v for v in mapping.values() if isinstance(v, int) or str(v).startswith("cuda")]
+    if gpus and not torch.cuda.is_available():
+        raise FcauditError(f"--device-map {spec} puts modules on {gpus[0]!r} but no CUDA device is visible: map them "
+                           'to "cpu" or "disk", or run where the GPUs are')
+    unknown = [v for v in mapping.values() if not isinstance(v, int) and v not in ("cpu", "disk", "meta")
+               and not str(v).startswith("cuda")]
+    if unknown:
+        raise FcauditError(f"--device-map {spec}: unknown device {unknown[0]!r}; use cuda:N (or N), cpu or disk")
     return mapping
 
 

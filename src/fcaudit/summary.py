@@ -262,15 +262,19 @@ def _alike(config: dict) -> dict:
             "conditions": config.get("conditions")}
 
 
-def _check_pool(family: str, members: list[AuditResult]) -> None:
+def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
+    """Across all families: a checkpoint relabelled with another family is still the same checkpoint."""
     seen: dict[str, Path] = {}
-    for a in members:
+    for a in audits:
         h = (a.config.get("model") or {}).get("params_sha256")
         if h and h in seen:
-            raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters): pass one audit "
-                               "per independently trained checkpoint")
+            raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever their "
+                               "family labels): pass one audit per independently trained checkpoint")
         if h:
             seen[h] = a.path
+
+
+def _check_pool(family: str, members: list[AuditResult]) -> None:
     first = _alike(members[0].config)
     for a in members[1:]:
         other = _alike(a.config)
@@ -371,6 +375,7 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     paths = [Path(a.path).resolve() for a in audits]
     if len(set(paths)) != len(paths):
         raise FcauditError("the same audit directory was given twice; pass each checkpoint's audit once")
+    _one_audit_per_checkpoint(audits)
     by_family: dict[str, list[AuditResult]] = {}
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)

@@ -191,7 +191,11 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
-    except (RuntimeError, IndexError, ValueError) as e:
+    except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
+        if "meta tensor" in str(e) and placement.is_dispatched(model):  # e.g. Llama 4 sends its ids to the embedding's
+            raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
+                               "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
+                               "(cpu or cuda) in the map") from e
         c = cands[0]
         raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
                            f"{one_line(e, 120)}); check its config.json (its routers read top_k {c.top_k} of "

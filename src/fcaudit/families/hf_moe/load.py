@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,16 +69,22 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     # A filter, not a level: at WARNING or above that logger's level makes transformers check tensor-parallel plans.
     report, quiet = logging.getLogger("transformers.modeling_utils"), _NoLoadReport()
     report.addFilter(quiet)
+    fresh = offload_folder is not None and not Path(offload_folder).exists()  # transformers makes it early
     try:
         placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
         model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
                                                            experts_implementation="eager", output_loading_info=True,
                                                            **placed)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        if fresh:  # a failed load leaves nothing behind: the folder is this call's own (weights written into it)
+            shutil.rmtree(offload_folder, ignore_errors=True)
         msg = one_line(e, 100_000)
         if device_map is not None and offload_folder is None and "offload" in msg:
             raise FcauditError("the device map puts weights on disk: pass --offload-folder DIR (room for them)") \
                 from None
+        if device_map is not None and "device_map" in msg:  # a map that leaves out modules, or names others
+            raise FcauditError(f"the device map does not fit {dir} ({one_line(e)}): give every module a device "
+                               "(or use --device-map auto)") from None
         mismatch = quiet.mismatch()
         if mismatch:  # the report the message refers to is the one filtered out: its first mismatched weight
             raise FcauditError(f"{dir}: config.json does not fit the weights ({mismatch}): use the config.json "
