@@ -119,18 +119,24 @@ def on_cpu(module: nn.Module) -> Iterator[None]:
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter, then every buffer, by name, with its data: an offloaded module's are loaded one module at a
-    time (memory holds one module's weights, not the model's), each valid until the next is asked for. Order:
-    named_parameters(), then named_buffers()."""
+    time (memory holds one module's weights, not the model's; named_* lists a module's own tensors together, so each
+    is loaded once per kind), each valid until the next is asked for. Order: named_parameters(), named_buffers()."""
     owners = dict(model.named_modules())
     for kind in ("parameters", "buffers"):
-        for name, t in getattr(model, f"named_{kind}")():
-            if not t.is_meta:
-                yield name, t
-                continue
-            owner, _, leaf = name.rpartition(".")
-            module = owners[owner]
-            with _onloaded(module):
-                t = getattr(module, leaf)
+        with ExitStack() as held:
+            loaded = None  # the owner whose offloaded tensors `held` keeps loaded
+            for name, t in getattr(model, f"named_{kind}")():
+                if not t.is_meta:
+                    held.close()  # the last offloaded module goes back before another's tensors are read
+                    loaded = None
+                    yield name, t
+                    continue
+                owner, _, leaf = name.rpartition(".")
+                if owner != loaded:
+                    held.close()
+                    held.enter_context(_onloaded(owners[owner]))
+                    loaded = owner
+                t = getattr(owners[owner], leaf)
                 if t.is_meta:
                     raise FcauditError(f"{name} has no data (it is on the meta device, and accelerate did not offload "
                                        f"it): load the model's weights before auditing it")

@@ -41,6 +41,12 @@ def identity(config: dict) -> dict:
     return {**config, "model": {k: v for k, v in model.items() if k not in DESCRIPTIVE}}
 
 
+def stored_identity(saved: dict) -> dict:
+    """`identity` of a config.json as written: without the time the criteria were fixed at."""
+    criteria = {k: v for k, v in (saved.get("criteria") or {}).items() if k != "fixed_at"}
+    return identity({**saved, "criteria": criteria})
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(identity(config), sort_keys=True, default=str).encode()).hexdigest()
 
@@ -143,9 +149,7 @@ class AuditDir:
         current = files.quietly(files.read_json, self.config_path)
         changed = ["(config.json unreadable)"]
         if held is not None and held != digest and current is not None and current.get("config_hash") == held:
-            old = identity({**current, "criteria": {k: v for k, v in (current.get("criteria") or {}).items()
-                                                    if k != "fixed_at"}})
-            changed = differences(old, identity(config))
+            changed = differences(stored_identity(current), identity(config))
             if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
                 held = digest
                 current = {**current, "config_hash": digest}

@@ -85,10 +85,6 @@ def missing_files(root: Path, config: dict) -> list[str]:
     return missing
 
 
-def _clean(d: dict) -> dict:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
-
-
 def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict:
     """Per-layer mean/sd of the evaluation coefficients and the balanced variance decomposition. `sites`: each
     layer's module path (a layer is a site: an MoE whose first block is dense has its layer 0 in model.layers.1)."""
@@ -134,7 +130,7 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         fractions = variance_decomposition(arr)
-    return {"layers": layers, "decomposition": _clean(fractions), "decomposed": what,
+    return {"layers": layers, "decomposition": fractions, "decomposed": what,
             "windows_decomposed": int(n_used), "windows": n_total}
 
 

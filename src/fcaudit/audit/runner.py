@@ -24,9 +24,9 @@ from rich.table import Table
 from torch import nn
 
 from fcaudit import placement, protocol
-from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity
-from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit import files
+from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity, stored_identity
+from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
@@ -317,8 +317,7 @@ def against_out(out: str | Path, model: nn.Module, controller: Controller, eval_
                      randomizations=planned.randomizations, seed=seed, batch_size=planned.batch_size,
                      tolerance=tolerance, loss_fn=None, criteria=criteria, model_info=model_info,
                      coeff_dtype=planned.coeff_dtype)
-    old = identity({**current, "criteria": {k: v for k, v in (current.get("criteria") or {}).items() if k != "fixed_at"}})
-    changed = differences(old, identity(config))
+    changed = differences(stored_identity(current), identity(config))
     if changed:
         return f"note: {out} holds an audit with another configuration (differs in {changed}): the real run would " \
                "refuse it; pass a new --out"
@@ -410,8 +409,6 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
 
 
 SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
-
-
 SHARED_WAIT = (0.0, 0.5, 1, 2, 4, 8, 16, 30)  # seconds between looks: an NFS client caches "not found" up to ~60 s
 
 
