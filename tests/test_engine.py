@@ -442,7 +442,7 @@ def test_stage2_chunks_give_the_same_records_and_one_file_per_run(windows_per_ch
     for b in model.blocks:
         b.gate = SparseGate(16)
     drawn, permutations = [], protocol.token_permutations
-    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.append(e) or permutations(e, *a))
+    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.extend(e) or permutations(e, *a))
     base = run(model, gated(model), tmp_path / "default", n_eval=10, R=2)
     assert sorted(drawn) == sorted(list(range(10)) * 2)
     varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
@@ -480,7 +480,7 @@ def test_derangement_properties():
 
 @pytest.mark.parametrize("seed", [0, 12345, 2**32 - 1, 2**32, 2**40 + 7])
 def test_keyed_draws_are_numpys_generator_of_the_key_list(seed):
-    """The per-window draws build their generator from a uint32 array of the key; they must equal
+    """The per-window draws build their generators many at once (fcaudit.keyed); they must equal
     default_rng([tag, seed, r, example]) as written in the protocol, also for values of 2**32 and more (several
     words each)."""
     for r, e in [(0, 0), (3, 63), (19, 2**31), (2, 2**32 + 5)]:
@@ -488,15 +488,17 @@ def test_keyed_draws_are_numpys_generator_of_the_key_list(seed):
             perm = np.random.default_rng([protocol.SHUFFLE, seed, r, e]).permuted(
                 np.broadcast_to(np.arange(T), (rows, T)), axis=1)
             past = np.random.default_rng([protocol.RESAMPLE, seed, r, e]).integers(0, np.arange(1, T + 1), size=(rows, T))
-            for got, want in [(protocol.token_permutations(e, seed, r, T, rows), perm),
-                              (protocol.past_positions(e, seed, r, T, rows), past)]:
-                assert got.dtype == want.dtype and np.array_equal(got, want)
+            for got, want in [(protocol.token_permutations(np.array([e]), seed, r, T, rows), perm),
+                              (protocol.past_positions(np.array([e]), seed, r, T, rows), past)]:
+                assert got.dtype == want.dtype and np.array_equal(got[0], want)
     rng = np.random.default_rng([protocol.DERANGE, seed, 4])
     while np.any((want := rng.permutation(50)) == np.arange(50)):
         pass
     assert np.array_equal(derangement(50, seed, 4), want)
     with pytest.raises(ValueError):  # a negative key is refused as numpy refuses it, never wrapped into uint32
-        protocol.keyed_rng(protocol.SHUFFLE, -1, 0, 0)
+        protocol.token_permutations(np.array([0]), -1, 0, 16, 3)
+    with pytest.raises(ValueError):
+        protocol.past_positions(np.array([-1]), 0, 0, 16, 3)
 
 
 def labelled(b, t, s, k, offset=0):
@@ -564,7 +566,7 @@ def test_shared_permutations_draw_once_for_the_same_key_and_again_for_another(mo
     want = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
     drawn = []
     real = protocol.token_permutations
-    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.append(e) or real(e, *a))
+    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.extend(e) or real(e, *a))
     with protocol.shared_permutations():
         got = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
         assert drawn == [1, 4, 5]  # drawn for TokenShuffle only

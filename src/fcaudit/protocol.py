@@ -12,7 +12,8 @@ the past resampling of example i from `default_rng([RESAMPLE, seed, r, i])`. Cro
 CrossInput r and the permutations of TokenShuffle r of the receiving example (paired sampling). Static profiles are
 functions of the calibration sums only (float64, reduced in batch order).
 
-This module imports nothing of fcaudit but its error type, so statistics and the report can read it without the engine.
+This module imports nothing of fcaudit but its error type and `keyed` (numpy's keyed generators, many at once), so
+statistics and the report can read it without the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
+from fcaudit import keyed
 from fcaudit.errors import FcauditError
 
 Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
@@ -46,20 +48,11 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
     """A uniformly random permutation of range(n) without fixed points (rejection sampling, ~e draws)."""
     if n < 2:
         raise FcauditError(f"a derangement needs at least 2 evaluation windows, got {n}; pass more windows (--eval)")
-    rng = keyed_rng(DERANGE, seed, r)
+    rng = keyed.generators((DERANGE, seed), np.array([r]))[0]
     while True:
         perm = rng.permutation(n)
         if not np.any(perm == np.arange(n)):
             return perm
-
-
-def keyed_rng(*key: int) -> np.random.Generator:
-    """`default_rng(list(key))`, the same generator. Keys of values in [0, 2**32) go in as the uint32 array numpy
-    makes of them (one word per value), which skips its per-value conversion: a third of building a generator, and
-    the audit builds one per window, randomization and keyed condition."""
-    if all(0 <= k < 2**32 for k in key):
-        return np.random.default_rng(np.array(key, dtype=np.uint32))
-    return np.random.default_rng(list(key))
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,16 +63,20 @@ def _positions(rows: int, token: int, first: int = 0) -> np.ndarray:
     return np.broadcast_to(row, (rows, token))
 
 
-def token_permutations(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
-    """An int array [rows, token]: an independent permutation of positions per row, one row per (layer, stream) in
-    layer order. TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws them once when the
-    two are made back to back (a memo over all windows saved no measurable time and held memory growing with them)."""
-    return keyed_rng(SHUFFLE, seed, r, example).permuted(_positions(rows, token), axis=1)
+def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
+    """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
+    (layer, stream) in layer order. TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws
+    them once when the two are made back to back (a memo over all windows saved no measurable time and held memory
+    growing with them)."""
+    positions = _positions(rows, token)
+    return np.stack([g.permuted(positions, axis=1) for g in keyed.generators((SHUFFLE, seed, r), examples)]) \
+        if len(examples) else np.zeros((0, rows, token), np.int64)
 
 
-def past_positions(example: int, seed: int, r: int, token: int, rows: int) -> np.ndarray:
-    """An int array [rows, token], one row per (layer, stream): position t takes a uniformly drawn position s <= t."""
-    return keyed_rng(RESAMPLE, seed, r, example).integers(0, _positions(1, token, 1)[0], size=(rows, token))
+def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
+    """An int array [examples, rows, token], one row per (layer, stream): position t takes a uniformly drawn position
+    s <= t."""
+    return keyed.integers_below((RESAMPLE, seed, r), examples, _positions(1, token, 1)[0], rows)
 
 
 def move_tokens(coeffs: Coeffs, index: np.ndarray) -> Coeffs:
@@ -120,7 +117,7 @@ def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> C
     shared = _SHARED.get()
     if shared is not None and shared[0] is not None and shared[0][0] == key:
         return move_tokens(coeffs, shared[0][1])
-    index = np.stack([token_permutations(int(e), seed, r, token, rows) for e in examples])
+    index = token_permutations(examples, seed, r, token, rows)
     if shared is not None:
         shared[0] = (key, index)
     return move_tokens(coeffs, index)
@@ -129,7 +126,7 @@ def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> C
 def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
     """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example."""
     token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
-    return move_tokens(coeffs, np.stack([past_positions(int(e), seed, r, token, rows) for e in examples]))
+    return move_tokens(coeffs, past_positions(examples, seed, r, token, rows))
 
 
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
