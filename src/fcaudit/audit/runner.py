@@ -501,7 +501,9 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
                 adir.unlock()
     finally:
         model.train(was_training)
-    result = AuditResult.load(out)
+    # the engine finished: every records file is written and verified (`AuditResult.load` would read the metadata
+    # of each again, ~1% of a small audit)
+    result = AuditResult(adir.root, adir.config(), files.read_json(adir.replay))
     if not quiet and group.is_main:
         print_summary(result)
     return result
