@@ -108,12 +108,13 @@ def generators(prefix: Sequence[int], keys: np.ndarray) -> list[Generator]:
 
 def _lemire(u: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """numpy's bounded draw (distributions.c, buffered_bounded_lemire_uint32) of values in [0, excl) from 32-bit
-    draws `u` (uint64 holding uint32) [..., n] and bounds `excl` [n] (uint64, 2 <= excl < 2**32): (values, where numpy
+    draws `u` [..., n] (uint32) and bounds `excl` [n] (uint64, 2 <= excl < 2**32): (values as uint64, where numpy
     would have rejected the draw and drawn again)."""
-    m = u * excl
-    leftover = m & np.uint64(_M32)
-    threshold = (np.uint64(_M32) - (excl - np.uint64(1))) % excl
-    return (m >> np.uint64(32)).astype(np.int64), leftover < threshold
+    m = u.astype(np.uint64)
+    m *= excl
+    rejected = (m & np.uint64(_M32)) < (np.uint64(_M32) - (excl - np.uint64(1))) % excl
+    m >>= np.uint64(32)
+    return m, rejected
 
 
 def integers_below(prefix: Sequence[int], keys: np.ndarray, high: np.ndarray, rows: int) -> np.ndarray:
@@ -132,9 +133,8 @@ def integers_below(prefix: Sequence[int], keys: np.ndarray, high: np.ndarray, ro
     if not n:
         return out
     # PCG64's 32-bit draws: each 64-bit output split, its low half first
-    raw = np.stack([b.random_raw((n + 1) // 2) for b in bits]).astype("<u8").view("<u4")[:, :n]
-    u = raw.astype(np.uint64).reshape(len(keys), rows, per_row)
-    values, rejected = _lemire(u, high[drawn].astype(np.uint64))
+    raw = np.stack([b.random_raw((n + 1) // 2) for b in bits]).astype("<u8", copy=False).view("<u4")[:, :n]
+    values, rejected = _lemire(raw.reshape(len(keys), rows, per_row), high[drawn].astype(np.uint64))
     out[:, :, drawn] = values
     for i in np.flatnonzero(rejected.any((1, 2))):  # numpy drew again there: its own draws from that key
         out[i] = exact(keys[i])
