@@ -1,12 +1,13 @@
 """numpy's keyed generators, many at once: `default_rng([*prefix, key])` for every key of an array, bit for bit.
 
 The audit draws its token permutations and past positions from one generator per (condition, randomization,
-window), and building a generator costs more than its draws: `default_rng` hashes the key through a `SeedSequence`
-(pure-Python-speed bookkeeping, ~20 us). Here the SeedSequence hash (numpy's documented algorithm, NEP 19) runs
-vectorized over all keys of a call, and each PCG64 starts from its precomputed state (~3 us per key). Draws of
-`integers(0, high)` with per-column bounds are made from the generators' raw 64-bit outputs by the same Lemire
-step numpy uses; a draw numpy would reject (probability below bound / 2**32 per draw) sends that key to numpy
-itself. Tests compare both with numpy on random keys; keys that do not fit one 32-bit word each go to numpy.
+window), and building a generator costs about as much as its draws: `default_rng` hashes the key through a
+`SeedSequence` (pure-Python-speed bookkeeping, ~20 us). Here the SeedSequence hash (numpy's documented algorithm,
+NEP 19) runs vectorized over all keys of a call, and each PCG64 starts from its precomputed state (~5 us per key,
+all told). Draws of `integers(0, high)` with per-column bounds are made from the generators' raw 64-bit outputs by
+the same Lemire step numpy uses; a draw numpy would reject (probability below bound / 2**32 per draw) sends that
+key to numpy itself. Tests compare both with numpy on random keys; keys that do not fit one 32-bit word each go to
+numpy.
 """
 
 from __future__ import annotations
