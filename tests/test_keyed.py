@@ -36,9 +36,11 @@ def test_generators_are_default_rng():
 @pytest.mark.parametrize("high", [np.arange(1, 2), np.arange(1, 3), np.arange(1, 66), np.array([1, 1, 1]),
                                   np.array([1, 5, 1, 1, 2**31 + 3, 7]), np.array([2**32 - 1, 3])])
 @pytest.mark.parametrize("rows", [1, 9])
-def test_integers_below_are_numpys(high, rows):
+def test_integers_below_are_numpys(high, rows, monkeypatch):
     keys = np.arange(300) * 7919
     got = keyed.integers_below((3, 11, 4), keys, high, rows)
+    monkeypatch.setattr(keyed, "BLOCK_DRAWS", 7 * rows * len(high))  # blocks of 7 keys and a short last one
+    assert np.array_equal(keyed.integers_below((3, 11, 4), keys, high, rows), got)
     assert got.shape == (300, rows, len(high)) and got.dtype == np.int64
     for k, g in zip(keys, got):
         assert np.array_equal(g, np.random.default_rng([3, 11, 4, int(k)]).integers(0, high, size=(rows, len(high))))
@@ -51,6 +53,7 @@ def test_a_draw_numpy_rejects_is_flagged_and_redrawn_by_numpy(monkeypatch):
                                      np.array([3, 3, 4, 3], dtype=np.uint64))
     assert rejected.tolist() == [True, False, False, False]  # a power of two never rejects
     assert values.tolist() == [0, 0, 0, 2]
+    monkeypatch.setattr(keyed, "BLOCK_DRAWS", 1)  # a key per block: its row is put back where it belongs
     real = keyed._lemire
     monkeypatch.setattr(keyed, "_lemire", lambda u, excl: (real(u, excl)[0] + np.uint64(7), np.ones(u.shape, bool)))
     high = np.arange(1, 20)

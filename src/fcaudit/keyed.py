@@ -22,6 +22,7 @@ from numpy.random.bit_generator import ISeedSequence
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_L, _MIX_R, _POOL = 0xCA01F9DD, 0x4973F715, 4
 _M32 = 0xFFFFFFFF
+BLOCK_DRAWS = 2**16  # integers_below works on blocks of keys of about this many draws
 
 
 def _hash_constants(init: int, mult: int, n: int) -> list[tuple[int, int]]:
@@ -133,10 +134,14 @@ def integers_below(prefix: Sequence[int], keys: np.ndarray, high: np.ndarray, ro
     out = np.zeros((len(keys), rows, len(high)), np.int64)
     if not n:
         return out
-    # PCG64's 32-bit draws: each 64-bit output split, its low half first
-    raw = np.stack([b.random_raw((n + 1) // 2) for b in bits]).astype("<u8", copy=False).view("<u4")[:, :n]
-    values, rejected = _lemire(raw.reshape(len(keys), rows, per_row), high[drawn].astype(np.uint64))
-    out[:, :, drawn] = values
-    for i in np.flatnonzero(rejected.any((1, 2))):  # numpy drew again there: its own draws from that key
-        out[i] = exact(keys[i])
+    excl = high[drawn].astype(np.uint64)
+    step = max(1, BLOCK_DRAWS // n)  # keys per block: the temporaries stay in cache, not [N, rows, T] uint64 twice
+    for lo in range(0, len(keys), step):
+        block = bits[lo:lo + step]
+        # PCG64's 32-bit draws: each 64-bit output split, its low half first
+        raw = np.stack([b.random_raw((n + 1) // 2) for b in block]).astype("<u8", copy=False).view("<u4")[:, :n]
+        values, rejected = _lemire(raw.reshape(len(block), rows, per_row), excl)
+        out[lo:lo + len(block), :, drawn] = values
+        for i in np.flatnonzero(rejected.any((1, 2))):  # numpy drew again there: its own draws from that key
+            out[lo + i] = exact(keys[lo + i])
     return out
