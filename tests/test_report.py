@@ -1,6 +1,7 @@
 """Checkpoint-level summaries, prespecified criteria, tables, figures and the rendered report, on synthetic
 records with planted penalties (the statistics are checked against independent computations)."""
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -126,6 +127,9 @@ def test_summarize_seven_checkpoints(fg7, tmp_path):
     assert verdicts["high retention"]["fixed_in_advance"] and verdicts["high retention"]["fixed_at"].startswith("2026")
     for name in ("summary.json", "conditions.csv", "factors.csv", "retention.csv", "criteria.json"):
         assert (tmp_path / "summary" / name).is_file()
+    with open(tmp_path / "summary" / "conditions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["n_positive"] for r in rows} == {"7"} and {r["n"] for r in rows} == {"7"}  # counts: 7, not 7.0
     back = Summary.load(tmp_path / "summary")
     pd.testing.assert_frame_equal(back.conditions, s.conditions, check_dtype=False)
     assert not list((tmp_path / "summary").glob(".*.tmp"))

@@ -129,6 +129,12 @@ _COLUMNS = {
                   "ci_high", "delta_nll", "reference_delta_nll", "note"],
 }
 _TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
+COUNTS = ("n", "n_positive")  # counts, nan where undefined: float columns in pandas
+
+
+def csv_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` as its CSV is written: counts as integers (5, not 5.0; empty where undefined)."""
+    return df.astype({c: "Int64" for c in COUNTS if c in df.columns})
 
 
 def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
@@ -347,7 +353,7 @@ class Summary:
         out = Path(out)
         write_json(out / "summary.json", self.to_dict())
         for name in ("conditions", "factors", "retention"):
-            atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): df.to_csv(p, index=False))
+            atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): csv_frame(df).to_csv(p, index=False))
         write_json(out / "criteria.json", self.criteria)
         return out
 

@@ -25,7 +25,7 @@ from fcaudit.io import atomic_write, prepare_out, read_json, write_json, write_t
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
-from fcaudit.summary import Summary, summarize
+from fcaudit.summary import Summary, csv_frame, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
 
@@ -154,7 +154,7 @@ class Doc:
 
     def table(self, display: pd.DataFrame, raw: pd.DataFrame, name: str, caption: str = ""):
         """A table shown formatted, with its unformatted numbers written to NAME.csv."""
-        atomic_write(self.out / f"{name}.csv", lambda p: raw.to_csv(p, index=False))
+        atomic_write(self.out / f"{name}.csv", lambda p: csv_frame(raw).to_csv(p, index=False))
         self.csvs.append(f"{name}.csv")
         self.blocks.append(("table", display, f"{name}.csv", caption))
 
