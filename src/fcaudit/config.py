@@ -107,14 +107,6 @@ class AuditConfig:
         return {"seed": self.seed, "randomizations": self.randomizations, "batch_size": self.batch_size,
                 "tolerance": self.tolerance, "criteria": self.criteria.to_dict(), "loss": self.loss_name}
 
-    @classmethod
-    def from_json(cls, saved: Mapping) -> "AuditConfig":
-        """The settings of a config.json (its n_eval, n_calib and window from its windows)."""
-        windows = saved.get("windows") or {}
-        return cls(n_eval=windows.get("n_eval"), n_calib=windows.get("n_calib"), window=windows.get("window"),
-                   randomizations=saved["randomizations"], seed=saved["seed"], batch_size=saved["batch_size"],
-                   tolerance=saved.get("tolerance", 0.0), criteria=saved.get("criteria") or {})
-
 
 def _bounded(name: str, value, flags: bool) -> int:
     flag, keyword, low, high, why = _BOUNDS[name]
