@@ -1,5 +1,7 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
-configuration, lock the audit directory, run the work units (audit.engine) and return the results.
+configuration, lock the audit directory, run the work units (audit.engine) and return the results. For `fcaudit
+audit CHECKPOINT` it also loads the checkpoint, draws its windows and finds its controller (audit_checkpoint); one
+AuditConfig carries the settings from there to the engine.
 
 Every finished unit is written atomically and verified when reused, so rerunning the same command resumes an
 interrupted audit; randomness is keyed by (seed, randomization, example), so a resumed audit yields the same records
