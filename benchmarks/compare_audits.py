@@ -33,7 +33,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     from fcaudit.audit import AuditResult
-    from fcaudit.auditing import audit_checkpoint
+    from fcaudit.audit.runner import audit_checkpoint
+    from fcaudit.config import AuditConfig
 
     print(f"load before: {os.getloadavg()[0]:.2f}")
     rows = []
@@ -42,10 +43,10 @@ def main() -> None:
         model = cfg["model"]
         new_dir = args.new / "audit" / old_dir.name
         t0 = time.perf_counter()
-        audit_checkpoint(model["checkpoint"], corpus=model["corpus"]["name"], out=new_dir,
-                         n_eval=cfg["windows"]["n_eval"], n_calib=cfg["windows"]["n_calib"],
-                         window=cfg["windows"]["window"], randomizations=cfg["randomizations"], seed=cfg["seed"],
-                         batch_size=cfg["batch_size"], device="cpu", quiet=True)
+        config = AuditConfig(out=new_dir, n_eval=cfg["windows"]["n_eval"], n_calib=cfg["windows"]["n_calib"],
+                             window=cfg["windows"]["window"], randomizations=cfg["randomizations"], seed=cfg["seed"],
+                             batch_size=cfg["batch_size"], device="cpu", quiet=True)
+        audit_checkpoint(model["checkpoint"], model["corpus"]["name"], config)
         seconds = time.perf_counter() - t0
         old, new = old_records(old_dir), AuditResult.load(new_dir).records
         merged = old.merge(new, on=["condition", "randomization", "example"], suffixes=("_old", "_new"))

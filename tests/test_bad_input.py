@@ -203,7 +203,7 @@ for family, make in (("featuregate", fg_ckpt), ("mudd", mudd_ckpt)):
                                                                                   "--out", t / "out"],
                          field))
 
-# Audit-engine cases (src/fcaudit/audit is the lead's): only those that already pass on this branch.
+# Audit cases: settings, bounds, output directories, checkpoints that do not load.
 AUDIT = ["--eval", 4, "--calib", 4, "--window", 32]
 ENGINE_ROWS: list[Row] = [
     ("audit-one-eval-window", lambda t: ["audit", fg_ckpt(t), "--eval", 1, "--calib", 2, "--window", 32,
@@ -240,6 +240,32 @@ ENGINE_ROWS: list[Row] = [
      "not a tokenizers JSON file"),
     ("audit-negative-seed", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--seed", -1, "--out", t / "a"],
      "--seed -1: pass an integer >= 0"),
+    # bounds (fcaudit.config): refused before the checkpoint is read, so a dry run answers at once
+    ("audit-randomizations-above-the-limit", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--randomizations", 10**6,
+                                                        "--out", t / "a"], "--randomizations 1000000: pass an "
+                                                                           "integer <= 10000 (fcaudit's limit)"),
+    ("audit-dry-run-a-billion-randomizations", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--randomizations", 10**9,
+                                                          "--dry-run", "--out", t / "a"], "integer <= 10000"),
+    ("audit-eval-above-the-limit", lambda t: ["audit", fg_ckpt(t), "--eval", 2**20 + 1, "--calib", 4, "--window", 32,
+                                              "--out", t / "a"], "--eval 1048577: pass an integer <= 1048576"),
+    ("audit-calib-above-the-limit", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 2**20 + 1, "--window", 32,
+                                               "--dry-run", "--out", t / "a"], "--calib 1048577: pass an integer <="),
+    ("audit-window-above-the-limit", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 4, "--window",
+                                                2**17 + 1, "--out", t / "a"], "--window 131073: pass an integer <="),
+    ("audit-window-zero", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 4, "--window", 0, "--out", t / "a"],
+     "--window 0: pass an integer >= 2"),
+    ("audit-window-negative", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 4, "--window", -64,
+                                         "--out", t / "a"], "--window -64: pass an integer >= 2"),
+    ("audit-window-one", lambda t: ["audit", fg_ckpt(t), "--eval", 4, "--calib", 4, "--window", 1, "--out", t / "a"],
+     "--window 1: pass an integer >= 2"),
+    ("audit-batch-size-above-the-limit", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--batch-size", 4097,
+                                                    "--out", t / "a"], "--batch-size 4097: pass an integer <= 4096"),
+    ("audit-dry-run-world-size-above-the-limit", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--dry-run", "--world-size",
+                                                            10**6, "--out", t / "a"], "--world-size 1000000: pass"),
+    ("audit-seed-above-int64", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--seed", 2**63, "--out", t / "a"],
+     f"--seed {2**63}: pass an integer <= {2**63 - 1}"),
+    ("audit-revision-of-a-local-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--revision", "abc",
+                                                       "--out", t / "a"], "is a local directory: drop --revision"),
     ("audit-offload-folder-without-device-map", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--offload-folder",
                                                            t / "off", "--out", t / "a"], "pass --device-map too"),
     ("audit-dry-run-device-map-for-two-ranks", lambda t: ["audit", moe_ckpt(t), *AUDIT, "--device-map", "auto",
@@ -362,6 +388,9 @@ API_ROWS = [
     ("token-ids-beyond-the-vocabulary", dict(eval_windows=lambda kw: kw["eval_windows"] + 256), "token ids range"),
     ("out-is-a-file", dict(out=lambda kw: a_file(kw["out"].parent)), "existing file"),
     ("fractional-randomizations", dict(randomizations=2.5), "randomizations must be an integer"),
+    ("randomizations-above-the-limit", dict(randomizations=10**9), "randomizations must be at most 10000"),
+    ("seed-above-int64", dict(seed=2**64), f"seed must be at most {2**63 - 1}"),
+    ("float-seed", dict(seed=1e23), "seed must be an integer >= 0"),
     ("scalar-loss", dict(loss_fn=lambda out, ids: out.float().mean()), "loss_fn returned ()"),
     ("nan-only-in-the-output-path", dict(model=_nan_head), "logits on the first evaluation batch are non-finite"),
     ("one-evaluation-window", dict(eval_windows=lambda kw: kw["eval_windows"][:1]), "at least 2"),

@@ -68,14 +68,27 @@ def test_oversubscription_hint():
     assert "--threads 8" in oversubscription_hint(16, 8.0, 16)
 
 
-def test_using_threads_sets_and_restores():
+def test_using_threads_sets_and_restores_and_hints_only_on_a_busy_machine(monkeypatch):
+    from fcaudit import threads
+
     before = torch.get_num_threads()
     with using_threads(2) as n:
         assert n == torch.get_num_threads() == 2
     assert torch.get_num_threads() == before
-    lines = []
-    with using_threads(None, hint=lines.append) as n:
-        assert n == before
+    torch.set_num_threads(4)  # torch's default on a 4-core machine
+    try:
+        for load, hinted in ((0.2, False), (3.5, True)):
+            monkeypatch.setattr(threads, "machine_load", lambda load=load: (load, 4))
+            lines = []
+            with using_threads(None, hint=lines.append) as n:
+                assert n == 4
+            assert bool(lines) == hinted and all("--threads" in line for line in lines), (load, lines)
+        lines = []
+        with using_threads(2, hint=lines.append):  # an explicit --threads is the user's choice: no hint
+            pass
+        assert lines == []
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_threads_option_applies_to_the_command_and_is_restored(tmp_path, monkeypatch):

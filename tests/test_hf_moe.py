@@ -629,12 +629,14 @@ def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
 
 
 def test_a_device_map_under_torchrun_with_several_processes_is_refused(tmp_path):
-    from fcaudit.auditing import _load
+    from fcaudit.audit.runner import _load
+    from fcaudit.config import AuditConfig
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
+    config = AuditConfig(out=tmp_path / "a", n_eval=4, n_calib=4, window=16, randomizations=1, batch_size=2,
+                         device_map="auto")
     with pytest.raises(FcauditError, match="torchrun started 2 processes"):
-        _load(str(tmp_path / "ckpt"), "embedded", 4, 4, 16, 0, torch.device("cpu"), None, None, world_size=None,
-              world=2, out=None, randomizations=1, batch_size=2, placed={"device_map": "auto", "offload_folder": None})
+        _load(str(tmp_path / "ckpt"), "embedded", config, torch.device("cpu"), 2)
 
 
 def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_the_cpu(tmp_path, monkeypatch):

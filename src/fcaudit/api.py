@@ -41,7 +41,9 @@ def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int,
     tokenizer: None for byte-level models, else a `tokenizers.Tokenizer` or a directory / hub id holding one.
     """
     from fcaudit import data
+    from fcaudit.config import AuditConfig
 
+    AuditConfig(n_eval=n_eval, n_calib=n_calib, window=window, seed=seed)  # the bounds `fcaudit audit` has
     if isinstance(tokenizer, (str, os.PathLike)):
         from fcaudit.tokens import load_tokenizer
 

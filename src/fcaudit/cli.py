@@ -142,12 +142,14 @@ def audit(
     Captures the coefficients, checks the exact replay, then replays each intervention; writes records, replay.json
     and variation.json into --out. Under torchrun the ranks share the work (README "Sharded audits").
     """
-    from fcaudit.auditing import audit_checkpoint
+    from fcaudit.audit.runner import audit_checkpoint
+    from fcaudit.config import AuditConfig
 
-    audit_checkpoint(checkpoint, corpus=corpus, out=out, n_eval=eval, n_calib=calib, window=window,
-                     randomizations=randomizations, seed=seed, batch_size=batch_size, device=device,
-                     revision=revision, dtype=dtype, tolerance=tolerance, dry_run=dry_run, quiet=quiet,
-                     world_size=world_size, device_map=device_map, offload_folder=offload_folder, family=family)
+    config = AuditConfig(out=out, n_eval=eval, n_calib=calib, window=window, randomizations=randomizations, seed=seed,
+                         batch_size=batch_size, tolerance=tolerance, quiet=quiet, device=device, dtype=dtype,
+                         revision=revision, device_map=device_map, offload_folder=offload_folder, family=family,
+                         dry_run=dry_run, world_size=world_size, flags=True)
+    audit_checkpoint(checkpoint, corpus, config)
 
 
 @command

@@ -68,7 +68,8 @@ def _check_out(out: Path, plan: DemoPlan) -> None:
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
-    from fcaudit.auditing import audit_checkpoint
+    from fcaudit.audit.runner import audit_checkpoint
+    from fcaudit.config import AuditConfig
     from fcaudit.data import load_corpus
     from fcaudit.execution import measure_execution
     from fcaudit.report.render import build_report
@@ -111,9 +112,10 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
             continue
         audit_dir = out / "audit" / f"{model}-s{seed}"
         console.print(f"[bold]audit[/bold] {model} seed {seed}")
-        audit_checkpoint(str(out / "train" / f"{model}-s{seed}"), corpus="embedded", out=audit_dir, n_eval=plan.n_eval,
-                         n_calib=plan.n_calib, window=plan.window, randomizations=plan.randomizations, seed=0,
-                         batch_size=plan.batch_size, device=device, quiet=True)
+        config = AuditConfig(out=audit_dir, n_eval=plan.n_eval, n_calib=plan.n_calib, window=plan.window,
+                             randomizations=plan.randomizations, seed=0, batch_size=plan.batch_size, device=device,
+                             quiet=True)
+        audit_checkpoint(str(out / "train" / f"{model}-s{seed}"), "embedded", config)
         audits.append(audit_dir)
 
     # 3. summaries, execution, report

@@ -56,6 +56,9 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a hub id fetched into (or found in) the local cache."""
     local = Path(path_or_id).expanduser()
     if local.exists():
+        if revision is not None:  # recorded, it would claim a version the directory may not hold
+            raise FcauditError(f"--revision {revision} names a version of a Hugging Face hub repository, but {local} "
+                               "is a local directory: drop --revision, or pass the hub id")
         if not local.is_dir():
             raise FcauditError(f"checkpoint {local} is a file: pass the directory that holds config.json and the weights")
         return local

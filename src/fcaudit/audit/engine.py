@@ -29,6 +29,7 @@ from fcaudit.audit.directory import AuditDir
 from fcaudit.audit.group import Group, RankError
 from fcaudit.audit.store import CoefficientStore, all_finite, check_finite
 from fcaudit.audit.units import Schedule, Unit, share
+from fcaudit.config import AuditConfig
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.loss import logits_of, token_nll
@@ -128,16 +129,21 @@ def route_flips(live: dict[int, torch.Tensor], cached: Coeffs) -> int:
 class Engine:
     """One process's share of an audit. `ev`, `ca`: window ids [N, T] on the CPU."""
 
-    def __init__(self, model: nn.Module, controller: Controller, ev: torch.Tensor, ca: torch.Tensor, adir: AuditDir,
-                 schedule: Schedule, *, seed: int, tolerance: float, loss_fn: LossFn | None, dtypes: list[torch.dtype],
-                 group: Group, quiet: bool, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None):
-        self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, adir
-        self.schedule, self.seed, self.tol, self.loss_fn, self.dtypes = schedule, seed, tolerance, loss_fn, dtypes
-        self.group, self.quiet = group, quiet
+    def __init__(self, model: nn.Module, controller: Controller, windows: tuple[torch.Tensor, torch.Tensor],
+                 config: AuditConfig, group: Group, first: tuple[Coeffs, torch.Tensor, torch.Tensor]):
+        """`windows`: the (evaluation, calibration) ids; `config.out`: the audit directory, already configured and
+        locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites')."""
+        ev, ca = windows
+        self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
+        self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
+                                 tuple(protocol.for_controller(controller.info)))
+        self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
+        self.dtypes = [c.dtype for c in first[0]]
+        self.group, self.quiet = group, config.quiet
         self.device = placement.input_device(model)
-        self.B = schedule.batch_size
-        self.store = CoefficientStore(adir.coeffs)
-        self.starts = np.asarray(schedule.eval_starts)
+        self.B = config.batch_size
+        self.store = CoefficientStore(self.dir.coeffs)
+        self.starts = np.asarray(self.schedule.eval_starts)
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
@@ -148,7 +154,7 @@ class Engine:
         # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
         # uses it instead of running the same forward pass again
         self._first = first
-        self.console = Console(stderr=True, quiet=quiet or not group.is_main)  # progress
+        self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
     # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------

@@ -1,5 +1,7 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
-configuration, lock the audit directory, run the work units (audit.engine) and return the results.
+configuration, lock the audit directory, run the work units (audit.engine) and return the results. For `fcaudit
+audit CHECKPOINT` it also loads the checkpoint, draws its windows and finds its controller (audit_checkpoint); one
+AuditConfig carries the settings from there to the engine.
 
 Every finished unit is written atomically and verified when reused, so rerunning the same command resumes an
 interrupted audit; randomness is keyed by (seed, randomization, example), so a resumed audit yields the same records
@@ -9,12 +11,11 @@ bit for bit as an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import secrets
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,20 +24,26 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from fcaudit import placement, protocol
+from fcaudit import data, families, placement, protocol
 from fcaudit.audit import files
 from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity, stored_identity
 from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit.files import tensor_sha256
-from fcaudit.audit.group import Group, launched_world
+from fcaudit.audit.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
+                                 rank_device)
 from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
+from fcaudit.config import AuditConfig
+from fcaudit.controllers import controller_for
 from fcaudit.controllers.site import Controller
+from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.io import write_text
+from fcaudit.hub import resolve
+from fcaudit.io import read_json, write_text
 from fcaudit.loss import logits_of
-from fcaudit.protocol import Criteria
+from fcaudit.models.checkpoint import load_model
+from fcaudit.tokens import load_tokenizer
 
 
 # ---- inputs -----------------------------------------------------------------------------------------------------
@@ -110,9 +117,7 @@ def vocab_size(model: nn.Module) -> int | None:
 def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
     """Token ids the model embeds, in windows no longer than its context (positions it was never trained on
     would give NLLs of another model; some models do not refuse them)."""
-    from fcaudit.families import context_length
-
-    vocab, context = vocab_size(model), context_length(model)
+    vocab, context = vocab_size(model), families.context_length(model)
     for ids in windows:
         if context is not None and ids.dim() == 2 and ids.shape[1] > context:
             raise FcauditError(f"windows of {ids.shape[1]} tokens exceed the model's context of {context} positions; "
@@ -172,12 +177,6 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
             "output the model consumes")
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise FcauditError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 # ---- plan -------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -201,17 +200,21 @@ class AuditPlan:
     passes_per_rank: list[int] | None = None
     store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
     devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
+    plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
 
     def __str__(self) -> str:
         split = ""
         if self.world_size > 1:
-            split = f"; {self.world_size} processes: forward passes per rank {self.passes_per_rank}"
+            ranks = self.passes_per_rank or []
+            each = ranks if len(ranks) <= 8 else f"{min(ranks)}-{max(ranks)}"
+            split = f"; {self.world_size} processes: forward passes per rank {each}"
         held = f"; the replays also hold the store on {self.store_device}" if self.store_device else ""
         over = f" over {', '.join(self.devices)} (its device map)" if self.devices else ""
         return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
                 f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
-                f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + {self.batch_size} x "
-                f"{_size(self.activation_bytes)} per window){over}{held}{split}")
+                f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + plan "
+                f"{_size(self.plan_bytes)} + {self.batch_size} x {_size(self.activation_bytes)} per window)"
+                f"{over}{held}{split}")
 
 
 def _size(n: float) -> str:
@@ -259,19 +262,45 @@ def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tenso
         return max(_peak_rss() - base, logits.numel() * (logits.element_size() + 4))
 
 
+RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
+
+
+def _share(n: int, rank: int, world: int) -> int:
+    """How many of n units `units.split` gives `rank`: every world-th one from index `rank`."""
+    return max(0, -(-(n - rank) // world))
+
+
+def passes_per_rank(sched: Schedule, world: int) -> list[int]:
+    """Each rank's forward passes (`units.split` of stage 1 and of stage 2), counted without listing the units."""
+    ne, nc = len(range(0, sched.n_eval, sched.batch_size)), len(range(0, sched.n_calib, sched.batch_size))
+    replays = runs(sched) * ne
+    # stage 1: the captures (2 passes each), then the calibration batches (1 each)
+    return [_share(ne, k, world) + _share(ne + nc, k, world) + _share(replays, k, world) for k in range(world)]
+
+
+def runs(sched: Schedule) -> int:
+    """The (condition, randomization) pairs of stage 2, counted without listing them."""
+    static = sum(protocol.REGISTRY[c].kind == "static" for c in sched.conditions)
+    return static + sched.randomizations * sum(protocol.REGISTRY[c].randomized for c in sched.conditions)
+
+
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
          randomizations: int = 20, world_size: int = 1) -> AuditPlan:
     """What an audit of these windows will cost: store size, forward passes (split over `world_size` processes),
-    peak memory: the parameters plus, per window of a batch, the measured activations of a one-window forward pass,
-    the capture pass's logits (kept while the exact replay check runs) and three windows of coefficients."""
-    from fcaudit.audit.units import split
-
-    randomizations = _check_int("randomizations", randomizations, 1)
-    batch_size = _check_int("batch size", batch_size, 1)
-    world_size = _check_int("world size", world_size, 1)
+    peak memory: the parameters, the plan (the windows and the schedule's bookkeeping) and, per window of a batch,
+    the measured activations of a one-window forward pass, the capture pass's logits (kept while the exact replay
+    check runs) and three windows of coefficients."""
+    config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
     ev, _ = as_windows(eval_windows, "evaluation")
+    ca = None if calib_windows is None else as_windows(calib_windows, "calibration")[0]
+    return _plan(model, controller, (ev, ca), config)
+
+
+def _plan(model: nn.Module, controller: Controller, windows: tuple, config: AuditConfig) -> AuditPlan:
+    """`plan` of window ids (ev, ca or None) with the sizes of `config`; nothing grows with the randomizations."""
+    ev, ca = windows
     check_ids(model, ev)
-    n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
+    n_calib = 0 if ca is None else ca.shape[0]
     device = placement.input_device(model)
     was_training = model.training
     model.eval()
@@ -287,65 +316,72 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     conditions = protocol.for_controller(controller.info)
-    sched = Schedule(ev.shape[0], n_calib, batch_size, randomizations, tuple(conditions))
-    per_rank = [sum(u.passes for u in split(sched.stage1(), k, world_size) + split(sched.stage2(), k, world_size))
-                for k in range(world_size)]
+    world, batch = config.world_size or 1, config.batch_size
+    sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
     store = per_window * ev.shape[0]
-    return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch_size, randomizations, conditions,
+    planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (runs(sched) + 1) * RUN_BYTES
+    return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
                      store, sched.forward_passes(), param_bytes, acts,
-                     param_bytes + batch_size * (acts + logits + 3 * per_window), world_size, per_rank,
-                     str(device) if keeps_store_on(device, store) else None,
-                     sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None)
+                     param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
+                     passes_per_rank(sched, world), str(device) if keeps_store_on(device, store) else None,
+                     sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
+                     planned)
 
 
 dry_run = plan
 
 
-def against_out(out: str | Path, model: nn.Module, controller: Controller, eval_windows, calib_windows,
-                planned: AuditPlan, *, seed: int = 0, tolerance: float = 0.0, criteria=None,
-                model_info: dict | None = None) -> str | None:
-    """For a dry run into `out`: a line saying whether the real run would resume the audit `out` holds or refuse it
-    (another configuration, and which fields); None when `out` holds no audit results."""
-    adir = AuditDir(out)
+def against_out(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig,
+                planned: AuditPlan) -> str | None:
+    """For a dry run into `config.out`: a line saying whether the real run would resume the audit it holds or refuse
+    it (another configuration, and which fields); None when it holds no audit results."""
+    adir = AuditDir(config.out)
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
         return None
-    ev, ev_set = as_windows(eval_windows, "evaluation")
-    ca, ca_set = as_windows(calib_windows, "calibration")
-    config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=planned.conditions,
-                     randomizations=planned.randomizations, seed=seed, batch_size=planned.batch_size,
-                     tolerance=tolerance, loss_fn=None, criteria=criteria, model_info=model_info,
-                     coeff_dtype=planned.coeff_dtype)
-    changed = differences(stored_identity(current), identity(config))
+    changed = differences(stored_identity(current),
+                          identity(_config(model, controller, windows, config, planned.coeff_dtype)))
     if changed:
-        return f"note: {out} holds an audit with another configuration (differs in {changed}): the real run would " \
-               "refuse it; pass a new --out"
-    return f"note: {out} holds this audit: the real run resumes it"
+        return f"note: {config.out} holds an audit with another configuration (differs in {changed}): the real run " \
+               "would refuse it; pass a new --out"
+    return f"note: {config.out} holds this audit: the real run resumes it"
 
 
 # ---- the audit --------------------------------------------------------------------------------------------------
 
-def _config(model, controller, ev, ca, ev_set, ca_set, *, conditions, randomizations, seed, batch_size, tolerance,
-            loss_fn, criteria, model_info, coeff_dtype) -> dict:
-    try:
-        crit = criteria if isinstance(criteria, Criteria) else Criteria.from_dict(criteria or {})
-    except AttributeError:
-        raise FcauditError(f"criteria must be a fcaudit.Criteria or a dict, got {type(criteria).__name__}") from None
-    windows = {"n_eval": int(ev.shape[0]), "n_calib": int(ca.shape[0]), "window": int(ev.shape[1]),
-               "eval_sha256": tensor_sha256(ev), "calib_sha256": tensor_sha256(ca)}
-    for name, s in (("eval", ev_set), ("calib", ca_set)):
+@dataclass
+class Windows:
+    """An audit's evaluation and calibration ids [N, T] (int64, on the CPU) and the WindowSets they came from."""
+
+    ev: torch.Tensor
+    ca: torch.Tensor
+    ev_set: object | None = None
+    ca_set: object | None = None
+
+    @classmethod
+    def of(cls, eval_windows, calib_windows) -> "Windows":
+        (ev, ev_set), (ca, ca_set) = as_windows(eval_windows, "evaluation"), as_windows(calib_windows, "calibration")
+        return cls(ev, ca, ev_set, ca_set)
+
+
+def _config(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, coeff_dtype: str) -> dict:
+    """config.json's content: the settings, the windows, the model and its controller."""
+    ev, ca = windows.ev, windows.ca
+    described = {"n_eval": int(ev.shape[0]), "n_calib": int(ca.shape[0]), "window": int(ev.shape[1]),
+                 "eval_sha256": tensor_sha256(ev), "calib_sha256": tensor_sha256(ca)}
+    for name, s in (("eval", windows.ev_set), ("calib", windows.ca_set)):
         if s is not None and getattr(s, "split", None) is not None:
-            windows[f"{name}_split"] = s.split
-    model_desc = {**(model_info or {}), "class": type(model).__name__,
+            described[f"{name}_split"] = s.split
+    model_desc = {**(config.model_info or {}), "class": type(model).__name__,
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
-    return {"format": 2, "seed": int(seed), "randomizations": int(randomizations), "batch_size": int(batch_size),
-            "tolerance": float(tolerance), "conditions": list(conditions), "windows": windows, "model": model_desc,
-            "controller": controller.describe(), "labels": controller.labels,
-            "loss": "token_nll" if loss_fn is None else getattr(loss_fn, "__qualname__", repr(loss_fn)),
-            "criteria": crit.to_dict()}
+    settings = config.to_json()
+    return {"format": 2, **{k: settings[k] for k in ("seed", "randomizations", "batch_size", "tolerance")},
+            "conditions": list(protocol.for_controller(controller.info)), "windows": described, "model": model_desc,
+            "controller": controller.describe(), "labels": controller.labels, "loss": settings["loss"],
+            "criteria": settings["criteria"]}
 
 
 def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
@@ -359,20 +395,13 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
     return adir.open(config)
 
 
-def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, randomizations, seed,
-             batch_size, tolerance, loss_fn, criteria, model_info, out, world) -> tuple:
-    """Check the inputs, probe the first batch and fix the configuration: (eval ids, calib ids, probe, config, a
-    notice of `check_sites_read` or None). The
-    probe is the first evaluation batch's capture (coefficients, logits, NLL): stage 1 uses it for that batch."""
-    if out is None and world > 1:
+def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
+    """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, a notice of
+    `check_sites_read` or None). The probe is the first evaluation batch's capture (coefficients, logits, NLL):
+    stage 1 uses it for that batch."""
+    if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
-    randomizations = _check_int("randomizations", randomizations, 1)
-    batch_size = _check_int("batch size", batch_size, 1)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise FcauditError(f"seed must be an integer >= 0 (numpy's generators take no negative seed), got {seed!r}")
-    if not (isinstance(tolerance, (int, float)) and tolerance >= 0 and math.isfinite(tolerance)):
-        raise FcauditError(f"tolerance must be a number >= 0, got {tolerance!r}")
     if not isinstance(controller, Controller):
         raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
                            f"{type(controller).__name__}")
@@ -381,15 +410,14 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     if foreign:
         raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
-    ev, ev_set = as_windows(eval_windows, "evaluation")
-    ca, ca_set = as_windows(calib_windows, "calibration")
-    check_windows(ev, ca, ev_set, ca_set)
+    ev, ca = windows.ev, windows.ca
+    check_windows(ev, ca, windows.ev_set, windows.ca_set)
     check_ids(model, ev, ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-    first = ev[:batch_size].to(placement.input_device(model))
+    first = ev[:config.batch_size].to(placement.input_device(model))
     try:
-        probe = capture_batch(model, controller, first, loss_fn, remember=True)
+        probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
     except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
         raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
                            f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
@@ -400,12 +428,8 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
-    notice = check_sites_read(model, controller, first, coeffs, loss_fn)
-    config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
-                     randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
-                     loss_fn=loss_fn, criteria=criteria, model_info=model_info,
-                     coeff_dtype=str(coeffs[0].dtype).replace("torch.", ""))
-    return ev, ca, probe, config, notice
+    notice = check_sites_read(model, controller, first, coeffs, config.loss_fn)
+    return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), notice
 
 
 SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
@@ -465,34 +489,37 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     group: the processes sharing this audit (default: this process alone); under torchrun pass
     `fcaudit.audit.group_from_env(device)` and every rank runs its share of the work units.
     """
+    config = AuditConfig(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size,
+                         tolerance=tolerance, loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)
+    return run(model, controller, (eval_windows, calib_windows), config, group)
+
+
+def run(model: nn.Module, controller: Controller, windows: tuple | Windows, config: AuditConfig,
+        group: Group | None = None) -> AuditResult:
+    """`audit` with its settings in one AuditConfig; `windows`: (eval_windows, calib_windows) or Windows."""
     group = group or Group()
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             # an agreed phase: bad input on any rank stops every rank with its one-line error
-            ev, ca, probe, config, notice = group.run(lambda: _prepare(
-                model, controller, eval_windows, calib_windows, randomizations=randomizations, seed=seed,
-                batch_size=batch_size, tolerance=tolerance, loss_fn=loss_fn, criteria=criteria,
-                model_info=model_info, out=out, world=group.world))
+            windows = windows if isinstance(windows, Windows) else group.run(lambda: Windows.of(*windows))
+            probe, saved, notice = group.run(lambda: _prepare(model, controller, windows, config, group.world))
             if notice and group.is_main:  # printed even when quiet: it may mean the results measure nothing
                 Console(stderr=True, highlight=False).print(notice, soft_wrap=True)
-            out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="fcaudit-audit-"))
-            adir = AuditDir(out)
-            configs = group.gather(config)
+            if config.out is None:
+                config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
+            adir = AuditDir(config.out)
+            configs = group.gather(saved)
             group.run(lambda: _check_same(configs))
             try:
                 # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
                 # process (or a refused configuration) stops every rank with the same error instead of leaving the
                 # other ranks waiting at the next barrier
-                state = group.run(lambda: _lock_and_open(adir, config, group), main_only=True)
+                state = group.run(lambda: _lock_and_open(adir, saved, group), main_only=True)
                 if group.world > 1:
                     _check_shared(adir, group)
-                schedule = Schedule(ev.shape[0], ca.shape[0], config["batch_size"], config["randomizations"],
-                                    tuple(config["conditions"]))
-                engine = Engine(model, controller, ev, ca, adir, schedule, seed=int(seed), tolerance=float(tolerance),
-                                loss_fn=loss_fn, dtypes=[c.dtype for c in probe[0]], group=group, quiet=quiet,
-                                first=probe)
+                engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe)
                 del probe  # the engine holds it until the first batch's capture, then lets it go
                 if state == "repaired":
                     engine.redone.append("config.json (rewritten: the marker holds its hash)")
@@ -504,7 +531,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     # the engine finished: every records file is written and verified (`AuditResult.load` would read the metadata
     # of each again, ~1% of a small audit)
     result = AuditResult(adir.root, adir.config(), files.read_json(adir.replay))
-    if not quiet and group.is_main:
+    if not config.quiet and group.is_main:
         print_summary(result)
     return result
 
@@ -528,3 +555,82 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     console.print(table)
     for line in result.retention_lines():
         console.print(line, markup=False, highlight=False)
+
+
+# ---- a checkpoint: `fcaudit audit CHECKPOINT` ----------------------------------------------------------------------
+
+def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> AuditResult | AuditPlan:
+    """Audit a checkpoint directory or hub id on `corpus` (config.n_eval test and config.n_calib validation windows);
+    returns the AuditResult, or the AuditPlan of a dry run (printed by rank 0).
+
+    Under torchrun every rank runs this with the same arguments: each loads the model on its own device
+    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). A dry run plans
+    for config.world_size processes (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
+    if config.offload_folder is not None and Path(config.offload_folder).resolve() in {
+            Path(p).resolve() for p in (config.out, checkpoint) if p is not None}:
+        raise FcauditError(f"--offload-folder {config.offload_folder} is the audit's --out or the checkpoint: pass a "
+                           "directory of its own (it receives a copy of the offloaded weights)")
+    if config.device_map is not None and config.dry_run and launched_world() > 1:
+        raise FcauditError("--device-map spreads one model in one process: a dry run for several processes "
+                           "(--world-size) plans a run that would be refused; drop one of them")
+    device = rank_device(resolve_device(config.device))
+    group = Group() if config.dry_run else group_from_env(device)
+    group.on_failure = ignore_sigterm
+    try:
+        # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
+        model, controller, windows, config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
+        if not config.dry_run:
+            return run(model, controller, windows, config, group)
+        config = replace(config, world_size=config.world_size or launched_world())
+        planned = _plan(model, controller, (windows.ev, windows.ca), config)
+        if launched_rank() == 0:
+            print(planned)
+            if note := against_out(model, controller, windows, config, planned):
+                print(note)
+        return planned
+    finally:
+        group.close()
+
+
+def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.device, world: int) -> tuple:
+    """(model, controller, windows, config with the model's description) of a checkpoint on a corpus; a bad --out or
+    launch fails before anything is loaded."""
+    if not config.dry_run:
+        AuditDir(config.out).check()
+        if config.world_size is not None and config.world_size != world:
+            raise FcauditError(f"--world-size {config.world_size} but this run has {world} process(es); launch with "
+                               f"torchrun --nproc_per_node={config.world_size} (or drop --world-size, which is for "
+                               "--dry-run)")
+    placed = {}
+    if config.device_map is not None:
+        if not config.dry_run and world > 1:
+            raise FcauditError(f"--device-map spreads one model over this machine's devices, but torchrun started "
+                               f"{world} processes, each of which would load it whole: run one process, or drop "
+                               "--device-map")
+        placed = {"device_map": placement.parse_device_map(config.device_map), "offload_folder": config.offload_folder}
+    ckpt_dir = resolve(checkpoint, config.revision)
+    model, _ = load_model(ckpt_dir, device=device, dtype=None if config.dtype is None else as_dtype(config.dtype),
+                          **placed)
+    cap = families.DEFAULT_WINDOW_CAP
+    window = config.window or min(families.context_length(model) or cap, cap)
+    tokenizer = None
+    if (ckpt_dir / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(ckpt_dir)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if tokenizer is None and vocab is not None and vocab != 256:
+        raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the checkpoint's "
+                           "tokenizer.json in its directory")
+    corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
+    ev, ca = data.audit_windows(corp, config.n_eval, config.n_calib, window, config.seed)
+    info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
+            "revision": config.revision, "corpus": corp.describe()}
+    return model, controller_for(model), Windows.of(ev, ca), replace(config, model_info=info)
+
+
+def family_name(checkpoint: str, ckpt_dir: Path) -> str:
+    """Checkpoints of one family differ only by training seed: name them by what was trained, not by path."""
+    metrics = ckpt_dir / "metrics.json"
+    if metrics.is_file():
+        m = read_json(metrics)
+        return " ".join(str(m[k]) for k in ("variant", "preset") if m.get(k)) or ckpt_dir.name
+    return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name

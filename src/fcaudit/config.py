@@ -1,0 +1,131 @@
+"""The settings of one audit: built by `fcaudit audit` from its flags and by `fcaudit.audit` from its keywords, checked
+once here, recorded in config.json and compared there when an audit resumes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from fcaudit.device import as_dtype
+from fcaudit.errors import FcauditError
+from fcaudit.protocol import Criteria
+
+# Upper bounds, each far above a paper-scale audit (512 + 512 windows of 2048 tokens, R = 20, batch 8) and low enough
+# that a mistyped value is refused in one line instead of filling the memory or the disk.
+MAX_WINDOWS = 2**20  # --eval, --calib: every evaluation window's coefficients are stored
+MAX_WINDOW = 2**17  # --window, tokens: the longest contexts of today's models
+MAX_RANDOMIZATIONS = 10_000  # --randomizations: one records file per randomized condition and randomization
+MAX_BATCH_SIZE = 4096  # --batch-size: windows per forward pass
+MAX_WORLD_SIZE = 4096  # --world-size: processes a dry run plans for
+MAX_SEED = 2**63 - 1  # --seed: int64, so numpy, pandas and Parquet keep it exact
+
+# (flag, Python keyword, lowest, highest, why the lowest) of each bounded integer setting
+_BOUNDS = {
+    "n_eval": ("--eval", "n_eval", 2, MAX_WINDOWS, "CrossInput needs a derangement of at least 2 evaluation windows"),
+    "n_calib": ("--calib", "n_calib", 1, MAX_WINDOWS, "static profiles need at least 1 calibration window"),
+    "window": ("--window", "window", 2, MAX_WINDOW, "a next-token NLL needs 2 tokens"),
+    "randomizations": ("--randomizations", "randomizations", 1, MAX_RANDOMIZATIONS, ""),
+    "seed": ("--seed", "seed", 0, MAX_SEED, "numpy's generators take no negative seed"),
+    "batch_size": ("--batch-size", "batch size", 1, MAX_BATCH_SIZE, ""),
+    "world_size": ("--world-size", "world size", 1, MAX_WORLD_SIZE, ""),
+}
+CLI_HINTS = {"window": "; leave --window out for the model's context"}
+LossFn = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What one audit runs with; None where the inputs decide (windows given to `fcaudit.audit`, the model's context).
+
+    Bounds: n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
+    batch_size <= MAX_BATCH_SIZE, world_size <= MAX_WORLD_SIZE, seed in [0, 2**63 - 1]. `flags`: name the settings by
+    their `fcaudit audit` flags in errors (the command line builds it so)."""
+
+    out: Path | None = None  # the audit directory (None: a new temporary one)
+    n_eval: int | None = None  # evaluation windows drawn from the test split
+    n_calib: int | None = None  # calibration windows drawn from the validation split
+    window: int | None = None  # tokens per window (None: the model's context, at most families.DEFAULT_WINDOW_CAP)
+    randomizations: int = 20  # of each randomized condition
+    seed: int = 0  # of the windows and the randomizations
+    batch_size: int = 8  # windows per forward pass
+    tolerance: float = 0.0  # allowed max |Δlogit| and |ΔNLL| of the exact replay (0: bit-exact)
+    criteria: Criteria = field(default_factory=Criteria)  # prespecified, fixed before the audit runs
+    loss_fn: LossFn | None = None  # loss_fn(output, ids) -> [B] instead of the next-token NLL
+    model_info: Mapping | None = None  # what config.json records about the model (family, checkpoint, corpus, ...)
+    quiet: bool = False  # no progress bar or summary table
+    # loading a checkpoint (`fcaudit audit`)
+    device: str = "auto"
+    dtype: str | None = None  # None: the checkpoint's
+    revision: str | None = None  # of a hub id
+    device_map: str | None = None  # spread a Hugging Face model with accelerate (instead of device)
+    offload_folder: Path | None = None  # where a device map's "disk" weights go
+    family: str | None = None  # the name `summarize` pools checkpoints by
+    dry_run: bool = False  # plan only: sizes and memory, nothing run or written
+    world_size: int | None = None  # processes a dry run plans for (None: the launcher's)
+    flags: InitVar[bool] = False
+
+    def __post_init__(self, flags: bool) -> None:
+        for name in _BOUNDS:
+            value = getattr(self, name)
+            if value is not None or name in ("randomizations", "seed", "batch_size"):
+                object.__setattr__(self, name, _bounded(name, value, flags))
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise FcauditError(f"--tolerance {t}: pass a number >= 0" if flags else
+                               f"tolerance must be a number >= 0, got {t!r}")
+        object.__setattr__(self, "tolerance", float(t))
+        object.__setattr__(self, "criteria", _criteria(self.criteria))
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise FcauditError(f"loss_fn must be a function (output, ids) -> [batch], got {type(self.loss_fn).__name__}")
+        if self.out is not None:
+            object.__setattr__(self, "out", Path(self.out))
+        if self.dtype is not None:
+            as_dtype(self.dtype)
+        if self.family is not None and not self.family.strip():
+            raise FcauditError("--family '': pass a name, e.g. --family mixtral-seeds")
+        if self.offload_folder is not None and self.device_map is None:
+            raise FcauditError("--offload-folder holds what a device map puts on disk: pass --device-map too, or "
+                               "drop it")
+        if self.device_map is not None and self.device != "auto":
+            raise FcauditError(f"--device {self.device} and --device-map {self.device_map}: pass one (the map names "
+                               "the devices)")
+        if self.device_map is not None and self.dry_run and (self.world_size or 1) > 1:
+            raise FcauditError("--device-map spreads one model in one process: a dry run for several processes "
+                               "(--world-size) plans a run that would be refused; drop one of them")
+
+    @property
+    def loss_name(self) -> str:
+        return "token_nll" if self.loss_fn is None else getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
+
+    def to_json(self) -> dict:
+        """The settings config.json records (the runner adds the windows, model and controller): what a resumed
+        audit must match. The rest (where and how the model is loaded, output) does not change a record."""
+        return {"seed": self.seed, "randomizations": self.randomizations, "batch_size": self.batch_size,
+                "tolerance": self.tolerance, "criteria": self.criteria.to_dict(), "loss": self.loss_name}
+
+
+def _bounded(name: str, value, flags: bool) -> int:
+    flag, keyword, low, high, why = _BOUNDS[name]
+    exact = not isinstance(value, bool) and isinstance(value, (int, np.integer))
+    if exact and low <= value <= high:
+        return int(value)
+    if exact and value > high:
+        raise FcauditError(f"{flag} {value}: pass an integer <= {high} (fcaudit's limit)" if flags else
+                           f"{keyword} must be at most {high} (fcaudit's limit), got {value}")
+    if flags:
+        why += CLI_HINTS.get(name, "")
+    reason = f" ({why})" if why else ""
+    raise FcauditError(f"{flag} {value}: pass an integer >= {low}{reason}" if flags else
+                       f"{keyword} must be an integer >= {low}{reason}, got {value!r}")
+
+
+def _criteria(criteria) -> Criteria:
+    if isinstance(criteria, Criteria):
+        return criteria
+    if criteria is None or isinstance(criteria, Mapping):
+        return Criteria.from_dict(dict(criteria or {}))
+    raise FcauditError(f"criteria must be a fcaudit.Criteria or a dict, got {type(criteria).__name__}")
