@@ -63,21 +63,6 @@ def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
              "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note} for r in results]
 
 
-def _window_level(stats: WindowStatistics, family: str = ""):
-    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit."""
-    pen = stats.penalties().to_frame()
-    conds = pen.drop(columns=["randomizations"]).assign(family=family, level="window", pvalue=np.nan,
-                                                         n_positive=np.nan)
-    facs = pd.DataFrame(columns=_COLUMNS["factors"])
-    if stats.has_factorial:
-        fe = stats.factor_effects().to_frame().drop(columns=["mc_se"]).reset_index()
-        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window", pvalue=np.nan,
-                         pvalue_holm=np.nan, n_positive=np.nan)
-    rets = _retention_rows(stats.retentions(), family)
-    return _frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"), \
-        _frame(rets, "retention")
-
-
 _COLUMNS = {
     "conditions": ["family", "condition", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "n_positive",
                    "mc_se", "active"],
@@ -101,6 +86,21 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
         df["note"] = df["note"].fillna("").astype(str)
     # numbers stay numeric even when a column is all missing (JSON null) after a round trip
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
+
+
+def _window_level(stats: WindowStatistics, family: str = ""):
+    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit."""
+    pen = stats.penalties().to_frame()
+    conds = pen.drop(columns=["randomizations"]).assign(family=family, level="window", pvalue=np.nan,
+                                                         n_positive=np.nan)
+    facs = pd.DataFrame(columns=_COLUMNS["factors"])
+    if stats.has_factorial:
+        fe = stats.factor_effects().to_frame().drop(columns=["mc_se"]).reset_index()
+        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window", pvalue=np.nan,
+                         pvalue_holm=np.nan, n_positive=np.nan)
+    rets = _retention_rows(stats.retentions(), family)
+    return (_frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"),
+            _frame(rets, "retention"))
 
 
 def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | None = None) -> pd.DataFrame:
@@ -204,8 +204,9 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
 # ---- families of audits ---------------------------------------------------------------------------------------
 
 def family_of(config: dict) -> str:
-    """The group an audit belongs to: checkpoints of one model family differ only by training seed (and so by
-    parameter hash and path, which are ignored here)."""
+    """The family an audit's checkpoint belongs to (checkpoints of one family differ only by training seed): the
+    name the audit wrote as config.json's model.family. Audits that recorded none are named by the model's
+    description (class, size). The one reader of the family name; the audit side only writes it."""
     model = config.get("model")
     if isinstance(model, str):
         return model

@@ -22,7 +22,7 @@ FACTOR_LABELS = {"input": "E_input", "token": "E_token", "interaction": "E_inter
 
 
 def _signed(x: float) -> str:
-    return "nan" if not math.isfinite(x) else f"{x:+.6g}"
+    return "nan" if not math.isfinite(x) else f"{x:+.4g}"
 
 
 def _interval(ci: ConfidenceInterval, fmt=_signed) -> str:
@@ -72,8 +72,8 @@ class _Estimates:
 
     def _rows(self) -> list[str]:
         width = max((len(label) for label in self.labels), default=0)
-        return [f"  {label:<{width}}  {_signed(e.statistic)} {_interval(e.confidence_interval)}"
-                + ("" if not math.isfinite(se) else f"  MC SE {se:.2g}")
+        return [(f"  {label:<{width}}  {_signed(e.statistic):>11} {_interval(e.confidence_interval):<26}"
+                + ("" if not math.isfinite(se) else f"  MC SE {se:.2g}")).rstrip()
                 for label, e, se in zip(self.labels, self.estimates, self.mc_se)]
 
     def _head(self, what: str) -> str:
