@@ -25,8 +25,9 @@ def _signed(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:+.4g}"
 
 
-def _interval(ci: ConfidenceInterval, fmt=_signed) -> str:
-    return f"[{fmt(ci.low)}, {fmt(ci.high)}]" if math.isfinite(ci.low) and math.isfinite(ci.high) else "no interval"
+def _interval(ci: ConfidenceInterval) -> str:
+    return (f"[{_signed(ci.low)}, {_signed(ci.high)}]" if math.isfinite(ci.low) and math.isfinite(ci.high)
+            else "no interval")
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -59,9 +60,6 @@ class _Estimates:
     @property
     def confidence_level(self) -> float:
         return self.estimates[0].confidence_level if self.estimates else math.nan
-
-    def __len__(self) -> int:
-        return len(self.names)
 
     def __getitem__(self, name: str) -> Estimate:
         """The estimate of one quantity, by name (CrossInput, input) or display label (LayerMean, E_input)."""
@@ -196,7 +194,7 @@ def retention_of(table: pd.DataFrame, condition: str, labels: dict[str, str], cr
     s, r = pair[condition].to_numpy(), pair[reference].to_numpy()
     est = retention_bootstrap(s, r, criteria, n_resamples, BOOT_SEED, unit)
     return RetentionResult(condition, labels.get(condition, condition), reference, labels.get(reference, reference),
-                           est, float(s.mean()), float(r.mean()), float(criteria.small_upper), unit)
+                           est, float(s.mean()), float(r.mean()), max(float(criteria.small_upper), 0.0), unit)
 
 
 @dataclass(eq=False)
