@@ -42,13 +42,13 @@ def train(family: str, corpus, args) -> torch.nn.Module:
 def audit(model, ev, ca, out: Path, args) -> dict:
     res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=args.randomizations, seed=args.seed,
                     out=out, batch_size=8, quiet=True)
-    pen = res.penalties().set_index("condition")
+    pen = res.penalties().to_frame().set_index("condition")
     return {"replay": res.replay, "labels": res.labels,
             "penalties": {c: {"mean": float(r["mean"]), "ci": [float(r["ci_low"]), float(r["ci_high"])],
                               "mc_se": None if np.isnan(r["mc_se"]) else float(r["mc_se"]),
                               "experts_per_token": float(r["active"])} for c, r in pen.iterrows()},
             "correct_experts_per_token": float(res.records[res.records.condition == "Correct"].active.mean()),
-            "factor_effects": res.factor_effects()["mean"].to_dict()}
+            "factor_effects": res.factor_effects().to_frame()["mean"].to_dict()}
 
 
 def main() -> None:

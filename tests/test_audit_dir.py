@@ -278,11 +278,11 @@ def test_a_gate_scale_invariant_model_has_undefined_retention(tmp_path, capsys):
         warnings.simplefilter("error", RuntimeWarning)
         res = audit(model, Controller.from_modules(model, "gate", "batch token"), toys.windows(16, 0),
                     toys.windows(8, 1), randomizations=2, out=tmp_path / "a", batch_size=8, quiet=False)
-        pen = res.penalties().set_index("condition")
+        pen = res.penalties().to_frame().set_index("condition")
         assert pen["mean"].abs().max() < 1e-5  # rounding only
         ret = res.retention()
         s = summarize([res])
-    assert np.isnan(ret["retention"]) and "not clearly above 0" in ret["note"]
+    assert np.isnan(ret.statistic) and "not above the practically-small bound" in ret.reason
     assert np.isnan(s.retention["retention"]).all() and (s.retention["note"] != "").all()
     out = capsys.readouterr().out
     assert "retention StaticProfile vs GlobalMean: undefined" in out and "ΔNLL" in out

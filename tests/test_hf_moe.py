@@ -276,7 +276,7 @@ def test_llama4_audit_with_a_zero_router_gives_exactly_zero_for_assignments(tmp_
     res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
                     out=tmp_path, batch_size=3, quiet=True)
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
-    pen = res.penalties().set_index("condition")
+    pen = res.penalties().to_frame().set_index("condition")
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
         assert pen.loc[c, "mean"] == 0.0, c
     assert (res.records[res.records.condition == "Correct"].active == K).all() and pen.loc["StaticTopK", "active"] == K
@@ -410,7 +410,7 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=2, out=tmp_path, batch_size=3,
                     quiet=True)
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
-    pen = res.penalties().set_index("condition")
+    pen = res.penalties().to_frame().set_index("condition")
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
         assert pen.loc[c, "mean"] == 0.0, c
     correct = res.records[res.records.condition == "Correct"]
@@ -428,7 +428,7 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
     res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
                     out=tmp_path, batch_size=3, quiet=True)
     assert res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0 and res.replay["route_flips"] == 0
-    pen = res.penalties().set_index("condition")
+    pen = res.penalties().to_frame().set_index("condition")
     assert abs(pen.loc["CrossInput", "mean"]) > 1e-3 and abs(pen.loc["TokenShuffle", "mean"]) > 1e-3  # untrained: any sign
     assert pen.loc["CrossInput", "active"] == K and pen.loc["StaticTopK", "active"] == K
     assert pen.loc["StaticProfile", "active"] > K  # a dense static mixture runs every expert with a nonzero mean
@@ -458,7 +458,7 @@ def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
     ev = make_windows(corpus.test, 16, 64, 0, "test")
     ca = make_windows(corpus.validation, 16, 64, 0, "validation")
     res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=tmp_path, quiet=True)
-    pen = res.penalties().set_index("condition")["mean"]
+    pen = res.penalties().to_frame().set_index("condition")["mean"]
     assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
     assert pen["CrossInput"] > 0.01 and pen["TokenShuffle"] > 0.01
 

@@ -336,3 +336,71 @@ def test_a_family_of_few_checkpoints_says_how_coarse_its_intervals_are(fg7, tmp_
     assert "With 2 checkpoints the intervals are coarse" in few.groups["FeatureGate tiny"]["note"]
     assert "below 0.5" in few.groups["FeatureGate tiny"]["note"]
     assert "coarse" not in many.groups["FeatureGate tiny"]["note"]
+
+
+def test_retention_is_undefined_on_a_negligible_reference_gap_everywhere_it_appears(tmp_path, monkeypatch):
+    """A reference gap above 0 but below the practically-small bound (0.0015 nats in one checkpoint; 2.2e-6 nats
+    in two) gives no retention, with its reason, in the API, the summary, the tables, Figure 4, the terminal and
+    the report; a large gap (MUDD's 7.42 nats) gives one."""
+    from fcaudit.audit.results import AuditResult
+    from fcaudit.report import figures
+
+    small = write_audit(tmp_path / "small", dict(FG, StructureRemoved=0.0015, StaticProfile=0.0003), name="Small")
+    tiny = [write_audit(tmp_path / f"tiny{k}", {c: v * 1e-3 * (0.9 + 0.2 * k) for c, v in
+                                                dict(FG, StructureRemoved=0.0022).items()}, name="Tiny", seed=k,
+                        noise=1e-9) for k in range(2)]
+    mudd = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS)
+
+    res = AuditResult.load(small)
+    pen = res.penalties()
+    assert 0 < pen["GlobalMean"].confidence_interval.low < pen["GlobalMean"].confidence_interval.high < 0.002
+    ret = res.retention("LayerMean")
+    assert not ret.defined and np.isnan(ret.statistic) and ret.delta_reference == pytest.approx(0.0015)
+    assert "not above the practically-small bound 0.002" in ret.reason and ret.reason in repr(ret)
+    assert "retention LayerMean vs GlobalMean: undefined (the reference ΔNLL 0.0015" in res.retention_lines()[1]
+    assert AuditResult.load(mudd).retention().statistic == pytest.approx(0.7333, abs=5e-5)
+
+    s = summarize([small, *tiny, mudd])
+    r = s.retention.set_index(["family", "condition"])
+    for fam in ("Small", "Tiny"):
+        assert np.isnan(r.loc[(fam, "StaticProfile"), "retention"]) and r.loc[(fam, "StaticProfile"), "bound"] == 0.002
+        assert "not above the practically-small bound" in r.loc[(fam, "StaticProfile"), "note"]
+    assert r.loc[("Tiny", "StaticProfile"), "level"] == "checkpoint"
+    assert s.conditions.set_index(["family", "condition"]).loc[("Tiny", "StructureRemoved"), "ci_low"] > 0
+    assert r.loc[("MUDDPythia", "StaticProfile"), "retention"] == pytest.approx(0.7333, abs=5e-5)
+    high = {v["family"]: v["met"] for v in s.criteria if v["name"] == "high retention"}
+    assert high == {"Small": None, "Tiny": None, "MUDDPythia": False}  # not evaluable, not met
+    assert "retention LayerMean vs GlobalMean: undefined (the reference ΔNLL" in str(s)
+
+    cell = fca_display(s.family("Small")["conditions"], s.family("Small")["retention"]).set_index("Condition")
+    assert cell.loc["LayerMean", "Retention"] == "undefined (ΔNLL(R) interval not above 0.002)"
+
+    texts = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: texts.extend(t.get_text() for a in fig.axes
+                                                                         for t in a.texts) or path)
+    figures.retention_figure(s.retention, tmp_path / "fig4.png")
+    assert sum("undefined (ΔNLL(R) interval not above 0.002)" in t for t in texts) == 4  # two per family
+    assert any(t.startswith("73.33% [") for t in texts)
+    monkeypatch.undo()
+
+    build_report([small, *tiny, mudd], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert md.count("undefined (ΔNLL(R) interval not above 0.002)") == 4  # the FCA tables of Small and Tiny
+    head = md.split("## Verdicts")[1].split("\n## ")[0]
+    assert head.count("retention undefined (the reference ΔNLL") == 2 and "retention 73.3%" in head
+
+
+def test_result_objects_print_without_the_audit_directory(fg7, tmp_path):
+    """The result objects carry their numbers: their repr reads nothing from disk (the audit may be gone)."""
+    import shutil
+
+    from fcaudit.audit.results import AuditResult
+
+    res, fresh = AuditResult.load(fg7[0]), AuditResult.load(fg7[1])
+    pen, fe, ret = res.penalties(), res.factor_effects(), res.retention()
+    for d in fg7[:2]:
+        shutil.rmtree(d)
+    assert "LayerMean" in repr(pen) and "E_input" in repr(fe) and "retention LayerMean vs GlobalMean: " in repr(ret)
+    assert "24 windows" in repr(fresh)  # its records were never read, and cannot be now
+    assert pen.to_frame().set_index("condition").loc["StaticProfile", "mean"] == pytest.approx(FG["StaticProfile"] * 0.8)
+    assert ret.to_frame()["retention"].iloc[0] == pytest.approx(0.9870, abs=1e-6)

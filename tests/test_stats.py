@@ -12,6 +12,7 @@ from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
+from fcaudit.protocol import Criteria
 from fcaudit.stats import (
     checkpoint_bootstrap,
     coefficient_profile,
@@ -30,6 +31,7 @@ from fcaudit.stats import (
     variance_by_slice,
     variance_decomposition,
 )
+from fcaudit.stats.results import WindowStatistics
 
 
 def mean_stat(x, axis=-1):
@@ -157,18 +159,78 @@ def test_retention_nonpositive_reference_is_nan_without_a_warning():
     assert math.isnan(out[0]) and out[1] == pytest.approx(0.75)
 
 
-def test_retention_is_undefined_unless_the_reference_interval_lies_above_zero():
+def test_retention_is_undefined_unless_the_reference_interval_lies_above_the_practically_small_bound():
     rng = np.random.default_rng(4)
     s = rng.normal(1e-8, 1e-8, 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         noise = rng.normal(0, 1e-7, 64)
         zero_gap = retention_bootstrap(s, noise - noise.mean() + 6e-9, unit="window", n_resamples=2000)
+        # a real but negligible gap: the interval lies above 0 but not above the default bound 0.002
+        small = rng.normal(0.0015, 0.0002, 64)
+        negligible = retention_bootstrap(small * 0.2, small, unit="window", n_resamples=2000)
         clear = retention_bootstrap(s, rng.normal(0.5, 0.1, 64), unit="window", n_resamples=2000)
     assert math.isnan(zero_gap.statistic) and not zero_gap.has_interval
-    assert "not clearly above 0" in zero_gap.method
+    assert "not above the practically-small bound 0.002" in zero_gap.method
+    ref = paired_bootstrap(small, n_resamples=2000)  # the same interval the reference's penalty has
+    assert 0 < ref.confidence_interval.low < ref.confidence_interval.high < 0.002
+    assert math.isnan(negligible.statistic) and f"[{ref.confidence_interval.low:.3g}, " in negligible.method
+    # the bound is the audit's: with a lower one the same gap has a retention
+    lowered = retention_bootstrap(small * 0.2, small, Criteria(small_upper=0.001), n_resamples=2000, unit="window")
+    assert lowered.statistic == pytest.approx(0.8) and lowered.has_interval
     assert clear.has_interval and clear.confidence_interval.low <= clear.statistic <= clear.confidence_interval.high
     assert 0.99 < clear.statistic <= 1.0
+
+
+def test_window_statistics_match_scipy_and_hand_formulas():
+    """The one window-level path (AuditResult and summarize both read it) against scipy's bootstrap on the same
+    per-window values, and the MC SE and factor effects by hand."""
+    rec = make_records(n_examples=30, R=4)
+    ws = WindowStatistics(rec, n_resamples=2000)
+    correct = rec[rec["condition"] == "Correct"].set_index("example")["nll"]
+    d = rec[rec["condition"] != "Correct"].assign(delta=lambda f: f["nll"] - correct.loc[f["example"]].to_numpy())
+    per_window = d.groupby(["example", "condition"])["delta"].mean().unstack()
+
+    def scipy_ci(*data, stat=mean_stat):
+        ci = stats.bootstrap(data, stat, n_resamples=2000, vectorized=True, paired=len(data) > 1,
+                             method="percentile", rng=np.random.default_rng(0)).confidence_interval
+        return ci.low, ci.high
+
+    pen = ws.penalties()
+    assert list(pen.names) == ["CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
+                               "StructureRemoved"]
+    for i, c in enumerate(pen.names):
+        assert pen.statistic[i] == pytest.approx(per_window[c].mean(), abs=1e-14)
+        assert (pen.confidence_interval.low[i], pen.confidence_interval.high[i]) == pytest.approx(
+            scipy_ci(per_window[c].to_numpy()), rel=1e-12)
+    rmeans = d[d["condition"] == "TokenShuffle"].groupby("randomization")["delta"].mean()
+    assert pen["Token-shuffle"].statistic == pen["TokenShuffle"].statistic  # by label or by name
+    assert pen.mc_se[1] == pytest.approx(rmeans.std(ddof=1) / 2, rel=1e-12) and np.isnan(pen.mc_se[4])
+    assert np.isnan(pen.pvalue).all() and (pen.n == 30).all() and pen.confidence_level == 0.95
+    frame = pen.to_frame()
+    assert list(frame.columns) == ["condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "randomizations",
+                                   "active"]
+    assert frame["randomizations"].tolist() == [4, 4, 4, 1, 1, 1]
+
+    fe = ws.factor_effects()
+    dc, cs, ds = (per_window[c] for c in ("CrossInput", "TokenShuffle", "CrossShuffle"))
+    hand = {"input": 0.5 * (dc + ds - cs), "token": 0.5 * (cs + ds - dc), "interaction": ds - dc - cs}
+    for i, k in enumerate(fe.names):
+        assert fe.statistic[i] == pytest.approx(hand[k].mean(), abs=1e-14)
+        assert (fe.confidence_interval.low[i], fe.confidence_interval.high[i]) == pytest.approx(
+            scipy_ci(hand[k].to_numpy()), rel=1e-9)
+    assert list(fe.to_frame().index) == ["input", "token", "interaction"] and fe["E_token"] == fe["token"]
+
+    ret = ws.retention("StaticProfile")
+    s, r = per_window["StaticProfile"].to_numpy(), per_window["StructureRemoved"].to_numpy()
+    assert ret.defined and ret.statistic == pytest.approx(1 - s.mean() / r.mean(), rel=1e-12)
+    assert tuple(ret.confidence_interval) == pytest.approx(
+        scipy_ci(s, r, stat=lambda a, b, axis=-1: 1 - a.mean(axis=axis) / b.mean(axis=axis)), rel=1e-12)
+    assert ret.pvalue is None and ret.reason == "" and ret.bound == 0.002
+    assert [x.condition for x in ws.retentions()] == ["LayerPositionMean", "StaticProfile"]
+    with pytest.raises(FcauditError, match="retention is defined for the static conditions"):
+        ws.retention("CrossInput")
+    assert "Token-shuffle" in repr(pen) and "E_interaction" in repr(fe) and "StaticProfile vs StructureRemoved" in repr(ret)
 
 
 # ---------------------------------------------------------------- inference

@@ -14,7 +14,7 @@ from each audit's config.json, where the engine wrote them before the audit ran.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,11 +26,11 @@ from fcaudit.audit.results import AuditResult
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means
-from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap
+from fcaudit.stats.effects import factor_effects
+from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se
+from fcaudit.stats.results import (BOOT_SEED, FACTOR_LABELS as FACTORS, RetentionResult, WindowStatistics, retention_of,
+                                   retention_value)
 
-FACTORS = {"input": "E_input", "token": "E_token", "interaction": "E_interaction"}
-BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
 WINDOW_LEVEL = "window-level (one checkpoint)"
 
 WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap intervals; they describe stability across "
@@ -51,73 +51,16 @@ def labels_of(config: dict) -> dict[str, str]:
     return {**protocol.default_labels(), **(config.get("labels") or {})}
 
 
-def _window_table(records: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
-    """Per-window ΔNLL averaged over randomizations (examples x conditions), and per condition the R
-    randomization means (mean over windows) for the MC SE."""
-    d = delta_nll(records)
-    if d.empty:
-        raise FcauditError("the audit records hold no intervention conditions; rerun `fcaudit audit` to complete it")
-    per_window = per_example_deltas(d)
-    order = sorted(per_window.columns, key=protocol.order)
-    rand = randomization_means(d)
-    return per_window[order], {c: rand[c].dropna().to_numpy() for c in order}
-
-
-def _active(records: pd.DataFrame) -> pd.Series:
-    """Mean active sources (experts) per token of each condition; empty for records from before the column."""
-    return records.groupby("condition")["active"].mean() if "active" in records else pd.Series(dtype=float)
-
-
 def _ci(est) -> tuple[float, float]:
     lo, hi = est.confidence_interval
     return float(lo), float(hi)
 
 
-def _window_level(records: pd.DataFrame, config: dict, confidence: float, family: str = "", partial: bool = False):
-    """(conditions, factors, retention) frames for one checkpoint, window-bootstrap intervals."""
-    per_window, rand = _window_table(records)
-    labels = labels_of(config)
-    active = _active(records)
-    conds = []
-    for c in per_window.columns:
-        x = per_window[c].dropna().to_numpy()
-        lo, hi = _ci(paired_bootstrap(x, confidence=confidence, seed=BOOT_SEED))
-        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "window", "n": len(x),
-                      "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan, "n_positive": np.nan,
-                      "mc_se": mc_se(rand[c]), "active": float(active.get(c, np.nan))})
-    facs = []
-    if all(c in per_window.columns for c in protocol.factorial().values()):
-        # paired CC/DC/CS/DS cells (same donor mapping and permutations per randomization), one value per window
-        arrays = factorial_cells(records, complete=not partial).per_example_effects().as_dict()
-        for k, name in FACTORS.items():
-            lo, hi = _ci(paired_bootstrap(arrays[k], confidence=confidence, seed=BOOT_SEED))
-            facs.append({"family": family, "effect": k, "label": name, "level": "window", "n": len(arrays[k]),
-                         "mean": float(arrays[k].mean()), "ci_low": lo, "ci_high": hi, "pvalue": np.nan,
-                         "pvalue_holm": np.nan, "n_positive": np.nan})
-    rets = _retention_rows(per_window.dropna(), family, labels, "window", confidence)
-    return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
-
-
-def _retention_rows(table: pd.DataFrame, family: str, labels: dict, level: str, confidence: float) -> list[dict]:
-    """Retention of each retained static condition vs the structure-removed reference; `table` has one row per
-    unit (window or checkpoint). Undefined (nan, with the reason) unless the reference's interval lies above 0."""
-    reference = protocol.structure_removed()
-    if reference not in table.columns:
-        return []
-    ref = table[reference].to_numpy()
-    rows = []
-    for c in protocol.retained():
-        if c not in table.columns:
-            continue
-        s = table[c].to_numpy()
-        est = retention_bootstrap(s, ref, confidence=confidence, seed=BOOT_SEED, unit=level)
-        lo, hi = _ci(est)
-        rows.append({"family": family, "condition": c, "label": labels.get(c, c), "reference": reference,
-                     "reference_label": labels.get(reference, reference), "level": level, "n": len(s),
-                     "retention": float(est.statistic), "ci_low": lo, "ci_high": hi,
-                     "delta_nll": float(np.mean(s)), "reference_delta_nll": float(np.mean(ref)),
-                     "note": "" if est.has_interval else est.method})
-    return rows
+def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
+    return [{"family": family, "condition": r.condition, "label": r.label, "reference": r.reference,
+             "reference_label": r.reference_label, "level": r.level, "n": r.n, "retention": float(r.statistic),
+             "ci_low": _ci(r)[0], "ci_high": _ci(r)[1], "delta_nll": r.delta_static,
+             "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note} for r in results]
 
 
 _COLUMNS = {
@@ -126,7 +69,7 @@ _COLUMNS = {
     "factors": ["family", "effect", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "pvalue_holm",
                 "n_positive"],
     "retention": ["family", "condition", "label", "reference", "reference_label", "level", "n", "retention", "ci_low",
-                  "ci_high", "delta_nll", "reference_delta_nll", "note"],
+                  "ci_high", "delta_nll", "reference_delta_nll", "bound", "note"],
 }
 _TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
 COUNTS = ("n", "n_positive")  # counts, nan where undefined: float columns in pandas
@@ -145,14 +88,29 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
 
 
+def _window_level(stats: WindowStatistics, family: str = ""):
+    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit."""
+    pen = stats.penalties().to_frame()
+    conds = pen.drop(columns=["randomizations"]).assign(family=family, level="window", pvalue=np.nan,
+                                                         n_positive=np.nan)
+    facs = pd.DataFrame(columns=_COLUMNS["factors"])
+    if stats.has_factorial:
+        fe = stats.factor_effects().to_frame().drop(columns=["mc_se"]).reset_index()
+        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window", pvalue=np.nan,
+                         pvalue_holm=np.nan, n_positive=np.nan)
+    rets = _retention_rows(stats.retentions(), family)
+    return (_frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"),
+            _frame(rets, "retention"))
+
+
 def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | None = None) -> pd.DataFrame:
     """Paper Table 2 for one checkpoint: per condition its label, mean ΔNLL, paired-window bootstrap interval,
     MC SE across randomizations and retention vs the structure-removed reference; then the factor effects E_input,
     E_token, E_interaction with window-level intervals. Intervals describe stability across windows
     (df.attrs["note"])."""
-    if confidence is None:
-        confidence = Criteria.from_dict(config["criteria"]).confidence if config.get("criteria") else 0.95
-    conds, facs, rets = _window_level(records, config, confidence)
+    crit = Criteria.from_dict(config["criteria"]) if config.get("criteria") else Criteria()
+    crit = crit if confidence is None else replace(crit, confidence=confidence)
+    conds, facs, rets = _window_level(WindowStatistics(records, labels_of(config), crit))
     table = conds.drop(columns=["family", "level", "pvalue", "n_positive"]).assign(kind="condition")
     r = rets.set_index("condition")[["retention", "ci_low", "ci_high"]]
     r.columns = ["retention", "retention_low", "retention_high"]
@@ -163,32 +121,34 @@ def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | 
     out = out[["kind", "condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "retention", "retention_low",
                "retention_high"]]
     out.attrs["note"] = WINDOW_NOTE
-    out.attrs["confidence"] = confidence
+    out.attrs["confidence"] = crit.confidence
     return out
 
 
 # ---- across checkpoints ---------------------------------------------------------------------------------------
 
-def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, confidence: float, family: str,
-                      active: pd.Series):
-    """per_ckpt: (per-window table, randomization means) of each checkpoint of one family."""
-    n = len(per_ckpt)
-    means = pd.DataFrame([pw.mean() for pw, _ in per_ckpt]).reset_index(drop=True)  # checkpoints x conditions
+def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
+    """(conditions, factors, retention) frames of one family's checkpoints: each checkpoint's mean ΔNLL is one unit."""
+    n, labels, confidence = len(members), members[0].labels, criteria.confidence
+    means = pd.DataFrame([m.per_window.mean() for m in members]).reset_index(drop=True)  # checkpoints x conditions
     if means.isna().any().any():
         missing = means.columns[means.isna().any()].tolist()
         raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
                            "the same conditions")
     means = means[sorted(means.columns, key=protocol.order)]
+    pooled = pd.concat([m.records for m in members])
+    active = pooled.groupby("condition")["active"].mean() if "active" in pooled else pd.Series(dtype=float)
     conds = []
     for c in means.columns:
         x = means[c].to_numpy()
         est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)  # pvalue: exact sign-flip test
         lo, hi = _ci(est)
+        rand = [m.randomization_means[c].dropna() for m in members]
         conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "checkpoint", "n": n,
                       "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
                       "n_positive": int((x > 0).sum()),
-                      "mc_se": float(np.nanmean([mc_se(r[c]) for _, r in per_ckpt]))
-                      if any(len(r[c]) > 1 for _, r in per_ckpt) else float("nan"),
+                      "mc_se": float(np.nanmean([mc_se(r) for r in rand])) if any(len(r) > 1 for r in rand)
+                      else float("nan"),
                       "active": float(active.get(c, np.nan))})
     facs = []
     roles = protocol.factorial()
@@ -205,7 +165,10 @@ def _checkpoint_level(per_ckpt: list[tuple[pd.DataFrame, dict]], labels: dict, c
         adjusted = holm([f["pvalue"] for f in facs])
         for f, p in zip(facs, adjusted):
             f["pvalue_holm"] = float(p)
-    rets = _retention_rows(means, family, labels, "checkpoint", confidence)
+    rets = []
+    if protocol.structure_removed() in means.columns:
+        rets = _retention_rows([retention_of(means, c, labels, criteria, "checkpoint") for c in protocol.retained()
+                                if c in means.columns], family)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
@@ -241,8 +204,9 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
 # ---- families of audits ---------------------------------------------------------------------------------------
 
 def family_of(config: dict) -> str:
-    """The group an audit belongs to: checkpoints of one model family differ only by training seed (and so by
-    parameter hash and path, which are ignored here)."""
+    """The family an audit's checkpoint belongs to (checkpoints of one family differ only by training seed): the
+    name the audit wrote as config.json's model.family. Audits that recorded none are named by the model's
+    description (class, size). The one reader of the family name; the audit side only writes it."""
     model = config.get("model")
     if isinstance(model, str):
         return model
@@ -332,11 +296,8 @@ class Summary:
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
             for r in self.retention[self.retention["family"] == fam].itertuples():
-                value = f"{100 * r.retention:.2f}%" if math.isfinite(r.retention) else f"undefined ({r.note})"
-                if math.isfinite(r.retention) and not math.isfinite(r.ci_low):
-                    value += f" ({r.note.split('; ')[-1]})"
-                ci = f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]" if math.isfinite(r.ci_low) else ""
-                lines.append(f"  retention {r.label} vs {r.reference_label}: {value}{ci}; "
+                lines.append(f"  retention {r.label} vs {r.reference_label}: "
+                             f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
                              f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
             for v in (c for c in self.criteria if c["family"] == fam):
                 verdict = {True: "met", False: "not met"}.get(v["met"], "not evaluable")
@@ -392,13 +353,12 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
         labels = labels_of(members[0].config)
+        stats = [WindowStatistics(a.records, labels_of(a.config), crit, complete=not a.partial) for a in members]
         if len(members) == 1:
-            c, f, r = _window_level(members[0].records, members[0].config, crit.confidence, fam, members[0].partial)
+            c, f, r = _window_level(stats[0], fam)
             level, note = "window", WINDOW_NOTE
         else:
-            per = [_window_table(a.records) for a in members]
-            active = _active(pd.concat([a.records for a in members]))
-            c, f, r = _checkpoint_level(per, labels, crit.confidence, fam, active)
+            c, f, r = _checkpoint_level(stats, crit, fam)
             level, note = "checkpoint", CHECKPOINT_NOTE + (FEW_NOTE.format(n=len(members), p=2 / 2 ** len(members))
                                                            if len(members) < FEW_CHECKPOINTS else "")
         partial = any(a.partial for a in members)

@@ -484,7 +484,7 @@ class Engine:
                 "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0])}
 
     def _finalize(self) -> None:
-        from fcaudit.audit.results import variation
+        from fcaudit.stats.variance import variation
 
         for condition, r in self.schedule.record_keys():
             if not self._merged_ok(condition, r):

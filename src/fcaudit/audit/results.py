@@ -1,12 +1,11 @@
-"""An audit directory read back (the one reader): records, replay report, penalties, factor effects, retention,
-variation. `fcaudit summarize`, `fcaudit report` and the Python API all read audits through `AuditResult`."""
+"""An audit directory read back (the one reader): records, replay report, variation, and the paper's window-level
+statistics (fcaudit.stats.results). `fcaudit summarize`, `fcaudit report` and the Python API all read audits
+through `AuditResult`."""
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,9 @@ from fcaudit import protocol
 from fcaudit.audit import files
 from fcaudit.audit.directory import MARKER, AuditDir
 from fcaudit.errors import FcauditError
+from fcaudit.protocol import Criteria
+from fcaudit.stats.results import FactorEffectsResult, PenaltiesResult, RetentionResult, WindowStatistics
 
-DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
-DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memory flat in the number of windows
 V1_CONDITIONS = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
                  "StructureRemoved")  # audits written before the protocol registry (no "conditions" in config.json)
 
@@ -85,55 +84,6 @@ def missing_files(root: Path, config: dict) -> list[str]:
     return missing
 
 
-def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict:
-    """Per-layer mean/sd of the evaluation coefficients and the balanced variance decomposition. `sites`: each
-    layer's module path (a layer is a site: an MoE whose first block is dense has its layer 0 in model.layers.1)."""
-    from fcaudit.stats.variance import variance_decomposition
-
-    sums = sq = None
-    count = 0
-    for b0 in starts:
-        chunk = [c.double() for c in store.read_chunk(int(b0))]
-        s = [c.sum(dim=(0, 1)) for c in chunk]  # [stream, source]
-        q = [(c * c).sum(dim=(0, 1)) for c in chunk]
-        sums = s if sums is None else [a + b for a, b in zip(sums, s)]
-        sq = q if sq is None else [a + b for a, b in zip(sq, q)]
-        count += chunk[0].shape[0] * chunk[0].shape[1]
-    layers = []
-    for l, (s, q) in enumerate(zip(sums, sq)):
-        n = count * s.numel()
-        mean = float(s.sum()) / n
-        layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
-                       "mean": mean,
-                       "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
-                       "stream_source_mean": (s / count).tolist()})
-    shapes = [tuple(s.shape) for s in sums]
-    scalar = all(sh == (1, 1) for sh in shapes)
-    s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
-    token = store.read_chunk(int(starts[0]))[0].shape[1]
-    per_window = len(shapes) * token * s_max * k_max * 8
-    n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
-    n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
-    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)
-    for b0 in starts:
-        if b0 >= n_used:
-            break
-        for l, c in enumerate(store.read_chunk(int(b0))):
-            c = c[: n_used - b0].double().numpy()
-            arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
-    if scalar:
-        what = "the scalar coefficient per (input, layer, token)"
-        arr = arr[..., 0, 0]
-    else:
-        what = ("each (stream, source) slice over (input, layer, token), sums of squares pooled over slices; "
-                "layers lacking a slice are left out of it")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        fractions = variance_decomposition(arr)
-    return {"layers": layers, "decomposition": fractions, "decomposed": what,
-            "windows_decomposed": int(n_used), "windows": n_total}
-
-
 @dataclass(repr=False)
 class AuditResult:
     """The results directory of one audit: config, replay report and records, with the paper's summaries.
@@ -157,7 +107,8 @@ class AuditResult:
     def __repr__(self) -> str:
         r = self.replay
         part = ", PARTIAL" if self.partial else ""
-        return (f"AuditResult({str(self.path)!r}, {self.records['example'].nunique()} windows, "
+        windows = (self.config.get("windows") or {}).get("n_eval")  # from config.json: a repr reads no records
+        return (f"AuditResult({str(self.path)!r}, {windows} windows, "
                 f"R={self.config.get('randomizations')}, replay passed={r.get('passed')} "
                 f"max|Δlogit|={r.get('max_abs_dlogit')}{part})")
 
@@ -199,85 +150,37 @@ class AuditResult:
         return files.quietly(files.read_json, self.path / "variation.json")
 
     @property
+    def criteria(self) -> Criteria:
+        """The prespecified criteria in config.json (the defaults for audits written without them)."""
+        return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
+
+    @property
     def penalties_confidence(self) -> float:
-        return self._confidence(None)
+        return self.criteria.confidence
 
-    def _confidence(self, confidence: float | None) -> float:
-        return confidence or float((self.config.get("criteria") or {}).get("confidence", 0.95))
+    def statistics(self, confidence: float | None = None, n_resamples: int = 10000) -> WindowStatistics:
+        """The window-level statistics of this audit's records (`summarize` reads a single checkpoint the same
+        way); `confidence` overrides the criteria's."""
+        crit = self.criteria if confidence is None else replace(self.criteria, confidence=confidence)
+        return WindowStatistics(self.records, self.labels, crit, complete=not self.partial, n_resamples=n_resamples)
 
-    def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> pd.DataFrame:
+    def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> PenaltiesResult:
         """Per condition: mean ΔNLL, paired-window bootstrap interval, MC SE across randomizations and the mean
-        number of active sources (experts) per token."""
-        from fcaudit.stats.effects import per_example_deltas, randomization_means
-        from fcaudit.stats.inference import mc_se, paired_bootstrap
+        number of active sources (experts) per token (`.to_frame()` for the table)."""
+        return self.statistics(confidence, n_resamples).penalties()
 
-        conf = self._confidence(confidence)
-        per_window, rand = per_example_deltas(self.records), randomization_means(self.records)
-        active = self.records.groupby("condition")["active"].mean()
-        rows = []
-        for c in sorted(per_window.columns, key=protocol.order):
-            est = paired_bootstrap(per_window[c].dropna().to_numpy(), confidence=conf, n_resamples=n_resamples, seed=0)
-            r = rand[c].dropna().to_numpy()
-            randomized = c in protocol.REGISTRY and protocol.REGISTRY[c].randomized
-            rows.append({"condition": c, "label": self.labels.get(c, c), "n": int(est.n),
-                         "mean": float(est.statistic), "ci_low": est.confidence_interval.low,
-                         "ci_high": est.confidence_interval.high, "mc_se": mc_se(r) if randomized else math.nan,
-                         "randomizations": len(r), "active": float(active.get(c, math.nan))})
-        return pd.DataFrame(rows)
-
-    def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> pd.DataFrame:
+    def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> FactorEffectsResult:
         """E_input, E_token, E_interaction (Eq. 5-7), paired CC/DC/CS/DS per example and randomization."""
-        from fcaudit.stats.effects import factorial_cells
-        from fcaudit.stats.inference import mc_se, paired_bootstrap
-
-        conf = self._confidence(confidence)
-        per_pair = factorial_cells(self.records, complete=not self.partial).effects().as_dict()  # [example, r]
-        rows = []
-        for name, x in per_pair.items():
-            est = paired_bootstrap(x.mean(axis=1), confidence=conf, n_resamples=n_resamples, seed=0)
-            rows.append({"effect": name, "mean": float(est.statistic), "ci_low": est.confidence_interval.low,
-                         "ci_high": est.confidence_interval.high, "mc_se": mc_se(x.mean(axis=0)), "n": int(est.n)})
-        return pd.DataFrame(rows).set_index("effect")
+        return self.statistics(confidence, n_resamples).factor_effects()
 
     def retention(self, name: str = "StaticProfile", confidence: float | None = None,
-                  n_resamples: int = 10000) -> pd.Series:
+                  n_resamples: int = 10000) -> RetentionResult:
         """Retention(S) = 1 - ΔNLL(S)/ΔNLL(StructureRemoved) (Eq. 8) with its paired-window interval, reported
-        with both absolute ΔNLLs. Undefined (nan, with the reason in `note`) unless the reference ΔNLL's interval
-        lies above 0. `name`: a retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its
-        display label (e.g. LayerMean)."""
-        from fcaudit.stats.effects import per_example_deltas
-        from fcaudit.stats.inference import retention_bootstrap
-
-        by_label = {v: k for k, v in self.labels.items()}
-        cond = by_label.get(name, name)
-        reference = protocol.structure_removed()
-        per_window = per_example_deltas(self.records)
-        if cond not in protocol.retained() or cond not in per_window.columns:
-            have = [c for c in protocol.retained() if c in per_window.columns]
-            named = ", ".join(f"{c} ({self.labels.get(c, c)})" for c in have)
-            raise FcauditError(f"retention is defined for the static conditions {named}, not {name!r}")
-        s, r = per_window[cond].to_numpy(), per_window[reference].to_numpy()
-        est = retention_bootstrap(s, r, confidence=self._confidence(confidence), n_resamples=n_resamples, seed=0,
-                                  unit="window")
-        return pd.Series({"condition": cond, "label": self.labels[cond], "retention": est.statistic,
-                          "ci_low": est.confidence_interval.low, "ci_high": est.confidence_interval.high,
-                          "delta_static": float(s.mean()), "delta_reference": float(r.mean()),
-                          "reference": self.labels[reference], "n": int(est.n),
-                          "note": "" if est.has_interval else est.method})
+        with both absolute ΔNLLs. Undefined (nan, with the reason) unless the reference ΔNLL's interval lies above
+        the criteria's practically-small bound. `name`: a retained static condition (StaticProfile,
+        LayerPositionMean, StaticTopK) or its display label (e.g. LayerMean)."""
+        return self.statistics(confidence, n_resamples).retention(name)
 
     def retention_lines(self) -> list[str]:
         """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined)."""
-        lines = []
-        for c in protocol.retained():
-            if c not in set(self.records["condition"]):
-                continue
-            r = self.retention(c)
-            if math.isfinite(r["ci_low"]):
-                value = f"{100 * r['retention']:.2f}% [{100 * r['ci_low']:.2f}%, {100 * r['ci_high']:.2f}%]"
-            elif math.isfinite(r["retention"]):
-                value = f"{100 * r['retention']:.2f}% ({r['note'].split('; ')[-1]})"
-            else:
-                value = f"undefined ({r['note']})"
-            lines.append(f"retention {r['label']} vs {r['reference']}: {value}; "
-                         f"ΔNLL {r['delta_static']:.6g} vs {r['delta_reference']:.6g}")
-        return lines
+        return [r.line() for r in self.statistics().retentions()]

@@ -548,7 +548,7 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     table.add_column("condition", overflow="fold")
     for col in ("mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", active):
         table.add_column(col, justify="right", no_wrap=True)
-    for _, row in result.penalties().iterrows():
+    for _, row in result.penalties().to_frame().iterrows():
         table.add_row(row["label"], f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
                       "" if not np.isfinite(row["mc_se"]) else f"{row['mc_se']:.2g}",
                       "" if not np.isfinite(row["active"]) else f"{row['active']:.3g}")

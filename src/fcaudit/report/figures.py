@@ -19,6 +19,7 @@ import pandas as pd  # noqa: E402
 
 from fcaudit import protocol  # noqa: E402
 from fcaudit.io import atomic_write  # noqa: E402
+from fcaudit.report.tables import retention_undefined  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.dpi": 110})
 
@@ -136,7 +137,7 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
         unit = "checkpoints" if r.level == "checkpoint" else "windows"
         ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
               else f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]")
-        ret = f"{100 * r.retention:.2f}%" if np.isfinite(r.retention) else "undefined (ΔNLL(R) not clearly > 0)"
+        ret = f"{100 * r.retention:.2f}%" if np.isfinite(r.retention) else retention_undefined(r)
         ax.text(1.02, yi, f"{ret}{ci}\n{r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}, "
                 f"n={int(r.n)} {unit}", transform=ax.get_yaxis_transform(), fontsize=8, va="center", ha="left")
     finite = pct.to_numpy()[np.isfinite(pct.to_numpy())]

@@ -270,7 +270,8 @@ def _family_section(doc: Doc, s: Summary, fam: str):
     doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",
               "Mean ΔNLL vs Correct (nats per predicted token); retention = 1 − ΔNLL(S)/ΔNLL(R) against "
               f"{rets['reference_label'].iloc[0] if len(rets) else 'the structure-removed reference'}, "
-              "within this family only.")
+              "within this family only; undefined unless the interval of ΔNLL(R) lies above the practically-small "
+              "bound of the criteria (removing the structure must itself cost something).")
     if len(rets):
         atomic_write(doc.out / f"retention_{slug}.csv", lambda p: rets.to_csv(p, index=False))
         doc.csvs.append(f"retention_{slug}.csv")

@@ -119,9 +119,19 @@ def fca_display(conditions: pd.DataFrame, retention: pd.DataFrame) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+def retention_undefined(rt) -> str:
+    """Why a retention row has no value, in a few words (the CSV's note has the interval)."""
+    bound = getattr(rt, "bound", math.nan)
+    if not pd.isna(rt.n) and int(rt.n) < 2:
+        return "undefined (one unit: no interval for ΔNLL(R))"
+    if bound is None or pd.isna(bound):  # a summary written before the bound was recorded
+        return "undefined (ΔNLL(R) not clearly > 0)"
+    return f"undefined (ΔNLL(R) interval not above {float(bound):g})"
+
+
 def _retention_cell(rt) -> str:
-    if pd.isna(rt.retention):  # Eq. 8 needs a reference gap clearly above 0 (the reason is in the CSV's note)
-        return f"undefined (ΔNLL(R) {fmt(rt.reference_delta_nll)} not clearly > 0)"
+    if pd.isna(rt.retention):  # Eq. 8 needs the reference's interval above the practically-small bound
+        return retention_undefined(rt)
     return f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]"
 
 

@@ -1,4 +1,5 @@
-"""FCA statistics: ΔNLL and factor effects (effects), inference (inference), coefficient variation (variance)."""
+"""FCA statistics: ΔNLL and factor effects (effects), inference (inference), coefficient variation (variance), and
+one checkpoint's window-level statistics with their result objects (results)."""
 
 from fcaudit.stats.effects import (
     FactorEffects,
@@ -11,25 +12,35 @@ from fcaudit.stats.effects import (
     randomization_means,
     retention,
 )
-from fcaudit.stats.variance import coefficient_profile, functional_anova, variance_by_slice, variance_decomposition
-
-# inference needs scipy and statsmodels, about a second to import: an audit (which ends with the variance
-# decomposition, from this package) pays for them only where it computes intervals or tests
-_INFERENCE = ("ConfidenceInterval", "Estimate", "checkpoint_bootstrap", "holm", "mc_se", "paired_bootstrap",
-              "retention_bootstrap", "retention_window_bootstrap", "sign_flip_test")
-
-
-def __getattr__(name: str):
-    if name in _INFERENCE:
-        from fcaudit.stats import inference
-
-        return getattr(inference, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from fcaudit.stats.inference import (
+    ConfidenceInterval,
+    Estimate,
+    checkpoint_bootstrap,
+    holm,
+    mc_se,
+    paired_bootstrap,
+    retention_bootstrap,
+    sign_flip_test,
+)
+from fcaudit.stats.results import (
+    FactorEffectsResult,
+    PenaltiesResult,
+    RetentionResult,
+    WindowStatistics,
+    retention_of,
+)
+from fcaudit.stats.variance import (
+    coefficient_profile,
+    functional_anova,
+    variance_by_slice,
+    variance_decomposition,
+    variation,
+)
 
 __all__ = [
-    "ConfidenceInterval", "Estimate", "FactorEffects", "FactorialCells", "checkpoint_bootstrap",
-    "coefficient_profile", "condition_means", "delta_nll", "factor_effects", "factorial_cells", "functional_anova",
-    "holm", "mc_se", "paired_bootstrap", "per_example_deltas", "randomization_means", "retention",
-    "retention_bootstrap", "retention_window_bootstrap", "sign_flip_test", "variance_by_slice",
-    "variance_decomposition",
+    "ConfidenceInterval", "Estimate", "FactorEffects", "FactorEffectsResult", "FactorialCells", "PenaltiesResult",
+    "RetentionResult", "WindowStatistics", "checkpoint_bootstrap", "coefficient_profile", "condition_means",
+    "delta_nll", "factor_effects", "factorial_cells", "functional_anova", "holm", "mc_se", "paired_bootstrap",
+    "per_example_deltas", "randomization_means", "retention", "retention_bootstrap", "retention_of",
+    "sign_flip_test", "variance_by_slice", "variance_decomposition", "variation",
 ]

@@ -175,7 +175,8 @@ def retention(delta_static, delta_reference):
     A reference with ΔNLL(R) <= 0 gives nan: retention is the share of the Correct-to-R gap that S closes, and with
     no positive gap there is nothing to retain; the ratio would be undefined (0) or flip sign (< 0). This is the
     formula only: the estimates (stats.inference.retention_bootstrap) also require the reference's interval to lie
-    above 0. Always report retention beside the absolute ΔNLL, and only within one model and evaluation set.
+    above the criteria's practically-small bound. Always report retention beside the absolute ΔNLL, and only within
+    one model and evaluation set.
     """
     s = np.asarray(delta_static, dtype=np.float64)
     r = np.asarray(delta_reference, dtype=np.float64)

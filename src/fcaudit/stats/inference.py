@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
-from scipy import stats
-from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
+from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import retention
 
 # scipy materialises n_resamples x n values per batch; cap that so large window sets stay in memory
@@ -91,6 +90,10 @@ def _rng(seed) -> np.random.Generator:
 
 def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
     """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
+    # scipy and statsmodels are imported where used: an audit imports this package but needs neither, and their
+    # import is a measurable share of a small audit (docs/benchmarks.md)
+    from scipy import stats
+
     if not 0 < confidence < 1:
         raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
     n = len(data[0])
@@ -201,6 +204,8 @@ def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIG
 
 def holm(pvalues) -> np.ndarray:
     """Holm-adjusted p-values (statsmodels multipletests, method="holm"); nan entries stay nan and are not counted."""
+    from statsmodels.stats.multitest import multipletests
+
     p = np.asarray(pvalues, dtype=np.float64)
     out = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
@@ -217,32 +222,37 @@ def _retention_of_means(s, r, axis=-1):
         return np.where(mr > 0, 1.0 - ms / np.where(mr > 0, mr, 1.0), np.nan)
 
 
-def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95, n_resamples: int = 10000,
+def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None = None, n_resamples: int = 10000,
                         seed=0, unit: str = "checkpoint") -> Estimate:
     """Retention 1 - mean(S)/mean(R) with a percentile bootstrap CI, resampling units jointly (paired).
 
     unit="checkpoint": one (ΔNLL(S), ΔNLL(R)) pair per trained checkpoint (the primary analysis);
     unit="window": one pair per evaluation window of a single checkpoint (descriptive, like Table 2).
     Retention of the means (not the mean of per-unit ratios, which explodes for units with a small reference gap).
-    Values are fractions (0.9870 = 98.70%).
+    Values are fractions (0.9870 = 98.70%). `criteria` (default `Criteria()`): its confidence and its
+    practically-small bound.
 
-    Eq. 8 means something only when the reference gap is clearly positive: unless the bootstrap interval of the
-    reference's mean ΔNLL (same units, confidence and resamples) lies above 0, retention is undefined: nan, with the
-    reason in `method`. With a single unit there is no such interval, so retention is undefined too.
+    Eq. 8 means something only where removing the structure itself costs more than a negligible amount: unless the
+    bootstrap interval of the reference's mean ΔNLL (same units, confidence and resamples as its penalty) lies above
+    the practically-small bound `criteria.small_upper` (and above 0), retention is undefined: nan, with the reason in
+    `method`. With a single unit there is no such interval, so retention is undefined too.
     """
+    criteria = criteria or Criteria()
     if unit not in ("checkpoint", "window"):
         raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
     s, r = _sample(delta_static, "delta_static"), _sample(delta_reference, "delta_reference")
     if s.shape != r.shape:
         raise FcauditError(f"delta_static and delta_reference must pair the same {unit}s, got {s.size} and {r.size}")
+    confidence, bound = criteria.confidence, max(criteria.small_upper, 0.0)
     nan = ConfidenceInterval(math.nan, math.nan)
     ref = _mean_estimate(r, confidence, n_resamples, seed, unit)
     if not ref.has_interval:
         return Estimate(math.nan, nan, None, int(s.size), f"a single {unit} gives the reference ΔNLL no interval", confidence)
     lo, hi = ref.confidence_interval
-    if not lo > 0:
+    if not lo > bound:
         return Estimate(math.nan, nan, None, int(s.size), f"the reference ΔNLL {r.mean():.3g} has "
-                        f"{100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not clearly above 0", confidence)
+                        f"{100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not above the practically-small "
+                        f"bound {bound:g}", confidence)
     point = float(retention(s.mean(), r.mean()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -253,9 +263,3 @@ def retention_bootstrap(delta_static, delta_reference, confidence: float = 0.95,
         return Estimate(point, nan, None, int(s.size), method + "; interval undefined: some resamples have a "
                         "reference ΔNLL <= 0", confidence, se)
     return Estimate(point, ci, None, int(s.size), method, confidence, se)
-
-
-def retention_window_bootstrap(delta_static, delta_reference, confidence: float = 0.95, n_resamples: int = 10000,
-                               seed=0) -> Estimate:
-    """Window-level retention interval for a single checkpoint (paired resampling of windows)."""
-    return retention_bootstrap(delta_static, delta_reference, confidence, n_resamples, seed, unit="window")

@@ -5,6 +5,7 @@ The decomposition is descriptive: it says how much of the coefficients' spread i
 """
 
 import itertools
+import math
 import warnings
 
 import numpy as np
@@ -13,6 +14,8 @@ import pandas as pd
 from fcaudit.errors import FcauditError
 
 AXES = ("input", "layer", "token")
+DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
+DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memory flat in the number of windows
 
 
 def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, float], float]:
@@ -144,3 +147,52 @@ def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -
                          "sd": float(v.std()), "min": float(v.min()), "max": float(v.max())})
     df = pd.DataFrame(rows)
     return df.sort_values(["layer", *names]).reset_index(drop=True)
+
+
+def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict:
+    """An audit's variation.json: per-layer mean/sd of the evaluation coefficients and the balanced variance
+    decomposition. `store`: the audit's coefficient store (`read_chunk(start)` gives one [batch, token, stream,
+    source] tensor per layer); `starts`: its batches' first windows. `sites`: each layer's module path (a layer
+    is a site: an MoE whose first block is dense has its layer 0 in model.layers.1)."""
+    sums = sq = None
+    count = 0
+    for b0 in starts:
+        chunk = [c.double() for c in store.read_chunk(int(b0))]
+        s = [c.sum(dim=(0, 1)) for c in chunk]  # [stream, source]
+        q = [(c * c).sum(dim=(0, 1)) for c in chunk]
+        sums = s if sums is None else [a + b for a, b in zip(sums, s)]
+        sq = q if sq is None else [a + b for a, b in zip(sq, q)]
+        count += chunk[0].shape[0] * chunk[0].shape[1]
+    layers = []
+    for l, (s, q) in enumerate(zip(sums, sq)):
+        n = count * s.numel()
+        mean = float(s.sum()) / n
+        layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
+                       "mean": mean,
+                       "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
+                       "stream_source_mean": (s / count).tolist()})
+    shapes = [tuple(s.shape) for s in sums]
+    scalar = all(sh == (1, 1) for sh in shapes)
+    s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
+    token = store.read_chunk(int(starts[0]))[0].shape[1]
+    per_window = len(shapes) * token * s_max * k_max * 8
+    n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
+    n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
+    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)
+    for b0 in starts:
+        if b0 >= n_used:
+            break
+        for l, c in enumerate(store.read_chunk(int(b0))):
+            c = c[: n_used - b0].double().numpy()
+            arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
+    if scalar:
+        what = "the scalar coefficient per (input, layer, token)"
+        arr = arr[..., 0, 0]
+    else:
+        what = ("each (stream, source) slice over (input, layer, token), sums of squares pooled over slices; "
+                "layers lacking a slice are left out of it")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fractions = variance_decomposition(arr)
+    return {"layers": layers, "decomposition": fractions, "decomposed": what,
+            "windows_decomposed": int(n_used), "windows": n_total}
