@@ -38,18 +38,12 @@ DATA = Path(__file__).parent / "data" / "v1"
 @pytest.mark.parametrize("family", ["featuregate", "mudd"])
 def test_records_equal_the_v1_engine_bit_for_bit(family, tmp_path):
     """tests/data/v1/FAMILY holds a tiny trained checkpoint, its windows, and the records the v1 engine (b222979)
-    wrote for it (R = 2, seed 0, batch 4). The v2 engine must reproduce every one of them exactly.
-
-    FeatureGate's audits run on the fused kernel's output (`fused_output`, the family controller's context), the path
-    the v1 records came from; its plain inference forward (`attend`) differs within rounding, so the precondition
-    below takes the fused path too."""
-    from fcaudit.models.featuregate import fused_output
-
+    wrote for it (R = 2, seed 0, batch 4). The v2 engine must reproduce every one of them exactly."""
     model, _ = load_model(DATA / family)
     windows = load_file(str(DATA / family / "windows.safetensors"))
     ev, ca = windows["eval"], windows["calib"]
     old = pd.read_parquet(DATA / family / "records.parquet")
-    with torch.inference_mode(), fused_output():  # a precondition, not the test: does this CPU round like the fixture's?
+    with torch.inference_mode():  # a precondition, not the test: does this CPU round like the fixture's?
         plain = torch.cat([token_nll(model(b), b).mean(1).double() for b in ev.split(4)]).numpy()
     if not np.array_equal(plain, old[old.condition == "Correct"].sort_values("example").nll.to_numpy()):
         pytest.skip("this CPU's kernels round differently from the machine that wrote the v1 fixture")

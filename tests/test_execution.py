@@ -13,7 +13,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution import block_pattern, executed_blocks, flops, latency, measure_execution, thresholding
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import save_checkpoint
-from fcaudit.models.featuregate import VARIANTS, FeatureGateGPT, GPTConfig, fused_output
+from fcaudit.models.featuregate import VARIANTS, FeatureGateGPT, GPTConfig
 
 TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
 
@@ -105,8 +105,7 @@ def test_dense_flops_equal_the_analytic_count_and_scale_linearly_in_depth(ids):
 def test_featuregate_flops_exceed_dense_and_constant_gates_add_none(ids):
     dense = flops(tiny("dense"), ids)
     # its controller's matrix products per token: q k^T in every block and (P K') from the second on, over its one
-    # causal tile (T = 16: 16 keys per row), and the gate MLP (4 -> 8 -> 1); its output attention is counted like
-    # Dense's (the fused kernel's full-square convention), although in inference it shares q k^T with the features
+    # causal tile (T = 16: 16 keys per row), and the gate MLP (4 -> 8 -> 1)
     L, T, d, hidden = TINY["n_layer"], TINY["block_size"], TINY["d_model"], TINY["gate_hidden"]
     assert flops(tiny("featuregate"), ids) - dense == (2 * L - 1) * 2 * T * d + L * 2 * (4 * hidden + hidden)
     assert flops(tiny("uniform"), ids) == flops(tiny("layerstatic"), ids) == dense
@@ -129,7 +128,7 @@ def test_latency_returns_positive_finite_numbers():
 @pytest.mark.parametrize("variant", ["featuregate", "layerstatic"])
 def test_threshold_zero_reproduces_the_plain_nll_and_one_removes_every_block(variant, ids):
     model = tiny(variant)
-    with torch.no_grad(), fused_output():  # the numerics of the controller's passes (families.featuregate)
+    with torch.no_grad():
         reference = token_nll(model(ids), ids).double().mean().item()
         _, gates = model(ids, return_gates=True)
         h = model.wte(ids) + model.wpe(torch.arange(ids.shape[1]))  # every gate 0: embeddings straight to the head
@@ -151,7 +150,7 @@ def test_threshold_zero_reproduces_the_plain_nll_and_one_removes_every_block(var
     assert df.loc[mid, "skippable_blocks"] == (gates < mid).all(dim=2).sum().item() / len(ids)
     assert (df["windows"] == 4).all() and (df["tokens"] == 4 * 15).all()
 
-    with torch.no_grad(), fused_output():  # the controller is restored afterwards
+    with torch.no_grad():  # the controller is restored afterwards
         assert torch.equal(model(ids), model(ids)) and token_nll(model(ids), ids).double().mean().item() == reference
 
 

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import load_model, load_weights, save_checkpoint, save_weights
 import fcaudit.models.featuregate as fg
-from fcaudit.models.featuregate import (PRESETS, VARIANTS, FeatureGateGPT, GateCarry, GPTConfig, config_for,
-                                       gate_features, reference_gate_features)
+from fcaudit.models.featuregate import PRESETS, VARIANTS, Attention, FeatureGateGPT, GPTConfig, config_for, gate_features
 
 TINY = dict(n_layer=3, n_head=2, d_model=16, block_size=16, gate_hidden=8)
 
@@ -122,30 +121,17 @@ def test_replacing_the_gate_forward_gives_bit_identical_logits_and_skips_the_con
     assert torch.equal(replayed, logits)
 
 
-def test_audit_passes_take_the_fused_output_and_replays_compute_no_gate_statistics(ids, monkeypatch):
-    """The family's controller runs capture and replay within fused_output: a replay is the attention kernel alone
-    (outside it every block's tiled pass would still run), and it reproduces the captured logits bit for bit."""
-    from fcaudit.families.featuregate import controller
-
-    model = tiny("featuregate")
-    ctrl = controller(model)
-    assert ctrl.description.endswith(":fused_output")
-    passes = []
-    tile_pass = fg._tile_pass
-    monkeypatch.setattr(fg, "_tile_pass", lambda *a: passes.append(a[2] is None) or tile_pass(*a))
-    with torch.no_grad():
-        with ctrl.capture(*ids.shape) as found:
-            logits = model(ids)
-        assert passes == [True] * len(model.blocks)  # the gates' statistics only, never the output
-        with fg.fused_output():
-            assert torch.equal(model(ids), logits)
-        passes.clear()
-        with ctrl.replay(found):
-            replayed = model(ids)
-    assert passes == [] and torch.equal(replayed, logits)
-    with torch.no_grad():
-        model(ids)  # plain inference: one shared pass per block again
-    assert passes == [False] * len(model.blocks)
+@pytest.mark.parametrize("variant", ["uniform", "layerstatic", "featuregate"])
+def test_with_gates_of_one_every_variant_computes_denses_logits_bit_for_bit(variant, ids):
+    """With Dense's weights and every gate replaced by 1, a gated variant computes Dense's logits bit for bit, with and
+    without gradients: every variant's attention output comes from the same operation, in every mode."""
+    dense, gated = tiny("dense"), tiny(variant)
+    gated.load_state_dict(dense.state_dict(), strict=False)
+    for block in gated.blocks:
+        block.gate.forward = lambda h, *args: torch.ones(h.shape[:2])
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(gated(ids), dense(ids))
 
 
 # ---- features against direct computations -----------------------------------------------------------------------
@@ -162,13 +148,18 @@ def direct_attention(q, k):
     return P, Z
 
 
-@pytest.mark.parametrize("gate_features", [gate_features, reference_gate_features])
-def test_each_feature_equals_a_direct_computation(gate_features):
+def features_of(h, upd, q, k, pq=None, pk=None, features=gate_features) -> torch.Tensor:
+    return features(h, upd, Attention(q, k), None if pq is None else Attention(pq, pk))
+
+
+@pytest.mark.parametrize("features", ["tiled", "map"])
+def test_each_feature_equals_a_direct_computation(features):
     g = torch.Generator().manual_seed(0)
     B, H, T, D, d = 2, 3, 5, 4, 6
     q, k, pq, pk = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
     h, upd = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
-    feats = gate_features(h, upd, q, k, pq, pk).double()
+    features = gate_features if features == "tiled" else reference_gate_features
+    feats = features_of(h, upd, q, k, pq, pk, features=features).double()
     P, Z = direct_attention(q, k)
     Pp, _ = direct_attention(pq, pk)
     for b in range(B):
@@ -181,7 +172,7 @@ def test_each_feature_equals_a_direct_computation(gate_features):
             assert feats[b, t, 1].item() == pytest.approx(float(kl), abs=1e-5)
             assert feats[b, t, 2].item() == pytest.approx(Z[b, :, t].mean().item(), abs=1e-5)
             assert feats[b, t, 3].item() == pytest.approx(upd[b, t].double().norm().item() / (rel + 1e-6), rel=1e-5)
-    first = gate_features(h, upd, q, k, None, None)
+    first = features_of(h, upd, q, k, features=features)
     assert torch.all(first[..., 1] == 0)  # first layer: no previous attention, KL 0
     assert torch.allclose(first[..., [0, 2, 3]], feats[..., [0, 2, 3]].float())
     assert torch.all(feats[:, 0, 0] == 0) and (feats[..., 0] >= 0).all() and (feats[..., 0] <= 1 + 1e-6).all()
@@ -193,151 +184,39 @@ def test_features_are_detached_and_the_gate_sees_the_previous_blocks_attention(i
     for block in model.blocks:
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
     logits = model(ids)
-    assert seen[0][4] is None and seen[0][5] is None
-    for l in range(1, 3):  # block l receives block l-1's q and k, and every gate the same per-pass carry
-        q_prev, k_prev = seen[l - 1][2:4]
-        assert seen[l][4] is q_prev and seen[l][5] is k_prev
-        assert isinstance(seen[l][6], GateCarry) and seen[l][6] is seen[0][6]
-    q = seen[1][2].detach().requires_grad_()
-    feats = gate_features(seen[1][0], seen[1][1], q, seen[1][3], seen[1][4], seen[1][5])
+    assert seen[0][3] is None
+    for l in range(1, 3):  # block l's gate receives block l-1's attention, the one block l-1's gate read
+        assert seen[l][3] is seen[l - 1][2]
+    att, prev = seen[1][2:]
+    feats = gate_features(seen[1][0], seen[1][1], Attention(att.q.detach().requires_grad_(), att.k), prev)
     assert not feats.requires_grad  # the controller reads the block, gradients do not flow into it through features
     logits.sum().backward()
     assert model.blocks[0].gate.fc.weight.grad is not None
 
 
-def test_each_blocks_attention_is_computed_once_and_gates_do_not_depend_on_which_gates_ran(ids, monkeypatch):
-    import fcaudit.models.featuregate as fg
-
+def test_gates_do_not_depend_on_which_gates_ran(ids):
+    """The engine's replay replaces some gates' forwards: the others, and a gate called on its own with fresh
+    attention objects, get the same bits (each gate computes the previous block's lse where its gate did not)."""
     model = tiny("featuregate", n_layer=4)
     seen = []
     for block in model.blocks:
         block.gate.register_forward_hook(lambda m, args, out: seen.append(args))
-    passes, fused = [], []  # each pass over a block's scores: (its q, output made, statistics made)
-    monkeypatch.setattr(fg, "_tile_pass", lambda a, c, v, st, f=fg._tile_pass: passes.append((a.q, v is not None, st))
-                        or f(a, c, v, st))
-    monkeypatch.setattr(fg, "_fused_attention", lambda q, k, v, f=fg._fused_attention: fused.append(q) or f(q, k, v))
-    result = {}
-    for mode, grad in (("inference", False), ("training", True)):
+    for grad in (False, True):
         with torch.set_grad_enabled(grad):
-            seen.clear(), passes.clear(), fused.clear()
-            logits, gates = result[mode] = model(ids, return_gates=True)
-            assert [p[0] for p in passes] == [a[2] for a in seen]  # one pass per block and forward
-            if mode == "inference":  # the output and the gate's statistics from that one pass, no fused kernel
-                assert all(made and st for _, made, st in passes) and not fused
-            else:  # the fused kernel gives the output (for the backward) and the lse, the gate's pass the rest
-                assert not any(made for _, made, _ in passes) and len(fused) == 4
-            for replaced in ([0], [1], [0, 2], [1, 2]):  # gates replaced (as by the engine's replay): same bits
-                passes.clear(), fused.clear()
+            seen.clear()
+            logits, gates = model(ids, return_gates=True)
+            args = [(h, upd, att.q, att.k, prev) for h, upd, att, prev in seen]
+            for replaced in ([0], [1], [0, 2], [1, 2]):
                 for l in replaced:
-                    model.blocks[l].gate.forward = lambda *args, _g=gates[l], **kwargs: _g
+                    model.blocks[l].gate.forward = lambda *a, _g=gates[l]: _g
                 out, g = model(ids, return_gates=True)
                 for l in replaced:
                     del model.blocks[l].gate.forward
                 assert torch.equal(out, logits) and torch.equal(g, gates)
-                statistics = sum(st for _, _, st in passes)  # computed for the gates that run only
-                assert statistics == 4 - len(replaced) and len(passes) == (4 if mode == "inference" else statistics)
-        with torch.no_grad():  # a gate called without a carry computes what it needs itself
-            for l, block in enumerate(model.blocks):
-                alone = block.gate(*seen[l][:6])
-                if mode == "training":  # from the fused kernel's lse, as in the model: the same bits
-                    assert torch.equal(alone, gates[l])
-                else:  # the fused kernel's lse against the pass's own: within rounding
-                    assert (alone - gates[l]).abs().max() <= 1e-6
-    (li, gi), (lt, gt) = result["inference"], result["training"]
-    assert (gi - gt).abs().max() <= 1e-6 and (li - lt).abs().max() <= 1e-5
-    with torch.no_grad():
-        # where the output path does not give the lse (CUDA, autocast), each gate's pass computes it (within
-        # rounding of the fused kernel's), and a gate called on its own or after a replaced one gets the same bits
-        monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
-        seen.clear(), fused.clear(), passes.clear()
-        out, g = model(ids, return_gates=True)
-        assert not fused and len(passes) == 4 and not any(made for _, made, _ in passes)
-        assert (g - gt).abs().max() <= 1e-6 and (out - lt).abs().max() <= 1e-5
-        for l, block in enumerate(model.blocks):
-            assert torch.equal(block.gate(*seen[l][:6]), g[l])
-        model.blocks[1].gate.forward = lambda *args, _g=g[1], **kwargs: _g
-        assert torch.equal(model(ids, return_gates=True)[1], g)
-        del model.blocks[1].gate.forward
-    # the carry lives only in the forward pass: no module holds it or a map afterwards
-    assert not any(isinstance(v, GateCarry) for m in model.modules() for v in vars(m).values())
-
-
-@pytest.mark.parametrize("path", ["kernel", "torch ops"])
-def test_attend_is_attention_and_its_statistics_those_of_the_gates_own_pass(path, small_tiles, monkeypatch):
-    """`attend` (a FeatureGate block's output in inference): softmax(S) V within float32 rounding of
-    F.scaled_dot_product_attention, the lse within rounding of the fused kernel's, the same output bits with or
-    without statistics, and the statistics those of a gate's own pass computing the lse: the same bits on torch ops,
-    within float32 rounding from the C++ kernel (D = 4 is no head size of the kernel's: torch ops either way)."""
-    from fcaudit.models import kernel
-
-    if path == "kernel":
-        require_kernel()
-    else:
-        monkeypatch.setattr(kernel, "applies", lambda *t: False)
-    for B, H, T, D in [(2, 3, 37, 8), (1, 2, 50, 16), (1, 1, 1, 4), (2, 4, 70, 24)]:
-        h, upd, q, k, pq, pk = random_block(B, H, T, D, seed=T, scale=2.0)
-        g = torch.Generator().manual_seed(T + 1)
-        v = torch.randn(B, H, T, D, generator=g)
-        prev = fg.Attention(pq, pk)
-        fg.attend(prev, torch.randn(B, H, T, D, generator=g), None, False)
-        att = fg.Attention(q, k)
-        y = fg.attend(att, v, prev, True)
-        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
-        # float32 sums of T terms: over 300 random v the error stayed below sqrt(T) * eps * max|v| (0.66-0.99 of it)
-        atol = 2 * math.sqrt(T) * torch.finfo(torch.float32).eps * float(v.abs().max())
-        torch.testing.assert_close(y.double(), ref, atol=atol, rtol=2e-6)
-        torch.testing.assert_close(att.lse, fg._fused_attention(q, k, v)[1], atol=1e-6, rtol=1e-6)
-        bare = fg.Attention(q, k)
-        assert torch.equal(fg.attend(bare, v, prev, False), y) and bare.stats is None and torch.equal(bare.lse, att.lse)
-        assert fg.attention_stats(att, prev) is att.stats[1]  # what the gate reads: the pass's own
-        own = fg.Attention(q, k)  # the gate's own pass computing the lse: the same operations
-        own.lse = None
         with torch.no_grad():
-            fused = fg.fused_lse_applies
-            try:
-                fg.fused_lse_applies = lambda q: False
-                stats = fg.attention_stats(own, prev)
-            finally:
-                fg.fused_lse_applies = fused
-        # the kernel sums in another order: statistics made by cancellation (e.g. lse - q.PK) differ by float32
-        # rounding of their terms, whose size is the lse's (an AMD EPYC: 3.8e-6 on values near -6, terms near 17)
-        atol = 4 * torch.finfo(torch.float32).eps * float(att.lse.abs().max())
-        for a, b in zip(stats, att.stats[1]):
-            if path == "kernel" and D % 8 == 0:
-                torch.testing.assert_close(a, b, atol=atol, rtol=1e-6)
-            else:
-                assert torch.equal(a, b)
-
-
-def require_kernel():
-    """The C++ kernel's tests need a compiler; where there is one, the kernel must build."""
-    from fcaudit.models import kernel
-
-    if kernel.compiler() is None:
-        pytest.skip("no C++ compiler: FeatureGate runs on torch ops")
-    assert kernel.library() is not None
-
-
-def test_the_output_path_is_the_fused_kernel_of_scaled_dot_product_attention(ids):
-    """FeatureGate's attention calls the fused CPU kernel itself (for its lse); its output is the same bit for bit
-    as F.scaled_dot_product_attention's, so checkpoints keep their function exactly, training included."""
-    import fcaudit.models.featuregate as fg
-
-    for shape in [(2, 3, 37, 8), (8, 4, 128, 24), (1, 1, 1, 4)]:
-        qkv = torch.randn(shape[0], shape[2], 3 * shape[1] * shape[3], requires_grad=True)
-        q, k, v = qkv.view(shape[0], shape[2], 3, shape[1], shape[3]).permute(2, 0, 3, 1, 4)
-        assert fg.fused_lse_applies(q)
-        y, lse = fg._fused_attention(q, k, v)
-        assert torch.equal(y, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        s = (q.double() @ k.double().transpose(-1, -2) / shape[3] ** 0.5)
-        s = s.masked_fill(~torch.ones(shape[2], shape[2], dtype=torch.bool).tril(), float("-inf"))
-        torch.testing.assert_close(lse.double(), s.logsumexp(-1), atol=1e-6, rtol=1e-6)
-        (g1,) = torch.autograd.grad(y.square().sum(), qkv)
-        (g2,) = torch.autograd.grad(
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum(), qkv)
-        assert torch.equal(g1, g2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not fg.fused_lse_applies(q)  # autocast: F.scaled_dot_product_attention casts; the gate computes lse
+            for l, (h, upd, q, k, prev) in enumerate(args):
+                fresh = None if prev is None else Attention(prev.q, prev.k)
+                assert torch.equal(model.blocks[l].gate(h, upd, Attention(q, k), fresh), gates[l])
 
 
 @pytest.fixture
@@ -345,6 +224,28 @@ def small_tiles(monkeypatch):
     """Tiles of 8 query rows and few maps, so small shapes exercise several tiles, partial tiles and map chunks."""
     monkeypatch.setattr(fg, "TILE_ROWS_CPU", (8, 8))
     monkeypatch.setattr(fg, "TILE_ELEMENTS", {"cpu": 8 * 8 * 37})
+
+
+def reference_gate_features(h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
+    """The oracle: gate_features from the materialized float32 [B, H, T, T] maps. With X = S - max_s S and
+    log P = X - log_z: H = log_z - sum_s P X and KL = sum_s P (X - X') - log_z + log_z'."""
+
+    def causal(q, k):
+        T, Dh = q.shape[-2:]
+        s = (q.float() * Dh ** -0.5) @ k.float().transpose(-1, -2) + torch.full((T, T), fg.MASKED_SCORE).triu(1)
+        x = s - s.amax(-1, keepdim=True)
+        p = x.softmax(-1)
+        log_z = -p.amax(-1).log()
+        return x, p, log_z, s.amax(-1) + log_z
+
+    with torch.no_grad():
+        x, p, log_z, lse = causal(att.q, att.k)
+        entropy_h = log_z - (p * x).sum(-1)
+        kl_h = None
+        if prev is not None:
+            px, _, plog_z, _ = causal(prev.q, prev.k)
+            kl_h = -entropy_h - ((p * px).sum(-1) - plog_z)
+        return fg._finish(entropy_h, kl_h, lse, h, update)
 
 
 def random_block(B, H, T, D, seed=0, scale=1.0):
@@ -355,18 +256,16 @@ def random_block(B, H, T, D, seed=0, scale=1.0):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 5, 4), (2, 2, 8, 8), (3, 4, 37, 16), (2, 3, 50, 32)])
-@pytest.mark.parametrize("tiles", ["default", "small", "small, tiled lse"])
-def test_features_without_a_map_match_the_reference(shape, tiles, request, monkeypatch):
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_features_without_a_map_match_the_reference(shape, tiles, request):
     """T = 37 and 50 are no multiple of the small tile (8 rows), whose budget of 8*8*37 scores also splits the maps
-    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1). The lse comes from the fused
-    kernel, or from the tiled pass that replaces it where the output path gives none."""
+    unevenly: 8 per tile at T = 37 (B*H = 12: 8 + 4), 5 at T = 50 (B*H = 6: 5 + 1)."""
     if tiles != "default":
         request.getfixturevalue("small_tiles")
-    if tiles.endswith("tiled lse"):
-        monkeypatch.setattr(fg, "fused_lse_applies", lambda q: False)
     h, upd, q, k, pq, pk = random_block(*shape)
-    for prev in [(pq, pk), (None, None)]:  # a middle block and the first block (no previous attention)
-        new, ref = gate_features(h, upd, q, k, *prev), reference_gate_features(h, upd, q, k, *prev)
+    for prev in [(pq, pk), ()]:  # a middle block and the first block (no previous attention)
+        new = features_of(h, upd, q, k, *prev)
+        ref = features_of(h, upd, q, k, *prev, features=reference_gate_features)
         # KL of unrelated random maps is about 2; float32 gets it to about 1e-6 relative (both versions)
         torch.testing.assert_close(new, ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(new[..., [0, 2, 3]], ref[..., [0, 2, 3]], atol=1e-6, rtol=0)
@@ -392,7 +291,8 @@ def float64_features(h, upd, q, k, pq, pk) -> torch.Tensor:
 def test_features_of_bfloat16_queries_and_keys_match_the_reference():
     h, upd, *qk = random_block(2, 3, 20, 24)  # Dh = 24: the 1/sqrt(Dh) scale is not exact in bfloat16
     qk = [t.bfloat16() for t in qk]
-    torch.testing.assert_close(gate_features(h, upd, *qk), reference_gate_features(h, upd, *qk), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(features_of(h, upd, *qk), features_of(h, upd, *qk, features=reference_gate_features),
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_features_without_a_map_are_as_accurate_as_the_reference():
@@ -400,12 +300,12 @@ def test_features_without_a_map_are_as_accurate_as_the_reference():
     for scale in (1.0, 3.0):
         block = random_block(2, 4, 40, 16, seed=3, scale=scale)
         truth = float64_features(*block)
-        new = (gate_features(*block).double() - truth).abs().amax((0, 1))
-        ref = (reference_gate_features(*block).double() - truth).abs().amax((0, 1))
+        new = (features_of(*block).double() - truth).abs().amax((0, 1))
+        ref = (features_of(*block, features=reference_gate_features).double() - truth).abs().amax((0, 1))
         assert (new <= ref * 1.5 + 2e-7).all(), (scale, new, ref)
 
 
-def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles, monkeypatch):
+def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
@@ -420,10 +320,7 @@ def test_no_tile_of_scores_is_larger_than_the_budget(small_tiles, monkeypatch):
 
     h, upd, q, k, pq, pk = random_block(2, 3, 48, 8)
     with Largest():
-        fg.attention_stats(fg.Attention(q, k), fg.Attention(pq, pk))
-        with monkeypatch.context() as m:  # the tiled lse too (where the output path gives none)
-            m.setattr(fg, "fused_lse_applies", lambda q: False)
-            fg.Attention(q, k).lse_()
+        features_of(h, upd, q, k, pq, pk)
     assert Largest.numel <= fg.TILE_ELEMENTS["cpu"] < 2 * 3 * 48 * 48  # the [B, H, T, T] maps would hold 13824
 
 
@@ -444,9 +341,9 @@ def test_features_are_float32_under_autocast():
     q, k, pq, pk = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(4))
     h = torch.randn(1, 6, 8, generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        feats = gate_features(h, h, q, k, pq, pk)
+        feats = features_of(h, h, q, k, pq, pk)
     assert feats.dtype == torch.float32 and torch.isfinite(feats).all()
-    assert torch.allclose(feats, gate_features(h, h, q, k, pq, pk), atol=1e-6)
+    assert torch.allclose(feats, features_of(h, h, q, k, pq, pk), atol=1e-6)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
@@ -529,33 +426,6 @@ def test_paper_presets_have_the_papers_sizes():
     assert round(count("paper-76m") / 1e6, 1) == 75.9
     assert (PRESETS["paper-504m"].n_layer, PRESETS["paper-504m"].d_model, PRESETS["paper-504m"].n_head) == (40, 1024, 16)
     assert round(count("paper-504m") / 1e6) == 504
-
-
-def test_feature_finishing_gives_the_bits_of_its_first_form():
-    """_finish caches log(t + 1) and works in place; the features must keep their bits (audit records rely on it)."""
-
-    def first_form(entropy_h, kl_h, lse, h, update):
-        T = lse.size(-1)
-        visible = torch.arange(1, T + 1, dtype=torch.float32)
-        entropy = entropy_h.mean(1).clamp_min(0.0)
-        entropy = torch.where(visible > 1, entropy / visible.log().clamp_min(1e-12), torch.zeros_like(entropy))
-        kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
-        log_partition = (lse - visible.log()).mean(1)
-        update_norm = (torch.linalg.vector_norm(update.float(), dim=-1)
-                       / (torch.linalg.vector_norm(h.float(), dim=-1) + 1e-6))
-        return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
-
-    g = torch.Generator().manual_seed(0)
-    for B, H, T, d in [(2, 3, 1, 4), (2, 3, 17, 8), (1, 4, 128, 96)]:
-        entropy_h, kl_h, lse = (torch.randn(B, H, T, generator=g) for _ in range(3))
-        entropy_h[0, :, -1] = 0.0  # a one-hot row in every head
-        kl_h[:, :, 0] = -1e-7  # rounding noise below 0
-        h, update = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
-        for kl in (kl_h, None):
-            with torch.inference_mode():
-                fast = fg._finish(entropy_h, kl, lse, h, update)
-            assert torch.equal(fast, first_form(entropy_h, kl, lse, h, update))
-            assert torch.equal(fg._finish(entropy_h, kl, lse, h, update), fast)  # the cached log outside it too
 
 
 def test_a_model_loaded_in_bfloat16_audits_with_exact_replay(tmp_path):

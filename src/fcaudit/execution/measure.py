@@ -123,20 +123,15 @@ def flops(model: nn.Module, ids: torch.Tensor) -> float:
 
     Counts matmuls, convolutions and attention kernels (a multiply-add = 2 FLOPs); elementwise ops, norms and
     softmax are not counted, as in torch's counter. The FeatureGate controller's explicit attention recomputation
-    (q @ k^T for its features) is a matmul and is counted: it is the controller's extra work. FeatureGate is counted
-    with its output from the fused kernel (`featuregate.fused_output`), so that its attention is counted like Dense's;
-    in inference on the CPU its tiled pass (`attend`) shares q @ k^T between the output and the features and
-    executes less than that count.
+    (q @ k^T for its features) is a matmul and is counted: it is the controller's extra work.
     """
-    from fcaudit.models.featuregate import fused_output
-
     # FlopCounterMode's module tracker hooks autograd on module inputs that require grad (MUDDPythia passes its
     # dense_bs parameters into modules), which fails without a graph: freeze the parameters while counting.
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         for p, _ in flags:
             p.requires_grad_(False)
-        with fused_output(), FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
+        with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
             model(ids)
     finally:
         for p, flag in flags:

@@ -1,11 +1,7 @@
 """The FeatureGate family (paper §4.1): every variant of fcaudit.models.featuregate, trained from scratch here.
 
 Controller: the gate module of every block (`blocks.*.gate`) emits one scalar per token ("batch token"); the static
-profile is the layerwise LayerMean and the structure-removed reference the mass-matched GlobalMean. Audits run the
-model within `fused_output`: the attention output comes from torch's fused kernel, as in training, and the gate's
-features from their own pass. Plain inference on the CPU shares one pass between the two (`attend`), which would
-make every replay pay for the statistics of gates that no longer run (a replayed forward 1.30x Dense's, against
-1.00x with the fused output, demo preset, one thread).
+profile is the layerwise LayerMean and the structure-removed reference the mass-matched GlobalMean.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from fcaudit.controllers.site import Controller, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.models.checkpoint import MODEL_TYPE, load_featuregate, save_checkpoint
-from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, config_for, fused_output
+from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, config_for
 
 PATTERN = "blocks.*.gate"
 
@@ -30,7 +26,7 @@ def controller(model: nn.Module) -> Controller:
         raise FcauditError(f"model variant {variant!r} has no gate modules ({PATTERN}) to audit; "
                            "audit a gated variant (featuregate, uniform, layerstatic)")
     return Controller.from_modules(model, PATTERN, layout="batch token", static_name="LayerMean",
-                                   reference="global_mean", reference_name="GlobalMean", context=fused_output)
+                                   reference="global_mean", reference_name="GlobalMean")
 
 
 def label(model: FeatureGateGPT) -> str:

@@ -14,50 +14,28 @@ Variants (GPTConfig.variant), all executing every block:
     featuregate      a per-token controller (FeatureGate below) maps features of block l to g in (0, 1)
 
 Every gated variant's gate is the module `model.blocks[l].gate`; its forward returns g of shape [B, T] (constants
-are expanded), so an audit treats all variants alike: replacing that forward disables the controller, feature
-computation included, and leaves the output path (the residual stream and the attention, computed by the same
-operations whether or not the gate runs) untouched. Learned gates start at sigmoid(w) = 0.6.
+are expanded), so an audit treats all variants alike: replacing that forward disables the controller, features
+included. Learned gates start at sigmoid(w) = 0.6.
 
-The controller's features need statistics of the attention of this block and of the previous one, in float32, from
-the q, k that the model loop passes to it explicitly; no pass holds a [T, T] map. Where they come from:
-
-- In inference on the CPU in float32 (no gradient, no autocast), a FeatureGate block computes its attention output
-  itself, in one pass over tiles of scores (`attend`) that also gives the lse (logsumexp of the scores) and, when
-  the block's gate is going to run, the gate's statistics: the output P V and the statistics' P K' come from the
-  same P. The output equals F.scaled_dot_product_attention's within float32 rounding (tests/test_featuregate.py);
-  capture and replay compute it by the same operations, so the exact replay check holds bit for bit. That pass is
-  the C++ kernel of models/kernel.py (one loop per map, built on first use) where it takes the tensors, else torch
-  ops over tiles of scores (`_tile_pass`): the same formulas, the same values within float32 rounding.
-- With gradients (training) on the CPU in float32, the attention calls torch's fused kernel itself, which returns the
-  lse with the output (the same kernel and the same output bits as F.scaled_dot_product_attention), and the gate's
-  own pass knows the lse (log P = S - lse straight from the scores; attention_stats).
-- Elsewhere (CUDA, autocast) the output path is F.scaled_dot_product_attention and the gate's pass computes the lse.
-
-The model loop creates a fresh GateCarry in every FeatureGateGPT.forward and passes it to every gate as its last
-argument: each block leaves its lse (and statistics) there, the gate of block l reads block l-1's lse and flattened
-q, k from it (nothing is stored on modules, so nothing outlives the pass). The carry is keyed by the (q, k) tensors:
-where it does not hold what a gate needs (the gate is called on its own), the gate recomputes it from q, k, so a
-gate's features never depend on which other gates ran. The controller's extra cost is O(B H T^2 Dh) work per block:
-in inference on a CPU the product P K' and a sum over the scores beside the output's own, in the kernel's one loop
-(benchmarks/forward_speed.py measures the whole forward; reference_gate_features keeps the first, map-based version).
+Every variant computes its attention output by F.scaled_dot_product_attention, in training, evaluation, audits and
+timing alike, so a comparison of variants measures the gates and FeatureGate's controller is its only extra work.
+The controller's features need statistics of this block's and the previous block's attention; the gate computes
+them from their q, k by torch ops over tiles of query rows (never a [T, T] map). Each block hands its q, k to the
+next gate in an `Attention` made per forward pass, with the lse once its own gate has computed it.
 
 The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
 this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
 """
 
 import math
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Iterator, NamedTuple
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fcaudit.errors import FcauditError
-from fcaudit.models import kernel
 
 VARIANTS = ("dense", "uniform", "uniform-fixed", "uniform-matched", "layerstatic", "fixeddepth", "featuregate")
 GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.6)
@@ -131,39 +109,6 @@ def config_for(preset: str, variant: str, *, gate_value: float = 0.6, fixed_dept
     return cfg
 
 
-def fused_lse_applies(q: torch.Tensor) -> bool:
-    """Whether the output path's attention runs torch's fused CPU kernel directly and gets its lse with it: float32
-    CPU tensors outside autocast (there F.scaled_dot_product_attention dispatches to that same kernel, so the output
-    is the same bit for bit; tests/test_featuregate.py checks it)."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-
-
-def _fused_attention(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention and its lse [B, H, T] from torch's fused CPU kernel (flash attention for the CPU)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
-
-
-_ATTEND = [True]  # cleared by fused_output()
-
-
-def attend_applies(q: torch.Tensor) -> bool:
-    """Whether a FeatureGate block computes its attention output with its gate's statistics (`attend`): inference
-    (no gradient: the tiled pass keeps no activations for a backward) on the CPU in float32 outside autocast."""
-    return _ATTEND[0] and fused_lse_applies(q) and not torch.is_grad_enabled()
-
-
-@contextmanager
-def fused_output() -> Iterator[None]:
-    """Within it FeatureGate blocks take their output from the fused kernel in inference too. For FLOP counting
-    (execution.measure.flops): the counter counts a fused attention kernel over the full T x T square, but `attend`'s
-    matrix products over the causal tiles only, so Dense's and FeatureGate's counts would not compare."""
-    saved, _ATTEND[0] = _ATTEND[0], False
-    try:
-        yield
-    finally:
-        _ATTEND[0] = saved
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -171,23 +116,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, carry: "GateCarry | None" = None, prev: tuple | None = None,
-                stats: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The attention output [B, T, D], the per-head queries and keys [B, H, T, Dh] (for the gate) and, where the
-        fused CPU kernel or `attend` runs, the lse of its scores [B, H, T] (else None).
-
-        With a carry (a FeatureGate block) where `attend_applies`, the output comes from `attend`, which leaves the
-        lse and, with `stats`, the gate's statistics against the previous block's (q, k) `prev` in the carry."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention output [B, T, D] and the per-head queries and keys [B, H, T, Dh] (for the gate)."""
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
-        if carry is not None and attend_applies(q):
-            cross = None if prev is None or prev[0] is None else carry.attention(*prev)
-            att = carry.attention(q, k)
-            y, lse = attend(att, v, cross, stats), att.lse
-        elif fused_lse_applies(q):
-            y, lse = _fused_attention(q, k, v)
-        else:
-            y, lse = F.scaled_dot_product_attention(q, k, v, is_causal=True), None
-        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k, lse
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k
 
 
 class MLP(nn.Module):
@@ -202,72 +135,30 @@ class MLP(nn.Module):
 
 @dataclass(eq=False)
 class Attention:
-    """What the features need of one block's causal attention: its lse [B, H, T] and its float32 queries (times
-    1/sqrt(Dh)) and keys, flattened to [B*H, T, Dh] for the tiled products; each filled when first needed. `stats`:
-    the gate's AttentionStats from the block's own pass (`attend`), with the Attention they were crossed with."""
+    """One block's causal attention as the gates read it, made per forward pass: its queries and keys [B, H, T, Dh]
+    and, once a gate has computed it, the lse [B, H, T] (logsumexp of the causal scores), which the next gate reuses."""
 
     q: torch.Tensor
     k: torch.Tensor
     lse: torch.Tensor | None = None
-    flat: tuple[torch.Tensor, torch.Tensor] | None = None
-    stats: "tuple[Attention | None, AttentionStats] | None" = None
 
-    def lse_(self) -> torch.Tensor:
-        """The lse as a block's gate gets it: from the output path, else as attention_stats makes it."""
-        if self.lse is None:
-            attention_stats(self)
-        return self.lse
-
-    def flat_(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.flat is None:
-            B, H, T, Dh = self.q.shape
-            flat = lambda x, s=None: (x.float() if s is None else x.float() * s).reshape(B * H, T, Dh)  # noqa: E731
-            self.flat = flat(self.q, Dh ** -0.5), flat(self.k)
-        return self.flat
-
-
-@dataclass
-class GateCarry:
-    """What one forward pass hands on between blocks: the Attention of the last two blocks (each block's lse from
-    its output path where `attend` or the fused kernel gives it, its gate's statistics where `attend` made them, its
-    flattened q and k once made), keyed by that block's q and k, and the map the reference features keep (`stats`).
-
-    FeatureGateGPT.forward creates a fresh one per pass (never stored on a module). Keys are compared by identity,
-    so what is kept is only reused for exactly the tensors it was computed from.
-    """
-
-    seen: list[Attention] = field(default_factory=list)
-    q: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    stats: object = None
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor) -> Attention:
-        """The Attention of (q, k): the one kept, or a new one that is kept (with the previous block's)."""
-        for a in self.seen:
-            if a.q is q and a.k is k:
-                return a
-        self.seen = self.seen[-1:] + [Attention(q, k)]
-        return self.seen[-1]
-
-    def stats_of(self, q: torch.Tensor, k: torch.Tensor):
-        return self.stats if self.q is q and self.k is k else None
-
-    def keep(self, q: torch.Tensor, k: torch.Tensor, stats) -> None:
-        self.q, self.k, self.stats = q, k, stats
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 q / sqrt(Dh) and k, [B*H, T, Dh]: the operands of the tiled products."""
+        B, H, T, Dh = self.q.shape
+        return (self.q.float() * Dh ** -0.5).reshape(B * H, T, Dh), self.k.float().reshape(B * H, T, Dh)
 
 
 MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
 
-# Scores held at a time by attention_stats, in float32 elements: 2 MiB keeps a CPU tile in cache; on a GPU one tile
-# covers a paper-size block (fewer kernel launches).
+# Scores held at a time, in float32 elements: 2 MiB keeps a CPU tile in cache; on a GPU one tile covers a paper-size
+# block (fewer kernel launches).
 TILE_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 26}
-TILE_ROWS_CPU = (32, 64)  # query rows per CPU tile: a quarter of the window, within these bounds (see _tiling)
+TILE_ROWS_CPU = (32, 64)  # query rows per CPU tile: a quarter of the window, within these bounds
 
 
 def _tiling(n_maps: int, T: int, device: torch.device) -> tuple[int, int]:
-    """(query rows, maps) per tile; it depends only on shapes and device. Each CPU tile also computes the masked half
-    of its diagonal square in vain: a third of its work at T = 128 with 64 rows, a fifth with 32 (the demo model's
-    forward 2-12% faster in three interleaved runs), while at T = 512 fewer rows only add calls (32: 2% slower)."""
+    """(query rows, maps) per tile, from shapes and device only. Fewer rows on the CPU waste less of each tile's
+    masked diagonal square; more rows mean fewer calls."""
     low, high = TILE_ROWS_CPU
     rows = min(T, max(low, min(high, T // 4))) if device.type == "cpu" else T
     return rows, max(1, min(n_maps, TILE_ELEMENTS.get(device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
@@ -275,8 +166,7 @@ def _tiling(n_maps: int, T: int, device: torch.device) -> tuple[int, int]:
 
 def _score_tiles(q: torch.Tensor, k: torch.Tensor):
     """(maps, query rows, masked scores [maps, rows, keys]) over the tiles of flat (q, k) [N, T, Dh]: each tile's
-    keys end at its last row (causality) and future keys hold MASKED_SCORE, so only a cache-sized tile of scores
-    exists at a time, never the [N, T, T] map."""
+    keys end at its last row (causality) and future keys hold MASKED_SCORE."""
     N, T, _ = q.shape
     rows, maps = _tiling(N, T, q.device)
     future = torch.full((rows, rows), MASKED_SCORE, device=q.device).triu(1)
@@ -289,125 +179,41 @@ def _score_tiles(q: torch.Tensor, k: torch.Tensor):
             yield m, t, x
 
 
-class AttentionStats(NamedTuple):
-    """Per-head statistics of one block's causal attention P = softmax_{s <= t}(S), S = q k^T / sqrt(Dh), [B, H, T]."""
+def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = True):
+    """One pass over tiles of a block's scores S: its lse into att.lse and, with `stats`, the per-head entropy
+    -sum_s P log P and (with another block's `cross`) the cross score sum_s P S' = q'_t . (P K')_t, [B, H, T] each.
 
-    lse: torch.Tensor  # logsumexp_{s <= t} S[t, s]
-    entropy: torch.Tensor  # -sum_s P log P
-    cross_score: torch.Tensor | None  # sum_s P S' for the scores S' = q' k'^T / sqrt(Dh) of another block
-
-
-def attention_stats(att: Attention, cross: Attention | None = None) -> AttentionStats:
-    """The AttentionStats of a block's attention, with cross_score for another block's; float32 whatever the dtypes.
-
-    The ones its block's own pass left (`attend`), else one pass over tiles of scores (`_tile_pass`). With the lse
-    known, log P = S - lse comes straight from the scores, P = softmax(log P) (renormalizing changes P by rounding
-    only) and H = -sum_s P log P. The lse is known from the output path, or, where the fused kernel applies (a gate
-    called on its own), from that kernel without the values (the lse does not depend on them: the same bits as the
-    output path's). Else the pass computes it (see `_tile_pass`). Either way the entropy sum works with values of
-    the size of log P, so it does not cancel; sum_s P S' = q'_t . (P K')_t.
-    """
-    if att.stats is not None and att.stats[0] is cross:
-        return att.stats[1]
-    with torch.autocast(att.q.device.type, enabled=False):
-        if att.lse is None and fused_lse_applies(att.q):
-            att.lse = _fused_attention(att.q, att.k, att.k)[1]
-        _tile_pass(att, cross, None, True)
-    return att.stats[1]
-
-
-def attend(att: Attention, v: torch.Tensor, cross: Attention | None, stats: bool) -> torch.Tensor:
-    """Causal attention softmax(S) V [B, H, T, Dh] of one block from one pass over tiles of its scores, which also
-    leaves its lse in `att` and, with `stats`, its gate's AttentionStats (cross: the previous block's Attention).
-    The output comes from the same operations whether or not `stats` is asked (the exact replay relies on it)."""
-    return _tile_pass(att, cross, v, stats)
-
-
-def _tile_pass(att: Attention, cross: Attention | None, v: torch.Tensor | None, stats: bool) -> torch.Tensor | None:
-    """One pass over tiles of a block's scores (_score_tiles): P V [B, H, T, Dh] for values `v` (else None), the
-    lse into att.lse when unknown, and with `stats` the AttentionStats into att.stats.
-
-    With the lse unknown, each row is shifted by its maximum x = S - max first, log_z = -log max_s P comes from the
-    one fused softmax (max_s P >= 1 / (t + 1): the log never underflows), lse = max + log_z and H = log_z - sum_s P x.
-
-    With values (`attend`), where the C++ kernel takes the tensors (models/kernel.py: float32 CPU, a head size that
-    is a multiple of 8), the kernel makes all of it in one loop per map instead, with the same formulas and its own
-    lse. Its choice depends on q, k, v only, so the output has the same bits with or without statistics.
-    """
-    B, H, T, Dh = att.q.shape
-    if v is not None and kernel.applies(att.q, att.k, v):
-        return _kernel_pass(att, cross, v, stats)
-    v = None if v is None else v.reshape(B * H, T, Dh)
-    q, k = att.flat_()
-    known = att.lse is not None
-    lse = att.lse.reshape(B * H, T, 1) if known else q.new_empty(B * H, T, 1)
-    y = None if v is None else q.new_empty(B * H, T, Dh)
+    Each row is shifted by its maximum, x = S - max; log_z = -log max_s P comes from the one softmax (max_s P >=
+    1 / (t + 1), so the log never underflows), lse = max + log_z and H = log_z - sum_s P x: sums of terms of the size
+    of log P, which do not cancel. The lse has the same bits with or without `stats`."""
+    B, H, T, _ = att.q.shape
+    q, k = att.flat()
+    lse = q.new_empty(B * H, T, 1)
     entropy = q.new_empty(B * H, T) if stats else None
     cross_score = q.new_empty(B * H, T) if stats and cross is not None else None
     if cross_score is not None:
-        cq, ck = cross.flat_()
+        cq, ck = cross.flat()
     for m, t, x in _score_tiles(q, k):
-        if known:
-            p = x.sub_(lse[m, t]).softmax(-1)  # x = log P
-        else:
-            row_max = x.amax(-1, keepdim=True)
-            p = x.sub_(row_max).softmax(-1)  # x = log P + log_z
-            log_z = p.amax(-1, keepdim=True).log_().neg_()
-            lse[m, t] = row_max + log_z
-        if y is not None:
-            y[m, t] = torch.bmm(p, v[m, : t.stop])
+        row_max = x.amax(-1, keepdim=True)
+        p = x.sub_(row_max).softmax(-1)
+        log_z = p.amax(-1, keepdim=True).log_().neg_()
+        lse[m, t] = row_max + log_z
         if not stats:
             continue
-        if cross_score is not None:  # sum_s P S'[t, s] = q'_t . (P K')_t
+        if cross_score is not None:
             cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
-        px = x.mul_(p).sum(-1)
-        entropy[m, t] = px.neg_() if known else log_z.squeeze(-1) - px
-    if not known:
-        att.lse = lse.view(B, H, T)
-    if stats:
-        view = lambda x: None if x is None else x.view(B, H, T)  # noqa: E731
-        att.stats = (cross, AttentionStats(att.lse, view(entropy), view(cross_score)))
-    return None if y is None else y.view(B, H, T, Dh)
-
-
-def _kernel_pass(att: Attention, cross: Attention | None, v: torch.Tensor, stats: bool) -> torch.Tensor:
-    """_tile_pass's work by the C++ kernel (the other block's statistics by torch ops where the kernel does not take
-    its q, k: the output stays the kernel's)."""
-    crossed = stats and cross is not None and kernel.applies(cross.q, cross.k)
-    y, lse, entropy, cross_score = kernel.attend(att.q, att.k, v, stats and (cross is None or crossed),
-                                                 *((cross.q, cross.k) if crossed else ()))
-    if att.lse is None:
-        att.lse = lse
-    if entropy is not None:
-        att.stats = (cross, AttentionStats(att.lse, entropy, cross_score))
-    elif stats:
-        attention_stats(att, cross)
-    return y
-
-
-_LOG_VISIBLE: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _log_visible(T: int, device: torch.device) -> torch.Tensor:
-    """log(t + 1) for t < T (t + 1 keys are visible at position t), float32; kept once made per window length and
-    device (a plain tensor even when first asked within inference_mode, so training may use it too). Under a
-    dispatch mode (fake tensors of torch.compile's tracing, FLOP counters) made afresh and not kept: a kept tensor
-    must not mix with the mode's tensors, nor one of the mode's be kept."""
-    moded = _get_current_dispatch_mode() is not None
-    log = None if moded else _LOG_VISIBLE.get((T, device))
-    if log is None:
-        with torch.inference_mode(False), torch.no_grad():
-            log = torch.arange(1, T + 1, device=device, dtype=torch.float32).log_()
-        if not moded:
-            _LOG_VISIBLE[T, device] = log
-    return log
+        entropy[m, t] = log_z.squeeze(-1) - x.mul_(p).sum(-1)
+    att.lse = lse.view(B, H, T)
+    if not stats:
+        return None, None
+    return entropy.view(B, H, T), None if cross_score is None else cross_score.view(B, H, T)
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
-    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; shared with the reference.
-    Both are >= 0 by definition; clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row). The
-    entropy is 0 at t = 0 (one visible key); elsewhere divided by log(t + 1) >= log 2."""
-    log_visible = _log_visible(lse.size(-1), lse.device)
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]. Both are >= 0 by definition;
+    clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row). The entropy is 0 at t = 0 (one visible
+    key); elsewhere divided by log(t + 1) >= log 2."""
+    log_visible = torch.arange(1, lse.size(-1) + 1, device=lse.device, dtype=torch.float32).log_()
     entropy = entropy_h.mean(1).clamp_min_(0.0).div_(log_visible)  # [B, T]
     entropy[:, 0] = 0.0  # 0 / 0 there
     kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min_(0.0)
@@ -418,86 +224,31 @@ def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
-    """The four per-token features of block l, [B, T, 4], computed without gradient (detached).
+def gate_features(h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
+    """The four per-token features of block l, [B, T, 4], in float32 and without gradient.
 
-    With S[b, n, t, s] = q_t . k_s / sqrt(Dh) for s <= t and P_l[b, n, t, :] = softmax_{s <= t}(S) the causal
-    attention of head n in block l (recomputed here from the block's queries and keys; the output path uses the
-    fused kernel instead), and lse_t = logsumexp_{s <= t} S[t, s]:
+    With S[b, n, t, s] = q_t . k_s / sqrt(Dh) for s <= t, P_l[b, n, t, :] = softmax_{s <= t}(S) the causal attention
+    of head n in block l (`att`; `prev` is block l-1's, None in the first block) and lse_t = logsumexp_{s <= t} S:
 
     0. entropy       mean_n H(P_l[n, t]) / log(t + 1): head-averaged attention entropy normalized by the log of the
                      number of visible keys, in [0, 1]; 0 at t = 0 (one visible key, nothing to normalize).
-    1. kl            mean_n KL(P_l[n, t] || P_{l-1}[n, t]) = mean_n sum_{s <= t} P_l log(P_l / P_{l-1}): head-averaged
-                     KL divergence of this block's attention from the previous block's, at the same token and
-                     head index; 0 in the first block (prev_q is None).
+    1. kl            mean_n KL(P_l[n, t] || P_{l-1}[n, t]): head-averaged KL divergence of this block's attention
+                     from the previous block's, at the same token and head index; 0 in the first block.
     2. log_partition mean_n [lse_t - log(t + 1)]: the head-averaged log of the mean exponentiated score over the
                      visible keys (0 when all scores are 0).
     3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6): the block update's L2 norm relative to the residual stream's.
 
-    Computed in float32 by attention_stats, a pass over tiles of query rows that never holds a [T, T] map; with
-    log P_{l-1} = S' - lse_{l-1} (S' the previous block's scores),
-        KL = -H - sum_s P_l log P_{l-1} = -H - sum_s P_l S' + lse_{l-1},
-    and sum_s P_l S' comes from the same pass. Each lse comes from `carry` when the output path's fused kernel left
-    it there, else as attention_stats makes it; the previous block's flattened q and k too when its gate made them.
-    No gradient because the controller reads the block, it does not shape it: gradients reach the controller MLP
-    only, so gating cannot be learned by distorting attention or update norms.
+    With log P_{l-1} = S' - lse_{l-1}, KL = -H - sum_s P_l S' + lse_{l-1}, and sum_s P_l S' comes from this block's
+    pass (_tile_pass). Leaves att.lse for the next gate; computes prev.lse where its gate did not run. No gradient
+    because the controller reads the block, it does not shape it: gating cannot be learned by distorting attention.
     """
-    carry = carry if carry is not None else GateCarry()
-    prev = None if prev_q is None else carry.attention(prev_q, prev_k)
-    stats = attention_stats(carry.attention(q, k), prev)
-    kl_h = None if prev is None else -stats.entropy - (stats.cross_score - prev.lse_())
-    return _finish(stats.entropy, kl_h, stats.lse, h, update)
-
-
-# ---- reference: the features from the materialized [B, H, T, T] map ---------------------------------------------
-# The first implementation, kept as the oracle of tests/test_featuregate.py and the "before" of
-# benchmarks/forward_speed.py (swap it in with `featuregate.gate_features = featuregate.reference_gate_features`,
-# within `featuregate.fused_output()` for the output path it had then).
-
-@dataclass
-class AttentionMap:
-    """One block's causal attention in float32, as the reference features use it (see causal_attention)."""
-
-    shifted: torch.Tensor  # S - max_{s <= t} S on visible keys, about MASKED_SCORE on future keys, [B, H, T, T]
-    log_z: torch.Tensor  # log sum_{s <= t} exp(S - max S) = -log max_s P, in [0, log(t + 1)], [B, H, T]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor) -> tuple[AttentionMap, torch.Tensor, torch.Tensor]:
-    """The attention map of (q, k), its causal probabilities P [B, H, T, T] (0 on future keys) and
-    lse = logsumexp_{s <= t} S [B, H, T], in float32 whatever the autocast context."""
-    B, H, T, Dh = q.shape
-    future = torch.full((T, T), MASKED_SCORE, device=q.device).triu(1)
-    with torch.autocast(q.device.type, enabled=False):
-        q, k = (q.float() * Dh ** -0.5).reshape(B * H, T, Dh), k.float().reshape(B * H, T, Dh)
-        shifted = torch.baddbmm(future, q, k.transpose(1, 2)).view(B, H, T, T)  # S + mask in one kernel
-    row_max = shifted.amax(-1, keepdim=True)
-    shifted.sub_(row_max)
-    p = shifted.softmax(-1)
-    log_z = p.amax(-1).log().neg_()
-    return AttentionMap(shifted, log_z), p, row_max.squeeze(-1) + log_z
-
-
-def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_s a[..., s] b[..., s] as a batched matrix product: no [B, H, T, T] product tensor is materialised."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).flatten(-3)
-
-
-@torch.no_grad()
-def reference_gate_features(h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
-    """gate_features from the full float32 maps: with X = S - max_s S and log P = X - log_z,
-    H = log_z - sum_s P X and KL = sum_s P (X - X') - log_z + log_z'; O(B H T^2) memory per block."""
-    with torch.autocast(q.device.type, enabled=False):
-        att, p, lse = causal_attention(q, k)
-        if prev_q is not None:
-            prev = carry.stats_of(prev_q, prev_k) if carry is not None else None
-            if not isinstance(prev, AttentionMap):
-                prev, _, _ = causal_attention(prev_q, prev_k)
-            cross = row_dot(p, prev.shifted) - prev.log_z  # sum_s P_l log P_{l-1}, [B, H, T]
-        if carry is not None:
-            carry.keep(q, k, att)
-        entropy_h = att.log_z - row_dot(p, att.shifted)
-        kl_h = None if prev_q is None else -entropy_h - cross
-        return _finish(entropy_h, kl_h, lse, h, update)
+    with torch.autocast(att.q.device.type, enabled=False):
+        entropy_h, cross_score = _tile_pass(att, prev)
+        if prev is None:
+            return _finish(entropy_h, None, att.lse, h, update)
+        if prev.lse is None:
+            _tile_pass(prev, stats=False)
+        return _finish(entropy_h, -entropy_h - (cross_score - prev.lse), att.lse, h, update)
 
 
 class FeatureGate(nn.Module):
@@ -509,8 +260,8 @@ class FeatureGate(nn.Module):
         self.out = nn.Linear(cfg.gate_hidden, 1)
         nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
 
-    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
-        feats = gate_features(h, update, q, k, prev_q, prev_k, carry)  # float32 by definition
+    def forward(self, h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
+        feats = gate_features(h, update, att, prev)  # float32 by definition
         feats = feats.to(self.fc.weight.dtype)  # a model loaded in bf16: its MLP computes in bf16 (float32: no-op)
         return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
 
@@ -522,7 +273,7 @@ class ScalarGate(nn.Module):
         super().__init__()
         self.logit = logit
 
-    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
+    def forward(self, h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
         return torch.sigmoid(self.logit).expand(h.shape[:2]).contiguous()  # a real [B, T] tensor, like the others
 
 
@@ -533,7 +284,7 @@ class ConstantGate(nn.Module):
         super().__init__()
         self.value = value
 
-    def forward(self, h, update, q, k, prev_q, prev_k, carry: GateCarry | None = None) -> torch.Tensor:
+    def forward(self, h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
         return h.new_full(h.shape[:2], self.value)
 
     def extra_repr(self) -> str:
@@ -549,23 +300,15 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.gate = gate
 
-    def forward(self, h, prev_q, prev_k, carry: GateCarry):
-        """Returns the new residual stream, this block's gate [B, T] (None if ungated), and its q, k.
-
-        The gate gets the carry positionally, so any replacement forward that accepts *args keeps working.
-        """
-        feature_gate = isinstance(self.gate, FeatureGate)
-        # its statistics are worth computing with the output only if the gate's own forward is going to run (a
-        # replay replaces it, as Controller.replay does); the output is the same either way
-        runs = feature_gate and getattr(self.gate.forward, "__func__", None) is FeatureGate.forward
-        a, q, k, lse = self.attn(self.ln1(h), carry if feature_gate else None, (prev_q, prev_k), runs)
+    def forward(self, h: torch.Tensor, prev: Attention | None) -> tuple[torch.Tensor, torch.Tensor | None, Attention]:
+        """The new residual stream, this block's gate [B, T] (None if ungated) and its Attention (for the next gate)."""
+        a, q, k = self.attn(self.ln1(h))
+        att = Attention(q, k)
         update = a + self.mlp(self.ln2(h + a))
         if self.gate is None:
-            return h + update, None, q, k
-        if lse is not None:  # for this block's gate and the next one's, whether or not this gate runs
-            carry.attention(q, k).lse = lse.detach()
-        g = self.gate(h, update, q, k, prev_q, prev_k, carry)
-        return h + g.unsqueeze(-1).to(update.dtype) * update, g, q, k
+            return h + update, None, att
+        g = self.gate(h, update, att, prev)
+        return h + g.unsqueeze(-1).to(update.dtype) * update, g, att
 
 
 class FeatureGateGPT(nn.Module):
@@ -613,11 +356,9 @@ class FeatureGateGPT(nn.Module):
         if T > self.config.block_size:
             raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
         h = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
-        prev_q = prev_k = None
-        carry = GateCarry()  # per pass: each block's attention map is computed once and handed to the next gate
-        gates = []
+        prev, gates = None, []
         for block in self.blocks:
-            h, g, prev_q, prev_k = block(h, prev_q, prev_k, carry)
+            h, g, prev = block(h, prev)
             gates.append(g)
         logits = self.lm_head(self.ln_f(h))
         if not return_gates:
