@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import fcaudit.data as data
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import load_model
+from fcaudit.families import load_model
 from fcaudit.train import TrainConfig, lr_at, train
 
 FAST = dict(preset="tiny", steps=24, batch_size=4, window=32, eval_interval=8, eval_windows=4, test_windows=8,

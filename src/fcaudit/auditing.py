@@ -81,10 +81,9 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
     """(model, controller, eval windows, calibration windows, model info) of a checkpoint on a corpus; bad counts or
     a bad --out fail before anything is loaded."""
     from fcaudit import data, families
+    from fcaudit.families import controller_for, load_model
     from fcaudit.audit.directory import AuditDir
-    from fcaudit.controllers import controller_for
     from fcaudit.hub import resolve
-    from fcaudit.models.checkpoint import load_model
 
     if n_eval < 2:
         raise FcauditError(f"--eval {n_eval}: CrossInput needs a derangement of at least 2 evaluation windows")
