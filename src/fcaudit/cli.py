@@ -12,15 +12,9 @@ import sys
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import pandas as pd
 import typer
-from rich.console import Console
 
 from fcaudit.errors import FcauditError
-from fcaudit.execution import ExecutionConfig, measure_execution
-from fcaudit.execution.display import conditions_table, execution_table, noisy_note, thresholding_table
-from fcaudit.train import TrainConfig
-from fcaudit.train import train as run_train
 
 # Plain help (no rich panels): it wraps long option lists instead of cutting them at 80 columns, and shows each
 # option's value as a metavar (flags show none).
@@ -100,6 +94,8 @@ def train(
 
     Writes a checkpoint and metrics.json (Byte-PPL and gate mass on the test split); rerun to resume.
     """
+    from fcaudit.train import TrainConfig, train as run_train
+
     overrides = {k: v for k, v in dict(steps=steps, batch_size=batch_size, lr=lr, gate_value=gate_value,
                                        fixed_depth=depth,
                                        matched_to=str(matched_to) if matched_to else None).items() if v is not None}
@@ -195,6 +191,12 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     Latencies of all models are measured round-robin (median and IQR over repetitions); --threshold adds
     post-training gate thresholding.
     """
+    import pandas as pd
+    from rich.console import Console
+
+    from fcaudit.execution import ExecutionConfig, measure_execution
+    from fcaudit.execution.display import conditions_table, execution_table, noisy_note, thresholding_table
+
     table = measure_execution(ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window,
                                               device=device, min_run_time=min_run_time, thresholds=thresholds,
                                               corpus=corpus, threshold_windows=threshold_windows, threads=threads))
