@@ -72,7 +72,7 @@ def child(args) -> None:
     import torch
 
     from fcaudit.audit import audit, group_from_env
-    from fcaudit.controllers import controller_for
+    from fcaudit.families import controller_for
     from fcaudit.models.featuregate import FeatureGateGPT, config_for
     import fcaudit.stats.inference  # noqa: F401  (scipy's import time is per process, not per audit)
 

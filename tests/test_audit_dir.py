@@ -24,7 +24,7 @@ from fcaudit.cli import app
 from fcaudit.controllers import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
-from fcaudit.models.checkpoint import load_model
+from fcaudit.families import load_model
 from fcaudit.summary import summarize
 
 sys.path.insert(0, str(Path(__file__).parent))

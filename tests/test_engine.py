@@ -20,7 +20,8 @@ from fcaudit import protocol
 from fcaudit.audit import CoefficientStore, audit, plan
 from fcaudit.audit import store as store_module
 from fcaudit.audit.runner import SITE_CHECK_PASSES
-from fcaudit.controllers import Controller, Layout, controller_for, registered
+from fcaudit.controllers import Controller, Layout
+from fcaudit.families import Family, controller_for, registered
 from fcaudit.controllers.site import memory_order
 from fcaudit.errors import FcauditError
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
@@ -265,8 +266,8 @@ def test_replay_disables_controller_and_restores_model():
 def test_controller_for_registry_and_featuregate():
     with pytest.raises(FcauditError, match="Controller.from_modules"):
         controller_for(ToyMoE())
-    with registered(lambda m: isinstance(m, ToyMoE),
-                    lambda m: Controller.from_modules(m, "layers.*.router", "(batch token) expert")):
+    with registered(Family("toy-moe", matches=lambda m: isinstance(m, ToyMoE),
+                           controller=lambda m: Controller.from_modules(m, "layers.*.router", "(batch token) expert"))):
         assert [s.path for s in controller_for(ToyMoE()).sites] == ["layers.0.router", "layers.1.router"]
     with pytest.raises(FcauditError, match="Controller.from_modules"):  # the registration did not leak
         controller_for(ToyMoE())

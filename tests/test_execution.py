@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.controllers import controller_for
+from fcaudit.families import controller_for
 from fcaudit.errors import FcauditError
-from fcaudit.execution import block_pattern, executed_blocks, flops, latency, measure_execution, thresholding
+from fcaudit.execution import (ExecutionConfig, Timing, block_pattern, executed_blocks, flops, latency, measure_execution,
+                               thresholding)
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import save_checkpoint
 from fcaudit.models.featuregate import VARIANTS, FeatureGateGPT, GPTConfig
@@ -114,7 +115,7 @@ def test_featuregate_flops_exceed_dense_and_constant_gates_add_none(ids):
 # ---- latency ------------------------------------------------------------------------------------------------------
 
 def test_latency_returns_positive_finite_numbers():
-    lat = latency(tiny("featuregate"), batch_size=2, window=8, min_run_time=0.02, warmup=1)
+    lat = latency(tiny("featuregate"), batch_size=2, window=8, timing=Timing(min_run_time=0.02, warmup=1))
     assert lat.ms_per_batch > 0 and math.isfinite(lat.ms_per_batch)
     assert lat.tokens_per_s > 0 and math.isfinite(lat.tokens_per_s)
     assert lat.tokens_per_s == pytest.approx(2 * 8 / (lat.ms_per_batch / 1e3))
@@ -185,8 +186,9 @@ def test_measure_execution_writes_the_table_with_ratios_to_dense(checkpoints, tm
     dirs, corpus = checkpoints
     out = tmp_path / "exec"
     threads = torch.get_num_threads()
-    df = measure_execution(dirs, out, batch_size=2, min_run_time=0.02, thresholds=[0.0, 1.0], corpus=str(corpus),
-                           threshold_windows=4, threads=1, progress=False).set_index("model")
+    df = measure_execution(ExecutionConfig(dirs, out, batch_size=2, min_run_time=0.02, thresholds=[0.0, 1.0],
+                                           corpus=str(corpus), threshold_windows=4, threads=1, progress=False)
+                           ).set_index("model")
     assert torch.get_num_threads() == threads and (df["threads"] == 1).all()
 
     assert list(df.index) == ["dense", "featuregate", "fixeddepth-2"]
@@ -206,18 +208,18 @@ def test_measure_execution_writes_the_table_with_ratios_to_dense(checkpoints, tm
     assert sweep["frac_below"].tolist() == [0.0, 1.0] and sweep["windows"].tolist() == [4, 4]
     assert not list(out.glob(".*.tmp"))
 
-    measure_execution(dirs[:1], out, batch_size=2, min_run_time=0.01, progress=False)  # rerun without a sweep
+    measure_execution(ExecutionConfig(dirs[:1], out, batch_size=2, min_run_time=0.01, progress=False))  # no sweep
     assert len(pd.read_csv(out / "execution.csv")) == 1 and not (out / "thresholding.csv").exists()
 
 
 def test_measure_execution_rejects_bad_input(checkpoints, tmp_path):
     dirs, _ = checkpoints
     with pytest.raises(FcauditError, match="no checkpoints"):
-        measure_execution([], tmp_path / "x")
+        ExecutionConfig([], tmp_path / "x")
     with pytest.raises(FcauditError, match="exceeds the block_size"):
-        measure_execution(dirs, tmp_path / "x", window=32, progress=False)
+        measure_execution(ExecutionConfig(dirs, tmp_path / "x", window=32, progress=False))
     with pytest.raises(FcauditError, match="no checkpoint directory"):
-        measure_execution([tmp_path / "missing"], tmp_path / "x", progress=False)
+        measure_execution(ExecutionConfig([tmp_path / "missing"], tmp_path / "x", progress=False))
     assert not (tmp_path / "x" / "execution.csv").exists()
 
 
@@ -236,7 +238,8 @@ def test_checkpoints_of_one_label_are_told_apart_and_a_model_without_gates_says_
     dirs, corpus = checkpoints
     seed1 = tmp_path / "fg-s1"
     save_checkpoint(seed1, tiny("featuregate", seed=1), {"variant": "featuregate", "seed": 1})
-    df = measure_execution([dirs[0], dirs[1], seed1], tmp_path / "exec", batch_size=2, min_run_time=0.01,
-                           thresholds=[0.5], corpus=str(corpus), threshold_windows=2, threads=1)
+    df = measure_execution(ExecutionConfig([dirs[0], dirs[1], seed1], tmp_path / "exec", batch_size=2,
+                                           min_run_time=0.01, thresholds=[0.5], corpus=str(corpus),
+                                           threshold_windows=2, threads=1))
     assert df["model"].tolist() == ["dense", "featuregate (fg)", "featuregate (fg-s1)"]
     assert "thresholding: dense has no scalar gates to threshold; skipped" in capsys.readouterr().err

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import load_model, load_weights, save_checkpoint, save_weights
+from fcaudit.families import load_model
+from fcaudit.models.checkpoint import load_weights, save_checkpoint, save_weights
 import fcaudit.models.featuregate as fg
 from fcaudit.models.featuregate import PRESETS, VARIANTS, Attention, FeatureGateGPT, GPTConfig, config_for, gate_features
 

@@ -672,3 +672,34 @@ def test_a_site_remembers_its_outputs_precision_which_the_store_may_widen():
     ctrl = controller_of(moe_adapter(model))
     coeffs = capture(model, ctrl, ids_for()).coefficients
     assert coeffs[0].dtype == torch.float32 and ctrl.sites[0].dtype == torch.bfloat16
+
+
+def test_execution_under_static_conditions_replays_the_audits_profiles(tmp_path):
+    """`fcaudit execution`'s static conditions replay the profiles the audit computes (one computation, bit for bit),
+    and only StaticTopK keeps a static routing sparse: k experts per token where StaticMixMean runs every expert."""
+    import fcaudit as fca
+    from safetensors.torch import load_file
+
+    from fcaudit import families
+    from fcaudit.execution.conditions import condition_execution, static_coefficients
+    from fcaudit.execution.latency import Timing, random_ids
+
+    model = tiny_moe("mixtral")
+    ctrl = fca.controller_for(model)
+    calib = _windows(4, seed=1)
+    fca.audit(model, ctrl, _windows(6), calib, randomizations=1, out=tmp_path / "audit", batch_size=2, quiet=True)
+    profiles = load_file(str(tmp_path / "audit" / "profiles.safetensors"))
+    statics = static_coefficients(model, ctrl, calib, batch=3, batch_size=2)
+    assert list(statics) == ["LayerPositionMean", "StaticProfile", "StaticTopK", "StructureRemoved"]
+    for name, coeffs in statics.items():
+        for l, c in enumerate(coeffs):
+            p = profiles[f"{name}.{l}"].to(c.dtype)
+            assert c.shape[0] == 3 and torch.equal(c[0], p if p.dim() == 3 else p.expand(c.shape[1], -1, -1))
+
+    ids = random_ids(model, 2, 12, torch.device("cpu"))
+    df = condition_execution(model, families.for_model(model), calib, ids,
+                             Timing(min_run_time=1e-3, repetitions=2, warmup=0)).set_index("condition")
+    assert list(df.index) == ["Correct", *statics]
+    assert df.loc["Correct", "experts_per_token"] == df.loc["StaticTopK", "experts_per_token"] == 2
+    assert df.loc["StaticProfile", "experts_per_token"] == 4 and df.loc["StaticProfile", "active_expert_fraction"] == 1
+    assert df.loc["Correct", "latency_vs_correct"] == 1 and (df["latency_ms"] > 0).all()

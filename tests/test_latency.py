@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from fcaudit.execution.measure import Latency, latencies
+from fcaudit.execution.latency import Latency, Timing, latencies
 
 
 class Recorder(nn.Module):
@@ -21,8 +21,8 @@ class Recorder(nn.Module):
 
 def test_models_are_timed_round_robin():
     log: list = []
-    lats = latencies([Recorder("a", log), Recorder("b", log)], batch_size=1, window=4, min_run_time=1e-9,
-                     repetitions=3, warmup=0)
+    lats = latencies([Recorder("a", log), Recorder("b", log)], batch_size=1, window=4,
+                     timing=Timing(min_run_time=1e-9, repetitions=3, warmup=0))
     # calibration (one call each), then repetition r of every model before repetition r + 1 of any
     assert log == ["a", "b"] + ["a", "b"] * 3
     assert [l.measurements for l in lats] == [3, 3] and all(l.forwards == 1 for l in lats)

@@ -322,7 +322,7 @@ def test_replacing_the_controller_forward_is_bit_exact(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adapter_capture_and_replay_through_the_engine(dtype):
-    from fcaudit.controllers import controller_for
+    from fcaudit.families import controller_for
 
     model = tiny_model(dtype)
     ctrl = controller_for(model)
@@ -342,7 +342,7 @@ def test_adapter_capture_and_replay_through_the_engine(dtype):
 
 def test_mudd_profiles_and_token_shuffle_on_ragged_coefficients():
     from fcaudit import protocol
-    from fcaudit.controllers import controller_for
+    from fcaudit.families import controller_for
     from fcaudit.protocol import shuffle_tokens
 
     model = tiny_model()
@@ -443,7 +443,7 @@ def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
     from safetensors.torch import load_file
 
     from fcaudit.audit import AuditResult, audit
-    from fcaudit.controllers import controller_for
+    from fcaudit.families import controller_for
 
     model = tiny_model(dtype)
     ev, ca = ids(4, 16, seed=10), ids(4, 16, seed=11)
@@ -500,7 +500,7 @@ def test_fast_mix_agrees_with_the_published_order_on_1p4b_shaped_layers(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_mix_logits_agree_and_its_audit_replays_exactly(tmp_path, dtype):
     from fcaudit.audit import audit
-    from fcaudit.controllers import controller_for
+    from fcaudit.families import controller_for
 
     model = tiny_model(dtype)
     x = ids()

@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import fcaudit.data as data
+from fcaudit import families
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import load_model
-from fcaudit.train import TrainConfig, lr_at, train
+from fcaudit.families import load_model
+from fcaudit.train import TrainConfig, lr_at, make_optimizer, train
 
 FAST = dict(preset="tiny", steps=24, batch_size=4, window=32, eval_interval=8, eval_windows=4, test_windows=8,
             progress=False)
@@ -112,7 +113,11 @@ def test_uniform_matched_takes_the_measured_gate_mass(tmp_path, corpus):
                                        (dict(device="tpu"), "unknown device"), (dict(steps=0), "--steps 0"),
                                        (dict(lr=-1.0), "--lr -1.0"), (dict(lr=float("inf")), "--lr inf"),
                                        (dict(model="fixeddepth"), "--depth K"),
-                                       (dict(model="uniform-matched"), "--matched-to")])
+                                       (dict(model="uniform-matched"), "--matched-to"),
+                                       (dict(model="mudd", preset="paper-76m"), "unknown preset 'paper-76m' for mudd"),
+                                       (dict(model="mudd", fixed_depth=2), "--depth is not an option of --model mudd"),
+                                       (dict(model="dense", fixed_depth=2), "--depth is for --model fixeddepth"),
+                                       (dict(model="featuregate", matched_to="x"), "--matched-to is for")])
 def test_bad_config_is_refused_with_one_line(kw, match):
     with pytest.raises(FcauditError, match=match) as e:
         TrainConfig(**kw)
@@ -176,3 +181,16 @@ def test_a_run_logged_to_a_file_prints_a_line_per_validation(tmp_path, corpus, c
           corpus=corpus)
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train dense s0: step")]
     assert [l.split(" loss")[0] for l in lines] == ["train dense s0: step 8/16", "train dense s0: step 16/16"]
+
+
+def test_weight_decay_skips_vectors_and_what_the_family_keeps_from_it():
+    """MUDD's static mix dense_bs (a matrix per layer) starts as "take the latest hidden state": no decay pulls it."""
+    cfg = TrainConfig(model="mudd", preset="tiny")
+    model = families.for_training("mudd").build(cfg)
+    decay, no_decay = make_optimizer(model, cfg, torch.device("cpu")).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept = [names[id(p)] for p in no_decay["params"]]
+    assert decay["weight_decay"] == cfg.weight_decay and no_decay["weight_decay"] == 0.0
+    assert all(n.startswith("dense_bs") or p.dim() < 2 for n, p in model.named_parameters() if n in kept)
+    assert any(n.startswith("dense_bs") and p.dim() == 2 for n, p in model.named_parameters() if n in kept)
+    assert not any(names[id(p)].startswith("dense_bs") for p in decay["params"])

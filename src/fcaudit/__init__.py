@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 # imported on first use so that `import fcaudit` (and the CLI's --help) stays cheap.
 _LAZY = {
     "load": "fcaudit.api", "windows": "fcaudit.api",
-    "Controller": "fcaudit.controllers", "controller_for": "fcaudit.controllers", "register": "fcaudit.controllers",
-    "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
+    "Controller": "fcaudit.controllers", "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
+    "controller_for": "fcaudit.families", "register": "fcaudit.families", "Family": "fcaudit.families",
     "AuditResult": "fcaudit.audit", "plan": "fcaudit.audit",
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol",
     "build_report": "fcaudit.report.render",

@@ -24,7 +24,7 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
     """
     from fcaudit.device import as_dtype, resolve_device
     from fcaudit.hub import resolve
-    from fcaudit.models.checkpoint import load_model
+    from fcaudit.families import load_model
 
     path = resolve(path_or_id, revision)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}

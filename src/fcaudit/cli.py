@@ -196,12 +196,12 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     import pandas as pd
     from rich.console import Console
 
-    from fcaudit.execution import measure_execution
+    from fcaudit.execution import ExecutionConfig, measure_execution
     from fcaudit.execution.display import conditions_table, execution_table, noisy_note, thresholding_table
 
-    table = measure_execution(checkpoints, out, batch_size=batch_size, window=window, device=device,
-                              thresholds=thresholds, corpus=corpus, threshold_windows=threshold_windows,
-                              min_run_time=min_run_time, threads=threads)
+    table = measure_execution(ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window,
+                                              device=device, min_run_time=min_run_time, thresholds=thresholds,
+                                              corpus=corpus, threshold_windows=threshold_windows, threads=threads))
     console = Console(highlight=False)
     console.print(execution_table(table))
     if note := noisy_note(table):

@@ -19,8 +19,16 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fcaudit.audit.runner import audit_checkpoint
+from fcaudit.config import AuditConfig
+from fcaudit.data import load_corpus
 from fcaudit.errors import FcauditError
+from fcaudit.execution import ExecutionConfig, measure_execution
 from fcaudit.io import prepare_out, read_json, write_json, write_text
+from fcaudit.report.render import build_report
+from fcaudit.report.tables import to_markdown, training_display, training_table
+from fcaudit.summary import summarize
+from fcaudit.train import TrainConfig, train
 
 console = Console(stderr=True)
 
@@ -68,15 +76,6 @@ def _check_out(out: Path, plan: DemoPlan) -> None:
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
-    from fcaudit.audit.runner import audit_checkpoint
-    from fcaudit.config import AuditConfig
-    from fcaudit.data import load_corpus
-    from fcaudit.execution import measure_execution
-    from fcaudit.report.render import build_report
-    from fcaudit.report.tables import to_markdown, training_display, training_table
-    from fcaudit.summary import summarize
-    from fcaudit.train import TrainConfig, train
-
     plan = QUICK if quick else FULL
     out = prepare_out(out, "demo", alone=True)
     _check_out(out, plan)
@@ -124,8 +123,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     inputs = [out / "train", out / "summary", *audits]
     ckpts = [out / "train" / f"{m}-s0"
              for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe")]
-    measure_execution(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
-                      thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False)
+    measure_execution(ExecutionConfig(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
+                                      thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False))
     inputs.append(out / "execution")
     report = build_report(inputs, out / "report")
     console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")

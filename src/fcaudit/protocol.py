@@ -23,7 +23,7 @@ import math
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -147,6 +147,27 @@ class Calibration:
 
     def layer_mean(self) -> list[torch.Tensor]:
         return [p.mean(0) for p in self.layer_position_mean()]  # [stream, source]
+
+
+def batch_sums(coeffs: Coeffs) -> list[torch.Tensor]:
+    """One calibration batch's part of the sums: per layer, the float64 sum over its windows, on the CPU."""
+    return [c.detach().to("cpu", torch.float64).sum(0) for c in coeffs]
+
+
+def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]], ctrl: Controllers,
+                    names: Sequence[str] | None = None) -> dict[str, list[torch.Tensor]]:
+    """Each static condition's profile (of `names`, default: those that apply to the controller) from the
+    calibration batches' (batch_sums, window count), added in batch order: equal bit for bit however the batches
+    were spread over processes."""
+    sums, count = None, 0
+    for part, n in parts:
+        sums = list(part) if sums is None else [s + p for s, p in zip(sums, part)]
+        count += n
+    if sums is None:
+        raise FcauditError("no calibration windows: pass at least one calibration window")
+    cal = Calibration(sums, count, ctrl.top_k)
+    chosen = for_controller(ctrl) if names is None else names
+    return {c.name: c.profile(cal, ctrl) for c in conditions(chosen, kind="static")}
 
 
 def global_mean(cal: Calibration) -> list[torch.Tensor]:

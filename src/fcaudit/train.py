@@ -6,7 +6,7 @@ A run directory holds everything about one run:
     ckpt/step-NNNNNN/        the latest training state: model.safetensors, optimizer.safetensors, rng.safetensors,
                              state.json (step, numpy RNG state, validation history) -- safetensors + JSON, no pickle
     latest.json              atomic pointer to that state; rerunning the same command resumes from it
-    config.json, model.safetensors   the final model (load with fcaudit.models.checkpoint.load_model)
+    config.json, model.safetensors   the final model (load with fcaudit.families.load_model)
     metrics.json             Byte-PPL and gate mass on the test split, written last
 
 Resume is exact on the CPU: model, optimizer moments and the batch RNG are restored bit for bit, so an interrupted
@@ -31,12 +31,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
+from fcaudit import data, families
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import LOCK, locked, prepare_out, read_json, remove_stale_temps, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
-from fcaudit.models.featuregate import PRESETS
 from fcaudit.provenance import provenance
 
 # Per-preset defaults of the fields left at None. tiny: tests (seconds); demo: ~1 min on 2 CPU cores.
@@ -51,6 +51,8 @@ TRAIN_PRESETS: dict[str, dict] = {
 }
 # Fields that may change between a run and its resumption (they do not change the result).
 _NOT_IDENTITY = ("device", "out", "progress")
+# Options of some variants only (field -> CLI flag): the family's `configure` checks and completes them.
+VARIANT_OPTIONS = {"gate_value": "--gate-value", "matched_to": "--matched-to", "fixed_depth": "--depth"}
 
 
 @dataclass
@@ -78,11 +80,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        from fcaudit import families
-
         family = families.for_training(self.model)  # an unknown model is a one-line error
-        if family.name == "featuregate" and self.preset not in PRESETS:
-            raise FcauditError(f"unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        if self.preset not in family.presets:
+            raise FcauditError(f"unknown preset {self.preset!r} for {self.model}: use one of {', '.join(family.presets)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise FcauditError(f"unknown device {self.device!r}: use auto, cpu or cuda")
         for k, v in TRAIN_PRESETS.get(self.preset, TRAIN_PRESETS["demo"]).items():
@@ -91,21 +91,12 @@ class TrainConfig:
         _check_hyperparameters(self)  # before anything is read or written: a bad value never leaves a run dir
         if self.min_lr is None:
             self.min_lr = self.lr / 10
-        if self.model == "uniform-matched":
-            if self.matched_to is not None:
-                self.gate_value = _measured_gate_mass(self.matched_to)
-                self.matched_to = str(Path(self.matched_to).resolve())
-            elif self.gate_value is None:
-                raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or "
-                                   "--matched-to RUN_DIR (a trained FeatureGate run)")
-        if self.model == "fixeddepth" and self.fixed_depth is None:
-            raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
-        if self.fixed_depth is not None and self.model != "fixeddepth":
-            raise FcauditError(f"--depth is for --model fixeddepth, not {self.model}: drop it")
-        if self.gate_value is not None and self.model not in ("uniform-fixed", "uniform-matched"):
-            raise FcauditError(f"--gate-value is for --model uniform-fixed or uniform-matched, not {self.model}: drop it")
-        if self.gate_value is None:
-            self.gate_value = 0.6
+        if family.configure is not None:
+            family.configure(self)
+        else:
+            given = [flag for name, flag in VARIANT_OPTIONS.items() if getattr(self, name) is not None]
+            if given:
+                raise FcauditError(f"{given[0]} is not an option of --model {self.model}: drop it")
 
     def identity(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in _NOT_IDENTITY}
@@ -145,20 +136,8 @@ class TrainResult:
     metrics: dict = field(default_factory=dict)
 
 
-def _measured_gate_mass(run_dir: str) -> float:
-    path = Path(run_dir) / "metrics.json"
-    if not path.is_file():
-        raise FcauditError(f"no metrics.json in {run_dir}: train the FeatureGate model first or pass --gate-value")
-    mass = read_json(path).get("gate_mass")
-    if mass is None:
-        raise FcauditError(f"{path} has no gate mass: point matched_to at a FeatureGate run")
-    return float(mass)
-
-
 def build_model(cfg: TrainConfig) -> nn.Module:
     """A freshly initialized model of cfg.model's family (call after seeding): ids [B, T] -> logits [B, T, V]."""
-    from fcaudit import families
-
     return families.for_training(cfg.model).build(cfg)
 
 
@@ -171,11 +150,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Matrices decay; norms, biases, gate logits and MUDD's static mix dense_bs (initialised as "take the latest
-    # hidden state", which decay would pull towards zero) do not. Tied weights appear once in named_parameters().
+    # Matrices decay; norms, biases, gate logits and what the family keeps from decay (Family.no_decay) do not.
+    # Tied weights appear once in named_parameters().
+    kept = families.for_training(cfg.model).no_decay
     named = list(model.named_parameters())
-    decay = [p for n, p in named if p.dim() >= 2 and not n.startswith("dense_bs")]
-    no_decay = [p for n, p in named if p.dim() < 2 or n.startswith("dense_bs")]
+    decay = [p for n, p in named if p.dim() >= 2 and not n.startswith(kept)]
+    no_decay = [p for n, p in named if p.dim() < 2 or n.startswith(kept)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
@@ -194,8 +174,6 @@ def _forward(model: nn.Module, family, ids: torch.Tensor) -> tuple[torch.Tensor,
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
-    from fcaudit import families
-
     family = families.for_model(model)
     was_training = model.training
     model.eval()
@@ -270,8 +248,6 @@ def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.d
 
 def _save_final(out: Path, model: nn.Module, meta: dict) -> None:
     """The family's checkpoint format: config.json + weights, each atomically, weights first."""
-    from fcaudit import families
-
     families.for_model(model).save(model, out, meta)
 
 
@@ -330,9 +306,6 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
 
     `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
     """
-    from fcaudit import families
-    from fcaudit.data import all_windows, load_corpus, make_windows, random_batch
-
     out = Path(cfg.out)
     if out.is_dir() and not (out / "train_config.json").is_file():  # not a run of ours: a checkpoint, an audit, ...
         theirs = sorted(p.name for p in out.iterdir() if p.name != LOCK and not p.name.endswith(".tmp"))
@@ -342,7 +315,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     out = prepare_out(out, "training run")
     device = resolve_device(cfg.device)
     if corpus is None:
-        corpus = load_corpus(cfg.corpus)
+        corpus = data.load_corpus(cfg.corpus)
     elif corpus.name != cfg.corpus:
         raise FcauditError(f"corpus {corpus.name!r} was passed for a config naming {cfg.corpus!r}: pass the matching corpus")
     torch.manual_seed(cfg.seed)
@@ -357,8 +330,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     if len(corpus.validation) < window:
         raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
                            f"than one window of {window}: give it more text (its validation split is 5% of a file)")
-    val = make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
-    test = all_windows(corpus.test, window, limit=cfg.test_windows or None)
+    val = data.make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
+    test = data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
     created = not out.exists()
@@ -385,7 +358,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
             for step in range(start, cfg.steps):
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, cfg)
-                ids = random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
+                ids = data.random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
                 with _autocast(device):
                     loss = (family.train_loss(model, ids) if family.train_loss is not None
                             else token_nll(logits_of(model(ids)), ids).mean())

@@ -35,14 +35,12 @@ from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.config import AuditConfig
-from fcaudit.controllers import controller_for
 from fcaudit.controllers.site import Controller
 from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import read_json, write_text
 from fcaudit.loss import logits_of
-from fcaudit.models.checkpoint import load_model
 from fcaudit.tokens import load_tokenizer
 
 
@@ -609,7 +607,7 @@ def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.devic
                                "--device-map")
         placed = {"device_map": placement.parse_device_map(config.device_map), "offload_folder": config.offload_folder}
     ckpt_dir = resolve(checkpoint, config.revision)
-    model, _ = load_model(ckpt_dir, device=device, dtype=None if config.dtype is None else as_dtype(config.dtype),
+    model, _ = families.load_model(ckpt_dir, device=device, dtype=None if config.dtype is None else as_dtype(config.dtype),
                           **placed)
     cap = families.DEFAULT_WINDOW_CAP
     window = config.window or min(families.context_length(model) or cap, cap)
@@ -624,7 +622,7 @@ def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.devic
     ev, ca = data.audit_windows(corp, config.n_eval, config.n_calib, window, config.seed)
     info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
             "revision": config.revision, "corpus": corp.describe()}
-    return model, controller_for(model), Windows.of(ev, ca), replace(config, model_info=info)
+    return model, families.controller_for(model), Windows.of(ev, ca), replace(config, model_info=info)
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:

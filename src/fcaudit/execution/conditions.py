@@ -15,29 +15,25 @@ from torch import nn
 
 from fcaudit import protocol
 from fcaudit.controllers.site import Controller
+from fcaudit.execution.latency import Timing, latencies
+from fcaudit.families import Family
 from fcaudit.protocol import Coeffs
 
 
 def static_coefficients(model: nn.Module, controller: Controller, calib: torch.Tensor, batch: int,
                         batch_size: int = 8) -> dict[str, Coeffs]:
     """The replay coefficients of every static condition for a [batch, T] input, from calibration windows [N, T]
-    (float64 sums in batch order, as the audit computes them)."""
-    sums, dtypes = None, None
+    (the audit's profiles: fcaudit.protocol.static_profiles)."""
+    parts, dtypes = [], None
     with torch.inference_mode():
         for ids in calib.split(batch_size):
             with controller.capture(*ids.shape) as found:
                 model(ids)
-            part = [c.detach().to("cpu", torch.float64).sum(0) for c in found]
-            sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+            parts.append((protocol.batch_sums(found), ids.shape[0]))
             dtypes = [c.dtype for c in found]
-    info = controller.info
-    cal = protocol.Calibration(sums, calib.shape[0], info.top_k)
     token = calib.shape[1]
-    out = {}
-    for cond in protocol.conditions(kind="static"):
-        if cond.applies(info):
-            out[cond.name] = [protocol.expand(p.to(dt), batch, token) for p, dt in zip(cond.profile(cal, info), dtypes)]
-    return out
+    return {name: [protocol.expand(p.to(dt), batch, token) for p, dt in zip(profile, dtypes)]
+            for name, profile in protocol.static_profiles(parts, controller.info).items()}
 
 
 class Replaying(nn.Module):
@@ -53,25 +49,23 @@ class Replaying(nn.Module):
             return self.model(ids)
 
 
-def condition_execution(model: nn.Module, family, calib: torch.Tensor, *, batch_size: int, window: int,
-                        device: torch.device, min_run_time: float, labels: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per condition (Correct, then each static condition): experts run per token, expert FLOPs per token
-    and their fraction of running every expert (the family's `execution` hook), and latency, timed round-robin."""
-    from fcaudit.execution.measure import latencies, latency_columns
-
+def condition_execution(model: nn.Module, family: Family, calib: torch.Tensor, ids: torch.Tensor,
+                        timing: Timing) -> pd.DataFrame:
+    """One row per condition (Correct, then each static condition) on the batch `ids` [batch, window]: experts run
+    per token, expert FLOPs per token and their fraction of running every expert (the family's `execution` hook),
+    and latency, timed round-robin. Static profiles come from the calibration windows `calib` [N, >= window]."""
     controller = family.controller(model)
-    labels = {**protocol.default_labels(), **controller.labels, **(labels or {})}
-    ids = torch.randint(0, int(model.config.vocab_size), (batch_size, window),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    statics = static_coefficients(model, controller, calib[:, :window].to(device), batch_size, batch_size)
+    labels = {**protocol.default_labels(), **controller.labels}
+    batch_size, window = ids.shape
+    statics = static_coefficients(model, controller, calib[:, :window].to(ids.device), batch_size, batch_size)
     rows = [{"condition": "Correct", "label": "Correct (live)", **family.execution(model, ids, controller)}]
     runs = [model]
     for name, coeffs in statics.items():
         rows.append({"condition": name, "label": labels.get(name, name),
                      **family.execution(model, ids, controller, coeffs)})
         runs.append(Replaying(model, controller, coeffs))
-    for row, lat in zip(rows, latencies(runs, batch_size, window, device, min_run_time=min_run_time)):
-        row.update(latency_columns(lat))
+    for row, lat in zip(rows, latencies(runs, batch_size, window, ids.device, timing)):
+        row.update(lat.columns())
     df = pd.DataFrame(rows)
     df["latency_vs_correct"] = df["latency_ms"] / df["latency_ms"].iloc[0]
     return df

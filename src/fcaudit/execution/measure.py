@@ -5,8 +5,7 @@ runs, on any PyTorch model:
 
     executed_blocks   forward hooks on the block modules count the block forwards of one forward pass
     flops             torch.utils.flop_counter.FlopCounterMode: forward FLOPs per token
-    latencies         wall time per forward (warm-up, inference_mode, CUDA synchronized), all models round-robin:
-                      median, IQR, min and max over repetitions, tokens/s
+    latencies         wall time per forward, all models round-robin (fcaudit.execution.latency)
     measure_execution all of the above for a list of checkpoints -> execution.csv / execution.json, with ratios to
                       Dense when a Dense model of the same architecture is among the inputs
 
@@ -16,27 +15,26 @@ models execute every block and pay for their controller on top. FixedDepth-k exe
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import math
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from rich.console import Console
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from fcaudit import data, families
+from fcaudit.controllers.site import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.families import DEFAULT_WINDOW_CAP
+from fcaudit.execution.conditions import condition_execution
+from fcaudit.execution.latency import Timing, latencies, random_ids
+from fcaudit.execution.threshold import scalar_gate_controller, thresholding
+from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, prepare_out, read_json, write_json
-from fcaudit.placement import input_device
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
@@ -52,12 +50,6 @@ _EXTRA_FLOP_FORMULAS = {
 
 # ---- which modules are the blocks ---------------------------------------------------------------------------------
 
-def _path_matches(name: str, pattern: str) -> bool:
-    """Glob per path segment: "blocks.*" matches "blocks.3" but not "blocks.3.attn" (fnmatch's * would cross dots)."""
-    parts, pats = name.split("."), pattern.split(".")
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
-
-
 def block_pattern(model: nn.Module) -> str:
     """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
     ("blocks.*" for FeatureGateGPT, "layers.*" for MUDDPythia, "model.layers.*" for HF decoders)."""
@@ -70,7 +62,7 @@ def block_pattern(model: nn.Module) -> str:
 
 def block_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
     pattern = pattern or block_pattern(model)
-    found = [(name, m) for name, m in model.named_modules() if name and _path_matches(name, pattern)]
+    found = [(name, m) for name, m in model.named_modules() if name and path_matches(name, pattern)]
     if not found:
         sample = [n for n, _ in model.named_modules() if n][:6]
         raise FcauditError(f"block pattern {pattern!r} matches no module of {type(model).__name__}; "
@@ -139,112 +131,51 @@ def flops(model: nn.Module, ids: torch.Tensor) -> float:
     return counter.get_total_flops() / ids.numel()
 
 
-# ---- latency ------------------------------------------------------------------------------------------------------
+# ---- the settings of `fcaudit execution` -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Latency:
-    """Wall time of one forward pass over `measurements` repetitions (each the mean of `forwards` calls)."""
+class ExecutionConfig:
+    """What `fcaudit execution` measures and how: checked once, here, before anything is loaded or written."""
 
-    ms_per_batch: float  # median over repetitions
-    iqr_ms: float  # interquartile range over repetitions
-    min_ms: float
-    max_ms: float
-    tokens_per_s: float  # batch_size * window / median
-    batch_size: int
-    window: int
-    device: str
-    threads: int
-    measurements: int  # repetitions
-    forwards: int = 1  # forward calls per repetition
+    checkpoints: tuple[str, ...]  # directories or hub ids; include a Dense one for the ratios
+    out: str
+    batch_size: int = 8
+    window: int | None = None  # None: the smallest context among the models, at most DEFAULT_WINDOW_CAP
+    device: str = "auto"
+    min_run_time: float = 1.0  # seconds of timing per model
+    thresholds: tuple[float, ...] = ()  # post-training gate thresholds (scalar-gated models)
+    corpus: str = "embedded"  # test windows for thresholding, validation windows for static profiles
+    threshold_windows: int = 32
+    threads: int | None = None  # torch CPU threads while measuring (restored afterwards)
+    progress: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
+        object.__setattr__(self, "out", str(self.out))
+        object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
+        if not self.checkpoints:
+            raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")
+        if self.batch_size < 1:
+            raise FcauditError(f"batch size {self.batch_size}: pass --batch-size 1 or more")
+        if self.threads is not None and self.threads < 1:
+            raise FcauditError(f"threads {self.threads}: pass --threads 1 or more")
+        if not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
+                and self.min_run_time > 0):
+            raise FcauditError(f"--min-run-time {self.min_run_time}: pass a positive number of seconds")
+        if self.window is not None and self.window < 2:
+            raise FcauditError(f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest "
+                               "block_size)")
+        if self.threshold_windows < 1:
+            raise FcauditError(f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows")
+        if not all(math.isfinite(t) for t in self.thresholds):
+            raise FcauditError(f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")
 
     @property
-    def noisy(self) -> bool:
-        """The spread over repetitions (max - min) exceeds the median: the machine's load changed while timing,
-        so single ratios are doubtful (rerun with --threads 1 on a quieter machine)."""
-        return self.max_ms - self.min_ms > self.ms_per_batch
-
-
-def model_window(model: nn.Module, default: int = 128) -> int:
-    from fcaudit.families import context_length
-
-    return context_length(model) or default
-
-
-def model_vocab(model: nn.Module, default: int = 256) -> int:
-    return int(getattr(getattr(model, "config", None), "vocab_size", default))
-
-
-def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
-              device: str | torch.device | None = None, *, min_run_time: float = 1.0, repetitions: int = 10,
-              warmup: int = 3, seed: int = 0) -> list[Latency]:
-    """Forward-pass wall time of each model on a [batch_size, window] batch of random token ids, measured
-    round-robin: repetition r of every model runs before repetition r + 1 of any, so a change of the machine's
-    load hits every model alike and their ratios stay fair.
-
-    Each model gets `repetitions` timed repetitions of about min_run_time / repetitions seconds each (enough
-    forward calls to fill it, estimated after `warmup` forwards), so about `min_run_time` seconds in all; CUDA is
-    synchronized around every repetition; torch runs with its current number of threads.
-    """
-    if batch_size < 1:
-        raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
-    if not (min_run_time > 0 and math.isfinite(min_run_time)) or repetitions < 1:
-        raise FcauditError(f"min_run_time {min_run_time} / repetitions {repetitions}: pass positive values")
-    runs = []
-    for i, model in enumerate(models):
-        dev = torch.device(device) if device is not None else input_device(model)
-        model = model.to(dev).eval()
-        w = window or model_window(model)
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, model_vocab(model), (batch_size, w), generator=gen).to(dev)
-        runs.append((model, ids, dev, w))
-
-    def timed(model, ids, dev, n: int) -> float:
-        """Seconds per forward, averaged over n calls."""
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                model(ids)
-            sync()
-        return (time.perf_counter() - t0) / n
-
-    forwards = []
-    for model, ids, dev, _ in runs:
-        timed(model, ids, dev, warmup) if warmup else None  # allocator, kernel selection, lazy tables
-        forwards.append(max(1, math.ceil(min_run_time / repetitions / timed(model, ids, dev, 1))))
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(repetitions):
-        for i, (model, ids, dev, _) in enumerate(runs):
-            times[i].append(timed(model, ids, dev, forwards[i]))
-
-    out = []
-    for (model, ids, dev, w), t, n in zip(runs, times, forwards):
-        ms = np.asarray(t) * 1e3
-        q1, median, q3 = np.percentile(ms, [25, 50, 75])
-        out.append(Latency(ms_per_batch=float(median), iqr_ms=float(q3 - q1), min_ms=float(ms.min()),
-                           max_ms=float(ms.max()), tokens_per_s=batch_size * w / (median / 1e3),
-                           batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
-                           measurements=len(t), forwards=n))
-    return out
-
-
-def latency(model: nn.Module, batch_size: int = 8, window: int | None = None, device: str | torch.device | None = None,
-            *, min_run_time: float = 1.0, warmup: int = 3, seed: int = 0, repetitions: int = 10) -> Latency:
-    """Median wall time of one forward pass of one model (see `latencies`; the model is moved to `device`,
-    default: where its parameters are)."""
-    return latencies([model], batch_size, window, device, min_run_time=min_run_time, repetitions=repetitions,
-                     warmup=warmup, seed=seed)[0]
+    def timing(self) -> Timing:
+        return Timing(self.min_run_time)
 
 
 # ---- many checkpoints ---------------------------------------------------------------------------------------------
-
-def model_label(model: nn.Module, meta: dict) -> str:
-    """The family's label (featuregate, dense, fixeddepth-k, mudd, ...), else the class name."""
-    from fcaudit import families
-
-    return families.label(model)
-
 
 def _architecture(model: nn.Module) -> str:
     """Models comparable to one Dense reference: same class, width, heads, context and vocabulary (depth and gate
@@ -256,7 +187,7 @@ def _architecture(model: nn.Module) -> str:
 
 def default_window(block_sizes) -> int:
     """One window for every model measured: the smallest context, at most DEFAULT_WINDOW_CAP tokens."""
-    return min(*block_sizes, DEFAULT_WINDOW_CAP)
+    return min(*block_sizes, families.DEFAULT_WINDOW_CAP)
 
 
 def _block_size(checkpoint: Path) -> int:
@@ -277,28 +208,12 @@ def _metrics(checkpoint: Path) -> dict:
     return read_json(path) if path.is_file() else {}
 
 
-def static_measures(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
-                    pattern: str | None = None) -> dict:
-    """Executed blocks, parameters and FLOPs/token of a loaded model (already on `device`): what does not
-    depend on the machine's load."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+def static_measures(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> dict:
+    """Executed blocks, parameters and FLOPs/token of a loaded model on ids [batch, window] (on its device): what
+    does not depend on the machine's load."""
     count = executed_blocks(model, ids, pattern)
     return {"block_pattern": count.pattern, "n_blocks": count.n_blocks, "executed_blocks": count.executed,
             "n_params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops(model, ids[:1])}
-
-
-def latency_columns(lat: Latency) -> dict:
-    return {"latency_ms": lat.ms_per_batch, "latency_iqr_ms": lat.iqr_ms, "latency_min_ms": lat.min_ms,
-            "latency_max_ms": lat.max_ms, "latency_noisy": lat.noisy, "tokens_per_s": lat.tokens_per_s,
-            "measurements": lat.measurements, "forwards_per_measurement": lat.forwards}
-
-
-def measure_checkpoint(model: nn.Module, *, batch_size: int, window: int, device: torch.device,
-                       min_run_time: float, pattern: str | None = None) -> dict:
-    """One row of execution.csv for a loaded model (already on `device`), timed on its own."""
-    row = static_measures(model, batch_size=batch_size, window=window, device=device, pattern=pattern)
-    return {**row, **latency_columns(latency(model, batch_size, window, device, min_run_time=min_run_time))}
 
 
 def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -318,57 +233,37 @@ def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | os.PathLike, *, batch_size: int = 8,
-                      window: int | None = None, device: str = "auto", min_run_time: float = 1.0,
-                      thresholds: Sequence[float] = (), corpus: str = "embedded", threshold_windows: int = 32,
-                      threads: int | None = None, progress: bool = True) -> pd.DataFrame:
+def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint.
 
     Writes `out/execution.csv` and `out/execution.json` (settings, rows, provenance), each atomically. All models run
-    with one window (default: the smallest block_size among them, at most 2048) so their rows compare. With `thresholds`, every
-    scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on up to
-    `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`.
-    Latencies are measured round-robin over all models (see `latencies`): every model stays loaded until then.
-    `threads` sets torch's CPU threads for the measurement (restored afterwards): on a shared machine, 1 thread
-    gives far steadier CPU latencies than competing for every core.
+    with one window (default: the smallest block_size among them, at most 2048) so their rows compare. With
+    `thresholds`, every scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on
+    up to `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`; routed models
+    (a family with an `execution` hook) get a row per static condition in `out/conditions.csv`.
+    Latencies are measured round-robin over all models (see fcaudit.execution.latency): every model stays loaded
+    until then. `threads` sets torch's CPU threads for the measurement: on a shared machine, 1 thread gives far
+    steadier CPU latencies than competing for every core.
     """
-    from fcaudit.hub import resolve as resolve_checkpoint  # models are loaded only when measuring
-
-    if not checkpoint_dirs:
-        raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")
-    if batch_size < 1:
-        raise FcauditError(f"batch size {batch_size}: pass --batch-size 1 or more")
-    if threads is not None and threads < 1:
-        raise FcauditError(f"threads {threads}: pass --threads 1 or more")
-    if not (isinstance(min_run_time, (int, float)) and math.isfinite(min_run_time) and min_run_time > 0):
-        raise FcauditError(f"--min-run-time {min_run_time}: pass a positive number of seconds")
-    if window is not None and window < 2:
-        raise FcauditError(f"--window {window}: pass 2 or more tokens (or leave it out for the smallest block_size)")
-    if threshold_windows < 1:
-        raise FcauditError(f"--threshold-windows {threshold_windows}: pass 1 or more test windows")
-    if not all(math.isfinite(float(t)) for t in thresholds):
-        raise FcauditError(f"--threshold {list(thresholds)}: pass finite thresholds, e.g. 0.3")
-    out = prepare_out(out, "execution results", alone=True)
-    dev = resolve_device(device)
+    out = prepare_out(cfg.out, "execution results", alone=True)
+    dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
-    paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
+    paths = [resolve(p) for p in cfg.checkpoints]
     if len({p.resolve() for p in paths}) != len(paths):
         raise FcauditError("the same checkpoint was given twice: pass each checkpoint once")
     contexts = {p: _block_size(p) for p in paths}
-    window = window or default_window(contexts.values())
+    window = cfg.window or default_window(contexts.values())
     too_short = [str(p) for p, size in contexts.items() if size < window]
     if too_short:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
-    with using_threads(threads) as n_threads:
-        rows, sweeps, conditions = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time,
-                                                thresholds, corpus, threshold_windows, progress)
+    with using_threads(cfg.threads) as n_threads:
+        rows, sweeps, conditions = _measure_all(cfg, paths, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"batch_size": batch_size, "window": window, "device": str(dev), "min_run_time": min_run_time,
+    settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
-                "thresholds": list(thresholds),
-                "corpus": corpus, "threshold_windows": threshold_windows}
+                "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
     if sweeps:
         sweep_df = pd.concat(sweeps, ignore_index=True)
@@ -387,71 +282,57 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
     return df
 
 
-def _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time, thresholds, corpus, threshold_windows,
-                 progress) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
+def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
+                 window: int) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
     """Load every model first (a bad checkpoint fails before anything is printed or measured), then blocks, FLOPs
     and thresholding model by model, then the latencies of all models round-robin."""
-    from fcaudit.models.checkpoint import load_model
-
-    from fcaudit import families
-    from fcaudit.execution.conditions import condition_execution
-
-    loaded = [load_model(path, device=dev) for path in paths]
+    loaded = [families.load_model(path, device=dev) for path in paths]
     rows, sweeps, models, conditions = [], [], [], []
 
     @functools.cache
     def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
-        from fcaudit.data import all_windows, load_corpus
-
-        return all_windows(load_corpus(corpus).test, window, limit=threshold_windows)
+        return data.all_windows(data.load_corpus(cfg.corpus).test, window, limit=cfg.threshold_windows)
 
     @functools.cache
     def calib_windows() -> torch.Tensor:  # static profiles of routed models, from the validation split as in audits
-        from fcaudit.data import all_windows, load_corpus
+        return data.all_windows(data.load_corpus(cfg.corpus).validation, window, limit=cfg.threshold_windows)
 
-        return all_windows(load_corpus(corpus).validation, window, limit=threshold_windows)
-
-    console = Console(stderr=True, quiet=not progress)
-    labels = [model_label(model, meta) for model, meta in loaded]
+    console = Console(stderr=True, quiet=not cfg.progress)
+    labels = [families.label(model) for model, _ in loaded]
     # checkpoints of one label (seeds, a model and its copy) are told apart by their directory names
-    labels = [f"{l} ({Path(str(g)).name})" if labels.count(l) > 1 else l for l, g in zip(labels, checkpoint_dirs)]
-    for given, path, (model, meta), label in zip(checkpoint_dirs, paths, loaded, labels):
+    labels = [f"{l} ({Path(g).name})" if labels.count(l) > 1 else l for l, g in zip(labels, cfg.checkpoints)]
+    for given, path, (model, meta), label in zip(cfg.checkpoints, paths, loaded, labels):
         console.print(f"execution: {given}", highlight=False)
         metrics = _metrics(path)
-        row = {"checkpoint": str(given), "model": label, "architecture": _architecture(model),
+        row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
                "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
-               "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": batch_size,
+               "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": cfg.batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
-        row.update(static_measures(model, batch_size=batch_size, window=window, device=dev))
+        ids = random_ids(model, cfg.batch_size, window, dev)
+        row.update(static_measures(model, ids))
         family = families.for_model(model)
         if family is not None and family.execution is not None:
-            ids = torch.randint(0, model_vocab(model), (batch_size, window),
-                                generator=torch.Generator().manual_seed(0)).to(dev)
             row.update(family.execution(model, ids))
-            conditions.append(condition_execution(model, family, calib_windows(), batch_size=batch_size,
-                                                  window=window, device=dev, min_run_time=min_run_time)
-                              .assign(checkpoint=str(given), model=row["model"]))
+            conditions.append(condition_execution(model, family, calib_windows(), ids, cfg.timing)
+                              .assign(checkpoint=given, model=label))
         rows.append(row)
         models.append(model)
-        if thresholds:
-            sweep = _threshold_checkpoint(model, thresholds, test_windows, batch_size)
+        if cfg.thresholds:
+            sweep = _threshold_checkpoint(model, cfg, test_windows)
             if sweep is not None:
-                sweeps.append(sweep.assign(checkpoint=str(given), model=row["model"]))
+                sweeps.append(sweep.assign(checkpoint=given, model=label))
             else:
                 console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
-    console.print(f"latency: {len(models)} model(s) round-robin, about {min_run_time:g} s each", highlight=False)
-    for row, lat in zip(rows, latencies(models, batch_size, window, dev, min_run_time=min_run_time)):
-        row.update(latency_columns(lat))
+    console.print(f"latency: {len(models)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
+    for row, lat in zip(rows, latencies(models, cfg.batch_size, window, dev, cfg.timing)):
+        row.update(lat.columns())
     return rows, sweeps, conditions
 
 
-def _threshold_checkpoint(model: nn.Module, thresholds, windows, batch_size: int) -> pd.DataFrame | None:
+def _threshold_checkpoint(model: nn.Module, cfg: ExecutionConfig, windows) -> pd.DataFrame | None:
     """Thresholding sweep for a scalar-gated model; None for models without scalar gates (Dense, MUDD)."""
-    from fcaudit.controllers import controller_for
-    from fcaudit.execution.threshold import scalar_gate_controller, thresholding
-
     try:
-        controller = scalar_gate_controller(controller_for(model))
+        controller = scalar_gate_controller(families.controller_for(model))
     except FcauditError:
         return None
-    return thresholding(model, controller, windows(), thresholds, batch_size=batch_size)
+    return thresholding(model, controller, windows(), cfg.thresholds, batch_size=cfg.batch_size)

@@ -20,6 +20,7 @@ from torch import nn
 
 from fcaudit.controllers.site import Controller, Layout
 from fcaudit.errors import FcauditError
+from fcaudit.families import controller_for
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.placement import input_device
 
@@ -54,8 +55,6 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
     Gates are strictly below tau, so tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit) and
     tau = 1 zeroes every sigmoid gate.
     """
-    from fcaudit.controllers import controller_for
-
     controller = scalar_gate_controller(controller if controller is not None else controller_for(model))
     ids = _window_ids(windows)
     taus = [float(t) for t in thresholds]

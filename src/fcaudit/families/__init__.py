@@ -2,42 +2,54 @@
 
 A family registers a `Family`: which checkpoints it loads (config.json), how it loads and saves them, which models it
 recognizes, their controller adapter (the sites FCA audits), a label for tables, and, when fcaudit can train it, its
-builder. Nothing outside a family's module dispatches on a model class. Every module in this package registers itself
-on import; the registry imports them on first use (so `import fcaudit` never imports a model), and a user's own family
-is one `register(Family(...))` call.
+builder and training hooks. Nothing outside a family's module dispatches on a model class. Every module in this
+package registers itself on import; the registry imports them on first use (so `import fcaudit` never imports a
+model), and a user's own model is one `register(Family(name, matches=..., controller=...))` call.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import pkgutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from fcaudit.errors import FcauditError
+from fcaudit.controllers.site import Controller
+from fcaudit.errors import FcauditError, one_line
+from fcaudit.hub import resolve
+from fcaudit.io import read_json
+from fcaudit.models.checkpoint import CONFIG_NAME
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    accepts: Callable[[dict], bool]  # does this family load a checkpoint with this config.json?
-    load: Callable[[Path, torch.device, torch.dtype | None], tuple[nn.Module, dict]]  # -> (model in eval mode, meta)
     matches: Callable[[nn.Module], bool]  # is this loaded or built model one of the family's?
-    controller: Callable[[nn.Module], Any]  # -> fcaudit.controllers.Controller
+    controller: Callable[[nn.Module], Controller]  # the sites FCA audits
+    accepts: Callable[[dict], bool] = lambda config: False  # does this family load a checkpoint with this config.json?
+    load: Callable[[Path, torch.device, torch.dtype | None], tuple[nn.Module, dict]] | None = None  # -> (model, meta)
     label: Callable[[nn.Module], str] = lambda model: type(model).__name__  # tables, execution rows
-    trains: tuple[str, ...] = ()  # `fcaudit train --model` names this family builds
-    build: Callable[[Any], nn.Module] | None = None  # TrainConfig -> fresh model
-    save: Callable[[nn.Module, Path, dict], None] | None = None  # final checkpoint (config.json + weights)
+    # training: the `fcaudit train --model` names and presets it builds; TrainConfig -> fresh model; final checkpoint
+    trains: tuple[str, ...] = ()
+    presets: tuple[str, ...] = ()
+    build: Callable[[Any], nn.Module] | None = None
+    save: Callable[[nn.Module, Path, dict], None] | None = None  # config.json + weights
+    # checks and completes a TrainConfig's variant options (gate value, depth); a family without it takes none
+    configure: Callable[[Any], None] | None = None
+    no_decay: tuple[str, ...] = ()  # parameter names (prefixes) kept from weight decay besides vectors
+    train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
     # training evaluation: (logits, gates [L, B, T] or None); gate mass of an ungated member (Dense: 1.0) or None
     gates: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     ungated_mass: float | None = None
     # extra execution columns (MoE: experts run, expert FLOPs): (model, ids, controller=None, coefficients=None)
     execution: Callable[..., dict] | None = None
-    train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
     # load(dir, device, dtype, device_map=..., offload_folder=...) spreads a model with accelerate (fcaudit.placement)
     device_maps: bool = False
 
@@ -46,14 +58,23 @@ _FAMILIES: dict[str, Family] = {}
 _LOADED = False
 
 
-def register(family: Family) -> Family:
-    """Add (or replace) a family; later registrations win when several match a model."""
+def register(family: Family) -> Callable[[], None]:
+    """Add (or replace) a family; later registrations win when several match a model (a user's own after the
+    built-in ones). Returns its `unregister`."""
+    families()  # the built-in families first
+    _FAMILIES.pop(family.name, None)
     _FAMILIES[family.name] = family
-    return family
+    return lambda: _FAMILIES.pop(family.name, None) if _FAMILIES.get(family.name) is family else None
 
 
-def unregister(name: str) -> None:
-    _FAMILIES.pop(name, None)
+@contextmanager
+def registered(family: Family) -> Iterator[Family]:
+    """A family registered for the duration of a `with` block (tests, notebooks)."""
+    unregister = register(family)
+    try:
+        yield family
+    finally:
+        unregister()
 
 
 def families() -> list[Family]:
@@ -82,6 +103,46 @@ def for_training(name: str) -> Family:
 
 def trainable() -> list[str]:
     return [n for f in families() for n in f.trains]
+
+
+def controller_for(model: nn.Module) -> Controller:
+    """The controller of `model`: its family's (a user's own registered family included)."""
+    if isinstance(model, tuple):  # (model, meta) as load_model returns it
+        model = model[0]
+    family = for_model(model)
+    if family is None:
+        raise FcauditError(f"no controller adapter for {type(model).__name__}; describe its sites with "
+                           "fcaudit.Controller.from_modules(model, 'path.*.pattern', layout='batch token') (or "
+                           "codec=...)")
+    return family.controller(model)
+
+
+def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None, device_map: str | dict | None = None,
+               offload_folder: str | os.PathLike | None = None) -> tuple[nn.Module, dict]:
+    """Load a checkpoint directory or hub id with the family that accepts its config.json: returns (model in eval
+    mode on `device`, or spread as `device_map` says (fcaudit.placement), meta dict)."""
+    dir = resolve(path_or_id, revision)
+    config_path = dir / CONFIG_NAME
+    if not config_path.is_file():
+        raise FcauditError(f"{dir} has no {CONFIG_NAME}: pass a checkpoint directory (one written by `fcaudit train`, "
+                           "or a Hugging Face checkpoint: config.json + safetensors)")
+    try:
+        config = read_json(config_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FcauditError(f"{config_path} is not valid JSON ({one_line(e)}): restore it from the training run") from None
+    family = for_config(config) if isinstance(config, dict) else None
+    if family is None:
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        known = ", ".join(f.name for f in families() if f.load is not None)
+        raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}); "
+                           "pass a checkpoint of one of them")
+    if device_map is None:
+        return family.load(dir, torch.device(device), dtype)
+    if not family.device_maps:
+        raise FcauditError(f"a device map spreads Hugging Face checkpoints; {dir} is a {family.name} checkpoint, "
+                           "which runs on one device: drop --device-map and pass --device")
+    return family.load(dir, torch.device(device), dtype, device_map=device_map, offload_folder=offload_folder)
 
 
 DEFAULT_WINDOW_CAP = 2048  # a window left to default is the model's context, at most this (Llama 4's is 10M tokens)

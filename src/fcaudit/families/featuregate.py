@@ -14,8 +14,9 @@ from torch import nn
 from fcaudit.controllers.site import Controller, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
+from fcaudit.io import read_json
 from fcaudit.models.checkpoint import MODEL_TYPE, load_featuregate, save_checkpoint
-from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, config_for
+from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTConfig, config_for
 
 PATTERN = "blocks.*.gate"
 
@@ -35,9 +36,39 @@ def label(model: FeatureGateGPT) -> str:
 
 
 def build(cfg) -> FeatureGateGPT:
-    if cfg.preset not in PRESETS:
-        raise FcauditError(f"unknown preset {cfg.preset!r}: use one of {', '.join(PRESETS)}")
     return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
+
+
+def configure(cfg) -> None:
+    """The variants' own training options: uniform-fixed's and uniform-matched's constant gate (uniform-matched's
+    measured on a trained FeatureGate run) and fixeddepth's number of blocks; each refused for the other variants."""
+    if cfg.model == "uniform-matched":
+        if cfg.matched_to is not None:
+            cfg.gate_value = _measured_gate_mass(cfg.matched_to)
+            cfg.matched_to = str(Path(cfg.matched_to).resolve())
+        elif cfg.gate_value is None:
+            raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or "
+                               "--matched-to RUN_DIR (a trained FeatureGate run)")
+    elif cfg.matched_to is not None:
+        raise FcauditError(f"--matched-to is for --model uniform-matched, not {cfg.model}: drop it")
+    if cfg.model == "fixeddepth" and cfg.fixed_depth is None:
+        raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
+    if cfg.fixed_depth is not None and cfg.model != "fixeddepth":
+        raise FcauditError(f"--depth is for --model fixeddepth, not {cfg.model}: drop it")
+    if cfg.gate_value is not None and cfg.model not in ("uniform-fixed", "uniform-matched"):
+        raise FcauditError(f"--gate-value is for --model uniform-fixed or uniform-matched, not {cfg.model}: drop it")
+    if cfg.gate_value is None:
+        cfg.gate_value = GPTConfig.gate_value  # uniform-fixed's constant
+
+
+def _measured_gate_mass(run_dir: str) -> float:
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise FcauditError(f"no metrics.json in {run_dir}: train the FeatureGate model first or pass --gate-value")
+    mass = read_json(path).get("gate_mass")
+    if mass is None:
+        raise FcauditError(f"{path} has no gate mass: point matched_to at a FeatureGate run")
+    return float(mass)
 
 
 def gates(model: FeatureGateGPT, ids: torch.Tensor):
@@ -52,7 +83,9 @@ register(Family(
     controller=controller,
     label=label,
     trains=VARIANTS,
+    presets=tuple(PRESETS),
     build=build,
+    configure=configure,
     save=lambda model, out, meta: save_checkpoint(Path(out), model, meta),
     gates=gates,
     ungated_mass=1.0,

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.site import Controller, Layout, Site
-from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
+from fcaudit.io import read_json
 from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
 
 LAYOUT = "stream batch token source"
@@ -32,15 +32,11 @@ def controller(model: MUDDPythia) -> Controller:
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    from fcaudit.io import read_json
-
     meta = {k: v for k, v in read_json(dir / "config.json").items() if k != "model_type"}
     return from_pretrained(dir, dtype=dtype).to(device).eval(), meta
 
 
 def build(cfg) -> MUDDPythia:
-    if cfg.preset not in BYTE_PRESETS:
-        raise FcauditError(f"no byte-level MUDD preset {cfg.preset!r}: use one of {', '.join(BYTE_PRESETS)}")
     return MUDDPythia(BYTE_PRESETS[cfg.preset])
 
 
@@ -52,6 +48,8 @@ register(Family(
     controller=controller,
     label=lambda model: "mudd",
     trains=("mudd",),
+    presets=tuple(BYTE_PRESETS),
     build=build,
+    no_decay=("dense_bs",),  # the static mix, initialised as "take the latest hidden state": decay would pull it to 0
     save=lambda model, out, meta: model.save_pretrained(out),
 ))

@@ -1,7 +1,7 @@
 """Checkpoints in Hugging Face layout: `config.json` (with `model_type`) + `model.safetensors`, never pickle.
 
-`load_model` resolves a directory or hub id (fcaudit.hub) and hands it to the family that accepts its config.json
-(fcaudit.families); the FeatureGate family's own format (save_checkpoint / load_featuregate) lives here.
+Weights of any module (save_weights / load_weights) and the FeatureGate family's own format (save_checkpoint /
+load_featuregate); fcaudit.families.load_model hands a directory to the family that accepts its config.json.
 """
 
 import json
@@ -67,37 +67,6 @@ def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | 
     return dir
 
 
-def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, device_map: str | dict | None = None,
-               offload_folder: str | os.PathLike | None = None) -> tuple[nn.Module, dict]:
-    """Load a checkpoint directory or hub id with the family that accepts its config.json: returns (model in eval
-    mode on `device`, or spread as `device_map` says (fcaudit.placement), meta dict)."""
-    from fcaudit import families
-    from fcaudit.hub import resolve
-
-    dir = resolve(path_or_id, revision)
-    config_path = dir / CONFIG_NAME
-    if not config_path.is_file():
-        raise FcauditError(f"{dir} has no {CONFIG_NAME}: pass a checkpoint directory (one written by `fcaudit train`, "
-                           "or a Hugging Face checkpoint: config.json + safetensors)")
-    try:
-        config = read_json(config_path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FcauditError(f"{config_path} is not valid JSON ({one_line(e)}): restore it from the training run") from None
-    family = families.for_config(config) if isinstance(config, dict) else None
-    if family is None:
-        model_type = config.get("model_type") if isinstance(config, dict) else None
-        known = ", ".join(f.name for f in families.families())
-        raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}); "
-                           "pass a checkpoint of one of them")
-    if device_map is None:
-        return family.load(dir, torch.device(device), dtype)
-    if not family.device_maps:
-        raise FcauditError(f"a device map spreads Hugging Face checkpoints; {dir} is a {family.name} checkpoint, "
-                           "which runs on one device: drop --device-map and pass --device")
-    return family.load(dir, torch.device(device), dtype, device_map=device_map, offload_folder=offload_folder)
-
-
 def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
     """A FeatureGate-family checkpoint written by `save_checkpoint`."""
     config = read_json(dir / CONFIG_NAME)
@@ -110,5 +79,3 @@ def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None)
                            "with these weights") from None
     load_weights(dir / WEIGHTS_NAME, model)
     return model.to(device=device, dtype=dtype).eval(), meta
-
-

@@ -7,7 +7,6 @@ benchmarks/moe_families.py). Coefficient semantics: codecs.py.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,7 +17,9 @@ from fcaudit.families import Family, register
 from fcaudit.families.hf_moe.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
 from fcaudit.families.hf_moe.discover import (MoeAdapter, MoeSite, ensure_eager_experts, find_routers, is_moe,
                                               moe_adapter, moe_controller)
+from fcaudit.families.hf_moe.execution import expert_execution
 from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require_transformers
+from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
 
 
 def _is_hf_moe(model: nn.Module) -> bool:
@@ -33,8 +34,6 @@ def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) 
 
 def _build(cfg) -> nn.Module:
     from transformers import AutoModelForCausalLM
-
-    from fcaudit.families.hf_moe.tiny import byte_mixtral_config
 
     return AutoModelForCausalLM.from_config(byte_mixtral_config(cfg.preset, output_router_logits=True))
 
@@ -59,8 +58,6 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
 def _execution(model: nn.Module, ids: torch.Tensor, controller=None, coefficients=None) -> dict:
     """Experts run per token and expert FLOPs per token (measured) against running every expert, for the live
     router or, with `coefficients`, replayed ones."""
-    from fcaudit.families.hf_moe.execution import expert_execution
-
     s = expert_execution(model, ids, controller, coefficients).summary()
     return {"experts_per_token": s["experts_per_token"], "expert_flops_per_token": s["expert_flops_per_token"],
             "all_experts_flops_per_token": s["dense_flops_per_token"], "active_expert_fraction": s["active_fraction"]}
@@ -74,6 +71,7 @@ register(Family(
     controller=moe_controller,
     label=lambda model: f"moe-{model.config.model_type}",
     trains=("moe",),
+    presets=tuple(BYTE_PRESETS),
     build=_build,
     save=_save,
     train_loss=_train_loss,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcaudit.controllers.site import Controller
+from fcaudit.families.hf_moe.discover import moe_controller
 
 
 @dataclass
@@ -60,8 +61,6 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
                      coefficients: Sequence[torch.Tensor] | None = None) -> ExpertExecution:
     """Experts run per token and layer, and expert FLOPs, for ids [batch, token] on the unmodified model or, with
     `coefficients` (canonical, one per site of `controller`), with those coefficients replayed."""
-    from fcaudit.families.hf_moe.discover import moe_controller
-
     controller = controller or moe_controller(model)
     routers = [s.codec for s in controller.sites if s.codec.top_k is not None]
     experts = [(c.experts_path, m, computing_experts(m, c.num_experts))

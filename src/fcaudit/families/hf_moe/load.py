@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
@@ -57,8 +58,6 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     if device_map is not None:
         require_accelerate()
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fcaudit.hub import resolve
 
     dir = resolve(path_or_id, revision)
     if not (dir / "config.json").is_file():

@@ -1,0 +1,134 @@
+"""Forward-pass wall time, measured round-robin over models so that a change of the machine's load hits every
+model alike (the one timing both execution views use: models, and an MoE under the audit's static conditions)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+from fcaudit.families import context_length
+from fcaudit.placement import input_device
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long and how often each model is timed."""
+
+    min_run_time: float = 1.0  # seconds per model, over all repetitions
+    repetitions: int = 10
+    warmup: int = 3  # untimed forwards first: allocator, kernel selection, lazy tables
+    seed: int = 0  # of the random token ids
+
+    def __post_init__(self):
+        if not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
+                and self.min_run_time > 0) or self.repetitions < 1 or self.warmup < 0:
+            raise FcauditError(f"min_run_time {self.min_run_time} / repetitions {self.repetitions} / warmup "
+                               f"{self.warmup}: pass a positive number of seconds and repetitions")
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Wall time of one forward pass over `measurements` repetitions (each the mean of `forwards` calls)."""
+
+    ms_per_batch: float  # median over repetitions
+    iqr_ms: float  # interquartile range over repetitions
+    min_ms: float
+    max_ms: float
+    tokens_per_s: float  # batch_size * window / median
+    batch_size: int
+    window: int
+    device: str
+    threads: int
+    measurements: int  # repetitions
+    forwards: int = 1  # forward calls per repetition
+
+    @property
+    def noisy(self) -> bool:
+        """The spread over repetitions (max - min) exceeds the median: the machine's load changed while timing,
+        so single ratios are doubtful (rerun with --threads 1 on a quieter machine)."""
+        return self.max_ms - self.min_ms > self.ms_per_batch
+
+    def columns(self) -> dict:
+        """The columns of an execution table."""
+        return {"latency_ms": self.ms_per_batch, "latency_iqr_ms": self.iqr_ms, "latency_min_ms": self.min_ms,
+                "latency_max_ms": self.max_ms, "latency_noisy": self.noisy, "tokens_per_s": self.tokens_per_s,
+                "measurements": self.measurements, "forwards_per_measurement": self.forwards}
+
+
+def model_window(model: nn.Module, default: int = 128) -> int:
+    return context_length(model) or default
+
+
+def model_vocab(model: nn.Module, default: int = 256) -> int:
+    return int(getattr(getattr(model, "config", None), "vocab_size", default))
+
+
+def random_ids(model: nn.Module, batch_size: int, window: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """A [batch_size, window] batch of token ids of the model's vocabulary, the same for every model of one vocab."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+
+
+def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
+              device: str | torch.device | None = None, timing: Timing = Timing()) -> list[Latency]:
+    """Forward-pass wall time of each model on a [batch_size, window] batch of random token ids, measured
+    round-robin: repetition r of every model runs before repetition r + 1 of any, so a change of the machine's
+    load hits every model alike and their ratios stay fair.
+
+    Each model gets `timing.repetitions` timed repetitions of about min_run_time / repetitions seconds each (enough
+    forward calls to fill it, estimated after `timing.warmup` forwards); CUDA is synchronized around every
+    repetition; torch runs with its current number of threads. The model is moved to `device` (default: where
+    its parameters are); `window` defaults to its context.
+    """
+    if batch_size < 1:
+        raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
+    runs = []
+    for model in models:
+        dev = torch.device(device) if device is not None else input_device(model)
+        model = model.to(dev).eval()
+        w = window or model_window(model)
+        runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev, w))
+
+    def timed(model, ids, dev, n: int) -> float:
+        """Seconds per forward, averaged over n calls."""
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        with torch.inference_mode():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                model(ids)
+            sync()
+        return (time.perf_counter() - t0) / n
+
+    forwards = []
+    for model, ids, dev, _ in runs:
+        if timing.warmup:
+            timed(model, ids, dev, timing.warmup)
+        forwards.append(max(1, math.ceil(timing.min_run_time / timing.repetitions / timed(model, ids, dev, 1))))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(timing.repetitions):
+        for i, (model, ids, dev, _) in enumerate(runs):
+            times[i].append(timed(model, ids, dev, forwards[i]))
+
+    out = []
+    for (model, ids, dev, w), t, n in zip(runs, times, forwards):
+        ms = np.asarray(t) * 1e3
+        q1, median, q3 = np.percentile(ms, [25, 50, 75])
+        out.append(Latency(ms_per_batch=float(median), iqr_ms=float(q3 - q1), min_ms=float(ms.min()),
+                           max_ms=float(ms.max()), tokens_per_s=batch_size * w / (median / 1e3),
+                           batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
+                           measurements=len(t), forwards=n))
+    return out
+
+
+def latency(model: nn.Module, batch_size: int = 8, window: int | None = None,
+            device: str | torch.device | None = None, timing: Timing = Timing()) -> Latency:
+    """Median wall time of one forward pass of one model (see `latencies`)."""
+    return latencies([model], batch_size, window, device, timing)[0]
