@@ -95,7 +95,7 @@ def _load(checkpoint, corpus, n_eval, n_calib, window, seed, device, revision, d
         if value < low:
             raise FcauditError(f"{flag} {value}: pass an integer >= {low}")
     if out is not None:
-        AuditDir(out).check()
+        AuditDir(out).check(checkpoint)
     if world_size is not None and world_size < 1:
         raise FcauditError(f"--world-size must be >= 1, got {world_size}")
     if world_size is not None and world is not None and world_size != world:

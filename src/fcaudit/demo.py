@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import prepare_out, read_json, write_json, write_text
+from fcaudit.io import claim_out, prepare_out, read_json, write_json, write_text
 
 console = Console(stderr=True)
 
@@ -62,7 +62,7 @@ def _check_out(out: Path, plan: DemoPlan) -> None:
     path = out / "demo_plan.json"
     if path.is_file() and read_json(path) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
         raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, "demo")
     if not path.is_file():
         write_json(path, asdict(plan))
 
@@ -77,7 +77,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.train import TrainConfig, train
 
     plan = QUICK if quick else FULL
-    out = prepare_out(out, "demo", alone=True)
+    out = prepare_out(out, "demo")
     _check_out(out, plan)
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.families import DEFAULT_WINDOW_CAP
-from fcaudit.io import atomic_write, prepare_out, read_json, write_json
+from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.placement import input_device
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
@@ -353,7 +353,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         raise FcauditError(f"--threshold-windows {threshold_windows}: pass 1 or more test windows")
     if not all(math.isfinite(float(t)) for t in thresholds):
         raise FcauditError(f"--threshold {list(thresholds)}: pass finite thresholds, e.g. 0.3")
-    out = prepare_out(out, "execution results", alone=True)
+    out = prepare_out(out, "execution results")
     dev = resolve_device(device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
@@ -369,7 +369,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         rows, sweeps, conditions = _measure_all(checkpoint_dirs, paths, dev, batch_size, window, min_run_time,
                                                 thresholds, corpus, threshold_windows, progress)
     df = add_dense_ratios(pd.DataFrame(rows))
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, "execution results")
     settings = {"batch_size": batch_size, "window": window, "device": str(dev), "min_run_time": min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(thresholds),
@@ -380,13 +380,13 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         atomic_write(out / "thresholding.csv", lambda p: sweep_df.to_csv(p, index=False))
         payload["thresholding"] = sweep_df.to_dict(orient="records")
     else:  # a sweep left by an earlier run with other settings must not sit next to these results
-        (out / "thresholding.csv").unlink(missing_ok=True)
+        remove_file(out / "thresholding.csv")
     if conditions:  # routed models: experts, expert FLOPs and latency under Correct and each static condition
         cond_df = pd.concat(conditions, ignore_index=True)
         atomic_write(out / "conditions.csv", lambda p: cond_df.to_csv(p, index=False))
         payload["conditions"] = cond_df.to_dict(orient="records")
     else:
-        (out / "conditions.csv").unlink(missing_ok=True)
+        remove_file(out / "conditions.csv")
     atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
     write_json(out / "execution.json", payload)
     return df
