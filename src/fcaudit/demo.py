@@ -76,6 +76,9 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     from fcaudit.summary import summarize
     from fcaudit.train import TrainConfig, train
 
+    from fcaudit.families.hf_moe import require_transformers
+
+    require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
     out = prepare_out(out, "demo")
     _check_out(out, plan)

@@ -32,6 +32,7 @@ def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) 
 
 
 def _build(cfg) -> nn.Module:
+    require_transformers("training a Hugging Face MoE model (--model moe)")
     from transformers import AutoModelForCausalLM
 
     from fcaudit.families.hf_moe.tiny import byte_mixtral_config
