@@ -334,14 +334,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     from fcaudit import families
     from fcaudit.data import all_windows, load_corpus, make_windows, random_batch
 
-    out = Path(cfg.out)
-    if out.is_dir() and not (out / "train_config.json").is_file():  # not a run of ours: a checkpoint, an audit, ...
-        theirs = sorted(p.name for p in out.iterdir()
-                        if p.name not in (LOCK, COMMANDS["training run"].marker) and not p.name.endswith(".tmp"))
-        if theirs:
-            raise FcauditError(f"--out {out} holds files fcaudit train did not write ({theirs[0]}, ...): pass a new "
-                               "or empty directory for the training run")
-    out = prepare_out(out, "training run")
+    out = prepare_out(cfg.out, "training run")  # new, empty or a run of ours (fcaudit.io's rule for every --out)
     device = resolve_device(cfg.device)
     if corpus is None:
         corpus = load_corpus(cfg.corpus)
