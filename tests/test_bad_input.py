@@ -223,7 +223,7 @@ ENGINE_ROWS: list[Row] = [
     ("audit-out-read-only", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", read_only_dir(t) / "a"],
      "cannot write"),
     ("audit-out-someone-elses-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", fg_ckpt(t)],
-     "not an fcaudit audit directory"),
+     "is the checkpoint"),
     # --device-map (accelerate spreading a Hugging Face model)
     # Hugging Face checkpoints that do not load or route
     ("audit-moe-config-not-fitting-weights", lambda t: ["audit", moe_ckpt(t, num_local_experts=6), *AUDIT,
