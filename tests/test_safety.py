@@ -194,6 +194,7 @@ ROWS: list[Row] = [
     ("demo-into-their-dir", lambda t: ["demo", "--quick", "--out", user_file(t / "theirs").parent],
      "not an fcaudit demo directory"),
     ("audit-into-the-checkpoint", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", t / "fg"], "is the checkpoint"),
+    ("execution-into-the-checkpoint", lambda t: ["execution", fg_ckpt(t), "--out", t / "fg"], "is the checkpoint"),
     ("audit-inside-the-checkpoint", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", t / "fg" / "audit"],
      "is inside the checkpoint"),
     ("summarize-into-an-audit", lambda t: ["summarize", an_audit(t), "--out", t / "audit"], "holds an audit"),
@@ -219,7 +220,7 @@ ROWS: list[Row] = [
      "summary.json is a symbolic link"),
     # 7: sizes in config.json against the weights, before anything is allocated
     ("audit-block-size-1e8", lambda t: ["audit", fg_ckpt(t, block_size=100_000_000), *AUDIT, "--out", t / "a"],
-     "implies wpe.weight of shape [100000000, 32]"),
+     "wpe.weight: config.json implies [100000000, 32]"),
     # 8, 9: pickle weights and index shards
     ("audit-moe-pickle-payload", lambda t: ["audit", _moe_pickle(t, payload=True), *AUDIT, "--out", t / "a"],
      "restricted unpickler refused it"),

@@ -140,8 +140,9 @@ def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
     stored = stored_shapes(files)
     for key, t in expected.items():
         if key in stored and tuple(t.shape) != stored[key]:
-            raise FcauditError(f"{dir / 'config.json'} implies {key} of shape {list(t.shape)}, but the weights hold "
-                               f"{list(stored[key])}: use the config.json saved with these weights")
+            raise FcauditError(f"the weights in {dir} do not match its config.json ({key}: config.json implies "
+                               f"{list(t.shape)}, the weights hold {list(stored[key])}): use the config.json saved "
+                               "with these weights")
 
 
 def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -> None:

@@ -353,7 +353,7 @@ def measure_execution(checkpoint_dirs: Sequence[str | os.PathLike], out: str | o
         raise FcauditError(f"--threshold-windows {threshold_windows}: pass 1 or more test windows")
     if not all(math.isfinite(float(t)) for t in thresholds):
         raise FcauditError(f"--threshold {list(thresholds)}: pass finite thresholds, e.g. 0.3")
-    out = prepare_out(out, "execution results")
+    out = prepare_out(out, "execution results", avoid=checkpoint_dirs)
     dev = resolve_device(device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve_checkpoint(p) for p in checkpoint_dirs]
