@@ -221,6 +221,8 @@ ROWS: list[Row] = [
     # 7: sizes in config.json against the weights, before anything is allocated
     ("audit-block-size-1e8", lambda t: ["audit", fg_ckpt(t, block_size=100_000_000), *AUDIT, "--out", t / "a"],
      "wpe.weight: config.json implies [100000000, 32]"),
+    ("audit-mudd-block-size-1e8", lambda t: ["audit", _mudd_config(t, block_size=100_000_000), *AUDIT,
+                                             "--out", t / "a"], "block_size 100000000, more positions"),
     # 8, 9: pickle weights and index shards
     ("audit-moe-pickle-payload", lambda t: ["audit", _moe_pickle(t, payload=True), *AUDIT, "--out", t / "a"],
      "restricted unpickler refused it"),
@@ -258,6 +260,12 @@ def _moe_pickle(t: Path, payload: bool) -> Path:
 def _mudd_pickle(t: Path) -> Path:
     d = mudd_ckpt(t)
     pickled_weights(d, payload=True)
+    return d
+
+
+def _mudd_config(t: Path, **config) -> Path:
+    d = mudd_ckpt(t)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **config}))
     return d
 
 
@@ -412,3 +420,14 @@ def test_a_missing_extra_is_named_before_any_work(tmp_path):
         assert code == 2 and len(lines) == 1, (args, output)
         assert "needs transformers" in lines[0] and "pip install 'fcaudit[hf]'" in lines[0], lines[0]
     assert world(tmp_path) == before
+
+
+def test_a_directory_deleted_and_made_anew_is_claimed_afresh(tmp_path):
+    """Within one process: what was recorded of a deleted directory is not carried over to its successor."""
+    import shutil
+
+    audit = an_audit(tmp_path)
+    for _ in range(2):
+        assert runner.invoke(app, ["summarize", str(audit), "--out", str(tmp_path / "s")]).exit_code == 0
+        assert "summary.json" in json.loads((tmp_path / "s" / ".fcaudit-summary").read_text())["files"]
+        shutil.rmtree(tmp_path / "s")

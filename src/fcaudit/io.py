@@ -233,19 +233,18 @@ def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.Pa
     command = COMMANDS[what]
     path = prepare_out(path, what, avoid=avoid)
     path.mkdir(parents=True, exist_ok=True)
-    confine(path, what)
     marker = path / command.marker
-    if command.writes_marker and not os.path.lexists(marker):
-        _write_marker(path / command.marker, what, [] if command.records else None)
+    fresh = command.writes_marker and not os.path.lexists(marker)
+    confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
+    if fresh:
+        _write_marker(marker, what, [] if command.records else None)
     return path
 
 
 def confine(root: str | os.PathLike, what: str) -> None:
     """From now on, no write, replace, lock or removal below `root` goes through a symbolic link, and for a command
-    that records its files, only recorded files are replaced or removed. Idempotent."""
+    that records its files, only recorded files are replaced or removed (the record is read from its marker)."""
     absolute = Path(os.path.abspath(root))
-    if str(absolute) in _CLAIMS:
-        return
     command = COMMANDS[what]
     files: set[str] | None = None
     if command.records:

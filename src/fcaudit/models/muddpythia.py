@@ -441,6 +441,9 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
                                f"{list(v.shape)}: fix config.json or use the matching weights")
 
 
+MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
+
+
 def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = None,
                     dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> MUDDPythia:
     """Load a MUDDPythia checkpoint from a local directory or a hub id (optionally at `revision`).
@@ -459,6 +462,9 @@ def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = Non
         config = MUDDConfig.from_dict(raw)
     except TypeError as e:
         raise FcauditError(f"{path / 'config.json'} has a field of the wrong type ({e}): fix config.json") from None
+    if config.block_size > MAX_POSITIONS:  # no weight holds it: the first forward would build a table this long
+        raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than fcaudit "
+                           f"builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with these weights")
     with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
         model = MUDDPythia(config)
     state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
