@@ -238,6 +238,8 @@ ROWS: list[Row] = [
     ("audit-moe-index-through-dotdot", lambda t: [
         "audit", index_to(moe_ckpt(t), f"../{moe_ckpt(t, 'other').name}/model.safetensors"), *AUDIT,
         "--out", t / "a"], "which is not inside"),
+    ("audit-mudd-index-shard-links-outside", lambda t: ["audit", _shard_link(t), *AUDIT, "--out", t / "a"],
+     "which is not inside"),
     # 15: a binary file as the corpus
     ("audit-binary-corpus-file", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--corpus", binary_file(t),
                                             "--out", t / "a"], "is binary"),
@@ -266,6 +268,13 @@ def _mudd_pickle(t: Path) -> Path:
 def _mudd_config(t: Path, **config) -> Path:
     d = mudd_ckpt(t)
     (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **config}))
+    return d
+
+
+def _shard_link(t: Path) -> Path:
+    """An index whose shard, named inside the checkpoint, is a link to another checkpoint's weights."""
+    d = index_to(mudd_ckpt(t), "model-00001-of-00001.safetensors")
+    (d / "model-00001-of-00001.safetensors").symlink_to(mudd_ckpt(t, "other") / "model.safetensors")
     return d
 
 
@@ -327,6 +336,18 @@ def test_a_native_checkpoint_with_an_auto_map_loads_without_running_its_code(tmp
     (d / "modeling_evil.py").write_text(f"open({str(tmp_path / PWNED)!r}, 'w').write('ran')\n")
     model, _ = load_model(d)
     assert isinstance(model, MUDDPythia) and not (tmp_path / PWNED).exists()
+
+
+def test_a_native_transformers_model_with_an_auto_map_loads_natively(tmp_path):
+    """transformers has Mixtral's own class: the auto_map and its evil.py are ignored, never run."""
+    from fcaudit.models.checkpoint import load_model
+
+    d = moe_ckpt(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "evil.Evil"}}))
+    (d / "evil.py").write_text(f"open({str(tmp_path / PWNED)!r}, 'w').write('ran')\n")
+    model, _ = load_model(d)
+    assert type(model).__name__ == "MixtralForCausalLM" and not (tmp_path / PWNED).exists()
 
 
 def test_plain_pickle_weights_load_through_the_restricted_unpickler(tmp_path):

@@ -26,8 +26,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
-    """(weight_map, shard paths) of an index in `dir`; every shard a relative path inside `dir` (not a link to
-    another checkpoint's weights, an absolute path or one through '..')."""
+    """(weight_map, shard paths) of an index in `dir`; every shard a relative path that resolves inside `dir` (not
+    an absolute path, one through '..', or a link to another checkpoint's weights; a hub snapshot's links into its
+    own cache are its files)."""
     index = dir / index_name
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -38,9 +39,14 @@ def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
                            "checkpoint") from None
     paths = []
     root = os.path.normpath(os.path.abspath(dir))
+    inside = [os.path.realpath(root)]
+    if Path(root).parent.name == "snapshots":  # the hub's cache: a snapshot's files link to its repo's blobs/
+        inside.append(os.path.realpath(Path(root).parent.parent / "blobs"))
     for name in sorted(set(weight_map.values())):
         full = os.path.normpath(os.path.join(root, name))
-        if os.path.isabs(name) or not full.startswith(root + os.sep):
+        real = os.path.realpath(full)
+        if (os.path.isabs(name) or not full.startswith(root + os.sep)
+                or not any(real.startswith(d + os.sep) for d in inside)):
             raise FcauditError(f"{index} lists the shard {name!r}, which is not inside {dir}: an index names files "
                                "of its own directory; re-download the checkpoint")
         if not os.path.isfile(full):
