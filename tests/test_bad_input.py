@@ -176,7 +176,7 @@ ROWS: list[Row] = [
     ("summarize-out-holds-a-checkpoint", lambda t: ["summarize", t, "--out", fg_ckpt(t)], "holds a checkpoint"),
     ("report-out-holds-a-checkpoint", lambda t: ["report", fg_ckpt(t), "--out", fg_ckpt(t)], "holds a checkpoint"),
     ("execution-out-holds-a-checkpoint", lambda t: ["execution", fg_ckpt(t), "--out", fg_ckpt(t)],
-     "holds a checkpoint"),
+     "is the checkpoint"),
     ("summarize-a-checkpoint", lambda t: ["summarize", fg_ckpt(t), "--out", t / "s"], "audit it first"),
     # report inputs
     ("report-garbage-summary", lambda t: ["report", garbage_summary(t), "--out", t / "rep"],
