@@ -162,8 +162,8 @@ ROWS: list[Row] = [
     ("train-out-is-a-file", lambda t: [*TRAIN, "--out", a_file(t)], "existing file"),
     ("train-out-below-a-file", lambda t: [*TRAIN, "--out", a_file(t) / "run"], "below the file"),
     ("train-out-read-only", lambda t: [*TRAIN, "--out", read_only_dir(t) / "run"], "cannot write"),
-    ("train-out-holds-a-checkpoint", lambda t: [*TRAIN, "--out", moe_ckpt(t)], "fcaudit train did not write"),
-    ("train-out-holds-an-audit", lambda t: [*TRAIN, "--out", an_audit(t)], "fcaudit train did not write"),
+    ("train-out-holds-a-checkpoint", lambda t: [*TRAIN, "--out", moe_ckpt(t)], "not an fcaudit training run directory"),
+    ("train-out-holds-an-audit", lambda t: [*TRAIN, "--out", an_audit(t)], "not an fcaudit training run directory"),
     ("summarize-out-is-a-file", lambda t: ["summarize", t, "--out", a_file(t)], "existing file"),
     ("summarize-out-read-only", lambda t: ["summarize", t, "--out", read_only_dir(t) / "s"], "cannot write"),
     ("report-out-is-a-file", lambda t: ["report", fg_ckpt(t), "--out", a_file(t)], "existing file"),
@@ -176,7 +176,7 @@ ROWS: list[Row] = [
     ("summarize-out-holds-a-checkpoint", lambda t: ["summarize", t, "--out", fg_ckpt(t)], "holds a checkpoint"),
     ("report-out-holds-a-checkpoint", lambda t: ["report", fg_ckpt(t), "--out", fg_ckpt(t)], "holds a checkpoint"),
     ("execution-out-holds-a-checkpoint", lambda t: ["execution", fg_ckpt(t), "--out", fg_ckpt(t)],
-     "holds a checkpoint"),
+     "is the checkpoint"),
     ("summarize-a-checkpoint", lambda t: ["summarize", fg_ckpt(t), "--out", t / "s"], "audit it first"),
     # report inputs
     ("report-garbage-summary", lambda t: ["report", garbage_summary(t), "--out", t / "rep"],
@@ -223,7 +223,7 @@ ENGINE_ROWS: list[Row] = [
     ("audit-out-read-only", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", read_only_dir(t) / "a"],
      "cannot write"),
     ("audit-out-someone-elses-directory", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--out", fg_ckpt(t)],
-     "not an fcaudit audit directory"),
+     "is the checkpoint"),
     # --device-map (accelerate spreading a Hugging Face model)
     # Hugging Face checkpoints that do not load or route
     ("audit-moe-config-not-fitting-weights", lambda t: ["audit", moe_ckpt(t, num_local_experts=6), *AUDIT,

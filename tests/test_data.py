@@ -130,3 +130,28 @@ def test_text_that_is_not_utf8_is_noted_when_a_tokenizer_reads_it(tmp_path, caps
     assert "not UTF-8" not in capsys.readouterr().err
     data.load_corpus(str(latin1), tokenizer=tok)
     assert "the corpus holds 100 bytes that are not UTF-8" in capsys.readouterr().err
+
+
+def test_a_binary_corpus_file_is_treated_as_a_binary_file_in_a_directory(tmp_path):
+    """Left out as it would be inside a corpus directory, which leaves no text: one line, whatever its size."""
+    blob = tmp_path / "random.bin"
+    blob.write_bytes(bytes(range(256)) * 200)
+    with pytest.raises(FcauditError, match="is binary") as e:
+        data.load_corpus(str(blob))
+    assert "\n" not in str(e.value)
+    d = tmp_path / "only-binary"
+    d.mkdir()
+    (d / "random.bin").write_bytes(blob.read_bytes())
+    with pytest.raises(FcauditError, match="holds no text files"):
+        data.load_corpus(str(d))
+    late = tmp_path / "late.txt"  # a NUL byte past the first 8000 bytes: text, as in a directory
+    late.write_bytes(b"plain text " * 1000 + b"\0")
+    assert len(data.load_corpus(str(late)).train) > 0
+
+
+def test_a_hub_corpus_without_datasets_names_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(FcauditError, match="needs the datasets package: pip install datasets"):
+        data.load_corpus("wikitext-103")

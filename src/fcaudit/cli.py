@@ -165,7 +165,7 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
     """
     from fcaudit.io import prepare_out
 
-    prepare_out(out, "summary", alone=True)
+    prepare_out(out, "summary")
     from fcaudit.summary import summarize as run_summary
 
     summary = run_summary(audit_dirs, out=out, allow_partial=allow_partial)

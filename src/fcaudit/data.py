@@ -146,16 +146,23 @@ def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...
     return arrays, int(tokenizer.get_vocab_size())
 
 
+def _is_binary(text: bytes) -> bool:
+    return b"\0" in text[:8000]  # git's test: a NUL byte early on
+
+
 def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
     path, config = HF_CORPORA[name]
+    try:  # before the hub is asked: the fix is an install, not a network
+        import datasets
+    except ImportError:
+        raise FcauditError(f"corpus {name!r} needs the datasets package: pip install datasets (or pass a local text "
+                           "file or directory with --corpus PATH)") from None
     if not offline_mode() and not hub_reachable():
         raise FcauditError(
             f"corpus {name!r} needs the Hugging Face hub, which is unreachable; pass a local text file or directory "
             f"with --corpus PATH (or set HF_HUB_OFFLINE=1 to use a cached copy)")
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(path, config)
+    try:  # a dataset's loading script never runs: datasets>=4 runs none, older ones are told not to
+        ds = datasets.load_dataset(path, config, trust_remote_code=False)
     except Exception as e:  # datasets raises many types for "not cached / not reachable"
         raise FcauditError(f"could not load {name!r} through datasets ({type(e).__name__}); pass a local text file "
                            f"or directory with --corpus PATH") from None
@@ -187,7 +194,7 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
             files = sorted(p for p in path.rglob("*") if p.is_file()
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
             named = [(p.relative_to(path).as_posix(), p.read_bytes()) for p in files]
-            binary = {n for n, t in named if b"\0" in t[:8000]}  # git's test: a NUL byte early on
+            binary = {n for n, t in named if _is_binary(t)}
             text = [(n, t) for n, t in named if n not in binary]
             if binary:
                 print(f"note: corpus {path}: {len(binary)} binary file(s) left out (e.g. {min(binary)})",
@@ -197,7 +204,11 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
                                    "read); point --corpus at text files")
             texts = _split_directory(text)
         else:
-            texts = _split_contiguous(path.read_bytes())
+            raw = path.read_bytes()
+            if _is_binary(raw):  # as a binary file inside a corpus directory is left out: then nothing is left
+                raise FcauditError(f"corpus file {path} is binary (a NUL byte in its first 8000 bytes), not text: "
+                                   "point --corpus at a text file or directory")
+            texts = _split_contiguous(raw)
         source, license = f"local:{path.resolve()}", "as stated by the files' owner"
     arrays, vocab = _encode(texts, tokenizer, splits)
     for split, a in zip(SPLITS, arrays):

@@ -24,7 +24,8 @@ from fcaudit.config import AuditConfig
 from fcaudit.data import load_corpus
 from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
-from fcaudit.io import prepare_out, read_json, write_json, write_text
+from fcaudit.families.hf_moe import require_transformers
+from fcaudit.io import claim_out, prepare_out, read_json, write_json, write_text
 from fcaudit.report.render import build_report
 from fcaudit.report.tables import to_markdown, training_display, training_table
 from fcaudit.summary import summarize
@@ -70,14 +71,15 @@ def _check_out(out: Path, plan: DemoPlan) -> None:
     path = out / "demo_plan.json"
     if path.is_file() and read_json(path) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
         raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, "demo")
     if not path.is_file():
         write_json(path, asdict(plan))
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
+    require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
-    out = prepare_out(out, "demo", alone=True)
+    out = prepare_out(out, "demo")
     _check_out(out, plan)
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")

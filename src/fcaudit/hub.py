@@ -11,9 +11,10 @@ from pathlib import Path
 from fcaudit.errors import FcauditError
 
 HUB_HOST = "huggingface.co"
-# What fcaudit reads from a checkpoint repo; pickle-era .bin weights only when a repo has no safetensors.
+# What fcaudit reads from a checkpoint repo, never a .py file (no checkpoint code runs, so none is fetched);
+# pickle-era .bin weights only when a repo has no safetensors, read through torch's restricted unpickler.
 CHECKPOINT_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-                    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt"]
+                    "tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt"]
 PICKLE_FALLBACK = ["pytorch_model*.bin", "*.bin.index.json"]
 
 

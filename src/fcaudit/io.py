@@ -1,30 +1,40 @@
-"""Atomic writes (a file is either absent or complete, never half written) and output-directory checks."""
+"""Atomic writes (a file is either absent or complete, never half written) and the one rule for output directories.
+
+The rule, for every command's --out (audit, training run, summary, execution results, report, demo): fcaudit writes
+only into a directory that is new, empty, or carries that command's marker, and deletes only what it wrote there.
+A claimed directory is confined: no write, replace, lock or removal inside it goes through a symbolic link, so a link
+planted in a run directory cannot make fcaudit touch a file outside it."""
 
 import fcntl
 import json
 import math
 import os
 import re
+import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from fcaudit.errors import FcauditError
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
-# atomic_write's temp files: "." + target name + "." + mkstemp's 8 random characters + ".tmp"
-_TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+# atomic_write's temp files ("." + target name + "." + mkstemp's random characters + ".tmp") and the probe's
+_TEMP = re.compile(r"^\..+\.tmp$")
 
 
 @contextmanager
 def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
+    _guard(path)
     if not path.parent.is_dir():  # a stat is far cheaper than mkdir's failing syscall on every write
         path.parent.mkdir(parents=True, exist_ok=True)
+    _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
@@ -88,67 +98,115 @@ class Locked(FcauditError):
 LOCK = ".lock"
 
 
-def lock_dir(path: str | os.PathLike, what: str) -> int:
-    """Take the exclusive lock of directory `path` (created if need be) for the `what`, or fail at once: two
-    processes must never write one run or audit directory. Returns the lock's descriptor; closing it (or the
-    process ending, however it ends) releases the lock."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise Locked(f"{path} is being written by another fcaudit process ({holder}); wait for it to finish or pass "
-                     f"another --out for the {what}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return fd
+# ---- the rule for output directories ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Command:
+    marker: str  # the file that makes a directory this command's
+    records: bool  # the marker lists every file written (commands whose set of files changes between runs)
+    writes_marker: bool = True  # False: the command writes its own marker (the audit's holds its config hash)
+    legacy: str | None = None  # the file by which a directory of an fcaudit from before markers is recognized
 
 
-@contextmanager
-def locked(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """`lock_dir` for the duration of the block."""
-    fd = lock_dir(path, what)
-    try:
-        yield
-    finally:
-        os.close(fd)
+# keyed by the name messages use ("... for the training run")
+COMMANDS = {
+    "audit": Command(".fcaudit-audit", records=False, writes_marker=False),
+    "training run": Command(".fcaudit-train", records=False, legacy="train_config.json"),
+    "summary": Command(".fcaudit-summary", records=True),
+    "execution results": Command(".fcaudit-execution", records=True),
+    "report": Command(".fcaudit-report", records=True),
+    "demo": Command(".fcaudit-demo", records=True),
+}
+MARKERS = {c.marker: what for what, c in COMMANDS.items()}
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temp files an interrupted atomic_write left in `directory` (not below it); returns them.
-
-    Only names of atomic_write's own pattern are touched, never a file fcaudit did not create."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    stale = [p for p in directory.iterdir() if p.is_file() and _TEMP.match(p.name)]
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
+@dataclass
+class _Claim:
+    root: Path  # absolute, as given
+    what: str
+    files: set[str] | None  # recorded files (relative paths), None for a command that records none
 
 
-# files that make a directory a checkpoint or an audit: no other command's output goes into it
-OTHERS = {".fcaudit-audit": "an audit", "config.json": "a checkpoint", "model.safetensors": "a checkpoint"}
+_CLAIMS: dict[str, _Claim] = {}  # this process's claimed directories, by absolute path (as given and resolved)
 
 
-def prepare_out(path: str | os.PathLike, what: str, *, alone: bool = False) -> Path:
-    """Check, before any work, that `path` can become (or already is) a writable directory for the `what`.
+def _ours(name: str) -> bool:
+    """A name fcaudit leaves in any directory it writes: the lock and the temp files of a killed write."""
+    return name == LOCK or bool(_TEMP.match(name))
 
-    Creates nothing and deletes nothing: a file at `path`, a file among its parents, or a directory that cannot
-    be written becomes one FcauditError naming the fix; so does, with `alone`, a directory holding a checkpoint or
-    an audit (OTHERS), whose files the `what` would mix with. Returns `path` as a Path.
+
+def _kind_of(path: Path) -> str:
+    """What a directory that is not ours holds, for the refusal."""
+    names = set(os.listdir(path))
+    other = next((MARKERS[n] for n in sorted(names) if n in MARKERS), None)
+    if other is not None:
+        return f"holds {'an' if other[0] in 'aeiou' else 'a'} {other}"
+    if names & set(_CHECKPOINT_FILES):
+        return "holds a checkpoint"
+    theirs = sorted(n for n in names if not _ours(n))
+    return f"holds files fcaudit did not write ({theirs[0]}{', ...' if len(theirs) > 1 else ''})"
+
+
+def _is_marked(path: Path, command: Command) -> bool:
+    for name in (command.marker, command.legacy):
+        if name is not None:
+            try:
+                if stat.S_ISREG(os.lstat(path / name).st_mode):
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def _first_link(root: Path) -> Path | None:
+    """The first symbolic link anywhere below `root` (links are not followed while looking)."""
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk does not descend into linked directories
+        for name in sorted(dirnames + filenames):
+            if os.path.islink(os.path.join(dirpath, name)):
+                return Path(dirpath) / name
+    return None
+
+
+def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | None:
+    real = path.resolve()
+    if real == Path(real.anchor):
+        return "is the filesystem root"
+    if real == Path.home().resolve():
+        return "is the home directory"
+    for other in avoid:
+        other = Path(other).expanduser()
+        if other.exists() and (real == other.resolve() or other.resolve() in real.parents):
+            return f"is {'inside ' if real != other.resolve() else ''}the checkpoint {other}"
+    return None
+
+
+def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
+    """Check, before any work, that `path` can become (or already is) the `what`'s output directory (COMMANDS).
+
+    Creates nothing and deletes nothing. Refused with one line naming the fix: the filesystem root, the home
+    directory, a checkpoint in `avoid` (or a directory inside it), a file, a path below a file, an unwritable
+    directory, a directory holding anything but this command's marker and what fcaudit leaves (foreign files, a
+    checkpoint, another command's output), and one of ours holding a symbolic link. Returns `path` as a Path.
     """
+    command = COMMANDS[what]
     path = Path(path)
+    named = _refused_by_name(path, avoid)
+    if named is not None:
+        raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
+    if path.is_symlink() and not path.exists():
+        raise FcauditError(f"--out {path} is a broken symbolic link: pass a directory for the {what}")
     if path.exists() and not path.is_dir():
         raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                            "(fcaudit does not overwrite files it did not write)")
-    if alone and path.is_dir():
-        held = next((kind for name, kind in OTHERS.items() if (path / name).exists()), None)
-        if held is not None:
-            raise FcauditError(f"--out {path} holds {held}: pass a directory of its own for the {what}")
+    if path.is_dir():
+        if not _is_marked(path, command) and not all(_ours(n) for n in os.listdir(path)):
+            raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new or "
+                               f"empty directory for the {what}")
+        link = _first_link(path)
+        if link is not None:
+            raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never writes "
+                               "through links there; remove it or pass a new --out")
     existing = path
     while not existing.exists():  # the nearest existing ancestor is where the first directory would be created
         if existing.parent == existing:
@@ -167,3 +225,182 @@ def prepare_out(path: str | os.PathLike, what: str, *, alone: bool = False) -> P
         raise FcauditError(f"--out {path}: cannot write to {where} ({e.strerror}): pass a writable directory for the "
                            f"{what}") from None
     return path
+
+
+def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
+    """`prepare_out`, then make `path` the `what`'s directory: created, marked (unless the command writes its own
+    marker) and confined for the rest of this process (`confine`). Call it where the first file is written."""
+    command = COMMANDS[what]
+    path = prepare_out(path, what, avoid=avoid)
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / command.marker
+    fresh = command.writes_marker and not os.path.lexists(marker)
+    confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
+    if fresh:
+        _write_marker(marker, what, [] if command.records else None)
+    return path
+
+
+def confine(root: str | os.PathLike, what: str) -> None:
+    """From now on, no write, replace, lock or removal below `root` goes through a symbolic link, and for a command
+    that records its files, only recorded files are replaced or removed (the record is read from its marker)."""
+    absolute = Path(os.path.abspath(root))
+    command = COMMANDS[what]
+    files: set[str] | None = None
+    if command.records:
+        try:
+            listed = json.loads((absolute / command.marker).read_text()).get("files", [])
+            files = {str(f) for f in listed} if isinstance(listed, list) else set()
+        except (OSError, ValueError, AttributeError):
+            files = set()
+    claim = _Claim(absolute, what, files)
+    for key in {str(absolute), os.path.realpath(absolute)}:
+        _CLAIMS[key] = claim
+
+
+def _claims_of(path: Path) -> list[tuple[str, _Claim]]:
+    """(root key, claim) of every claimed directory that holds `path`, outermost first."""
+    text = os.path.abspath(path)
+    return sorted(((k, c) for k, c in _CLAIMS.items() if text == k or text.startswith(k.rstrip(os.sep) + os.sep)),
+                  key=lambda kc: len(kc[0]))
+
+
+def _guard(path: str | os.PathLike) -> None:
+    """Refuse `path` when it, or a directory between it and a claimed directory that holds it, is a symbolic link:
+    the resolved path then stays inside the claimed directory."""
+    text = os.path.abspath(path)
+    for key, claim in _claims_of(Path(text)):
+        current = key
+        for part in Path(os.path.relpath(text, key)).parts if text != key else ():
+            current = os.path.join(current, part)
+            try:
+                mode = os.lstat(current).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break  # what is missing is created as a real directory or file
+            if stat.S_ISLNK(mode):
+                raise FcauditError(f"{current} is a symbolic link inside the {claim.what} directory {claim.root}: "
+                                   "fcaudit never writes through links there; remove it or pass a new --out")
+
+
+def _recording(path: Path) -> tuple[_Claim, str] | None:
+    """The innermost claimed directory holding `path`, with `path` relative to it, when that command records files."""
+    held = _claims_of(path)
+    if not held:
+        return None
+    key, claim = held[-1]
+    rel = os.path.relpath(os.path.abspath(path), key)
+    if claim.files is None or rel == COMMANDS[claim.what].marker:
+        return None
+    return claim, rel
+
+
+def _write_marker(marker: Path, what: str, files: list[str] | None) -> None:
+    body = {"command": what} if files is None else {"command": what, "files": sorted(files)}
+    with _replacing(marker) as (fd, _), os.fdopen(fd, "w") as f:
+        f.write(json.dumps(body, indent=2) + "\n")
+
+
+def _record(path: Path) -> None:
+    """Add `path` to its recording directory's marker before it is written; a file already there that fcaudit did
+    not record is never replaced."""
+    held = _recording(path)
+    if held is None:
+        return
+    claim, rel = held
+    if rel in claim.files:
+        return
+    if os.path.lexists(path):
+        raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[claim.what].marker} does "
+                           "not list it): move it away or pass a new --out")
+    claim.files.add(rel)
+    _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+
+
+def recorded(root: str | os.PathLike) -> list[Path]:
+    """The files fcaudit recorded writing into the claimed directory `root` (for a command that records them)."""
+    claim = _CLAIMS.get(os.path.abspath(root))
+    return [claim.root / f for f in sorted(claim.files or ())] if claim is not None else []
+
+
+def remove_file(path: str | os.PathLike) -> bool:
+    """Delete `path` if fcaudit may: never through a link (`_guard`), and in a directory whose command records its
+    files only a recorded one. Returns whether a file was deleted."""
+    path = Path(path)
+    _guard(path)
+    held = _recording(path)
+    if held is not None and held[1] not in held[0].files:
+        return False
+    try:
+        path.unlink()
+        removed = True
+    except FileNotFoundError:
+        removed = False
+    if held is not None:
+        claim, rel = held
+        claim.files.discard(rel)
+        _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+    return removed
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """shutil.rmtree(path, ignore_errors=True), but never of a link or through one (`_guard`); rmtree itself does
+    not follow the links below it."""
+    path = Path(path)
+    _guard(path)
+    if os.path.islink(path):
+        raise FcauditError(f"{path} is a symbolic link: fcaudit never deletes through links; remove it and rerun")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def lock_dir(path: str | os.PathLike, what: str) -> int:
+    """Claim directory `path` for the `what` (`claim_out`) and take its exclusive lock, or fail at once: two
+    processes must never write one run or audit directory. Returns the lock's descriptor; closing it (or the
+    process ending, however it ends) releases the lock. The lock file is never opened through a link."""
+    path = claim_out(path, what)
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise FcauditError(f"{path / LOCK} cannot be opened as a lock ({e.strerror}; fcaudit never follows a link "
+                           "there): remove it or pass a new --out") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise Locked(f"{path} is being written by another fcaudit process ({holder}); wait for it to finish or pass "
+                     f"another --out for the {what}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FcauditError(f"{path / LOCK} is not a regular file: remove it or pass a new --out")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    return fd
+
+
+@contextmanager
+def locked(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """`lock_dir` for the duration of the block."""
+    fd = lock_dir(path, what)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:
+    """Delete the temp files an interrupted atomic_write left in `directory` (with `recursive`, below it too, links
+    not followed); returns them. Only names of atomic_write's own pattern are touched, never a file fcaudit did not
+    create."""
+    directory = Path(directory)
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    stale = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        stale += [Path(dirpath) / n for n in sorted(filenames) if _TEMP.match(n)
+                  and stat.S_ISREG(os.lstat(os.path.join(dirpath, n)).st_mode)]
+        if not recursive:
+            break
+    for p in stale:
+        _guard(p)
+        p.unlink(missing_ok=True)
+    return stale

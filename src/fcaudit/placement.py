@@ -24,7 +24,8 @@ STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate'
 
 def parse_device_map(spec: str) -> str | dict[str, str | int]:
     """`--device-map`: one of accelerate's strategies (auto: fill the GPUs, then the CPU, then disk), or a JSON file
-    of {module path: device} ("cuda:0", 1, "cpu", "disk")."""
+    of {module path: device} ("cuda:0", 1, "cpu", "disk"). accelerate is checked first: a map needs it."""
+    require_accelerate()
     if spec in STRATEGIES:
         return spec
     path = Path(spec)
@@ -50,10 +51,11 @@ def parse_device_map(spec: str) -> str | dict[str, str | int]:
 
 
 def require_accelerate() -> None:
+    """One line naming the extra to install, before any work that needs accelerate."""
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise FcauditError("a device map needs accelerate: pip install 'fcaudit[hf]'") from None
+        raise FcauditError("a device map needs accelerate, an optional extra: pip install 'fcaudit[hf]'") from None
 
 
 def input_device(model: nn.Module) -> torch.device:

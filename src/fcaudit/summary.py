@@ -24,7 +24,7 @@ import pandas as pd
 from fcaudit import protocol
 from fcaudit.audit.results import AuditResult
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, finite_json, read_json, write_json
+from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import factor_effects
 from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se
@@ -311,7 +311,9 @@ class Summary:
                 "retention": recs(self.retention), "criteria": self.criteria}
 
     def save(self, out: str | Path) -> Path:
-        out = Path(out)
+        """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's
+        rule (new, empty, or an earlier summary's)."""
+        out = claim_out(out, "summary")
         write_json(out / "summary.json", self.to_dict())
         for name in ("conditions", "factors", "retention"):
             atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): csv_frame(df).to_csv(p, index=False))

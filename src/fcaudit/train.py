@@ -19,7 +19,6 @@ so each window predicts window-1 bytes. Gate mass = mean gate over the same wind
 """
 
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from fcaudit import data, families
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import LOCK, locked, prepare_out, read_json, remove_stale_temps, write_json
+from fcaudit.io import COMMANDS, LOCK, locked, prepare_out, read_json, remove_stale_temps, remove_tree, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.provenance import provenance
@@ -203,7 +202,7 @@ def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, hist
     """Write ckpt/step-NNNNNN/ completely, then point latest.json at it, then drop older states."""
     name = f"ckpt/step-{step:06d}"
     tmp = out / f"ckpt/.tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     tmp.mkdir(parents=True)
     save_weights(tmp / "model.safetensors", model)
     opt_state = opt.state_dict()
@@ -215,12 +214,12 @@ def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, hist
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     write_json(tmp / "state.json", {"step": step, "numpy_rng": rng.bit_generator.state,
                                     "param_groups": opt_state["param_groups"], "history": history})
-    shutil.rmtree(out / name, ignore_errors=True)
+    remove_tree(out / name)
     tmp.rename(out / name)
     write_json(out / "latest.json", {"step": step, "dir": name})
     for old in (out / "ckpt").glob("step-*"):
         if old.name != Path(name).name:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
 
 
 def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.device) -> tuple[int, list]:
@@ -283,7 +282,7 @@ def _remove_stale_temps(out: Path) -> None:
     remove_stale_temps(out)
     remove_stale_temps(out / "ckpt")
     for tmp in (out / "ckpt").glob(".tmp-step-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
 
 
 def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path, created: bool) -> FcauditError:
@@ -294,8 +293,10 @@ def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path,
         return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}): the last good training state "
                             f"(step {kept}) is kept in {out}; rerun with a smaller --lr and another --out")
     (out / "train_config.json").unlink(missing_ok=True)
-    if created and not any(p.name != LOCK for p in out.iterdir()):
-        (out / LOCK).unlink(missing_ok=True)  # the lock is held by its descriptor, not its name
+    ours = (LOCK, COMMANDS["training run"].marker)
+    if created and not any(p.name not in ours for p in out.iterdir()):
+        for name in ours:
+            (out / name).unlink(missing_ok=True)  # the lock is held by its descriptor, not its name
         out.rmdir()
     return FcauditError(f"{what} became {value} at step {step} (lr {cfg.lr:g}), before any checkpoint: "
                         f"rerun with a smaller --lr")
@@ -306,13 +307,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
 
     `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
     """
-    out = Path(cfg.out)
-    if out.is_dir() and not (out / "train_config.json").is_file():  # not a run of ours: a checkpoint, an audit, ...
-        theirs = sorted(p.name for p in out.iterdir() if p.name != LOCK and not p.name.endswith(".tmp"))
-        if theirs:
-            raise FcauditError(f"--out {out} holds files fcaudit train did not write ({theirs[0]}, ...): pass a new "
-                               "or empty directory for the training run")
-    out = prepare_out(out, "training run")
+    out = prepare_out(cfg.out, "training run")  # new, empty or a run of ours (fcaudit.io's rule for every --out)
     device = resolve_device(cfg.device)
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus)

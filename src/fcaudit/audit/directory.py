@@ -1,6 +1,7 @@
 """An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration.
 
     .fcaudit-audit      marker, written first: fcaudit never deletes or overwrites a file in a directory without it
+                        (fcaudit.io's rule: a new or empty directory, or one with this marker; no links inside)
     .lock               exclusive fcntl lock of the process writing it (released by the OS when that process dies)
     config.json         the audit's configuration; a rerun with the same configuration resumes, another is refused
     coeffs/             the coefficient store (one chunk per capture batch)
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from fcaudit.audit import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import LOCK, Locked, lock_dir, prepare_out
+from fcaudit.io import Locked, confine, lock_dir, prepare_out, remove_file, remove_stale_temps
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
@@ -64,15 +65,11 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def _ours_only(path: Path) -> bool:
-    """True when `path` holds nothing but what a killed first write of fcaudit can leave: the lock and temp files."""
-    return all(p.name == LOCK or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
-
-
 class AuditDir:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self._lock_fd: int | None = None
+        confine(self.root, "audit")  # every rank's writes and removals below it never go through a link
 
     # ---- paths ---------------------------------------------------------------------------------------------------
     @property
@@ -111,12 +108,10 @@ class AuditDir:
     def is_ours(self) -> bool:
         return (self.root / MARKER).is_file()
 
-    def check(self) -> None:
-        """Before any work: the directory can become this audit's (new, empty, or an fcaudit audit directory)."""
-        if self.root.is_dir() and not self.is_ours() and not _ours_only(self.root):
-            raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
-                               "--out directory")
-        prepare_out(self.root, "audit")
+    def check(self, checkpoint: str | os.PathLike | None = None) -> None:
+        """Before any work: the directory can become this audit's (new, empty, or an fcaudit audit directory, and
+        not the audited `checkpoint` nor inside it): fcaudit.io's rule for every output directory."""
+        prepare_out(self.root, "audit", avoid=() if checkpoint is None else (checkpoint,))
 
     # ---- lock ------------------------------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -137,13 +132,9 @@ class AuditDir:
         whose hash the marker keeps). Removes the temp files of a killed write (the directory is ours by the marker).
         """
         digest = config_hash(config)
-        if not self.is_ours():
-            if not _ours_only(self.root):
-                raise FcauditError(f"{self.root} exists and is not an fcaudit audit directory; pass an empty or new "
-                                   "--out directory")
+        if not self.is_ours():  # lock() checked that the directory was new or empty
             files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": None})
-        for stale in self.root.rglob(".*.tmp"):
-            stale.unlink()
+        remove_stale_temps(self.root, recursive=True)
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
         current = files.quietly(files.read_json, self.config_path)
@@ -166,7 +157,7 @@ class AuditDir:
             return "resume"
         state = "repaired" if held == digest and self.has_results() else "new"
         if state == "new":
-            self.replay.unlink(missing_ok=True)  # a failed replay report of a configuration with no results
+            remove_file(self.replay)  # a failed replay report of a configuration with no results
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         files.write_json(self.config_path, {**config, "config_hash": digest, "created_at": now,
                                              "criteria": {**config["criteria"], "fixed_at": now},

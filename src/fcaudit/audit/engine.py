@@ -9,7 +9,6 @@ all of them (fcaudit.audit.group; one process: a trivial group).
 
 from __future__ import annotations
 
-import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import groupby
@@ -32,6 +31,7 @@ from fcaudit.audit.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
+from fcaudit.io import remove_tree
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 
@@ -316,7 +316,7 @@ class Engine:
         static = [c for c in protocol.conditions(self.schedule.conditions, kind="static")]
         tensors = {f"{c.name}.{l}": p for c in static for l, p in enumerate(c.profile(cal, info))}
         files.write_tensors(self.dir.profiles, tensors, {"count": count, "conditions": [c.name for c in static]})
-        shutil.rmtree(self.dir.root / "calib", ignore_errors=True)
+        remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: Iterable[Unit], step) -> None:
@@ -467,7 +467,7 @@ class Engine:
             raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
                                "the audit command to recompute them")
         self._write_records(condition, r, nll, act)
-        shutil.rmtree(self.dir.parts(condition, r), ignore_errors=True)
+        remove_tree(self.dir.parts(condition, r))
 
     def _replay_summary(self) -> dict:
         """replay.json: the exact replay check over all capture batches, from their chunks' headers one at a time."""
@@ -489,7 +489,7 @@ class Engine:
         for condition, r in self.schedule.record_keys():
             if not self._merged_ok(condition, r):
                 self._merge_parts(condition, r)
-        shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
+        remove_tree(self.dir.root / "parts")
         files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
             files.write_json(self.dir.variation, variation(self.store, self.starts,

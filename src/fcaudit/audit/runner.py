@@ -594,7 +594,7 @@ def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.devic
     """(model, controller, windows, config with the model's description) of a checkpoint on a corpus; a bad --out or
     launch fails before anything is loaded."""
     if not config.dry_run:
-        AuditDir(config.out).check()
+        AuditDir(config.out).check(checkpoint)
         if config.world_size is not None and config.world_size != world:
             raise FcauditError(f"--world-size {config.world_size} but this run has {world} process(es); launch with "
                                f"torchrun --nproc_per_node={config.world_size} (or drop --world-size, which is for "

@@ -34,7 +34,7 @@ from fcaudit.execution.conditions import condition_execution
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import scalar_gate_controller, thresholding
 from fcaudit.hub import resolve
-from fcaudit.io import atomic_write, prepare_out, read_json, write_json
+from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
@@ -245,7 +245,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     until then. `threads` sets torch's CPU threads for the measurement: on a shared machine, 1 thread gives far
     steadier CPU latencies than competing for every core.
     """
-    out = prepare_out(cfg.out, "execution results", alone=True)
+    out = prepare_out(cfg.out, "execution results", avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve(p) for p in cfg.checkpoints]
@@ -260,7 +260,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     with using_threads(cfg.threads) as n_threads:
         rows, sweeps, conditions = _measure_all(cfg, paths, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, "execution results")
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
@@ -270,13 +270,13 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
         atomic_write(out / "thresholding.csv", lambda p: sweep_df.to_csv(p, index=False))
         payload["thresholding"] = sweep_df.to_dict(orient="records")
     else:  # a sweep left by an earlier run with other settings must not sit next to these results
-        (out / "thresholding.csv").unlink(missing_ok=True)
+        remove_file(out / "thresholding.csv")
     if conditions:  # routed models: experts, expert FLOPs and latency under Correct and each static condition
         cond_df = pd.concat(conditions, ignore_index=True)
         atomic_write(out / "conditions.csv", lambda p: cond_df.to_csv(p, index=False))
         payload["conditions"] = cond_df.to_dict(orient="records")
     else:
-        (out / "conditions.csv").unlink(missing_ok=True)
+        remove_file(out / "conditions.csv")
     atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
     write_json(out / "execution.json", payload)
     return df

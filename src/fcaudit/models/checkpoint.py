@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import atomic_write, read_json, write_json
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
+from fcaudit.weights import check_sizes
 
 MODEL_TYPE = "featuregate"
 CONFIG_NAME = "config.json"
@@ -73,7 +74,9 @@ def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None)
     meta = config.pop("meta", {})
     config.pop("model_type")
     try:
-        model = FeatureGateGPT(GPTConfig.from_dict(config))
+        gpt = GPTConfig.from_dict(config)
+        check_sizes(lambda: FeatureGateGPT(gpt), dir)  # config.json's sizes against the weights, nothing allocated
+        model = FeatureGateGPT(gpt)
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None

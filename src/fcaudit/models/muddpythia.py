@@ -28,6 +28,7 @@ from einops import rearrange
 from fcaudit.device import DTYPES, as_dtype
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, write_json
+from fcaudit.weights import read_state_dict
 
 MODEL_TYPE = "muddpythia"
 
@@ -423,48 +424,6 @@ def save_pretrained(model: MUDDPythia, out_dir: str | os.PathLike, extra: dict |
     return out
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if (path / "model.safetensors").exists():
-        try:
-            return load_file(str(path / "model.safetensors"))
-        except Exception as e:  # SafetensorError, OSError: truncated or not safetensors at all
-            raise FcauditError(f"{path / 'model.safetensors'} is corrupt or truncated ({type(e).__name__}): "
-                               "re-download or rewrite the checkpoint") from None
-    for index_name, loader in (("model.safetensors.index.json", lambda f: load_file(str(f))),
-                               ("pytorch_model.bin.index.json",
-                                lambda f: torch.load(f, map_location="cpu", weights_only=True))):
-        if (path / index_name).exists():
-            try:
-                weight_map: dict[str, str] = json.loads((path / index_name).read_text())["weight_map"]
-                shards = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise FcauditError(f"{path / index_name} is not a valid weights index (no weight_map): "
-                                   "re-download the checkpoint") from None
-            state = {}
-            for shard in shards:
-                if not (path / shard).exists():
-                    raise FcauditError(f"shard {shard} listed in {path / index_name} is missing: download it")
-                try:  # .bin shards: never full pickle (weights_only); a shard needing more is refused
-                    state.update(loader(path / shard))
-                except Exception as e:
-                    raise FcauditError(f"shard {shard} listed in {path / index_name} is not a plain weights file "
-                                       f"({type(e).__name__}): convert it to safetensors or re-download it") from None
-            stray = sorted(set(state) - set(weight_map))
-            if stray:
-                raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index_name}: re-download {path}")
-            return state
-    if (path / "pytorch_model.bin").exists():
-        try:  # never full pickle: tensors and plain containers only
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise FcauditError(f"{path / 'pytorch_model.bin'} is not a plain weights file ({type(e).__name__}); "
-                               f"convert it to model.safetensors") from None
-    raise FcauditError(f"no weights in {path}: expected model.safetensors, model.safetensors.index.json "
-                       f"with shards, or pytorch_model.bin")
-
-
 def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
     """Strict key and shape check; the one-line error names the first offending key."""
     missing = [k for k in expected if k not in state]
@@ -480,6 +439,9 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
         if tuple(state[k].shape) != tuple(v.shape):
             raise FcauditError(f"checkpoint {where} key {k!r} has shape {list(state[k].shape)}, config.json implies "
                                f"{list(v.shape)}: fix config.json or use the matching weights")
+
+
+MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
 
 
 def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = None,
@@ -500,9 +462,12 @@ def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = Non
         config = MUDDConfig.from_dict(raw)
     except TypeError as e:
         raise FcauditError(f"{path / 'config.json'} has a field of the wrong type ({e}): fix config.json") from None
+    if config.block_size > MAX_POSITIONS:  # no weight holds it: the first forward would build a table this long
+        raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than fcaudit "
+                           f"builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with these weights")
     with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
         model = MUDDPythia(config)
-    state = _read_state_dict(path)
+    state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
     if dtype is None:  # the checkpoint's own dtype: its config's, else that of the stored tensors
         stored = state.get("tok_embeddings.weight")
         declared = "torch_dtype" in raw or "dtype" in raw

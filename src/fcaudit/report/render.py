@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, prepare_out, read_json, write_json, write_text
+from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
+                        write_json, write_text)
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
@@ -451,14 +452,14 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
     """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
     number as CSV/JSON into `out`. Returns the path of report.html."""
-    out = prepare_out(out, "report", alone=True)
+    out = prepare_out(out, "report")
     found = discover(inputs)
     sources = [(str(d), s) for d, s in found.summaries]
     made = summarize(found.audits, allow_partial=allow_partial) if found.audits else None
     if made is not None:
         sources.append(("the audit directories given", made))
     _one_source_per_family(sources)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, "report")
     _remove_earlier_report(out)
     if made is not None:
         made.save(out / "summary")
@@ -493,7 +494,7 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
           + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
-    summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("*"))] if made is not None else []
+    summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("[!.]*"))] if made is not None else []
     numbers["files"] = [*doc.csvs, *(p.name for p in pngs), *summary_files, "report.md", "report.html"]
     write_json(out / "report.json", numbers)
     write_text(out / "report.md", doc.markdown())
@@ -501,16 +502,14 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
 
 
 def _remove_earlier_report(out: Path) -> None:
-    """The files an earlier report into `out` wrote (listed in its report.json), so that none of them stays beside
-    this one (e.g. the tables of a family this report does not cover). Nothing else is touched."""
-    try:
-        listed = read_json(out / "report.json").get("files")
-    except (OSError, ValueError, AttributeError):
-        return
-    for name in listed if isinstance(listed, list) else []:
-        f = out / str(name)
-        if f.resolve().parent in (out.resolve(), (out / "summary").resolve()) and f.is_file():
-            f.unlink()
+    """The files an earlier report into the claimed `out` wrote (as its marker and its summary/'s record them, not as
+    report.json lists them), so that none of them stays beside this one (e.g. the tables of a family this report
+    does not cover). Nothing else is touched."""
+    summary = out / "summary"
+    if (summary / COMMANDS["summary"].marker).is_file():
+        confine(summary, "summary")
+    for f in [*recorded(out), *recorded(summary)]:
+        remove_file(f)
 
 
 def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:

@@ -33,6 +33,7 @@ def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) 
 
 
 def _build(cfg) -> nn.Module:
+    require_transformers("training a Hugging Face MoE model (--model moe)")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(byte_mixtral_config(cfg.preset, output_router_logits=True))

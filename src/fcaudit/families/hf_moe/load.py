@@ -1,10 +1,16 @@
 """Loading Hugging Face MoE checkpoints (config.json + safetensors [+ tokenizer]) with transformers, an optional
-extra: `pip install 'fcaudit[hf]'`."""
+extra: `pip install 'fcaudit[hf]'`.
+
+transformers never runs a checkpoint's code here (trust_remote_code=False, and a checkpoint that needs its own code
+is refused before transformers reads it), reads safetensors when there are any, and reads a .bin only after
+fcaudit.weights has opened it through torch's restricted unpickler."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -14,16 +20,18 @@ from safetensors import SafetensorError
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
+from fcaudit.weights import PICKLE_SUFFIXES, load_pickled, refuse_remote_code, weight_files
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
 
-def require_transformers():
-    """The transformers module, or a one-line error naming the install command."""
+def require_transformers(what: str = "auditing Hugging Face MoE models"):
+    """The transformers module, or a one-line error naming the install command: called before any work that
+    needs it (a load, a build, the demo)."""
     try:
         import transformers
     except ImportError:
-        raise FcauditError("auditing Hugging Face MoE models needs transformers: pip install 'fcaudit[hf]'") from None
+        raise FcauditError(f"{what} needs transformers, an optional extra: pip install 'fcaudit[hf]'") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
     major = int(transformers.__version__.split(".")[0])
     if major < MIN_TRANSFORMERS:
@@ -62,6 +70,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     dir = resolve(path_or_id, revision)
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
+    safetensors = _check_files(dir)
     # transformers' load report lists every checkpoint weight the model does not use: hundreds of lines for the
     # vision tower of a multimodal checkpoint (Llama 4's), whose language model is what is audited. What matters of
     # it is checked below: a weight the model lacks would be random, and a size mismatch is an error anyway.
@@ -73,7 +82,11 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
         model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
                                                            experts_implementation="eager", output_loading_info=True,
+                                                           trust_remote_code=False, use_safetensors=safetensors,
                                                            **placed)
+    except pickle.UnpicklingError:  # _check_files opened every .bin through the same restricted unpickler
+        raise FcauditError(f"{dir}: a weights file is not plain tensors: convert it to safetensors and pass that "
+                           "checkpoint") from None
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         if fresh:  # a failed load leaves nothing behind: the folder is this call's own (weights written into it)
             shutil.rmtree(offload_folder, ignore_errors=True)
@@ -99,11 +112,32 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     found = None
     if tokenizer and _has_tokenizer(dir):
         try:
-            found = AutoTokenizer.from_pretrained(dir)
+            found = AutoTokenizer.from_pretrained(dir, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 (a torn tokenizer.json fails in many ways inside transformers)
             raise FcauditError(f"the tokenizer files in {dir} are unreadable ({type(e).__name__}): restore them from "
                                "the checkpoint") from None
     return (model if device_map is not None else model.to(device)).eval(), found
+
+
+def _check_files(dir: Path) -> bool:
+    """Before transformers reads `dir`: refuse a checkpoint that would load only through its own code, an index
+    naming shards outside `dir`, and a .bin that torch's restricted unpickler refuses (each one line). Returns
+    whether the weights are safetensors (then transformers reads nothing else)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = json.loads((dir / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FcauditError(f"{dir / 'config.json'} is not valid JSON ({one_line(e, 80)}): restore it from the "
+                           "checkpoint") from None
+    if not isinstance(config, dict):
+        raise FcauditError(f"{dir / 'config.json'} is not a JSON object: restore it from the checkpoint")
+    refuse_remote_code(dir, config, lambda model_type: model_type in CONFIG_MAPPING)
+    files = weight_files(dir)
+    for f in files:
+        if f.suffix in PICKLE_SUFFIXES:
+            load_pickled(f, mmap=True)
+    return bool(files) and all(f.suffix == ".safetensors" for f in files)
 
 
 class _NoLoadReport(logging.Filter):

@@ -1,0 +1,166 @@
+"""What fcaudit reads of a checkpoint directory: its weights and nothing that runs.
+
+Safetensors first; a pickle-format file (.bin, .pt, .pth) only through torch's restricted unpickler
+(`weights_only=True`), since a public checkpoint may ship one; what that refuses is one line naming the conversion
+to safetensors. The shards an index lists must lie inside the checkpoint directory, the sizes config.json implies
+are compared with the stored tensors' before a model is allocated, and a checkpoint whose config asks for its own
+modeling code (`auto_map`) loads only where fcaudit or transformers has that model natively.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from fcaudit.errors import FcauditError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLED = "pytorch_model.bin"
+PICKLED_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
+    """(weight_map, shard paths) of an index in `dir`; every shard a relative path that resolves inside `dir` (not
+    an absolute path, one through '..', or a link to another checkpoint's weights; a hub snapshot's links into its
+    own cache are its files)."""
+    index = dir / index_name
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise FcauditError(f"{index} is not a valid weights index (no weight_map of file names): re-download the "
+                           "checkpoint") from None
+    paths = []
+    root = os.path.normpath(os.path.abspath(dir))
+    inside = [os.path.realpath(root)]
+    if Path(root).parent.name == "snapshots":  # the hub's cache: a snapshot's files link to its repo's blobs/
+        inside.append(os.path.realpath(Path(root).parent.parent / "blobs"))
+    for name in sorted(set(weight_map.values())):
+        full = os.path.normpath(os.path.join(root, name))
+        real = os.path.realpath(full)
+        if (os.path.isabs(name) or not full.startswith(root + os.sep)
+                or not any(real.startswith(d + os.sep) for d in inside)):
+            raise FcauditError(f"{index} lists the shard {name!r}, which is not inside {dir}: an index names files "
+                               "of its own directory; re-download the checkpoint")
+        if not os.path.isfile(full):
+            raise FcauditError(f"shard {name} listed in {index} is missing: download it")
+        paths.append(Path(full))
+    return weight_map, paths
+
+
+def weight_files(dir: Path) -> list[Path]:
+    """The files holding `dir`'s weights, safetensors first: model.safetensors, the shards of its index, else
+    pytorch_model.bin or the shards of its index; [] when there are none."""
+    if (dir / SAFETENSORS).is_file():
+        return [dir / SAFETENSORS]
+    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
+        if (dir / index).is_file():
+            return shards(dir, index)[1]
+    return [dir / PICKLED] if (dir / PICKLED).is_file() else []
+
+
+def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """A pickle-format weights file through torch's restricted unpickler only (tensors and plain containers)."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError as e:  # the legacy (non-zip) format cannot be memory-mapped
+            if not mmap or "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (an UnpicklingError, or a torn file: the same fix; never torch's advice)
+        raise FcauditError(f"{path} is not a plain weights file (torch's restricted unpickler refused it: "
+                           f"{type(e).__name__}): convert it to safetensors (safetensors.torch.save_file of its "
+                           "state dict, where its source is trusted) and pass that checkpoint") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FcauditError(f"{path} holds no state dict of tensors: convert the checkpoint's weights to safetensors "
+                           "and pass that checkpoint")
+    return state
+
+
+def _load_one(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix in PICKLE_SUFFIXES:
+        return load_pickled(path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 (SafetensorError, OSError: truncated or not safetensors at all)
+        raise FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
+                           "checkpoint") from None
+
+
+def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `dir`'s weights, in `weight_files`' order of preference; a shard's key its index does not
+    list is refused."""
+    if (dir / SAFETENSORS).is_file():
+        return _load_one(dir / SAFETENSORS)
+    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
+        if (dir / index).is_file():
+            weight_map, paths = shards(dir, index)
+            state: dict[str, torch.Tensor] = {}
+            for path in paths:
+                state.update(_load_one(path))
+            stray = sorted(set(state) - set(weight_map))
+            if stray:
+                raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
+            return state
+    if (dir / PICKLED).is_file():
+        return load_pickled(dir / PICKLED)
+    raise FcauditError(f"no weights in {dir}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} with shards, or {PICKLED}")
+
+
+def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Each stored tensor's shape, read from the safetensors headers alone (pickle files are memory-mapped)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if f.suffix in PICKLE_SUFFIXES:
+            shapes.update({k: tuple(v.shape) for k, v in load_pickled(f, mmap=True).items()})
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
+            raise FcauditError(f"{f} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
+                               "checkpoint") from None
+    return shapes
+
+
+def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
+    """Compare the shapes of the model `build` makes (on the meta device: nothing is allocated) with the stored
+    weights', so that config.json's sizes (a block_size of 10**8, say) are refused before the model is built."""
+    files = weight_files(dir)
+    if not files:
+        return  # the loader says what is missing
+    with torch.device("meta"):
+        expected: Mapping[str, torch.Tensor] = build().state_dict()
+    stored = stored_shapes(files)
+    for key, t in expected.items():
+        if key in stored and tuple(t.shape) != stored[key]:
+            raise FcauditError(f"the weights in {dir} do not match its config.json ({key}: config.json implies "
+                               f"{list(t.shape)}, the weights hold {list(stored[key])}): use the config.json saved "
+                               "with these weights")
+
+
+def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -> None:
+    """Refuse, before any library reads it, a checkpoint that would load only through its own code: config.json's
+    `auto_map` names a module of its own and `native(model_type)` is False (no class of fcaudit's or transformers'
+    own loads it). The message names the file it asked to run."""
+    auto = config.get("auto_map")
+    if not auto or native(str(config.get("model_type"))):
+        return
+    refs = auto.values() if isinstance(auto, dict) else [auto]
+    ref = next((r[0] if isinstance(r, (list, tuple)) and r else r for r in refs), "")
+    module = str(ref).split("--")[-1].rsplit(".", 1)[0] or "its own module"
+    raise FcauditError(f"{dir / 'config.json'} asks to run the checkpoint's own code ({module}.py, in its auto_map) "
+                       f"for model_type {config.get('model_type')!r}, which no library loads natively: fcaudit never "
+                       "runs a checkpoint's code; pass a checkpoint of a model transformers or fcaudit implements")
