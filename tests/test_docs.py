@@ -145,3 +145,28 @@ def test_benchmarks_page_is_the_table_make_bench_writes(tmp_path):
     assert "| `fake` | a stand-in | `featuregate 1.5 x Dense` |" in text
     assert f"not run in this table's run" in text and "## Whole outputs" in text
     assert "Written by `make bench`" in (DOCS / "benchmarks.md").read_text()
+
+
+def test_docstring_examples_run(tmp_path, monkeypatch):
+    """The examples in the public names' docstrings (`>>>`, scipy's style) run as doctests, in a fresh directory with
+    `fca`, `torch` and `nn` imported."""
+    import doctest
+
+    import torch
+
+    import fcaudit as fca
+
+    objects = []
+    for name in sorted(set(fca.__all__) - {"__version__"}):
+        obj = getattr(fca, name)
+        objects.append(getattr(obj, name, obj) if isinstance(obj, type(fca)) else obj)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS
+                                                                    | doctest.NORMALIZE_WHITESPACE)
+    tests = [t for obj in objects for t in finder.find(obj, globs={"fca": fca, "torch": torch, "nn": torch.nn})
+             if t.examples]
+    if not tests:
+        pytest.skip("no public docstring has a >>> example yet")
+    monkeypatch.chdir(tmp_path)
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0, f"{runner.failures} docstring example(s) failed (see the output above)"
