@@ -115,7 +115,7 @@ def git_head() -> str:
 
 def page(runs: list[Run], skipped: list[Bench]) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = ["# Benchmarks", "",
+    out = ["---", "hide:", "  - toc", "---", "", "# Benchmarks", "",  # no contents column: the table needs the width
            f"Written by `make bench` (`docs/make_benchmarks.py`) at commit `{git_head()}`, {when}, on "
            f"{platform.machine()} with {os.cpu_count()} CPU cores and Python {platform.python_version()}. "
            "Each benchmark ran in its own process, one after the other; the load is the 1-minute load average "
