@@ -1,4 +1,5 @@
-# The two commands of the README. Both create .venv and install everything on a fresh machine.
+# The two commands of the README (demo, test). Both create .venv and install everything on a fresh machine;
+# test also builds the docs site in strict mode (tests/test_docs.py), so the set-up installs the docs extra.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ TORCH ?= torch==2.13.0
 TORCH_PIP ?=
 TORCH_SPEC := $(VENV)/.torch-spec
 
-.PHONY: setup demo test bench FORCE
+.PHONY: setup demo test bench docs docs-serve FORCE
 FORCE:
 
 $(BIN)/python:
@@ -27,7 +28,7 @@ $(VENV)/.torch: $(TORCH_SPEC)
 	touch $@
 
 $(BIN)/fcaudit: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -q -e '.[test,hf]'
+	$(BIN)/pip install -q -e '.[test,hf,docs]'
 	touch $@
 
 setup: $(BIN)/fcaudit
@@ -38,11 +39,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
+# Runs the benchmarks one after the other and rewrites docs/benchmarks.md (one table, with each run's load).
 bench: setup
-	$(BIN)/python benchmarks/forward_speed.py --preset demo
-	$(BIN)/python benchmarks/train_speed.py --threads 1
-	$(BIN)/python benchmarks/audit_floor.py
-	$(BIN)/python benchmarks/audit_memory.py
-	$(BIN)/python benchmarks/allocator_speed.py
-	$(BIN)/python benchmarks/shard_speed.py
-	$(BIN)/python benchmarks/moe_penalties.py
+	$(BIN)/python docs/make_benchmarks.py $(ARGS)
+
+# The docs site in site/ (strict: a broken link or API reference fails); docs-serve previews it.
+docs: setup
+	$(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	$(BIN)/mkdocs serve

@@ -1,0 +1,172 @@
+"""The documentation is tested like code: every code block of the README and the docs pages runs, the site builds in
+strict mode (a broken link or API reference fails), and the troubleshooting page quotes messages the code has.
+
+A page's blocks run in order in one fresh directory: Python blocks share one namespace, bash blocks run in bash
+with `fcaudit`, `python` and `torchrun` on PATH. A block that cannot run here (it installs packages, needs the hub
+or a GPU, or takes minutes) says why on the line before it: `<!-- not run: REASON -->`. ```text blocks are
+outputs and are not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+RUN = {"python", "bash"}
+NOT_CODE = {"text"}  # outputs
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int
+    skip: str | None  # why it is not run
+
+
+def blocks(path: Path) -> list[Block]:
+    text = path.read_text()
+    found = []
+    for m in FENCE.finditer(text):
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = NOT_RUN.search(before)
+        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, skip and skip.group(1)))
+    return found
+
+
+def shims(bin_dir: Path) -> dict[str, str]:
+    """An environment in which `fcaudit`, `python` and `torchrun` are this interpreter's."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, args in {"fcaudit": "-m fcaudit", "python": "", "torchrun": "-m torch.distributed.run"}.items():
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+        shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_page(path: Path, where: Path, monkeypatch) -> dict:
+    """Run every runnable block of `path` in `where`; returns the Python namespace the blocks shared."""
+    env = shims(where / ".bin")
+    monkeypatch.chdir(where)
+    scope: dict = {"__name__": "__docs__"}
+    for b in blocks(path):
+        if b.skip or b.lang not in RUN:
+            continue
+        label = f"{path.relative_to(ROOT)}:{b.line}"
+        if b.lang == "python":
+            exec(compile(b.code, label, "exec"), scope)
+        else:
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=where, env=env,
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return scope
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_block_is_run_or_says_why_not(page):
+    for b in blocks(page):
+        assert b.lang in RUN | NOT_CODE, f"{page.name}:{b.line}: fence '{b.lang}' is neither run nor an output"
+        assert not (b.skip and b.lang in NOT_CODE), f"{page.name}:{b.line}: an output needs no not-run marker"
+        if b.skip:
+            assert len(b.skip) > 10, f"{page.name}:{b.line}: say why the block is not run"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "README.md" and any(
+    not b.skip and b.lang in RUN for b in blocks(p))], ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_code_runs(page, tmp_path, monkeypatch):
+    run_page(page, tmp_path, monkeypatch)
+
+
+def test_docs_site_builds_strict(tmp_path):
+    missing = [m for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+               if importlib.util.find_spec(m.split(".")[0]) is None
+               or (m.count(".") and importlib.util.find_spec(m) is None)]
+    if missing:
+        pytest.skip(f"the docs extra is not installed ({', '.join(missing)}): pip install -e '.[docs]'")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                           "-d", str(tmp_path / "site")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
+    import fcaudit
+
+    for name in set(fcaudit.__all__) - {"__version__"}:
+        assert re.search(rf'id="fcaudit\.[\w.]*\b{name}"', api), f"the API reference lacks {name}"
+    for command in ("train", "audit", "summarize", "execution", "report", "demo"):
+        assert f"fcaudit {command}" in cli, f"the CLI reference lacks `fcaudit {command}`"
+    assert "api-reference" not in api and "cli-reference" not in cli
+
+
+def source_text() -> str:
+    return "\n".join(p.read_text() for p in sorted((ROOT / "src" / "fcaudit").rglob("*.py")))
+
+
+def test_troubleshooting_quotes_messages_the_code_has():
+    """Each quoted message start on the troubleshooting page (the table's first column) is text of an FcauditError
+    in the source, so the page follows the code: a reworded message fails here until the page says it too."""
+    page = (DOCS / "troubleshooting.md").read_text()
+    quoted = re.findall(r"^\| `([^`]+)`", page, flags=re.M)
+    assert len(quoted) >= 30
+    src = source_text()
+    missing = [q for q in quoted if not all(part in src for part in q.split("…") if part.strip())]
+    assert not missing, f"messages on the troubleshooting page that the source no longer has: {missing}"
+
+
+def test_benchmarks_page_is_the_table_make_bench_writes(tmp_path):
+    """docs/make_benchmarks.py writes one table, with each run's load and its whole output below (here with a stand-in
+    benchmark that prints a result line)."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        import make_benchmarks as mb
+    finally:
+        sys.path.remove(str(DOCS))
+    fake = mb.Bench("fake", "a stand-in", ("-c", "print('header'); print('  featuregate 1.5 x Dense')"),
+                    r"featuregate")
+    run = mb.run(fake, sys.executable)
+    text = mb.page([run], [mb.BENCHES[0]])
+    assert run.rc == 0 and run.result_lines() == ["featuregate 1.5 x Dense"]
+    assert "| `fake` | a stand-in | `featuregate 1.5 x Dense` |" in text
+    assert f"not run in this table's run" in text and "## Whole outputs" in text
+    assert "Written by `make bench`" in (DOCS / "benchmarks.md").read_text()
+
+
+def test_docstring_examples_run(tmp_path, monkeypatch):
+    """The examples in the public names' docstrings (`>>>`, scipy's style) run as doctests, in a fresh directory with
+    `fca`, `torch` and `nn` imported."""
+    import doctest
+
+    import torch
+
+    import fcaudit as fca
+
+    objects = []
+    for name in sorted(set(fca.__all__) - {"__version__"}):
+        obj = getattr(fca, name)
+        objects.append(getattr(obj, name, obj) if isinstance(obj, type(fca)) else obj)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS
+                                                                    | doctest.NORMALIZE_WHITESPACE)
+    tests = [t for obj in objects for t in finder.find(obj, globs={"fca": fca, "torch": torch, "nn": torch.nn})
+             if t.examples]
+    if not tests:
+        pytest.skip("no public docstring has a >>> example yet")
+    monkeypatch.chdir(tmp_path)
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0, f"{runner.failures} docstring example(s) failed (see the output above)"
