@@ -202,10 +202,12 @@ class ReplayContext(Protocol):
 
 @dataclass(frozen=True)
 class Controllers:
-    """What a condition may need to know about a controller: the reference it uses, its sites' top-k."""
+    """What a condition may need to know about a controller: the reference it uses, its sites' top-k, and each
+    site's group (sites of one layer: the randomized conditions move them together); () = one group per site."""
 
     reference: str = "global_mean"
     top_k: tuple[int | None, ...] = ()
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
