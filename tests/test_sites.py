@@ -427,3 +427,36 @@ def test_op_names_cover_operator_forms():
         x @ x, torch.matmul(x, x), x.matmul(x), torch.sigmoid(x), x.softmax(-1), F.softmax(x, -1), torch.tanh(x)
         torch.einsum("ij,jk->ik", x, x)
     assert names == ["matmul"] * 3 + ["sigmoid", "softmax", "softmax", "tanh", "einsum"]
+
+
+class Held:
+    """A protocol.ReplayContext over coefficients held in memory, with site groups."""
+
+    def __init__(self, data, groups):
+        self.data, self.seed, self.groups = data, 0, groups
+
+    def take(self, examples):
+        return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
+
+    def derangement(self, r):
+        return protocol.derangement(self.data[0].shape[0], self.seed, r)
+
+
+@pytest.mark.parametrize("condition", ["TokenShuffle", "CrossShuffle", "TokenResamplePast"])
+def test_randomized_conditions_draw_once_per_group_so_its_sites_move_together(condition):
+    # three sites: two of one layer (streams 2 and 1), one of another; each value names its (example, token)
+    n = 6
+    tag = (torch.arange(n)[:, None] * 100 + torch.arange(T)[None]).double()
+    data = [tag[:, :, None, None].expand(-1, -1, 2, 3).clone(), tag[:, :, None, None].clone(),
+            tag[:, :, None, None].expand(-1, -1, 2, 1).clone()]
+    ex = np.arange(n)
+    grouped = protocol.REGISTRY[condition].make(Held(data, (0, 0, 1)), 1, ex)
+    # the group's sites took the same positions, stream by stream
+    assert torch.equal(grouped[0][:, :, 0, 0], grouped[1][:, :, 0, 0])
+    assert not torch.equal(grouped[0][:, :, 1, 0], grouped[0][:, :, 0, 0])  # streams still draw their own
+    assert not torch.equal(grouped[2][:, :, 0, 0], grouped[0][:, :, 0, 0])  # the other layer draws its own
+    apart = protocol.REGISTRY[condition].make(Held(data, ()), 1, ex)
+    assert not torch.equal(apart[0][:, :, 0, 0], apart[1][:, :, 0, 0])
+    # one group per site, written out, is today's draw
+    same = protocol.REGISTRY[condition].make(Held(data, (0, 1, 2)), 1, ex)
+    assert all(torch.equal(a, b) for a, b in zip(apart, same))

@@ -143,6 +143,7 @@ class Engine:
         self._merged: dict[tuple[str, int], bool] = {}
         self._coverage: dict[tuple[str, int], set[int]] = {}
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
+        self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
