@@ -460,3 +460,11 @@ def test_randomized_conditions_draw_once_per_group_so_its_sites_move_together(co
     # one group per site, written out, is today's draw
     same = protocol.REGISTRY[condition].make(Held(data, (0, 1, 2)), 1, ex)
     assert all(torch.equal(a, b) for a, b in zip(apart, same))
+
+
+def test_variation_counts_a_merged_layer_once(tmp_path):
+    model = hc_model()
+    result = audit(model, hc_controller(model), tmp_path)
+    layers = result.variation["layers"]
+    assert [l["site"] for l in layers] == ["blocks.0.hc_attn.act", "blocks.1.hc_attn.act"]
+    assert [l["shape"] for l in layers] == [[S, S + 2], [S, S + 2]]  # alpha's S+1 sources and beta's one

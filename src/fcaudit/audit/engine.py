@@ -488,4 +488,4 @@ class Engine:
         files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
             files.write_json(self.dir.variation, variation(self.store, self.starts,
-                                                           [s.path for s in self.controller.sites]))
+                                                           [s.path for s in self.controller.sites], self.groups))
