@@ -5,6 +5,7 @@ audited with the public API, an exact replay and no change to the model's code."
 
 from __future__ import annotations
 
+import re
 from collections import namedtuple
 
 import numpy as np
@@ -468,3 +469,123 @@ def test_variation_counts_a_merged_layer_once(tmp_path):
     layers = result.variation["layers"]
     assert [l["site"] for l in layers] == ["blocks.0.hc_attn.act", "blocks.1.hc_attn.act"]
     assert [l["shape"] for l in layers] == [[S, S + 2], [S, S + 2]]  # alpha's S+1 sources and beta's one
+
+
+# ---- the silent cases: each a refusal or a notice before anything is written --------------------------------------
+
+class SamplingRouter(TokenRouter):
+    """Samples in eval mode too: two forwards of one batch route differently."""
+
+    def forward(self, x):
+        out = super().forward(x + 0.5 * torch.randn_like(x))
+        return out._replace(routed_tokens=x.gather(1, out.indices[..., None].expand(-1, -1, x.shape[-1])))
+
+
+class SeededTopOne(nn.Module):
+    """A top-1 router over 4 experts that samples from a generator shared by the layers, which each block seeds
+    before calling its router: each pass is deterministic (the same noise for every window of a batch), but the
+    routers called one after another on their own draw other noise: route flips with bit-equal logits."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.proj, self.gen, self.noise = nn.Linear(D, 4), gen, 4.0
+
+    def forward(self, x):
+        w = (self.proj(x) + self.noise * torch.rand(x.shape[1], 4, generator=self.gen)).softmax(-1)
+        top = w.topk(1, -1)
+        return torch.zeros_like(w).scatter(-1, top.indices, top.values)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.router = SeededTopOne(gen)
+        self.experts = nn.ModuleList([mlp() for _ in range(4)])
+
+    def forward(self, h):
+        h = h + causal_mean(h)
+        self.router.gen.manual_seed(0)
+        w = self.router(h)
+        return h + sum(w[..., e, None] * f(h) for e, f in enumerate(self.experts))
+
+
+class SeededMoE(LM):
+    def __init__(self):
+        gen = torch.Generator()
+        super().__init__([MoEBlock(gen), MoEBlock(gen)], seed=4)
+
+
+class TopOne(fca.Codec):
+    top_k = 1
+
+    def encode(self, output, batch, token):
+        return output.detach().reshape(batch, token, 1, -1).clone()
+
+    def decode(self, canonical, meta):
+        return canonical.reshape(*canonical.shape[:2], -1).clone()
+
+
+class UnsortedCodec(RoutedCodec):
+    """Selects the routed tokens in score order, where the router sorts them by position."""
+
+    def decode(self, canonical, meta, inputs):
+        out = super().decode(canonical, meta, inputs)
+        indices = canonical.reshape(canonical.shape[0], -1).topk(K, dim=1).indices
+        return out._replace(indices=indices)
+
+
+def sampling_model() -> LM:
+    model = routed_model()
+    for b in model.blocks:
+        b.router.__class__ = SamplingRouter
+    return model
+
+
+SILENT = [  # (what, model, controller, expected refusal or notice; None: nothing to say)
+    ("a router that samples in eval mode", sampling_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=RoutedCodec()),
+     ("refusal", "two Correct passes of the first evaluation batch differ in the logits .*not deterministic in eval")),
+    ("route flips with bit-equal logits", lambda: SeededMoE().eval(),
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=TopOne()),
+     ("refusal", r"exact replay check failed closed: route flips = [1-9]\d* on the first evaluation batch")),
+    ("a codec whose decode(encode(x)) is not x", routed_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=UnsortedCodec()),
+     ("refusal", r"site 'blocks.0.router': decode\(encode\(output\)\) of codec 'UnsortedCodec' differs from the "
+                 r"captured output at leaf .indices: other values")),
+    ("the residual stream as a site", residual_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*", "batch token hidden"),
+     ("notice", r"site 'blocks.0' \(and 1 more\) looks like a hidden state, not a coefficient: .*hidden width 16")),
+    ("a GRU cell's output as a site", gru_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.cell", "(batch token) hidden"),
+     ("notice", "site 'blocks.0.cell' .*looks like a hidden state")),
+    ("a GRU cell's gates (coefficients of hidden width)", gru_model, gru_gates, None),
+    ("a module called twice, merged", hc_model, hc_controller, None),
+    ("a namedtuple router whose decode reads its input", routed_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=RoutedCodec()), None),
+    ("a deterministic top-1 router", lambda: SeededMoE().eval(),
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=TopOne()), None),
+]
+
+
+@pytest.mark.parametrize("what,build,controller,expected", SILENT, ids=[s[0] for s in SILENT])
+def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, expected, tmp_path):
+    from fcaudit.audit.engine import capture_batch
+    from fcaudit.controllers.checks import pre_write_checks
+
+    model = build()
+    ctrl = controller(model)
+    first = windows(2, 0)
+    if what == "a deterministic top-1 router":
+        for b in model.blocks:
+            b.router.noise = 0.0
+    with torch.inference_mode():
+        probe = capture_batch(model, ctrl, first, None, remember=True)
+        found = pre_write_checks(model, ctrl, first, probe)
+    if expected is None:
+        assert found == []
+        return
+    kind, line = expected
+    assert len(found) >= 1 and found[0].refusal == (kind == "refusal")
+    assert re.search(line, found[0].line), found[0].line
+    assert "\n" not in found[0].line
+    assert not any(tmp_path.iterdir())  # the checks write nothing
