@@ -589,3 +589,27 @@ def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, exp
     assert re.search(line, found[0].line), found[0].line
     assert "\n" not in found[0].line
     assert not any(tmp_path.iterdir())  # the checks write nothing
+
+
+def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
+    """PhiMoE's sparsemixer puts the argmax expert first, with both weights often 1.0: decode takes the slot order
+    from the router's logits on its live input, so decode(encode(x)) is x, index order included."""
+    transformers = pytest.importorskip("transformers")
+    from fcaudit.controllers.checks import round_trip_difference
+
+    torch.manual_seed(0)
+    cfg = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                    num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ctrl = fca.controller_for(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        with ctrl.outputs(2, 16) as raws:
+            model(ids)
+        for site, (out, call) in zip(ctrl.sites, raws):
+            site.remember(out)
+            assert site.meta["slot_order"] == "logits"
+            assert round_trip_difference(site, out, None, 2, 16) is not None  # weight order: other slots
+            assert round_trip_difference(site, out, call, 2, 16) is None
