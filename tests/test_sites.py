@@ -591,6 +591,21 @@ def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, exp
     assert not any(tmp_path.iterdir())  # the checks write nothing
 
 
+@pytest.mark.parametrize("what,build,controller,expected", [s for s in SILENT if s[3] is not None],
+                         ids=[s[0] for s in SILENT if s[3] is not None])
+def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_notice(what, build, controller,
+                                                                                       expected, tmp_path, capsys):
+    model = build()
+    kind, line = expected
+    if kind == "refusal":
+        with pytest.raises(FcauditError, match=line):
+            audit(model, controller(model), tmp_path)
+        assert not (tmp_path / "audit").exists()
+    else:
+        assert_exact(audit(model, controller(model), tmp_path))
+        assert re.search(line, capsys.readouterr().err.replace("\n", " "))
+
+
 def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
     """PhiMoE's sparsemixer puts the argmax expert first, with both weights often 1.0: decode takes the slot order
     from the router's logits on its live input, so decode(encode(x)) is x, index order included."""

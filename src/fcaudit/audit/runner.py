@@ -32,6 +32,7 @@ from fcaudit.audit.group import Group, launched_world
 from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
+from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import write_text
@@ -400,7 +401,11 @@ def _prepare(model: nn.Module, controller: Controller, eval_windows, calib_windo
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
-    notice = check_sites_read(model, controller, first, coeffs, loss_fn)
+    findings = pre_write_checks(model, controller, first, probe)  # refusals first: they name the cause
+    if findings and findings[0].refusal:
+        raise FcauditError(findings[0].line)
+    notices = [check_sites_read(model, controller, first, coeffs, loss_fn), *(f.line for f in findings)]
+    notice = "\n".join(n for n in notices if n) or None
     config = _config(model, controller, ev, ca, ev_set, ca_set, conditions=protocol.for_controller(controller.info),
                      randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
                      loss_fn=loss_fn, criteria=criteria, model_info=model_info,
