@@ -183,12 +183,24 @@ OP_ALIASES = {"@": "matmul", "*": "mul", "+": "add", "-": "sub", "/": "div"}
 def op_name(func: Callable) -> str:
     """A torch function's name as `from_ops` matches it: `x @ w` (Tensor.__matmul__, __rmatmul__), torch.matmul and
     Tensor.matmul are all "matmul"; `F.softmax`, `torch.softmax` and `Tensor.softmax` are "softmax"."""
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):  # TypeError: an unhashable callable
+        pass
     name = getattr(func, "__name__", "") or ""
     if name.startswith("__") and name.endswith("__") and len(name) > 4:
         name = name[2:-2]
         if name.startswith("r") and name[1:] in ("matmul", "mul", "add", "sub", "truediv"):
             name = name[1:]
-    return "div" if name == "truediv" else name
+    name = "div" if name == "truediv" else name
+    try:
+        _NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+_NAMES: dict[Callable, str] = {}  # op_name of each torch function seen (the mode asks for every call)
 
 
 @dataclass
@@ -331,17 +343,20 @@ class _OpMode(TorchFunctionMode):
         name = op_name(func)
         if name not in self.ops:
             return func(*args, **kwargs)
-        calls = self.run.op_calls.setdefault((*self.key, name), [])
+        run = self.run
+        calls = run.op_calls.setdefault((*self.key, name), [])
         n = len(calls)
-        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})")
-        chosen = [i for i in self.sites if self.run.sites[i].op == name and self.run.sites[i].call in (None, n)]
-        inputs = Call(tuple(args), kwargs, self.run.sites[chosen[0]].module) if chosen else None
-        if chosen and not self.run.capturing:
-            return self.run.result(chosen[0], inputs)
+        # what the capture saw, for the one-line errors (a replay only counts)
+        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})" if run.capturing else "")
+        chosen = [i for i in self.sites if run.sites[i].op == name and run.sites[i].call in (None, n)]
+        inputs = Call(tuple(args), kwargs, run.sites[chosen[0]].module) if chosen else None
+        if chosen and not run.capturing:
+            return run.result(chosen[0], inputs)
         out = func(*args, **kwargs)
-        calls[-1] += f" -> {_shape_of(out)}"
+        if run.capturing:
+            calls[-1] += f" -> {_shape_of(out)}"
         for i in chosen:
-            self.run.keep(i, out, inputs, "; ".join(calls))
+            run.keep(i, out, inputs, "; ".join(calls))
         return out
 
 
