@@ -128,8 +128,9 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
 # expert at a near-tie): half the positions must agree, at the tolerance of the site's own precision. A layout
 # naming the axes in the wrong order moves whole rows between windows: next to no position agrees.
 AGREEING_POSITIONS = 0.5
-SITE_CHECK_PASSES = 2  # check_sites_read's single-window forward passes, run by every audit (and resume) before its
-# units; plan() and Schedule count the units' passes only
+SITE_CHECK_PASSES = 3  # forward passes of the checks run by every audit (and resume) before its units:
+# check_sites_read's two single-window ones and pre_write_checks' first batch; plan() and Schedule count the units'
+# passes only
 
 
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],

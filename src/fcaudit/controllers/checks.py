@@ -3,7 +3,8 @@
 Each check takes the model, its controller and the first evaluation batch (plus what the audit's probe of that batch
 gave) and returns a `Finding` or None: a refusal (the audit must stop with that one line) or a notice (the audit
 runs, and the line is printed with its results). `pre_write_checks` runs them all on one more forward pass of the
-first batch (and, for top-k routers, one replay pass), so an audit pays two passes at most for them.
+first batch; route flips are counted by the audit's exact replay check of every batch (which fails closed on any),
+and `check_route_flips` does it for one batch on its own (one replay pass).
 - two Correct passes of the first batch differ: the eval forward is not deterministic (a router that samples);
 - route flips > 0 in the replay of the first batch: the live router disagrees with the replayed support;
 - decode(encode(output)) differs from the captured output: the codec does not rebuild what the site returned;
@@ -200,12 +201,9 @@ def hidden_state_notice(model: nn.Module, controller: Controller, first: torch.T
 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
-    """Every check on the first evaluation batch, refusals first; `probe` = the audit's (coefficients, logits, nll)
+    """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's (coefficients, logits, nll)
     of that batch, captured with `remember` (so each site's codec metadata is set)."""
     seen = observe(model, controller, first)
     found = [check_deterministic(model, controller, first, probe, seen),
-             check_round_trip(model, controller, first, seen)]
-    if not any(found):
-        found.append(check_route_flips(model, controller, first, probe[0]))
-    found.append(hidden_state_notice(model, controller, first, seen))
+             check_round_trip(model, controller, first, seen), hidden_state_notice(model, controller, first, seen)]
     return sorted((f for f in found if f is not None), key=lambda f: not f.refusal)
