@@ -32,6 +32,7 @@ from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence
 import torch
 from einops import EinopsError, rearrange
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from fcaudit.errors import FcauditError
@@ -504,7 +505,8 @@ class Controller:
             sample = [n for n, _ in model.named_modules() if n][:6]
             raise FcauditError(f"pattern {pattern!r} matches no module of {type(model).__name__}; "
                                f"module paths look like {sample}")
-        lacking = next((s for s in sites if not callable(getattr(s.module, s.method, None))), None)
+        lacking = next((s for s in sites if not callable(getattr(s.module, s.method, None))
+                        or isinstance(getattr(s.module, s.method), nn.Module)), None)
         if lacking is not None:
             own = sorted(n for n, v in vars(type(lacking.module)).items() if callable(v) and not n.startswith("_"))
             raise FcauditError(f"module {lacking.path!r} ({type(lacking.module).__name__}) has no method "
@@ -634,8 +636,10 @@ class Controller:
                 raise FcauditError(f"site {site.name!r} did not run in the recorded pass")
             args, kwargs = call
             if site.op is not None:
-                out[i] = site.encode(getattr(torch.Tensor, site.op, getattr(torch, site.op))(*args, **kwargs),
-                                     batch, token)
+                fn = next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
+                if fn is None:
+                    raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
+                out[i] = site.encode(fn(*args, **kwargs), batch, token)
             else:
                 out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
         return out
