@@ -636,5 +636,6 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
         for site, (out, call) in zip(ctrl.sites, raws):
             site.remember(out)
             assert site.meta["slot_order"] == "logits"
-            assert round_trip_difference(site, out, None, 2, 16) is not None  # weight order: other slots
+            # in weight order (without the live call): the same experts and weights, other slots
+            assert round_trip_difference(site, out, None, 2, 16).startswith("slot order (")
             assert round_trip_difference(site, out, call, 2, 16) is None

@@ -119,6 +119,7 @@ class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
     placeholders = ("[0]",)  # the router logits: rebuilt as a placeholder the forward pass does not read
+    slots = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
 
     def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
                  experts_path: str | None = None, pad: str = "sentinel"):
