@@ -9,8 +9,10 @@ exact replay check and one pass per (condition, randomization, batch). Audit and
 order alternates (A B B A ...), one torch thread; printed: the load, each pair's ratio in wall and in process CPU
 time (which leaves out waiting for a core on a shared machine), their medians and the ratios of the minima; then
 the hot path alone: one replay pass of a batch under the op site against one plain forward pass, alternated many
-times (median ratio).
-Usage: python benchmarks/sites_speed.py [--reps 3] [--randomizations 20] [--eval 64] [--calib 64]
+times (median ratio). With --baseline the same is measured for the model whose gate is a submodule, audited with
+Controller.from_modules (the engine's own share, without the op mode).
+Usage: python benchmarks/sites_speed.py [--reps 3] [--randomizations 20] [--eval 64] [--calib 64] [--baseline]
+       [--width 96] [--hot-path-only]
 """
 
 from __future__ import annotations
@@ -41,11 +43,22 @@ class InlineGateBlock(nn.Module):
         return h + g * self.mlp(self.ln(h))
 
 
+class ModuleGateBlock(InlineGateBlock):
+    """The same block with its gate a submodule's output: the from_modules baseline (no op mode)."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.gate = nn.Sequential(self.gate_proj, nn.Sigmoid())
+
+    def forward(self, h):
+        return h + self.gate(h) * self.mlp(self.ln(h))
+
+
 class InlineGatedLM(nn.Module):
-    def __init__(self, vocab: int = 256, d: int = 96, layers: int = 4):
+    def __init__(self, vocab: int = 256, d: int = 96, layers: int = 4, block: type = InlineGateBlock):
         super().__init__()
         self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
-        self.blocks = nn.ModuleList(InlineGateBlock(d) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(d) for _ in range(layers))
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -116,17 +129,30 @@ def main() -> None:
     p.add_argument("--calib", type=int, default=64)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--baseline", action="store_true", help="a submodule gate through from_modules instead")
+    p.add_argument("--width", type=int, default=96, help="the model's hidden width")
+    p.add_argument("--hot-path-only", action="store_true", help="time the hot path alone (no audits)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = InlineGatedLM().eval()
-    ctrl = fca.Controller.from_ops(model, "blocks.*", "sigmoid", "batch token ()")
+    if a.baseline:
+        model = InlineGatedLM(d=a.width, block=ModuleGateBlock).eval()
+        ctrl = fca.Controller.from_modules(model, "blocks.*.gate", "batch token ()")
+    else:
+        model = InlineGatedLM(d=a.width).eval()
+        ctrl = fca.Controller.from_ops(model, "blocks.*", "sigmoid", "batch token ()")
+    kind = "from_modules (baseline)" if a.baseline else "from_ops"
     g = torch.Generator().manual_seed(0)
     ev = torch.randint(0, 256, (a.eval, a.window), generator=g)
     ca = torch.randint(0, 256, (a.calib, a.window), generator=g)
+    if a.hot_path_only:
+        print(f"load {os.getloadavg()[0]:.2f}; width {a.width}; hot path: replay pass of {kind} / plain forward pass, "
+              f"median of 200 alternated pairs (CPU): {hot_path(model, ctrl, ev[:a.batch], 200):.3f}; load "
+              f"{os.getloadavg()[0]:.2f}")
+        return
     audit_once(model, ctrl, ev[:8], ca[:4], a.batch, 2)  # warm-up: imports, allocator
     bare_loop(model, ctrl, ev[:8], ca[:4], a.batch, 2)
-    print(f"load {os.getloadavg()[0]:.2f}; {a.eval} + {a.calib} windows of {a.window}, batch {a.batch}, "
+    print(f"load {os.getloadavg()[0]:.2f}; width {a.width}, {a.eval} + {a.calib} windows of {a.window}, batch {a.batch}, "
           f"R = {a.randomizations}, 1 thread")
     audits, bares = [], []
     for rep in range(a.reps):
@@ -141,10 +167,10 @@ def main() -> None:
               f"{t_bare[1]:.3f} s), ratio wall {r[0]:.3f}, CPU {r[1]:.3f} (load {os.getloadavg()[0]:.2f})", flush=True)
     ratios = torch.stack([x / y for x, y in zip(audits, bares)])
     low = torch.stack(audits).min(0).values / torch.stack(bares).min(0).values
-    print(f"from_ops audit / bare loop (goal <= 1.10): median of pairs wall {ratios[:, 0].median():.3f}, CPU "
-          f"{ratios[:, 1].median():.3f}; ratio of minima wall {low[0]:.3f}, CPU {low[1]:.3f}; load "
+    print(f"{kind} audit / bare loop (goal <= 1.10): median of pairs wall {statistics.median(ratios[:, 0].tolist()):.3f}, "
+          f"CPU {statistics.median(ratios[:, 1].tolist()):.3f}; ratio of minima wall {low[0]:.3f}, CPU {low[1]:.3f}; load "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"hot path: replay pass under the op site / plain forward pass, median of 200 alternated pairs (CPU): "
+    print(f"hot path: replay pass of {kind} / plain forward pass, median of 200 alternated pairs (CPU): "
           f"{hot_path(model, ctrl, ev[:a.batch], 200):.3f}; load {os.getloadavg()[0]:.2f}")
 
 if __name__ == "__main__":
