@@ -469,7 +469,7 @@ class Controller:
         another one works when the parent calls it directly), of its `call`-th call in one forward pass where given.
         `context`: see Controller.context (its name joins the description, so an audit made under another one is
         not resumed with this one)."""
-        return cls._build(model, pattern, _codec(layout, codec), Site(pattern, None, None, call, method, None),
+        return cls._build(model, pattern, _codec(layout, codec), (call, method, None),
                           (static_name, reference, reference_name, context))
 
     @classmethod
@@ -482,18 +482,21 @@ class Controller:
         runs: a local tensor no submodule returns. Replay substitutes it and the op is not computed."""
         if not isinstance(op, str) or not op:
             raise FcauditError(f"op must be a torch function's name such as 'matmul' or '@', got {op!r}")
-        return cls._build(model, pattern, _codec(layout, codec), Site(pattern, None, None, call, method,
-                                                                      OP_ALIASES.get(op, op)),
+        return cls._build(model, pattern, _codec(layout, codec), (call, method, OP_ALIASES.get(op, op)),
                           (static_name, reference, reference_name, context))
 
     @classmethod
-    def _build(cls, model: nn.Module, pattern: str, chosen: Codec, where: Site, names: tuple) -> "Controller":
+    def _build(cls, model: nn.Module, pattern: str, chosen: Codec, where: tuple[int | None, str, str | None],
+               names: tuple) -> "Controller":
+        """The sites of `pattern` at `where` = (call, method, op), with the controller's `names` (static_name,
+        reference, reference_name, context)."""
         static_name, reference, reference_name, context = names
-        if where.call is not None and (isinstance(where.call, bool) or not isinstance(where.call, int)
-                                       or where.call < 0):
-            raise FcauditError(f"call must be an integer >= 0 (0 = the first call in a forward pass), got "
-                               f"{where.call!r}")
-        sites = [Site(name, m, chosen, where.call, where.method, where.op) for name, m in model.named_modules()
+        call, method, op = where
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise FcauditError(f"call must be an integer >= 0 (0 = the first call in a forward pass), got {call!r}")
+        if not isinstance(method, str) or not method:
+            raise FcauditError(f"method must be a method's name such as 'forward' or 'prepare', got {method!r}")
+        sites = [Site(name, m, chosen, call, method, op) for name, m in model.named_modules()
                  if name and path_matches(name, pattern)]
         shared = [name for name, _ in model.named_modules(remove_duplicate=False) if name and path_matches(name, pattern)
                   and name not in {s.path for s in sites}]
@@ -514,8 +517,8 @@ class Controller:
         if reference_name is None:
             reference_name = "GlobalMean" if reference == "global_mean" else "SourceUniformMean"
         described = f"{type(model).__name__}:{pattern}:{chosen.describe()}"
-        described += "".join(f":{k}={v}" for k, v in (("method", where.method if where.method != "forward" else None),
-                                                        ("op", where.op), ("call", where.call)) if v is not None)
+        described += "".join(f":{k}={v}" for k, v in (("method", method if method != "forward" else None),
+                                                        ("op", op), ("call", call)) if v is not None)
         if context is None:
             return cls(sites, static_name, reference, reference_name, described)
         return cls(sites, static_name, reference, reference_name, f"{described}:{context.__name__}", context)
