@@ -221,6 +221,9 @@ def test_a_method_the_parent_calls_directly_is_a_site(tmp_path):
     assert_exact(audit(model, ctrl, tmp_path))
     with pytest.raises(FcauditError, match=r"has no method 'gates'; its own methods are \['forward', 'gate', 'prepare'\]"):
         fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="gates")
+    unused = fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="extra_repr")
+    with pytest.raises(FcauditError, match=r"residual_fn.extra_repr did not run in a forward pass; pick a method"):
+        audit(model, unused, tmp_path, "unused")
     with pytest.raises(FcauditError, match="has no method 'gate_fn'"):  # a submodule: its path goes in the pattern
         fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="gate_fn")
 
