@@ -740,8 +740,9 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
     sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
     assert len(calls) == SITE_CHECK_PASSES + sum(u.passes for u in (*sched.stage1(), *sched.stage2()))
-    # a capture pass per evaluation and calibration batch, and the site check's capture of window 0 alone
-    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1] * 3
+    # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone and the
+    # pre-write checks' pass of the first batch
+    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 1] * 3
 
 
 def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):

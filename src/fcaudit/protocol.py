@@ -65,7 +65,7 @@ def _positions(rows: int, token: int, first: int = 0) -> np.ndarray:
 
 def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
-    (layer, stream) in layer order. TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws
+    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws
     them once when the two are made back to back (a memo over all windows saved no measurable time and held memory
     growing with them)."""
     positions = _positions(rows, token)
@@ -79,18 +79,33 @@ def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: in
     return keyed.integers_below((RESAMPLE, seed, r), examples, _positions(1, token, 1)[0], rows)
 
 
-def move_tokens(coeffs: Coeffs, index: np.ndarray) -> Coeffs:
+def group_rows(coeffs: Coeffs, groups: Sequence[int] = ()) -> tuple[int, list[int]]:
+    """The index rows one draw needs and each site's first row: one row per stream of each group (its widest site),
+    groups in order; a site uses its group's first rows, so the sites of one group (one layer) move together.
+    groups () = one group per site: a row per (layer, stream) in layer order."""
+    if groups and len(groups) != len(coeffs):
+        raise FcauditError(f"{len(groups)} groups for {len(coeffs)} sites; give one group per site")
+    keys = list(groups) if groups else list(range(len(coeffs)))
+    width: dict[int, int] = {}
+    for c, g in zip(coeffs, keys):
+        width[g] = max(width.get(g, 0), c.shape[2])
+    first, total = {}, 0
+    for g in dict.fromkeys(keys):
+        first[g], total = total, total + width[g]
+    return total, [first[g] for g in keys]
+
+
+def move_tokens(coeffs: Coeffs, index: np.ndarray, groups: Sequence[int] = ()) -> Coeffs:
     """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l: the source vector moves as one.
 
-    index: [batch, sum of streams over layers, token], stacked from `token_permutations` or `past_positions`.
+    index: [batch, rows, token], stacked from `token_permutations` or `past_positions`, rows as `group_rows` says.
     """
     # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
     index = torch.from_numpy(np.ascontiguousarray(index.transpose(0, 2, 1))).to(coeffs[0].device)
-    out, s0 = [], 0
-    for c in coeffs:
+    out = []
+    for c, s0 in zip(coeffs, group_rows(coeffs, groups)[1]):
         s = c.shape[2]
         out.append(torch.gather(c, 1, index[:, :, s0:s0 + s, None].expand(-1, -1, -1, c.shape[3])))
-        s0 += s
     return out
 
 
@@ -110,23 +125,24 @@ def shared_permutations() -> Iterator[None]:
         _SHARED.reset(token)
 
 
-def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
-    """TokenShuffle r of the receiving `examples`: independent permutations per example, layer and stream."""
-    token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
-    key = (seed, r, token, rows, np.asarray(examples, dtype=np.int64).tobytes())
+def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
+    """TokenShuffle r of the receiving `examples`: independent permutations per example, layer (group) and stream."""
+    token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
+    key = (seed, r, token, rows, tuple(groups), np.asarray(examples, dtype=np.int64).tobytes())
     shared = _SHARED.get()
     if shared is not None and shared[0] is not None and shared[0][0] == key:
-        return move_tokens(coeffs, shared[0][1])
+        return move_tokens(coeffs, shared[0][1], groups)
     index = token_permutations(examples, seed, r, token, rows)
     if shared is not None:
         shared[0] = (key, index)
-    return move_tokens(coeffs, index)
+    return move_tokens(coeffs, index, groups)
 
 
-def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
-    """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example."""
-    token, rows = coeffs[0].shape[1], sum(c.shape[2] for c in coeffs)
-    return move_tokens(coeffs, past_positions(examples, seed, r, token, rows))
+def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
+    """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example (the
+    same s for every site of a group)."""
+    token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
+    return move_tokens(coeffs, past_positions(examples, seed, r, token, rows), groups)
 
 
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
@@ -215,6 +231,7 @@ class ReplayContext(Protocol):
     """What a condition may use to make a batch's replay coefficients (implemented by the audit engine)."""
 
     seed: int
+    groups: tuple[int, ...]  # Controllers.groups: each site's layer, () (or absent) = one per site
 
     def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
     def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
@@ -223,10 +240,12 @@ class ReplayContext(Protocol):
 
 @dataclass(frozen=True)
 class Controllers:
-    """What a condition may need to know about a controller: the reference it uses, its sites' top-k."""
+    """What a condition may need to know about a controller: the reference it uses, its sites' top-k, and each
+    site's group (sites of one layer: the randomized conditions move them together); () = one group per site."""
 
     reference: str = "global_mean"
     top_k: tuple[int | None, ...] = ()
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -257,6 +276,11 @@ def register(condition: Condition) -> Condition:
     return condition
 
 
+def _groups(ctx: ReplayContext) -> tuple[int, ...]:
+    """The context's site groups; a context that names none has one group per site."""
+    return getattr(ctx, "groups", ())
+
+
 def _static(name: str) -> Callable:
     return lambda ctx, r, examples: ctx.static(name, len(examples))
 
@@ -271,16 +295,17 @@ register(Condition(
 register(Condition(
     "TokenShuffle", "randomized", "Token-shuffle",
     "positions permuted independently per layer and stream: values kept, token alignment broken",
-    lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r), role="token"))
+    lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, _groups(ctx)), role="token"))
 register(Condition(
     "CrossShuffle", "randomized", "Cross+shuffle",
     "the paired CrossInput donor and TokenShuffle permutations together",
-    lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r), role="both"))
+    lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, _groups(ctx)),
+    role="both"))
 register(Condition(
     "TokenResamplePast", "randomized", "Token-resample-past",
     "position t takes the coefficient of a random position s <= t of the same input, so unlike TokenShuffle no "
     "coefficient computed from later tokens moves to an earlier position (the causal control of TokenShuffle)",
-    lambda ctx, r, ex: resample_past(ctx.take(ex), ex, ctx.seed, r)))
+    lambda ctx, r, ex: resample_past(ctx.take(ex), ex, ctx.seed, r, _groups(ctx))))
 register(Condition(
     "LayerPositionMean", "static", "Layer×PositionMean",
     "calibration mean per layer, position, stream and source: content removed, stable position patterns kept",

@@ -149,6 +149,7 @@ class Engine:
         self._merged: dict[tuple[str, int], bool] = {}
         self._coverage: dict[tuple[str, int], set[int]] = {}
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
+        self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
@@ -271,7 +272,7 @@ class Engine:
         finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
         dlogit = max_abs_difference(logits_r, logits) if finite else float("nan")
         dnll = float((nll_r - nll).abs().max().cpu())
-        passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol))
+        passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol)) and not flips
         stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
         if not passed:
             self._failed_replay = {**stats, "passed": False, "tolerance": self.tol, "windows": [start, last]}
@@ -493,4 +494,4 @@ class Engine:
         files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
             files.write_json(self.dir.variation, variation(self.store, self.starts,
-                                                           [s.path for s in self.controller.sites]))
+                                                           [s.path for s in self.controller.sites], self.groups))

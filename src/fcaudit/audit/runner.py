@@ -35,6 +35,7 @@ from fcaudit.audit.results import AuditResult
 from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.config import AuditConfig
+from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.site import Controller
 from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError, one_line
@@ -130,8 +131,9 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
 # expert at a near-tie): half the positions must agree, at the tolerance of the site's own precision. A layout
 # naming the axes in the wrong order moves whole rows between windows: next to no position agrees.
 AGREEING_POSITIONS = 0.5
-SITE_CHECK_PASSES = 2  # check_sites_read's single-window forward passes, run by every audit (and resume) before its
-# units; plan() and Schedule count the units' passes only
+SITE_CHECK_PASSES = 3  # forward passes of the checks run by every audit (and resume) before its units:
+# check_sites_read's two single-window ones and pre_write_checks' first batch; plan() and Schedule count the units'
+# passes only
 
 
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
@@ -426,7 +428,11 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
-    notice = check_sites_read(model, controller, first, coeffs, config.loss_fn)
+    findings = pre_write_checks(model, controller, first, probe)  # refusals first: they name the cause
+    if findings and findings[0].refusal:
+        raise FcauditError(findings[0].line)
+    notices = [check_sites_read(model, controller, first, coeffs, config.loss_fn), *(f.line for f in findings)]
+    notice = "\n".join(n for n in notices if n) or None
     return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), notice
 
 

@@ -1,29 +1,39 @@
-"""Controller sites: the modules whose forward output is a layer's coefficients, and how to read and replace them.
+"""Controller sites: where a layer's coefficients appear in an unmodified model, and how to read and replace them.
 
-A site is a module plus a **codec**: `encode(output) -> canonical [batch, token, stream, source]` and
-`decode(canonical, meta) -> the module's output` (a tensor, a tuple, any structure). The default codec is an einops
-layout ("batch token", "stream batch token source", "(batch token) expert"): a missing stream or source axis becomes
-a unit axis, and any axis name other than batch/token/stream is the source axis (an expert, a source layer).
+A site is a place plus a **codec**: `encode(output) -> canonical [batch, token, stream, source]` and
+`decode(canonical, meta[, inputs]) -> the output` (a tensor, a tuple, any structure; a codec whose decode takes a
+third argument gets the site's live call at replay time, e.g. a router whose output gathers from its input). The
+default codec is an einops layout ("batch token", "stream batch token source", "(batch token) expert", "batch token
+(view layer)", "batch token () stream source"): a missing stream or source axis becomes a unit axis, and the one axis
+(or merged group) other than batch/token/stream is the source axis (an expert, a source layer).
 
-Capture = forward hooks that encode each site's output. Replay = for the duration of a context manager each site's
-forward is replaced by a function returning the decoded coefficients, so the controller's computation does not run;
-the original forward is restored on exit and on error. Both run the model within the controller's `context` where it
-has one: a model whose output path can share work with its controller (FeatureGate's tiled attention) takes there a
-path that shares none, the same in capture and in replay. The engine sees only canonical tensors and never a model
-class.
+The place is a matched module's method (`forward` unless `method=` names another one, e.g. one its parent calls
+directly), its N-th call in one forward pass (`call=N`; default: exactly one call), or the result of the N-th call
+of a torch function (`op=`, e.g. "matmul" for `normed @ self.w`) made while that method runs, intercepted with a
+TorchFunctionMode. Capture = the method wrapped for one pass, each site's output encoded. Replay = for the
+duration of a context the site's result is the decoded coefficients and its computation (the method, or the op) does
+not run; the original method is restored on exit and on error; the model's code is never changed. Both run the model
+within the controller's `context` where it has one: a model whose output path can share work with its controller
+(FeatureGate's tiled attention) takes there a path that shares none, the same in capture and in replay. Sites of
+one layer form a group (`Controller.merge`): the randomized conditions move a group's coefficients together. The
+engine sees only canonical tensors and never a model class.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import inspect
+import re
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence
 
 import torch
 from einops import EinopsError, rearrange
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs, Controllers, REFERENCES
@@ -65,7 +75,9 @@ class Codec:
         return {}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
-        """The module's output rebuilt from (possibly transformed) canonical coefficients, for any batch size."""
+        """The site's output rebuilt from (possibly transformed) canonical coefficients, for any batch size. A codec
+        may take a third argument, `inputs` (a `Call`: the site's live args and kwargs at replay time), when the
+        output is built from what the site receives (e.g. tokens gathered at the replayed indices)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -76,21 +88,43 @@ class Codec:
 class Layout(Codec):
     """An einops layout of a single-tensor site output: the default codec."""
 
-    pattern: str
+    pattern: str  # einops pattern (a merged source group renamed to one axis)
     source: str | None  # name of the axis that plays the source role, if any
+    given: str | None = None  # the pattern as written, when it differs
 
     @classmethod
     def parse(cls, pattern: str) -> "Layout":
+        """Axes are names, merged groups "(a b)" and unit axes "1" or "()"; a group of names other than batch, token
+        and stream is one source axis (read as one merged axis)."""
+        axes = re.findall(r"\([^()]*\)|[^\s()]+", pattern)
+        if re.sub(r"\([^()]*\)|[^\s()]+|\s", "", pattern):
+            raise FcauditError(f"layout {pattern!r} has unbalanced or nested parentheses; write axes, merged groups "
+                               "'(a b)' and unit axes '1' or '()', e.g. 'batch token (view layer)'")
         names = pattern.replace("(", " ").replace(")", " ").split()
+        names = [n for n in names if n != "1"]
         if sorted(set(names)) != sorted(names):
             raise FcauditError(f"layout {pattern!r} repeats an axis name; name each axis once, e.g. 'batch token'")
         if "batch" not in names or "token" not in names:
             raise FcauditError(f"layout {pattern!r} must name a 'batch' and a 'token' axis, e.g. '(batch token) expert'")
-        extra = [n for n in names if n not in ("batch", "token", "stream")]
-        if len(extra) > 1:
-            raise FcauditError(f"layout {pattern!r} has more than one source-like axis {extra}; "
-                               "merge them with parentheses, e.g. '(head expert)'")
-        return cls(pattern, extra[0] if extra else None)
+        roles = ("batch", "token", "stream")
+        extra = [a for a in axes if a not in ("1", "()") and not any(n in roles for n in a.strip("()").split())]
+        mixed = [a for a in axes if a.startswith("(") and any(n in roles for n in a.strip("()").split())
+                 and any(n not in roles for n in a.strip("()").split())]
+        if len(extra) > 1 or mixed:
+            raise FcauditError(f"layout {pattern!r} has more than one source-like axis "
+                               f"{[a.strip('()') for a in extra] or mixed}; merge them with parentheses, e.g. "
+                               "'(head expert)', apart from batch, token and stream")
+        if not extra:
+            return cls(pattern, None)
+        source = extra[0]
+        if source.startswith("("):  # a merged source group: one axis named after its parts, so einops needs no sizes
+            merged = "_".join(source.strip("()").split())
+            return cls(pattern.replace(source, merged, 1), merged, pattern)
+        return cls(pattern, source)
+
+    @property
+    def written(self) -> str:
+        return self.given or self.pattern
 
     @cached_property
     def canonical(self) -> str:
@@ -116,7 +150,8 @@ class Layout(Codec):
             return rearrange(x, f"{self.pattern} -> {self.canonical}", batch=batch, token=token)
         except EinopsError:
             raise FcauditError(f"{where} output of shape {tuple(x.shape)} does not fit layout {self.pattern!r} "
-                               f"for batch={batch}, token={token}; pass the layout that names its axes") from None
+                               f"for batch={batch}, token={token}; pass the layout that names its axes (unit axes "
+                               "as '1', merged ones as '(a b)')") from None
 
     def from_canonical(self, c: torch.Tensor, memory_order: tuple[int, ...] | None = None) -> torch.Tensor:
         return with_memory_order(rearrange(c, self._decoding), memory_order)
@@ -131,27 +166,85 @@ class Layout(Codec):
         return self.from_canonical(canonical, meta.get("memory_order"))
 
     def describe(self) -> str:
-        return self.pattern
+        return self.written
+
+
+class Call(NamedTuple):
+    """A site's live call at replay time, as a codec's `decode(canonical, meta, inputs)` receives it: the args and
+    kwargs of the method (or of the op, for an op site) and the module."""
+
+    args: tuple
+    kwargs: dict
+    module: nn.Module
+
+
+OP_ALIASES = {"@": "matmul", "*": "mul", "+": "add", "-": "sub", "/": "div"}
+
+
+def op_name(func: Callable) -> str:
+    """A torch function's name as `from_ops` matches it: `x @ w` (Tensor.__matmul__, __rmatmul__), torch.matmul and
+    Tensor.matmul are all "matmul"; `F.softmax`, `torch.softmax` and `Tensor.softmax` are "softmax"."""
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):  # TypeError: an unhashable callable
+        pass
+    name = getattr(func, "__name__", "") or ""
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        name = name[2:-2]
+        if name.startswith("r") and name[1:] in ("matmul", "mul", "add", "sub", "truediv"):
+            name = name[1:]
+    name = "div" if name == "truediv" else name
+    try:
+        _NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+_NAMES: dict[Callable, str] = {}  # op_name of each torch function seen (the mode asks for every call)
 
 
 @dataclass
 class Site:
-    """A module whose output is the coefficient tensor of one target layer, with the codec that reads it."""
+    """The coefficient tensor of one target layer: a module's method output (`forward` unless `method` names
+    another; its `call`-th call in one forward pass, else its only one) or the result of the `call`-th call of the
+    torch function `op` while that method runs, with the codec that reads it."""
 
     path: str
     module: nn.Module = field(repr=False)
     codec: Codec = field(default=None)
+    call: int | None = None  # which call in one forward pass (0-based); None: exactly one
+    method: str = "forward"
+    op: str | None = None  # a torch function inside the method (op_name): its result is the site
     meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
     device: torch.device | None = field(default=None, repr=False)  # where that output was (the site's device)
     dtype: torch.dtype | None = field(default=None, repr=False)  # its precision (a codec may widen it, e.g. bf16)
+
+    @property
+    def name(self) -> str:
+        """The site as a user names it: its module path, with the method, op and call where given."""
+        where = self.path + (f".{self.method}" if self.method != "forward" else "")
+        if self.op is not None:
+            where += f":{self.op}"
+        return where + (f"[call={self.call}]" if self.call is not None else "")
+
+    @cached_property
+    def reads_inputs(self) -> bool:
+        """Whether the codec's decode takes the live call (a third positional parameter)."""
+        try:
+            params = list(inspect.signature(self.codec.decode).parameters.values())
+        except (TypeError, ValueError):
+            return False
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
     def encode(self, out, batch: int, token: int) -> torch.Tensor:
         try:
             c = self.codec.encode(out, batch, token)
         except FcauditError as e:
-            raise FcauditError(f"site {self.path!r}: {e}") from None
+            raise FcauditError(f"site {self.name!r}: {e}") from None
         if c.dim() != 4 or tuple(c.shape[:2]) != (batch, token):
-            raise FcauditError(f"site {self.path!r}: codec {self.codec.describe()} gave shape {tuple(c.shape)}, "
+            raise FcauditError(f"site {self.name!r}: codec {self.codec.describe()} gave shape {tuple(c.shape)}, "
                                f"not [batch={batch}, token={token}, stream, source]; fix the codec")
         return c
 
@@ -163,13 +256,15 @@ class Site:
         floats = _first_tensor(out, floating=True)
         self.dtype = floats.dtype if floats is not None else None
 
-    def decode(self, c: torch.Tensor):
+    def decode(self, c: torch.Tensor, inputs: Call | None = None):
         """The site's output from canonical coefficients, on the device its captured output was on (a model spread
-        over devices by a device_map computes each layer on its own)."""
+        over devices by a device_map computes each layer on its own); `inputs` reach a codec that reads them."""
         if self.meta is None:
-            raise FcauditError(f"site {self.path!r} has no captured output to replay into; capture a batch first")
+            raise FcauditError(f"site {self.name!r} has no captured output to replay into; capture a batch first")
         if self.device is not None and c.device != self.device:
             c = c.to(self.device)
+        if self.reads_inputs:
+            return self.codec.decode(c, self.meta, inputs)
         return self.codec.decode(c, self.meta)
 
 
@@ -193,9 +288,158 @@ def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:
                        "codec=... for a tuple or other structured output")
 
 
+def _shape_of(x) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+# ---- one forward pass: each (module, method) that holds sites wrapped once ----------------------------------------
+
+class _Pass:
+    """The sites of one capture or replay pass. `found[i]`: site i's result (capture: canonical; replay: whether
+    it was replayed); calls are counted per pass, so `call=N` means the N-th call of that forward pass."""
+
+    def __init__(self, sites: Sequence[Site], capture: bool, batch: int = 0, token: int = 0, remember: bool = False,
+                 replacements: Sequence | None = None, coeffs: Sequence[torch.Tensor] | None = None):
+        self.sites, self.capturing, self.batch, self.token, self.remember = sites, capture, batch, token, remember
+        self.replacements, self.coeffs = replacements, coeffs
+        self.found: list = [None] * len(sites)
+        self.method_calls: dict[tuple[int, str], int] = {}
+        self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op: its shapes
+        self.recording: Callable[[], list | None] = lambda: None  # replay: where to record each site's call
+        self.raw: list | None = None  # capture: each site's (output, Call) (Controller.outputs)
+
+    def result(self, i: int, inputs: Call):
+        """Replay: site i's output (decoded in advance, or now from the live call for a codec that reads it)."""
+        recorded = self.recording()
+        if recorded is not None:
+            recorded[i] = (inputs.args, inputs.kwargs)
+        self.found[i] = True
+        native = self.replacements[i]
+        return native if native is not None else self.sites[i].decode(self.coeffs[i], inputs)
+
+    def keep(self, i: int, out, inputs: Call, seen: str) -> None:
+        """Capture: encode site i's output (once: a second one of a site without `call` is refused)."""
+        site = self.sites[i]
+        if self.found[i] is not None:
+            raise FcauditError(f"site {site.name!r} ran twice in one forward pass ({seen}); pick one call with "
+                               f"call=0 or call=1 (Controller.{'from_ops' if site.op else 'from_modules'}(..., "
+                               "call=N)), or a module that produces one layer's coefficients once")
+        self.found[i] = site.encode(out, self.batch, self.token)
+        if self.remember:
+            site.remember(out)
+        if self.raw is not None:
+            self.raw[i] = (out, inputs)
+
+
+class _OpMode(TorchFunctionMode):
+    """Active while one site method runs: the watched ops' results are captured or replaced (then not computed)."""
+
+    def __init__(self, run: _Pass, key: tuple[int, str], sites: list[int]):
+        super().__init__()
+        self.run, self.key, self.sites = run, key, sites
+        self.ops = {run.sites[i].op for i in sites}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if name not in self.ops:
+            return func(*args, **kwargs)
+        run = self.run
+        calls = run.op_calls.setdefault((*self.key, name), [])
+        n = len(calls)
+        # what the capture saw, for the one-line errors (a replay only counts)
+        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})" if run.capturing else "")
+        chosen = [i for i in self.sites if run.sites[i].op == name and run.sites[i].call in (None, n)]
+        inputs = Call(tuple(args), kwargs, run.sites[chosen[0]].module) if chosen else None
+        if chosen and not run.capturing:
+            return run.result(chosen[0], inputs)
+        out = func(*args, **kwargs)
+        if run.capturing:
+            calls[-1] += f" -> {_shape_of(out)}"
+        for i in chosen:
+            run.keep(i, out, inputs, "; ".join(calls))
+        return out
+
+
+def _wrapper(run: _Pass, module: nn.Module, method: str, inner: Callable, sites: list[int]) -> Callable:
+    """`inner` (the bound method) with the pass's sites on it: module-level sites take (or replace) the whole
+    result of their call; op sites are watched by an _OpMode while it runs."""
+    key = (id(module), method)
+    whole = [i for i in sites if run.sites[i].op is None]
+    ops = [i for i in sites if run.sites[i].op is not None]
+
+    def wrapped(*args, **kwargs):
+        n = run.method_calls.get(key, 0)
+        run.method_calls[key] = n + 1
+        chosen = [i for i in whole if run.sites[i].call in (None, n)]
+        inputs = Call(args, kwargs, module)
+        if chosen and not run.capturing:
+            return run.result(chosen[0], inputs)
+        if ops:
+            with _OpMode(run, key, ops):
+                out = inner(*args, **kwargs)
+        else:
+            out = inner(*args, **kwargs)
+        for i in chosen:
+            run.keep(i, out, inputs, f"call {n} of {type(module).__name__}.{method}")
+        return out
+
+    return wrapped
+
+
+@contextmanager
+def _patched(run: _Pass) -> Iterator[None]:
+    """Each (module, method) holding sites wrapped for the pass (an instance attribute, removed on exit: the class
+    and the model's code are untouched)."""
+    points: dict[tuple[int, str], list[int]] = {}
+    for i, s in enumerate(run.sites):
+        points.setdefault((id(s.module), s.method), []).append(i)
+    saved = []
+    try:
+        for (_, method), sites in points.items():
+            module = run.sites[sites[0]].module
+            saved.append((module, method, module.__dict__.get(method, _ABSENT)))
+            setattr(module, method, _wrapper(run, module, method, getattr(module, method), sites))
+        yield
+    finally:
+        for module, method, original in reversed(saved):
+            if original is _ABSENT:
+                module.__dict__.pop(method, None)
+            else:
+                module.__dict__[method] = original
+
+
+_ABSENT = object()
+
+
+def _missing(run: _Pass) -> str | None:
+    """A line for the first call or op site that did not run in a finished capture pass (what it saw instead)."""
+    for i, s in enumerate(run.sites):
+        if run.found[i] is not None or (s.call is None and s.op is None and s.method == "forward"):
+            continue  # a plain module site: the engine's own check names it
+        where = f"{s.path}.{s.method}"
+        ran = run.method_calls.get((id(s.module), s.method), 0)
+        if s.op is None:
+            return (f"site {s.name!r}: {where} ran {ran} time(s) in one forward pass, so call={s.call} does not "
+                    f"exist; pass call=0..{ran - 1}" if ran else f"site {s.name!r}: {where} did not run in a "
+                    "forward pass; pick a method the model calls")
+        if not ran:
+            return f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls"
+        calls = run.op_calls.get((id(s.module), s.method, s.op), [])
+        if not calls:
+            return (f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it makes "
+                    "(e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
+        return (f"site {s.name!r}: {where} made {len(calls)} call(s) of {s.op!r} ({'; '.join(calls)}), so "
+                f"call={s.call} does not exist; pass call=0..{len(calls) - 1}")
+    return None
+
+
+# ---- the controller ----------------------------------------------------------------------------------------------
+
 @dataclass
 class Controller:
-    """The ordered controller sites of one model plus the names of its static/reference conditions."""
+    """The ordered controller sites of one model plus the names of its static/reference conditions. `groups`: each
+    site's layer (sites of one group move together under the randomized conditions); () = one layer per site."""
 
     sites: list[Site]
     static_name: str = "StaticProfile"
@@ -203,23 +447,57 @@ class Controller:
     reference_name: str = "GlobalMean"
     description: str = ""
     context: Callable[[], AbstractContextManager] = nullcontext  # what every capture and replay pass runs within
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.reference not in REFERENCES:
             raise FcauditError(f"unknown reference {self.reference!r}; use one of {', '.join(REFERENCES)}")
         if not self.sites:
             raise FcauditError("a controller needs at least one site; check the module pattern")
+        if self.groups and len(self.groups) != len(self.sites):
+            raise FcauditError(f"{len(self.groups)} groups for {len(self.sites)} sites; give one group per site")
+        self._recording: list | None = None
 
     @classmethod
     def from_modules(cls, model: nn.Module, pattern: str, layout: str | Codec | None = None, *,
-                     codec: Codec | None = None, static_name: str = "StaticProfile", reference: str = "global_mean",
+                     codec: Codec | None = None, call: int | None = None, method: str = "forward",
+                     static_name: str = "StaticProfile", reference: str = "global_mean",
                      reference_name: str | None = None,
                      context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
         """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
-        with `codec` (or the einops `layout` of a single-tensor output). `context`: see Controller.context (its name
-        joins the description, so an audit made under another one is not resumed with this one)."""
-        chosen = _codec(layout, codec)
-        sites = [Site(name, m, chosen) for name, m in model.named_modules() if name and path_matches(name, pattern)]
+        with `codec` (or the einops `layout` of a single-tensor output): the output of `method` (default forward;
+        another one works when the parent calls it directly), of its `call`-th call in one forward pass where given.
+        `context`: see Controller.context (its name joins the description, so an audit made under another one is
+        not resumed with this one)."""
+        return cls._build(model, pattern, _codec(layout, codec), (call, method, None),
+                          (static_name, reference, reference_name, context))
+
+    @classmethod
+    def from_ops(cls, model: nn.Module, pattern: str, op: str, layout: str | Codec | None = None, *,
+                 codec: Codec | None = None, method: str = "forward", call: int | None = None,
+                 static_name: str = "StaticProfile", reference: str = "global_mean", reference_name: str | None = None,
+                 context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
+        """Sites = the result of the `call`-th call (default: the only one) of the torch function `op` ("matmul" or
+        "@", "sigmoid", "softmax", "tanh", "einsum", ...) made while `method` of each module matching `pattern`
+        runs: a local tensor no submodule returns. Replay substitutes it and the op is not computed."""
+        if not isinstance(op, str) or not op:
+            raise FcauditError(f"op must be a torch function's name such as 'matmul' or '@', got {op!r}")
+        return cls._build(model, pattern, _codec(layout, codec), (call, method, OP_ALIASES.get(op, op)),
+                          (static_name, reference, reference_name, context))
+
+    @classmethod
+    def _build(cls, model: nn.Module, pattern: str, chosen: Codec, where: tuple[int | None, str, str | None],
+               names: tuple) -> "Controller":
+        """The sites of `pattern` at `where` = (call, method, op), with the controller's `names` (static_name,
+        reference, reference_name, context)."""
+        static_name, reference, reference_name, context = names
+        call, method, op = where
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise FcauditError(f"call must be an integer >= 0 (0 = the first call in a forward pass), got {call!r}")
+        if not isinstance(method, str) or not method:
+            raise FcauditError(f"method must be a method's name such as 'forward' or 'prepare', got {method!r}")
+        sites = [Site(name, m, chosen, call, method, op) for name, m in model.named_modules()
+                 if name and path_matches(name, pattern)]
         shared = [name for name, _ in model.named_modules(remove_duplicate=False) if name and path_matches(name, pattern)
                   and name not in {s.path for s in sites}]
         if shared:  # named_modules lists a module once, under its first path: one module computing several layers
@@ -230,12 +508,53 @@ class Controller:
             sample = [n for n, _ in model.named_modules() if n][:6]
             raise FcauditError(f"pattern {pattern!r} matches no module of {type(model).__name__}; "
                                f"module paths look like {sample}")
+        lacking = next((s for s in sites if not callable(getattr(s.module, s.method, None))
+                        or isinstance(getattr(s.module, s.method), nn.Module)), None)
+        if lacking is not None:
+            own = sorted(n for n, v in vars(type(lacking.module)).items() if callable(v) and not n.startswith("_"))
+            raise FcauditError(f"module {lacking.path!r} ({type(lacking.module).__name__}) has no method "
+                               f"{lacking.method!r}; its own methods are {own[:8]}")
         if reference_name is None:
             reference_name = "GlobalMean" if reference == "global_mean" else "SourceUniformMean"
         described = f"{type(model).__name__}:{pattern}:{chosen.describe()}"
+        described += "".join(f":{k}={v}" for k, v in (("method", method if method != "forward" else None),
+                                                        ("op", op), ("call", call)) if v is not None)
         if context is None:
             return cls(sites, static_name, reference, reference_name, described)
         return cls(sites, static_name, reference, reference_name, f"{described}:{context.__name__}", context)
+
+    @classmethod
+    def merge(cls, *controllers: "Controller", group: Callable[[Site], Hashable] | None = None) -> "Controller":
+        """One controller of all their sites, in order. Sites of one layer form a group: by default those on the
+        same module (alpha and beta of one hyper-connection), else those `group(site)` gives one key (e.g.
+        `group=lambda s: s.path.split(".")[1]`). The randomized conditions draw once per group, so a group's
+        coefficients move together, and statistics count a group as one layer."""
+        if not controllers or not all(isinstance(c, Controller) for c in controllers):
+            raise FcauditError("Controller.merge takes one or more fcaudit.Controller objects")
+        first = controllers[0]
+        for c in controllers[1:]:
+            if (c.reference, c.static_name, c.reference_name) != (first.reference, first.static_name,
+                                                                  first.reference_name):
+                raise FcauditError("controllers with other references or condition names cannot be merged; build "
+                                   "them with the same reference= and names")
+            if c.context is not first.context:
+                raise FcauditError("controllers run within other contexts cannot be merged; pass the same context=")
+        sites = [s for c in controllers for s in c.sites]
+        seen: dict[tuple[int, str, str | None, int | None], str] = {}
+        for s in sites:
+            key = (id(s.module), s.method, s.op, s.call)
+            if key in seen:
+                raise FcauditError(f"site {s.name!r} is in two of the merged controllers; give each site once")
+            seen[key] = s.name
+            if s.call is None and any(k[:3] == key[:3] and k != key for k in seen):
+                raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
+                                   "call=N to both")
+        keys = [group(s) if group is not None else id(s.module) for s in sites]
+        order = {k: g for g, k in enumerate(dict.fromkeys(keys))}
+        groups = tuple(order[k] for k in keys)
+        description = " + ".join(c.description for c in controllers)
+        return cls(sites, first.static_name, first.reference, first.reference_name, description, first.context,
+                   groups if len(set(groups)) < len(groups) else ())
 
     @property
     def labels(self) -> dict[str, str]:
@@ -244,12 +563,15 @@ class Controller:
     @property
     def info(self) -> Controllers:
         """What the protocol's conditions need to know about this controller."""
-        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites))
+        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites), self.groups)
 
     def describe(self) -> dict:
-        return {"description": self.description, "sites": [s.path for s in self.sites],
-                "codecs": [s.codec.describe() for s in self.sites], "reference": self.reference,
-                "labels": self.labels}
+        out = {"description": self.description, "sites": [s.name for s in self.sites],
+               "codecs": [s.codec.describe() for s in self.sites], "reference": self.reference,
+               "labels": self.labels}
+        if self.groups:
+            out["groups"] = list(self.groups)
+        return out
 
     @contextmanager
     def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
@@ -257,76 +579,70 @@ class Controller:
 
         With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
         takes it once, from a probe of the first batch, so every replay decodes alike)."""
-        found: list[torch.Tensor | None] = [None] * len(self.sites)
+        run = _Pass(self.sites, True, batch, token, remember)
+        with self._capturing(run):
+            yield run.found
 
-        def hook_for(i: int, site: Site):
-            def hook(module, args, out):
-                if found[i] is not None:
-                    raise FcauditError(f"site {site.path!r} ran twice in one forward pass; "
-                                       "pick a module that produces one layer's coefficients once")
-                found[i] = site.encode(out, batch, token)
-                if remember:
-                    site.remember(out)
-            return hook
+    @contextmanager
+    def _capturing(self, run: _Pass) -> Iterator[None]:
+        with _patched(run), self.context():
+            yield
+        problem = _missing(run)
+        if problem is not None:
+            raise FcauditError(problem)
 
-        handles = [s.module.register_forward_hook(hook_for(i, s)) for i, s in enumerate(self.sites)]
-        try:
-            with self.context():
-                yield found
-        finally:
-            for h in handles:
-                h.remove()
+    @contextmanager
+    def outputs(self, batch: int, token: int) -> Iterator[list[tuple[Any, Call] | None]]:
+        """Each site's raw output and call (args, kwargs, module) in one forward pass, for the pre-write checks."""
+        run = _Pass(self.sites, True, batch, token, remember=False)
+        run.raw = [None] * len(self.sites)
+        with self._capturing(run):
+            yield run.raw
 
     @contextmanager
     def replay(self, coeffs: Coeffs) -> Iterator[None]:
-        """Within the context each site's forward returns its decoded canonical coefficients.
+        """Within the context each site's result is its decoded canonical coefficients.
 
-        The site's own computation (the controller) does not run. Each original forward is restored on exit,
-        also when the body raises.
+        The site's own computation (the controller: the method, or the op) does not run. Each original method is
+        restored on exit, also when the body raises.
         """
         if len(coeffs) != len(self.sites):
             raise FcauditError(f"replay got {len(coeffs)} coefficient tensors for {len(self.sites)} sites")
-        saved = []
-        try:
-            for site, c in zip(self.sites, coeffs):
-                native = site.decode(c)
-                saved.append((site.module, site.module.__dict__.get("forward")))
-                site.module.forward = (lambda out: lambda *args, **kwargs: out)(native)
-            with self.context():
-                yield
-        finally:
-            for module, original in saved:
-                if original is None:
-                    del module.forward
-                else:
-                    module.forward = original
+        # decoded in advance, unless the codec reads the live call
+        native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]
+        if any(s.reads_inputs and s.meta is None for s in self.sites):
+            raise FcauditError("a site has no captured output to replay into; capture a batch first")
+        run = _Pass(self.sites, False, replacements=native, coeffs=coeffs)
+        run.recording = lambda: self._recording  # recording_inputs may be entered after this context
+        with _patched(run), self.context():
+            yield
 
     @contextmanager
     def recording_inputs(self) -> Iterator[list[tuple | None]]:
-        """Keep each site's call arguments of one forward pass (e.g. a replay pass), for `recompute`."""
+        """Keep each site's call arguments of one replay pass entered within (or around) this block, for
+        `recompute`."""
         inputs: list[tuple | None] = [None] * len(self.sites)
-
-        def hook_for(i: int):
-            def hook(module, args, kwargs):
-                inputs[i] = (args, kwargs)
-            return hook
-
-        handles = [s.module.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, s in enumerate(self.sites)]
+        previous, self._recording = self._recording, inputs
         try:
             yield inputs
         finally:
-            for h in handles:
-                h.remove()
+            self._recording = previous
 
     def recompute(self, inputs: list[tuple | None], batch: int, token: int,
                   which: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
         """The live controller's canonical output on recorded site inputs: what sites `which` (default all) would
-        have emitted on that trajectory. Call outside `replay`, so the original forwards run."""
+        have emitted on that trajectory. Call outside `replay`, so the original methods run."""
         out = {}
         for i in (range(len(self.sites)) if which is None else which):
             site, call = self.sites[i], inputs[i]
             if call is None:
-                raise FcauditError(f"site {site.path!r} did not run in the recorded pass")
+                raise FcauditError(f"site {site.name!r} did not run in the recorded pass")
             args, kwargs = call
-            out[i] = site.encode(site.module.forward(*args, **kwargs), batch, token)
+            if site.op is not None:
+                fn = next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
+                if fn is None:
+                    raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
+                out[i] = site.encode(fn(*args, **kwargs), batch, token)
+            else:
+                out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
         return out

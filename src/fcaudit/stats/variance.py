@@ -149,15 +149,35 @@ def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -
     return df.sort_values(["layer", *names]).reset_index(drop=True)
 
 
-def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict:
+def by_layer(coeffs: list, groups: tuple[int, ...] = ()) -> list:
+    """The sites of one group (Controller.merge: sites of one layer) as one layer: their coefficients side by side on
+    the source axis, streams padded with zeros to the group's widest."""
+    if not groups:
+        return coeffs
+    out = []
+    for g in dict.fromkeys(groups):
+        parts = [c for c, k in zip(coeffs, groups) if k == g]
+        layer = parts[0].new_zeros(*parts[0].shape[:2], max(c.shape[2] for c in parts), sum(c.shape[3] for c in parts))
+        at = 0
+        for c in parts:
+            layer[:, :, :c.shape[2], at:at + c.shape[3]] = c
+            at += c.shape[3]
+        out.append(layer)
+    return out
+
+
+def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups: tuple[int, ...] = ()) -> dict:
     """An audit's variation.json: per-layer mean/sd of the evaluation coefficients and the balanced variance
     decomposition. `store`: the audit's coefficient store (`read_chunk(start)` gives one [batch, token, stream,
-    source] tensor per layer); `starts`: its batches' first windows. `sites`: each layer's module path (a layer
-    is a site: an MoE whose first block is dense has its layer 0 in model.layers.1)."""
+    source] tensor per site); `starts`: its batches' first windows. `sites`: each site's module path (a layer is a
+    site: an MoE whose first block is dense has its layer 0 in model.layers.1); `groups`: each site's layer where
+    merged sites share one (then counted once, `by_layer`)."""
+    if groups and sites:
+        sites = [" + ".join(dict.fromkeys(s for s, k in zip(sites, groups) if k == g)) for g in dict.fromkeys(groups)]
     sums = sq = None
     count = 0
     for b0 in starts:
-        chunk = [c.double() for c in store.read_chunk(int(b0))]
+        chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
         s = [c.sum(dim=(0, 1)) for c in chunk]  # [stream, source]
         q = [(c * c).sum(dim=(0, 1)) for c in chunk]
         sums = s if sums is None else [a + b for a, b in zip(sums, s)]
@@ -182,7 +202,7 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None) -> dict
     for b0 in starts:
         if b0 >= n_used:
             break
-        for l, c in enumerate(store.read_chunk(int(b0))):
+        for l, c in enumerate(by_layer(store.read_chunk(int(b0)), groups)):
             c = c[: n_used - b0].double().numpy()
             arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
     if scalar:

@@ -8,7 +8,10 @@ e is not selected), exactly as the experts module receives it: after softmax, to
 Layout "(batch token) expert": canonical [batch, token, 1, E], experts on the source axis.
 
 Decode rebuilds the triple from c: the selected experts are the support of c, in descending weight order
-(ties: lower expert first) like torch.topk's; rows with fewer selected experts than the width are padded with
+(ties: lower expert first) like torch.topk's, or, for a router whose captured slots are in router-logit order but
+not in weight order (PhiMoE's sparsemixer: the argmax expert first, both weights often 1.0), in the order of the
+router's logits on its live input (an nn.Linear router: decode computes them; the slot order of the experts' rows
+can move the eager loop's rounding); rows with fewer selected experts than the width are padded with
 index E and weight 0, which the eager experts loop of transformers skips ("no expert"). Experts that cannot take
 that index (GPT-OSS's one_hot over E classes) get padding "repeat" instead: the row's first selected expert again
 (expert 0 for an empty row) at weight 0. That adds an exact 0 to the token's output, but one more row to that
@@ -115,6 +118,9 @@ def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
+    placeholders = ("[0]",)  # the router logits: rebuilt as a placeholder the forward pass does not read
+    slots = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
+
     def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
                  experts_path: str | None = None, pad: str = "sentinel"):
         if pad not in PADDINGS:
@@ -138,16 +144,22 @@ class TopKRouterCodec(Codec):
     def meta(self, output) -> dict:
         logits, weights, index = split_router_output(output, self.num_experts, self.name)
         return {"logits_dtype": dtype_name(logits.dtype), "weights_dtype": dtype_name(weights.dtype),
-                "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k}
+                "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k,
+                **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {})}
 
-    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _require_eager(self._experts, self.name)
         E = self.num_experts
         c = _expert_rows(canonical, E, self.name)
         selected = c != 0
         width = max(self.top_k, int(selected.sum(1).max().item()) if c.numel() else 0)
-        # Selected experts first, by descending weight; stable, so ties keep the lower expert first.
-        key = torch.where(selected, c, torch.full_like(c, -torch.inf))
+        # Selected experts first, by descending weight (or router logit, as captured); stable, so ties keep the lower
+        # expert first.
+        order_by = c
+        if meta.get("slot_order") == "logits" and inputs is not None and isinstance(inputs.module, nn.Linear):
+            with torch.no_grad():
+                order_by = nn.Linear.forward(inputs.module, inputs.args[0]).reshape(c.shape).to(c.dtype)
+        key = torch.where(selected, order_by, torch.full_like(c, -torch.inf))
         _, order = torch.sort(key, dim=1, descending=True, stable=True)
         order = order[:, :width]
         keep = selected.gather(1, order)
@@ -161,6 +173,16 @@ class TopKRouterCodec(Codec):
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
         return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector{pad}"
+
+
+def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether a captured router output's slots are in descending router-logit order but not in descending weight
+    order (ties: lower expert first), which decode gives by default."""
+    if index.shape[1] < 2 or not index.numel():
+        return False
+    w, l = weights.float(), logits.gather(1, index.long()).float()
+    by_weight = ((w[:, :-1] > w[:, 1:]) | ((w[:, :-1] == w[:, 1:]) & (index[:, :-1] < index[:, 1:]))).all()
+    return bool(not by_weight and (l[:, :-1] >= l[:, 1:]).all())
 
 
 def split_score_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +203,8 @@ class ScoreRouterCodec(Codec):
     them with log-score placeholder logits (finfo.min off the support; the block only passes the logits on, for the
     auxiliary loss). Replay needs no padding: a score of 0 is a zero input to that expert. transformers' Llama 4
     computes every expert for every token this way, so its routing saves no work (`fcaudit execution` counts E)."""
+
+    placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 
     def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):
         self.num_experts, self.top_k, self.name, self.experts_path = int(num_experts), int(top_k), name, experts_path

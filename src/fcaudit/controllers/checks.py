@@ -1,0 +1,238 @@
+"""Checks before anything is written: what passes the exact replay check and still is not a controller audit.
+
+Each check takes the model, its controller and the first evaluation batch (plus what the audit's probe of that batch
+gave) and returns a `Finding` or None: a refusal (the audit must stop with that one line) or a notice (the audit
+runs, and the line is printed with its results). `pre_write_checks` runs them all on one more forward pass of the
+first batch; route flips are counted by the audit's exact replay check of every batch (which fails closed on any),
+and `check_route_flips` does it for one batch on its own (one replay pass).
+- two Correct passes of the first batch differ: the eval forward is not deterministic (a router that samples);
+- route flips > 0 in the replay of the first batch: the live router disagrees with the replayed support;
+- decode(encode(output)) differs from the captured output: the codec does not rebuild what the site returned;
+- a site whose source axis has the model's hidden width and whose output the next module takes as its input: a
+  hidden state, not a coefficient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from fcaudit.controllers.site import Call, Controller, Site, _first_tensor
+from fcaudit.loss import logits_of
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line for the user: a refusal (raise FcauditError(line)) or a notice (print it with the results)."""
+
+    line: str
+    refusal: bool
+
+
+@dataclass
+class Observation:
+    """One Correct forward pass of the first batch: its logits, each site's canonical coefficients, raw output and
+    call, and whether a later module took the site's output (or a view of it) as its input."""
+
+    logits: torch.Tensor
+    coeffs: list[torch.Tensor]
+    outputs: list[tuple[Any, Call]]
+    feeds_module: list[bool]
+
+
+def observe(model: nn.Module, controller: Controller, first: torch.Tensor) -> Observation:
+    """Run the first batch once more, keeping what the checks read."""
+    feeds = [False] * len(controller.sites)
+    held: list = []
+
+    def consumer(module, args):
+        raws = held[0] if held else None
+        if raws is None:
+            return
+        for i, raw in enumerate(raws):
+            out = _first_tensor(raw[0]) if raw is not None else None
+            if out is not None and not feeds[i] and any(_same_memory(a, out) for a in args):
+                feeds[i] = True
+
+    handle = nn.modules.module.register_module_forward_pre_hook(consumer)
+    try:
+        with controller.outputs(*first.shape) as raws:
+            held.append(raws)
+            logits = logits_of(model(first))
+    finally:
+        handle.remove()
+    coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
+    return Observation(logits, coeffs, list(raws), feeds)
+
+
+def _same_memory(a, out: torch.Tensor) -> bool:
+    """`a` is `out` or a view of all of it (a reshape on the way to the next module)."""
+    return (isinstance(a, torch.Tensor) and a.numel() == out.numel() and a.device == out.device
+            and a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr())
+
+
+def check_deterministic(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
+                        seen: Observation | None = None) -> Finding | None:
+    """Refused when a second Correct pass of the first batch gives other logits or coefficients than the probe
+    (`probe` = (coefficients, logits, ...) of the audit's capture of that batch)."""
+    seen = seen or observe(model, controller, first)
+    coeffs, logits = probe[0], probe[1]
+    if not torch.equal(seen.logits, logits):
+        diff = float((seen.logits.double() - logits.double()).abs().max())
+        where = f"the logits (max |Δlogit| = {diff:.3g})"
+    else:
+        site = next((s for s, a, b in zip(controller.sites, seen.coeffs, coeffs)
+                     if not torch.equal(a, b.to(a.device))), None)
+        if site is None:
+            return None
+        where = f"the coefficients of site {site.name!r}"
+    return Finding(f"two Correct passes of the first evaluation batch differ in {where}: the model is not "
+                   "deterministic in eval mode (e.g. a router that samples, or noise left on outside training); make "
+                   "its eval forward deterministic before auditing", True)
+
+
+def check_route_flips(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor]
+                      ) -> Finding | None:
+    """Refused when, replaying the first batch's captured coefficients, the live top-k routers on the replayed
+    trajectory select other experts than the cache (route flips > 0): then the replay is not the model's own
+    routing, however equal the logits."""
+    routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
+    if not routers:
+        return None
+    with controller.replay(coeffs), controller.recording_inputs() as inputs:
+        model(first)
+    live = controller.recompute(inputs, *first.shape, routers)
+    flips = int(sum(((l.to(coeffs[i].device) != 0) != (coeffs[i] != 0)).any(-1).sum() for i, l in live.items()))
+    if not flips:
+        return None
+    return Finding(f"exact replay check failed closed: route flips = {flips} on the first evaluation batch (the live "
+                   "router on the replayed trajectory selects other experts than the captured ones, e.g. it samples "
+                   "or keeps state between calls); make the router a deterministic function of its input", True)
+
+
+def _leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of a site output: ".name" for a namedtuple field, "[i]" for a tuple or list item, "['k']" for a
+    dict entry, "" for the output itself."""
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        for name, v in zip(x._fields, x):
+            yield from _leaves(v, f"{path}.{name}")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}[{i}]")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{path}[{k!r}]")
+    else:
+        yield path, x
+
+
+def _differs(a: Any, b: Any) -> str | None:
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return f"{type(b).__name__} instead of {type(a).__name__}"
+    if not isinstance(a, torch.Tensor):
+        return None if a == b else f"{b!r} instead of {a!r}"
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{b.dtype} {list(b.shape)} instead of {a.dtype} {list(a.shape)}"
+    if not torch.equal(a, b.to(a.device)):
+        return f"other values ({int((a != b.to(a.device)).sum())} of {a.numel()} elements)"
+    return None
+
+
+def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token: int) -> str | None:
+    """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. Leaves the
+    codec declares placeholders (outputs the model never reads, e.g. router logits) are skipped; a router codec's
+    `slots` (its weights and index leaves) are compared per token as (index, weight) pairs, and only their order
+    differing is reported as "slot order" (see check_round_trip)."""
+    back = site.decode(site.encode(output, batch, token), call)
+    skip = set(getattr(site.codec, "placeholders", ()))
+    got, want = dict(_leaves(back)), list(_leaves(output))
+    if list(got) != [p for p, _ in want]:
+        return f"the structure ({sorted(got)} instead of {[p for p, _ in want]})"
+    first = None
+    for path, leaf in want:
+        if path not in skip:
+            how = _differs(leaf, got[path])
+            if how is not None:
+                first = first or f"leaf {path or '(the output)'}: {how}"
+    if first is None:
+        return None
+    slots = getattr(site.codec, "slots", None)
+    if slots and all(_differs(leaf, got[p]) is None for p, leaf in want if p not in skip and p not in slots):
+        wanted, rebuilt = dict(want), got
+        weights, index = slots
+        rows = _reordered_rows(wanted[weights], wanted[index], rebuilt[weights], rebuilt[index])
+        if rows is not None:
+            return f"slot order ({rows} of {wanted[index].shape[0]} rows hold their experts and weights in another order)"
+    return first
+
+
+def _reordered_rows(w: torch.Tensor, i: torch.Tensor, w2: torch.Tensor, i2: torch.Tensor) -> int | None:
+    """How many rows differ only by the order of their (index, weight) slots; None when some row differs more."""
+    if w.shape != w2.shape or i.shape != i2.shape or w.dtype != w2.dtype or i.dtype != i2.dtype:
+        return None
+    a, b = i.sort(1), i2.to(i.device).sort(1)
+    if not torch.equal(a.values, b.values) or not torch.equal(w.gather(1, a.indices), w2.to(w.device).gather(1, b.indices)):
+        return None
+    return int((i != i2.to(i.device)).any(1).sum())
+
+
+def check_round_trip(model: nn.Module, controller: Controller, first: torch.Tensor,
+                     seen: Observation | None = None) -> Finding | None:
+    """Refused when a site's codec does not give back the captured output on the first batch; a notice when a
+    router's rebuilt slots differ only in order (ties the captured top-k ordered its own way): an eager experts loop
+    sums per expert, so its result does not depend on slot order except in rounding on some machines."""
+    seen = seen or observe(model, controller, first)
+    notice = None
+    for site, (out, call) in zip(controller.sites, seen.outputs):
+        how = round_trip_difference(site, out, call, *first.shape)
+        if how is not None and how.startswith("slot order"):
+            notice = notice or Finding(f"note: site {site.name!r}: decode(encode(output)) of codec "
+                                       f"{site.codec.describe()!r} gives the captured output in another {how}; the "
+                                       "exact replay check shows whether the model's output depends on it", False)
+        elif how is not None:
+            return Finding(f"site {site.name!r}: decode(encode(output)) of codec {site.codec.describe()!r} differs "
+                           f"from the captured output at {how}; fix the codec so that it rebuilds what the site "
+                           "returned (replays would feed the model something else)", True)
+    return notice
+
+
+def hidden_width(model: nn.Module) -> int | None:
+    """The model's hidden width: its config's hidden_size / n_embd / d_model, else its input embeddings' width."""
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return int(emb.embedding_dim) if isinstance(emb, nn.Embedding) else None
+
+
+def hidden_state_notice(model: nn.Module, controller: Controller, first: torch.Tensor,
+                        seen: Observation | None = None) -> Finding | None:
+    """A notice when a site's source axis has the model's hidden width and a later module takes its output as
+    input (the next block, the final norm): the residual stream, not coefficients that act on it."""
+    width = hidden_width(model)
+    if width is None:
+        return None
+    seen = seen or observe(model, controller, first)
+    hidden = [s.name for s, c, feeds in zip(controller.sites, seen.coeffs, seen.feeds_module)
+              if feeds and c.shape[-1] == width]
+    if not hidden:
+        return None
+    more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
+    return Finding(f"note: site {hidden[0]!r}{more} looks like a hidden state, not a coefficient: its source axis has "
+                   f"the model's hidden width {width} and the next module takes its output as input; the conditions "
+                   "would move activations, not a controller's coefficients: point the pattern at the module or op "
+                   "that computes the coefficients (a gate, a mixture, a router)", False)
+
+
+def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
+    """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's (coefficients, logits, nll)
+    of that batch, captured with `remember` (so each site's codec metadata is set)."""
+    seen = observe(model, controller, first)
+    found = [check_deterministic(model, controller, first, probe, seen),
+             check_round_trip(model, controller, first, seen), hidden_state_notice(model, controller, first, seen)]
+    return sorted((f for f in found if f is not None), key=lambda f: not f.refusal)

@@ -1,0 +1,644 @@
+"""Controllers as other people write them: tiny models with exactly the shapes of third-party dynamic mechanisms (a
+module called twice with two meanings, a local `normed @ self.w` in a method the parent calls directly, a Python
+GRU cell's gates, a router whose namedtuple output gathers from its input, two sites of one layer merged), each
+audited with the public API, an exact replay and no change to the model's code."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fcaudit as fca
+from fcaudit import protocol
+from fcaudit.controllers.site import Layout, op_name
+from fcaudit.errors import FcauditError
+
+V, D, T, S = 32, 16, 8, 2
+
+
+def causal_mean(x: torch.Tensor) -> torch.Tensor:
+    """Token mixing that looks only backwards: position t sees the mean of positions <= t."""
+    return x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+
+
+def windows(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def audit(model, ctrl, tmp_path, name="audit", **kw):
+    return fca.audit(model, ctrl, windows(4, 0), windows(2, 1), randomizations=2, seed=0, out=tmp_path / name,
+                     batch_size=2, quiet=True, **kw)
+
+
+def assert_exact(result):
+    assert result.replay["bit_equal"] and result.replay["max_abs_dlogit"] == 0 and result.replay["passed"]
+
+
+class LM(nn.Module):
+    """Embedding, blocks, norm and head around any block (the blocks take and return [batch, token, hidden])."""
+
+    def __init__(self, blocks: list[nn.Module], seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+
+# ---- 1 + 5. one activation module applied twice with different meanings; alpha and beta of one layer merged ------
+
+class HyperConnection(nn.Module):
+    """S residual streams mixed per token by alpha [b, t, 1, S, S+1] (column 0: the branch input, the rest: the
+    stream mix) and beta [b, t, 1, S] (the branch output per stream); one activation module makes both."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.alpha_fn = nn.Linear(D, S * (S + 1))
+        self.beta_fn = nn.Linear(D, S)
+        self.act = nn.Tanh()
+
+    def forward(self, streams: torch.Tensor, branch: nn.Module) -> torch.Tensor:
+        b, t, s, _ = streams.shape
+        normed = self.norm(streams.mean(2))
+        alpha = self.act(self.alpha_fn(normed).view(b, t, 1, s, s + 1))
+        beta = self.act(self.beta_fn(normed).view(b, t, 1, s))
+        out = branch(causal_mean(torch.einsum("btsd,bts->btd", streams, alpha[:, :, 0, :, 0])))
+        mixed = torch.einsum("btsd,btsr->btrd", streams, alpha[:, :, 0, :, 1:])
+        return mixed + beta[:, :, 0, :, None] * out[:, :, None]
+
+
+class HCBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hc_attn = HyperConnection()
+        self.mlp = mlp()
+
+    def forward(self, streams):
+        return self.hc_attn(streams, self.mlp)
+
+
+class HCModel(LM):
+    def forward(self, ids):
+        h = self.emb(ids)[:, :, None].expand(-1, -1, S, -1)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h.sum(2)))
+
+
+def hc_model() -> HCModel:
+    return HCModel([HCBlock(), HCBlock()]).eval()
+
+
+def hc_controller(model: nn.Module) -> fca.Controller:
+    alpha = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream source", call=0)
+    beta = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream", call=1)
+    return fca.Controller.merge(alpha, beta)
+
+
+def test_a_module_called_twice_is_refused_naming_call_and_each_call_audits_exactly(tmp_path):
+    model = hc_model()
+    with pytest.raises(FcauditError, match=r"ran twice in one forward pass.*call=0 or call=1"):
+        audit(model, fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream source"),
+              tmp_path, "twice")
+    assert not (tmp_path / "twice").exists()
+    with pytest.raises(FcauditError, match=r"ran 2 time\(s\).*call=2 does not exist; pass call=0..1"):
+        audit(model, fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream", call=2),
+              tmp_path, "third")
+    ctrl = hc_controller(model)
+    assert [s.name for s in ctrl.sites][:2] == ["blocks.0.hc_attn.act[call=0]", "blocks.1.hc_attn.act[call=0]"]
+    assert ctrl.groups == (0, 1, 0, 1)  # alpha and beta of one layer: one group
+    result = audit(model, ctrl, tmp_path)
+    assert_exact(result)
+    assert "forward" not in model.blocks[0].hc_attn.act.__dict__  # restored: the model's code is untouched
+    d = result.penalties().to_frame().set_index("condition")["mean"]
+    assert d["CrossInput"] != 0 and d["TokenShuffle"] != 0
+
+
+def test_replaying_one_call_leaves_the_modules_other_call_computed():
+    model = hc_model()
+    ids = windows(2, 0)
+    beta = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream", call=1)
+    with torch.inference_mode():
+        with beta.capture(2, T) as found:
+            ref = model(ids)
+        with beta.replay([torch.zeros_like(c) for c in found]):
+            zeroed = model(ids)
+        with beta.replay(found):
+            same = model(ids)
+    assert torch.equal(same, ref) and not torch.equal(zeroed, ref)
+
+
+# ---- 2. a method the parent calls directly, holding local `normed @ self.w` coefficients --------------------------
+
+class Residual(nn.Module):
+    """Hyper-connection residual in the style of third-party code: the parent calls `prepare` and `gate`, never
+    `forward`; the coefficients are local tensors of `prepare`."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.dynamic_alpha_fn = nn.Parameter(torch.randn(D, S) * 0.5)
+        self.dynamic_beta_fn = nn.Parameter(torch.randn(D, 1) * 0.5)
+        self.gate_fn = nn.Linear(D, 1)
+
+    def prepare(self, x):
+        normed = self.norm(x)
+        wc_weight = normed @ self.dynamic_alpha_fn
+        dc_weight = normed @ self.dynamic_beta_fn
+        return wc_weight.softmax(-1), dc_weight
+
+    def gate(self, x):
+        return torch.sigmoid(self.gate_fn(x)).squeeze(-1)
+
+    def forward(self, x):
+        raise AssertionError("the parent never calls forward")
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.residual_fn = Residual()
+        self.mlp = nn.ModuleList([mlp() for _ in range(S)])
+
+    def forward(self, x):
+        wc, dc = self.residual_fn.prepare(x)
+        g = self.residual_fn.gate(x)
+        out = sum(wc[..., i, None] * m(causal_mean(x)) for i, m in enumerate(self.mlp))
+        return x * (1 + dc) + g[..., None] * out
+
+
+def residual_model() -> LM:
+    return LM([ResidualBlock(), ResidualBlock()], seed=1).eval()
+
+
+def test_local_matmul_results_in_a_method_are_sites_and_replay_does_not_compute_them(tmp_path, monkeypatch):
+    model = residual_model()
+    wc = fca.Controller.from_ops(model, "blocks.*.residual_fn", "@", "batch token source", method="prepare", call=0)
+    dc = fca.Controller.from_ops(model, "blocks.*.residual_fn", "matmul", "batch token ()", method="prepare", call=1)
+    ctrl = fca.Controller.merge(wc, dc)
+    assert ctrl.groups == (0, 1, 0, 1)
+    result = audit(model, ctrl, tmp_path)
+    assert_exact(result)
+    assert "prepare" not in model.blocks[0].residual_fn.__dict__
+    # replay substitutes the op's result: no matmul runs inside prepare
+    seen = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(op_name(func))
+            return func(*args, **(kwargs or {}))
+
+    ids = windows(2, 0)
+    with torch.inference_mode(), ctrl.capture(2, T) as found:
+        ref = model(ids)
+    with torch.inference_mode(), ctrl.replay(found), Count():
+        assert torch.equal(model(ids), ref)
+    assert "matmul" not in seen
+
+
+def test_a_method_the_parent_calls_directly_is_a_site(tmp_path):
+    model = residual_model()
+    ctrl = fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="gate")
+    assert_exact(audit(model, ctrl, tmp_path))
+    with pytest.raises(FcauditError, match=r"has no method 'gates'; its own methods are \['forward', 'gate', 'prepare'\]"):
+        fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="gates")
+    unused = fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="extra_repr")
+    with pytest.raises(FcauditError, match=r"residual_fn.extra_repr did not run in a forward pass; pick a method"):
+        audit(model, unused, tmp_path, "unused")
+    with pytest.raises(FcauditError, match="has no method 'gate_fn'"):  # a submodule: its path goes in the pattern
+        fca.Controller.from_modules(model, "blocks.*.residual_fn", "batch token", method="gate_fn")
+
+
+@pytest.mark.parametrize("op,call,match", [
+    ("matmul", None, r"ran twice in one forward pass \(#0 matmul\(\[2, 8, 16\], \[16, 2\]\) -> \[2, 8, 2\]; "
+                     r"#1 matmul\(\[2, 8, 16\], \[16, 1\]\) -> \[2, 8, 1\]\).*call=0 or call=1"),
+    ("matmul", 2, r"made 2 call\(s\) of 'matmul' \(#0 matmul\(\[2, 8, 16\], \[16, 2\]\) -> \[2, 8, 2\]; #1 "
+                  r"matmul\(\[2, 8, 16\], \[16, 1\]\) -> \[2, 8, 1\]\), so call=2 does not exist; pass call=0..1"),
+    ("tanh", 0, r"made no call of 'tanh'"),
+])
+def test_an_op_that_matches_nothing_or_twice_gets_one_line_naming_the_calls_it_saw(op, call, match, tmp_path):
+    model = residual_model()
+    ctrl = fca.Controller.from_ops(model, "blocks.*.residual_fn", op, "batch token source", method="prepare",
+                                   call=call)
+    with pytest.raises(FcauditError, match=match):
+        audit(model, ctrl, tmp_path)
+    assert not (tmp_path / "audit").exists()
+
+
+# ---- 3. gates inside a fused op: the documented Python cell, equal to nn.GRUCell ----------------------------------
+
+class GRUCell(nn.Module):
+    """nn.GRUCell written out, so its reset and update gates are sigmoid calls a site can reach."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        fused = nn.GRUCell(size, size)
+        self.weight_ih, self.weight_hh = fused.weight_ih, fused.weight_hh
+        self.bias_ih, self.bias_hh = fused.bias_ih, fused.bias_hh
+
+    def forward(self, x, h):
+        i_r, i_z, i_n = F.linear(x, self.weight_ih, self.bias_ih).chunk(3, -1)
+        h_r, h_z, h_n = F.linear(h, self.weight_hh, self.bias_hh).chunk(3, -1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return (1 - z) * n + z * h
+
+
+class GRUBlock(nn.Module):
+    """A GRU-gated residual (GTrXL style): the cell merges the branch output into the residual stream per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+        self.cell = GRUCell(D)
+
+    def forward(self, h):
+        b, t, d = h.shape
+        return self.cell(self.mlp(causal_mean(h)).reshape(-1, d), h.reshape(-1, d)).reshape(b, t, d)
+
+
+def gru_model() -> LM:
+    return LM([GRUBlock(), GRUBlock()], seed=2).eval()
+
+
+def gru_gates(model: nn.Module) -> fca.Controller:
+    r = fca.Controller.from_ops(model, "blocks.*.cell", "sigmoid", "(batch token) gate", call=0)
+    z = fca.Controller.from_ops(model, "blocks.*.cell", "sigmoid", "(batch token) gate", call=1)
+    return fca.Controller.merge(r, z)
+
+
+def test_the_python_cell_equals_the_fused_one_and_its_gates_audit_exactly(tmp_path):
+    cell = GRUCell(D)
+    fused = nn.GRUCell(D, D)
+    fused.load_state_dict({"weight_ih": cell.weight_ih, "weight_hh": cell.weight_hh, "bias_ih": cell.bias_ih,
+                           "bias_hh": cell.bias_hh})
+    x, h = torch.randn(5, D), torch.randn(5, D)
+    torch.testing.assert_close(cell(x, h), fused(x, h))
+    model = gru_model()
+    result = audit(model, gru_gates(model), tmp_path)
+    assert_exact(result)
+    assert result.penalties().to_frame().set_index("condition")["mean"]["TokenShuffle"] != 0
+
+
+# ---- 4. a router returning a namedtuple whose routed tokens are gathered from its input ---------------------------
+
+Routed = namedtuple("Routed", "indices scores routed_tokens mask")
+K = 3
+
+
+class TokenRouter(nn.Module):
+    """A fixed-budget token router: the K best-scoring tokens of each window go through the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(D, 1)
+
+    def forward(self, x):
+        scores = self.score(x).squeeze(-1)
+        indices = scores.topk(K, dim=1).indices.sort(1).values
+        routed = x.gather(1, indices[..., None].expand(-1, -1, x.shape[-1]))
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+        return Routed(indices, scores, routed, mask)
+
+
+class RoutedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = TokenRouter()
+        self.mlp = mlp()
+
+    def forward(self, h):
+        h = h + causal_mean(h)
+        r = self.router(h)
+        out = self.mlp(r.routed_tokens) * torch.sigmoid(r.scores.gather(1, r.indices))[..., None]
+        return h + torch.zeros_like(h).scatter(1, r.indices[..., None].expand_as(out), out)
+
+
+class RoutedCodec(fca.Codec):
+    """The router's scores are the coefficient; decode selects as the router does and gathers the routed tokens
+    from the router's live input."""
+
+    def encode(self, output, batch, token):
+        return output.scores.detach().reshape(batch, token, 1, 1).clone()
+
+    def decode(self, canonical, meta, inputs):
+        x = inputs.args[0]
+        scores = canonical.reshape(canonical.shape[0], -1)
+        indices = scores.topk(K, dim=1).indices.sort(1).values
+        routed = x.gather(1, indices[..., None].expand(-1, -1, x.shape[-1]))
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter(1, indices, True)
+        return Routed(indices, scores, routed, mask)
+
+
+def routed_model() -> LM:
+    return LM([RoutedBlock(), RoutedBlock()], seed=3).eval()
+
+
+def test_a_codec_reads_the_sites_live_inputs_to_rebuild_a_namedtuple(tmp_path):
+    model = routed_model()
+    ctrl = fca.Controller.from_modules(model, "blocks.*.router", codec=RoutedCodec())
+    result = audit(model, ctrl, tmp_path)
+    assert_exact(result)
+    assert result.penalties().to_frame().set_index("condition")["mean"]["TokenShuffle"] != 0
+
+
+def test_two_argument_codecs_keep_working_and_get_no_inputs():
+    class Plain(fca.Codec):
+        def encode(self, output, batch, token):
+            return output.detach().reshape(batch, token, 1, 1).clone()
+
+        def decode(self, canonical, meta):
+            return canonical.reshape(canonical.shape[0], -1)
+
+    model = residual_model()
+    ctrl = fca.Controller.from_modules(model, "blocks.*.residual_fn", codec=Plain(), method="gate")
+    assert not ctrl.sites[0].reads_inputs and fca.Controller.from_modules(
+        routed_model(), "blocks.*.router", codec=RoutedCodec()).sites[0].reads_inputs
+    ids = windows(2, 0)
+    with torch.inference_mode():
+        with ctrl.capture(2, T) as found:
+            ref = model(ids)
+        with ctrl.replay(found):
+            assert torch.equal(model(ids), ref)
+
+
+# ---- groups: the randomized conditions move a group's coefficients together --------------------------------------
+
+def test_merge_groups_by_module_or_an_explicit_key_and_refuses_a_site_twice():
+    model = hc_model()
+    alpha = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream source", call=0)
+    beta = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream", call=1)
+    assert fca.Controller.merge(alpha, beta).info.groups == (0, 1, 0, 1)
+    assert fca.Controller.merge(alpha, beta, group=lambda s: s.path).info.groups == (0, 1, 0, 1)
+    assert fca.Controller.merge(alpha, beta, group=lambda s: s.name).groups == ()  # every site its own group
+    with pytest.raises(FcauditError, match="is in two of the merged controllers"):
+        fca.Controller.merge(alpha, alpha)
+    every = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream")
+    with pytest.raises(FcauditError, match="takes every call and another merged site one of them; pass call=N"):
+        fca.Controller.merge(alpha, every)
+    assert "groups" in fca.Controller.merge(alpha, beta).describe() and "groups" not in alpha.describe()
+
+
+# ---- layouts: merged axes and unit axes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern,shape,canonical", [
+    ("batch token (view layer)", (2, 5, 12), (2, 5, 1, 12)),
+    ("batch token () stream source", (2, 5, 1, 3, 4), (2, 5, 3, 4)),
+    ("batch token 1 stream", (2, 5, 1, 3), (2, 5, 3, 1)),
+    ("(batch token) 1", (10, 1), (2, 5, 1, 1)),
+])
+def test_layouts_with_merged_and_unit_axes_round_trip(pattern, shape, canonical):
+    lay = Layout.parse(pattern)
+    x = torch.randn(shape)
+    c = lay.to_canonical(x, 2, 5)
+    assert tuple(c.shape) == canonical and torch.equal(lay.from_canonical(c), x)
+    assert lay.describe() == pattern
+
+
+def test_a_layout_with_two_unmerged_source_axes_is_refused_with_the_advice_that_works():
+    with pytest.raises(FcauditError, match=r"more than one source-like axis \['view', 'layer'\]; merge them"):
+        Layout.parse("batch token view layer")
+    Layout.parse("batch token (view layer)")  # the advice, taken
+
+
+def test_op_names_cover_operator_forms():
+    x = torch.randn(2, 2)
+    names = []
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            names.append(op_name(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        x @ x, torch.matmul(x, x), x.matmul(x), torch.sigmoid(x), x.softmax(-1), F.softmax(x, -1), torch.tanh(x)
+        torch.einsum("ij,jk->ik", x, x)
+    assert names == ["matmul"] * 3 + ["sigmoid", "softmax", "softmax", "tanh", "einsum"]
+
+
+class Held:
+    """A protocol.ReplayContext over coefficients held in memory, with site groups."""
+
+    def __init__(self, data, groups):
+        self.data, self.seed, self.groups = data, 0, groups
+
+    def take(self, examples):
+        return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
+
+    def derangement(self, r):
+        return protocol.derangement(self.data[0].shape[0], self.seed, r)
+
+
+@pytest.mark.parametrize("condition", ["TokenShuffle", "CrossShuffle", "TokenResamplePast"])
+def test_randomized_conditions_draw_once_per_group_so_its_sites_move_together(condition):
+    # three sites: two of one layer (streams 2 and 1), one of another; each value names its (example, token)
+    n = 6
+    tag = (torch.arange(n)[:, None] * 100 + torch.arange(T)[None]).double()
+    data = [tag[:, :, None, None].expand(-1, -1, 2, 3).clone(), tag[:, :, None, None].clone(),
+            tag[:, :, None, None].expand(-1, -1, 2, 1).clone()]
+    ex = np.arange(n)
+    grouped = protocol.REGISTRY[condition].make(Held(data, (0, 0, 1)), 1, ex)
+    # the group's sites took the same positions, stream by stream
+    assert torch.equal(grouped[0][:, :, 0, 0], grouped[1][:, :, 0, 0])
+    assert not torch.equal(grouped[0][:, :, 1, 0], grouped[0][:, :, 0, 0])  # streams still draw their own
+    assert not torch.equal(grouped[2][:, :, 0, 0], grouped[0][:, :, 0, 0])  # the other layer draws its own
+    apart = protocol.REGISTRY[condition].make(Held(data, ()), 1, ex)
+    assert not torch.equal(apart[0][:, :, 0, 0], apart[1][:, :, 0, 0])
+    # one group per site, written out, is today's draw
+    same = protocol.REGISTRY[condition].make(Held(data, (0, 1, 2)), 1, ex)
+    assert all(torch.equal(a, b) for a, b in zip(apart, same))
+
+
+def test_variation_counts_a_merged_layer_once(tmp_path):
+    model = hc_model()
+    result = audit(model, hc_controller(model), tmp_path)
+    layers = result.variation["layers"]
+    assert [l["site"] for l in layers] == ["blocks.0.hc_attn.act", "blocks.1.hc_attn.act"]
+    assert [l["shape"] for l in layers] == [[S, S + 2], [S, S + 2]]  # alpha's S+1 sources and beta's one
+
+
+# ---- the silent cases: each a refusal or a notice before anything is written --------------------------------------
+
+class SamplingRouter(TokenRouter):
+    """Samples in eval mode too: two forwards of one batch route differently."""
+
+    def forward(self, x):
+        out = super().forward(x + 0.5 * torch.randn_like(x))
+        return out._replace(routed_tokens=x.gather(1, out.indices[..., None].expand(-1, -1, x.shape[-1])))
+
+
+class SeededTopOne(nn.Module):
+    """A top-1 router over 4 experts that samples from a generator shared by the layers, which each block seeds
+    before calling its router: each pass is deterministic (the same noise for every window of a batch), but the
+    routers called one after another on their own draw other noise: route flips with bit-equal logits."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.proj, self.gen, self.noise = nn.Linear(D, 4), gen, 4.0
+
+    def forward(self, x):
+        w = (self.proj(x) + self.noise * torch.rand(x.shape[1], 4, generator=self.gen)).softmax(-1)
+        top = w.topk(1, -1)
+        return torch.zeros_like(w).scatter(-1, top.indices, top.values)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.router = SeededTopOne(gen)
+        self.experts = nn.ModuleList([mlp() for _ in range(4)])
+
+    def forward(self, h):
+        h = h + causal_mean(h)
+        self.router.gen.manual_seed(0)
+        w = self.router(h)
+        return h + sum(w[..., e, None] * f(h) for e, f in enumerate(self.experts))
+
+
+class SeededMoE(LM):
+    def __init__(self):
+        gen = torch.Generator()
+        super().__init__([MoEBlock(gen), MoEBlock(gen)], seed=4)
+
+
+class TopOne(fca.Codec):
+    top_k = 1
+
+    def encode(self, output, batch, token):
+        return output.detach().reshape(batch, token, 1, -1).clone()
+
+    def decode(self, canonical, meta):
+        return canonical.reshape(*canonical.shape[:2], -1).clone()
+
+
+class UnsortedCodec(RoutedCodec):
+    """Selects the routed tokens in score order, where the router sorts them by position."""
+
+    def decode(self, canonical, meta, inputs):
+        out = super().decode(canonical, meta, inputs)
+        indices = canonical.reshape(canonical.shape[0], -1).topk(K, dim=1).indices
+        return out._replace(indices=indices)
+
+
+def sampling_model() -> LM:
+    model = routed_model()
+    for b in model.blocks:
+        b.router.__class__ = SamplingRouter
+    return model
+
+
+SILENT = [  # (what, model, controller, expected refusal or notice; None: nothing to say)
+    ("a router that samples in eval mode", sampling_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=RoutedCodec()),
+     ("refusal", "two Correct passes of the first evaluation batch differ in the logits .*not deterministic in eval")),
+    ("route flips with bit-equal logits", lambda: SeededMoE().eval(),
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=TopOne()),
+     ("refusal", r"route flips = [1-9]\d*")),
+    ("a codec whose decode(encode(x)) is not x", routed_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=UnsortedCodec()),
+     ("refusal", r"site 'blocks.0.router': decode\(encode\(output\)\) of codec 'UnsortedCodec' differs from the "
+                 r"captured output at leaf .indices: other values")),
+    ("the residual stream as a site", residual_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*", "batch token hidden"),
+     ("notice", r"site 'blocks.0' \(and 1 more\) looks like a hidden state, not a coefficient: .*hidden width 16")),
+    ("a GRU cell's output as a site", gru_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.cell", "(batch token) hidden"),
+     ("notice", "site 'blocks.0.cell' .*looks like a hidden state")),
+    ("a GRU cell's gates (coefficients of hidden width)", gru_model, gru_gates, None),
+    ("a module called twice, merged", hc_model, hc_controller, None),
+    ("a namedtuple router whose decode reads its input", routed_model,
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=RoutedCodec()), None),
+    ("a deterministic top-1 router", lambda: SeededMoE().eval(),
+     lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=TopOne()), None),
+]
+
+
+@pytest.mark.parametrize("what,build,controller,expected", SILENT, ids=[s[0] for s in SILENT])
+def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, expected, tmp_path):
+    from fcaudit.audit.engine import capture_batch
+    from fcaudit.controllers.checks import check_route_flips, pre_write_checks
+
+    model = build()
+    ctrl = controller(model)
+    first = windows(2, 0)
+    if what == "a deterministic top-1 router":
+        for b in model.blocks:
+            b.router.noise = 0.0
+    with torch.inference_mode():
+        probe = capture_batch(model, ctrl, first, None, remember=True)
+        found = pre_write_checks(model, ctrl, first, probe)
+        flips = check_route_flips(model, ctrl, first, probe[0])
+    found += [flips] if flips is not None else []
+    if expected is None:
+        assert found == []
+        return
+    kind, line = expected
+    assert len(found) >= 1 and found[0].refusal == (kind == "refusal")
+    assert re.search(line, found[0].line), found[0].line
+    assert "\n" not in found[0].line
+    assert not any(tmp_path.iterdir())  # the checks write nothing
+
+
+@pytest.mark.parametrize("what,build,controller,expected", [s for s in SILENT if s[3] is not None],
+                         ids=[s[0] for s in SILENT if s[3] is not None])
+def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_notice(what, build, controller,
+                                                                                       expected, tmp_path, capsys):
+    model = build()
+    kind, line = expected
+    if kind == "refusal":
+        with pytest.raises(FcauditError, match=line):
+            audit(model, controller(model), tmp_path)
+        if what.startswith("route flips"):  # the exact replay check of a batch fails closed: its report, no records
+            report = json.loads((tmp_path / "audit" / "replay.json").read_text())
+            assert not report["passed"] and report["route_flips"] > 0 and report["max_abs_dlogit"] == 0
+            assert not list((tmp_path / "audit").rglob("*.parquet"))
+        else:
+            assert not (tmp_path / "audit").exists()
+    else:
+        assert_exact(audit(model, controller(model), tmp_path))
+        assert re.search(line, capsys.readouterr().err.replace("\n", " "))
+
+
+def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
+    """PhiMoE's sparsemixer puts the argmax expert first, with both weights often 1.0: decode takes the slot order
+    from the router's logits on its live input, so decode(encode(x)) is x, index order included."""
+    transformers = pytest.importorskip("transformers")
+    from fcaudit.controllers.checks import round_trip_difference
+
+    torch.manual_seed(0)
+    cfg = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                    num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ctrl = fca.controller_for(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        with ctrl.outputs(2, 16) as raws:
+            model(ids)
+        for site, (out, call) in zip(ctrl.sites, raws):
+            site.remember(out)
+            assert site.meta["slot_order"] == "logits"
+            # in weight order (without the live call): the same experts and weights, other slots
+            assert round_trip_difference(site, out, None, 2, 16).startswith("slot order (")
+            assert round_trip_difference(site, out, call, 2, 16) is None
