@@ -28,7 +28,7 @@ def test_readme_code_runs(tmp_path, monkeypatch):
     result = scope["result"]
     assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0
     assert (tmp_path / "audits" / "my-lm" / "replay.json").is_file()
-    assert set(result.penalties()["condition"]) >= {"CrossInput", "TokenShuffle", "StaticProfile", "StructureRemoved"}
+    assert set(result.penalties().names) >= {"CrossInput", "TokenShuffle", "StaticProfile", "StructureRemoved"}
     assert (tmp_path / "report" / "report.html").is_file()
 
 
