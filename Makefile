@@ -43,6 +43,5 @@ bench: setup
 	$(BIN)/python benchmarks/train_speed.py --threads 1
 	$(BIN)/python benchmarks/audit_floor.py
 	$(BIN)/python benchmarks/audit_memory.py
-	$(BIN)/python benchmarks/allocator_speed.py
 	$(BIN)/python benchmarks/shard_speed.py
 	$(BIN)/python benchmarks/moe_penalties.py

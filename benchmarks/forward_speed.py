@@ -29,7 +29,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 import fcaudit.models.featuregate as fg
-from fcaudit.allocator import MALLOC, keep_freed_memory
 from fcaudit.models import kernel
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 
@@ -123,17 +122,16 @@ def main() -> None:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    kept = keep_freed_memory()  # as every fcaudit command runs
     device = torch.device(args.device)
     results = []
     for preset in args.preset:
         before = load()
         r = bench_preset(preset, args.reps, args.batch, device)
         r.update(load_before=before, load_after=load(), threads=args.threads, device=str(device),
-                 torch=torch.__version__, malloc=MALLOC[kept], kernel=kernel.library() is not None)
+                 torch=torch.__version__, kernel=kernel.library() is not None)
         results.append(r)
         print(f"\n{preset}: batch {r['batch']} x {r['tokens']} tokens, {device}, {args.threads} thread(s), "
-              f"{r['reps']} rounds x {r['inner']} forward(s), {r['malloc']}, attention kernel "
+              f"{r['reps']} rounds x {r['inner']} forward(s), attention kernel "
               f"{'built' if r['kernel'] else 'not available'}; {before} -> {r['load_after']}")
         print(f"  {'variant':16s} {'median ms':>10s} {'min ms':>10s} {'x Dense':>8s}   {'CPU ms':>10s} {'x Dense':>8s}")
         for name, row in r["rows"].items():
