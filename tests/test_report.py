@@ -299,12 +299,12 @@ def test_report_refuses_one_family_from_two_sources_and_writes_nothing(fg7, tmp_
 
 
 def test_records_rewritten_without_their_hash_are_damaged(fg7, tmp_path):
-    """A records file edited with pandas (which drops fcaudit's content hash) is not trusted."""
+    """A records file edited with pandas (its bytes no longer those its sidecar sha256 records) is not trusted."""
     f = fg7[0] / "records" / "StaticProfile" / "r0000.parquet"
     frame = pd.read_parquet(f)
     frame.loc[0, "nll"] = 10.0
     frame.to_parquet(f, index=False)
-    with pytest.raises(FcauditError, match="r0000.parquet is damaged .*no content hash"):
+    with pytest.raises(FcauditError, match="r0000.parquet is damaged .*sha256 does not match"):
         summarize(fg7, tmp_path / "summary")
 
 
