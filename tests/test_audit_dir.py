@@ -281,20 +281,25 @@ def test_an_audit_without_variation_json_is_unfinished(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["replay.json", "variation.json"])
-def test_a_hand_edited_json_file_is_called_damaged_and_recomputed(name, tmp_path, capsys):
+@pytest.mark.parametrize("unhashed", [False, True])
+def test_a_hand_edited_json_file_is_called_damaged_and_recomputed(name, unhashed, tmp_path, capsys):
+    """An edited value under the recorded _sha256, or the _sha256 taken out: damaged (not missing) for the reader,
+    recomputed by the next audit run, with one line."""
     model = toys.ToyGated()
     out = tmp_path / "a"
     toys.run(model, toys.gated(model), out, R=2)
     clean = (out / name).read_bytes()
     obj = json.loads(clean)
-    key = "max_abs_dlogit" if name == "replay.json" else "windows"
-    obj[key] = 7
-    (out / name).write_text(json.dumps(obj))  # its recorded _sha256 kept, no longer its content's
-    with pytest.raises(FcauditError, match=f"{name} is damaged \\(content hash does not match\\); rerun"):
+    obj["max_abs_dlogit" if name == "replay.json" else "windows"] = 7
+    if unhashed:
+        del obj["_sha256"]
+    (out / name).write_text(json.dumps(obj))
+    why = "it has no recorded _sha256" if unhashed else "content hash does not match"
+    with pytest.raises(FcauditError, match=f"{name} is damaged \\({why}\\); rerun"):
         AuditResult.load(out)
     capsys.readouterr()
     toys.run(model, toys.gated(model), out, R=2)
-    assert f"recomputed 1 damaged file(s): {name} (content hash does not match)" in capsys.readouterr().err
+    assert f"recomputed 1 damaged file(s): {name} ({why})" in capsys.readouterr().err
     assert (out / name).read_bytes() == clean
 
 

@@ -410,8 +410,10 @@ class Engine:
             if not self._merged_ok(condition, r):
                 self._merge_parts(condition, r)
         shutil.rmtree(self.dir.root / "parts", ignore_errors=True)
-        self._verified(self.dir.replay, lambda: files.read_json(self.dir.replay))  # rewritten anyway: says if damaged
+        # rewritten anyway; the check says so if it was damaged
+        self._verified(self.dir.replay, lambda: files.read_json(self.dir.replay, require_hash=True))
         files.write_json(self.dir.replay, self._replay_summary())
-        if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
+        read = lambda: files.read_json(self.dir.variation, ("layers", "decomposition"), require_hash=True)  # noqa: E731
+        if not self._verified(self.dir.variation, read):
             files.write_json(self.dir.variation, variation(self.store, self.starts,
                                                            [s.path for s in self.controller.sites]))

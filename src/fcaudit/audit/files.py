@@ -135,8 +135,9 @@ def write_json(path: str | os.PathLike, obj: dict) -> Path:
     return write_bytes(path, text.encode())
 
 
-def read_json(path: str | os.PathLike, keys: tuple[str, ...] = ()) -> dict:
-    """A JSON object written by `write_json`: parsed, hash checked (when recorded), `keys` present."""
+def read_json(path: str | os.PathLike, keys: tuple[str, ...] = (), require_hash: bool = False) -> dict:
+    """A JSON object written by `write_json`: parsed, hash checked (when recorded; `require_hash`: it must be),
+    `keys` present."""
     path = _exists(Path(path))
     try:
         obj = json.loads(path.read_text())
@@ -145,6 +146,8 @@ def read_json(path: str | os.PathLike, keys: tuple[str, ...] = ()) -> dict:
     if not isinstance(obj, dict):
         raise Damaged(path, "not a JSON object")
     recorded = obj.pop("_sha256", None)
+    if recorded is None and require_hash:
+        raise Damaged(path, "it has no recorded _sha256")
     if recorded is not None and recorded != _json_sha256(obj):
         raise Damaged(path, "content hash does not match")
     missing = [k for k in keys if k not in obj]

@@ -37,9 +37,10 @@ def _damaged(e: files.Damaged, root: Path) -> FcauditError:
 
 
 def _read_json(path: Path, root: Path) -> dict | None:
-    """A JSON file of the audit, None when it is missing; a damaged one is an error that says so."""
+    """replay.json or variation.json (the engine's, hashed), None when it is missing; a damaged one is an error that
+    says so."""
     try:
-        return files.read_json(path)
+        return files.read_json(path, require_hash=True)
     except FileNotFoundError:
         return None
     except files.Damaged as e:
