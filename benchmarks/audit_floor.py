@@ -44,7 +44,6 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.allocator import MALLOC, keep_freed_memory
 from fcaudit.audit.units import Schedule
 from fcaudit.controllers import Controller
 from fcaudit.loss import logits_of, token_nll
@@ -273,15 +272,14 @@ def main() -> None:
     p.add_argument("--parts", action="store_true", help="also time one audit by parts")
     args = p.parse_args()
     torch.set_num_threads(1)
-    kept = keep_freed_memory()  # as every fcaudit command runs
-    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cpus); one thread; {MALLOC[kept]}; "
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cpus); one thread; "
           f"{args.n_eval}+{args.n_calib} windows, R={args.randomizations}, batch {args.batch_size}", flush=True)
     for name in args.models:
         model, ctrl, T = build(name)
         g = torch.Generator().manual_seed(0)
         ev = torch.randint(0, 256, (args.n_eval, T), generator=g)
         ca = torch.randint(0, 256, (args.n_calib, T), generator=g)
-        audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, allocator
+        audit_once(model, ctrl, ev[:16], ca[:8], args.batch_size, 1)  # warm-up: imports, lazy tables
         audits, forwards, bares, per_replay = [], [], [], []
         for i in range(args.reps):  # A B, B A, A B, ...: the order within a pair alternates, so an order effect cancels
             mine, theirs = [], []

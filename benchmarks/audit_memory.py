@@ -33,17 +33,15 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
     import torch
 
     import fcaudit as fca
-    from fcaudit.allocator import keep_freed_memory
     from fcaudit.models.featuregate import FeatureGateGPT, config_for
 
-    keep_freed_memory()  # as every fcaudit command runs (FCAUDIT_MALLOC=default: glibc's defaults)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = FeatureGateGPT(config_for("tiny", "featuregate")).eval()
     g = torch.Generator().manual_seed(0)
     ev = torch.randint(0, 256, (n_eval, 64), generator=g)
     ca = torch.randint(0, 256, (64, 64), generator=g)
-    with tempfile.TemporaryDirectory() as warm:  # imports, allocator pools, lazy tables
+    with tempfile.TemporaryDirectory() as warm:  # imports, lazy tables
         fca.audit(model, fca.controller_for(model), ev[:16], ca[:8], randomizations=1, out=warm, quiet=True)
     run = lambda out: fca.audit(model, fca.controller_for(model), ev, ca, randomizations=randomizations,  # noqa: E731
                                 out=out, quiet=True)

@@ -18,7 +18,6 @@ import torch.utils.benchmark as benchmark
 from rich.console import Console
 from rich.table import Table
 
-from fcaudit.allocator import MALLOC, keep_freed_memory
 from fcaudit.loss import token_nll
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.train import TRAIN_PRESETS, TrainConfig, make_optimizer
@@ -69,7 +68,6 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(MALLOC[keep_freed_memory()])  # as every fcaudit command runs
     device = torch.device(args.device)
     batch = args.batch_size or TRAIN_PRESETS[args.preset]["batch_size"]
 

@@ -57,8 +57,6 @@ BENCHES = (
           ("benchmarks/audit_floor.py",), r"(wall audit|split:)"),
     Bench("audit_memory", "peak resident memory above the start, by number of evaluation windows",
           ("benchmarks/audit_memory.py",), r"^\s*\d+\s"),
-    Bench("allocator_speed", "glibc's defaults against freed memory kept for the next forward pass",
-          ("benchmarks/allocator_speed.py",), r"kept/default|forward|step"),
     Bench("shard_speed", "one audit at world size 1 and 2 (torchrun, gloo, CPU)",
           ("benchmarks/shard_speed.py",), r"\d\.\d\dx$"),
     Bench("moe_penalties", "briefly trained tiny Hugging Face MoEs through fca.controller_for + fca.audit",

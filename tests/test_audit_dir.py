@@ -179,7 +179,8 @@ def test_identical_audits_write_identical_files(tmp_path):
                      if p.is_file() and p.name not in skip)
     files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*")
                      if p.is_file() and p.name not in skip)
-    assert files_a == files_b and len(files_a) == 18  # marker, 2 chunks, profiles, replay, variation, 12 records
+    # marker, 2 chunks, profiles, replay, variation, 12 records and their 12 sidecar hashes
+    assert files_a == files_b and len(files_a) == 30
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
 
@@ -187,19 +188,113 @@ def test_identical_audits_write_identical_files(tmp_path):
 @pytest.mark.parametrize("rows, name", [(1, "Correct"), (4096, "TokenShuffle"), (9001, "Ünïcode"), (5, "")])
 def test_a_constant_column_is_written_as_its_full_array_would_be(tmp_path, rows, name):
     """Records name their condition in every row; it is passed as one str (no numpy array of rows x 4 bytes per
-    character) and dictionary-encoded. The content and its recorded hash are those of the full array's."""
-    import pyarrow.parquet as pq
-
+    character) and dictionary-encoded. The content read back is the full array's."""
     from fcaudit.audit import files
 
     cols = {"example": np.arange(rows), "condition": np.full(rows, name), "nll": np.random.default_rng(0).random(rows)}
     files.write_columns(tmp_path / "array.parquet", cols)
     files.write_columns(tmp_path / "str.parquet", dict(cols, condition=name))
-    digest = [pq.read_schema(tmp_path / f).metadata[b"fcaudit_sha256"] for f in ("array.parquet", "str.parquet")]
-    assert digest[0] == digest[1]
-    frame = files.read_frame(tmp_path / "str.parquet")  # checks the recorded hash against the content
+    frame = files.read_frame(tmp_path / "str.parquet")  # checks the recorded hash against the file's bytes
     pd.testing.assert_frame_equal(frame, files.read_frame(tmp_path / "array.parquet"), check_exact=True)
     assert list(frame["condition"]) == [name] * rows
+
+
+def _flipped(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 29])
+def test_a_bit_flip_anywhere_in_a_records_or_safetensors_file_is_damage(stride, tmp_path):
+    """The hash covers every byte: page headers, data, statistics, the footer's schema, column names and metadata
+    of a Parquet file; the header and data of a safetensors file. A flipped bit is found by the engine's and the
+    reader's one check: at every `stride`-th byte, and at each of the last 48 (Parquet's footer length, magic and
+    metadata) and the footer's column name."""
+    from fcaudit.audit import files
+
+    parquet, tensors = tmp_path / "r0000.parquet", tmp_path / "b.safetensors"
+    files.write_columns(parquet, {"example": np.arange(6), "condition": "CrossInput",
+                                  "nll": np.random.default_rng(0).random(6)})
+    files.write_tensors(tensors, {"example": torch.arange(4), "nll": torch.rand(4, dtype=torch.float64)}, {"count": 4})
+    footer = parquet.read_bytes().rindex(b"nll")  # a column name in the footer's schema
+    assert footer > len(parquet.read_bytes()) // 2
+    for path, read, named in ((parquet, files.read_frame, footer + 1), (tensors, files.read_tensors, 0)):
+        clean = path.read_bytes()
+        read(path)
+        for offset in sorted({*range(0, len(clean), stride), *range(len(clean) - 48, len(clean)), named}):
+            for bit in (0, 5):
+                _flipped(path, offset, bit)
+                with pytest.raises(files.Damaged):
+                    read(path)
+                path.write_bytes(clean)
+
+
+def test_a_records_file_rewritten_by_another_program_is_recomputed_with_one_line(tmp_path, capsys):
+    """pandas rewrites a records file (every NLL + 1), another one loses its sidecar hash: `summarize` calls each
+    damaged, the next audit run recomputes both and says so in one line, and `summarize` then accepts the audit."""
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, R=2)
+    edited = out / "records" / "StaticProfile" / "r0000.parquet"
+    frame = pd.read_parquet(edited)
+    frame["nll"] += 1.0
+    frame.to_parquet(edited)
+    (out / "records" / "CrossInput" / "r0001.parquet.sha256").unlink()
+    capsys.readouterr()
+    for args in (["summarize", str(out), "--out", str(tmp_path / "s")], ["report", str(out), "--out",
+                                                                          str(tmp_path / "r")]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "is damaged" in result.output and "rerun the audit command" in result.output
+    again = toys.run(model, toys.gated(model), out, R=2)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "recomputed" in line]
+    assert len(lines) == 1 and "recomputed 2 damaged file(s)" in lines[0], lines
+    assert "records/StaticProfile/r0000.parquet" in lines[0] and "no recorded sha256" in lines[0]
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+    pd.testing.assert_frame_equal(AuditResult.load(out).records, first.records, check_exact=True)
+    result = CliRunner().invoke(app, ["summarize", str(out), "--out", str(tmp_path / "s")])
+    assert result.exit_code == 0, result.output
+
+
+def test_an_audit_without_variation_json_is_unfinished(tmp_path):
+    """A kill between replay.json and variation.json: summarize and report refuse the audit as unfinished, as one
+    that lacks a records file; the rerun writes variation.json."""
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    toys.run(model, toys.gated(model), out, R=2)
+    variation = (out / "variation.json").read_bytes()
+    (out / "variation.json").unlink()
+    with pytest.raises(FcauditError, match=r"unfinished audit \(lacks variation.json\); rerun the audit command"):
+        AuditResult.load(out)
+    assert AuditResult.load(out, allow_partial=True).partial
+    for cmd in ("summarize", "report"):
+        result = CliRunner().invoke(app, [cmd, str(out), "--out", str(tmp_path / cmd)])
+        assert result.exit_code == 2 and "unfinished audit (lacks variation.json)" in result.output, result.output
+    toys.run(model, toys.gated(model), out, R=2)
+    assert (out / "variation.json").read_bytes() == variation and not AuditResult.load(out).partial
+
+
+@pytest.mark.parametrize("name", ["replay.json", "variation.json"])
+@pytest.mark.parametrize("unhashed", [False, True])
+def test_a_hand_edited_json_file_is_called_damaged_and_recomputed(name, unhashed, tmp_path, capsys):
+    """An edited value under the recorded _sha256, or the _sha256 taken out: damaged (not missing) for the reader,
+    recomputed by the next audit run, with one line."""
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    toys.run(model, toys.gated(model), out, R=2)
+    clean = (out / name).read_bytes()
+    obj = json.loads(clean)
+    obj["max_abs_dlogit" if name == "replay.json" else "windows"] = 7
+    if unhashed:
+        del obj["_sha256"]
+    (out / name).write_text(json.dumps(obj))
+    why = "it has no recorded _sha256" if unhashed else "content hash does not match"
+    with pytest.raises(FcauditError, match=f"{name} is damaged \\({why}\\); rerun"):
+        AuditResult.load(out)
+    capsys.readouterr()
+    toys.run(model, toys.gated(model), out, R=2)
+    assert f"recomputed 1 damaged file(s): {name} ({why})" in capsys.readouterr().err
+    assert (out / name).read_bytes() == clean
 
 
 # ---- unfinished audits, pooled checkpoints ------------------------------------------------------------------------

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -304,18 +303,17 @@ def test_store_round_trip_take_and_reopen(tmp_path):
 
 
 def test_store_reads_keep_no_memory(tmp_path, monkeypatch):
-    """Reading the store many times holds no Python memory afterwards: safetensors' get_tensor/get_slice keep ~28
-    bytes per call, which over an audit's few hundred thousand reads grew with the number of windows."""
+    """Reading the store many times holds no Python memory afterwards (an audit reads it a few hundred thousand
+    times)."""
     import tracemalloc
 
-    monkeypatch.setattr(store_module, "MAX_OPEN", 8)
     store = CoefficientStore(tmp_path)
     data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
-    for b0 in range(0, 64, 2):  # more chunks than the store keeps open: chunks are opened again and again
+    for b0 in range(0, 64, 2):
         store.write(b0, [d[b0:b0 + 2] for d in data])
     starts, rng = np.array(store.starts()), np.random.default_rng(0)
     reads = [rng.permutation(64)[:8] for _ in range(50)] + [np.arange(b, b + 2) for b in range(0, 64, 2)]
-    for idx in reads:  # warm: imports, caches, the LRU of mapped chunks at its bound
+    for idx in reads:  # warm: imports, caches, every chunk loaded
         store.take(idx, starts)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -328,29 +326,28 @@ def test_store_reads_keep_no_memory(tmp_path, monkeypatch):
     assert grown < 100_000, f"{grown} bytes kept after {20 * len(reads)} reads"
 
 
-def test_store_keeps_chunks_mapped_within_its_bounds(tmp_path, monkeypatch):
-    """Scattered reads (a derangement's donors) map each chunk once while the maps fit the bounds; past them the
-    least recently used go, by count (file descriptors) or by bytes, and reads stay right."""
+def test_store_keeps_chunks_loaded_within_its_bound(tmp_path, monkeypatch):
+    """Scattered reads (a derangement's donors) load each chunk once while the loaded chunks fit the bound; past it
+    the least recently used go, and reads stay right."""
     data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
     writer = CoefficientStore(tmp_path)
     for b0 in range(0, 64, 2):
         writer.write(b0, [d[b0:b0 + 2] for d in data])
     opened = []
-    mapped = store_module.mapped_tensors
-    monkeypatch.setattr(store_module, "mapped_tensors", lambda path: opened.append(path) or mapped(path))
+    loader = store_module.load_file
+    monkeypatch.setattr(store_module, "load_file", lambda path: opened.append(path) or loader(path))
     rng = np.random.default_rng(0)
     reads = [rng.permutation(64)[:8] for _ in range(40)]
     chunk_bytes = sum(d[:2].nbytes for d in data)
-    for max_open, max_mapped, kept in ((512, 2**30, 32), (5, 2**30, 5), (512, 3 * chunk_bytes, 3), (512, 1, 1)):
-        monkeypatch.setattr(store_module, "MAX_OPEN", max_open)
-        monkeypatch.setattr(store_module, "MAX_MAPPED", max_mapped)
+    for max_loaded, kept in ((2**30, 32), (3 * chunk_bytes, 3), (1, 1)):
+        monkeypatch.setattr(store_module, "MAX_LOADED", max_loaded)
         store, opened[:] = CoefficientStore(tmp_path), []
         starts = np.array(store.starts())
         for idx in reads:
             got = store.take(idx, starts)
             assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
-        assert len(store._maps) == kept and store._mapped == kept * chunk_bytes
-        assert (len(opened) == len(set(opened)) == 32) == (kept == 32)  # all kept: each chunk mapped once
+        assert len(store._loaded) == kept and store._bytes == kept * chunk_bytes
+        assert (len(opened) == len(set(opened)) == 32) == (kept == 32)  # all kept: each chunk loaded once
 
 
 def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
@@ -429,38 +426,36 @@ def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monke
     assert len(alive) > 10 and not any(alive[1:])  # the first replay follows stage 1's last capture
 
 
-@pytest.mark.parametrize("windows_per_chunk,make_windows", [(1, 64), (6, 64), (9, 64), (26, 64), (26, 5), (1024, 5)])
-def test_stage2_chunks_give_the_same_records_and_one_file_per_run(windows_per_chunk, make_windows, tmp_path,
-                                                                   monkeypatch):
-    """Stage 2 prepares chunks of units across (condition, r) runs. Chunks of one batch, chunks ending inside a run
-    (6, 9: batches of 4, 4 and 2 windows), chunks of several runs (26), and runs made a batch at a time (5) give the
-    records of the default, bit for bit (NLLs and active counts), and each run's records are written once,
-    complete. CrossShuffle r reuses the permutations of TokenShuffle r when both are made in one chunk (in the
-    default, one chunk: each example's are drawn once per r)."""
+def test_stage2_writes_each_run_once_complete_and_a_resumed_run_as_a_part(tmp_path, monkeypatch):
+    """One process replays unit by unit: each (condition, r) is written once, as its whole records file. A run that
+    resumes after some of its units were done writes the rest as a part file, and the records equal the
+    uninterrupted audit's bit for bit (NLLs and active counts)."""
     from fcaudit.audit import engine as engine_module
+    from fcaudit.audit import files
 
     model = ToyGated()
     for b in model.blocks:
         b.gate = SparseGate(16)
-    drawn, permutations = [], protocol.token_permutations
-    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.extend(e) or permutations(e, *a))
-    base = run(model, gated(model), tmp_path / "default", n_eval=10, R=2)
-    assert sorted(drawn) == sorted(list(range(10)) * 2)
-    varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
-    assert varies.sum() >= 1 + 4 * 2  # Correct and every randomized run: the active count differs between windows
     written, write_run = [], engine_module.Engine._write_run
-    monkeypatch.setattr(engine_module, "PREPARE_WINDOWS", windows_per_chunk)
-    monkeypatch.setattr(engine_module, "MAKE_WINDOWS", make_windows)
     monkeypatch.setattr(engine_module.Engine, "_write_run",
                         lambda self, key, ranges, nll, act: written.append((key, len(nll)))
                         or write_run(self, key, ranges, nll, act))
-    drawn.clear()
-    got = run(model, gated(model), tmp_path / "chunked", n_eval=10, R=2)
-    pd.testing.assert_frame_equal(got.records, base.records, check_exact=True)
-    assert 20 <= len(drawn) <= 40 and (windows_per_chunk < 1024 or len(drawn) == 20)  # a batch at a time: 20
+    base = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
+    varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
+    assert varies.sum() >= 1 + 4 * 2  # Correct and every randomized run: the active count differs between windows
     keys = [k for k, _ in written]
-    assert len(keys) == len(set(keys)) == len(got.records.groupby(["condition", "randomization"])) - 1  # not Correct
+    assert len(keys) == len(set(keys)) == len(base.records.groupby(["condition", "randomization"])) - 1  # not Correct
     assert {n for _, n in written} == {10}
+    records = tmp_path / "a" / "records" / "TokenShuffle" / "r0001.parquet"
+    frame = files.read_frame(records)
+    parts = tmp_path / "a" / "parts" / "TokenShuffle" / "r0001"
+    files.write_tensors(parts / "b0000004.safetensors", {c: torch.from_numpy(frame[c].to_numpy()[4:8].copy())
+                                                          for c in ("example", "nll", "active")})
+    records.unlink()
+    written.clear()
+    again = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
+    assert written == [(("TokenShuffle", 1), 6)]  # windows 0-3 and 8-9: one part beside the one kept
+    pd.testing.assert_frame_equal(again.records, base.records, check_exact=True)
 
 
 # ---- interventions ----------------------------------------------------------------------------------------------
@@ -481,9 +476,8 @@ def test_derangement_properties():
 
 @pytest.mark.parametrize("seed", [0, 12345, 2**32 - 1, 2**32, 2**40 + 7])
 def test_keyed_draws_are_numpys_generator_of_the_key_list(seed):
-    """The per-window draws build their generators many at once (fcaudit.keyed); they must equal
-    default_rng([tag, seed, r, example]) as written in the protocol, also for values of 2**32 and more (several
-    words each)."""
+    """The per-window draws are default_rng([tag, seed, r, example]) as written in the protocol, also for values of
+    2**32 and more (several words each)."""
     for r, e in [(0, 0), (3, 63), (19, 2**31), (2, 2**32 + 5)]:
         for T, rows in [(16, 3), (128, 4)]:
             perm = np.random.default_rng([protocol.SHUFFLE, seed, r, e]).permuted(
@@ -557,35 +551,6 @@ def test_cross_shuffle_pairs_cross_input_and_token_shuffle():
     src_shuf = torch.round((shuf[1][:, :, 0, 0] - torch.from_numpy(ex)[:, None] * 1000) / 10)
     src_both = torch.round((both[1][:, :, 0, 0] - torch.from_numpy(perm[ex])[:, None] * 1000) / 10)
     assert torch.equal(src_shuf, src_both)
-
-
-def test_shared_permutations_draw_once_for_the_same_key_and_again_for_another(monkeypatch):
-    """Within `shared_permutations` CrossShuffle r reuses TokenShuffle r's permutations of the same examples (the
-    same coefficients as drawn anew); any other seed, r or examples draws; outside the block nothing is kept."""
-    data = [labelled(6, T, 1, 1), labelled(6, T, 2, 3)]
-    ctx, ex = Context(data, seed=3), np.array([1, 4, 5])
-    want = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
-    drawn = []
-    real = protocol.token_permutations
-    monkeypatch.setattr(protocol, "token_permutations", lambda e, *a: drawn.extend(e) or real(e, *a))
-    with protocol.shared_permutations():
-        got = {c: make(c, ctx, 2, ex) for c in ("TokenShuffle", "CrossShuffle")}
-        assert drawn == [1, 4, 5]  # drawn for TokenShuffle only
-        make("CrossShuffle", ctx, 3, ex)  # another r
-        make("CrossShuffle", ctx, 3, ex[:2])  # other examples
-        make("CrossShuffle", Context(data, seed=4), 3, ex[:2])  # another seed
-        assert drawn == [1, 4, 5] * 2 + [1, 4] * 2
-        make("TokenShuffle", ctx, 2, ex)
-        thread = threading.Thread(target=make, args=("CrossShuffle", ctx, 2, ex))  # another thread: its own draws
-        thread.start()
-        thread.join()
-        assert drawn == [1, 4, 5] * 2 + [1, 4] * 2 + [1, 4, 5] * 2
-        drawn.clear()
-    for c in want:
-        assert all(torch.equal(a, b) for a, b in zip(got[c], want[c]))
-    make("CrossShuffle", ctx, 2, ex)
-    make("CrossShuffle", ctx, 2, ex)
-    assert drawn == [1, 4, 5] * 2 and protocol._SHARED.get() is None
 
 
 def test_token_resample_past_takes_only_earlier_or_same_positions():
@@ -899,7 +864,6 @@ sys.path.insert(0, {tests!r})
 torch.set_num_threads({threads})
 import test_engine as t
 from fcaudit.audit import engine
-engine.PREPARE_WINDOWS = 4  # a batch per stage 2 chunk: records files appear as stage 2 goes, not all at its end
 model = t.ToyGated(sleep=float(sys.argv[2]))
 t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
 """

@@ -56,11 +56,11 @@ def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=
                                       "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
                                       "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
                                       "windows": {"n_eval": kw.get("n_windows", 24)}})
-    write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
+    files.write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
     if variation:
         frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
                 "layer:token": 0.04, "input:layer:token": 0.01}
-        write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
+        files.write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
             {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
             for i in range(4)]})
     return path
@@ -299,12 +299,12 @@ def test_report_refuses_one_family_from_two_sources_and_writes_nothing(fg7, tmp_
 
 
 def test_records_rewritten_without_their_hash_are_damaged(fg7, tmp_path):
-    """A records file edited with pandas (which drops fcaudit's content hash) is not trusted."""
+    """A records file edited with pandas (its bytes no longer those its sidecar sha256 records) is not trusted."""
     f = fg7[0] / "records" / "StaticProfile" / "r0000.parquet"
     frame = pd.read_parquet(f)
     frame.loc[0, "nll"] = 10.0
     frame.to_parquet(f, index=False)
-    with pytest.raises(FcauditError, match="r0000.parquet is damaged .*no content hash"):
+    with pytest.raises(FcauditError, match="r0000.parquet is damaged .*sha256 does not match"):
         summarize(fg7, tmp_path / "summary")
 
 

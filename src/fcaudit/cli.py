@@ -37,15 +37,13 @@ def _hint(line: str) -> None:
 
 
 def command(fn: Callable) -> Callable:
-    """Register a command: --threads applies to its whole run, freed tensor memory is kept for reuse
-    (fcaudit.allocator), and an FcauditError becomes one line on stderr and exit code 2."""
+    """Register a command: --threads applies to its whole run, and an FcauditError becomes one line on stderr and
+    exit code 2."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        from fcaudit.allocator import keep_freed_memory
         from fcaudit.threads import using_threads
 
-        keep_freed_memory()
         try:
             with using_threads(kwargs.get("threads"), hint=_hint):
                 return fn(*args, **kwargs)

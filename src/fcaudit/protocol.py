@@ -12,23 +12,19 @@ the past resampling of example i from `default_rng([RESAMPLE, seed, r, i])`. Cro
 CrossInput r and the permutations of TokenShuffle r of the receiving example (paired sampling). Static profiles are
 functions of the calibration sums only (float64, reduced in batch order).
 
-This module imports nothing of fcaudit but its error type and `keyed` (numpy's keyed generators, many at once), so
-statistics and the report can read it without the engine.
+This module imports nothing of fcaudit but its error type, so statistics and the report can read it without the
+engine.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from fcaudit import keyed
 from fcaudit.errors import FcauditError
 
 Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
@@ -48,35 +44,28 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
     """A uniformly random permutation of range(n) without fixed points (rejection sampling, ~e draws)."""
     if n < 2:
         raise FcauditError(f"a derangement needs at least 2 evaluation windows, got {n}; pass more windows (--eval)")
-    rng = keyed.generators((DERANGE, seed), np.array([r]))[0]
+    rng = np.random.default_rng([DERANGE, seed, r])
     while True:
         perm = rng.permutation(n)
         if not np.any(perm == np.arange(n)):
             return perm
 
 
-@functools.lru_cache(maxsize=8)
-def _positions(rows: int, token: int, first: int = 0) -> np.ndarray:
-    """[rows, token] of first..first+token-1 per row (read-only; made once per shape, not per window)."""
-    row = np.arange(first, first + token)
-    row.flags.writeable = False
-    return np.broadcast_to(row, (rows, token))
-
-
 def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
-    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and CrossShuffle r use the same ones; `shared_permutations` draws
-    them once when the two are made back to back (a memo over all windows saved no measurable time and held memory
-    growing with them)."""
-    positions = _positions(rows, token)
-    return np.stack([g.permuted(positions, axis=1) for g in keyed.generators((SHUFFLE, seed, r), examples)]) \
-        if len(examples) else np.zeros((0, rows, token), np.int64)
+    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
+    CrossShuffle r use the same ones."""
+    positions = np.broadcast_to(np.arange(token), (rows, token))
+    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1)
+                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
 
 
 def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [examples, rows, token], one row per (layer, stream): position t takes a uniformly drawn position
     s <= t."""
-    return keyed.integers_below((RESAMPLE, seed, r), examples, _positions(1, token, 1)[0], rows)
+    high = np.arange(1, token + 1)
+    return np.stack([np.random.default_rng([RESAMPLE, seed, r, int(e)]).integers(0, high, size=(rows, token))
+                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
 
 
 def group_rows(coeffs: Coeffs, groups: Sequence[int] = ()) -> tuple[int, list[int]]:
@@ -109,33 +98,10 @@ def move_tokens(coeffs: Coeffs, index: np.ndarray, groups: Sequence[int] = ()) -
     return out
 
 
-_SHARED: ContextVar[list | None] = ContextVar("shared_permutations", default=None)  # [(key, index)] of the last call
-
-
-@contextmanager
-def shared_permutations() -> Iterator[None]:
-    """Within the block, a shuffle_tokens call with the same seed, r, shape and examples as the call before it reuses
-    that call's permutations instead of drawing them again: CrossShuffle r pairs with TokenShuffle r (the same
-    permutations of the receiving example), so making the two for one batch back to back draws them once. Holds one
-    index, released at the end of the block (per thread and context, so concurrent audits keep their own)."""
-    token = _SHARED.set([None])
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
 def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
     """TokenShuffle r of the receiving `examples`: independent permutations per example, layer (group) and stream."""
     token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
-    key = (seed, r, token, rows, tuple(groups), np.asarray(examples, dtype=np.int64).tobytes())
-    shared = _SHARED.get()
-    if shared is not None and shared[0] is not None and shared[0][0] == key:
-        return move_tokens(coeffs, shared[0][1], groups)
-    index = token_permutations(examples, seed, r, token, rows)
-    if shared is not None:
-        shared[0] = (key, index)
-    return move_tokens(coeffs, index, groups)
+    return move_tokens(coeffs, token_permutations(examples, seed, r, token, rows), groups)
 
 
 def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:

@@ -10,10 +10,8 @@ all of them (fcaudit.audit.group; one process: a trivial group).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -36,9 +34,6 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
-PREPARE_WINDOWS = 1024  # stage 2 prepares the coefficients of up to this many windows at once (across runs)
-PREPARE_BYTES = 4 * 2**20  # ... and of at most this many bytes (memory stays flat in the number of windows)
-MAKE_WINDOWS = 64  # ... in `make` calls of up to this many windows of one run
 RESIDENT_FRACTION = 0.25  # on a GPU the whole store is held there when it takes at most this part of its free memory
 
 
@@ -47,31 +42,6 @@ def keeps_store_on(device: torch.device, nbytes: int) -> bool:
     free memory to spare. Replays then gather their coefficients there, with no host copy per batch; on the CPU the
     store stays in its files, so memory does not grow with the windows."""
     return device.type == "cuda" and nbytes <= RESIDENT_FRACTION * torch.cuda.mem_get_info(device)[0]
-
-
-def _chunks(units: Iterable[Unit], windows: int, count: Callable[[Unit], int]) -> Iterator[list[Unit]]:
-    """Consecutive units, as many as hold at most `windows` windows together (at least one)."""
-    chunk, held = [], 0
-    for u in units:
-        n = count(u)
-        if chunk and held + n > windows:
-            yield chunk
-            chunk, held = [], 0
-        chunk.append(u)
-        held += n
-    if chunk:
-        yield chunk
-
-
-@dataclass
-class _Run:
-    """The replays of one (condition, r) done so far in this stage: their (first window, count) batches, and where
-    their NLLs and active counts are in the stage's buffers."""
-
-    key: tuple[str, int]
-    ranges: list[tuple[int, int]]
-    lo: int
-    hi: int
 
 
 # ---- one forward pass --------------------------------------------------------------------------------------------
@@ -106,8 +76,7 @@ def active(coeffs: Coeffs, sites: list[int] | None = None) -> torch.Tensor:
     float64. For top-k routers (`sites` = the routers): the experts run per token."""
     chosen = [coeffs[i] for i in sites] if sites else coeffs
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
-    # bit for bit (integer sums are exact in float64) and without a [batch, token, stream] intermediate per site. The
-    # count is a sum of c.bool() (what is nonzero, as count_nonzero counts: nan yes, -0.0 no), 2.5x faster on the CPU
+    # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
     return torch.stack([c.bool().reshape(c.shape[0], -1).sum(1).double() / (c.shape[1] * c.shape[2])
                         for c in chosen]).mean(0)
 
@@ -332,73 +301,30 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
-        """Stage 2 in chunks of consecutive pending units, across (condition, r) runs: up to PREPARE_WINDOWS windows
-        and PREPARE_BYTES of coefficients, at least one batch. A chunk runs in three bursts: its coefficients (a
-        `make` and a count of active sources per MAKE_WINDOWS of a run), the forward passes, the records of the runs
-        it completed. Bookkeeping between two forwards finds its code and data evicted from the caches (a records
-        write took about twice as long there as in a burst of them). A run's records are written once, when it is
-        complete; the NLLs and active counts wait in buffers allocated once (small per-batch tensors kept alive
-        between the forwards' large activations would fragment the host heap, and memory would grow with the number
-        of windows)."""
-        n = self.ev.shape[0]
-        limit = max(self.B, min(PREPARE_WINDOWS, PREPARE_BYTES // max(1, self.store.row_bytes(int(self.starts[0])))))
-        # the run still open at a chunk's end (at most n windows, moved to the front), then a chunk's windows
-        nll_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
-        act_buf = torch.empty(n + limit, dtype=torch.float64, device=self.device)
+        """The pending replays, unit by unit. A run of consecutive units of one (condition, r) keeps its NLLs and
+        active counts until it ends, then writes them as one records file (`_write_run`)."""
         ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
-        pending = (u for u in units if not self._skip(u, step))
-        carried: _Run | None = None
-        for chunk in _chunks(pending, limit, self._count):
-            runs = self._replay_chunk(chunk, carried, ev, nll_buf, act_buf, step)
-            carried = runs.pop()  # it may go on in the next chunk
-            for run in runs:
-                self._write_run(run.key, run.ranges, nll_buf[run.lo:run.hi], act_buf[run.lo:run.hi])
-            if carried.lo:
-                m = carried.hi - carried.lo
-                nll_buf[:m], act_buf[:m] = nll_buf[carried.lo:carried.hi].clone(), act_buf[carried.lo:carried.hi].clone()
-                carried.lo, carried.hi = 0, m
-        if carried is not None:
-            self._write_run(carried.key, carried.ranges, nll_buf[:carried.hi], act_buf[:carried.hi])
+        key, ranges, nlls, acts = None, [], [], []
+        for u in units:
+            if self._skip(u, step):
+                continue
+            if (u.condition, u.r) != key:
+                if key is not None:
+                    self._write_run(key, ranges, torch.cat(nlls), torch.cat(acts))
+                key, ranges, nlls, acts = (u.condition, u.r), [], [], []
+            count = self._count(u)
+            coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
+            acts.append(active(coeffs, self.routers))
+            with self.controller.replay(coeffs):
+                # the NLL alone: the logits go now, not during the next forward
+                nlls.append(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1])
+            ranges.append((u.start, count))
+            step()
+        if key is not None:
+            self._write_run(key, ranges, torch.cat(nlls), torch.cat(acts))
 
     def _count(self, unit: Unit) -> int:
         return min(self.B, self.ev.shape[0] - unit.start)
-
-    def _replay_chunk(self, chunk: list[Unit], carried: _Run | None, ev: torch.Tensor, nll_buf: torch.Tensor,
-                      act_buf: torch.Tensor, step) -> list[_Run]:
-        """The replays of one chunk, their NLLs and active counts put in the buffers after the carried run's; returns
-        the runs it touched (the carried one first), in order."""
-        runs = [carried] if carried is not None else []
-        end, pieces = (carried.hi if carried is not None else 0), []  # (run, units, examples, offset in the buffers)
-        per_piece = max(1, MAKE_WINDOWS // self.B)  # batches per make: its temporaries stay small
-        for key, group in groupby(chunk, key=lambda u: (u.condition, u.r)):
-            if not runs or runs[-1].key != key:
-                runs.append(_Run(key, [], end, end))
-            # pieces aligned to the batches, so every run of a chunk cuts the same windows into the same pieces
-            for _, units in groupby(group, key=lambda u: u.start // self.B // per_piece):
-                units = list(units)
-                examples = np.concatenate([np.arange(u.start, u.start + self._count(u)) for u in units])
-                pieces.append((runs[-1], units, examples, end))
-                end += len(examples)
-        # made by (r, piece): TokenShuffle r and CrossShuffle r of one piece back to back draw its permutations once
-        prepared: list[Coeffs | None] = [None] * len(pieces)
-        with protocol.shared_permutations():
-            for i in sorted(range(len(pieces)), key=lambda i: (pieces[i][0].key[1], pieces[i][2][0])):
-                run, _, examples, at = pieces[i]
-                prepared[i] = protocol.REGISTRY[run.key[0]].make(self, run.key[1], examples)
-                act_buf[at:at + len(examples)] = active(prepared[i], self.routers)
-        for (run, units, _, _), coeffs in zip(pieces, prepared):
-            lo = 0
-            for u in units:
-                count = self._count(u)
-                with self.controller.replay([c[lo:lo + count] for c in coeffs]):
-                    # the NLL alone: the logits go now, not during the next forward
-                    nll = forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1]
-                nll_buf[run.hi:run.hi + count] = nll
-                run.ranges.append((u.start, count))
-                run.hi += count
-                lo += count
-                step()
-        return runs
 
     def _skip(self, unit: Unit, step) -> bool:
         """Whether a unit's records are already done (then it counts as progress)."""
@@ -491,7 +417,10 @@ class Engine:
             if not self._merged_ok(condition, r):
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
+        # rewritten anyway; the check says so if it was damaged
+        self._verified(self.dir.replay, lambda: files.read_json(self.dir.replay, require_hash=True))
         files.write_json(self.dir.replay, self._replay_summary())
-        if not self._verified(self.dir.variation, lambda: files.read_json(self.dir.variation, ("layers", "decomposition"))):
+        read = lambda: files.read_json(self.dir.variation, ("layers", "decomposition"), require_hash=True)  # noqa: E731
+        if not self._verified(self.dir.variation, read):
             files.write_json(self.dir.variation, variation(self.store, self.starts,
                                                            [s.path for s in self.controller.sites], self.groups))

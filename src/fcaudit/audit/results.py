@@ -35,23 +35,33 @@ def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
+def _read_json(path: Path, root: Path) -> dict | None:
+    """replay.json or variation.json (the engine's, hashed), None when it is missing; a damaged one is an error that
+    says so."""
+    try:
+        return files.read_json(path, require_hash=True)
+    except FileNotFoundError:
+        return None
+    except files.Damaged as e:
+        raise _damaged(e, root) from None
+
+
 def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame:
     """The records of an audit directory, sorted by condition (registry order), randomization, example. With
     `partial`, also the finished units of (condition, randomization) pairs that are not complete yet."""
     adir = AuditDir(path)
     frames = []
-    for f in sorted(p for p in (adir.root / "records").rglob("*.parquet") if not p.name.startswith(".")):
-        try:
-            frames.append(files.read_frame(f, require_hash=True))  # records/ files always carry one
-        except files.Damaged as e:
-            raise _damaged(e, adir.root) from None
-    if partial:
-        for f in sorted(p for p in (adir.root / "parts").rglob("b*.safetensors")):
+    try:
+        for f in sorted(p for p in (adir.root / "records").rglob("*.parquet") if not p.name.startswith(".")):
+            frames.append(files.read_frame(f))  # the engine's own check: what it would recompute, this refuses
+        for f in sorted(adir.root.glob("parts/*/r*/b*.safetensors")) if partial else ():
             tensors, _ = files.read_tensors(f)
             condition, r = f.parent.parent.name, int(f.parent.name[1:])
             frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": condition,
                                         "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
                                         "tokens": np.int64(-1), "active": tensors["active"].numpy()}))
+    except files.Damaged as e:
+        raise _damaged(e, adir.root) from None
     if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
     return _sorted(pd.concat(frames, ignore_index=True))
@@ -127,15 +137,17 @@ class AuditResult:
             config = adir.config()
         except files.Damaged as e:
             raise _damaged(e, adir.root) from None
-        replay = files.quietly(files.read_json, adir.replay) or {}
+        replay = _read_json(adir.replay, adir.root) or {}
         if replay.get("passed") is False:
             raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
                                "|Δlogit|); its interventions are not valid, see replay.json")
         missing = missing_files(adir.root, config)
-        if (missing or not replay) and not allow_partial:
-            what = f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "has no replay.json"
+        # written last, after replay.json: without it the audit was stopped before its end
+        missing += [p.name for p in (adir.replay, adir.variation) if _read_json(p, adir.root) is None]
+        if missing and not allow_partial:
+            what = f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
             raise FcauditError(f"{adir.root} is an unfinished audit ({what}); {rerun} (or pass --allow-partial)")
-        if not missing and replay:
+        if not missing:
             return cls(adir.root, config, replay)
         records = load_records(adir.root, partial=True)  # an unfinished audit, asked for: read what is there
         return cls(adir.root, config, replay, partial=True, _records=records)
@@ -147,7 +159,7 @@ class AuditResult:
 
     @property
     def variation(self) -> dict | None:
-        return files.quietly(files.read_json, self.path / "variation.json")
+        return _read_json(self.path / "variation.json", self.path)
 
     @property
     def criteria(self) -> Criteria:

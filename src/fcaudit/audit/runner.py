@@ -15,6 +15,7 @@ import os
 import secrets
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +24,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fcaudit import data, families, placement, protocol
 from fcaudit.audit import files
@@ -221,31 +224,36 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+class _PeakBytes(TorchDispatchMode):
+    """The bytes of the tensors that the ops run within it allocate, live at once at their peak (a tensor is live
+    until its last reference goes; a view of a live tensor adds nothing)."""
 
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: set[int] = set()
 
-def _reset_peak_rss() -> bool:
-    """Return freed heap memory to the OS (glibc), so the next pass's growth is its own and not a reuse of what the
-    warm-up pass left, then reset the peak resident set size (VmHWM) to the current one (Linux >= 4.0)."""
-    try:
-        import ctypes
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self._held.discard(ptr)
+        self.live -= nbytes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and ptr not in self._held:
+                    self._held.add(ptr)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, ptr, nbytes)
+        return out
 
 
 def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tensor) -> int:
-    """Memory one forward pass of one window adds beyond the parameters, measured after a warm-up pass (so
-    memory-mapped weights are already resident and not counted as activations)."""
+    """Memory one forward pass of one window allocates beyond the parameters at its peak, after a warm-up pass (lazy
+    tables built): from CUDA's allocator statistics on a GPU, from the tensors its ops make on the CPU."""
     device = one.device
     with torch.inference_mode():
         capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
@@ -255,11 +263,9 @@ def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tenso
             base = torch.cuda.memory_allocated(device)
             capture_batch(model, controller, one, None)
             return int(torch.cuda.max_memory_allocated(device) - base)
-        if not _reset_peak_rss():
-            return 0
-        base = _peak_rss()
-        coeffs, logits, _ = capture_batch(model, controller, one, None)
-        return max(_peak_rss() - base, logits.numel() * (logits.element_size() + 4))
+        with _PeakBytes() as counted:
+            capture_batch(model, controller, one, None)
+        return counted.peak
 
 
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry

@@ -4,9 +4,9 @@ One safetensors file per capture batch (`chunk_{start:07d}.safetensors`). Each e
 layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coeffs.float32`, `coeffs.bfloat16`, ...),
 so reading the coefficients of any set of examples costs one slice per run of consecutive rows, not one per layer.
 Chunks are written atomically with a content hash (audit.files), so RAM does not grow with the number of windows
-and a killed run leaves only whole chunks. Reads are views of memory maps of the chunks (`files.mapped_tensors`), at
-most MAX_OPEN of them and MAX_MAPPED bytes at a time (at least one). A store that fits a GPU can be held there whole
-(`load`, the engine decides), so reads gather on the device with no host copy.
+and a killed run leaves only whole chunks. Reads come from chunks loaded whole (safetensors' `load_file`), the most
+recently used kept up to MAX_LOADED bytes (at least one). A store that fits a GPU can be held there whole (`load`, the
+engine decides), so reads gather on the device with no host copy.
 """
 
 from __future__ import annotations
@@ -14,30 +14,26 @@ from __future__ import annotations
 import math
 import os
 import re
-import resource
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
-from fcaudit.audit.files import mapped_tensors, read_tensors, tensor_meta, write_tensors
+from safetensors.torch import load_file
+
+from fcaudit.audit.files import read_tensors, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs
 
 _CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
-# Memory-mapped chunks kept open, least recently used first out. Each holds a file descriptor (Python's mmap keeps
-# one): at most a quarter of the process's limit on them. The bytes bound the mapped (resident) part of the store.
-# A derangement reads each batch's donors from chunks all over the store: with 16 maps a 512-window audit (64 chunks)
-# reopened most of them on every read, 2.2 of its 55 s (0.36 s with all of them kept).
-_FDS = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-MAX_OPEN = 512 if _FDS == resource.RLIM_INFINITY else max(1, min(512, _FDS // 4))
-MAX_MAPPED = 256 * 2**20
+# Loaded chunks are kept up to this many bytes, least recently used first out: a derangement reads each batch's
+# donors from chunks all over the store, and memory stays bounded however many windows there are.
+MAX_LOADED = 256 * 2**20
 
 
 def all_finite(t: torch.Tensor) -> bool:
     """No nan or inf in `t`. Below float64, from its float64 sum (nan and inf carry through it, and no sum of finite
-    float32, bf16 or float16 values reaches float64's range): one pass and no boolean copy of the tensor (800 MB for a
-    batch of 50k-vocabulary logits at 8 x 2048 tokens), 3.5x faster than isfinite().all() on the CPU."""
+    float32, bf16 or float16 values reaches float64's range): one pass and no boolean copy of a batch's logits."""
     if t.dtype == torch.float64 or not t.is_floating_point():
         return bool(torch.isfinite(t).all())
     return math.isfinite(t.sum(dtype=torch.float64))
@@ -60,20 +56,14 @@ class CoefficientStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._root = os.fspath(path)
-        self._maps: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # chunk start -> {dtype: [n, F]}
-        self._mapped = 0  # bytes of the kept maps' tensors
+        self._loaded: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # chunk start -> {dtype: [n, F]}
+        self._bytes = 0  # bytes of the kept chunks' tensors
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
         self._resident: dict[str, torch.Tensor] | None = None  # `load`: every row, in window order, per dtype
 
     def chunk_path(self, start: int) -> Path:
-        return Path(self._file(start))
-
-    def _file(self, start: int) -> str:
-        # a str, not a Path: pathlib interns every path component, and a Path per chunk opening made Python's table
-        # of interned strings churn and be reallocated (MiBs at a time) as the audit went on
-        return os.path.join(self._root, f"chunk_{start:07d}.safetensors")
+        return self.path / f"chunk_{start:07d}.safetensors"
 
     def write(self, start: int, coeffs: Coeffs, metadata: dict | None = None) -> Path:
         """Write the coefficients of windows start..start+n atomically (the chunk is whole or absent)."""
@@ -103,22 +93,22 @@ class CoefficientStore:
         return read_tensors(self.chunk_path(start))[1]
 
     def _drop(self, start: int) -> None:
-        tensors = self._maps.pop(start, None)
+        tensors = self._loaded.pop(start, None)
         if tensors is not None:
-            self._mapped -= sum(t.nbytes for t in tensors.values())
+            self._bytes -= sum(t.nbytes for t in tensors.values())
 
     def _open(self, start: int) -> dict[str, torch.Tensor]:
-        if start in self._maps:
-            self._maps.move_to_end(start)
+        if start in self._loaded:
+            self._loaded.move_to_end(start)
         else:
-            self._maps[start] = {k.removeprefix("coeffs."): t for k, t in mapped_tensors(self._file(start)).items()}
-            self._mapped += sum(t.nbytes for t in self._maps[start].values())
-            while len(self._maps) > 1 and (len(self._maps) > MAX_OPEN or self._mapped > MAX_MAPPED):
-                self._drop(next(iter(self._maps)))
-        return self._maps[start]
+            self._loaded[start] = {k.removeprefix("coeffs."): t for k, t in load_file(self.chunk_path(start)).items()}
+            self._bytes += sum(t.nbytes for t in self._loaded[start].values())
+            while len(self._loaded) > 1 and self._bytes > MAX_LOADED:
+                self._drop(next(iter(self._loaded)))
+        return self._loaded[start]
 
     def _rows(self, start: int, dtype: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows lo:hi of one chunk's flat tensor (a view of its memory map)."""
+        """Rows lo:hi of one chunk's flat tensor (a view of the loaded chunk)."""
         return self._open(start)[dtype][lo:hi]
 
     def metadata(self, start: int) -> dict:
@@ -149,7 +139,7 @@ class CoefficientStore:
         self.layout(int(chunk_starts[0]))
         rows: dict[str, torch.Tensor] = {}
         for start in chunk_starts:
-            for k, t in mapped_tensors(self._file(int(start))).items():
+            for k, t in load_file(self.chunk_path(int(start))).items():
                 d = k.removeprefix("coeffs.")
                 if d not in rows:
                     rows[d] = torch.empty(windows, t.shape[1], dtype=t.dtype, device=device)
@@ -166,7 +156,7 @@ class CoefficientStore:
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
         """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
-        kept chunk: callers never modify them in place (transformations gather, site codecs decode into copies).
+        loaded chunk: callers never modify them in place (transformations gather, site codecs decode into copies).
 
         `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is read
         as one slice. A loaded store gathers on its device.
@@ -195,6 +185,6 @@ class CoefficientStore:
         return self._split({d: torch.cat([self._rows(f, d, a, b) for f, a, b in runs]) for d in dtypes})
 
     def close(self) -> None:
-        self._maps.clear()
-        self._mapped = 0
+        self._loaded.clear()
+        self._bytes = 0
         self._resident = None
