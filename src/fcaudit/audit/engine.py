@@ -135,6 +135,7 @@ class Engine:
         locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites')."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
+        self.info = controller.info  # protocol.ReplayContext: token routers get their own conditions
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn

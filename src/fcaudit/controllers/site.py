@@ -65,6 +65,7 @@ class Codec:
     """How one site's output maps to canonical coefficients [batch, token, stream, source] and back."""
 
     top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
+    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         """Canonical coefficients of one output: a fresh tensor, never a view the model could modify in place."""
@@ -563,7 +564,8 @@ class Controller:
     @property
     def info(self) -> Controllers:
         """What the protocol's conditions need to know about this controller."""
-        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites), self.groups)
+        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites), self.groups,
+                           tuple(s.codec.routing for s in self.sites))
 
     def describe(self) -> dict:
         out = {"description": self.description, "sites": [s.name for s in self.sites],

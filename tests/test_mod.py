@@ -1,0 +1,79 @@
+"""Mixture-of-Depths: exact replay through its token router, and every condition keeping each window's budget."""
+
+import numpy as np
+import pytest
+import torch
+
+import fcaudit as fca
+from fcaudit import protocol
+from fcaudit.families.mod import causal, controller
+from fcaudit.models.mod import MoDGPT, config_for
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return fca.windows("embedded", n_eval=6, n_calib=6, window=64)
+
+
+def tiny_mod(seed: int = 0) -> MoDGPT:
+    torch.manual_seed(seed)
+    model = MoDGPT(config_for("tiny", "mod")).eval()
+    for block in model.blocks:  # an untrained predictor says no to every token: make it choose, differently per window
+        if block.router is not None:
+            for layer in (block.router.predictor[0], block.router.predictor[2]):
+                torch.nn.init.normal_(layer.weight, std=3.0)
+                torch.nn.init.zeros_(layer.bias)
+    return model
+
+
+@pytest.mark.parametrize("routing", ["topk", "predictor"])
+def test_mod_audits_with_an_exact_replay_and_its_token_conditions(tmp_path, windows, routing):
+    model = tiny_mod()
+    if routing == "predictor":
+        causal(model)
+    result = fca.audit(model, controller(model), *windows, randomizations=2, seed=0, out=tmp_path / "a", quiet=True)
+    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
+    ran = set(result.records["condition"])
+    assert {"StaticTopK", "RandomRoute", "TokenResamplePast"} <= ran
+    assert not ran & {"StaticProfile", "LayerPositionMean", "StructureRemoved"}  # degenerate for sets
+
+
+def captured(model, ids):
+    ctrl = controller(model)
+    with torch.inference_mode(), ctrl.capture(*ids.shape) as found:
+        model(ids)
+    return found
+
+
+def test_every_token_condition_keeps_each_windows_budget(windows):
+    model = causal(tiny_mod())  # the predictor's k differs between windows: the harder case
+    ids = windows[0].ids
+    coeffs = captured(model, ids)
+    k = [protocol.chosen(c).sum(1) for c in coeffs]
+    assert len({int(x) for x in k[0]}) > 1, "the predictor should choose different budgets per window"
+    examples = np.arange(ids.shape[0])
+    cal = protocol.Calibration([c.double().sum(0) for c in coeffs], ids.shape[0], (None,) * len(coeffs))
+    static = [protocol.expand(p, ids.shape[0], ids.shape[1]) for p in cal.layer_position_mean()]
+    made = {
+        "TokenShuffle": protocol.shuffle_tokens(coeffs, examples, 0, 1),
+        "TokenResamplePast": protocol.routes_past(coeffs, examples, 0, 1),
+        "RandomRoute": protocol.random_routes(coeffs, examples, 0, 1),
+        "StaticTopK": protocol.static_routes(static, coeffs),
+    }
+    for name, new in made.items():
+        for before, after in zip(k, new):
+            assert torch.equal(protocol.chosen(after).sum(1), before), name
+        assert all(((c[:, :, 0, 1] == 0) | (c[:, :, 0, 1] == 1)).all() for c in new), name
+
+
+def test_resample_past_only_moves_choices_later(windows):
+    model = tiny_mod()
+    ids = windows[0].ids
+    coeffs = captured(model, ids)
+    moved = protocol.routes_past(coeffs, np.arange(ids.shape[0]), 0, 3)
+    for before, after in zip(coeffs, moved):
+        for b, a in zip(protocol.chosen(before), protocol.chosen(after)):
+            old, new = np.flatnonzero(b.numpy()), np.flatnonzero(a.numpy())
+            assert len(old) == len(new) and (new >= old).all()  # the j-th choice never moves earlier
+        kept = before[:, :, 0, 0][protocol.chosen(before)].sort().values
+        assert torch.equal(after[:, :, 0, 0][protocol.chosen(after)].sort().values, kept)  # the scores move along
