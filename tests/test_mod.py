@@ -77,3 +77,13 @@ def test_resample_past_only_moves_choices_later(windows):
             assert len(old) == len(new) and (new >= old).all()  # the j-th choice never moves earlier
         kept = before[:, :, 0, 0][protocol.chosen(before)].sort().values
         assert torch.equal(after[:, :, 0, 0][protocol.chosen(after)].sort().values, kept)  # the scores move along
+
+
+def test_the_causality_check_flags_top_k_over_the_window_and_clears_the_causal_predictor(windows):
+    from fcaudit.controllers.routing import later_token_flips
+
+    model = tiny_mod()
+    ids = windows[0].ids
+    assert later_token_flips(model, controller(model), ids, 256) > 0  # top-k sees the last token
+    causal(model)
+    assert later_token_flips(model, controller(model), ids, 256) == 0

@@ -57,3 +57,29 @@ class TokenRoute(Codec):
 
     def describe(self) -> str:
         return "token router: (scores [batch token], chosen index [batch k])"
+
+
+def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
+    """A router's discrete decisions in one canonical tensor, [batch, token, stream, *]: which tokens were chosen
+    (a token router) or which sources are nonzero (an expert router)."""
+    return c[..., 1:] > 0.5 if tokens else c != 0
+
+
+def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int) -> int:
+    """How many routing decisions at positions before the last change when only the last token of each window
+    changes: above 0, a decision at t depends on tokens after t (top-k over the whole window does), so the router
+    cannot decode autoregressively as it is."""
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % vocab
+    runs = []
+    for x in (ids, changed):
+        with torch.inference_mode(), controller.capture(*x.shape, remember=False) as found:
+            model(x)
+        runs.append(found)
+    flips = 0
+    for i, site in enumerate(controller.sites):
+        tokens = site.codec.routing == "tokens"
+        if tokens or site.codec.top_k is not None:
+            before, after = (decisions(run[i][:, :-1], tokens) for run in runs)
+            flips += int((before != after).any(-1).sum())
+    return flips
