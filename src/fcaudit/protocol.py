@@ -200,12 +200,14 @@ def random_routes(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Co
 
 
 def static_routes(profile: Coeffs, taken: Coeffs) -> Coeffs:
-    """StaticTopK for token routers: each window's k (as its router chose) tokens are the k positions of highest
-    calibration mean score (LayerPositionMean), weighted by that mean score."""
+    """StaticTopK for token routers: each window's k (as its router chose) tokens are the k positions chosen most
+    often in the calibration windows (ties: the higher mean score, then the earlier position), each weighted by its
+    calibration mean score (LayerPositionMean)."""
     out = []
     for p, c in zip(profile, taken):
         k = chosen(c).sum(1)
-        order = torch.argsort(p[0, :, 0, 0].to(torch.float64), descending=True, stable=True)
+        often, score = p[0, :, 0, 1].cpu().numpy(), p[0, :, 0, 0].cpu().numpy()
+        order = torch.from_numpy(np.lexsort((np.arange(len(often)), -score, -often))).to(c.device)
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device)
         m = rank[None, :] < k[:, None].to(rank.device)
@@ -402,8 +404,8 @@ register(Condition(
     applies=lambda ctrl: not ctrl.tokens))
 register(Condition(
     "StaticTopK", "static", "StaticTopK",
-    "the top-k experts of the static mean with its mass (token routers: each window's k tokens of highest mean "
-    "score per position): static routing that keeps the budget",
+    "the top-k experts of the static mean with its mass (token routers: each window's k tokens at the positions "
+    "the calibration windows chose most often): static routing that keeps the budget",
     lambda ctx, r, ex: (static_routes(ctx.static("StaticTopK", len(ex)), ctx.take(ex)) if _tokens(ctx)
                         else ctx.static("StaticTopK", len(ex))),
     profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True,
