@@ -84,6 +84,7 @@ register(Family(
     controller=controller,
     label=label,
     trains=("mod",),
+    presets=tuple(PRESETS),
     build=build,
     save=save,
     train_loss=train_loss,
