@@ -87,3 +87,52 @@ def test_the_causality_check_flags_top_k_over_the_window_and_clears_the_causal_p
     assert later_token_flips(model, controller(model), ids, 256) > 0  # top-k sees the last token
     causal(model)
     assert later_token_flips(model, controller(model), ids, 256) == 0
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory, windows):
+    """A tiny MoD audited through its top-k router, with every condition's records."""
+    model = tiny_mod()
+    out = tmp_path_factory.mktemp("mod") / "a"
+    return fca.audit(model, controller(model), *windows, randomizations=2, seed=0, out=out, quiet=True)
+
+
+def test_active_is_the_fraction_of_tokens_chosen_under_every_condition(audited):
+    capacity = config_for("tiny", "mod").capacity  # 16 of 64 tokens: exact
+    active = audited.records.groupby("condition")["active"]
+    assert (active.min() == capacity).all() and (active.max() == capacity).all(), active.describe()
+    assert audited.replay["route_flips"] == 0  # token routers are routers: the live router agrees with the cache
+
+
+def test_retention_is_against_random_route_and_the_routing_checks_are_recorded(audited):
+    (ret,) = audited.statistics(n_resamples=200).retentions()
+    assert (ret.condition, ret.reference) == ("StaticTopK", "RandomRoute")
+    assert any(line.startswith("retention StaticTopK vs RandomRoute") for line in audited.retention_lines())
+    rep = audited.replay
+    assert rep["later_token_flips"] > 0 and rep["routing_note"] == protocol.TOKEN_NOTE  # top-k sees later tokens
+    assert audited.config["routing"]["later_token_flips"] == rep["later_token_flips"]  # fixed before the audit ran
+
+
+def test_the_causal_predictor_is_recorded_as_causal(tmp_path, windows):
+    model = causal(tiny_mod())
+    result = fca.audit(model, controller(model), *windows, randomizations=1, seed=0, out=tmp_path / "a", quiet=True)
+    assert result.replay["later_token_flips"] == 0
+
+
+def test_the_cli_and_the_report_say_routing_depends_on_later_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from fcaudit.cli import app
+    from fcaudit.families.mod import save
+
+    save(tiny_mod(), tmp_path / "ckpt", {})
+    runner = CliRunner()
+    res = runner.invoke(app, ["audit", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a"), "--eval", "6",
+                              "--calib", "6", "--randomizations", "2", "--window", "64"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "routing depends on later tokens" in text and "not offered" in text and "retention StaticTopK" in text
+    res = runner.invoke(app, ["report", str(tmp_path / "a"), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "routing depends on later tokens" in report and "RandomRoute" in report

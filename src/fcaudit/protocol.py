@@ -39,7 +39,8 @@ DERANGE, SHUFFLE, RESAMPLE, ROUTE_PAST, ROUTE_RANDOM = 1, 2, 3, 4, 5
 RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
 """One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
 window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
-along the source axis, over the controller's top-k routers when it has any (then: experts run per token)."""
+along the source axis, over the controller's routers when it has any: experts run per token for top-k routers, the
+fraction of tokens chosen for token routers."""
 
 
 # ---- the transformations ---------------------------------------------------------------------------------------
@@ -450,9 +451,11 @@ def retained() -> list[str]:
     return [c.name for c in REGISTRY.values() if c.retained]
 
 
-def structure_removed(run: Sequence[str] | None = None) -> str:
-    """Eq. 8's reference R: the structure-removed condition among those `run` (default: the first registered)."""
-    return next(c.name for c in REGISTRY.values() if c.structure_removed and (run is None or c.name in run))
+def structure_removed(run: Iterable[str] | None = None) -> str | None:
+    """Eq. 8's reference R: the structure-removed condition among the conditions `run` (StructureRemoved, or
+    RandomRoute for token routers); None when none of them is one. Without `run`: the first registered."""
+    ran = None if run is None else set(run)
+    return next((c.name for c in REGISTRY.values() if c.structure_removed and (ran is None or c.name in ran)), None)
 
 
 def default_labels() -> dict[str, str]:

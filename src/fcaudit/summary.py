@@ -166,7 +166,7 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
         for f, p in zip(facs, adjusted):
             f["pvalue_holm"] = float(p)
     rets = []
-    if protocol.structure_removed() in means.columns:
+    if protocol.structure_removed(means.columns) is not None:
         rets = _retention_rows([retention_of(means, c, labels, criteria, "checkpoint") for c in protocol.retained()
                                 if c in means.columns], family)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")

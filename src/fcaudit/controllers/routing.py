@@ -65,12 +65,16 @@ def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
     return c[..., 1:] > 0.5 if tokens else c != 0
 
 
-def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int) -> int:
-    """How many routing decisions at positions before the last change when only the last token of each window
-    changes: above 0, a decision at t depends on tokens after t (top-k over the whole window does), so the router
-    cannot decode autoregressively as it is."""
+def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int, seed: int = 0) -> int:
+    """How many routing decisions at earlier positions change when only the last quarter of each window (at least
+    its last token) changes to seeded random tokens: above 0, a decision at t depends on tokens after t (top-k over
+    the whole window does), so the router cannot decode autoregressively as it is. A span rather than the last token
+    alone: a trained top-k router rarely moves its last token across the k-th score, so changing one token would
+    mostly find nothing."""
+    span = max(1, ids.shape[1] // 4)
     changed = ids.clone()
-    changed[:, -1] = (changed[:, -1] + 1) % vocab
+    gen = torch.Generator().manual_seed(seed)
+    changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
     runs = []
     for x in (ids, changed):
         with torch.inference_mode(), controller.capture(*x.shape, remember=False) as found:
@@ -80,6 +84,6 @@ def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, voc
     for i, site in enumerate(controller.sites):
         tokens = site.codec.routing == "tokens"
         if tokens or site.codec.top_k is not None:
-            before, after = (decisions(run[i][:, :-1], tokens) for run in runs)
+            before, after = (decisions(run[i][:, :-span], tokens) for run in runs)
             flips += int((before != after).any(-1).sum())
     return flips

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from fcaudit.audit.results import routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
                         write_json, write_text)
@@ -255,8 +256,13 @@ def _replay_line(replays: list) -> str:
     passed = sum(bool(r.get("passed")) for r in reps)
     worst = max((float(np.nan if r.get("max_abs_dlogit") is None else r["max_abs_dlogit"]) for r in reps),
                 default=np.nan)  # null: not finite
+    routing = list(dict.fromkeys(line for r in reps for line in routing_lines(r)))
+    if any(r.get("later_token_flips") == 0 for r in reps):
+        routing.insert(0, "Causality check: no routing decision at an earlier position changed when the last quarter "
+                          "of the probe windows did.")
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
-            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}.")
+            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}."
+            + "".join(f" {line[0].upper()}{line[1:]}{'' if line.endswith('.') else '.'}" for line in routing))
 
 
 def _family_section(doc: Doc, s: Summary, fam: str):
