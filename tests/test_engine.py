@@ -530,6 +530,7 @@ class Context:
 
     def __init__(self, data, seed, statics=None):
         self.data, self.seed, self.statics = data, seed, statics or {}
+        self.info = protocol.Controllers()  # no token routers
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]

@@ -143,10 +143,11 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
     - captured alone, its coefficients must be its row of the batch's capture (else an error): a layout that names
       the axes of a flattened output in the wrong order ("(token batch)" for "(batch token)") passes the exact
       replay check but moves coefficients between windows;
-    - replaying zeros for every coefficient should change its logits. When it does not, returns a notice: either
-      the coefficients have no effect (e.g. gated branches that output zero at initialization), or the model does
-      not use what its sites return (it keeps the gate's value in an attribute), and then every replay measures
-      nothing. The logits cannot tell the two apart. A codec that refuses all-zero coefficients skips this."""
+    - replaying zeros for every coefficient (token routers: for their scores) should change its logits. When it
+      does not, returns a notice: either the coefficients have no effect (e.g. gated branches that output zero at
+      initialization), or the model does not use what its sites return (it keeps the gate's value in an
+      attribute), and then every replay measures nothing. The logits cannot tell the two apart. A codec that
+      refuses all-zero coefficients skips this."""
     one = first[:1]
     alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
     if first.shape[0] > 1:
@@ -166,7 +167,9 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
                                    "'(batch token) expert' for a [batch*token, expert] output); if the routing "
                                    "depends on the other windows of a batch (capacity limits), use batch size 1")
     try:
-        with controller.replay([torch.zeros_like(a) for a in alone]):
+        # token routers keep their choices (a block on no token is no k-set) and lose their scores
+        with controller.replay([a * a.new_tensor([0.0, 1.0]) if s.codec.routing == "tokens" else torch.zeros_like(a)
+                                for s, a in zip(controller.sites, alone)]):
             unchanged = torch.equal(logits_of(model(one)), logits_alone)
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None

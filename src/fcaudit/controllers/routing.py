@@ -59,6 +59,31 @@ class TokenRoute(Codec):
         return "token router: (scores [batch token], chosen index [batch k])"
 
 
+def routed(layout: Any, codec: Codec | None, routing: str) -> Codec:
+    """The codec of a site declared `routing` (Controller.from_modules(..., routing="tokens")): TokenRoute when
+    neither a codec nor a layout is given; a given codec is marked as a token router (or must already be one)."""
+    if routing != "tokens":
+        raise FcauditError(f"routing={routing!r}: the one routing fcaudit knows is 'tokens' (a router choosing the "
+                           "tokens a block runs on); drop routing= for any other site")
+    if codec is None and isinstance(layout, Codec):
+        codec, layout = layout, None
+    if layout is not None:
+        raise FcauditError(f"routing='tokens' with layout {layout!r}: a token router's coefficient is (score, chosen) "
+                           "per token; drop the layout (TokenRoute reads a (scores, index) output) or pass codec=")
+    if codec is None:
+        return TokenRoute()
+    if codec.routing not in (None, "tokens"):
+        raise FcauditError(f"codec {codec.describe()} says routing={codec.routing!r}, not 'tokens': pass a token "
+                           "router's codec")
+    if codec.routing is None:
+        try:
+            codec.routing = "tokens"
+        except (AttributeError, TypeError):  # a frozen dataclass
+            raise FcauditError(f"codec {codec.describe()} cannot be marked as a token router: give its class "
+                               "routing = 'tokens'") from None
+    return codec
+
+
 def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
     """A router's discrete decisions in one canonical tensor, [batch, token, stream, *]: which tokens were chosen
     (a token router) or which sources are nonzero (an expert router)."""

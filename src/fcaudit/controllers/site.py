@@ -464,13 +464,16 @@ class Controller:
                      codec: Codec | None = None, call: int | None = None, method: str = "forward",
                      static_name: str = "StaticProfile", reference: str = "global_mean",
                      reference_name: str | None = None,
-                     context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
+                     context: Callable[[], AbstractContextManager] | None = None,
+                     routing: str | None = None) -> "Controller":
         """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
         with `codec` (or the einops `layout` of a single-tensor output): the output of `method` (default forward;
         another one works when the parent calls it directly), of its `call`-th call in one forward pass where given.
         `context`: see Controller.context (its name joins the description, so an audit made under another one is
-        not resumed with this one)."""
-        return cls._build(model, pattern, _codec(layout, codec), (call, method, None),
+        not resumed with this one). `routing="tokens"`: each site chooses the tokens a block runs on
+        (controllers.routing: TokenRoute unless `codec` is given)."""
+        chosen = _codec(layout, codec) if routing is None else routing_codec(layout, codec, routing)
+        return cls._build(model, pattern, chosen, (call, method, None),
                           (static_name, reference, reference_name, context))
 
     @classmethod
@@ -648,3 +651,6 @@ class Controller:
             else:
                 out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
         return out
+
+
+from fcaudit.controllers.routing import routed as routing_codec  # noqa: E402  (its codecs build on Codec above)
