@@ -1,6 +1,7 @@
 """Mixture-of-Depths: exact replay through its token router, and every condition keeping each window's budget."""
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -136,3 +137,26 @@ def test_the_cli_and_the_report_say_routing_depends_on_later_tokens(tmp_path):
     assert res.exit_code == 0, res.output
     report = (tmp_path / "r" / "report.md").read_text()
     assert "routing depends on later tokens" in report and "RandomRoute" in report
+
+
+def test_execution_of_a_tiny_mod_skips_token_block_pairs_beside_its_dense(tmp_path):
+    from fcaudit.execution import ExecutionConfig, measure_execution
+    from fcaudit.families.mod import save
+    from fcaudit.models.checkpoint import save_checkpoint
+    from fcaudit.models.featuregate import FeatureGateGPT, config_for as gpt_config
+
+    save(tiny_mod(), tmp_path / "mod", {})
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "dense", FeatureGateGPT(gpt_config("tiny", "dense")).eval(), {})
+    df = measure_execution(ExecutionConfig([tmp_path / "mod", tmp_path / "dense"], tmp_path / "ex", batch_size=2,
+                                           min_run_time=0.05, threshold_windows=4, progress=False))
+    mod, dense = (df[df["model"] == m].iloc[0] for m in ("mod", "dense"))
+    capacity = config_for("tiny", "mod").capacity
+    assert mod["architecture"] == dense["architecture"]  # FeatureGate's Dense of the same shape is its baseline
+    assert mod["token_fraction"] == capacity and mod["token_fraction_by_block"] == f"[1.0, {capacity}]"
+    assert mod["token_block_fraction"] == (1 + capacity) / 2
+    assert mod["flops_vs_dense"] < 1 and np.isfinite(mod["latency_vs_dense"]) and mod["latency_ms"] > 0
+    conds = pd.read_csv(tmp_path / "ex" / "conditions.csv")
+    assert list(conds["condition"]) == ["Correct", "StaticTopK", "RandomRoute"]
+    assert (conds["token_fraction"] == capacity).all()  # every condition keeps the budget, so
+    assert np.allclose(conds["flops_vs_correct"], 1.0) and (conds["latency_ms"] > 0).all()  # equal FLOPs

@@ -88,4 +88,5 @@ register(Family(
     build=build,
     save=save,
     train_loss=train_loss,
+    architecture="FeatureGateGPT",  # its Dense and FixedDepth baselines: FeatureGate's variants of the same shape
 ))

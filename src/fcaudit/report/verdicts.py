@@ -106,8 +106,12 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
         return "not measured for these checkpoints (run `fcaudit execution` on them, with a Dense one)"
     r = mine[0]
     skipped = r["n_blocks"] - r["executed_blocks"]
+    pairs = r.get("token_block_fraction")
     text = (f"{r['executed_blocks']}/{r['n_blocks']} blocks run"
             + (" (no block skipped)" if skipped == 0 else f" ({skipped} skipped)"))
+    if pairs is not None and math.isfinite(float(pairs)):  # token routers: blocks run on the tokens chosen
+        text += (f", but the routed blocks run {_pct(r['token_fraction'])} of the tokens: "
+                 f"{_pct(pairs)} of the token x block pairs run, {_pct(1 - float(pairs))} skipped")
     ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
     ratios = [(n, v) for n, v in ratios if v is not None and math.isfinite(float(v))]
     if ratios:
