@@ -233,10 +233,12 @@ def _alike(config: dict) -> dict:
 
 
 def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
-    """Across all families: a checkpoint relabelled with another family is still the same checkpoint."""
-    seen: dict[str, Path] = {}
+    """Across all families: a checkpoint relabelled with another family is still the same checkpoint (audited
+    through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
+    seen: dict[tuple, Path] = {}
     for a in audits:
-        h = (a.config.get("model") or {}).get("params_sha256")
+        params = (a.config.get("model") or {}).get("params_sha256")
+        h = (params, str((a.config.get("controller") or {}).get("description"))) if params else None
         if h and h in seen:
             raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever their "
                                "family labels): pass one audit per independently trained checkpoint")

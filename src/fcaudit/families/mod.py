@@ -30,14 +30,26 @@ PATTERN = "blocks.*.router"
 def controller(model: MoDGPT) -> Controller:
     if not any(b.router is not None for b in model.blocks):
         raise FcauditError("this MoD model has no routed block to audit (variant dense): audit variant mod")
-    return Controller.from_modules(model, PATTERN, codec=TokenRoute(), static_name="StaticTopK",
+    ctrl = Controller.from_modules(model, PATTERN, codec=TokenRoute(), static_name="StaticTopK",
                                    reference_name="RandomRoute")
+    # the top-k router and the causal predictor are two controllers of one checkpoint (audits and summaries tell
+    # them apart by the description)
+    ctrl.description += f":routing={model.config.routing}"
+    return ctrl
 
 
 def causal(model: MoDGPT) -> MoDGPT:
     """The same model routing by its causal predictor (what autoregressive decoding can use)."""
     model.config.routing = "predictor"
     return model
+
+
+def causal_checkpoint(src: Path, out: Path) -> Path:
+    """A copy of the checkpoint `src` that routes by its causal predictor (`causal`), written to `out` (its
+    metrics.json stays with the top-k checkpoint: the Byte-PPL there is the top-k router's)."""
+    model, meta = load(Path(src), torch.device("cpu"), None)
+    save(causal(model), Path(out), meta)
+    return Path(out)
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
