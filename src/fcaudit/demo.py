@@ -51,12 +51,13 @@ class DemoPlan:
     randomizations: int
     batch_size: int
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.6, 0.7)  # post-training gate thresholding (execution)
+    min_run_time: float = 1.0  # seconds of latency timing per model (execution)
 
 
 FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, moe_steps=240, fixed_depth=2,
                 n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
 QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30, fixed_depth=1,
-                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16)
+                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5)
 
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
 AUDITED = MULTI_SEED + ("mudd", "moe", "mod")
@@ -131,6 +132,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
              for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod")]
     ckpts.append(causal)
     measure_execution(ExecutionConfig(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
+                                      min_run_time=plan.min_run_time,
                                       thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False))
     inputs.append(out / "execution")
     report = build_report(inputs, out / "report")

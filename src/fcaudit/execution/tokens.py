@@ -14,6 +14,7 @@ round-robin says whether the assignment alone changes wall time.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -64,8 +65,9 @@ def token_execution(model: nn.Module, ids: torch.Tensor, controller: Controller,
 def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor,
                      blocks: list[str], timing: Timing) -> pd.DataFrame:
     """One row per condition of ROUTED on the batch `ids`, every one replayed: token columns, FLOPs per token (and
-    vs Correct's) and latency (and vs Correct's), timed round-robin. StaticTopK's profile comes from the
-    calibration windows `calib` [N, >= window], as in the audit; RandomRoute is its randomization 0."""
+    vs Correct's) and latency (and vs Correct's), timed round-robin within one model's timing budget. StaticTopK's
+    profile comes from the calibration windows `calib` [N, >= window], as in the audit; RandomRoute is its
+    randomization 0."""
     labels = {**protocol.default_labels(), **controller.labels}
     batch, window = ids.shape
     correct = captured(model, ids, controller)
@@ -77,7 +79,9 @@ def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tens
         runs.append(Replaying(model, controller, made[name]))
         rows.append({"condition": name, "label": labels.get(name, name) + (" (replayed)" if name == "Correct" else ""),
                      **token_columns(made[name], controller, blocks), "flops_per_token": flops(runs[-1], ids)})
-    for row, lat in zip(rows, latencies(runs, batch, window, ids.device, timing)):
+    # the conditions share one model's timing budget: equal work, so only a difference beyond the spread counts
+    shared = replace(timing, min_run_time=timing.min_run_time / len(runs))
+    for row, lat in zip(rows, latencies(runs, batch, window, ids.device, shared)):
         row.update(lat.columns())
     df = pd.DataFrame(rows)
     df["flops_vs_correct"] = df["flops_per_token"] / df["flops_per_token"].iloc[0]
