@@ -160,3 +160,15 @@ def test_execution_of_a_tiny_mod_skips_token_block_pairs_beside_its_dense(tmp_pa
     assert list(conds["condition"]) == ["Correct", "StaticTopK", "RandomRoute"]
     assert (conds["token_fraction"] == capacity).all()  # every condition keeps the budget, so
     assert np.allclose(conds["flops_vs_correct"], 1.0) and (conds["latency_ms"] > 0).all()  # equal FLOPs
+
+
+def test_a_causal_copy_routes_by_the_predictor_and_claims_no_byte_ppl(tmp_path):
+    from fcaudit.families import load_model
+    from fcaudit.families.mod import causal_checkpoint, save
+
+    model = tiny_mod()
+    save(model, tmp_path / "mod", {"byte_ppl": 3.0, "seed": 0})
+    copy, meta = load_model(causal_checkpoint(tmp_path / "mod", tmp_path / "causal"))
+    assert copy.config.routing == "predictor" and "byte_ppl" not in meta and meta["seed"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))
+    assert controller(copy).description != controller(model).description  # two controllers of one checkpoint

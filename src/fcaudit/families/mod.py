@@ -45,9 +45,10 @@ def causal(model: MoDGPT) -> MoDGPT:
 
 
 def causal_checkpoint(src: Path, out: Path) -> Path:
-    """A copy of the checkpoint `src` that routes by its causal predictor (`causal`), written to `out` (its
-    metrics.json stays with the top-k checkpoint: the Byte-PPL there is the top-k router's)."""
+    """A copy of the checkpoint `src` that routes by its causal predictor (`causal`), written to `out`. The training
+    run's Byte-PPL stays with `src` (it is the top-k router's), so the copy records none."""
     model, meta = load(Path(src), torch.device("cpu"), None)
+    meta = {**{k: v for k, v in meta.items() if k != "byte_ppl"}, "variant": "mod-causal", "routing_of": str(src)}
     save(causal(model), Path(out), meta)
     return Path(out)
 
