@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.audit.results import AuditResult
+from fcaudit.audit.results import AuditResult, routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
@@ -294,6 +294,9 @@ class Summary:
             level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
             lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
                          + ("  [PARTIAL]" if g.get("partial") else ""))
+            # routers: the causality check above 0 and the token note, once per family
+            lines += [f"  {line}" for line in dict.fromkeys(line for r in g.get("replay", []) if isinstance(r, dict)
+                                                          for line in routing_lines(r))]
             for r in self.conditions[self.conditions["family"] == fam].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
