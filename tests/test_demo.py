@@ -19,7 +19,8 @@ def demo(tmp_path_factory):
 
 def test_table1_has_every_method(demo):
     table = pd.read_csv(demo / "table1.csv")
-    assert set(table["method"]) >= {"Dense", "Uniform", "LayerStatic", "FeatureGate", "MUDD", "MoE (Mixtral)"}
+    assert set(table["method"]) >= {"Dense", "Uniform", "LayerStatic", "FeatureGate", "MUDD", "MoE (Mixtral)",
+                                    "MoD (Mixture-of-Depths)"}
     fg = table[table["method"] == "FeatureGate"].iloc[0]
     assert fg["n"] == QUICK.seeds and 1 < fg["byte_ppl_mean"] < 256
     assert "FeatureGate" in (demo / "table1.md").read_text()
@@ -27,7 +28,7 @@ def test_table1_has_every_method(demo):
 
 def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
     audits = sorted((demo / "audit").iterdir())
-    assert len(audits) == 3 * QUICK.seeds + 2
+    assert len(audits) == 3 * QUICK.seeds + 4  # + mudd, moe, mod (top-k) and mod-causal (its predictor)
     for a in audits:
         replay = json.loads((a / "replay.json").read_text())
         assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
@@ -35,6 +36,11 @@ def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
             assert replay["route_flips"] == 0
             moe = load_records(a)
             assert set(moe[moe.condition == "StaticTopK"].active) == {2.0}  # sparse static routing, top-2
+        if a.name.startswith("mod"):
+            assert replay["route_flips"] == 0 and replay["routing_note"]
+            assert (replay["later_token_flips"] > 0) == (a.name == "mod-s0")  # top-k sees later tokens
+        if a.name == "mod-s0":
+            assert set(load_records(a).active) == {0.25}  # the tiny preset's capacity, under every condition
         if a.name.startswith(("uniform", "layerstatic")):
             d = delta_nll(load_records(a))
             assert (d[d.condition.isin(["CrossInput", "TokenShuffle", "CrossShuffle"])]["delta"] == 0.0).all()
@@ -48,10 +54,17 @@ def test_report_and_execution(demo):
     assert by_model.loc["featuregate", "executed_blocks"] == by_model.loc["featuregate", "n_blocks"]
     assert by_model.loc[f"fixeddepth-{QUICK.fixed_depth}", "executed_blocks"] == QUICK.fixed_depth
     assert by_model.loc["moe-mixtral", "experts_per_token"] == 2.0  # top-2 of 4 experts
-    conditions = pd.read_csv(demo / "execution" / "conditions.csv").set_index("condition")
-    assert conditions.loc["StaticTopK", "experts_per_token"] == 2.0
-    assert conditions.loc["StructureRemoved", "experts_per_token"] == 4.0  # every expert runs
+    conditions = pd.read_csv(demo / "execution" / "conditions.csv")
+    moe = conditions[conditions["model"] == "moe-mixtral"].set_index("condition")
+    assert moe.loc["StaticTopK", "experts_per_token"] == 2.0
+    assert moe.loc["StructureRemoved", "experts_per_token"] == 4.0  # every expert runs
     assert "Routed models" in html
+    mod = by_model.loc["mod"]
+    assert mod["token_fraction"] == 0.25 and mod["flops_vs_dense"] < 1 and mod["latency_vs_dense"] > 0
+    assert (conditions[conditions["model"] == "mod"]["token_fraction"] == 0.25).all()
+    headline = (demo / "report" / "report.md").read_text().split("## Training")[0]
+    assert "**mod tiny**" in headline and "**mod-causal tiny**" in headline
+    assert "routing depends on later tokens" in headline and "token x block pairs run" in headline
 
 
 @pytest.mark.slow  # reruns the whole quick demo (~15 s on 2 cores)

@@ -524,6 +524,7 @@ class Context:
 
     def __init__(self, data, seed, statics=None):
         self.data, self.seed, self.statics = data, seed, statics or {}
+        self.info = protocol.Controllers()  # no token routers
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
@@ -841,7 +842,7 @@ def test_plan_reports_sizes():
     assert p.layer_shapes == [[T, 1, 4], [T, 1, 4]]
     assert p.store_bytes == 32 * 2 * T * 4 * 4
     assert p.forward_passes == 1 + 4 * (2 + 80 + 3)
-    assert p.conditions == [c for c in protocol.names() if c != "StaticTopK"]
+    assert p.conditions == [c for c in protocol.names() if c not in ("StaticTopK", "RandomRoute")]
     assert p.activation_bytes > 0
     assert p.peak_memory_bytes > sum(x.numel() * 4 for x in model.parameters())
     assert p.store_device is None and "hold the store" not in str(p)  # the CPU reads the store from its files

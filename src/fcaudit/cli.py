@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Frozen-Controller Auditing: variation, functional dependence and execution of dynamic networks.")
 
 MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth), "
-               "mudd or moe (a byte-level Mixtral; needs fcaudit[hf])")
+               "mudd, moe (a byte-level Mixtral; needs fcaudit[hf]) or mod (Mixture-of-Depths)")
 DEVICE_HELP = "auto, cpu or cuda (auto: CUDA when visible)"
 
 
@@ -71,8 +71,8 @@ def command(fn: Callable) -> Callable:
 @command
 def train(
     model: str = typer.Option("featuregate", metavar="NAME", help=MODELS_HELP),
-    preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd, moe: "
-                                                              "tiny or demo)"),
+    preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd, moe, "
+                                                              "mod: tiny or demo)"),
     seed: int = typer.Option(0, metavar="N", help="training seed (weights, batches)"),
     corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
                                                                  "wikitext-103 or openwebtext"),

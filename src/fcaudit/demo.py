@@ -1,9 +1,10 @@
 """`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU.
 
 1. Table 1: train Dense, Uniform, UniformFixed, UniformMatched, LayerStatic, FixedDepth-k and FeatureGate
-   (several seeds for Uniform, LayerStatic and FeatureGate), a byte-level MUDD model and a byte-level Mixtral
-   (a Hugging Face transformers mixture-of-experts model).
-2. FCA: audit every FeatureGate, Uniform and LayerStatic seed, the MUDD model and the MoE model.
+   (several seeds for Uniform, LayerStatic and FeatureGate), a byte-level MUDD model, a byte-level Mixtral
+   (a Hugging Face transformers mixture-of-experts model) and a Mixture-of-Depths model of the same shape as Dense.
+2. FCA: audit every FeatureGate, Uniform and LayerStatic seed, the MUDD model, the MoE model and the MoD model
+   twice: through its top-k router (non-causal, as trained) and through its causal predictor ("mod-causal").
 3. Checkpoint-level summaries across seeds, execution measurements, and the report.
 
 Every step writes into its own directory under OUT and is skipped when already finished, so rerunning the same
@@ -25,6 +26,7 @@ from fcaudit.data import load_corpus
 from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
 from fcaudit.families.hf_moe import require_transformers
+from fcaudit.families.mod import causal_checkpoint
 from fcaudit.io import claim_out, prepare_out, read_json, write_json, write_text
 from fcaudit.report.render import build_report
 from fcaudit.report.tables import to_markdown, training_display, training_table
@@ -49,22 +51,23 @@ class DemoPlan:
     randomizations: int
     batch_size: int
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.6, 0.7)  # post-training gate thresholding (execution)
+    min_run_time: float = 1.0  # seconds of latency timing per model (execution)
 
 
 FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, moe_steps=240, fixed_depth=2,
                 n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
 QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30, fixed_depth=1,
-                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16)
+                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5)
 
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
-AUDITED = MULTI_SEED + ("mudd", "moe")
+AUDITED = MULTI_SEED + ("mudd", "moe", "mod")
 
 
 def _runs(plan: DemoPlan) -> list[tuple[str, int]]:
     """(model, seed) in training order; uniform-matched comes after the FeatureGate seeds it is matched to."""
     runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)]
     return runs + [("dense", 0), ("uniform-fixed", 0), ("uniform-matched", 0), ("fixeddepth", 0), ("mudd", 0),
-                   ("moe", 0)]
+                   ("moe", 0), ("mod", 0)]
 
 
 def _check_out(out: Path, plan: DemoPlan) -> None:
@@ -106,17 +109,19 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     write_text(out / "table1.csv", table.to_csv(index=False))
     console.print(f"Table 1 -> {out / 'table1.md'}")
 
-    # 2. audits
+    # 2. audits (MoD twice: its top-k router, and the causal predictor of a copy that routes by it)
+    causal = out / "causal" / "mod-s0"
+    if not (causal / "model.safetensors").is_file():
+        causal_checkpoint(out / "train" / "mod-s0", causal)
+    audited = [(f"{m}-s{s}", out / "train" / f"{m}-s{s}", None) for m, s in runs if m in AUDITED]
     audits = []
-    for model, seed in runs:
-        if model not in AUDITED:
-            continue
-        audit_dir = out / "audit" / f"{model}-s{seed}"
-        console.print(f"[bold]audit[/bold] {model} seed {seed}")
+    for name, ckpt, family in audited + [("mod-causal-s0", causal, f"mod-causal {plan.preset}")]:
+        audit_dir = out / "audit" / name
+        console.print(f"[bold]audit[/bold] {name}")
         config = AuditConfig(out=audit_dir, n_eval=plan.n_eval, n_calib=plan.n_calib, window=plan.window,
                              randomizations=plan.randomizations, seed=0, batch_size=plan.batch_size, device=device,
-                             quiet=True)
-        audit_checkpoint(str(out / "train" / f"{model}-s{seed}"), "embedded", config)
+                             family=family, quiet=True)
+        audit_checkpoint(str(ckpt), "embedded", config)
         audits.append(audit_dir)
 
     # 3. summaries, execution, report
@@ -124,8 +129,10 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
     inputs = [out / "train", out / "summary", *audits]
     ckpts = [out / "train" / f"{m}-s0"
-             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe")]
+             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod")]
+    ckpts.append(causal)
     measure_execution(ExecutionConfig(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
+                                      min_run_time=plan.min_run_time,
                                       thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False))
     inputs.append(out / "execution")
     report = build_report(inputs, out / "report")

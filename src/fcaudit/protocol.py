@@ -30,12 +30,13 @@ from fcaudit.errors import FcauditError
 Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
 
 # distinct leading tags: numpy pads short seed entropy with zeros, so [seed, r] would equal [seed, r, 0]
-DERANGE, SHUFFLE, RESAMPLE = 1, 2, 3
+DERANGE, SHUFFLE, RESAMPLE, ROUTE_PAST, ROUTE_RANDOM = 1, 2, 3, 4, 5
 
 RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
 """One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
 window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
-along the source axis, over the controller's top-k routers when it has any (then: experts run per token)."""
+along the source axis, over the controller's routers when it has any: experts run per token for top-k routers, the
+fraction of tokens chosen for token routers."""
 
 
 # ---- the transformations ---------------------------------------------------------------------------------------
@@ -109,6 +110,80 @@ def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, group
     same s for every site of a group)."""
     token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
     return move_tokens(coeffs, past_positions(examples, seed, r, token, rows), groups)
+
+
+# ---- token routing: every transformation keeps each window's budget k per layer ---------------------------------
+# A token-routing site's canonical tensor is [batch, token, 1, 2]: the router's score and whether the token was
+# chosen (0/1). The model runs a routed block on the chosen tokens only, so a condition must move whole chosen sets:
+# the (score, chosen) pair of a token moves as one, and the number of chosen tokens per window and layer (the budget
+# the router was given) never changes.
+
+def chosen(c: torch.Tensor) -> torch.Tensor:
+    """[batch, token] bool: the chosen tokens of one token-routing site's canonical tensor."""
+    return c[:, :, 0, 1] > 0.5
+
+
+def routes_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
+    """TokenResamplePast for token routers: each chosen position s moves, with its score, to a uniformly drawn free
+    position t >= s (latest s first, so a free one always exists); the unchosen tokens fill the other positions in
+    their order. So a choice only moves later, where the tokens it was computed from are visible, and k is kept."""
+    out = []
+    for layer, c in enumerate(coeffs):
+        picked = chosen(c).cpu().numpy()
+        T = c.shape[1]
+        index = np.empty(picked.shape, np.int64)
+        for row, (example, mask) in enumerate(zip(examples, picked)):
+            rng = np.random.default_rng([ROUTE_PAST, seed, r, int(example), layer])
+            taken = np.zeros(T, bool)
+            for s in np.flatnonzero(mask)[::-1]:
+                free = np.flatnonzero(~taken[s:]) + s
+                t = free[rng.integers(len(free))]
+                taken[t] = True
+                index[row, t] = s
+            index[row, ~taken] = np.flatnonzero(~mask)
+        out.append(torch.gather(c, 1, torch.from_numpy(index).to(c.device)[:, :, None, None].expand_as(c)))
+    return out
+
+
+def random_routes(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
+    """RandomRoute: per window and layer a uniformly random set of as many tokens as the router chose, each chosen
+    token weighted by the mean score of the window's own chosen tokens (which tokens, and how each is weighted, are
+    removed; the budget and the window's mean weight are kept)."""
+    out = []
+    for layer, c in enumerate(coeffs):
+        picked = chosen(c)
+        k = picked.sum(1).cpu().numpy()
+        mean = (c[:, :, 0, 0] * picked).sum(1) / picked.sum(1).clamp_min(1)
+        mask = np.zeros(picked.shape, bool)
+        for row, (example, n) in enumerate(zip(examples, k)):
+            rng = np.random.default_rng([ROUTE_RANDOM, seed, r, int(example), layer])
+            mask[row, rng.choice(c.shape[1], int(n), replace=False)] = True
+        new = torch.zeros_like(c)
+        m = torch.from_numpy(mask).to(c.device)
+        new[:, :, 0, 1] = m.to(c.dtype)
+        new[:, :, 0, 0] = torch.where(m, mean[:, None].to(c.dtype), torch.zeros((), dtype=c.dtype, device=c.device))
+        out.append(new)
+    return out
+
+
+def static_routes(profile: Coeffs, taken: Coeffs) -> Coeffs:
+    """StaticTopK for token routers: each window's k (as its router chose) tokens are the k positions chosen most
+    often in the calibration windows (ties: the higher mean score, then the earlier position), each weighted by its
+    calibration mean score (LayerPositionMean)."""
+    out = []
+    for p, c in zip(profile, taken):
+        k = chosen(c).sum(1)
+        often, score = p[0, :, 0, 1].cpu().numpy(), p[0, :, 0, 0].cpu().numpy()
+        order = torch.from_numpy(np.lexsort((np.arange(len(often)), -score, -often))).to(c.device)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        m = rank[None, :] < k[:, None].to(rank.device)
+        new = torch.zeros_like(c)
+        new[:, :, 0, 1] = m.to(c.dtype)
+        new[:, :, 0, 0] = torch.where(m, p[:, :, 0, 0].to(c.dtype).expand_as(m), torch.zeros((), dtype=c.dtype,
+                                                                                        device=c.device))
+        out.append(new)
+    return out
 
 
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
@@ -198,6 +273,7 @@ class ReplayContext(Protocol):
 
     seed: int
     groups: tuple[int, ...]  # Controllers.groups: each site's layer, () (or absent) = one per site
+    info: "Controllers"  # the controller's description (token routers get their own versions of some conditions)
 
     def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
     def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
@@ -212,6 +288,11 @@ class Controllers:
     reference: str = "global_mean"
     top_k: tuple[int | None, ...] = ()
     groups: tuple[int, ...] = ()
+    routing: tuple[str | None, ...] = ()  # per site: "tokens" for a router that picks the tokens a block runs on
+
+    @property
+    def tokens(self) -> bool:
+        return any(r == "tokens" for r in self.routing)
 
 
 @dataclass(frozen=True)
@@ -247,6 +328,11 @@ def _groups(ctx: ReplayContext) -> tuple[int, ...]:
     return getattr(ctx, "groups", ())
 
 
+def _tokens(ctx: ReplayContext) -> bool:
+    """Whether the context's controller routes tokens (a context that describes none does not)."""
+    return bool(getattr(getattr(ctx, "info", None), "tokens", False))
+
+
 def _static(name: str) -> Callable:
     return lambda ctx, r, examples: ctx.static(name, len(examples))
 
@@ -271,24 +357,40 @@ register(Condition(
     "TokenResamplePast", "randomized", "Token-resample-past",
     "position t takes the coefficient of a random position s <= t of the same input, so unlike TokenShuffle no "
     "coefficient computed from later tokens moves to an earlier position (the causal control of TokenShuffle)",
-    lambda ctx, r, ex: resample_past(ctx.take(ex), ex, ctx.seed, r, _groups(ctx))))
+    lambda ctx, r, ex: (routes_past(ctx.take(ex), ex, ctx.seed, r) if _tokens(ctx)
+                        else resample_past(ctx.take(ex), ex, ctx.seed, r, _groups(ctx)))))
 register(Condition(
     "LayerPositionMean", "static", "Layer×PositionMean",
     "calibration mean per layer, position, stream and source: content removed, stable position patterns kept",
-    _static("LayerPositionMean"), profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True))
+    _static("LayerPositionMean"), profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True,
+    applies=lambda ctrl: not ctrl.tokens))
 register(Condition(
     "StaticProfile", "static", "StaticProfile",
     "calibration mean per layer, stream and source: one static profile for every input and token",
-    _static("StaticProfile"), profile=lambda cal, ctrl: cal.layer_mean(), retained=True))
+    _static("StaticProfile"), profile=lambda cal, ctrl: cal.layer_mean(), retained=True,
+    applies=lambda ctrl: not ctrl.tokens))
 register(Condition(
     "StaticTopK", "static", "StaticTopK",
-    "the top-k experts of the static mean with its mass: static routing that stays sparse",
-    _static("StaticTopK"), profile=lambda cal, ctrl: static_top_k(cal), retained=True,
-    applies=lambda ctrl: any(k is not None for k in ctrl.top_k)))
+    "the top-k experts of the static mean with its mass (token routers: each window's k tokens at the positions "
+    "the calibration windows chose most often): static routing that keeps the budget",
+    lambda ctx, r, ex: (static_routes(ctx.static("StaticTopK", len(ex)), ctx.take(ex)) if _tokens(ctx)
+                        else ctx.static("StaticTopK", len(ex))),
+    profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True,
+    applies=lambda ctrl: ctrl.tokens or any(k is not None for k in ctrl.top_k)))
 register(Condition(
     "StructureRemoved", "static", "StructureRemoved",
     "the model-specific reference that removes the structure of interest (Eq. 8's R)",
-    _static("StructureRemoved"), profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True))
+    _static("StructureRemoved"), profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True,
+    applies=lambda ctrl: not ctrl.tokens))
+register(Condition(
+    "RandomRoute", "randomized", "RandomRoute",
+    "token routers' reference: a uniformly random set of as many tokens per window and layer as the router chose, "
+    "each weighted by the window's mean chosen score",
+    lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True,
+    applies=lambda ctrl: ctrl.tokens))
+
+TOKEN_NOTE = ("token routing: LayerPositionMean, StaticProfile and GlobalMean are not offered (the mean of a 0/1 "
+              "choice is no set of k tokens); StaticTopK and RandomRoute keep each window's budget")
 
 
 def conditions(names: Sequence[str] | None = None, *, kind: str | None = None) -> list[Condition]:
@@ -315,8 +417,11 @@ def retained() -> list[str]:
     return [c.name for c in REGISTRY.values() if c.retained]
 
 
-def structure_removed() -> str:
-    return next(c.name for c in REGISTRY.values() if c.structure_removed)
+def structure_removed(run: Iterable[str] | None = None) -> str | None:
+    """Eq. 8's reference R: the structure-removed condition among the conditions `run` (StructureRemoved, or
+    RandomRoute for token routers); None when none of them is one. Without `run`: the first registered."""
+    ran = None if run is None else set(run)
+    return next((c.name for c in REGISTRY.values() if c.structure_removed and (ran is None or c.name in ran)), None)
 
 
 def default_labels() -> dict[str, str]:

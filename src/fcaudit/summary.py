@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.audit.results import AuditResult
+from fcaudit.audit.results import AuditResult, routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
@@ -166,7 +166,7 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
         for f, p in zip(facs, adjusted):
             f["pvalue_holm"] = float(p)
     rets = []
-    if protocol.structure_removed() in means.columns:
+    if protocol.structure_removed(means.columns) is not None:
         rets = _retention_rows([retention_of(means, c, labels, criteria, "checkpoint") for c in protocol.retained()
                                 if c in means.columns], family)
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
@@ -233,10 +233,12 @@ def _alike(config: dict) -> dict:
 
 
 def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
-    """Across all families: a checkpoint relabelled with another family is still the same checkpoint."""
-    seen: dict[str, Path] = {}
+    """Across all families: a checkpoint relabelled with another family is still the same checkpoint (audited
+    through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
+    seen: dict[tuple, Path] = {}
     for a in audits:
-        h = (a.config.get("model") or {}).get("params_sha256")
+        params = (a.config.get("model") or {}).get("params_sha256")
+        h = (params, str((a.config.get("controller") or {}).get("description"))) if params else None
         if h and h in seen:
             raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever their "
                                "family labels): pass one audit per independently trained checkpoint")
@@ -292,6 +294,9 @@ class Summary:
             level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
             lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
                          + ("  [PARTIAL]" if g.get("partial") else ""))
+            # routers: the causality check above 0 and the token note, once per family
+            lines += [f"  {line}" for line in dict.fromkeys(line for r in g.get("replay", []) if isinstance(r, dict)
+                                                          for line in routing_lines(r))]
             for r in self.conditions[self.conditions["family"] == fam].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")

@@ -27,6 +27,7 @@ from fcaudit.audit.group import Group, RankError
 from fcaudit.audit.store import CoefficientStore, all_finite, check_finite
 from fcaudit.audit.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
+from fcaudit.controllers.routing import decisions
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.io import remove_tree
@@ -71,10 +72,11 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     return [c.to(ids.device) for c in found], logits, nll  # one device, also for sites on others (a device_map)
 
 
-def active(coeffs: Coeffs, sites: list[int] | None = None) -> torch.Tensor:
+def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset()) -> torch.Tensor:
     """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
-    float64. For top-k routers (`sites` = the routers): the experts run per token."""
-    chosen = [coeffs[i] for i in sites] if sites else coeffs
+    float64. For top-k routers (`sites` = the routers): the experts run per token; for token routers (`tokens`):
+    the fraction of tokens chosen (what runs the routed block), not the nonzero (score, chosen) entries."""
+    chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in (sites or range(len(coeffs)))]
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
     # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
     return torch.stack([c.bool().reshape(c.shape[0], -1).sum(1).double() / (c.shape[1] * c.shape[2])
@@ -87,10 +89,11 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
-def route_flips(live: dict[int, torch.Tensor], cached: Coeffs) -> int:
-    """(window, token, layer, stream) cells whose selected sources (the support) differ between the live router on
-    the replayed trajectory and the cache."""
-    return int(sum(((l.to(cached[i].device) != 0) != (cached[i] != 0)).any(-1).sum() for i, l in live.items()))
+def route_flips(live: dict[int, torch.Tensor], cached: Coeffs, tokens: frozenset[int] = frozenset()) -> int:
+    """(window, token, layer, stream) cells whose routing decisions (the selected sources, or for token routers
+    whether the token was chosen) differ between the live router on the replayed trajectory and the cache."""
+    return int(sum((decisions(l.to(cached[i].device), i in tokens) != decisions(cached[i], i in tokens)).any(-1).sum()
+                   for i, l in live.items()))
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -104,6 +107,7 @@ class Engine:
         locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites')."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
+        self.info = controller.info  # protocol.ReplayContext: token routers get their own conditions
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
@@ -117,7 +121,8 @@ class Engine:
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
         self._coverage: dict[tuple[str, int], set[int]] = {}
-        self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
+        self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
+        self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
         self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
@@ -236,7 +241,8 @@ class Engine:
         routers = self.routers
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
-        flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs) if routers else None
+        flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs, self.tokens) \
+            if routers else None
         exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
         finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
         dlogit = max_abs_difference(logits_r, logits) if finite else float("nan")
@@ -253,7 +259,7 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, active(coeffs, self.routers))
+        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, active(coeffs, self.routers, self.tokens))
 
     def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
                     act: torch.Tensor) -> None:
@@ -314,7 +320,7 @@ class Engine:
                 key, ranges, nlls, acts = (u.condition, u.r), [], [], []
             count = self._count(u)
             coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-            acts.append(active(coeffs, self.routers))
+            acts.append(active(coeffs, self.routers, self.tokens))
             with self.controller.replay(coeffs):
                 # the NLL alone: the logits go now, not during the next forward
                 nlls.append(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1])
@@ -408,7 +414,8 @@ class Engine:
             if m.get("route_flips") is not None:
                 flips = (flips or 0) + m["route_flips"]
         return {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": bit_equal, "route_flips": flips,
-                "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0])}
+                "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0]),
+                **(self.dir.config().get("routing") or {})}  # the runner's causality check, token note
 
     def _finalize(self) -> None:
         from fcaudit.stats.variance import variation

@@ -22,6 +22,21 @@ V1_CONDITIONS = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "Layer
                  "StructureRemoved")  # audits written before the protocol registry (no "conditions" in config.json)
 
 
+LATER_TOKENS = "routing depends on later tokens"
+
+
+def routing_lines(replay: dict) -> list[str]:
+    """What the CLI and the report say about routers: the causality check's count above 0, the token note."""
+    lines = []
+    if (flips := replay.get("later_token_flips")):
+        lines.append(f"{LATER_TOKENS}: changing only the last quarter of {replay.get('causality_windows')} windows "
+                     f"changed {flips} routing decisions at earlier positions (fine for training; this router "
+                     "cannot decode autoregressively as it is)")
+    if replay.get("routing_note"):
+        lines.append(replay["routing_note"])
+    return lines
+
+
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:
     df = df.sort_values(["condition", "randomization", "example"],
                         key=lambda s: s.map(protocol.order) if s.name == "condition" else s)

@@ -34,11 +34,12 @@ from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.audit.files import tensor_sha256
 from fcaudit.audit.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
                                  rank_device)
-from fcaudit.audit.results import AuditResult
+from fcaudit.audit.results import AuditResult, routing_lines
 from fcaudit.audit.store import all_finite, check_finite
 from fcaudit.audit.units import Schedule
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.checks import pre_write_checks
+from fcaudit.controllers.routing import later_token_flips
 from fcaudit.controllers.site import Controller
 from fcaudit.device import as_dtype, resolve_device
 from fcaudit.errors import FcauditError, one_line
@@ -145,10 +146,11 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
     - captured alone, its coefficients must be its row of the batch's capture (else an error): a layout that names
       the axes of a flattened output in the wrong order ("(token batch)" for "(batch token)") passes the exact
       replay check but moves coefficients between windows;
-    - replaying zeros for every coefficient should change its logits. When it does not, returns a notice: either
-      the coefficients have no effect (e.g. gated branches that output zero at initialization), or the model does
-      not use what its sites return (it keeps the gate's value in an attribute), and then every replay measures
-      nothing. The logits cannot tell the two apart. A codec that refuses all-zero coefficients skips this."""
+    - replaying zeros for every coefficient (token routers: for their scores) should change its logits. When it
+      does not, returns a notice: either the coefficients have no effect (e.g. gated branches that output zero at
+      initialization), or the model does not use what its sites return (it keeps the gate's value in an
+      attribute), and then every replay measures nothing. The logits cannot tell the two apart. A codec that
+      refuses all-zero coefficients skips this."""
     one = first[:1]
     alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
     if first.shape[0] > 1:
@@ -168,7 +170,9 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
                                    "'(batch token) expert' for a [batch*token, expert] output); if the routing "
                                    "depends on the other windows of a batch (capacity limits), use batch size 1")
     try:
-        with controller.replay([torch.zeros_like(a) for a in alone]):
+        # token routers keep their choices (a block on no token is no k-set) and lose their scores
+        with controller.replay([a * a.new_tensor([0.0, 1.0]) if s.codec.routing == "tokens" else torch.zeros_like(a)
+                                for s, a in zip(controller.sites, alone)]):
             unchanged = torch.equal(logits_of(model(one)), logits_alone)
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
@@ -384,10 +388,27 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
     settings = config.to_json()
+    routing = routing_checks(model, controller, ev[:config.batch_size])
     return {"format": 2, **{k: settings[k] for k in ("seed", "randomizations", "batch_size", "tolerance")},
             "conditions": list(protocol.for_controller(controller.info)), "windows": described, "model": model_desc,
             "controller": controller.describe(), "labels": controller.labels, "loss": settings["loss"],
-            "criteria": settings["criteria"]}
+            "criteria": settings["criteria"], **({"routing": routing} if routing else {})}
+
+
+def routing_checks(model: nn.Module, controller: Controller, probe: torch.Tensor) -> dict:
+    """For a controller with routers (top-k experts, token routers): the causality check on the probe windows
+    (decisions at earlier positions that change when only the last quarter of each window does: above 0 the
+    router cannot decode autoregressively as it is) and, for token routers, why the scalar static conditions are
+    not offered. Recorded in config.json and replay.json; empty for other controllers."""
+    sites = [s.codec for s in controller.sites]
+    if not any(c.top_k is not None or c.routing for c in sites):
+        return {}
+    ids = probe.to(placement.input_device(model))
+    vocab = vocab_size(model) or int(ids.max()) + 1
+    out = {"later_token_flips": later_token_flips(model, controller, ids, vocab), "causality_windows": int(ids.shape[0])}
+    if controller.info.tokens:
+        out["routing_note"] = protocol.TOKEN_NOTE
+    return out
 
 
 def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
@@ -553,8 +574,12 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     flips = "" if rep.get("route_flips") is None else f" route flips={rep['route_flips']}"
     console.print(f"exact replay: passed={rep['passed']} bit_equal={rep.get('bit_equal')} "
                   f"max|Δlogit|={rep['max_abs_dlogit']:.3g} ΔNLL={rep['delta_nll']:.3g}{flips}", markup=False)
+    for line in routing_lines(rep):
+        console.print(line, markup=False, highlight=False)
     table = Table(title=f"FCA penalties ({result.path})" + (" [PARTIAL]" if result.partial else ""))
-    active = "experts" if rep.get("route_flips") is not None else "active"  # per token
+    # per token: experts run (top-k routers) or the fraction of tokens chosen (token routers)
+    active = ("tokens run" if rep.get("routing_note") else "experts" if rep.get("route_flips") is not None
+              else "active")
     table.add_column("condition", overflow="fold")
     for col in ("mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", active):
         table.add_column(col, justify="right", no_wrap=True)

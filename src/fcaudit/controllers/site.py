@@ -65,6 +65,7 @@ class Codec:
     """How one site's output maps to canonical coefficients [batch, token, stream, source] and back."""
 
     top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
+    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         """Canonical coefficients of one output: a fresh tensor, never a view the model could modify in place."""
@@ -463,13 +464,16 @@ class Controller:
                      codec: Codec | None = None, call: int | None = None, method: str = "forward",
                      static_name: str = "StaticProfile", reference: str = "global_mean",
                      reference_name: str | None = None,
-                     context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
+                     context: Callable[[], AbstractContextManager] | None = None,
+                     routing: str | None = None) -> "Controller":
         """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
         with `codec` (or the einops `layout` of a single-tensor output): the output of `method` (default forward;
         another one works when the parent calls it directly), of its `call`-th call in one forward pass where given.
         `context`: see Controller.context (its name joins the description, so an audit made under another one is
-        not resumed with this one)."""
-        return cls._build(model, pattern, _codec(layout, codec), (call, method, None),
+        not resumed with this one). `routing="tokens"`: each site chooses the tokens a block runs on
+        (controllers.routing: TokenRoute unless `codec` is given)."""
+        chosen = _codec(layout, codec) if routing is None else routing_codec(layout, codec, routing)
+        return cls._build(model, pattern, chosen, (call, method, None),
                           (static_name, reference, reference_name, context))
 
     @classmethod
@@ -563,7 +567,8 @@ class Controller:
     @property
     def info(self) -> Controllers:
         """What the protocol's conditions need to know about this controller."""
-        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites), self.groups)
+        return Controllers(self.reference, tuple(s.codec.top_k for s in self.sites), self.groups,
+                           tuple(s.codec.routing for s in self.sites))
 
     def describe(self) -> dict:
         out = {"description": self.description, "sites": [s.name for s in self.sites],
@@ -646,3 +651,6 @@ class Controller:
             else:
                 out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
         return out
+
+
+from fcaudit.controllers.routing import routed as routing_codec  # noqa: E402  (its codecs build on Codec above)

@@ -18,16 +18,18 @@ def _ratio(v) -> str:
 
 
 def execution_table(df: pd.DataFrame) -> Table:
-    """One row per model: blocks run, FLOPs and latency (median and IQR over repetitions) vs Dense, throughput."""
+    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR over repetitions) vs Dense, throughput."""
     t = Table(title="Execution (question 3)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               collapse_padding=True)
     t.add_column("Model", no_wrap=True)
-    for name in ("Blocks\nrun", "FLOPs\nvs Dense", "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s",
-                 "Byte-PPL"):
+    tokens = "token_block_fraction" in df  # token routers: the share of token x block pairs that ran
+    for name in ("Blocks\nrun", *(("Token x block\npairs run",) if tokens else ()), "FLOPs\nvs Dense",
+                 "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s", "Byte-PPL"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in df.to_dict(orient="records"):
         noisy = bool(r.get("latency_noisy", False))
-        t.add_row(str(r["model"]), f"{r['executed_blocks']}/{r['n_blocks']}", _ratio(r.get("flops_vs_dense")),
+        pairs = (_num(r.get("token_block_fraction", math.nan), "{:.1%}"),) if tokens else ()
+        t.add_row(str(r["model"]), f"{r['executed_blocks']}/{r['n_blocks']}", *pairs, _ratio(r.get("flops_vs_dense")),
                   _num(r["latency_ms"], "{:.3g}") + ("*" if noisy else ""), _num(r.get("latency_iqr_ms"), "{:.2g}"),
                   _ratio(r.get("latency_vs_dense")), _num(r["tokens_per_s"], "{:,.0f}"), _num(r.get("byte_ppl")))
     return t
@@ -59,16 +61,24 @@ def thresholding_table(df: pd.DataFrame) -> Table:
 
 
 def conditions_table(df: pd.DataFrame) -> Table:
-    """Routed models under Correct and each static condition: experts run, their FLOPs, latency."""
-    t = Table(title="Routed models: executed experts under the audit's conditions", title_justify="left",
+    """Routed models under Correct and each condition measured: experts run and their FLOPs (top-k routers), tokens
+    run and FLOPs vs Correct (token routers), latency."""
+    experts, tokens = ("experts_per_token" in df), ("token_fraction" in df)
+    t = Table(title="Routed models: executed work under the audit's conditions", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("Model", no_wrap=True)
     t.add_column("Condition", no_wrap=True)
-    for name in ("Experts\n/token", "FLOPs of\nall experts", "ms/batch\nmedian", "vs\nCorrect"):
+    names = ((("Experts\n/token", "FLOPs of\nall experts") if experts else ())
+             + (("Tokens run\n(routed)", "Token x block\npairs run", "FLOPs\nvs Correct") if tokens else ())
+             + ("ms/batch\nmedian", "vs\nCorrect"))
+    for name in names:
         t.add_column(name, justify="right", no_wrap=True)
     for r in df.to_dict(orient="records"):
-        t.add_row(str(r["model"]), str(r["label"]), _num(r["experts_per_token"], "{:.3g}"),
-                  _num(r["active_expert_fraction"], "{:.0%}"),
+        cells = [_num(r["experts_per_token"], "{:.3g}"), _num(r["active_expert_fraction"], "{:.0%}")] if experts else []
+        if tokens:
+            cells += [_num(r["token_fraction"], "{:.1%}"), _num(r["token_block_fraction"], "{:.1%}"),
+                      _ratio(r.get("flops_vs_correct"))]
+        t.add_row(str(r["model"]), str(r["label"]), *cells,
                   _num(r["latency_ms"], "{:.3g}") + ("*" if r.get("latency_noisy") else ""),
                   _ratio(r.get("latency_vs_correct")))
     return t

@@ -24,29 +24,20 @@ import pandas as pd
 import torch
 from rich.console import Console
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from fcaudit import data, families
 from fcaudit.controllers.site import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution.conditions import condition_execution
+from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import scalar_gate_controller, thresholding
+from fcaudit.execution.tokens import token_conditions, token_execution, token_sites
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
-
-aten = torch.ops.aten
-
-# The fused CPU attention kernel has no formula in torch's FLOP registry (it would count 0); count it like the CUDA
-# kernels: 2 matmuls over the full T x T score matrix (the counter's convention, causal masking not discounted).
-_EXTRA_FLOP_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-}
-
 
 # ---- which modules are the blocks ---------------------------------------------------------------------------------
 
@@ -107,30 +98,6 @@ def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
     return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, c in calls.items() if c == 0))
 
 
-# ---- FLOPs --------------------------------------------------------------------------------------------------------
-
-@torch.inference_mode()
-def flops(model: nn.Module, ids: torch.Tensor) -> float:
-    """Forward FLOPs per token (total FLOPs of model(ids) / ids.numel()), counted by FlopCounterMode.
-
-    Counts matmuls, convolutions and attention kernels (a multiply-add = 2 FLOPs); elementwise ops, norms and
-    softmax are not counted, as in torch's counter. The FeatureGate controller's explicit attention recomputation
-    (q @ k^T for its features) is a matmul and is counted: it is the controller's extra work.
-    """
-    # FlopCounterMode's module tracker hooks autograd on module inputs that require grad (MUDDPythia passes its
-    # dense_bs parameters into modules), which fails without a graph: freeze the parameters while counting.
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
-            model(ids)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-    return counter.get_total_flops() / ids.numel()
-
-
 # ---- the settings of `fcaudit execution` -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -182,7 +149,9 @@ def _architecture(model: nn.Module) -> str:
     may differ, so FixedDepth-k is compared with the full-depth Dense)."""
     c = getattr(model, "config", None)
     keys = ("d_model", "dim", "n_head", "block_size", "vocab_size")
-    return type(model).__name__ + ":" + ",".join(f"{k}={getattr(c, k)}" for k in keys if hasattr(c, k))
+    family = families.for_model(model)  # a family may name another's Dense as its baseline (MoD: FeatureGate's)
+    name = (family.architecture if family is not None else None) or type(model).__name__
+    return name + ":" + ",".join(f"{k}={getattr(c, k)}" for k in keys if hasattr(c, k))
 
 
 def default_window(block_sizes) -> int:
@@ -315,6 +284,11 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
             row.update(family.execution(model, ids))
             conditions.append(condition_execution(model, family, calib_windows(), ids, cfg.timing)
                               .assign(checkpoint=given, model=label))
+        if (routed := token_controller(model)) is not None:  # token routers: token x block pairs, conditions
+            blocks = [name for name, _ in block_modules(model, row["block_pattern"])]
+            row.update(token_execution(model, ids, routed, blocks))
+            conditions.append(token_conditions(model, routed, calib_windows(), ids, blocks, cfg.timing)
+                              .assign(checkpoint=given, model=label))
         rows.append(row)
         models.append(model)
         if cfg.thresholds:
@@ -327,6 +301,15 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     for row, lat in zip(rows, latencies(models, cfg.batch_size, window, dev, cfg.timing)):
         row.update(lat.columns())
     return rows, sweeps, conditions
+
+
+def token_controller(model: nn.Module):
+    """The model's controller when some of its sites route tokens (fcaudit.execution.tokens), else None."""
+    try:
+        controller = families.controller_for(model)
+    except FcauditError:  # no controller (Dense, FixedDepth)
+        return None
+    return controller if token_sites(controller) else None
 
 
 def _threshold_checkpoint(model: nn.Module, cfg: ExecutionConfig, windows) -> pd.DataFrame | None:

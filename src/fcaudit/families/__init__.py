@@ -52,6 +52,8 @@ class Family:
     execution: Callable[..., dict] | None = None
     # load(dir, device, dtype, device_map=..., offload_folder=...) spreads a model with accelerate (fcaudit.placement)
     device_maps: bool = False
+    # execution ratios: the class of its Dense baseline of the same shape, when another family's (MoD: FeatureGateGPT)
+    architecture: str | None = None
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -65,7 +65,7 @@ def _interval_words(level: str, confidence: float = 0.95) -> str:
 def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
     """Figure 2: mean ΔNLL per condition with intervals; the structure-removed reference on its own panel with its
     own linear scale (it is orders of magnitude larger)."""
-    removed = conditions["condition"] == protocol.structure_removed()
+    removed = conditions["condition"] == protocol.structure_removed(conditions["condition"])
     ref, main = conditions[removed], conditions[~removed].iloc[::-1]  # first condition on top
     level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from fcaudit.audit.results import routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
                         write_json, write_text)
@@ -255,8 +256,13 @@ def _replay_line(replays: list) -> str:
     passed = sum(bool(r.get("passed")) for r in reps)
     worst = max((float(np.nan if r.get("max_abs_dlogit") is None else r["max_abs_dlogit"]) for r in reps),
                 default=np.nan)  # null: not finite
+    routing = list(dict.fromkeys(line for r in reps for line in routing_lines(r)))
+    if any(r.get("later_token_flips") == 0 for r in reps):
+        routing.insert(0, "Causality check: no routing decision at an earlier position changed when the last quarter "
+                          "of the probe windows did.")
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
-            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}.")
+            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}."
+            + "".join(f" {line[0].upper()}{line[1:]}{'' if line.endswith('.') else '.'}" for line in routing))
 
 
 def _family_section(doc: Doc, s: Summary, fam: str):
@@ -409,20 +415,44 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
                       _threshold_note(e.thresholding, e.settings))
         if e.conditions is not None:
             doc.table(_display(_pick(e.conditions, _CONDITION_COLUMNS)), e.conditions, f"{name}_conditions",
-                      "Routed models (top-k routers) under Correct (the live router) and each static condition of the "
-                      "audit, replayed: experts actually run per token, their FLOPs as a share of running every "
-                      "expert, and latency. A static profile is a computational shortcut only if it stays sparse.")
+                      "Routed models under Correct and the audit's conditions, replayed. Top-k routers (Correct: "
+                      "the live router; each static condition): experts actually run per token, their FLOPs as a "
+                      "share of running every expert, and latency; a static profile is a computational shortcut "
+                      "only if it stays sparse. Token routers (Correct, StaticTopK, RandomRoute, all replayed): the "
+                      "fraction of tokens the routed blocks run, FLOPs and latency vs Correct.")
+            if line := _token_conditions_line(e.conditions):
+                doc.p(line)
     return out
 
 
+def _token_conditions_line(conds: pd.DataFrame) -> str:
+    """Whether the token routers' equal budgets gave equal FLOPs, and whether latency agrees (within its IQR)."""
+    if "token_fraction" not in conds.columns:
+        return ""
+    lines = []
+    for model, g in conds.dropna(subset=["token_fraction"]).groupby("model", sort=False):
+        flops = g["flops_vs_correct"].to_numpy(dtype=float)
+        lat = g["latency_vs_correct"].to_numpy(dtype=float)
+        spread = float((g["latency_iqr_ms"] / g["latency_ms"]).max())
+        agree = bool(np.all(np.abs(lat - 1) <= max(spread, 0.05)))
+        lines.append(f"{model}: FLOPs under {', '.join(g['label'][1:])} are "
+                     f"{' and '.join(f'{x:.3g}x' for x in flops[1:])} Correct's "
+                     + ("(equal budgets, equal work)" if np.allclose(flops, 1.0) else "(NOT equal: check the budgets)")
+                     + f"; latency {' and '.join(f'{x:.3g}x' for x in lat[1:])} Correct's, which "
+                     + ("agrees within the timing spread" if agree else "differs beyond the timing spread (IQR)") + ".")
+    return " ".join(lines)
+
+
 # What a reader compares (the CSV keeps every measured column).
-_EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "flops_per_token": "FLOPs/token",
+_EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "token_block_fraction": "Token×block pairs run",
+                      "flops_per_token": "FLOPs/token",
                       "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
                       "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}
 
 
 def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
-    """Nine columns that fit a narrow page: blocks run as k/n, a noisy latency marked with *."""
+    """Nine columns that fit a narrow page (ten with token routers): blocks run as k/n, a noisy latency marked
+    with *."""
     df = df.copy()
     if {"executed_blocks", "n_blocks"} <= set(df.columns):
         df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
@@ -432,7 +462,9 @@ def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
     return shown
 _CONDITION_COLUMNS = {"model": "Model", "label": "Condition", "experts_per_token": "Experts/token",
                       "active_expert_fraction": "FLOPs of all experts", "expert_flops_per_token": "Expert FLOPs/token",
-                      "latency_ms": "ms/batch", "latency_vs_correct": "Latency vs Correct"}
+                      "token_fraction": "Tokens run (routed blocks)", "token_block_fraction": "Token×block pairs run",
+                      "flops_vs_correct": "FLOPs vs Correct", "latency_ms": "ms/batch",
+                      "latency_vs_correct": "Latency vs Correct"}
 _THRESHOLD_COLUMNS = {"model": "Model", "threshold": "Threshold", "frac_below": "Gates below",
                       "skippable_blocks": "Skippable blocks / window", "n_layers": "Blocks", "byte_ppl": "Byte-PPL",
                       "delta_nll": "ΔNLL"}

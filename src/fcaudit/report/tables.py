@@ -26,6 +26,7 @@ METHOD_NAMES = {
     "fixeddepth": "FixedDepth",
     "mudd": "MUDD",
     "moe": "MoE (Mixtral)",  # the byte-level Mixtral of `fcaudit train --model moe`
+    "mod": "MoD (Mixture-of-Depths)",
 }
 
 

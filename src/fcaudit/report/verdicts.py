@@ -16,6 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from fcaudit import protocol
+from fcaudit.audit.results import LATER_TOKENS
 from fcaudit.io import read_json
 
 _INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
@@ -53,13 +55,16 @@ def dependence_line(fam: dict) -> str:
     assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
     if assignment:
         parts.append(", ".join(f"{conds.loc[c, 'label']} ΔNLL {_g(conds.loc[c, 'mean'])}" for c in assignment))
-    if "StaticProfile" in conds.index:
-        s = conds.loc["StaticProfile"]
+    # the static profile (token routers: StaticTopK, the static condition they are offered) against Eq. 8's R
+    static = next((c for c in ("StaticProfile", "StaticTopK") if c in conds.index), None)
+    reference = protocol.structure_removed(conds.index)
+    if static is not None:
+        s = conds.loc[static]
         text = f"{s['label']} {_g(s['mean'])} [{_g(s['ci_low'])}, {_g(s['ci_high'])}]"
-        if "StructureRemoved" in conds.index:
-            text += f" vs {conds.loc['StructureRemoved', 'label']} {_g(conds.loc['StructureRemoved', 'mean'])}"
-        if "StaticProfile" in rets.index:
-            r = rets.loc["StaticProfile"]
+        if reference is not None:
+            text += f" vs {conds.loc[reference, 'label']} {_g(conds.loc[reference, 'mean'])}"
+        if static in rets.index:
+            r = rets.loc[static]
             note = r.get("note") if isinstance(r.get("note"), str) and r.get("note") else "no clear gap to retain"
             value = _pct(r["retention"]) if math.isfinite(r["retention"]) else f"undefined ({note})"
             ci = (f" [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]"
@@ -68,6 +73,10 @@ def dependence_line(fam: dict) -> str:
         parts.append(text)
     verdicts = {True: "met", False: "not met"}
     crit = "; ".join(f"{c['name']}: {verdicts.get(c['met'], 'not evaluable')}" for c in fam["criteria"])
+    flips = [r["later_token_flips"] for r in fam.get("replay", []) if isinstance(r, dict) and r.get("later_token_flips")]
+    if flips:
+        parts.append(f"{LATER_TOKENS} ({', '.join(map(str, flips))} decisions at earlier positions changed with the "
+                     "last quarter of the probe windows: the Correct baseline uses future tokens)")
     line = "; ".join(parts) if parts else "no intervention results"
     return line + (f" — criteria: {crit}" if crit else "")
 
@@ -97,8 +106,12 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
         return "not measured for these checkpoints (run `fcaudit execution` on them, with a Dense one)"
     r = mine[0]
     skipped = r["n_blocks"] - r["executed_blocks"]
+    pairs = r.get("token_block_fraction")
     text = (f"{r['executed_blocks']}/{r['n_blocks']} blocks run"
             + (" (no block skipped)" if skipped == 0 else f" ({skipped} skipped)"))
+    if pairs is not None and math.isfinite(float(pairs)):  # token routers: blocks run on the tokens chosen
+        text += (f", but the routed blocks run {_pct(r['token_fraction'])} of the tokens: "
+                 f"{_pct(pairs)} of the token x block pairs run, {_pct(1 - float(pairs))} skipped")
     ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
     ratios = [(n, v) for n, v in ratios if v is not None and math.isfinite(float(v))]
     if ratios:

@@ -188,8 +188,10 @@ class RetentionResult:
 def retention_of(table: pd.DataFrame, condition: str, labels: dict[str, str], criteria: Criteria, unit: str,
                  n_resamples: int = 10000) -> RetentionResult:
     """Retention of `condition` against the structure-removed reference; `table` has one row per unit (window or
-    checkpoint) and one column per condition, and the units both columns have are used."""
-    reference = protocol.structure_removed()
+    checkpoint) and one column per condition (those the audit ran), and the units both columns have are used."""
+    reference = protocol.structure_removed(table.columns)
+    if reference is None:
+        raise FcauditError(f"retention needs a structure-removed reference, and none of {list(table.columns)} is one")
     pair = table[[condition, reference]].dropna()
     s, r = pair[condition].to_numpy(), pair[reference].to_numpy()
     est = retention_bootstrap(s, r, criteria, n_resamples, BOOT_SEED, unit)
@@ -265,14 +267,15 @@ class WindowStatistics:
         by_label = {v: k for k, v in self.labels.items()}
         cond = by_label.get(condition, condition)
         have = [c for c in protocol.retained() if c in self.per_window.columns]
-        if cond not in have or protocol.structure_removed() not in self.per_window.columns:
+        reference = protocol.structure_removed(self.per_window.columns)
+        if cond not in have or reference is None:
             named = ", ".join(f"{c} ({self.labels.get(c, c)})" for c in have) or "none in these records"
             raise FcauditError(f"retention is defined for the static conditions {named} against "
-                               f"{protocol.structure_removed()}, not {condition!r}")
+                               f"{reference or 'a structure-removed reference'}, not {condition!r}")
         return retention_of(self.per_window, cond, self.labels, self.criteria, "window", self.n_resamples)
 
     def retentions(self) -> list[RetentionResult]:
         """Retention of every retained static condition in the records (none without the reference)."""
-        if protocol.structure_removed() not in self.per_window.columns:
+        if protocol.structure_removed(self.per_window.columns) is None:
             return []
         return [self.retention(c) for c in protocol.retained() if c in self.per_window.columns]

@@ -1,0 +1,105 @@
+"""The Mixture-of-Depths family (Raposo et al. 2024): fcaudit.models.mod, trained byte-level here
+(`fcaudit train --model mod`); its baselines are the FeatureGate family's Dense and FixedDepth of the same shape.
+
+Controller: the router of every routed block (`blocks.*.router`) is a token-routing site (controllers.routing): its
+coefficient is each token's score and whether it was chosen, so every condition keeps each window's budget k.
+A checkpoint audits through what its config's `routing` says: the top-k over the window (non-causal, as trained)
+or the causal predictor trained beside it (`causal(model)` switches a loaded model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fcaudit.controllers.routing import TokenRoute
+from fcaudit.controllers.site import Controller
+from fcaudit.errors import FcauditError, one_line
+from fcaudit.families import Family, register
+from fcaudit.io import read_json, write_json
+from fcaudit.loss import token_nll
+from fcaudit.models.checkpoint import load_weights, save_weights
+from fcaudit.models.mod import PRESETS, MoDConfig, MoDGPT, config_for
+
+MODEL_TYPE = "mod"
+PATTERN = "blocks.*.router"
+
+
+def controller(model: MoDGPT) -> Controller:
+    if not any(b.router is not None for b in model.blocks):
+        raise FcauditError("this MoD model has no routed block to audit (variant dense): audit variant mod")
+    ctrl = Controller.from_modules(model, PATTERN, codec=TokenRoute(), static_name="StaticTopK",
+                                   reference_name="RandomRoute")
+    # the top-k router and the causal predictor are two controllers of one checkpoint (audits and summaries tell
+    # them apart by the description)
+    ctrl.description += f":routing={model.config.routing}"
+    return ctrl
+
+
+def causal(model: MoDGPT) -> MoDGPT:
+    """The same model routing by its causal predictor (what autoregressive decoding can use)."""
+    model.config.routing = "predictor"
+    return model
+
+
+def causal_checkpoint(src: Path, out: Path) -> Path:
+    """A copy of the checkpoint `src` that routes by its causal predictor (`causal`), written to `out`. The training
+    run's Byte-PPL stays with `src` (it is the top-k router's), so the copy records none."""
+    model, meta = load(Path(src), torch.device("cpu"), None)
+    meta = {**{k: v for k, v in meta.items() if k != "byte_ppl"}, "variant": "mod-causal", "routing_of": str(src)}
+    save(causal(model), Path(out), meta)
+    return Path(out)
+
+
+def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
+    config = read_json(dir / "config.json")
+    meta = config.pop("meta", {})
+    config.pop("model_type", None)
+    try:
+        model = MoDGPT(MoDConfig.from_dict(config))
+    except TypeError as e:
+        raise FcauditError(f"{dir / 'config.json'} has an invalid field ({one_line(e)}): use the config.json "
+                           "written with these weights") from None
+    load_weights(dir / "model.safetensors", model)
+    return model.to(device=device, dtype=dtype).eval(), meta
+
+
+def save(model: MoDGPT, out: Path, meta: dict) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(out / "model.safetensors", model)
+    write_json(out / "config.json", {"model_type": MODEL_TYPE, **model.config.to_dict(), "meta": meta})
+
+
+def build(cfg) -> MoDGPT:
+    if cfg.preset not in PRESETS:
+        raise FcauditError(f"unknown MoD preset {cfg.preset!r}: use one of {', '.join(PRESETS)}")
+    return MoDGPT(config_for(cfg.preset, "mod"))
+
+
+def train_loss(model: MoDGPT, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL plus the causal predictors' BCE (their inputs are detached, so it trains them only)."""
+    logits, aux = model(ids, return_aux=True)
+    return token_nll(logits, ids).mean() + aux
+
+
+def label(model: MoDGPT) -> str:
+    return "mod-causal" if model.config.routing == "predictor" else "mod"
+
+
+register(Family(
+    name="mod",
+    accepts=lambda config: config.get("model_type") == MODEL_TYPE,
+    load=load,
+    matches=lambda model: isinstance(model, MoDGPT),
+    controller=controller,
+    label=label,
+    trains=("mod",),
+    presets=tuple(PRESETS),
+    build=build,
+    save=save,
+    train_loss=train_loss,
+    architecture="FeatureGateGPT",  # its Dense and FixedDepth baselines: FeatureGate's variants of the same shape
+))
