@@ -138,6 +138,7 @@ AGREEING_POSITIONS = 0.5
 SITE_CHECK_PASSES = 3  # forward passes of the checks run by every audit (and resume) before its units:
 # check_sites_read's two single-window ones and pre_write_checks' first batch; plan() and Schedule count the units'
 # passes only
+ROUTING_CHECK_PASSES = 2  # and for a controller with routers, the causality check's two passes of the probe batch
 
 
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
