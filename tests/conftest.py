@@ -1,11 +1,227 @@
+"""What several test modules share: the tiny models and audit helpers, synthetic audit directories, and the runner
+of the documentation's code blocks. (Test modules import these from here, never from each other.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+from torch import nn
+
+from fcaudit.audit import audit, files
+from fcaudit.controllers import Controller
+from fcaudit.io import write_json
+from fcaudit.protocol import Criteria
 
 
 @pytest.fixture(scope="session", autouse=True)
+
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine extra threads only thrash."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- tiny models and audits ------------------------------------------------------------------------------------
+
+V, T = 32, 16
+
+
+class Gate(nn.Module):
+    """Dynamic gate: one sigmoid coefficient per token from the hidden state."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, 1)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        return torch.sigmoid(self.proj(h)).squeeze(-1)
+
+
+class StaticGate(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.value = nn.Parameter(torch.tensor(float(value)))
+
+    def forward(self, h):
+        return self.value.expand(h.shape[:2])
+
+
+class Block(nn.Module):
+    def __init__(self, d, gate):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gate = gate
+
+    def forward(self, h):
+        mix = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]  # causal token mixing
+        g = self.gate(h)
+        return h + g[..., None] * self.mlp(torch.cat([self.ln(h), mix], -1))
+
+
+class ToyGated(nn.Module):
+    """A tiny gated transformer-like model; `static` gives a LayerStatic twin, `hf` returns an object with .logits."""
+
+    def __init__(self, n_layer=3, d=16, static=False, hf=False, sleep=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(Block(d, StaticGate(0.3 + 0.2 * l) if static else Gate(d)) for l in range(n_layer))
+        self.head = nn.Linear(d, V)
+        self.hf, self.sleep = hf, sleep
+
+    def forward(self, ids):
+        if self.sleep:
+            time.sleep(self.sleep)
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(h)
+        return SimpleNamespace(logits=logits) if self.hf else logits
+
+
+def windows(n, seed):
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def gated(model):
+    return Controller.from_modules(model, "blocks.*.gate", layout="batch token", static_name="LayerMean",
+                                   reference_name="GlobalMean")
+
+
+def run(model, ctrl, out, n_eval=8, n_calib=4, R=3, **kw):
+    return audit(model, ctrl, windows(n_eval, 0), windows(n_calib, 1), randomizations=R, seed=0, out=out,
+                 batch_size=kw.pop("batch_size", 4), quiet=True, **kw)
+
+
+class Leaky(ToyGated):
+    """Its output reads state the controller writes: replay cannot reproduce it."""
+
+    def forward(self, ids):
+        self.blocks[0].gate.calls = 0
+        logits = super().forward(ids)
+        return logits + 1e-3 * self.blocks[0].gate.calls  # 0 when the gate's forward was replaced
+
+
+# ---- synthetic audit directories (planted penalties) -----------------------------------------------------------
+
+RANDOMIZED = ("CrossInput", "TokenShuffle", "CrossShuffle")
+# The paper's FeatureGate 76M condition means (section 4.3), GlobalMean chosen so that retention is 98.70%.
+FG = {"CrossInput": 0.000951, "TokenShuffle": 0.001905, "CrossShuffle": 0.001888, "LayerPositionMean": 0.000562,
+      "StaticProfile": 0.001287, "StructureRemoved": 0.001287 / 0.013}
+MUDD = {"CrossInput": 1.9067, "TokenShuffle": 2.9637, "CrossShuffle": 3.0, "LayerPositionMean": 1.0190,
+        "StaticProfile": 1.9798, "StructureRemoved": 7.4237}
+FG_LABELS = {"StaticProfile": "LayerMean", "StructureRemoved": "GlobalMean"}
+MUDD_LABELS = {"StaticProfile": "StaticMixMean", "StructureRemoved": "SourceUniformMean"}
+
+
+def make_records(penalties: dict, n_windows=24, R=4, noise=2e-4, seed=0) -> pd.DataFrame:
+    """Records whose per-condition mean ΔNLL is exactly the planted penalty (noise centred per condition)."""
+    rng = np.random.default_rng(seed)
+    base = 2.0 + rng.normal(0, 0.1, n_windows)
+    rows = [(e, "Correct", 0, base[e], 63) for e in range(n_windows)]
+    for c, p in penalties.items():
+        reps = R if c in RANDOMIZED else 1
+        eps = rng.normal(0, noise, (n_windows, reps))
+        eps -= eps.mean()
+        rows += [(e, c, r, base[e] + p + eps[e, r], 63) for e in range(n_windows) for r in range(reps)]
+    return pd.DataFrame(rows, columns=["example", "condition", "randomization", "nll", "tokens"])
+
+
+def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=FG_LABELS, seed=0, criteria=None,
+                variation=True, **kw) -> Path:
+    """An audit directory in the engine's layout (config.json, records/<condition>/*.parquet, replay, variation)."""
+    rec = make_records(penalties, seed=seed, **kw)
+    for (c, r), g in rec.groupby(["condition", "randomization"]):
+        (path / "records" / c).mkdir(parents=True, exist_ok=True)
+        files.write_columns(path / "records" / c / f"r{r:04d}.parquet",  # as the engine writes them (hashed)
+                            {**{k: g[k].to_numpy() for k in g.columns}, "condition": c})
+    crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
+    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
+                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
+                                      "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
+                                      "windows": {"n_eval": kw.get("n_windows", 24)}})
+    files.write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
+    if variation:
+        frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
+                "layer:token": 0.04, "input:layer:token": 0.01}
+        files.write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
+            {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
+            for i in range(4)]})
+    return path
+
+
+# ---- the documentation's code blocks ------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+RUN = {"python", "bash"}
+NOT_CODE = {"text"}  # outputs
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
+
+
+@dataclass(frozen=True)
+
+class CodeBlock:
+    lang: str
+    code: str
+    line: int
+    skip: str | None  # why it is not run
+
+
+def blocks(path: Path) -> list[CodeBlock]:
+    text = path.read_text()
+    found = []
+    for m in FENCE.finditer(text):
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = NOT_RUN.search(before)
+        found.append(CodeBlock(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, skip and skip.group(1)))
+    return found
+
+
+def shims(bin_dir: Path) -> dict[str, str]:
+    """An environment in which `fcaudit`, `python` and `torchrun` are this interpreter's."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, args in {"fcaudit": "-m fcaudit", "python": "", "torchrun": "-m torch.distributed.run"}.items():
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+        shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_page(path: Path, where: Path, monkeypatch) -> dict:
+    """Run every runnable block of `path` in `where`; returns the Python namespace the blocks shared."""
+    env = shims(where / ".bin")
+    monkeypatch.chdir(where)
+    scope: dict = {"__name__": "__docs__"}
+    for b in blocks(path):
+        if b.skip or b.lang not in RUN:
+            continue
+        label = f"{path.relative_to(ROOT)}:{b.line}"
+        if b.lang == "python":
+            exec(compile(b.code, label, "exec"), scope)
+        else:
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=where, env=env,
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return scope

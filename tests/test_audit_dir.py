@@ -28,7 +28,7 @@ from fcaudit.families import load_model
 from fcaudit.summary import summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
-import test_engine as toys  # noqa: E402
+import conftest as toys  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "v1"
 
@@ -63,7 +63,7 @@ JOB = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
-import test_engine as t
+import conftest as t
 model = t.ToyGated(sleep=float(sys.argv[2]))
 try:
     t.run(model, t.gated(model), sys.argv[1], n_eval=8, R=3)
@@ -73,6 +73,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow  # two processes (the lock's smoke test is test_train's in-process one)
 def test_a_second_audit_into_the_same_directory_fails_at_once(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB.format(tests=str(Path(__file__).parent)))

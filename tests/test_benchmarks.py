@@ -42,32 +42,6 @@ def test_gpu_audit_without_a_gpu_names_the_smoke_mode(monkeypatch):
         gpu_audit.main([])
 
 
-def test_audit_floor_parts_time_the_engine_steps_and_restore_them():
-    import torch
-
-    from fcaudit import protocol
-    from fcaudit.audit import engine
-
-    audit_floor = load_script("audit_floor")
-    steps = (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
-             [c.make for c in protocol.REGISTRY.values()])
-    from fcaudit.audit.results import AuditResult
-
-    model, ctrl, T = audit_floor.build("own")
-    ev, ca = torch.randint(0, 256, (16, T)), torch.randint(0, 256, (8, T))
-    load = vars(AuditResult)["load"]
-    with audit_floor.timed_parts() as spent:
-        total = audit_floor.audit_once(model, ctrl, ev, ca, 8, 1)[0]
-    assert set(spent) == set(audit_floor.PARTS) and all(v > 0 for v in spent.values())
-    assert sum(spent.values()) < total  # each step's own time: nothing counted twice
-    assert spent["forward passes and NLLs"] > spent["stage 1's checks and writes"]
-    assert (engine.forward_nll, engine.Engine.take, engine.Engine._write_run, engine.active,
-            [c.make for c in protocol.REGISTRY.values()]) == steps
-    assert vars(AuditResult)["load"] is load and isinstance(load, classmethod)
-    (wall, _), forward = audit_floor.audit_split(model, ctrl, ev, ca, 8, 1)
-    assert 0 < forward < wall and engine.forward_nll is steps[0]
-
-
 def test_audit_floors_bare_loop_runs_the_audits_replays():
     import torch
 

@@ -1,4 +1,5 @@
-"""`fcaudit demo --quick` end to end: the product's face must keep working at every landing (~30 s)."""
+"""`fcaudit demo` end to end: the whole quick demo (slow, ~30 s), and a smoke of the same code path on a one-seed plan of a
+few steps in the default run."""
 
 import json
 
@@ -6,7 +7,8 @@ import pandas as pd
 import pytest
 
 from fcaudit.audit.results import load_records
-from fcaudit.demo import QUICK, run_demo
+from fcaudit import demo as demo_module
+from fcaudit.demo import QUICK, DemoPlan, run_demo
 from fcaudit.stats.effects import delta_nll
 
 
@@ -17,6 +19,7 @@ def demo(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_table1_has_every_method(demo):
     table = pd.read_csv(demo / "table1.csv")
     assert set(table["method"]) >= {"Dense", "Uniform", "LayerStatic", "FeatureGate", "MUDD", "MoE (Mixtral)",
@@ -26,6 +29,7 @@ def test_table1_has_every_method(demo):
     assert "FeatureGate" in (demo / "table1.md").read_text()
 
 
+@pytest.mark.slow
 def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
     audits = sorted((demo / "audit").iterdir())
     assert len(audits) == 3 * QUICK.seeds + 4  # + mudd, moe, mod (top-k) and mod-causal (its predictor)
@@ -46,6 +50,7 @@ def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
             assert (d[d.condition.isin(["CrossInput", "TokenShuffle", "CrossShuffle"])]["delta"] == 0.0).all()
 
 
+@pytest.mark.slow
 def test_report_and_execution(demo):
     html = (demo / "report" / "report.html").read_text()
     assert "data:image/png;base64" in html and "FeatureGate" in html
@@ -73,3 +78,20 @@ def test_rerun_resumes_without_recomputing(demo):
     run_demo(demo, quick=True, device="cpu")
     after = (demo / "audit" / "featuregate-s0" / "records" / "CrossInput" / "r0000.parquet").stat().st_mtime_ns
     assert before == after
+
+
+SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, steps=4, mudd_steps=4, moe_steps=4, fixed_depth=1, n_eval=4,
+                 n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,), min_run_time=0.05)
+
+
+def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch):
+    """The demo's whole path on a plan a few steps long: every family trained, audited with an exact replay, measured
+    and reported (the full quick demo's checks are the slow tests above)."""
+    monkeypatch.setattr(demo_module, "QUICK", SMOKE)
+    run_demo(tmp_path, quick=True, device="cpu")
+    methods = set(pd.read_csv(tmp_path / "table1.csv")["method"])
+    assert {"Dense", "FeatureGate", "MUDD", "MoE (Mixtral)", "MoD (Mixture-of-Depths)"} <= methods
+    audits = sorted(a.name for a in (tmp_path / "audit").iterdir())
+    assert len(audits) == 3 + 4
+    assert all(json.loads((tmp_path / "audit" / a / "replay.json").read_text())["passed"] for a in audits)
+    assert (tmp_path / "report" / "report.html").is_file() and (tmp_path / "execution" / "execution.csv").is_file()

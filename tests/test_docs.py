@@ -14,67 +14,10 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
-PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
-RUN = {"python", "bash"}
-NOT_CODE = {"text"}  # outputs
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
-NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
-
-
-@dataclass(frozen=True)
-class Block:
-    lang: str
-    code: str
-    line: int
-    skip: str | None  # why it is not run
-
-
-def blocks(path: Path) -> list[Block]:
-    text = path.read_text()
-    found = []
-    for m in FENCE.finditer(text):
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        skip = NOT_RUN.search(before)
-        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, skip and skip.group(1)))
-    return found
-
-
-def shims(bin_dir: Path) -> dict[str, str]:
-    """An environment in which `fcaudit`, `python` and `torchrun` are this interpreter's."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, args in {"fcaudit": "-m fcaudit", "python": "", "torchrun": "-m torch.distributed.run"}.items():
-        shim = bin_dir / name
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
-        shim.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def run_page(path: Path, where: Path, monkeypatch) -> dict:
-    """Run every runnable block of `path` in `where`; returns the Python namespace the blocks shared."""
-    env = shims(where / ".bin")
-    monkeypatch.chdir(where)
-    scope: dict = {"__name__": "__docs__"}
-    for b in blocks(path):
-        if b.skip or b.lang not in RUN:
-            continue
-        label = f"{path.relative_to(ROOT)}:{b.line}"
-        if b.lang == "python":
-            exec(compile(b.code, label, "exec"), scope)
-        else:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=where, env=env,
-                                  capture_output=True, text=True)
-            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return scope
+from conftest import DOCS, NOT_CODE, PAGES, ROOT, RUN, blocks, run_page
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -7,7 +7,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -25,66 +24,10 @@ from fcaudit.controllers.site import memory_order
 from fcaudit.errors import FcauditError
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.protocol import derangement, resample_past, shuffle_tokens
-
-V, T = 32, 16
+from conftest import Block, Gate, Leaky, T, ToyGated, V, gated, run, windows
 
 
 # ---- tiny models built for the tests ----------------------------------------------------------------------------
-
-class Gate(nn.Module):
-    """Dynamic gate: one sigmoid coefficient per token from the hidden state."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.proj = nn.Linear(d, 1)
-        self.calls = 0
-
-    def forward(self, h):
-        self.calls += 1
-        return torch.sigmoid(self.proj(h)).squeeze(-1)
-
-
-class StaticGate(nn.Module):
-    def __init__(self, value):
-        super().__init__()
-        self.value = nn.Parameter(torch.tensor(float(value)))
-
-    def forward(self, h):
-        return self.value.expand(h.shape[:2])
-
-
-class Block(nn.Module):
-    def __init__(self, d, gate):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.gate = gate
-
-    def forward(self, h):
-        mix = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]  # causal token mixing
-        g = self.gate(h)
-        return h + g[..., None] * self.mlp(torch.cat([self.ln(h), mix], -1))
-
-
-class ToyGated(nn.Module):
-    """A tiny gated transformer-like model; `static` gives a LayerStatic twin, `hf` returns an object with .logits."""
-
-    def __init__(self, n_layer=3, d=16, static=False, hf=False, sleep=0.0):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(V, d)
-        self.blocks = nn.ModuleList(Block(d, StaticGate(0.3 + 0.2 * l) if static else Gate(d)) for l in range(n_layer))
-        self.head = nn.Linear(d, V)
-        self.hf, self.sleep = hf, sleep
-
-    def forward(self, ids):
-        if self.sleep:
-            time.sleep(self.sleep)
-        h = self.emb(ids)
-        for b in self.blocks:
-            h = b(h)
-        logits = self.head(h)
-        return SimpleNamespace(logits=logits) if self.hf else logits
 
 
 class ParityGate(nn.Module):
@@ -191,20 +134,6 @@ class ToyMudd(nn.Module):
             stack = torch.stack(states, -1)  # [B, T, D, i+2]
             h = sum(torch.einsum("btdk,btk->btd", stack, dw[c]) for c in range(dw.shape[0]))
         return self.head(h)
-
-
-def windows(n, seed):
-    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
-
-
-def gated(model):
-    return Controller.from_modules(model, "blocks.*.gate", layout="batch token", static_name="LayerMean",
-                                   reference_name="GlobalMean")
-
-
-def run(model, ctrl, out, n_eval=8, n_calib=4, R=3, **kw):
-    return audit(model, ctrl, windows(n_eval, 0), windows(n_calib, 1), randomizations=R, seed=0, out=out,
-                 batch_size=kw.pop("batch_size", 4), quiet=True, **kw)
 
 
 def randomized_means(result):
@@ -813,15 +742,6 @@ def test_non_finite_coefficients(tmp_path):
     assert not list((tmp_path / "late").rglob("*.tmp")) and not list((tmp_path / "late").rglob("*CrossInput*"))
 
 
-class Leaky(ToyGated):
-    """Its output reads state the controller writes: replay cannot reproduce it."""
-
-    def forward(self, ids):
-        self.blocks[0].gate.calls = 0
-        logits = super().forward(ids)
-        return logits + 1e-3 * self.blocks[0].gate.calls  # 0 when the gate's forward was replaced
-
-
 def test_failed_exact_replay_stops_audit(tmp_path):
     model = Leaky()
     with pytest.raises(FcauditError, match=r"exact replay failed.*max \|Δlogit\|"):
@@ -863,7 +783,7 @@ KILL_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads({threads})
-import test_engine as t
+import conftest as t
 from fcaudit.audit import engine
 model = t.ToyGated(sleep=float(sys.argv[2]))
 t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
@@ -918,34 +838,6 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
     assert len(whole.records) == 12 * (1 + 4 * 4 + 3)
     pd.testing.assert_frame_equal(resumed.records, whole.records, check_exact=True)
-
-
-def test_an_audit_does_not_import_scipy_or_statsmodels(tmp_path):
-    """They take about a second to import: an audit (its variance decomposition included) must not need them; the
-    intervals and tests import them when they are computed."""
-    import subprocess
-    import sys
-
-    script = f"""
-import sys
-import threading
-import torch
-import fcaudit as fca
-from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
-torch.manual_seed(0)
-model = FeatureGateGPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=16, gate_hidden=4)).eval()
-ids = torch.randint(0, 256, (16, 16))
-result = fca.audit(model, fca.controller_for(model), ids[:8], ids[8:], randomizations=1, seed=0,
-                   out={str(tmp_path / "a")!r}, batch_size=4, quiet=True)
-assert result.variation is not None
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "statsmodels") and "stats" in m))
-from fcaudit.stats import holm
-holm([0.01, 0.02])
-print("statsmodels" in sys.modules)
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["[]", "True"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

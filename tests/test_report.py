@@ -12,58 +12,12 @@ import pytest
 from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
-from fcaudit.audit import files
 from fcaudit.errors import FcauditError
 from fcaudit.io import write_json
 from fcaudit.report import build_report, training_table
 from fcaudit.report.tables import fca_display
-from fcaudit.protocol import Criteria
 from fcaudit.summary import Summary, checkpoint_summary, summarize
-
-RANDOMIZED = ("CrossInput", "TokenShuffle", "CrossShuffle")
-# The paper's FeatureGate 76M condition means (section 4.3), GlobalMean chosen so that retention is 98.70%.
-FG = {"CrossInput": 0.000951, "TokenShuffle": 0.001905, "CrossShuffle": 0.001888, "LayerPositionMean": 0.000562,
-      "StaticProfile": 0.001287, "StructureRemoved": 0.001287 / 0.013}
-MUDD = {"CrossInput": 1.9067, "TokenShuffle": 2.9637, "CrossShuffle": 3.0, "LayerPositionMean": 1.0190,
-        "StaticProfile": 1.9798, "StructureRemoved": 7.4237}
-FG_LABELS = {"StaticProfile": "LayerMean", "StructureRemoved": "GlobalMean"}
-MUDD_LABELS = {"StaticProfile": "StaticMixMean", "StructureRemoved": "SourceUniformMean"}
-
-
-def make_records(penalties: dict, n_windows=24, R=4, noise=2e-4, seed=0) -> pd.DataFrame:
-    """Records whose per-condition mean ΔNLL is exactly the planted penalty (noise centred per condition)."""
-    rng = np.random.default_rng(seed)
-    base = 2.0 + rng.normal(0, 0.1, n_windows)
-    rows = [(e, "Correct", 0, base[e], 63) for e in range(n_windows)]
-    for c, p in penalties.items():
-        reps = R if c in RANDOMIZED else 1
-        eps = rng.normal(0, noise, (n_windows, reps))
-        eps -= eps.mean()
-        rows += [(e, c, r, base[e] + p + eps[e, r], 63) for e in range(n_windows) for r in range(reps)]
-    return pd.DataFrame(rows, columns=["example", "condition", "randomization", "nll", "tokens"])
-
-
-def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=FG_LABELS, seed=0, criteria=None,
-                variation=True, **kw) -> Path:
-    """An audit directory in the engine's layout (config.json, records/<condition>/*.parquet, replay, variation)."""
-    rec = make_records(penalties, seed=seed, **kw)
-    for (c, r), g in rec.groupby(["condition", "randomization"]):
-        (path / "records" / c).mkdir(parents=True, exist_ok=True)
-        files.write_columns(path / "records" / c / f"r{r:04d}.parquet",  # as the engine writes them (hashed)
-                            {**{k: g[k].to_numpy() for k in g.columns}, "condition": c})
-    crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
-    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
-                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
-                                      "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
-                                      "windows": {"n_eval": kw.get("n_windows", 24)}})
-    files.write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
-    if variation:
-        frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
-                "layer:token": 0.04, "input:layer:token": 0.01}
-        files.write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
-            {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
-            for i in range(4)]})
-    return path
+from conftest import FG, MUDD, MUDD_LABELS, make_records, write_audit
 
 
 def _seed_penalties(base: dict, k: int, n: int) -> dict:

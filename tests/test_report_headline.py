@@ -6,7 +6,7 @@ import json
 from fcaudit.audit import files
 from fcaudit.io import write_json
 from fcaudit.report import build_report
-from test_report import FG, write_audit
+from conftest import FG, write_audit
 
 
 def with_checkpoint(audit, checkpoint):

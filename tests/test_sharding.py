@@ -143,6 +143,7 @@ def byte_of_rank(rank: int, world: int) -> tuple[int, list[int]]:
     return x, [u.start for u in mine if u.kind == "capture" and x in ev.ids[u.start:u.start + B]]
 
 
+@pytest.mark.slow  # torchrun (its smoke test: test_two_ranks_equal_one_process)
 def test_failing_rank_stops_every_rank_with_one_line(tmp_path):
     """A huge embedding row for one byte makes the coefficients of the windows holding it non-finite (the logits of
     the other windows stay finite): only rank 1 captures those windows, and both ranks stop with its error."""
@@ -246,7 +247,7 @@ def test_killed_rank_resumes_at_another_world_size(ckpt, tmp_path):
 LIBRARY_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from test_engine import Leaky, gated, windows
+from conftest import Leaky, gated, windows
 from fcaudit.audit import audit, group_from_env
 from fcaudit.errors import FcauditError
 

@@ -10,6 +10,13 @@ import os
 
 from torch import nn
 
+from fcaudit import data
+from fcaudit.config import AuditConfig
+from fcaudit.device import as_dtype, resolve_device
+from fcaudit.families import load_model
+from fcaudit.hub import resolve
+from fcaudit.tokens import load_tokenizer
+
 
 def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
          revision: str | None = None, device_map: str | dict | None = None,
@@ -22,10 +29,6 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
     Face checkpoints, instead of device): accelerate's "auto", "balanced", "sequential", or {module path: device};
     offload_folder holds what it puts on "disk".
     """
-    from fcaudit.device import as_dtype, resolve_device
-    from fcaudit.hub import resolve
-    from fcaudit.families import load_model
-
     path = resolve(path_or_id, revision)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
     model, meta = load_model(path, device=resolve_device(device), dtype=None if dtype is None else as_dtype(dtype),
@@ -40,13 +43,8 @@ def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int,
 
     tokenizer: None for byte-level models, else a `tokenizers.Tokenizer` or a directory / hub id holding one.
     """
-    from fcaudit import data
-    from fcaudit.config import AuditConfig
-
     AuditConfig(n_eval=n_eval, n_calib=n_calib, window=window, seed=seed)  # the bounds `fcaudit audit` has
     if isinstance(tokenizer, (str, os.PathLike)):
-        from fcaudit.tokens import load_tokenizer
-
         tokenizer = load_tokenizer(tokenizer)
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
     return data.audit_windows(corp, n_eval, n_calib, window, seed)

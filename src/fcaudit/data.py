@@ -27,6 +27,7 @@ import torch
 
 from fcaudit.errors import FcauditError
 from fcaudit.hub import hub_reachable, offline_mode
+from fcaudit.tokens import encode
 
 EMBEDDED_BYTES = 8_000_000  # cap: ~8 MB keeps loading under a second and leaves ~400 KB per held-out split
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3"}
@@ -132,8 +133,6 @@ def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...
     if tokenizer is None:
         return [np.frombuffer(t, dtype=np.uint8).copy() if s in splits else np.zeros(0, np.uint8)
                 for s, t in zip(SPLITS, texts)], 256
-    from fcaudit.tokens import encode
-
     raw = {s: t for s, t in zip(SPLITS, texts) if s in splits}
     decoded = {s: t.decode("utf-8", errors="replace") for s, t in raw.items()}
     # replacement characters decoding added (not those the text holds as such)

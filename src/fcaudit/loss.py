@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from fcaudit.errors import FcauditError
+
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-token NLL [B, T-1] in float32: position t predicts ids[:, t+1] (targets shifted by one).
@@ -28,8 +30,6 @@ def logits_of(output) -> torch.Tensor:
     if found is None and isinstance(output, (tuple, list)) and output:
         found = output[0]
     if not isinstance(found, torch.Tensor):
-        from fcaudit.errors import FcauditError
-
         raise FcauditError(f"the model returned {type(output).__name__}, in which fcaudit finds no logits: return "
                            "them as a tensor, an attribute or dict entry 'logits', or a tuple's first element")
     return found

@@ -12,6 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from fcaudit.errors import FcauditError
+from fcaudit.hub import is_hub_id, snapshot
 
 
 def load_tokenizer(dir_or_hub_id: str | os.PathLike, revision: str | None = None) -> Tokenizer:
@@ -25,8 +26,6 @@ def load_tokenizer(dir_or_hub_id: str | os.PathLike, revision: str | None = None
                                f"(for MUDDPythia, the Pythia tokenizer from EleutherAI/pythia-1.4b)")
         return _from_file(path / "tokenizer.json")
     name = str(dir_or_hub_id)
-    from fcaudit.hub import is_hub_id, snapshot
-
     if not is_hub_id(name):
         raise FcauditError(f"no tokenizer at {name!r}: pass a checkpoint directory with tokenizer.json "
                            f"or a Hugging Face hub id")

@@ -33,6 +33,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import remove_tree
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
+from fcaudit.stats.variance import variation
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 RESIDENT_FRACTION = 0.25  # on a GPU the whole store is held there when it takes at most this part of its free memory
@@ -418,8 +419,6 @@ class Engine:
                 **(self.dir.config().get("routing") or {})}  # the runner's causality check, token note
 
     def _finalize(self) -> None:
-        from fcaudit.stats.variance import variation
-
         for condition, r in self.schedule.record_keys():
             if not self._merged_ok(condition, r):
                 self._merge_parts(condition, r)

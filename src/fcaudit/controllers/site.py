@@ -24,7 +24,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import re
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence

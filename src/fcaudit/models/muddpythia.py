@@ -27,6 +27,7 @@ from einops import rearrange
 
 from fcaudit.device import DTYPES, as_dtype
 from fcaudit.errors import FcauditError
+from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
 from fcaudit.weights import read_state_dict
 
@@ -449,8 +450,6 @@ def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = Non
     """Load a MUDDPythia checkpoint from a local directory or a hub id (optionally at `revision`).
 
     dtype None keeps the checkpoint's own `torch_dtype` (bfloat16 for the published 1.4B model)."""
-    from fcaudit.hub import resolve
-
     path = resolve(dir_or_hub_id, revision)
     if not (path / "config.json").exists():
         raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")

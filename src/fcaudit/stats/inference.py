@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
@@ -90,10 +92,6 @@ def _rng(seed) -> np.random.Generator:
 
 def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
     """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
-    # scipy and statsmodels are imported where used: an audit imports this package but needs neither, and their
-    # import is a measurable share of a small audit (docs/benchmarks.md)
-    from scipy import stats
-
     if not 0 < confidence < 1:
         raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
     n = len(data[0])
@@ -204,8 +202,6 @@ def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIG
 
 def holm(pvalues) -> np.ndarray:
     """Holm-adjusted p-values (statsmodels multipletests, method="holm"); nan entries stay nan and are not counted."""
-    from statsmodels.stats.multitest import multipletests
-
     p = np.asarray(pvalues, dtype=np.float64)
     out = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
