@@ -44,7 +44,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.audit.units import Schedule
+from fcaudit.auditor.units import Schedule
 from fcaudit.controllers import Controller
 from fcaudit.loss import logits_of, token_nll
 
@@ -153,8 +153,8 @@ def timed_parts() -> Iterator[Counter]:
     """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
     step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
     reads within making coefficients), so the parts add up."""
-    from fcaudit.audit import engine, runner
-    from fcaudit.audit.results import AuditResult
+    from fcaudit.auditor import engine, runner
+    from fcaudit.auditor.results import AuditResult
     from fcaudit.controllers.site import Site
 
     spent: Counter = Counter()
@@ -226,7 +226,7 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
     """`audit_once` and the wall seconds of what the bare loop also runs: each replay's context with its forward
     pass and NLL, and the capture passes with their NLLs (a timer around each). `replays` gets each replay's
     seconds."""
-    from fcaudit.audit import engine
+    from fcaudit.auditor import engine
 
     inner, replay, spent, depth = engine.forward_nll, ctrl.replay, [0.0], [0]
 

@@ -53,7 +53,7 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
                 run(out)
             peak = memray.FileReader(Path(trace) / "audit.bin").metadata.peak_memory
         return {"n_eval": n_eval, "heap_peak_mib": peak / 2**20}
-    from fcaudit.audit.engine import Engine
+    from fcaudit.auditor.engine import Engine
 
     stage2, write_run, marks, levels = Engine._stage2, Engine._write_run, {}, []
 

@@ -32,8 +32,8 @@ def main() -> None:
     p.add_argument("new", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from fcaudit.audit import AuditResult
-    from fcaudit.audit.runner import audit_checkpoint
+    from fcaudit.auditor import AuditResult
+    from fcaudit.auditor.runner import audit_checkpoint
     from fcaudit.config import AuditConfig
 
     print(f"load before: {os.getloadavg()[0]:.2f}")

@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     import fcaudit as fca
-    from fcaudit.audit.engine import capture_batch, forward_nll
+    from fcaudit.auditor.engine import capture_batch, forward_nll
     from fcaudit.models.muddpythia import MUDDConfig, MUDDPythia
 
     cfg = MUDDConfig(n_layer=args.layers, use_qk_norm=True, expand_last=True, round64=True, torch_dtype="bfloat16")

@@ -71,7 +71,7 @@ def child(args) -> None:
     """One audit, run by every rank; rank 0 prints one JSON line."""
     import torch
 
-    from fcaudit.audit import audit, group_from_env
+    from fcaudit.auditor import audit, group_from_env
     from fcaudit.families import controller_for
     from fcaudit.models.featuregate import FeatureGateGPT, config_for
     import fcaudit.stats.inference  # noqa: F401  (scipy's import time is per process, not per audit)

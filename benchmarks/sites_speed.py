@@ -28,7 +28,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.audit.units import Schedule
+from fcaudit.auditor.units import Schedule
 from fcaudit.loss import logits_of, token_nll
 
 

@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import inspect
-import types
 
 CLI = "<!-- cli-reference -->"
 API = "<!-- api-reference -->"
-RETURNED = ("fcaudit.audit.results.AuditResult", "fcaudit.summary.Summary", "fcaudit.audit.runner.AuditPlan")
+RETURNED = ("fcaudit.auditor.results.AuditResult", "fcaudit.summary.Summary", "fcaudit.auditor.runner.AuditPlan")
 
 
 def cli_markdown() -> str:
@@ -32,8 +31,6 @@ def defined_at(name: str) -> str | None:
     import fcaudit
 
     obj = getattr(fcaudit, name)
-    if isinstance(obj, types.ModuleType):  # fcaudit.audit: a package that is also the audit function
-        obj = getattr(obj, name)
     if not (inspect.isclass(obj) or inspect.isfunction(obj)):
         return None
     return f"{obj.__module__}.{obj.__qualname__}"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.audit import audit, files
+from fcaudit.auditor import audit, files
 from fcaudit.controllers import Controller
 from fcaudit.io import write_json
 from fcaudit.protocol import Criteria

@@ -18,8 +18,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 import fcaudit as fca
-from fcaudit.audit import AuditResult, audit
-from fcaudit.audit.runner import SITE_CHECK_PASSES
+from fcaudit.auditor import AuditResult, audit
+from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.cli import app
 from fcaudit.controllers import Controller
 from fcaudit.errors import FcauditError
@@ -190,7 +190,7 @@ def test_identical_audits_write_identical_files(tmp_path):
 def test_a_constant_column_is_written_as_its_full_array_would_be(tmp_path, rows, name):
     """Records name their condition in every row; it is passed as one str (no numpy array of rows x 4 bytes per
     character) and dictionary-encoded. The content read back is the full array's."""
-    from fcaudit.audit import files
+    from fcaudit.auditor import files
 
     cols = {"example": np.arange(rows), "condition": np.full(rows, name), "nll": np.random.default_rng(0).random(rows)}
     files.write_columns(tmp_path / "array.parquet", cols)
@@ -212,7 +212,7 @@ def test_a_bit_flip_anywhere_in_a_records_or_safetensors_file_is_damage(stride, 
     of a Parquet file; the header and data of a safetensors file. A flipped bit is found by the engine's and the
     reader's one check: at every `stride`-th byte, and at each of the last 48 (Parquet's footer length, magic and
     metadata) and the footer's column name."""
-    from fcaudit.audit import files
+    from fcaudit.auditor import files
 
     parquet, tensors = tmp_path / "r0000.parquet", tmp_path / "b.safetensors"
     files.write_columns(parquet, {"example": np.arange(6), "condition": "CrossInput",
@@ -405,8 +405,8 @@ def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_js
 def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resumes(tmp_path):
     import hashlib
 
-    from fcaudit.audit import files
-    from fcaudit.audit.directory import MARKER, config_hash
+    from fcaudit.auditor import files
+    from fcaudit.auditor.directory import MARKER, config_hash
 
     model = toys.ToyGated()
     out = tmp_path / "a"
@@ -446,7 +446,7 @@ def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_r
 
 
 def test_ranks_with_other_configurations_are_told_which_fields_differ_and_a_corpus_path_is_descriptive():
-    from fcaudit.audit.runner import _check_same
+    from fcaudit.auditor.runner import _check_same
 
     base = {"seed": 0, "windows": {"n_eval": 8, "eval_sha256": "a"},
             "model": {"params_sha256": "p", "checkpoint": "/node0/ckpt", "corpus": "/node0/text.txt"}}

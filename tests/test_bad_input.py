@@ -401,7 +401,7 @@ API_ROWS = [
 
 @pytest.mark.parametrize("name, change, fragment", API_ROWS, ids=[r[0] for r in API_ROWS])
 def test_bad_python_api_input_is_one_line_and_leaves_nothing(tmp_path, name, change, fragment):
-    from fcaudit.audit import audit
+    from fcaudit.auditor import audit
     from fcaudit.errors import FcauditError
 
     kw = _api_case(tmp_path, **change)

@@ -122,7 +122,7 @@ def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved
 def test_a_full_disk_is_one_line_that_says_the_rerun_resumes(tiny_ckpt, tmp_path, monkeypatch):
     import errno
 
-    from fcaudit.audit import files
+    from fcaudit.auditor import files
 
     def full(path, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 import fcaudit as fca
 from fcaudit import config as cfg
 from fcaudit import protocol
-from fcaudit.audit.runner import RUN_BYTES, passes_per_rank, runs
-from fcaudit.audit.units import Schedule, split
+from fcaudit.auditor.runner import RUN_BYTES, passes_per_rank, runs
+from fcaudit.auditor.units import Schedule, split
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
 from fcaudit.errors import FcauditError
@@ -121,7 +121,7 @@ def test_the_largest_seed_is_recorded_exactly_and_the_audit_resumes_with_it(ckpt
 
 
 def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
-    from fcaudit.audit import engine
+    from fcaudit.auditor import engine
 
     seen = []
     real = engine.Engine.__init__

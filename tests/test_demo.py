@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from fcaudit.audit.results import load_records
+from fcaudit.auditor.results import load_records
 from fcaudit import demo as demo_module
 from fcaudit.demo import QUICK, DemoPlan, run_demo
 from fcaudit.stats.effects import delta_nll

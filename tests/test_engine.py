@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from fcaudit import protocol
-from fcaudit.audit import CoefficientStore, audit, plan
-from fcaudit.audit import store as store_module
-from fcaudit.audit.runner import SITE_CHECK_PASSES
+from fcaudit.auditor import CoefficientStore, audit, plan
+from fcaudit.auditor import store as store_module
+from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
 from fcaudit.families import Family, controller_for, registered
 from fcaudit.controllers.site import memory_order
@@ -298,7 +298,7 @@ def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
 def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
     """Stage 2 with the whole store on the device (as on a GPU with room for it) replays the same coefficients:
     records equal bit for bit, and no replay reads a chunk file."""
-    from fcaudit.audit import engine as engine_module
+    from fcaudit.auditor import engine as engine_module
 
     model = ToyMudd()
     ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="source_uniform_mean")
@@ -327,7 +327,7 @@ def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monke
     they are 3.3 GB in float32, and the peak would hold two batches of them)."""
     import weakref
 
-    from fcaudit.audit import engine as engine_module
+    from fcaudit.auditor import engine as engine_module
 
     model = ToyGated()
     previous, alive, replaying = [None], [], [False]
@@ -359,8 +359,8 @@ def test_stage2_writes_each_run_once_complete_and_a_resumed_run_as_a_part(tmp_pa
     """One process replays unit by unit: each (condition, r) is written once, as its whole records file. A run that
     resumes after some of its units were done writes the rest as a part file, and the records equal the
     uninterrupted audit's bit for bit (NLLs and active counts)."""
-    from fcaudit.audit import engine as engine_module
-    from fcaudit.audit import files
+    from fcaudit.auditor import engine as engine_module
+    from fcaudit.auditor import files
 
     model = ToyGated()
     for b in model.blocks:
@@ -627,7 +627,7 @@ def test_hf_style_output_and_custom_loss(tmp_path):
 
 def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     """The probe's capture of the first batch is that batch's stage 1 capture: the first batch is not run twice."""
-    from fcaudit.audit.units import Schedule
+    from fcaudit.auditor.units import Schedule
 
     model = ToyGated()
     calls = []
@@ -656,7 +656,7 @@ def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
 
 
 def test_part_files_merge_into_the_records_and_a_window_twice_is_refused(tmp_path):
-    from fcaudit.audit import files
+    from fcaudit.auditor import files
 
     model = ToyGated()
     expected = run(model, gated(model), tmp_path / "a").records.copy()  # 8 windows, batches of 4 (read now: lazy)
@@ -769,7 +769,7 @@ def test_plan_reports_sizes():
 
 
 def test_plan_names_the_device_that_holds_the_store(monkeypatch):
-    from fcaudit.audit import runner
+    from fcaudit.auditor import runner
 
     asked = []
     monkeypatch.setattr(runner, "keeps_store_on", lambda device, nbytes: asked.append(nbytes) or True)
@@ -784,7 +784,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads({threads})
 import conftest as t
-from fcaudit.audit import engine
+from fcaudit.auditor import engine
 model = t.ToyGated(sleep=float(sys.argv[2]))
 t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
 """
@@ -842,7 +842,7 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_all_finite_finds_nan_and_inf_and_no_overflow_of_large_values(dtype):
-    from fcaudit.audit.store import all_finite
+    from fcaudit.auditor.store import all_finite
 
     big = torch.finfo(dtype).max
     x = torch.full((4, 1000), big, dtype=dtype)  # a float32 sum of these would overflow
@@ -860,7 +860,7 @@ def test_all_finite_finds_nan_and_inf_and_no_overflow_of_large_values(dtype):
 def test_active_counts_nonzero_sources_as_count_nonzero_does():
     """Per window, the mean over sites of the nonzero sources per (token, stream): nan counts, -0.0 does not; the
     same bits for float32, bf16, strided and expanded (static-profile) coefficients, and over the routers only."""
-    from fcaudit.audit.engine import active
+    from fcaudit.auditor.engine import active
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(5, 7, 3, 4, generator=g)

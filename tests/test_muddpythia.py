@@ -442,7 +442,7 @@ def test_tokenizer_from_checkpoint_dir_and_offline_hub(tmp_path, monkeypatch):
 def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
     from safetensors.torch import load_file
 
-    from fcaudit.audit import AuditResult, audit
+    from fcaudit.auditor import AuditResult, audit
     from fcaudit.families import controller_for
 
     model = tiny_model(dtype)
@@ -499,7 +499,7 @@ def test_fast_mix_agrees_with_the_published_order_on_1p4b_shaped_layers(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_mix_logits_agree_and_its_audit_replays_exactly(tmp_path, dtype):
-    from fcaudit.audit import audit
+    from fcaudit.auditor import audit
     from fcaudit.families import controller_for
 
     model = tiny_model(dtype)

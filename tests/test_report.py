@@ -297,7 +297,7 @@ def test_retention_is_undefined_on_a_negligible_reference_gap_everywhere_it_appe
     """A reference gap above 0 but below the practically-small bound (0.0015 nats in one checkpoint; 2.2e-6 nats
     in two) gives no retention, with its reason, in the API, the summary, the tables, Figure 4, the terminal and
     the report; a large gap (MUDD's 7.42 nats) gives one."""
-    from fcaudit.audit.results import AuditResult
+    from fcaudit.auditor.results import AuditResult
     from fcaudit.report import figures
 
     small = write_audit(tmp_path / "small", dict(FG, StructureRemoved=0.0015, StaticProfile=0.0003), name="Small")
@@ -349,7 +349,7 @@ def test_result_objects_print_without_the_audit_directory(fg7, tmp_path):
     """The result objects carry their numbers: their repr reads nothing from disk (the audit may be gone)."""
     import shutil
 
-    from fcaudit.audit.results import AuditResult
+    from fcaudit.auditor.results import AuditResult
 
     res, fresh = AuditResult.load(fg7[0]), AuditResult.load(fg7[1])
     pen, fe, ret = res.penalties(), res.factor_effects(), res.retention()

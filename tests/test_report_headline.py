@@ -3,7 +3,7 @@ on an all-zero family, and the thresholding table's explanation."""
 
 import json
 
-from fcaudit.audit import files
+from fcaudit.auditor import files
 from fcaudit.io import write_json
 from fcaudit.report import build_report
 from conftest import FG, write_audit

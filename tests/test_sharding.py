@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 import fcaudit
 from fcaudit import data
-from fcaudit.audit.directory import AuditDir
-from fcaudit.audit.units import Schedule, split
+from fcaudit.auditor.directory import AuditDir
+from fcaudit.auditor.units import Schedule, split
 from fcaudit.cli import app
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
@@ -248,7 +248,7 @@ LIBRARY_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from conftest import Leaky, gated, windows
-from fcaudit.audit import audit, group_from_env
+from fcaudit.auditor import audit, group_from_env
 from fcaudit.errors import FcauditError
 
 group = group_from_env()
@@ -293,7 +293,7 @@ def test_ranks_that_do_not_share_the_out_directory_are_stopped_before_any_work(c
     assert not list((tmp_path / "out0").glob("coeffs/*")) and not (tmp_path / "out0" / "records").exists()
 
 
-class _Rank(fcaudit.audit.Group):
+class _Rank(fcaudit.auditor.Group):
     """Rank `rank` of 2 in this process: rank 0's token is `token`; phases run here, main-only ones on rank 0."""
 
     def __init__(self, rank: int, token: str):
@@ -307,7 +307,7 @@ class _Rank(fcaudit.audit.Group):
 
 
 def test_the_shared_directory_check_reads_rank_0s_token_and_leaves_no_file(tmp_path, monkeypatch):
-    from fcaudit.audit import runner
+    from fcaudit.auditor import runner
 
     monkeypatch.setattr(runner, "SHARED_WAIT", (0.0, 0.01))
     monkeypatch.setattr(runner.secrets, "token_hex", lambda n: "b" * 16)

@@ -575,7 +575,7 @@ SILENT = [  # (what, model, controller, expected refusal or notice; None: nothin
 
 @pytest.mark.parametrize("what,build,controller,expected", SILENT, ids=[s[0] for s in SILENT])
 def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, expected, tmp_path):
-    from fcaudit.audit.engine import capture_batch
+    from fcaudit.auditor.engine import capture_batch
     from fcaudit.controllers.checks import check_route_flips, pre_write_checks
 
     model = build()

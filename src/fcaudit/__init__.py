@@ -18,19 +18,15 @@ _LAZY = {
     "load": "fcaudit.api", "windows": "fcaudit.api",
     "Controller": "fcaudit.controllers", "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
     "controller_for": "fcaudit.families", "register": "fcaudit.families", "Family": "fcaudit.families",
-    "AuditResult": "fcaudit.audit", "plan": "fcaudit.audit",
+    "AuditResult": "fcaudit.auditor", "plan": "fcaudit.auditor", "audit": "fcaudit.auditor",
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol",
     "build_report": "fcaudit.report.render",
 }
 
-__all__ = ["FcauditError", "__version__", "audit", *_LAZY]
+__all__ = ["FcauditError", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):
-    if name == "audit":  # the package fcaudit.audit is callable: fca.audit(...) runs an audit
-        import importlib
-
-        return importlib.import_module("fcaudit.audit")
     if name in _LAZY:
         import importlib
 

@@ -48,7 +48,7 @@ def command(fn: Callable) -> Callable:
             with using_threads(kwargs.get("threads"), hint=_hint):
                 return fn(*args, **kwargs)
         except FcauditError as e:
-            from fcaudit.audit.group import ignore_sigterm
+            from fcaudit.auditor.group import ignore_sigterm
 
             ignore_sigterm()  # under torchrun: every rank prints its line and exits 2
             typer.echo(f"error: {e}", err=True)
@@ -140,7 +140,7 @@ def audit(
     Captures the coefficients, checks the exact replay, then replays each intervention; writes records, replay.json
     and variation.json into --out. Under torchrun the ranks share the work (README "Sharded audits").
     """
-    from fcaudit.audit.runner import audit_checkpoint
+    from fcaudit.auditor.runner import audit_checkpoint
     from fcaudit.config import AuditConfig
 
     config = AuditConfig(out=out, n_eval=eval, n_calib=calib, window=window, randomizations=randomizations, seed=seed,

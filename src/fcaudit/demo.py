@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fcaudit.audit.runner import audit_checkpoint
+from fcaudit.auditor.runner import audit_checkpoint
 from fcaudit.config import AuditConfig
 from fcaudit.data import load_corpus
 from fcaudit.errors import FcauditError

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.audit.results import AuditResult, routing_lines
+from fcaudit.auditor.results import AuditResult, routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria

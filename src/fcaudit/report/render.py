@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from fcaudit.audit.results import routing_lines
+from fcaudit.auditor.results import routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
                         write_json, write_text)

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.audit.results import LATER_TOKENS
+from fcaudit.auditor.results import LATER_TOKENS
 from fcaudit.io import read_json
 
 _INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")

@@ -22,7 +22,7 @@ RECORD_COLUMNS = ("example", "condition", "randomization", "nll")  # the columns
 def _check_records(records: pd.DataFrame) -> None:
     missing = [c for c in RECORD_COLUMNS if c not in records.columns]
     if missing:
-        raise FcauditError(f"records lack columns {missing}: pass the frame from fcaudit.audit.results.load_records(DIR)")
+        raise FcauditError(f"records lack columns {missing}: pass the frame from fcaudit.auditor.results.load_records(DIR)")
     if records.duplicated(["example", "condition", "randomization"]).any():
         raise FcauditError("records have duplicate (example, condition, randomization) rows: rerun the audit into a fresh directory")
     if not np.isfinite(records["nll"].to_numpy(dtype=np.float64)).all():

@@ -19,7 +19,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fcaudit.audit import files
+from fcaudit.auditor import files
 from fcaudit.errors import FcauditError
 from fcaudit.io import Locked, confine, lock_dir, prepare_out, remove_file, remove_stale_temps
 from fcaudit.provenance import provenance

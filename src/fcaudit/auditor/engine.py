@@ -4,7 +4,7 @@
 validated, configured and locked. Every unit's output is verified when it is reused and recomputed when damaged;
 randomness is keyed by (seed, randomization, example), so any partition of the units over processes, and any resume,
 gives the same files bit for bit. A `Group` says which share this process runs and carries a failure on any rank to
-all of them (fcaudit.audit.group; one process: a trivial group).
+all of them (fcaudit.auditor.group; one process: a trivial group).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from fcaudit import placement, protocol
-from fcaudit.audit import files
-from fcaudit.audit.directory import AuditDir
-from fcaudit.audit.group import Group, RankError
-from fcaudit.audit.store import CoefficientStore, all_finite, check_finite
-from fcaudit.audit.units import Schedule, Unit, share
+from fcaudit.auditor import files
+from fcaudit.auditor.directory import AuditDir
+from fcaudit.auditor.group import Group, RankError
+from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
+from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.routing import decisions
 from fcaudit.controllers.site import Controller

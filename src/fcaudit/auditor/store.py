@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from fcaudit.audit.files import read_tensors, tensor_meta, write_tensors
+from fcaudit.auditor.files import read_tensors, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs
 

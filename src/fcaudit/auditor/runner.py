@@ -28,15 +28,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fcaudit import data, families, placement, protocol
-from fcaudit.audit import files
-from fcaudit.audit.directory import AuditDir, Locked, config_hash, differences, identity, stored_identity
-from fcaudit.audit.engine import Engine, LossFn, capture_batch, keeps_store_on
-from fcaudit.audit.files import tensor_sha256
-from fcaudit.audit.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
+from fcaudit.auditor import files
+from fcaudit.auditor.directory import AuditDir, Locked, config_hash, differences, identity, stored_identity
+from fcaudit.auditor.engine import Engine, LossFn, capture_batch, keeps_store_on
+from fcaudit.auditor.files import tensor_sha256
+from fcaudit.auditor.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
                                  rank_device)
-from fcaudit.audit.results import AuditResult, routing_lines
-from fcaudit.audit.store import all_finite, check_finite
-from fcaudit.audit.units import Schedule
+from fcaudit.auditor.results import AuditResult, routing_lines
+from fcaudit.auditor.store import all_finite, check_finite
+from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.routing import later_token_flips
@@ -417,7 +417,7 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
         adir.lock()
     except Locked as e:
         if group.world == 1 and launched_world() > 1:  # every torchrun rank running the whole audit on its own
-            raise FcauditError(f"{e}; under torchrun pass group=fcaudit.audit.group_from_env() so the ranks share "
+            raise FcauditError(f"{e}; under torchrun pass group=fcaudit.auditor.group_from_env() so the ranks share "
                                "one audit") from None
         raise
     return adir.open(config)
@@ -519,7 +519,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     its "family" is the name `summarize` pools checkpoints by as training seeds (default: class and size), and
     "checkpoint" where it came from. quiet: no progress bar or summary table.
     group: the processes sharing this audit (default: this process alone); under torchrun pass
-    `fcaudit.audit.group_from_env(device)` and every rank runs its share of the work units.
+    `fcaudit.auditor.group_from_env(device)` and every rank runs its share of the work units.
     """
     config = AuditConfig(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size,
                          tolerance=tolerance, loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)
@@ -600,7 +600,7 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
     returns the AuditResult, or the AuditPlan of a dry run (printed by rank 0).
 
     Under torchrun every rank runs this with the same arguments: each loads the model on its own device
-    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.audit.group). A dry run plans
+    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.auditor.group). A dry run plans
     for config.world_size processes (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
     if config.offload_folder is not None and Path(config.offload_folder).resolve() in {
             Path(p).resolve() for p in (config.out, checkpoint) if p is not None}:

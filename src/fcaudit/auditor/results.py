@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.audit import files
-from fcaudit.audit.directory import MARKER, AuditDir
+from fcaudit.auditor import files
+from fcaudit.auditor.directory import MARKER, AuditDir
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
 from fcaudit.stats.results import FactorEffectsResult, PenaltiesResult, RetentionResult, WindowStatistics
