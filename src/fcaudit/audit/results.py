@@ -43,7 +43,8 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
     df = df.reset_index(drop=True)
     if "active" not in df.columns:  # audits of fcaudit before records carried it
         df["active"] = np.nan
-    return df[list(protocol.RECORD_COLUMNS)]
+    # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
+    return df[list(protocol.RECORD_COLUMNS) + [c for c in df.columns if c not in protocol.RECORD_COLUMNS]]
 
 
 def _damaged(e: files.Damaged, root: Path) -> FcauditError:
@@ -74,7 +75,8 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
             condition, r = f.parent.parent.name, int(f.parent.name[1:])
             frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": condition,
                                         "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
-                                        "tokens": np.int64(-1), "active": tensors["active"].numpy()}))
+                                        "tokens": np.int64(-1),
+                                        "active": tensors["active"].numpy().reshape(len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
     if not frames:

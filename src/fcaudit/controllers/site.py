@@ -66,6 +66,13 @@ class Codec:
 
     top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
     routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
+    counts: tuple[str, ...] = ()  # names of the counts `executed` reports: extra columns of the audit's records
+
+    def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a module that does not run exactly the support of its coefficients (a capacity router drops what
+        exceeds its capacity): per window the sources it runs, summed over (token, stream) [B], and its `counts`
+        [B, len(counts)], float64. None (the default): it runs the nonzero coefficients."""
+        return None
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         """Canonical coefficients of one output: a fresh tensor, never a view the model could modify in place."""
