@@ -269,3 +269,17 @@ def test_executed_equals_active_for_codecs_that_do_not_count():
     plain = [Codec(), Codec()]
     assert torch.equal(executed(coeffs, plain, [0], frozenset(), ())[:, 0], active(coeffs, [0]))
     assert torch.equal(executed(coeffs, plain, [], frozenset(), ())[:, 0], active(coeffs))
+
+
+def test_summary_lines_show_drops_and_a_negative_retention(tmp_path):
+    from fcaudit.stats.results import retention_value
+
+    model, ev, ca = tiny(), windows(4, 5), windows(2, 6)
+    res = fca.audit(model, controller(model), ev, ca, randomizations=1, out=tmp_path, batch_size=2, quiet=True)
+    line = res.capacity_lines()[0]
+    assert f"StaticProfile {L * E * (T - C):g}" in line and f"StaticTopK {L * 2 * (T - C):g}" in line
+    assert f"ExpertUniformMean {L * E * (T - C):g}" in line  # the display label of StructureRemoved
+    assert "TokenShuffle" not in line  # a permutation drops nothing
+    assert retention_value(-0.049, -0.073, -0.026, "").endswith("below 0: costs more than the structure-removed "
+                                                                  "reference")
+    assert "below 0" not in retention_value(0.5, 0.4, 0.6, "")
