@@ -154,6 +154,11 @@ def test_codec_round_trip_and_refusals():
         reversed_out = CapacityRouter(D, E, C, reverse=True)(x)
     with pytest.raises(FcauditError, match="sequence order"):
         CapacityRoute(E, C).encode(reversed_out, 3, T)
+    # a router whose capacity spans the flattened batch ([batch * token, expert, slot]) is refused, not misread
+    with torch.no_grad():
+        flat = CapacityRouter(D, E, 3 * C)(x.reshape(1, 3 * T, D))
+    with pytest.raises(FcauditError, match=r"not \(dispatch, combine\) of shape \[batch, token, expert, slot\]"):
+        CapacityRoute(E, 3 * C).encode(tuple(t[0] for t in flat), 3, T)
 
 
 def test_static_mean_replayed_through_the_codec_drops_what_exceeds_the_capacity():
