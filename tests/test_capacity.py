@@ -288,3 +288,10 @@ def test_summary_lines_show_drops_and_a_negative_retention(tmp_path):
     assert retention_value(-0.049, -0.073, -0.026, "").endswith("below 0: costs more than the structure-removed "
                                                                   "reference")
     assert "below 0" not in retention_value(0.5, 0.4, 0.6, "")
+
+
+def test_a_count_named_like_a_record_column_is_refused_at_the_controller():
+    codec = CapacityRoute(E, C)
+    codec.counts = codec.counts + ("nll",)
+    with pytest.raises(FcauditError, match="'nll', the name of a record column"):
+        controller(tiny(), codec)

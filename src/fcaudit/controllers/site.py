@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from fcaudit.errors import FcauditError
-from fcaudit.protocol import Coeffs, Controllers, REFERENCES
+from fcaudit.protocol import RECORD_COLUMNS, Coeffs, Controllers, REFERENCES
 
 def path_matches(path: str, pattern: str) -> bool:
     """Glob over module paths: `*` matches within one dotted component ("blocks.*.gate" does not match
@@ -464,6 +464,9 @@ class Controller:
             raise FcauditError("a controller needs at least one site; check the module pattern")
         if self.groups and len(self.groups) != len(self.sites):
             raise FcauditError(f"{len(self.groups)} groups for {len(self.sites)} sites; give one group per site")
+        clash = [n for s in self.sites for n in s.codec.counts if n in RECORD_COLUMNS]
+        if clash:
+            raise FcauditError(f"a codec counts {clash[0]!r}, the name of a record column; rename that count")
         self._recording: list | None = None
 
     @classmethod
