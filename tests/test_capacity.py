@@ -14,7 +14,7 @@ from torch import nn
 import fcaudit as fca
 from fcaudit import protocol
 from fcaudit.audit.engine import executed
-from fcaudit.controllers.capacity import CapacityRoute
+from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.controllers.site import Codec
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
