@@ -13,11 +13,12 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.audit.engine import executed
+from fcaudit.audit.engine import active, executed
 from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.controllers.site import Codec
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
+from fcaudit.stats.results import retention_value
 
 V, D, E, C, L, T = 64, 16, 4, 6, 2, 16  # vocab, width, experts, capacity per expert and window, layers, window
 
@@ -269,16 +270,12 @@ def test_audit_of_a_capacity_moe(tmp_path):
 
 def test_executed_equals_active_for_codecs_that_do_not_count():
     coeffs = [torch.tensor([[[[0.5, 0.0, 0.5]]], [[[1.0, 0.0, 0.0]]]]), torch.ones(2, 1, 1, 1)]
-    from fcaudit.audit.engine import active
-
     plain = [Codec(), Codec()]
     assert torch.equal(executed(coeffs, plain, [0], frozenset(), ())[:, 0], active(coeffs, [0]))
     assert torch.equal(executed(coeffs, plain, [], frozenset(), ())[:, 0], active(coeffs))
 
 
 def test_summary_lines_show_drops_and_a_negative_retention(tmp_path):
-    from fcaudit.stats.results import retention_value
-
     model, ev, ca = tiny(), windows(4, 5), windows(2, 6)
     res = fca.audit(model, controller(model), ev, ca, randomizations=1, out=tmp_path, batch_size=2, quiet=True)
     line = res.capacity_lines()[0]
