@@ -36,7 +36,10 @@ RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "act
 """One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
 window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
 along the source axis, over the controller's routers when it has any: experts run per token for top-k routers, the
-fraction of tokens chosen for token routers."""
+fraction of tokens chosen for token routers. Where a site's codec counts what its module really runs
+(`Codec.executed`: a capacity router drops the assignments past an expert's capacity), `active` counts what ran, and
+the codec's counts follow as extra columns (a capacity router: expert0..expert{E-1} tokens run per expert and
+`dropped` assignments, each summed over its layers)."""
 
 
 # ---- the transformations ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -28,7 +28,7 @@ from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.routing import decisions
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.site import Codec, Controller
 from fcaudit.errors import FcauditError
 from fcaudit.io import remove_tree
 from fcaudit.loss import logits_of, token_nll
@@ -73,15 +73,37 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     return [c.to(ids.device) for c in found], logits, nll  # one device, also for sites on others (a device_map)
 
 
-def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset()) -> torch.Tensor:
+def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset(),
+           ran: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
     float64. For top-k routers (`sites` = the routers): the experts run per token; for token routers (`tokens`):
-    the fraction of tokens chosen (what runs the routed block), not the nonzero (score, chosen) entries."""
-    chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in (sites or range(len(coeffs)))]
+    the fraction of tokens chosen (what runs the routed block), not the nonzero (score, chosen) entries. `ran`: per
+    site, the sources its module really ran summed over (token, stream) [B], in place of the nonzero count (see
+    `executed`)."""
+    ran = ran or {}
+    order = list(sites or range(len(coeffs)))
+    chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
     # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
-    return torch.stack([c.bool().reshape(c.shape[0], -1).sum(1).double() / (c.shape[1] * c.shape[2])
-                        for c in chosen]).mean(0)
+    return torch.stack([(ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double())
+                        / (c.shape[1] * c.shape[2]) for i, c in zip(order, chosen)]).mean(0)
+
+
+def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: frozenset[int],
+             names: tuple[str, ...]) -> torch.Tensor:
+    """`active` for a controller whose codecs count what their modules run (`Codec.executed`; a capacity router
+    drops what exceeds its capacity): [B, 1 + len(names)] float64, `active` from what ran, then each count of
+    `names` summed over the sites that report it."""
+    out = torch.zeros(coeffs[0].shape[0], 1 + len(names), dtype=torch.float64, device=coeffs[0].device)
+    ran = {}
+    for i, (c, codec) in enumerate(zip(coeffs, codecs)):
+        counted = codec.executed(c)
+        if counted is not None:
+            ran[i] = counted[0].to(out.device)
+            for j, name in enumerate(codec.counts):
+                out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
+    out[:, 0] = active(coeffs, sites, tokens, ran)
+    return out
 
 
 def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,6 +147,8 @@ class Engine:
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
         self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
         self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
+        # extra record columns: what codecs that count their execution report (empty for most controllers)
+        self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
@@ -260,7 +284,13 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, active(coeffs, self.routers, self.tokens))
+        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, self._active(coeffs))
+
+    def _active(self, coeffs: Coeffs) -> torch.Tensor:
+        """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
+        if not self.counts:
+            return active(coeffs, self.routers, self.tokens)
+        return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts)
 
     def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
                     act: torch.Tensor) -> None:
@@ -321,7 +351,7 @@ class Engine:
                 key, ranges, nlls, acts = (u.condition, u.r), [], [], []
             count = self._count(u)
             coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-            acts.append(active(coeffs, self.routers, self.tokens))
+            acts.append(self._active(coeffs))
             with self.controller.replay(coeffs):
                 # the NLL alone: the logits go now, not during the next forward
                 nlls.append(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1])
@@ -356,7 +386,12 @@ class Engine:
         columns = {"example": np.arange(n, dtype=np.int64), "condition": condition,
                    "randomization": np.full(n, r, dtype=np.int64), "nll": nll,
                    "tokens": np.full(n, self.ev.shape[1] - 1, dtype=np.int64), "active": act}
-        files.write_columns(self.dir.records(condition, r), {c: columns[c] for c in protocol.RECORD_COLUMNS})
+        counts = {}
+        if act.ndim == 2:  # active, then the execution counts (see `executed`)
+            columns["active"] = np.ascontiguousarray(act[:, 0])
+            counts = {name: act[:, 1 + j].astype(np.int64) for j, name in enumerate(self.counts)}  # exact sums
+        files.write_columns(self.dir.records(condition, r),
+                            {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts})
 
     def _load_profiles(self) -> None:
         tensors, _ = files.read_tensors(self.dir.profiles)
@@ -394,7 +429,8 @@ class Engine:
                 count = -1
                 break
             if nll is None:
-                nll, act = np.empty(n, part["nll"].dtype), np.empty(n, part["active"].dtype)
+                nll = np.empty(n, part["nll"].dtype)
+                act = np.empty((n, *part["active"].shape[1:]), part["active"].dtype)
             nll[example], act[example], seen[example] = part["nll"], part["active"], True
             count += len(example)
         if nll is None or count != n or not seen.all():

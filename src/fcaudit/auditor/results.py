@@ -43,7 +43,8 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
     df = df.reset_index(drop=True)
     if "active" not in df.columns:  # audits of fcaudit before records carried it
         df["active"] = np.nan
-    return df[list(protocol.RECORD_COLUMNS)]
+    # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
+    return df[list(protocol.RECORD_COLUMNS) + [c for c in df.columns if c not in protocol.RECORD_COLUMNS]]
 
 
 def _damaged(e: files.Damaged, root: Path) -> FcauditError:
@@ -74,7 +75,8 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
             condition, r = f.parent.parent.name, int(f.parent.name[1:])
             frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": condition,
                                         "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
-                                        "tokens": np.int64(-1), "active": tensors["active"].numpy()}))
+                                        "tokens": np.int64(-1),
+                                        "active": tensors["active"].numpy().reshape(len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
     if not frames:
@@ -210,4 +212,19 @@ class AuditResult:
 
     def retention_lines(self) -> list[str]:
         """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined)."""
-        return [r.line() for r in self.statistics().retentions()]
+        return [r.line() for r in self.statistics().retentions()] + self.capacity_lines()
+
+    def capacity_lines(self) -> list[str]:
+        """Where a capacity router's codec counted drops (a `dropped` record column): one line with each condition's
+        mean assignments per window dropped past the experts' capacity, beside the assignments run under Correct, so
+        a static profile that overfills the experts is seen as such ([] for other controllers)."""
+        rec = self.records
+        if "dropped" not in rec.columns:
+            return []
+        experts = [c for c in rec.columns if c.startswith("expert") and c[6:].isdigit()]
+        means = rec.groupby("condition", sort=False)["dropped"].mean()
+        ran = float(rec.loc[rec.condition == "Correct", experts].sum(axis=1).mean()) if experts else float("nan")
+        labels = self.labels
+        dropped = ", ".join(f"{labels.get(c, c)} {v:.4g}" for c, v in means.items() if c != "Correct" and v > 0)
+        return [f"capacity: assignments dropped past the experts' capacity, mean per window: {dropped or 'none'} "
+                f"(Correct runs {ran:.4g}, its router's own drops already out of its combine vectors)"]

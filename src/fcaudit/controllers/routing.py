@@ -4,6 +4,9 @@ Such a site's canonical tensor is [batch, token, 1, 2]: the router's score of ea
 (1) or not (0). Decoding rebuilds the router's output from the (possibly transformed) pair: the chosen positions in
 ascending order and the scores, so the block downstream gathers, runs and scatters exactly the replayed set. The
 protocol's token-routing conditions keep the number chosen per window and layer (protocol.chosen).
+
+Capacity routers (expert-level, below): each token's top-k experts under a capacity per expert and window; the
+coefficient is the token's combine vector and decode rebuilds the slots by the router's own rule (CapacityRoute).
 """
 
 from __future__ import annotations
@@ -112,3 +115,113 @@ def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, voc
             before, after = (decisions(run[i][:, :-span], tokens) for run in runs)
             flips += int((before != after).any(-1).sum())
     return flips
+
+
+# ---- capacity dispatch ------------------------------------------------------------------------------------------
+# Capacity dispatch (GShard / Switch style): a router that sends each token to its top-k experts, where an expert takes
+# at most `capacity` tokens per window, the first ones in sequence order; the router returns
+# (dispatch, combine), both [batch, token, expert, slot]: token t sits in slot s of expert e (dispatch), with weight w
+# (combine). Assignments past an expert's capacity are dropped: that expert does not run for the token, which passes it
+# by (through the residual when no expert takes it).
+#
+# The coefficient is expert-level: the combine vector of each token, canonical [batch, token, 1, E] (its weight for
+# every expert, 0 where the token does not run it). Slots are not coefficients: a condition that moves (expert, slot)
+# weights between tokens can put two tokens into one slot. `CapacityRoute.decode` rebuilds the slots from the replayed
+# combine vectors by the router's own rule (a cumulative sum over the window's tokens in sequence order per expert; an
+# assignment whose place is at or past the capacity is dropped), so under every condition each slot holds at most one
+# token and each expert at most `capacity` tokens. A static profile (the same dense mean for every token) asks for
+# more than the capacity holds: decode drops the excess, and `executed` counts what ran and what was dropped, which the
+# audit records per condition (columns expert0..expert{E-1} and dropped; `active` from what ran).
+#
+# Under Correct the combine vectors are already within capacity (the router dropped its own excess before returning
+# them), so the rebuilt slots are the router's own: replay is exact, and `dropped` counts only what a condition adds.
+# A router with another order rule (GShard's "all first choices before any second choice") cannot be rebuilt from the
+# post-capacity combine vector; `encode` refuses a router whose slots are not the sequence-order ones.
+
+def _split_dispatch(output: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(output, (tuple, list)) and len(output) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
+            and output[0].shape == output[1].shape):
+        got = type(output).__name__ if not isinstance(output, (tuple, list)) else \
+            "(" + ", ".join(f"Tensor{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                            for t in output) + ")"
+        raise FcauditError(f"{where} returned {got}, not (dispatch, combine) of shape [batch, token, expert, slot]; "
+                           "point the pattern at the router module that returns them")
+    if not output[1].is_floating_point():
+        raise FcauditError(f"{where}: combine weights of dtype {output[1].dtype} are not floating point; the second "
+                           "output must be the combine weights")
+    return output[0], output[1]
+
+
+def slots(c: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's slot rule on canonical combine vectors c [batch, token, 1, E]: (kept, slot), both [batch, token,
+    E]. Each assignment (a nonzero weight) gets the next slot of its expert in sequence order within its window; it
+    is kept while that slot is below the capacity."""
+    assigned = c[:, :, 0, :] != 0
+    slot = assigned.long().cumsum(1) - 1
+    return assigned & (slot < capacity), slot
+
+
+def placed(c: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[batch, token, E, capacity] bool: the slot of each kept assignment (the dispatch mask the router builds)."""
+    kept, slot = slots(c, capacity)
+    return kept[..., None] & (slot.clamp(0, capacity - 1)[..., None] == torch.arange(capacity, device=c.device))
+
+
+class CapacityRoute(Codec):
+    """A capacity router's (dispatch, combine) [batch, token, E, capacity] <-> each token's combine vector
+    [batch, token, 1, E]; decode rebuilds the slots by the router's rule (`slots`)."""
+
+    def __init__(self, num_experts: int, capacity: int, top_k: int = 2, name: str = "capacity router"):
+        if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:
+            raise FcauditError(f"{name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at least "
+                               "one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
+        self.num_experts, self.capacity, self.top_k, self.name = int(num_experts), int(capacity), int(top_k), name
+        self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
+
+    def _check(self, t: torch.Tensor, batch: int | None = None, token: int | None = None) -> None:
+        E, C = self.num_experts, self.capacity
+        if tuple(t.shape[2:]) != (E, C) or (batch is not None and tuple(t.shape[:2]) != (batch, token)):
+            want = f"[{batch if batch is not None else 'batch'}, {token if token is not None else 'token'}, {E}, {C}]"
+            raise FcauditError(f"{self.name} returned dispatch/combine of shape {list(t.shape)}, not {want}; pass "
+                               f"CapacityRoute(num_experts, capacity) as the router has them (capacity = its slots "
+                               f"per expert and window)")
+
+    def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
+        dispatch, combine = _split_dispatch(output, self.name)
+        self._check(combine, batch, token)
+        dtype = torch.promote_types(combine.dtype, torch.float32)  # bf16 / fp16 weights convert to it and back exactly
+        c = combine.detach().to(dtype).sum(-1)[:, :, None, :]  # one slot per (token, expert) holds the weight
+        if not torch.equal(placed(c, self.capacity), dispatch.detach() != 0):
+            raise FcauditError(f"{self.name}: its slots are not assigned in sequence order per expert and window (or "
+                               "a dispatched token has weight 0); CapacityRoute rebuilds slots by that rule only, so "
+                               "this router needs its own codec")
+        return c.contiguous()
+
+    def meta(self, output: Any) -> dict:
+        dispatch, combine = _split_dispatch(output, self.name)
+        self._check(combine)
+        return {"dispatch_dtype": dispatch.dtype, "combine_dtype": combine.dtype, "type": type(output)}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if canonical.dim() != 4 or tuple(canonical.shape[2:]) != (1, self.num_experts):
+            raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not "
+                               f"[batch, token, 1, {self.num_experts}]")
+        where = placed(canonical, self.capacity)
+        weights = canonical[:, :, 0, :, None].to(meta["combine_dtype"])
+        combine = torch.where(where, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+        dispatch = where.to(meta["dispatch_dtype"])
+        out = (dispatch, combine)
+        return list(out) if meta["type"] is list else out
+
+    def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per window: the (token, expert) assignments that run [B] and the counts [B, E + 1]: tokens each expert
+        runs, then the assignments dropped past the capacity (float64)."""
+        kept, _ = slots(canonical, self.capacity)
+        dropped = (canonical[:, :, 0, :] != 0) & ~kept
+        per_expert = kept.sum(1).double()
+        return per_expert.sum(1), torch.cat([per_expert, dropped.sum((1, 2)).double()[:, None]], 1)
+
+    def describe(self) -> str:
+        return (f"capacity router: top-{self.top_k} of {self.num_experts} experts, capacity {self.capacity} per "
+                f"expert and window, slots in sequence order: (batch token) expert combine vector")

@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from fcaudit.errors import FcauditError
-from fcaudit.protocol import Coeffs, Controllers, REFERENCES
+from fcaudit.protocol import RECORD_COLUMNS, Coeffs, Controllers, REFERENCES
 
 def path_matches(path: str, pattern: str) -> bool:
     """Glob over module paths: `*` matches within one dotted component ("blocks.*.gate" does not match
@@ -66,6 +66,13 @@ class Codec:
 
     top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
     routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
+    counts: tuple[str, ...] = ()  # names of the counts `executed` reports: extra columns of the audit's records
+
+    def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a module that does not run exactly the support of its coefficients (a capacity router drops what
+        exceeds its capacity): per window the sources it runs, summed over (token, stream) [B], and its `counts`
+        [B, len(counts)], float64. None (the default): it runs the nonzero coefficients."""
+        return None
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         """Canonical coefficients of one output: a fresh tensor, never a view the model could modify in place."""
@@ -457,6 +464,9 @@ class Controller:
             raise FcauditError("a controller needs at least one site; check the module pattern")
         if self.groups and len(self.groups) != len(self.sites):
             raise FcauditError(f"{len(self.groups)} groups for {len(self.sites)} sites; give one group per site")
+        clash = [n for s in self.sites for n in s.codec.counts if n in RECORD_COLUMNS]
+        if clash:
+            raise FcauditError(f"a codec counts {clash[0]!r}, the name of a record column; rename that count")
         self._recording: list | None = None
 
     @classmethod

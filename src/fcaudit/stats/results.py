@@ -112,12 +112,15 @@ class FactorEffectsResult(_Estimates):
 
 
 def retention_value(retention: float, low: float, high: float, note: str) -> str:
-    """Retention as the terminal prints it: '98.70% [97.10%, 99.20%]', or 'undefined (why)'."""
+    """Retention as the terminal prints it: '98.70% [97.10%, 99.20%]', or 'undefined (why)'. A negative one says so
+    in words: the condition costs more than the reference that removes the structure, which is no degree of
+    retention (e.g. a static profile that overfills a capacity router's experts)."""
     if not math.isfinite(retention):
         return f"undefined ({note})"
+    worse = ", below 0: costs more than the structure-removed reference" if retention < 0 else ""
     if math.isfinite(low) and math.isfinite(high):
-        return f"{100 * retention:.2f}% [{100 * low:.2f}%, {100 * high:.2f}%]"
-    return f"{100 * retention:.2f}% ({note.split('; ')[-1]})"
+        return f"{100 * retention:.2f}% [{100 * low:.2f}%, {100 * high:.2f}%]{worse}"
+    return f"{100 * retention:.2f}% ({note.split('; ')[-1]}){worse}"
 
 
 @dataclass(frozen=True, repr=False, eq=False)
