@@ -13,7 +13,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.audit.engine import active, executed
+from fcaudit.auditor.engine import active, executed
 from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.controllers.site import Codec
 from fcaudit.errors import FcauditError
