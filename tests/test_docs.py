@@ -29,8 +29,14 @@ def test_every_block_is_run_or_says_why_not(page):
             assert len(b.skip) > 10, f"{page.name}:{b.line}: say why the block is not run"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "README.md" and any(
-    not b.skip and b.lang in RUN for b in blocks(p))], ids=lambda p: str(p.relative_to(ROOT)))
+# The sharding page runs torchrun: slow, like the other torchrun tests (test_sharding's two-rank audit is the smoke test)
+SLOW_PAGES = {"sharding.md"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p
+                                  for p in PAGES if p.name != "README.md" and any(
+                                      not b.skip and b.lang in RUN for b in blocks(p))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_code_runs(page, tmp_path, monkeypatch):
     run_page(page, tmp_path, monkeypatch)
 
