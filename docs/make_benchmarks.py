@@ -59,6 +59,8 @@ BENCHES = (
           ("benchmarks/audit_memory.py",), r"^\s*\d+\s"),
     Bench("shard_speed", "one audit at world size 1 and 2 (torchrun, gloo, CPU)",
           ("benchmarks/shard_speed.py",), r"\d\.\d\dx$"),
+    Bench("sites_speed", "an audit of an op site (Controller.from_ops) against a bare loop of the same forward passes",
+          ("benchmarks/sites_speed.py",), r"(median|min)"),
     Bench("moe_penalties", "briefly trained tiny Hugging Face MoEs through fca.controller_for + fca.audit",
           ("benchmarks/moe_penalties.py",), "", moe_lines),
 )
