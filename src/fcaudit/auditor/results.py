@@ -138,10 +138,10 @@ class AuditResult:
     >>> result = fca.AuditResult.load(out)
     >>> result
     AuditResult('...', 4 windows, R=1, replay passed=True max|Δlogit|=0.0)
-    >>> result.penalties().to_frame()[["condition", "n"]]
-               condition  n
-    0         CrossInput  4
-    ...
+    >>> result.penalties().to_frame()[["label", "mean", "ci_low", "ci_high"]]
+                   label  mean  ci_low  ci_high
+    0        Cross-input  ...
+    6         GlobalMean  ...
 
     The examples of its methods, and of the result objects they return, use this `result`.
     """
@@ -235,7 +235,7 @@ class AuditResult:
     def labels(self) -> dict[str, str]:
         """Display label per condition: the registry's defaults, renamed by the controller (e.g. LayerMean).
 
-        Tables and `retention(...)` accept a label wherever they take a condition's name.
+        `retention(...)` and a result object's `[...]` accept a label wherever they take a condition's name.
 
         Examples
         --------
@@ -248,14 +248,17 @@ class AuditResult:
     def variation(self) -> dict | None:
         """Coefficient variation (variation.json): does the controller vary across inputs, tokens and layers?
 
-        The first of the paper's three questions, separate from functional dependence: per layer and in all, the
-        variance of the coefficients decomposed into between-input, between-token and residual parts. None for
-        an audit stopped before its end.
+        The first of the paper's three questions, kept apart from functional dependence (whether the model
+        uses that spread is what the conditions test): each layer's coefficient profile (`layers`: mean, sd,
+        shape, site) and a balanced variance decomposition of the coefficients into layer, input, token and
+        their interactions (`decomposition`: shares of the total). None for an audit stopped before its end.
 
         Examples
         --------
-        >>> sorted(k for k in result.variation if not k.startswith("_"))
-        ['decomposed', 'decomposition', 'layers', 'windows', 'windows_decomposed']
+        >>> sorted(result.variation["decomposition"])
+        ['input', 'input:layer', 'input:layer:token', 'input:token', 'layer', 'layer:token', 'token']
+        >>> result.variation["layers"][0]["site"]
+        'gates.0'
         """
         return _read_json(self.path / "variation.json", self.path)
 

@@ -491,8 +491,8 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     Parameters
     ----------
     inputs
-        Audit directories, `fcaudit summarize` outputs and `fcaudit execution` outputs, or directories holding
-        them (searched below).
+        Audit directories, `fcaudit summarize`, `fcaudit execution` and `fcaudit train` outputs (summary.json,
+        execution.json, metrics.json, table1.csv), or directories holding them (searched below).
     out
         The report directory (new, empty, or an earlier report's, which is replaced).
     allow_partial
