@@ -8,7 +8,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.controllers.routing import TokenRoute
+from fcaudit.controllers.site import TokenRoute
 from fcaudit.errors import FcauditError
 
 

@@ -4,7 +4,7 @@ A model's own adapter is found by its family (fcaudit.families.controller_for); 
 `Controller.from_modules`.
 """
 
-from fcaudit.controllers.site import Codec, Controller, Layout, Site  # first: site.py imports routing.py at its end
 from fcaudit.controllers.routing import CapacityRoute
+from fcaudit.controllers.site import Codec, Controller, Layout, Site, TokenRoute
 
-__all__ = ["CapacityRoute", "Codec", "Controller", "Layout", "Site"]
+__all__ = ["CapacityRoute", "Codec", "Controller", "Layout", "Site", "TokenRoute"]

@@ -327,6 +327,76 @@ def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
     return next((t for t in (_first_tensor(i, floating) for i in items) if t is not None), None)
 
 
+# ---- token routers (controllers.routing: the capacity codec and the causality check) -------------------------
+
+def chosen_index(mask: torch.Tensor) -> torch.Tensor:
+    """The chosen positions of a [B, T] bool mask, ascending, as [B, k_max] int64, padded with -1 where a window
+    chose fewer (at least one column)."""
+    T = mask.size(1)
+    k = max(1, int(mask.sum(-1).max().item()) if mask.numel() else 1)
+    order = torch.arange(T, device=mask.device).expand_as(mask)
+    index = torch.where(mask, order, order + T).sort(-1).values[:, :k]
+    return torch.where(index < T, index, torch.full_like(index, -1))
+
+
+class TokenRoute(Codec):
+    """A router whose output is (scores [B, T], index [B, k]): a tuple or a namedtuple of those two fields (more
+    fields are refused: a codec that reads the site's inputs is needed to rebuild them)."""
+
+    routing = "tokens"
+
+    def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
+        if not isinstance(output, tuple) or len(output) != 2:
+            raise FcauditError(f"a token router's output is (scores [batch, token], index [batch, k]); got "
+                               f"{type(output).__name__}: write a codec for it")
+        scores, index = output
+        if tuple(scores.shape) != (batch, token) or index.dim() != 2 or index.shape[0] != batch:
+            raise FcauditError(f"token router output has scores {tuple(scores.shape)} and index {tuple(index.shape)}, "
+                               f"not [batch={batch}, token={token}] and [batch, k]")
+        c = torch.zeros(batch, token, 1, 2, dtype=torch.float32, device=scores.device)
+        c[:, :, 0, 0] = scores.detach().float()
+        valid = index >= 0
+        c[:, :, 0, 1].scatter_add_(1, index.clamp_min(0), valid.float())  # padding (-1) adds 0 to token 0
+        return c
+
+    def meta(self, output: Any) -> dict:
+        return {"type": type(output), "dtype": output[0].dtype}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
+        scores = canonical[:, :, 0, 0].to(meta["dtype"]).contiguous()
+        index = chosen_index(canonical[:, :, 0, 1] > 0.5)
+        kind = meta["type"]
+        return kind(scores, index) if kind is not tuple else (scores, index)
+
+    def describe(self) -> str:
+        return "token router: (scores [batch token], chosen index [batch k])"
+
+
+def routed(layout: Any, codec: Codec | None, routing: str) -> Codec:
+    """The codec of a site declared `routing` (Controller.from_modules(..., routing="tokens")): TokenRoute when
+    neither a codec nor a layout is given; a given codec is marked as a token router (or must already be one)."""
+    if routing != "tokens":
+        raise FcauditError(f"routing={routing!r}: the one routing fcaudit knows is 'tokens' (a router choosing the "
+                           "tokens a block runs on); drop routing= for any other site")
+    if codec is None and isinstance(layout, Codec):
+        codec, layout = layout, None
+    if layout is not None:
+        raise FcauditError(f"routing='tokens' with layout {layout!r}: a token router's coefficient is (score, chosen) "
+                           "per token; drop the layout (TokenRoute reads a (scores, index) output) or pass codec=")
+    if codec is None:
+        return TokenRoute()
+    if codec.routing not in (None, "tokens"):
+        raise FcauditError(f"codec {codec.describe()} says routing={codec.routing!r}, not 'tokens': pass a token "
+                           "router's codec")
+    if codec.routing is None:
+        try:
+            codec.routing = "tokens"
+        except (AttributeError, TypeError):  # a frozen dataclass
+            raise FcauditError(f"codec {codec.describe()} cannot be marked as a token router: give its class "
+                               "routing = 'tokens'") from None
+    return codec
+
+
 def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:
     if codec is not None:
         return codec
@@ -594,7 +664,7 @@ class Controller:
         >>> len(ctrl.sites), ctrl.labels["StaticProfile"]
         (2, 'LayerMean')
         """
-        chosen = _codec(layout, codec) if routing is None else routing_codec(layout, codec, routing)
+        chosen = _codec(layout, codec) if routing is None else routed(layout, codec, routing)
         return cls._build(model, pattern, chosen, (call, method, None),
                           (static_name, reference, reference_name, context))
 
@@ -817,6 +887,3 @@ class Controller:
             else:
                 out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
         return out
-
-
-from fcaudit.controllers.routing import routed as routing_codec  # noqa: E402  (its codecs build on Codec above)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fcaudit.controllers.routing import TokenRoute
+from fcaudit.controllers.site import TokenRoute
 from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import Family, register
