@@ -12,7 +12,9 @@ import inspect
 
 CLI = "<!-- cli-reference -->"
 API = "<!-- api-reference -->"
-RETURNED = ("fcaudit.auditor.results.AuditResult", "fcaudit.summary.Summary", "fcaudit.auditor.runner.AuditPlan")
+RETURNED = ("fcaudit.auditor.results.AuditResult", "fcaudit.stats.results.PenaltiesResult",
+            "fcaudit.stats.results.FactorEffectsResult", "fcaudit.stats.results.RetentionResult",
+            "fcaudit.summary.Summary", "fcaudit.auditor.runner.AuditPlan")
 
 
 def cli_markdown() -> str:

@@ -21,13 +21,53 @@ from fcaudit.tokens import load_tokenizer
 def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
          revision: str | None = None, device_map: str | dict | None = None,
          offload_folder: str | os.PathLike | None = None) -> nn.Module:
-    """The model of a checkpoint directory or Hugging Face hub id (any registered family: FeatureGate, MUDDPythia,
-    Hugging Face MoE), in eval mode.
+    """Load a model from a checkpoint directory or a Hugging Face hub id, in eval mode.
 
-    What the checkpoint says about itself (variant, seed, ...) is in `model.fcaudit_meta`, with the resolved
-    directory under "checkpoint". device: auto | cpu | cuda; dtype: None keeps the checkpoint's. device_map (Hugging
-    Face checkpoints, instead of device): accelerate's "auto", "balanced", "sequential", or {module path: device};
-    offload_folder holds what it puts on "disk".
+    Any registered family loads: a directory `fcaudit train` wrote (FeatureGate, MoD, MUDDPythia), or a
+    MUDDPythia or Hugging Face MoE checkpoint. What the checkpoint says about itself (variant, seed, ...) is in
+    `model.fcaudit_meta`, with the resolved directory under "checkpoint"; `fca.controller_for(model)` then gives
+    its sites.
+
+    Parameters
+    ----------
+    path_or_id
+        A checkpoint directory (config.json and weights) or a hub id.
+    device
+        "auto", "cpu" or "cuda".
+    dtype
+        None keeps the checkpoint's; else e.g. "float32" or "bfloat16".
+    revision
+        The hub revision (branch, tag or commit) of a hub id.
+    device_map
+        Hugging Face checkpoints, instead of `device`: accelerate's "auto", "balanced", "sequential", or
+        {module path: device}.
+    offload_folder
+        Where a device map keeps what it puts on "disk".
+
+    Returns
+    -------
+    torch.nn.Module
+        The model, in eval mode.
+
+    Examples
+    --------
+    A checkpoint of a two-step training run (`fcaudit train --preset tiny --steps 2 --out DIR` writes the same):
+
+    >>> import tempfile
+    >>> from fcaudit.train import TrainConfig, train
+    >>> run = tempfile.mkdtemp()
+    >>> cfg = TrainConfig(model="featuregate", preset="tiny", steps=2,
+    ...                   eval_windows=1, test_windows=1, out=run, progress=False)
+    >>> _ = train(cfg)
+    >>> model = fca.load(run, device="cpu")
+    >>> type(model).__name__, model.fcaudit_meta["checkpoint"] == run
+    ('FeatureGateGPT', True)
+
+    A Hugging Face MoE from the hub, spread over the GPUs (not run here: it needs the hub, GPUs and the `hf`
+    extra):
+
+    >>> moe = fca.load("mistralai/Mixtral-8x7B-v0.1",
+    ...                dtype="bfloat16", device_map="auto")  # doctest: +SKIP
     """
     path = resolve(path_or_id, revision)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
@@ -38,10 +78,41 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
 
 
 def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int, seed: int = 0, tokenizer=None):
-    """(evaluation, calibration) WindowSets as `fcaudit audit` draws them: non-overlapping windows of `window`
-    tokens from the test and the validation split of `corpus` (embedded, a local path, wikitext-103, openwebtext).
+    """Draw evaluation and calibration windows from a corpus, as `fcaudit audit` does.
 
-    tokenizer: None for byte-level models, else a `tokenizers.Tokenizer` or a directory / hub id holding one.
+    Non-overlapping windows of `window` tokens, chosen by `seed`: the evaluation windows from the corpus's test
+    split, the calibration windows (static profiles are estimated on them only) from its validation split.
+
+    Parameters
+    ----------
+    corpus
+        "embedded" (byte-level text of the Python standard library's source, present wherever Python is), a
+        local file or directory of text, "wikitext-103" or "openwebtext" (from the hub).
+    n_eval, n_calib
+        The numbers of evaluation and calibration windows.
+    window
+        Tokens per window.
+    seed
+        Which windows are drawn.
+    tokenizer : tokenizers.Tokenizer or str or None
+        None for byte-level models; else a `tokenizers.Tokenizer`, or a directory or hub id holding one.
+
+    Returns
+    -------
+    tuple of fcaudit.data.WindowSet
+        (evaluation, calibration); `.ids` is an int64 tensor [n, window] of each.
+
+    Examples
+    --------
+    >>> eval_w, calib_w = fca.windows("embedded", n_eval=4, n_calib=4, window=16)
+    >>> eval_w.ids.shape, eval_w.split, calib_w.split
+    (torch.Size([4, 16]), 'test', 'validation')
+
+    A tokenized model's windows take its tokenizer (not run here: the corpus and the tokenizer come from the
+    hub):
+
+    >>> eval_w, calib_w = fca.windows("wikitext-103", n_eval=64, n_calib=64, window=512,
+    ...                               tokenizer="EleutherAI/pythia-1.4b")  # doctest: +SKIP
     """
     AuditConfig(n_eval=n_eval, n_calib=n_calib, window=window, seed=seed)  # the bounds `fcaudit audit` has
     if isinstance(tokenizer, (str, os.PathLike)):

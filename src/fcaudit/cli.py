@@ -234,8 +234,8 @@ def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output 
                                                              "minutes on one CPU thread)"),
          device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
          threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the same numbers on every "
-                                                         "run, and no thrashing on a shared machine; 2 trains about "
-                                                         "1.45x faster on 2 idle cores, with other last digits)")
+                                                         "run, and no thrashing on a shared machine; more train "
+                                                         "faster on idle cores, with other last digits)")
          ) -> None:
     """The whole study end to end on the embedded corpus.
 

@@ -2,7 +2,19 @@
 
 
 class FcauditError(Exception):
-    """Bad input or a failed check. The message is one line and says what to do."""
+    """Bad input or a failed check, with a one-line message that says what to do.
+
+    Every error fcaudit raises about its input is this type (the CLI prints the message and exits with code 2),
+    so a script can tell it apart from a bug; the troubleshooting page lists the messages and their fixes.
+
+    Examples
+    --------
+    >>> try:
+    ...     fca.Criteria(confidence=1.5)
+    ... except fca.FcauditError as e:
+    ...     print(e)
+    criteria confidence must be in (0, 1), got 1.5; e.g. 0.95
+    """
 
 
 def one_line(e: BaseException, limit: int = 160) -> str:

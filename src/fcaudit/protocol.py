@@ -447,7 +447,32 @@ def forward_passes(conditions_run: Sequence[str], eval_batches: int, calib_batch
 
 @dataclass
 class Criteria:
-    """The two prespecified criteria of §4.1 (thresholds configurable, fixed before the audit runs)."""
+    """The two prespecified criteria of §4.1, fixed before the audit runs: is a static profile's cost practically
+    small, and is its retention high?
+
+    An audit writes its criteria into config.json before it replays anything, so a reader can check that the
+    thresholds were not chosen after seeing the results; `fca.summarize` and the report judge each family
+    against them, at checkpoint level where there are several checkpoints.
+
+    Parameters
+    ----------
+    small_upper
+        StaticProfile's ΔNLL is "practically small" when its interval's upper bound is below this (nats per
+        predicted token); retention is defined only where the structure-removed reference's interval lies
+        above it.
+    retention_lower
+        StaticProfile's retention is "high" when its interval's lower bound is above this.
+    confidence
+        The level of the intervals the criteria are judged on.
+
+    Examples
+    --------
+    >>> strict = fca.Criteria(small_upper=0.001, confidence=0.99)
+    >>> strict.to_dict()
+    {'small_upper': 0.001, 'retention_lower': 0.95, 'confidence': 0.99}
+
+    It is passed as `fca.audit(..., criteria=strict)`.
+    """
 
     small_upper: float = 0.002  # StaticProfile ΔNLL: upper CI bound below this => "practically small"
     retention_lower: float = 0.95  # StaticProfile retention: lower CI bound above this => "high retention"

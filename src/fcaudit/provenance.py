@@ -20,7 +20,7 @@ def git_hash() -> str | None:
 
 @cache
 def _versions() -> tuple[tuple[str, str | None], ...]:
-    """Looked up once per process (about 4 ms: each lookup scans the installed distributions)."""
+    """Looked up once per process (each lookup scans the installed distributions)."""
     found: dict[str, str | None] = {"python": platform.python_version()}
     for name in _PACKAGES:
         try:

@@ -274,7 +274,13 @@ def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str 
 
 @dataclass
 class Summary:
-    """Checkpoint-level (or, for n = 1, window-level) results of every model family."""
+    """Checkpoint-level (or, for n = 1, window-level) results of every model family: what `fca.summarize`
+    returns.
+
+    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row
+    per family and quantity (a `family` column), `criteria` the verdict of each family's prespecified criteria,
+    and `groups` per family its number of checkpoints, the level of its intervals and its audits;
+    `summary.family(name)` gathers one family's."""
 
     conditions: pd.DataFrame
     factors: pd.DataFrame
@@ -339,10 +345,50 @@ class Summary:
 
 
 def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_partial: bool = False) -> Summary:
-    """Group audits by model family and infer across checkpoints (training seeds are the units); a family with
-    a single checkpoint falls back to window-level intervals and says so. Unfinished audits are refused unless
-    `allow_partial` (then marked partial). Writes summary.json, conditions.csv, factors.csv, retention.csv and
-    criteria.json into `out` (atomically) when given."""
+    """The paper's evidence from several audits: checkpoint-level inference per model family.
+
+    Audits are grouped by model family (config.json's `model.family`), and within a family the independently
+    trained checkpoints (training seeds) are the units: checkpoint bootstrap intervals, exact sign-flip tests with
+    Holm's correction across the three factor effects, retention intervals over checkpoints, and each family
+    judged against its prespecified criteria. A family with a single checkpoint falls back to window-level
+    intervals and says so everywhere.
+
+    Parameters
+    ----------
+    audit_dirs
+        Audit directories or `AuditResult`s; each checkpoint once, those of one family audited alike (windows,
+        corpus, randomizations, criteria).
+    out
+        Where to write summary.json, conditions.csv, factors.csv, retention.csv and criteria.json (atomically);
+        None writes nothing.
+    allow_partial
+        Read unfinished audits (their results are marked partial) instead of refusing them.
+
+    Returns
+    -------
+    Summary
+        Its `str()` is the table `fcaudit summarize` prints; `.conditions`, `.factors` and `.retention` are
+        DataFrames with a `family` column.
+
+    Examples
+    --------
+    With `GatedLM`, `eval_w`, `calib_w` and `result` from `fca.audit`'s example, a second training seed:
+
+    >>> seed1 = GatedLM().eval()
+    >>> ctrl1 = fca.Controller.from_modules(seed1, "gates.*", layout="batch token")
+    >>> other = fca.audit(seed1, ctrl1, eval_w, calib_w,
+    ...                   randomizations=1, out=tempfile.mkdtemp(), quiet=True)
+    >>> summary = fca.summarize([result, other])
+    >>> print(summary)
+    GatedLM ... params: 2 checkpoint(s), checkpoint-level intervals
+      Cross-input            ΔNLL ...  p=... (.../2 > 0)
+      ...
+      retention StaticProfile vs GlobalMean: ...
+      criterion 'practically small' (upper 95% bound of the StaticProfile ΔNLL < 0.002; checkpoint): ...
+    >>> summary.conditions[["family", "condition", "n"]].head(1)
+      family   condition  n
+    0 GatedLM... CrossInput  2
+    """
     audits = [a if isinstance(a, AuditResult) else AuditResult.load(a, allow_partial=allow_partial) for a in audit_dirs]
     if not audits:
         raise FcauditError("no audit directories given; pass one or more directories written by `fcaudit audit`")

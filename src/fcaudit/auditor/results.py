@@ -113,11 +113,38 @@ def missing_files(root: Path, config: dict) -> list[str]:
 
 @dataclass(repr=False)
 class AuditResult:
-    """The results directory of one audit: config, replay report and records, with the paper's summaries.
+    """One audit read back from its directory: records, replay check, variation and the paper's statistics.
 
-    `partial` is True for an unfinished audit loaded with `allow_partial=True`; every summary says so. The records
-    are read from disk (and their content hashes checked) when first used, so loading an audit costs no memory
-    that grows with its number of windows until its records are needed."""
+    `fca.audit(...)` returns one, and `fca.AuditResult.load(dir)` reads any audit directory (`fcaudit audit`
+    writes the same). The records are read from disk (and their content hashes checked) when first used, so
+    loading an audit costs no memory that grows with its number of windows until its records are needed.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The audit directory.
+    config : dict
+        Its config.json: windows, randomizations, seed, conditions, labels, criteria, controller, model and
+        provenance, fixed before the audit ran.
+    replay : dict
+        The exact replay check (replay.json): `passed`, `max_abs_dlogit`, `delta_nll`, `bit_equal`, `tolerance`.
+    partial : bool
+        True for an unfinished audit loaded with `allow_partial=True`; every summary of it then says so.
+
+    Examples
+    --------
+    With `out`, the directory of `fca.audit`'s example:
+
+    >>> result = fca.AuditResult.load(out)
+    >>> result
+    AuditResult('...', 4 windows, R=1, replay passed=True max|Δlogit|=0.0)
+    >>> result.penalties().to_frame()[["label", "mean", "ci_low", "ci_high"]]
+                   label  mean  ci_low  ci_high
+    0        Cross-input  ...
+    6         GlobalMean  ...
+
+    The examples of its methods, and of the result objects they return, use this `result`.
+    """
 
     path: Path
     config: dict
@@ -127,6 +154,20 @@ class AuditResult:
 
     @property
     def records(self) -> pd.DataFrame:
+        """One row per (window, condition, randomization): the audit's raw data, which every statistic reads.
+
+        Columns: `example` (the window), `condition`, `randomization`, `nll` (mean next-token NLL per predicted
+        token of the window), `tokens` (predicted tokens), `active` (mean nonzero coefficients per layer, token
+        and stream), then a codec's execution counts where it has them. Sorted by condition (registry order),
+        randomization, example.
+
+        Examples
+        --------
+        >>> result.records.columns.tolist()[:6]
+        ['example', 'condition', 'randomization', 'nll', 'tokens', 'active']
+        >>> result.records.groupby("condition", sort=False)["nll"].mean().index[0]
+        'Correct'
+        """
         if self._records is None:
             self._records = load_records(self.path, partial=self.partial)
         return self._records
@@ -141,7 +182,28 @@ class AuditResult:
 
     @classmethod
     def load(cls, path: str | os.PathLike, allow_partial: bool = False) -> "AuditResult":
-        """Read an audit directory; an unfinished one is refused unless `allow_partial` (then marked partial)."""
+        """Read an audit directory, one `fcaudit audit` or `fca.audit` wrote.
+
+        Parameters
+        ----------
+        path
+            The audit directory (the `--out` / `out=` of the audit).
+        allow_partial
+            Read an unfinished audit (one stopped before its end) instead of refusing it; the result is marked
+            `partial`, and its statistics use the units it has.
+
+        Raises
+        ------
+        FcauditError
+            Not an audit directory, an unfinished audit without `allow_partial`, a damaged file, or a failed
+            exact replay check.
+
+        Examples
+        --------
+        >>> again = fca.AuditResult.load(result.path)
+        >>> again.replay["passed"], again.partial
+        (True, False)
+        """
         adir = AuditDir(path)
         rerun = f"rerun the audit command with --out {adir.root} to finish it"
         if not adir.config_path.is_file():
@@ -171,53 +233,191 @@ class AuditResult:
 
     @property
     def labels(self) -> dict[str, str]:
-        """Display label per condition: the registry's defaults, renamed by the controller (e.g. LayerMean)."""
+        """Display label per condition: the registry's defaults, renamed by the controller (e.g. LayerMean).
+
+        `retention(...)` and a result object's `[...]` accept a label wherever they take a condition's name.
+
+        Examples
+        --------
+        >>> result.labels["StaticProfile"], result.labels["StructureRemoved"]
+        ('StaticProfile', 'GlobalMean')
+        """
         return protocol.default_labels() | dict(self.config.get("labels") or {})
 
     @property
     def variation(self) -> dict | None:
+        """Coefficient variation (variation.json): does the controller vary across inputs, tokens and layers?
+
+        The first of the paper's three questions, kept apart from functional dependence (whether the model
+        uses that spread is what the conditions test): each layer's coefficient profile (`layers`: mean, sd,
+        shape, site) and a balanced variance decomposition of the coefficients into layer, input, token and
+        their interactions (`decomposition`: shares of the total). None for an audit stopped before its end.
+
+        Examples
+        --------
+        >>> sorted(result.variation["decomposition"])
+        ['input', 'input:layer', 'input:layer:token', 'input:token', 'layer', 'layer:token', 'token']
+        >>> result.variation["layers"][0]["site"]
+        'gates.0'
+        """
         return _read_json(self.path / "variation.json", self.path)
 
     @property
     def criteria(self) -> Criteria:
-        """The prespecified criteria in config.json (the defaults for audits written without them)."""
+        """The prespecified criteria in config.json (the defaults for audits written without them).
+
+        Examples
+        --------
+        >>> result.criteria
+        Criteria(small_upper=0.002, retention_lower=0.95, confidence=0.95)
+        """
         return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
 
     @property
     def penalties_confidence(self) -> float:
+        """The confidence level of the intervals, as the criteria fix it (`penalties(confidence=...)` overrides it).
+
+        Examples
+        --------
+        >>> result.penalties_confidence
+        0.95
+        """
         return self.criteria.confidence
 
     def statistics(self, confidence: float | None = None, n_resamples: int = 10000) -> WindowStatistics:
-        """The window-level statistics of this audit's records (`summarize` reads a single checkpoint the same
-        way); `confidence` overrides the criteria's."""
+        """The window-level statistics of this audit's records, the one object penalties, factor effects and
+        retention are computed from (`fca.summarize` reads a single checkpoint the same way).
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the criteria's.
+        n_resamples
+            Bootstrap resamples of the windows.
+
+        Examples
+        --------
+        >>> stats = result.statistics()
+        >>> stats.per_window.shape  # ΔNLL per window (rows) and condition (columns)
+        (4, ...)
+        """
         crit = self.criteria if confidence is None else replace(self.criteria, confidence=confidence)
         return WindowStatistics(self.records, self.labels, crit, complete=not self.partial, n_resamples=n_resamples)
 
     def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> PenaltiesResult:
-        """Per condition: mean ΔNLL, paired-window bootstrap interval, MC SE across randomizations and the mean
-        number of active sources (experts) per token (`.to_frame()` for the table)."""
+        """The cost of each condition: mean ΔNLL vs Correct per condition (Eq. 4), with its interval over windows.
+
+        Each condition replaces the coefficients (e.g. CrossInput: another input's; StaticProfile: a fixed
+        profile from the calibration windows); its penalty is how much worse the frozen model predicts. Also the
+        Monte Carlo SE across randomizations and the mean active sources (experts) per token.
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the audit's criteria's.
+        n_resamples
+            Bootstrap resamples of the windows.
+
+        Returns
+        -------
+        PenaltiesResult
+            Prints a table; `.statistic`, `.confidence_interval`, `pen["CrossInput"]`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> pen = result.penalties()
+        >>> pen.to_frame()[["condition", "mean", "ci_low", "ci_high"]].columns.tolist()
+        ['condition', 'mean', 'ci_low', 'ci_high']
+        >>> pen["StaticProfile"].n  # windows the interval is over
+        4
+        """
         return self.statistics(confidence, n_resamples).penalties()
 
     def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> FactorEffectsResult:
-        """E_input, E_token, E_interaction (Eq. 5-7), paired CC/DC/CS/DS per example and randomization."""
+        """The factorial contrasts E_input, E_token and E_interaction (Eq. 5-7), with their intervals over windows.
+
+        From the paired cells CC (Correct), DC (CrossInput), CS (TokenShuffle) and DS (CrossShuffle) of each
+        window and randomization: how much the model needs each coefficient at its own input, at its own token,
+        and their interaction. Contrasts, not an additive split into mechanisms.
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the audit's criteria's.
+        n_resamples
+            Bootstrap resamples of the windows.
+
+        Returns
+        -------
+        FactorEffectsResult
+            Prints a table; `fx["E_input"]`, `.statistic`, `.confidence_interval`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> fx = result.factor_effects()
+        >>> fx.to_frame().index.tolist()
+        ['input', 'token', 'interaction']
+        """
         return self.statistics(confidence, n_resamples).factor_effects()
 
     def retention(self, name: str = "StaticProfile", confidence: float | None = None,
                   n_resamples: int = 10000) -> RetentionResult:
-        """Retention(S) = 1 - ΔNLL(S)/ΔNLL(StructureRemoved) (Eq. 8) with its paired-window interval, reported
-        with both absolute ΔNLLs. Undefined (nan, with the reason) unless the reference ΔNLL's interval lies above
-        the criteria's practically-small bound. `name`: a retained static condition (StaticProfile,
-        LayerPositionMean, StaticTopK) or its display label (e.g. LayerMean)."""
+        """How much of the input-dependent structure's value a static condition keeps (Eq. 8).
+
+        Retention(S) = 1 - ΔNLL(S) / ΔNLL(StructureRemoved), with its paired-window interval, always reported
+        beside both absolute ΔNLLs. It is undefined (statistic nan, with the reason) unless the reference's
+        interval lies above the criteria's practically-small bound: when removing all structure costs next to
+        nothing, the ratio says nothing.
+
+        Parameters
+        ----------
+        name
+            A retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its display label (e.g.
+            LayerMean).
+        confidence
+            The interval's level; None takes the audit's criteria's.
+        n_resamples
+            Bootstrap resamples of the windows.
+
+        Returns
+        -------
+        RetentionResult
+            `.statistic`, `.confidence_interval`, `.defined`, `.reason`, `.line()`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> ret = result.retention("StaticProfile")
+        >>> ret.reference_label, ret.n
+        ('GlobalMean', 4)
+        >>> ret.line()
+        'retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...'
+        """
         return self.statistics(confidence, n_resamples).retention(name)
 
     def retention_lines(self) -> list[str]:
-        """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined)."""
+        """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined).
+
+        What `fcaudit audit` prints under its table; a capacity router's audit adds its drops.
+
+        Examples
+        --------
+        >>> for line in result.retention_lines():
+        ...     print(line)
+        retention Layer×PositionMean vs GlobalMean: ...
+        retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...
+        """
         return [r.line() for r in self.statistics().retentions()] + self.capacity_lines()
 
     def capacity_lines(self) -> list[str]:
         """Where a capacity router's codec counted drops (a `dropped` record column): one line with each condition's
         mean assignments per window dropped past the experts' capacity, beside the assignments run under Correct, so
-        a static profile that overfills the experts is seen as such ([] for other controllers)."""
+        a static profile that overfills the experts is seen as such ([] for other controllers).
+
+        Examples
+        --------
+        >>> result.capacity_lines()  # a gate controller drops nothing
+        []
+        """
         rec = self.records
         if "dropped" not in rec.columns:
             return []

@@ -189,7 +189,10 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
 
 @dataclass
 class AuditPlan:
-    """Sizes of an audit, from one 1-window forward pass."""
+    """Sizes of an audit, from one 1-window forward pass: what `fca.plan` returns.
+
+    `str(plan)` is the one line `fcaudit audit --dry-run` prints; the fields are the numbers behind it (bytes,
+    forward passes in all and per rank, the canonical [token, stream, source] shape of each site)."""
 
     n_eval: int
     n_calib: int
@@ -297,10 +300,42 @@ def runs(sched: Schedule) -> int:
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
          randomizations: int = 20, world_size: int = 1) -> AuditPlan:
-    """What an audit of these windows will cost: store size, forward passes (split over `world_size` processes),
-    peak memory: the parameters, the plan (the windows and the schedule's bookkeeping) and, per window of a batch,
-    the measured activations of a one-window forward pass, the capture pass's logits (kept while the exact replay
-    check runs) and three windows of coefficients."""
+    """What an audit of these windows will cost, from one one-window forward pass, before running it.
+
+    Use it to size a large audit (store on disk, forward passes, memory) and to choose `batch_size` and the
+    number of processes; `fcaudit audit --dry-run` prints the same. Peak memory counts the parameters, the plan
+    (the windows and the schedule's bookkeeping) and, per window of a batch, the activations of a one-window
+    forward pass, the capture pass's logits (kept while the exact replay check runs) and three windows of
+    coefficients.
+
+    Parameters
+    ----------
+    model, controller
+        As for `fca.audit`.
+    eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
+        As for `fca.audit`; the calibration windows may be None.
+    batch_size
+        Windows per forward pass.
+    randomizations
+        Draws of each randomized condition.
+    world_size
+        Processes the work units are split over (torchrun ranks).
+
+    Returns
+    -------
+    AuditPlan
+        Its `str()` is one line; its fields hold each size in bytes and the forward passes per rank.
+
+    Examples
+    --------
+    With `model`, `ctrl`, `eval_w` and `calib_w` from `fca.audit`'s example:
+
+    >>> p = fca.plan(model, ctrl, eval_w, calib_w, randomizations=20)
+    >>> p.forward_passes, len(p.layer_shapes)
+    (..., 2)
+    >>> print(p)
+    2 sites, store ... MiB, ... forward passes (Correct, ...), peak memory ~... MiB (parameters ...)
+    """
     config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
     ev, _ = as_windows(eval_windows, "evaluation")
     ca = None if calib_windows is None else as_windows(calib_windows, "calibration")[0]
@@ -509,17 +544,90 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
           seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
           loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
           group: Group | None = None) -> AuditResult:
-    """Run (or resume) a Frozen-Controller Audit of `model` and return its results (also written to `out`).
+    """Run (or resume) a Frozen-Controller Audit of `model` and return its results, also written to `out`.
 
-    eval_windows / calib_windows: int tensors [N, T] of token ids or `fcaudit.data.WindowSet`s.
-    batch_size: windows per forward pass. tolerance: 0 demands bit-equal replay of logits and NLL; a positive value
-    accepts max |Δlogit| and max |ΔNLL| up to it (recorded in replay.json). loss_fn(output, ids) -> [B] replaces the
-    next-token NLL (the logits are still read from the output, for the exact replay check). criteria: a
-    fcaudit.Criteria (or dict) fixed before the audit runs. model_info: what the config records about the model;
-    its "family" is the name `summarize` pools checkpoints by as training seeds (default: class and size), and
-    "checkpoint" where it came from. quiet: no progress bar or summary table.
-    group: the processes sharing this audit (default: this process alone); under torchrun pass
-    `fcaudit.auditor.group_from_env(device)` and every rank runs its share of the work units.
+    The audit runs the unmodified model once and caches every site's coefficients, checks that replaying that cache
+    reproduces the logits exactly, estimates static profiles on the calibration windows only, then replays every
+    condition the controller allows. Rerunning the same call on the same `out` resumes it; another model,
+    controller or configuration there is refused.
+
+    Parameters
+    ----------
+    model
+        The model, called as `model(ids)` on int64 token ids [batch, token]; it returns logits [batch, token, vocab]
+        (or an output whose logits `loss_fn` reads).
+    controller
+        Its sites: `fca.Controller.from_modules(...)` or `fca.controller_for(model)`.
+    eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
+        Token ids [N, T] (an int tensor) or the WindowSets of `fca.windows`.
+    randomizations
+        Draws of each randomized condition (the paper's R).
+    seed
+        Seeds every draw; the same seed on the same inputs gives the same records bit for bit.
+    out
+        The audit directory; None writes a new temporary one.
+    batch_size
+        Windows per forward pass.
+    tolerance
+        0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and max |ΔNLL| up to it
+        (recorded in replay.json).
+    loss_fn
+        `loss_fn(output, ids) -> [batch]` replaces the next-token NLL; the logits are still read from the output
+        for the exact replay check.
+    criteria : fcaudit.Criteria or dict, optional
+        The prespecified criteria, fixed in config.json before the audit runs.
+    model_info
+        What config.json records about the model: its "family" is the name `fca.summarize` pools checkpoints by
+        as training seeds (default: class and size), "checkpoint" where it came from.
+    quiet
+        No progress bar or summary table.
+    group
+        The processes sharing this audit (default: this process alone); under torchrun pass
+        `fcaudit.auditor.group_from_env(device)` and every rank runs its share of the work units.
+
+    Returns
+    -------
+    AuditResult
+        The audit's directory read back.
+
+    Raises
+    ------
+    FcauditError
+        Bad input (one line naming the fix), or a failed exact replay check.
+
+    Examples
+    --------
+    A two-layer byte-level LM whose residual updates are scaled by input-dependent gates (each gate's output,
+    one coefficient per window and token, is a site), audited untrained:
+
+    >>> import tempfile
+    >>> class GatedLM(nn.Module):
+    ...     def __init__(self, d=16):
+    ...         super().__init__()
+    ...         self.embed, self.head = nn.Embedding(256, d), nn.Linear(d, 256)
+    ...         self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+    ...         self.gates = nn.ModuleList(
+    ...             nn.Sequential(nn.Linear(d, 1), nn.Sigmoid(), nn.Flatten(-2)) for _ in range(2))
+    ...     def forward(self, ids):  # ids [batch, token] -> logits [batch, token, 256]
+    ...         h = self.embed(ids)
+    ...         for mlp, gate in zip(self.mlps, self.gates):
+    ...             h = h + gate(h).unsqueeze(-1) * mlp(h)  # gate(h): [batch, token]
+    ...         return self.head(h)
+    >>> model = GatedLM().eval()
+    >>> ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
+    >>> eval_w, calib_w = fca.windows("embedded", n_eval=4, n_calib=4, window=16)
+    >>> out = tempfile.mkdtemp()
+    >>> result = fca.audit(model, ctrl, eval_w, calib_w,
+    ...                    randomizations=1, out=out, quiet=True)
+    >>> result.replay["passed"], result.replay["max_abs_dlogit"]
+    (True, 0.0)
+    >>> result.penalties()  # an untrained model's numbers mean nothing: the calls are the point
+    PenaltiesResult: mean ΔNLL vs Correct per condition ..., 95% paired-window bootstrap intervals over 4 windows
+      Cross-input ...
+      StaticProfile ...
+      GlobalMean ...
+
+    The examples of `fca.AuditResult`, `fca.plan`, `fca.summarize` and `fca.build_report` continue this one.
     """
     config = AuditConfig(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size,
                          tolerance=tolerance, loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)

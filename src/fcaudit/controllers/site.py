@@ -62,7 +62,32 @@ def with_memory_order(x: torch.Tensor, order: Sequence[int] | None) -> torch.Ten
 
 
 class Codec:
-    """How one site's output maps to canonical coefficients [batch, token, stream, source] and back."""
+    """How one site's output maps to canonical coefficients [batch, token, stream, source] and back.
+
+    Subclass it for a site whose output is not one tensor (a tuple, a dataclass, a router's indices and weights);
+    a single tensor takes a `Layout` (`layout="batch token"`). `encode` returns a fresh canonical tensor, never a
+    view the model could modify in place; `decode` rebuilds the output from (possibly transformed) coefficients,
+    for any batch size. Set `top_k` on a top-k router's codec so that the audit offers StaticTopK.
+
+    Examples
+    --------
+    A gate module that returns (gate [batch, token], an auxiliary loss):
+
+    >>> class GateAndLoss(fca.Codec):
+    ...     def encode(self, output, batch, token):
+    ...         return output[0].detach().reshape(batch, token, 1, 1).clone()
+    ...     def decode(self, canonical, meta):
+    ...         g = canonical.reshape(canonical.shape[:2])
+    ...         return g, g.mean()
+    >>> codec = GateAndLoss()
+    >>> c = codec.encode((torch.full((2, 3), 0.5), torch.tensor(0.5)), batch=2, token=3)
+    >>> c.shape
+    torch.Size([2, 3, 1, 1])
+    >>> codec.decode(c, {})[1]
+    tensor(0.5000)
+
+    It is passed as `fca.Controller.from_modules(model, "gates.*", codec=GateAndLoss())`.
+    """
 
     top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
     routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
@@ -94,7 +119,24 @@ class Codec:
 
 @dataclass(frozen=True)
 class Layout(Codec):
-    """An einops layout of a single-tensor site output: the default codec."""
+    """An einops layout of a single-tensor site output: the default codec.
+
+    Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams,
+    and one source axis (an expert, a source layer; a merged group "(a b)" is one source axis). A missing stream
+    or source axis becomes a unit axis. `Controller.from_modules(..., layout="...")` parses the string for you.
+
+    Examples
+    --------
+    A router's weights [batch * token, experts] become canonical [batch, token, stream, source]:
+
+    >>> router = fca.Layout.parse("(batch token) expert")
+    >>> router.source
+    'expert'
+    >>> router.encode(torch.rand(2 * 3, 4), batch=2, token=3).shape
+    torch.Size([2, 3, 1, 4])
+    >>> fca.Layout.parse("batch token").scalar  # one coefficient per token: a gate
+    True
+    """
 
     pattern: str  # einops pattern (a merged source group renamed to one axis)
     source: str | None  # name of the axis that plays the source role, if any
@@ -516,8 +558,47 @@ def _missing(run: _Pass) -> str | None:
 
 @dataclass
 class Controller:
-    """The ordered controller sites of one model plus the names of its static/reference conditions. `groups`: each
-    site's layer (sites of one group move together under the randomized conditions); () = one layer per site."""
+    """The controller sites of a model: where each layer's coefficients appear, and how to read and replace them.
+
+    An audit captures every site's output on the unmodified model, then replays transformed coefficients in its
+    place; the model's code is never changed. Build one with `from_modules` (a module's output is the
+    coefficients), `from_ops` (a tensor computed inside a module's method) or `merge` (several kinds of sites);
+    `fca.controller_for(model)` gives a registered family's.
+
+    Attributes
+    ----------
+    sites : list of Site
+        In model order; `site.name` is the module path, with the method, op and call where given.
+    static_name, reference_name : str
+        Display labels of the StaticProfile and StructureRemoved conditions (e.g. "LayerMean").
+    reference : str
+        What StructureRemoved puts in place of the coefficients: "global_mean" or "source_uniform_mean".
+    groups : tuple of int
+        Each site's layer: sites of one group move together under the randomized conditions; () is one layer
+        per site.
+    context : callable
+        A factory of the context manager every capture and replay pass runs within (default: none), for a model
+        whose output path can share work with its controller.
+
+    Examples
+    --------
+    Two blocks, each with a gate module and a local tanh coefficient computed in its forward:
+
+    >>> class Block(nn.Module):
+    ...     def __init__(self, d=8):
+    ...         super().__init__()
+    ...         self.gate = nn.Sequential(nn.Linear(d, 1), nn.Sigmoid(), nn.Flatten(-2))
+    ...         self.mlp, self.w = nn.Linear(d, d), nn.Parameter(torch.zeros(d))
+    ...     def forward(self, h):  # h [batch, token, d]
+    ...         h = h + self.gate(h).unsqueeze(-1) * self.mlp(h)  # gate(h): [batch, token]
+    ...         return h + torch.tanh(h @ self.w).unsqueeze(-1) * h  # tanh(...): [batch, token]
+    >>> model = nn.Sequential(Block(), Block())
+    >>> ctrl = fca.Controller.from_modules(model, "*.gate", layout="batch token")
+    >>> [site.name for site in ctrl.sites]
+    ['0.gate', '1.gate']
+
+    The examples of its methods use this `model`.
+    """
 
     sites: list[Site]
     static_name: str = "StaticProfile"
@@ -546,12 +627,43 @@ class Controller:
                      reference_name: str | None = None,
                      context: Callable[[], AbstractContextManager] | None = None,
                      routing: str | None = None) -> "Controller":
-        """Sites = the modules whose `named_modules()` path matches the glob `pattern`, in model order, each read
-        with `codec` (or the einops `layout` of a single-tensor output): the output of `method` (default forward;
-        another one works when the parent calls it directly), of its `call`-th call in one forward pass where given.
-        `context`: see Controller.context (its name joins the description, so an audit made under another one is
-        not resumed with this one). `routing="tokens"`: each site chooses the tokens a block runs on
-        (controllers.routing: TokenRoute unless `codec` is given)."""
+        """A controller whose sites are the outputs of the modules that match `pattern`: the usual way to describe
+        one's own model.
+
+        Parameters
+        ----------
+        model
+            The model whose `named_modules()` paths are matched.
+        pattern
+            A glob over module paths, in model order: `*` matches within one dotted component ("blocks.*.gate"
+            does not match "blocks.0.mlp.gate"); a pattern containing `**` matches across components.
+        layout
+            The einops layout of a single-tensor output (see `Layout`), e.g. "batch token".
+        codec
+            Instead of `layout`, for any other output (see `Codec`).
+        call
+            Read the `call`-th call (0-based) of a module called several times in one forward pass; default: a
+            module called exactly once.
+        method
+            The method whose output is read (default forward; another one works when the parent calls it
+            directly).
+        static_name, reference, reference_name
+            The StaticProfile condition's label, the structure-removed reference ("global_mean" or
+            "source_uniform_mean") and its label.
+        context
+            A context manager factory every capture and replay pass runs within (see `Controller.context`); its
+            name joins the description, so an audit made under another one is not resumed with this one.
+        routing
+            "tokens": each site chooses the tokens a block runs on (a token router; `TokenRoute` unless `codec`
+            is given).
+
+        Examples
+        --------
+        >>> ctrl = fca.Controller.from_modules(model, "*.gate", layout="batch token",
+        ...                                    static_name="LayerMean")
+        >>> len(ctrl.sites), ctrl.labels["StaticProfile"]
+        (2, 'LayerMean')
+        """
         chosen = _codec(layout, codec) if routing is None else routed(layout, codec, routing)
         return cls._build(model, pattern, chosen, (call, method, None),
                           (static_name, reference, reference_name, context))
@@ -561,9 +673,33 @@ class Controller:
                  codec: Codec | None = None, method: str = "forward", call: int | None = None,
                  static_name: str = "StaticProfile", reference: str = "global_mean", reference_name: str | None = None,
                  context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
-        """Sites = the result of the `call`-th call (default: the only one) of the torch function `op` ("matmul" or
-        "@", "sigmoid", "softmax", "tanh", "einsum", ...) made while `method` of each module matching `pattern`
-        runs: a local tensor no submodule returns. Replay substitutes it and the op is not computed."""
+        """A controller whose sites are tensors computed inside modules: the result of a torch function call.
+
+        For coefficients that no submodule returns (`torch.sigmoid(h @ self.w)` in a forward). Replay substitutes
+        the op's result, and the op is not computed.
+
+        Parameters
+        ----------
+        model, pattern
+            As for `from_modules`: the modules whose `method` runs the op.
+        op
+            The torch function's name: "matmul" (or "@"), "sigmoid", "softmax", "tanh", "einsum", ... (`x @ w`,
+            `torch.matmul` and `Tensor.matmul` are all "matmul").
+        layout, codec
+            How to read the op's result, as for `from_modules`.
+        method
+            The method during which the op is watched (default forward).
+        call
+            The `call`-th call of `op` while that method runs; default: its only one.
+        static_name, reference, reference_name, context
+            As for `from_modules`.
+
+        Examples
+        --------
+        >>> ctrl = fca.Controller.from_ops(model, "*", "tanh", layout="batch token")
+        >>> [site.name for site in ctrl.sites]
+        ['0:tanh', '1:tanh']
+        """
         if not isinstance(op, str) or not op:
             raise FcauditError(f"op must be a torch function's name such as 'matmul' or '@', got {op!r}")
         return cls._build(model, pattern, _codec(layout, codec), (call, method, OP_ALIASES.get(op, op)),
@@ -609,10 +745,30 @@ class Controller:
 
     @classmethod
     def merge(cls, *controllers: "Controller", group: Callable[[Site], Hashable] | None = None) -> "Controller":
-        """One controller of all their sites, in order. Sites of one layer form a group: by default those on the
-        same module (alpha and beta of one hyper-connection), else those `group(site)` gives one key (e.g.
-        `group=lambda s: s.path.split(".")[1]`). The randomized conditions draw once per group, so a group's
-        coefficients move together, and statistics count a group as one layer."""
+        """One controller of all their sites, in order: for a model with several kinds of coefficients per layer.
+
+        Sites of one layer form a group: by default those on the same module (alpha and beta of one
+        hyper-connection), else those `group(site)` gives one key. The randomized conditions draw once per group,
+        so a group's coefficients move together, and statistics count a group as one layer.
+
+        Parameters
+        ----------
+        *controllers
+            Controllers of one model, with the same reference, condition names and context.
+        group
+            The layer key of a site, e.g. `lambda site: site.path.split(".")[0]`; default: its module.
+
+        Examples
+        --------
+        Each block's gate and its tanh coefficient, one layer per block:
+
+        >>> gates = fca.Controller.from_modules(model, "*.gate", layout="batch token")
+        >>> tanhs = fca.Controller.from_ops(model, "*", "tanh", layout="batch token")
+        >>> layer = lambda site: site.path.split(".")[0]  # "0.gate" and "0:tanh" -> "0"
+        >>> both = fca.Controller.merge(gates, tanhs, group=layer)
+        >>> [site.name for site in both.sites], both.groups
+        (['0.gate', '1.gate', '0:tanh', '1:tanh'], (0, 1, 0, 1))
+        """
         if not controllers or not all(isinstance(c, Controller) for c in controllers):
             raise FcauditError("Controller.merge takes one or more fcaudit.Controller objects")
         first = controllers[0]

@@ -30,6 +30,43 @@ from fcaudit.models.checkpoint import CONFIG_NAME
 
 @dataclass(frozen=True)
 class Family:
+    """Everything fcaudit knows about one kind of model: which models it recognizes and their controller, and
+    optionally how to load, save and train its checkpoints.
+
+    Register one for your own model class (`fca.register`) and `fca.controller_for(model)`, `fcaudit audit` on
+    its checkpoints and the tables find it; only `name`, `matches` and `controller` are needed for that. The
+    other fields are what a built-in family (FeatureGate, MoD, MUDDPythia, Hugging Face MoE) adds: `accepts` and
+    `load` for its checkpoints' config.json, `label` for tables, and the training hooks of `fcaudit train`.
+
+    Parameters
+    ----------
+    name
+        The family's name (a later registration of the same name replaces it).
+    matches
+        `matches(model) -> bool`: is this model one of the family's?
+    controller
+        `controller(model) -> fca.Controller`: the sites FCA audits.
+    accepts, load
+        `accepts(config) -> bool` for a checkpoint's config.json, and `load(dir, device, dtype) -> (model,
+        meta)`: what lets `fca.load` and `fcaudit audit DIR` read its checkpoints.
+    label
+        The model's name in tables and execution rows (default: its class name).
+
+    Examples
+    --------
+    >>> class TwoGates(nn.Module):  # only its module paths matter here
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gates = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
+    >>> def sites(model):
+    ...     return fca.Controller.from_modules(model, "gates.*", layout="batch token 1")
+    >>> family = fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites)
+    >>> family.name, family.matches(TwoGates()), family.matches(nn.Linear(2, 2))
+    ('two-gates', True, False)
+
+    `fca.register(family)` makes it known (see its example).
+    """
+
     name: str
     matches: Callable[[nn.Module], bool]  # is this loaded or built model one of the family's?
     controller: Callable[[nn.Module], Controller]  # the sites FCA audits
@@ -61,8 +98,35 @@ _LOADED = False
 
 
 def register(family: Family) -> Callable[[], None]:
-    """Add (or replace) a family; later registrations win when several match a model (a user's own after the
-    built-in ones). Returns its `unregister`."""
+    """Make a family known, so that `fca.controller_for`, `fca.load` and the CLI find its models.
+
+    A family of the same name is replaced; where several match a model, the one registered last wins (a user's
+    own after the built-in ones).
+
+    Parameters
+    ----------
+    family
+        A `fca.Family`.
+
+    Returns
+    -------
+    callable
+        `unregister()`: removes it again (a no-op once another family has replaced it).
+
+    Examples
+    --------
+    >>> class TwoGates(nn.Module):  # only its module paths matter here
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gates = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
+    >>> def sites(model):
+    ...     return fca.Controller.from_modules(model, "gates.*", layout="batch token 1")
+    >>> unregister = fca.register(
+    ...     fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites))
+    >>> [site.name for site in fca.controller_for(TwoGates()).sites]
+    ['gates.0', 'gates.1']
+    >>> _ = unregister()
+    """
     families()  # the built-in families first
     _FAMILIES.pop(family.name, None)
     _FAMILIES[family.name] = family
@@ -108,7 +172,38 @@ def trainable() -> list[str]:
 
 
 def controller_for(model: nn.Module) -> Controller:
-    """The controller of `model`: its family's (a user's own registered family included)."""
+    """The controller of a model of a registered family: its sites, found for you.
+
+    Built-in families cover fcaudit's own models (FeatureGate, MoD, MUDDPythia) and Hugging Face mixture-of-experts
+    LMs (routers found by structure); a model of any other class needs `fca.Controller.from_modules(...)`, or a
+    `fca.Family` registered for it.
+
+    Parameters
+    ----------
+    model
+        The model (or the `(model, meta)` pair `fcaudit.families.load_model` returns).
+
+    Raises
+    ------
+    FcauditError
+        No registered family matches the model; the message says how to describe its sites.
+
+    Examples
+    --------
+    >>> try:
+    ...     fca.controller_for(nn.Linear(2, 2))
+    ... except fca.FcauditError as e:
+    ...     print(e)
+    no controller adapter for Linear; describe its sites with fcaudit.Controller.from_modules(...) (or codec=...)
+
+    With `model`, the FeatureGate checkpoint of `fca.load`'s example:
+
+    >>> ctrl = fca.controller_for(model)
+    >>> [site.name for site in ctrl.sites]
+    ['blocks.0.gate', 'blocks.1.gate']
+    >>> ctrl.labels["StaticProfile"]  # FeatureGate's static condition is a per-layer mean
+    'LayerMean'
+    """
     if isinstance(model, tuple):  # (model, meta) as load_model returns it
         model = model[0]
     family = for_model(model)

@@ -482,8 +482,35 @@ def _display(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
-    """Discover what `inputs` hold, write report.md, a self-contained report.html, the figures (PNG) and every
-    number as CSV/JSON into `out`. Returns the path of report.html."""
+    """Write the study's report: report.md, a self-contained report.html, its figures and every number as CSV/JSON.
+
+    The report answers the paper's three questions separately (coefficient variation, functional dependence,
+    execution) for whatever `inputs` hold, and states each family's criteria and the level of its intervals.
+    `fcaudit report` runs the same.
+
+    Parameters
+    ----------
+    inputs
+        Audit directories, `fcaudit summarize`, `fcaudit execution` and `fcaudit train` outputs (summary.json,
+        execution.json, metrics.json, table1.csv), or directories holding them (searched below).
+    out
+        The report directory (new, empty, or an earlier report's, which is replaced).
+    allow_partial
+        Include unfinished audits (marked partial) instead of refusing them.
+
+    Returns
+    -------
+    pathlib.Path
+        report.html.
+
+    Examples
+    --------
+    With `result` from `fca.audit`'s example:
+
+    >>> html = fca.build_report([result.path], tempfile.mkdtemp())
+    >>> html.name, (html.parent / "report.md").is_file()
+    ('report.html', True)
+    """
     out = prepare_out(out, "report")
     found = discover(inputs)
     sources = [(str(d), s) for d, s in found.summaries]

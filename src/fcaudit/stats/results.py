@@ -83,7 +83,33 @@ class _Estimates:
 
 @dataclass(frozen=True, repr=False, eq=False)
 class PenaltiesResult(_Estimates):
-    """Mean ΔNLL vs Correct per condition (Eq. 4), with paired-window bootstrap intervals and MC SE."""
+    """Mean ΔNLL vs Correct per condition (Eq. 4), with paired-window bootstrap intervals and MC SE.
+
+    What `AuditResult.penalties()` returns, in the scipy style: arrays over the conditions (`statistic`,
+    `confidence_interval`, `pvalue`, `n`, `mc_se`), one `Estimate` per condition by name or label, a repr that
+    prints the table, and `to_frame()`. `pvalue` is nan throughout: windows of one checkpoint are not independent
+    units for a test (`fca.summarize` tests across checkpoints).
+
+    Attributes
+    ----------
+    names, labels : tuple of str
+        The conditions, in registry order, and their display labels.
+    mc_se : numpy.ndarray
+        Monte Carlo SE across randomizations (nan for a condition that is not randomized).
+    randomizations : tuple of int
+        Randomizations each condition's mean is over.
+    active : numpy.ndarray
+        Mean active sources (experts) per token under each condition.
+
+    Examples
+    --------
+    >>> pen = result.penalties()
+    >>> low, high = pen.confidence_interval  # arrays over pen.names
+    >>> pen.names[:2], low.shape == pen.statistic.shape
+    (('CrossInput', 'TokenShuffle'), True)
+    >>> pen["CrossInput"].confidence_level
+    0.95
+    """
 
     randomizations: tuple[int, ...] = ()
     active: np.ndarray = field(default_factory=lambda: np.array([]))  # mean active sources (experts) per token
@@ -92,6 +118,7 @@ class PenaltiesResult(_Estimates):
         return "\n".join([self._head("mean ΔNLL vs Correct per condition (nats per predicted token)"), *self._rows()])
 
     def to_frame(self) -> pd.DataFrame:
+        """One row per condition: label, n, mean, ci_low, ci_high, mc_se, randomizations, active."""
         low, high = self.confidence_interval
         return pd.DataFrame({"condition": list(self.names), "label": list(self.labels), "n": self.n,
                              "mean": self.statistic, "ci_low": low, "ci_high": high, "mc_se": self.mc_se,
@@ -100,12 +127,26 @@ class PenaltiesResult(_Estimates):
 
 @dataclass(frozen=True, repr=False, eq=False)
 class FactorEffectsResult(_Estimates):
-    """E_input, E_token, E_interaction (Eq. 5-7): factorial contrasts, not an additive split into mechanisms."""
+    """E_input, E_token, E_interaction (Eq. 5-7): factorial contrasts, not an additive split into mechanisms.
+
+    What `AuditResult.factor_effects()` returns, shaped like `PenaltiesResult`: arrays over the three effects, one
+    `Estimate` per effect by name ("input") or label ("E_input"), a repr that prints the table, and
+    `to_frame()`.
+
+    Examples
+    --------
+    >>> fx = result.factor_effects()
+    >>> fx.labels
+    ('E_input', 'E_token', 'E_interaction')
+    >>> fx["E_input"].n  # windows its interval is over
+    4
+    """
 
     def __repr__(self) -> str:
         return "\n".join([self._head("factor effects (ΔNLL, paired CC/DC/CS/DS cells)"), *self._rows()])
 
     def to_frame(self) -> pd.DataFrame:
+        """One row per effect (index input, token, interaction): mean, ci_low, ci_high, mc_se, n."""
         low, high = self.confidence_interval
         return pd.DataFrame({"effect": list(self.names), "mean": self.statistic, "ci_low": low, "ci_high": high,
                              "mc_se": self.mc_se, "n": self.n}).set_index("effect")
@@ -127,9 +168,32 @@ def retention_value(retention: float, low: float, high: float, note: str) -> str
 class RetentionResult:
     """Retention(S) = 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8) with its paired interval, beside both absolute ΔNLLs.
 
-    Undefined (statistic nan, the reason in `reason`) unless the reference's interval lies above the
-    practically-small bound of the audit's criteria (`bound`): below it, removing all structure is itself
-    negligible and the ratio says nothing."""
+    What `AuditResult.retention(...)` returns. Undefined (statistic nan, the reason in `reason`) unless the
+    reference's interval lies above the practically-small bound of the audit's criteria (`bound`): below it,
+    removing all structure is itself negligible and the ratio says nothing. Read it with both ΔNLLs: a high
+    retention of a reference that costs little is little.
+
+    Attributes
+    ----------
+    condition, label : str
+        The static condition and its display label.
+    reference, reference_label : str
+        The structure-removed reference R and its label.
+    delta_static, delta_reference : float
+        The two mean ΔNLLs the ratio is of.
+    bound : float
+        The practically-small bound the reference's interval must lie above.
+    level : str
+        The units resampled: "window" (one audit) or "checkpoint" (`fca.summarize`).
+
+    Examples
+    --------
+    >>> ret = result.retention("StaticProfile")
+    >>> ret.level, ret.bound
+    ('window', 0.002)
+    >>> ret.defined or ret.reason != ""  # a number, or the reason there is none
+    True
+    """
 
     condition: str
     label: str
@@ -172,6 +236,7 @@ class RetentionResult:
         return "" if self.estimate.has_interval else self.estimate.method
 
     def line(self) -> str:
+        """One line: retention, its interval and both ΔNLLs, as the CLI prints it."""
         low, high = self.confidence_interval
         return (f"retention {self.label} vs {self.reference_label}: "
                 f"{retention_value(self.statistic, low, high, self.note)}; "
@@ -181,6 +246,7 @@ class RetentionResult:
         return f"RetentionResult({self.line()}; n={self.n} {self.level}s)"
 
     def to_frame(self) -> pd.DataFrame:
+        """One row: retention, its interval, both ΔNLLs, the reference, n and the note column of the tables."""
         low, high = self.confidence_interval
         return pd.DataFrame([{"condition": self.condition, "label": self.label, "retention": self.statistic,
                               "ci_low": low, "ci_high": high, "delta_static": self.delta_static,
