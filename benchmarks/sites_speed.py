@@ -9,7 +9,8 @@ exact replay check and one pass per (condition, randomization, batch). Audit and
 order alternates (A B B A ...), one torch thread; printed: the load, each pair's ratio in wall and in process CPU
 time (which leaves out waiting for a core on a shared machine), their medians and the ratios of the minima; then
 the hot path alone: one replay pass of a batch under the op site against one plain forward pass, alternated many
-times (median ratio). With --baseline the same is measured for the model whose gate is a submodule, audited with
+times (median ratio), beside a bare TorchFunctionMode around each block (what any op site built on such a
+mode pays). With --baseline the same is measured for the model whose gate is a submodule, audited with
 Controller.from_modules (the engine's own share, without the op mode).
 Usage: python benchmarks/sites_speed.py [--reps 3] [--randomizations 20] [--eval 64] [--calib 64] [--baseline]
        [--width 96] [--hot-path-only]
@@ -25,6 +26,7 @@ import time
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import fcaudit as fca
 from fcaudit import protocol
@@ -121,6 +123,40 @@ def hot_path(model, ctrl, ids: torch.Tensor, n: int) -> float:
     return statistics.median(ratios)
 
 
+class BareMode(TorchFunctionMode):
+    """Passes every call through: the floor that any op site built on a TorchFunctionMode pays."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def bare_mode_path(model, ids: torch.Tensor, n: int) -> float:
+    """Median over n alternated pairs of (a forward pass with BareMode around each block's forward, where the op
+    site's mode is) / (a plain forward pass), CPU time."""
+    def moded(block):
+        return lambda *args, **kwargs: _under_mode(block, args, kwargs)
+
+    ratios = []
+    with torch.inference_mode():
+        for i in range(n):
+            times = {}
+            for kind in (("mode", "plain") if i % 2 == 0 else ("plain", "mode")):
+                for b in model.blocks if kind == "mode" else ():
+                    b.forward = moded(b)
+                t0 = time.process_time()
+                model(ids)
+                times[kind] = time.process_time() - t0
+                for b in model.blocks if kind == "mode" else ():
+                    del b.forward
+            ratios.append(times["mode"] / times["plain"])
+    return statistics.median(ratios)
+
+
+def _under_mode(block, args, kwargs):
+    with BareMode():
+        return type(block).forward(block, *args, **kwargs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
@@ -147,7 +183,8 @@ def main() -> None:
     ca = torch.randint(0, 256, (a.calib, a.window), generator=g)
     if a.hot_path_only:
         print(f"load {os.getloadavg()[0]:.2f}; width {a.width}; hot path: replay pass of {kind} / plain forward pass, "
-              f"median of 200 alternated pairs (CPU): {hot_path(model, ctrl, ev[:a.batch], 200):.3f}; load "
+              f"median of 200 alternated pairs (CPU): {hot_path(model, ctrl, ev[:a.batch], 200):.3f}; a bare "
+              f"TorchFunctionMode around each block / plain: {bare_mode_path(model, ev[:a.batch], 200):.3f}; load "
               f"{os.getloadavg()[0]:.2f}")
         return
     audit_once(model, ctrl, ev[:8], ca[:4], a.batch, 2)  # warm-up: imports, allocator
@@ -171,7 +208,8 @@ def main() -> None:
           f"CPU {statistics.median(ratios[:, 1].tolist()):.3f}; ratio of minima wall {low[0]:.3f}, CPU {low[1]:.3f}; load "
           f"{os.getloadavg()[0]:.2f}")
     print(f"hot path: replay pass of {kind} / plain forward pass, median of 200 alternated pairs (CPU): "
-          f"{hot_path(model, ctrl, ev[:a.batch], 200):.3f}; load {os.getloadavg()[0]:.2f}")
+          f"{hot_path(model, ctrl, ev[:a.batch], 200):.3f}; a bare TorchFunctionMode around each block / plain: "
+          f"{bare_mode_path(model, ev[:a.batch], 200):.3f}; load {os.getloadavg()[0]:.2f}")
 
 if __name__ == "__main__":
     main()

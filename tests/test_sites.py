@@ -642,3 +642,65 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
             # in weight order (without the live call): the same experts and weights, other slots
             assert round_trip_difference(site, out, None, 2, 16).startswith("slot order (")
             assert round_trip_difference(site, out, call, 2, 16) is None
+
+
+# ---- the pre-write notices kept with the results; `active` of merged layers --------------------------------------
+
+def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report(tmp_path, capsys):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from fcaudit.auditor import print_summary
+    from fcaudit.report.render import build_report
+
+    model = residual_model()
+    result = audit(model, fca.Controller.from_modules(model, "blocks.*", "batch token hidden"), tmp_path)
+    assert_exact(result)
+    assert len(result.notices) == 1 and "hidden state" in result.notices[0]
+    assert fca.AuditResult.load(tmp_path / "audit").notices == result.notices
+    text = StringIO()
+    print_summary(result, Console(file=text, width=400))
+    lines = text.getvalue().splitlines()
+    assert lines[0].startswith("exact replay:") and "hidden state" in lines[1]
+    build_report([tmp_path / "audit"], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text().split("\n\n")
+    replay = next(i for i, p in enumerate(md) if p.startswith("Exact replay"))
+    assert md[replay + 1] == result.notices[0]
+    # a rerun resumes the audit (a notice is no part of its configuration) and keeps the notice
+    again = audit(model, fca.Controller.from_modules(model, "blocks.*", "batch token hidden"), tmp_path)
+    assert again.notices == result.notices
+    assert again.records.equals(result.records)
+
+
+def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_path):
+    model = hc_model()
+    result = audit(model, hc_controller(model), tmp_path)
+    assert result.notices == () and "notices" not in result.replay
+    # alpha's S+1 sources and beta's one, all nonzero (tanh): S+2 per (token, stream) of one layer, where a mean over
+    # the four sites would say (S+1+1)/2
+    correct = result.records[result.records.condition == "Correct"]
+    assert (correct.active == S + 2).all()
+
+
+def test_active_counts_a_merged_layer_once_as_its_sources_side_by_side():
+    from fcaudit.auditor.engine import active
+    from fcaudit.stats.variance import by_layer
+
+    a = torch.ones(2, T, 2, 3)
+    a[0, :, :, 0] = 0  # window 0: 2 of 3 sources per (token, stream), window 1: 3
+    b = torch.ones(2, T, 2, 1)
+    b[1] = 0  # window 0: 1, window 1: 0
+    c = torch.ones(2, T, 1, 4)
+    c[0, :, :, :2] = 0  # another layer: window 0: 2, window 1: 4
+    assert active([a, b, c]).tolist() == pytest.approx([(2 + 1 + 2) / 3, (3 + 0 + 4) / 3])  # no groups: per site
+    assert torch.equal(active([a, b, c]), active([a, b, c], groups=()))
+    grouped = active([a, b, c], groups=(0, 0, 1))
+    assert grouped.tolist() == [(3 + 2) / 2, (3 + 4) / 2]
+    layers = by_layer([a, b, c], (0, 0, 1))  # what variation.json calls the layers
+    assert torch.equal(grouped, torch.stack([l.bool().reshape(2, -1).sum(1).double() / (l.shape[1] * l.shape[2])
+                                             for l in layers]).mean(0))
+    # a site with fewer streams: the layer's other streams hold none of its sources
+    one = torch.ones(2, T, 1, 1)
+    assert active([a, one], groups=(0, 0)).tolist() == [(2 * 2 + 1) / 2, (3 * 2 + 1) / 2]
+    assert active([a, b, c], [1, 2], groups=(0, 0, 1)).tolist() == [(1 + 2) / 2, (0 + 4) / 2]  # routers only

@@ -302,7 +302,7 @@ class Summary:
                          + ("  [PARTIAL]" if g.get("partial") else ""))
             # routers: the causality check above 0 and the token note, once per family
             lines += [f"  {line}" for line in dict.fromkeys(line for r in g.get("replay", []) if isinstance(r, dict)
-                                                          for line in routing_lines(r))]
+                                                          for line in (*(r.get("notices") or ()), *routing_lines(r)))]
             for r in self.conditions[self.conditions["family"] == fam].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")

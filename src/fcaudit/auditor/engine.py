@@ -74,7 +74,7 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
 
 
 def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset(),
-           ran: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+           ran: dict[int, torch.Tensor] | None = None, groups: tuple[int, ...] = ()) -> torch.Tensor:
     """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
     float64. For top-k routers (`sites` = the routers): the experts run per token; for token routers (`tokens`):
     the fraction of tokens chosen (what runs the routed block), not the nonzero (score, chosen) entries. `ran`: per
@@ -85,12 +85,22 @@ def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int
     chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
     # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
-    return torch.stack([(ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double())
-                        / (c.shape[1] * c.shape[2]) for i, c in zip(order, chosen)]).mean(0)
+    counts = [ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double() for i, c in zip(order, chosen)]
+    if not groups:
+        return torch.stack([n / (c.shape[1] * c.shape[2]) for n, c in zip(counts, chosen)]).mean(0)
+    # merged sites of one layer (Controller.merge) count once, as stats.variance.by_layer sees the layer: their
+    # sources side by side, over the group's widest stream axis
+    keys = [groups[i] for i in order]
+    layers = []
+    for g in dict.fromkeys(keys):
+        members = [j for j, k in enumerate(keys) if k == g]
+        streams = max(chosen[j].shape[2] for j in members)
+        layers.append(sum(counts[j] for j in members) / (chosen[members[0]].shape[1] * streams))
+    return torch.stack(layers).mean(0)
 
 
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: frozenset[int],
-             names: tuple[str, ...]) -> torch.Tensor:
+             names: tuple[str, ...], groups: tuple[int, ...] = ()) -> torch.Tensor:
     """`active` for a controller whose codecs count what their modules run (`Codec.executed`; a capacity router
     drops what exceeds its capacity): [B, 1 + len(names)] float64, `active` from what ran, then each count of
     `names` summed over the sites that report it."""
@@ -102,7 +112,7 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: 
             ran[i] = counted[0].to(out.device)
             for j, name in enumerate(codec.counts):
                 out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
-    out[:, 0] = active(coeffs, sites, tokens, ran)
+    out[:, 0] = active(coeffs, sites, tokens, ran, groups)
     return out
 
 
@@ -150,6 +160,7 @@ class Engine:
         # extra record columns: what codecs that count their execution report (empty for most controllers)
         self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
+        self.found: tuple[str, ...] = ()  # the runner's pre-write notices, for replay.json
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
         # uses it instead of running the same forward pass again
@@ -289,8 +300,9 @@ class Engine:
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
         if not self.counts:
-            return active(coeffs, self.routers, self.tokens)
-        return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts)
+            return active(coeffs, self.routers, self.tokens, groups=self.groups)
+        return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts,
+                        self.groups)
 
     def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
                     act: torch.Tensor) -> None:
@@ -452,7 +464,8 @@ class Engine:
                 flips = (flips or 0) + m["route_flips"]
         return {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": bit_equal, "route_flips": flips,
                 "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0]),
-                **(self.dir.config().get("routing") or {})}  # the runner's causality check, token note
+                **(self.dir.config().get("routing") or {}),  # the runner's causality check, token note
+                **({"notices": list(self.found)} if self.found else {})}
 
     def _finalize(self) -> None:
         for condition, r in self.schedule.record_keys():

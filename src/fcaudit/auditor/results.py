@@ -232,6 +232,12 @@ class AuditResult:
         return cls(adir.root, config, replay, partial=True, _records=records)
 
     @property
+    def notices(self) -> tuple[str, ...]:
+        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json; () when
+        none, and for audits written before replay.json kept them."""
+        return tuple(self.replay.get("notices") or ())
+
+    @property
     def labels(self) -> dict[str, str]:
         """Display label per condition: the registry's defaults, renamed by the controller (e.g. LayerMean).
 

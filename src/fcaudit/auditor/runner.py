@@ -495,8 +495,8 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if findings and findings[0].refusal:
         raise FcauditError(findings[0].line)
     notices = [check_sites_read(model, controller, first, coeffs, config.loss_fn), *(f.line for f in findings)]
-    notice = "\n".join(n for n in notices if n) or None
-    return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), notice
+    return (probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")),
+            tuple(n for n in notices if n))
 
 
 SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
@@ -644,9 +644,9 @@ def run(model: nn.Module, controller: Controller, windows: tuple | Windows, conf
         with torch.inference_mode():
             # an agreed phase: bad input on any rank stops every rank with its one-line error
             windows = windows if isinstance(windows, Windows) else group.run(lambda: Windows.of(*windows))
-            probe, saved, notice = group.run(lambda: _prepare(model, controller, windows, config, group.world))
-            if notice and group.is_main:  # printed even when quiet: it may mean the results measure nothing
-                Console(stderr=True, highlight=False).print(notice, soft_wrap=True)
+            probe, saved, notices = group.run(lambda: _prepare(model, controller, windows, config, group.world))
+            if notices and group.is_main:  # printed even when quiet: it may mean the results measure nothing
+                Console(stderr=True, highlight=False).print("\n".join(notices), soft_wrap=True)
             if config.out is None:
                 config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
             adir = AuditDir(config.out)
@@ -661,6 +661,7 @@ def run(model: nn.Module, controller: Controller, windows: tuple | Windows, conf
                     _check_shared(adir, group)
                 engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe)
                 del probe  # the engine holds it until the first batch's capture, then lets it go
+                engine.found = notices  # replay.json keeps them (rewritten by every run: a resume says them again)
                 if state == "repaired":
                     engine.redone.append("config.json (rewritten: the marker holds its hash)")
                 engine.run()
@@ -683,7 +684,7 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     flips = "" if rep.get("route_flips") is None else f" route flips={rep['route_flips']}"
     console.print(f"exact replay: passed={rep['passed']} bit_equal={rep.get('bit_equal')} "
                   f"max|Δlogit|={rep['max_abs_dlogit']:.3g} ΔNLL={rep['delta_nll']:.3g}{flips}", markup=False)
-    for line in routing_lines(rep):
+    for line in (*result.notices, *routing_lines(rep)):
         console.print(line, markup=False, highlight=False)
     table = Table(title=f"FCA penalties ({result.path})" + (" [PARTIAL]" if result.partial else ""))
     # per token: experts run (top-k routers) or the fraction of tokens chosen (token routers)

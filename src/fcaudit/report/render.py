@@ -272,6 +272,8 @@ def _family_section(doc: Doc, s: Summary, fam: str):
     n = g["n_checkpoints"]
     doc.p(f"**{n} checkpoint(s).** {g['note']}")
     doc.p(_replay_line(g.get("replay", [])))
+    for notice in dict.fromkeys(n for r in g.get("replay", []) if isinstance(r, dict) for n in r.get("notices") or ()):
+        doc.p(notice)
     conds, facs, rets = g["conditions"], g["factors"], g["retention"]
     doc.h(3, "Intervention penalties (Table 2 style)")
     doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",
