@@ -359,18 +359,20 @@ class Engine:
                 continue
             if (u.condition, u.r) != key:
                 if key is not None:
-                    self._write_run(key, ranges, torch.cat(nlls), torch.cat(acts))
+                    self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
+                                    torch.tensor(acts, dtype=torch.float64))
                 key, ranges, nlls, acts = (u.condition, u.r), [], [], []
             count = self._count(u)
             coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-            acts.append(self._active(coeffs))
+            acts.extend(self._active(coeffs).tolist())  # Python floats: no small tensors left between the forwards
             with self.controller.replay(coeffs):
                 # the NLL alone: the logits go now, not during the next forward
-                nlls.append(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1])
+                nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
             ranges.append((u.start, count))
             step()
         if key is not None:
-            self._write_run(key, ranges, torch.cat(nlls), torch.cat(acts))
+            self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
+                            torch.tensor(acts, dtype=torch.float64))
 
     def _count(self, unit: Unit) -> int:
         return min(self.B, self.ev.shape[0] - unit.start)
