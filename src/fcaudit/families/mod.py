@@ -14,13 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import TokenRoute
-from fcaudit.controllers.site import Controller
-from fcaudit.errors import FcauditError, one_line
+from fcaudit.controllers.site import Controller, TokenRoute
+from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
-from fcaudit.io import read_json, write_json
 from fcaudit.loss import token_nll
-from fcaudit.models.checkpoint import load_weights, save_weights
+from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint
 from fcaudit.models.mod import PRESETS, MoDConfig, MoDGPT, config_for
 
 MODEL_TYPE = "mod"
@@ -54,23 +52,11 @@ def causal_checkpoint(src: Path, out: Path) -> Path:
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    config = read_json(dir / "config.json")
-    meta = config.pop("meta", {})
-    config.pop("model_type", None)
-    try:
-        model = MoDGPT(MoDConfig.from_dict(config))
-    except TypeError as e:
-        raise FcauditError(f"{dir / 'config.json'} has an invalid field ({one_line(e)}): use the config.json "
-                           "written with these weights") from None
-    load_weights(dir / "model.safetensors", model)
-    return model.to(device=device, dtype=dtype).eval(), meta
+    return read_checkpoint(dir, lambda config: (lambda mc=MoDConfig.from_dict(config): MoDGPT(mc)), device, dtype)
 
 
 def save(model: MoDGPT, out: Path, meta: dict) -> None:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_weights(out / "model.safetensors", model)
-    write_json(out / "config.json", {"model_type": MODEL_TYPE, **model.config.to_dict(), "meta": meta})
+    write_checkpoint(out, model, MODEL_TYPE, meta)
 
 
 def build(cfg) -> MoDGPT:

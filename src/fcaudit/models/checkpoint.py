@@ -1,12 +1,14 @@
 """Checkpoints in Hugging Face layout: `config.json` (with `model_type`) + `model.safetensors`, never pickle.
 
-Weights of any module (save_weights / load_weights) and the FeatureGate family's own format (save_checkpoint /
-load_featuregate); fcaudit.families.load_model hands a directory to the family that accepts its config.json.
+Weights of any module (save_weights / load_weights), and checkpoints of a model with a `config` dataclass
+(write_checkpoint / read_checkpoint; FeatureGate's save_checkpoint / load_featuregate, MoD's through the same pair);
+fcaudit.families.load_model hands a directory to the family that accepts its config.json.
 """
 
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -56,29 +58,41 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, device: str | tor
         raise FcauditError(f"weights in {path} do not match its config.json ({one_line(e)}): use the config.json written with these weights") from None
 
 
-def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | None = None) -> Path:
-    """Write `config.json` (model_type, the GPTConfig fields, meta) and `model.safetensors`, each atomically.
-
-    The weights go first, the config last: a directory whose config.json names model_type is complete.
+def write_checkpoint(dir: str | os.PathLike, model: nn.Module, model_type: str, meta: dict | None = None) -> Path:
+    """Write `config.json` (model_type, the model's `config.to_dict()` fields, meta) and `model.safetensors`, each
+    atomically. The weights go first, the config last: a directory whose config.json names model_type is complete.
     """
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     save_weights(dir / WEIGHTS_NAME, model)
-    write_json(dir / CONFIG_NAME, {"model_type": MODEL_TYPE, **model.config.to_dict(), "meta": meta or {}})
+    write_json(dir / CONFIG_NAME, {"model_type": model_type, **model.config.to_dict(), "meta": meta or {}})
     return dir
 
 
-def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    """A FeatureGate-family checkpoint written by `save_checkpoint`."""
+def read_checkpoint(dir: Path, build: Callable[[dict], Callable[[], nn.Module]], device: torch.device,
+                    dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
+    """(model in eval mode, meta) of a checkpoint written by `write_checkpoint`. `build(config fields)` returns what
+    makes the model; config.json's sizes are checked against the weights before anything is allocated."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
-    config.pop("model_type")
+    config.pop("model_type", None)
     try:
-        gpt = GPTConfig.from_dict(config)
-        check_sizes(lambda: FeatureGateGPT(gpt), dir)  # config.json's sizes against the weights, nothing allocated
-        model = FeatureGateGPT(gpt)
+        make = build(config)
+        check_sizes(make, dir)  # config.json's sizes against the weights, nothing allocated
+        model = make()
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None
     load_weights(dir / WEIGHTS_NAME, model)
     return model.to(device=device, dtype=dtype).eval(), meta
+
+
+def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | None = None) -> Path:
+    """A FeatureGate-family checkpoint (`write_checkpoint` with model_type "featuregate")."""
+    return write_checkpoint(dir, model, MODEL_TYPE, meta)
+
+
+def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
+    """A FeatureGate-family checkpoint written by `save_checkpoint`."""
+    return read_checkpoint(dir, lambda config: (lambda gpt=GPTConfig.from_dict(config): FeatureGateGPT(gpt)), device,
+                           dtype)
