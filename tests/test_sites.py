@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections import namedtuple
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -540,6 +541,41 @@ class UnsortedCodec(RoutedCodec):
         return out._replace(indices=indices)
 
 
+class Carried(nn.Module):
+    """A block whose mix's output (of hidden width) reaches the next block through other ops: `carry(block, x, h)`."""
+
+    def __init__(self, carry):
+        super().__init__()
+        self.mix, self.scale, self.carry = nn.Linear(D, D), nn.Parameter(torch.full((D,), 0.5)), carry
+
+    def forward(self, x):
+        return self.carry(self, x, self.mix(causal_mean(x)))
+
+
+CARRIES = {  # a hidden state however it is carried on: each one a notice
+    "tanh(h) * 2": lambda block, x, h: torch.tanh(h) * 2,
+    "x + (h + 0)": lambda block, x, h: x + (h + 0),
+    "x + h reshaped": lambda block, x, h: x + h.reshape(-1, D).reshape(x.shape),
+    "x + h * scale": lambda block, x, h: x + h * block.scale,
+}
+
+
+def carried_model(carry) -> Callable[[], LM]:
+    return lambda: LM([Carried(carry), Carried(carry)], seed=5).eval()
+
+
+class ChannelGate(nn.Module):
+    """Coefficients of hidden width: a per-channel gate mixing two branches, `x + g * a + (1 - g) * b`."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.a, self.b = nn.Linear(D, D), mlp(), mlp()
+
+    def forward(self, x):
+        g = torch.sigmoid(self.gate(x))
+        return x + g * self.a(causal_mean(x)) + (1 - g) * self.b(x)
+
+
 def sampling_model() -> LM:
     model = routed_model()
     for b in model.blocks:
@@ -564,7 +600,13 @@ SILENT = [  # (what, model, controller, expected refusal or notice; None: nothin
     ("a GRU cell's output as a site", gru_model,
      lambda m: fca.Controller.from_modules(m, "blocks.*.cell", "(batch token) hidden"),
      ("notice", "site 'blocks.0.cell' .*looks like a hidden state")),
+    *((f"a hidden state carried on as {how}", carried_model(carry),
+       lambda m: fca.Controller.from_modules(m, "blocks.*.mix", "batch token hidden"),
+       ("notice", r"site 'blocks.0.mix' \(and 1 more\) looks like a hidden state, not a coefficient: .*hidden width 16"))
+      for how, carry in CARRIES.items()),
     ("a GRU cell's gates (coefficients of hidden width)", gru_model, gru_gates, None),
+    ("a per-channel gate (coefficients of hidden width)", lambda: LM([ChannelGate(), ChannelGate()], seed=6).eval(),
+     lambda m: fca.Controller.from_ops(m, "blocks.*", "sigmoid", "batch token channel"), None),
     ("a module called twice, merged", hc_model, hc_controller, None),
     ("a namedtuple router whose decode reads its input", routed_model,
      lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=RoutedCodec()), None),

@@ -14,13 +14,15 @@ and `check_route_flips` does it for one batch on its own (one replay pass).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from fcaudit.controllers.site import Call, Controller, Site, _first_tensor
+from fcaudit.controllers.site import Call, Controller, Site, _first_tensor, op_name
 from fcaudit.loss import logits_of
 
 
@@ -35,7 +37,7 @@ class Finding:
 @dataclass
 class Observation:
     """One Correct forward pass of the first batch: its logits, each site's canonical coefficients, raw output and
-    call, and whether a later module took the site's output (or a view of it) as its input."""
+    call, and whether a later module took the site's output, or a value carried on from it, as its input."""
 
     logits: torch.Tensor
     coeffs: list[torch.Tensor]
@@ -43,42 +45,70 @@ class Observation:
     feeds_module: list[bool]
 
 
-def observe(model: nn.Module, controller: Controller, first: torch.Tensor) -> Observation:
-    """Run the first batch once more, keeping what the checks read."""
-    feeds = [False] * len(controller.sites)
-    held: list = []
+SUMS = {"add", "add_", "sub", "sub_"}  # op_name of `x + h`, `x += h`, `x - h`, `1 - h`
 
-    def consumer(module, args):
-        raws = held[0] if held else None
-        if raws is None:
-            return
-        for i, raw in enumerate(raws):
-            out = _first_tensor(raw[0]) if raw is not None else None
-            if out is not None and not feeds[i] and any(_same_memory(a, out) for a in args):
-                feeds[i] = True
 
-    handle = nn.modules.module.register_module_forward_pre_hook(consumer)
-    try:
-        with controller.outputs(*first.shape) as raws:
-            held.append(raws)
-            logits = logits_of(model(first))
-    finally:
-        handle.remove()
+class _Flow(TorchFunctionMode):
+    """Follows the outputs of the `watch`ed sites through one forward pass to the inputs of later modules.
+
+    A tensor carries a site's output when it is that output, or the result of a torch function of a tensor that
+    carries it with as many elements (a view, an elementwise op) whose other tensor arguments are smaller (a scalar,
+    a per-channel scale) or, for a sum, of any size (the residual stream plus the output). A product with a tensor
+    as large stops it: that is a coefficient acting on activations (a GRU's `z * h`), not an activation."""
+
+    def __init__(self, outputs: list, watch: Sequence[int]):
+        super().__init__()
+        self.outputs, self.pending, self.feeds = outputs, set(watch), set()
+        self.carriers: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}  # id -> (the tensor, its sites)
+
+    def sites_of(self, t: Any) -> frozenset[int]:
+        """The sites `t` carries that no module took yet."""
+        for i in [i for i in self.pending if self.outputs[i] is not None]:  # a site that ran since the last look
+            self.pending.discard(i)
+            out = _first_tensor(self.outputs[i][0])
+            if out is not None:
+                self.carriers[id(out)] = (out, frozenset({i}))
+        held = self.carriers.get(id(t))
+        return held[1] - self.feeds if held is not None and held[0] is t else frozenset()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            tensors = [t for _, t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            carrying = {id(t): self.sites_of(t) for t in tensors if t.numel() == out.numel()}
+            sites = frozenset().union(*carrying.values())
+            if sites and (op_name(func) in SUMS or all(t.numel() < out.numel() for t in tensors
+                                                         if not carrying.get(id(t)))):
+                self.carriers[id(out)] = (out, sites | self.sites_of(out))
+        return out
+
+    def consumer(self, module: nn.Module, args: tuple) -> None:
+        """A module's forward pre-hook: the sites its inputs carry feed it."""
+        fed = frozenset().union(*(self.sites_of(t) for _, t in _leaves(args)))
+        if fed:
+            self.feeds |= fed
+            self.carriers = {k: (t, s - self.feeds) for k, (t, s) in self.carriers.items() if s - self.feeds}
+
+
+def observe(model: nn.Module, controller: Controller, first: torch.Tensor, watch: Sequence[int] = ()) -> Observation:
+    """Run the first batch once more, keeping what the checks read; the outputs of sites `watch` are followed to the
+    modules they feed (`_Flow`)."""
+    with controller.outputs(*first.shape) as raws:
+        flow = _Flow(raws, watch)
+        with flow if watch else nullcontext():
+            handle = nn.modules.module.register_module_forward_pre_hook(flow.consumer) if watch else None
+            try:
+                logits = logits_of(model(first))
+            finally:
+                if handle is not None:
+                    handle.remove()
     coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
-    return Observation(logits, coeffs, list(raws), feeds)
+    return Observation(logits, coeffs, list(raws), [i in flow.feeds for i in range(len(raws))])
 
 
-def _same_memory(a, out: torch.Tensor) -> bool:
-    """`a` is `out` or a view of all of it (a reshape on the way to the next module)."""
-    return (isinstance(a, torch.Tensor) and a.numel() == out.numel() and a.device == out.device
-            and a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr())
-
-
-def check_deterministic(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
-                        seen: Observation | None = None) -> Finding | None:
+def check_deterministic(controller: Controller, seen: Observation, probe: tuple) -> Finding | None:
     """Refused when a second Correct pass of the first batch gives other logits or coefficients than the probe
     (`probe` = (coefficients, logits, ...) of the audit's capture of that batch)."""
-    seen = seen or observe(model, controller, first)
     coeffs, logits = probe[0], probe[1]
     if not torch.equal(seen.logits, logits):
         diff = float((seen.logits.double() - logits.double()).abs().max())
@@ -179,12 +209,10 @@ def _reordered_rows(w: torch.Tensor, i: torch.Tensor, w2: torch.Tensor, i2: torc
     return int((i != i2.to(i.device)).any(1).sum())
 
 
-def check_round_trip(model: nn.Module, controller: Controller, first: torch.Tensor,
-                     seen: Observation | None = None) -> Finding | None:
+def check_round_trip(controller: Controller, seen: Observation, first: torch.Tensor) -> Finding | None:
     """Refused when a site's codec does not give back the captured output on the first batch; a notice when a
     router's rebuilt slots differ only in order (ties the captured top-k ordered its own way): an eager experts loop
     sums per expert, so its result does not depend on slot order except in rounding on some machines."""
-    seen = seen or observe(model, controller, first)
     notice = None
     for site, (out, call) in zip(controller.sites, seen.outputs):
         how = round_trip_difference(site, out, call, *first.shape)
@@ -210,21 +238,17 @@ def hidden_width(model: nn.Module) -> int | None:
     return int(emb.embedding_dim) if isinstance(emb, nn.Embedding) else None
 
 
-def hidden_state_notice(model: nn.Module, controller: Controller, first: torch.Tensor,
-                        seen: Observation | None = None) -> Finding | None:
-    """A notice when a site's source axis has the model's hidden width and a later module takes its output as
-    input (the next block, the final norm): the residual stream, not coefficients that act on it."""
-    width = hidden_width(model)
-    if width is None:
-        return None
-    seen = seen or observe(model, controller, first)
+def hidden_state_notice(controller: Controller, seen: Observation, width: int | None) -> Finding | None:
+    """A notice when a site's source axis has the model's hidden width and a later module takes its output, or a
+    value carried on from it (`_Flow`), as input (the next block, the final norm): an activation, not coefficients
+    that act on one."""
     hidden = [s.name for s, c, feeds in zip(controller.sites, seen.coeffs, seen.feeds_module)
               if feeds and c.shape[-1] == width]
     if not hidden:
         return None
     more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
     return Finding(f"note: site {hidden[0]!r}{more} looks like a hidden state, not a coefficient: its source axis has "
-                   f"the model's hidden width {width} and the next module takes its output as input; the conditions "
+                   f"the model's hidden width {width} and a later module takes its output as input; the conditions "
                    "would move activations, not a controller's coefficients: point the pattern at the module or op "
                    "that computes the coefficients (a gate, a mixture, a router)", False)
 
@@ -232,7 +256,8 @@ def hidden_state_notice(model: nn.Module, controller: Controller, first: torch.T
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
     """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's (coefficients, logits, nll)
     of that batch, captured with `remember` (so each site's codec metadata is set)."""
-    seen = observe(model, controller, first)
-    found = [check_deterministic(model, controller, first, probe, seen),
-             check_round_trip(model, controller, first, seen), hidden_state_notice(model, controller, first, seen)]
+    width = hidden_width(model)
+    seen = observe(model, controller, first, [i for i, c in enumerate(probe[0]) if c.shape[-1] == width])
+    found = [check_deterministic(controller, seen, probe), check_round_trip(controller, seen, first),
+             hidden_state_notice(controller, seen, width)]
     return sorted((f for f in found if f is not None), key=lambda f: not f.refusal)
