@@ -20,7 +20,6 @@ from fcaudit.auditor import store as store_module
 from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
 from fcaudit.families import Family, controller_for, registered
-from fcaudit.controllers.site import memory_order
 from fcaudit.errors import FcauditError
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.protocol import derangement, resample_past, shuffle_tokens
@@ -148,21 +147,21 @@ def randomized_means(result):
 def test_layout_round_trip(pattern, shape):
     x = torch.randn(shape)
     lay = Layout.parse(pattern)
-    c = lay.to_canonical(x, batch=2, token=5)
+    c = lay.encode(x, batch=2, token=5)
     assert c.dim() == 4 and c.shape[:2] == (2, 5)
-    assert torch.equal(lay.from_canonical(c), x)
+    assert torch.equal(lay.decode(c, {}), x)
     if pattern.startswith("stream"):
         assert torch.equal(c[1, 3, 2], x[2, 1, 3])  # [batch, token, stream, source]
         permuted = torch.randn(2, 5, 3, 4).permute(2, 0, 1, 3)  # a non-contiguous site output
-        back = lay.from_canonical(lay.to_canonical(permuted, 2, 5), memory_order(permuted))
+        back = lay.decode(lay.encode(permuted, 2, 5), lay.meta(permuted))
         assert torch.equal(back, permuted) and back.stride() == permuted.stride()
 
 
 def test_layout_errors():
     with pytest.raises(FcauditError, match="does not fit layout"):
-        Layout.parse("batch token").to_canonical(torch.randn(2, 5, 3), 2, 5)
+        Layout.parse("batch token").encode(torch.randn(2, 5, 3), 2, 5)
     with pytest.raises(FcauditError, match="does not fit layout"):
-        Layout.parse("(batch token) expert").to_canonical(torch.randn(9, 3), 2, 5)
+        Layout.parse("(batch token) expert").encode(torch.randn(9, 3), 2, 5)
     with pytest.raises(FcauditError, match="'batch' and a 'token'"):
         Layout.parse("token expert")
     with pytest.raises(FcauditError, match="matches no module"):

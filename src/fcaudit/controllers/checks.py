@@ -1,20 +1,17 @@
 """Checks before anything is written: what passes the exact replay check and still is not a controller audit.
 
-Each check takes the model, its controller and the first evaluation batch (plus what the audit's probe of that batch
-gave) and returns a `Finding` or None: a refusal (the audit must stop with that one line) or a notice (the audit
-runs, and the line is printed with its results). `pre_write_checks` runs them all on one more forward pass of the
-first batch; route flips are counted by the audit's exact replay check of every batch (which fails closed on any),
-and `check_route_flips` does it for one batch on its own (one replay pass).
+`pre_write_checks` runs them on one more forward pass of the first evaluation batch and returns `Finding`s: a
+refusal (the audit stops with that one line) or a notice (printed with the results). Route flips are counted by the
+engine's exact replay check of every batch, which fails closed on any.
 - two Correct passes of the first batch differ: the eval forward is not deterministic (a router that samples);
-- route flips > 0 in the replay of the first batch: the live router disagrees with the replayed support;
 - decode(encode(output)) differs from the captured output: the codec does not rebuild what the site returned;
-- a site whose source axis has the model's hidden width and whose output the next module takes as its input: a
-  hidden state, not a coefficient.
+- a site whose source axis has the model's hidden width and whose output, or a value carried on from it, a later
+  module takes as input: a hidden state, not a coefficient.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -93,15 +90,12 @@ class _Flow(TorchFunctionMode):
 def observe(model: nn.Module, controller: Controller, first: torch.Tensor, watch: Sequence[int] = ()) -> Observation:
     """Run the first batch once more, keeping what the checks read; the outputs of sites `watch` are followed to the
     modules they feed (`_Flow`)."""
-    with controller.outputs(*first.shape) as raws:
+    with controller.outputs(*first.shape) as raws, ExitStack() as watching:
         flow = _Flow(raws, watch)
-        with flow if watch else nullcontext():
-            handle = nn.modules.module.register_module_forward_pre_hook(flow.consumer) if watch else None
-            try:
-                logits = logits_of(model(first))
-            finally:
-                if handle is not None:
-                    handle.remove()
+        if watch:
+            watching.enter_context(flow)
+            watching.callback(nn.modules.module.register_module_forward_pre_hook(flow.consumer).remove)
+        logits = logits_of(model(first))
     coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
     return Observation(logits, coeffs, list(raws), [i in flow.feeds for i in range(len(raws))])
 
@@ -122,25 +116,6 @@ def check_deterministic(controller: Controller, seen: Observation, probe: tuple)
     return Finding(f"two Correct passes of the first evaluation batch differ in {where}: the model is not "
                    "deterministic in eval mode (e.g. a router that samples, or noise left on outside training); make "
                    "its eval forward deterministic before auditing", True)
-
-
-def check_route_flips(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor]
-                      ) -> Finding | None:
-    """Refused when, replaying the first batch's captured coefficients, the live top-k routers on the replayed
-    trajectory select other experts than the cache (route flips > 0): then the replay is not the model's own
-    routing, however equal the logits."""
-    routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None]
-    if not routers:
-        return None
-    with controller.replay(coeffs), controller.recording_inputs() as inputs:
-        model(first)
-    live = controller.recompute(inputs, *first.shape, routers)
-    flips = int(sum(((l.to(coeffs[i].device) != 0) != (coeffs[i] != 0)).any(-1).sum() for i, l in live.items()))
-    if not flips:
-        return None
-    return Finding(f"exact replay check failed closed: route flips = {flips} on the first evaluation batch (the live "
-                   "router on the replayed trajectory selects other experts than the captured ones, e.g. it samples "
-                   "or keeps state between calls); make the router a deterministic function of its input", True)
 
 
 def _leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -173,40 +148,27 @@ def _differs(a: Any, b: Any) -> str | None:
 
 def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token: int) -> str | None:
     """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. Leaves the
-    codec declares placeholders (outputs the model never reads, e.g. router logits) are skipped; a router codec's
-    `slots` (its weights and index leaves) are compared per token as (index, weight) pairs, and only their order
-    differing is reported as "slot order" (see check_round_trip)."""
-    back = site.decode(site.encode(output, batch, token), call)
+    codec declares placeholders (outputs the model never reads, e.g. router logits) are skipped; when a router
+    codec's `slots` (its weights and index leaves) differ and nothing else does, rows that hold the same (index,
+    weight) pairs in another order are reported as "slot order" (see check_round_trip)."""
     skip = set(getattr(site.codec, "placeholders", ()))
-    got, want = dict(_leaves(back)), list(_leaves(output))
-    if list(got) != [p for p, _ in want]:
-        return f"the structure ({sorted(got)} instead of {[p for p, _ in want]})"
-    first = None
-    for path, leaf in want:
-        if path not in skip:
-            how = _differs(leaf, got[path])
-            if how is not None:
-                first = first or f"leaf {path or '(the output)'}: {how}"
-    if first is None:
+    got, want = dict(_leaves(site.decode(site.encode(output, batch, token), call))), dict(_leaves(output))
+    if list(got) != list(want):
+        return f"the structure ({sorted(got)} instead of {list(want)})"
+    differ = {p: _differs(want[p], got[p]) for p in want if p not in skip}
+    differ = {p: how for p, how in differ.items() if how is not None}
+    if not differ:
         return None
     slots = getattr(site.codec, "slots", None)
-    if slots and all(_differs(leaf, got[p]) is None for p, leaf in want if p not in skip and p not in slots):
-        wanted, rebuilt = dict(want), got
-        weights, index = slots
-        rows = _reordered_rows(wanted[weights], wanted[index], rebuilt[weights], rebuilt[index])
-        if rows is not None:
-            return f"slot order ({rows} of {wanted[index].shape[0]} rows hold their experts and weights in another order)"
-    return first
-
-
-def _reordered_rows(w: torch.Tensor, i: torch.Tensor, w2: torch.Tensor, i2: torch.Tensor) -> int | None:
-    """How many rows differ only by the order of their (index, weight) slots; None when some row differs more."""
-    if w.shape != w2.shape or i.shape != i2.shape or w.dtype != w2.dtype or i.dtype != i2.dtype:
-        return None
-    a, b = i.sort(1), i2.to(i.device).sort(1)
-    if not torch.equal(a.values, b.values) or not torch.equal(w.gather(1, a.indices), w2.to(w.device).gather(1, b.indices)):
-        return None
-    return int((i != i2.to(i.device)).any(1).sum())
+    if slots and set(differ) <= set(slots):
+        (w, i), (w2, i2) = ([d[p].to(want[p].device) for p in slots] for d in (want, got))
+        if (w.shape, w.dtype, i.shape, i.dtype) == (w2.shape, w2.dtype, i2.shape, i2.dtype):
+            a, b = i.sort(1), i2.sort(1)
+            if torch.equal(a.values, b.values) and torch.equal(w.gather(1, a.indices), w2.gather(1, b.indices)):
+                return (f"slot order ({int((i != i2).any(1).sum())} of {i.shape[0]} rows hold their experts and "
+                        "weights in another order)")
+    first = next(iter(differ))
+    return f"leaf {first or '(the output)'}: {differ[first]}"
 
 
 def check_round_trip(controller: Controller, seen: Observation, first: torch.Tensor) -> Finding | None:
@@ -254,8 +216,8 @@ def hidden_state_notice(controller: Controller, seen: Observation, width: int | 
 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
-    """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's (coefficients, logits, nll)
-    of that batch, captured with `remember` (so each site's codec metadata is set)."""
+    """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's
+    (coefficients, logits, nll) of that batch, captured with `remember` (so each site's codec metadata is set)."""
     width = hidden_width(model)
     seen = observe(model, controller, first, [i for i, c in enumerate(probe[0]) if c.shape[-1] == width])
     found = [check_deterministic(controller, seen, probe), check_round_trip(controller, seen, first),

@@ -1,12 +1,9 @@
-"""Token routers: sites whose coefficient says which tokens a block runs on (Mixture-of-Depths, routed branches).
+"""Routers: sites whose coefficients say which tokens a block runs on, or which experts a token runs.
 
-Such a site's canonical tensor is [batch, token, 1, 2]: the router's score of each token and whether it was chosen
-(1) or not (0). Decoding rebuilds the router's output from the (possibly transformed) pair: the chosen positions in
-ascending order and the scores, so the block downstream gathers, runs and scatters exactly the replayed set. The
-protocol's token-routing conditions keep the number chosen per window and layer (protocol.chosen).
-
-Capacity routers (expert-level, below): each token's top-k experts under a capacity per expert and window; the
-coefficient is the token's combine vector and decode rebuilds the slots by the router's own rule (CapacityRoute).
+A token router's canonical tensor (TokenRoute, in controllers.site) is [batch, token, 1, 2]: each token's score and
+whether it was chosen; the protocol's token-routing conditions keep the number chosen per window and layer. A
+capacity router's (CapacityRoute, below) is each token's combine vector over the experts; decode rebuilds the slots
+by the router's own rule.
 """
 
 from __future__ import annotations
@@ -27,10 +24,9 @@ def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
 
 def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int, seed: int = 0) -> int:
     """How many routing decisions at earlier positions change when only the last quarter of each window (at least
-    its last token) changes to seeded random tokens: above 0, a decision at t depends on tokens after t (top-k over
-    the whole window does), so the router cannot decode autoregressively as it is. A span rather than the last token
-    alone: a trained top-k router rarely moves its last token across the k-th score, so changing one token would
-    mostly find nothing."""
+    its last token) changes to seeded random tokens: above 0, a decision at t depends on later tokens (top-k over the
+    window does), so the router cannot decode autoregressively. A span, since one token rarely crosses the k-th
+    score."""
     span = max(1, ids.shape[1] // 4)
     changed = ids.clone()
     gen = torch.Generator().manual_seed(seed)
@@ -50,25 +46,13 @@ def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, voc
 
 
 # ---- capacity dispatch ------------------------------------------------------------------------------------------
-# Capacity dispatch (GShard / Switch style): a router that sends each token to its top-k experts, where an expert takes
-# at most `capacity` tokens per window, the first ones in sequence order; the router returns
-# (dispatch, combine), both [batch, token, expert, slot]: token t sits in slot s of expert e (dispatch), with weight w
-# (combine). Assignments past an expert's capacity are dropped: that expert does not run for the token, which passes it
-# by (through the residual when no expert takes it).
-#
-# The coefficient is expert-level: the combine vector of each token, canonical [batch, token, 1, E] (its weight for
-# every expert, 0 where the token does not run it). Slots are not coefficients: a condition that moves (expert, slot)
-# weights between tokens can put two tokens into one slot. `CapacityRoute.decode` rebuilds the slots from the replayed
-# combine vectors by the router's own rule (a cumulative sum over the window's tokens in sequence order per expert; an
-# assignment whose place is at or past the capacity is dropped), so under every condition each slot holds at most one
-# token and each expert at most `capacity` tokens. A static profile (the same dense mean for every token) asks for
-# more than the capacity holds: decode drops the excess, and `executed` counts what ran and what was dropped, which the
-# audit records per condition (columns expert0..expert{E-1} and dropped; `active` from what ran).
-#
-# Under Correct the combine vectors are already within capacity (the router dropped its own excess before returning
-# them), so the rebuilt slots are the router's own: replay is exact, and `dropped` counts only what a condition adds.
-# A router with another order rule (GShard's "all first choices before any second choice") cannot be rebuilt from the
-# post-capacity combine vector; `encode` refuses a router whose slots are not the sequence-order ones.
+# GShard / Switch style: each token goes to its top-k experts, an expert takes at most `capacity` tokens per window
+# (the first ones in sequence order), and the router returns (dispatch, combine), both [batch, token, expert, slot].
+# The coefficient is each token's combine vector [batch, token, 1, E], not the (expert, slot) weights, which a
+# condition could move so that two tokens share a slot. Decode rebuilds the slots by the router's rule (a cumulative
+# sum over the window's tokens per expert; past the capacity is dropped), so under every condition a slot holds at
+# most one token; `executed` counts what ran and what was dropped (the records' expert0.. and dropped columns). Under
+# Correct the router has already dropped its excess, so replay is exact; a router with another slot rule is refused.
 
 def _split_dispatch(output: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(output, (tuple, list)) and len(output) == 2

@@ -1,22 +1,11 @@
 """Controller sites: where a layer's coefficients appear in an unmodified model, and how to read and replace them.
 
-A site is a place plus a **codec**: `encode(output) -> canonical [batch, token, stream, source]` and
-`decode(canonical, meta[, inputs]) -> the output` (a tensor, a tuple, any structure; a codec whose decode takes a
-third argument gets the site's live call at replay time, e.g. a router whose output gathers from its input). The
-default codec is an einops layout ("batch token", "stream batch token source", "(batch token) expert", "batch token
-(view layer)", "batch token () stream source"): a missing stream or source axis becomes a unit axis, and the one axis
-(or merged group) other than batch/token/stream is the source axis (an expert, a source layer).
-
-The place is a matched module's method (`forward` unless `method=` names another one, e.g. one its parent calls
-directly), its N-th call in one forward pass (`call=N`; default: exactly one call), or the result of the N-th call
-of a torch function (`op=`, e.g. "matmul" for `normed @ self.w`) made while that method runs, intercepted with a
-TorchFunctionMode. Capture = the method wrapped for one pass, each site's output encoded. Replay = for the
-duration of a context the site's result is the decoded coefficients and its computation (the method, or the op) does
-not run; the original method is restored on exit and on error; the model's code is never changed. Both run the model
-within the controller's `context` where it has one: a model whose output path can share work with its controller
-(FeatureGate's tiled attention) takes there a path that shares none, the same in capture and in replay. Sites of
-one layer form a group (`Controller.merge`): the randomized conditions move a group's coefficients together. The
-engine sees only canonical tensors and never a model class.
+A site is a place plus a **codec** (`encode(output) -> canonical [batch, token, stream, source]`, `decode(canonical,
+meta[, inputs])`). The place is a matched module's method (`forward` unless `method=`), its N-th call in one forward
+pass (`call=N`), or the result of the N-th call of a torch function made while that method runs (`op=`, watched by a
+TorchFunctionMode). Capture wraps the method for one pass and encodes each site's output; replay makes the site's
+result the decoded coefficients without running its computation, and restores the method on exit. Both run within
+the controller's `context`. The engine sees only canonical tensors, never a model class.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import RECORD_COLUMNS, Coeffs, Controllers, REFERENCES
 
+
 def path_matches(path: str, pattern: str) -> bool:
     """Glob over module paths: `*` matches within one dotted component ("blocks.*.gate" does not match
     "blocks.0.mlp.gate"); a pattern containing `**` is matched against the whole path with plain fnmatch."""
@@ -50,15 +40,6 @@ def path_matches(path: str, pattern: str) -> bool:
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     """Dims from outermost to innermost in memory (largest stride first; size-1 and broadcast dims keep order)."""
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
-
-
-def with_memory_order(x: torch.Tensor, order: Sequence[int] | None) -> torch.Tensor:
-    """A fresh copy of x (downstream in-place ops cannot touch the cache) whose dims are laid out in memory in
-    `order` (outermost first), as the captured output was, so kernels see the same strides."""
-    if order is None or len(order) != x.dim() or all(d == i for i, d in enumerate(order)):
-        return x.clone(memory_format=torch.contiguous_format)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return x.permute(tuple(order)).clone(memory_format=torch.contiguous_format).permute(inverse)
 
 
 class Codec:
@@ -146,77 +127,64 @@ class Layout(Codec):
     def parse(cls, pattern: str) -> "Layout":
         """Axes are names, merged groups "(a b)" and unit axes "1" or "()"; a group of names other than batch, token
         and stream is one source axis (read as one merged axis)."""
-        axes = re.findall(r"\([^()]*\)|[^\s()]+", pattern)
         if re.sub(r"\([^()]*\)|[^\s()]+|\s", "", pattern):
             raise FcauditError(f"layout {pattern!r} has unbalanced or nested parentheses; write axes, merged groups "
                                "'(a b)' and unit axes '1' or '()', e.g. 'batch token (view layer)'")
-        names = pattern.replace("(", " ").replace(")", " ").split()
-        names = [n for n in names if n != "1"]
-        if sorted(set(names)) != sorted(names):
+        names = [n for n in pattern.replace("(", " ").replace(")", " ").split() if n != "1"]
+        if len(set(names)) != len(names):
             raise FcauditError(f"layout {pattern!r} repeats an axis name; name each axis once, e.g. 'batch token'")
         if "batch" not in names or "token" not in names:
             raise FcauditError(f"layout {pattern!r} must name a 'batch' and a 'token' axis, e.g. '(batch token) expert'")
-        roles = ("batch", "token", "stream")
-        extra = [a for a in axes if a not in ("1", "()") and not any(n in roles for n in a.strip("()").split())]
-        mixed = [a for a in axes if a.startswith("(") and any(n in roles for n in a.strip("()").split())
-                 and any(n not in roles for n in a.strip("()").split())]
+        roles = {"batch", "token", "stream"}
+        axes = [(a, set(a.strip("()").split())) for a in re.findall(r"\([^()]*\)|[^\s()]+", pattern)]
+        extra = [a for a, parts in axes if a not in ("1", "()") and not parts & roles]
+        mixed = [a for a, parts in axes if a.startswith("(") and parts & roles and parts - roles]
         if len(extra) > 1 or mixed:
             raise FcauditError(f"layout {pattern!r} has more than one source-like axis "
                                f"{[a.strip('()') for a in extra] or mixed}; merge them with parentheses, e.g. "
                                "'(head expert)', apart from batch, token and stream")
-        if not extra:
-            return cls(pattern, None)
-        source = extra[0]
-        if source.startswith("("):  # a merged source group: one axis named after its parts, so einops needs no sizes
-            merged = "_".join(source.strip("()").split())
-            return cls(pattern.replace(source, merged, 1), merged, pattern)
-        return cls(pattern, source)
-
-    @property
-    def written(self) -> str:
-        return self.given or self.pattern
+        if not extra or not extra[0].startswith("("):
+            return cls(pattern, extra[0] if extra else None)
+        merged = "_".join(extra[0].strip("()").split())  # one axis named after its parts, so einops needs no sizes
+        return cls(pattern.replace(extra[0], merged, 1), merged, pattern)
 
     @cached_property
     def canonical(self) -> str:
-        names = self.pattern.replace("(", " ").replace(")", " ").split()
-        stream = "stream" if "stream" in names else "1"
+        stream = "stream" if "stream" in self.pattern.replace("(", " ").replace(")", " ").split() else "1"
         return f"batch token {stream} {self.source or '1'}"
-
-    @cached_property
-    def _decoding(self) -> str:
-        return f"{self.canonical} -> {self.pattern}"
 
     @property
     def scalar(self) -> bool:
         """One coefficient per (batch, token): a scalar gate."""
-        return self.source is None and "stream" not in self.pattern.replace("(", " ").replace(")", " ").split()
+        return self.canonical == "batch token 1 1"
 
-    def to_canonical(self, x: torch.Tensor, batch: int, token: int, where: str = "site") -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise FcauditError(f"{where} returned {type(x).__name__}, not a tensor; give the site a codec for its "
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise FcauditError(f"site returned {type(output).__name__}, not a tensor; give the site a codec for its "
                                "output structure (Controller.from_modules(..., codec=...)) or point the pattern at "
                                "the module that returns the coefficients")
         try:
-            return rearrange(x, f"{self.pattern} -> {self.canonical}", batch=batch, token=token)
+            c = rearrange(output, f"{self.pattern} -> {self.canonical}", batch=batch, token=token)
         except EinopsError:
-            raise FcauditError(f"{where} output of shape {tuple(x.shape)} does not fit layout {self.pattern!r} "
+            raise FcauditError(f"site output of shape {tuple(output.shape)} does not fit layout {self.pattern!r} "
                                f"for batch={batch}, token={token}; pass the layout that names its axes (unit axes "
                                "as '1', merged ones as '(a b)')") from None
-
-    def from_canonical(self, c: torch.Tensor, memory_order: tuple[int, ...] | None = None) -> torch.Tensor:
-        return with_memory_order(rearrange(c, self._decoding), memory_order)
-
-    def encode(self, output, batch: int, token: int) -> torch.Tensor:
-        return self.to_canonical(output, batch, token).detach().clone()  # the model may modify `output` in place
+        return c.detach().clone()  # the model may modify `output` in place
 
     def meta(self, output) -> dict:
         return {"memory_order": memory_order(output)}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
-        return self.from_canonical(canonical, meta.get("memory_order"))
+        """A fresh copy (in-place ops downstream cannot touch the cache) with the captured output's memory order, so
+        kernels see the same strides."""
+        x = rearrange(canonical, f"{self.canonical} -> {self.pattern}")
+        order = meta.get("memory_order")
+        order = tuple(order) if order is not None and len(order) == x.dim() else tuple(range(x.dim()))
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return x.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
 
     def describe(self) -> str:
-        return self.written
+        return self.given or self.pattern
 
 
 class Call(NamedTuple):
@@ -234,24 +202,12 @@ OP_ALIASES = {"@": "matmul", "*": "mul", "+": "add", "-": "sub", "/": "div"}
 def op_name(func: Callable) -> str:
     """A torch function's name as `from_ops` matches it: `x @ w` (Tensor.__matmul__, __rmatmul__), torch.matmul and
     Tensor.matmul are all "matmul"; `F.softmax`, `torch.softmax` and `Tensor.softmax` are "softmax"."""
-    try:
-        return _NAMES[func]
-    except (KeyError, TypeError):  # TypeError: an unhashable callable
-        pass
     name = getattr(func, "__name__", "") or ""
     if name.startswith("__") and name.endswith("__") and len(name) > 4:
         name = name[2:-2]
         if name.startswith("r") and name[1:] in ("matmul", "mul", "add", "sub", "truediv"):
             name = name[1:]
-    name = "div" if name == "truediv" else name
-    try:
-        _NAMES[func] = name
-    except TypeError:
-        pass
-    return name
-
-
-_NAMES: dict[Callable, str] = {}  # op_name of each torch function seen (the mode asks for every call)
+    return "div" if name == "truediv" else name
 
 
 @dataclass
@@ -274,19 +230,18 @@ class Site:
     def name(self) -> str:
         """The site as a user names it: its module path, with the method, op and call where given."""
         where = self.path + (f".{self.method}" if self.method != "forward" else "")
-        if self.op is not None:
-            where += f":{self.op}"
+        where += f":{self.op}" if self.op is not None else ""
         return where + (f"[call={self.call}]" if self.call is not None else "")
 
     @cached_property
     def reads_inputs(self) -> bool:
         """Whether the codec's decode takes the live call (a third positional parameter)."""
         try:
-            params = list(inspect.signature(self.codec.decode).parameters.values())
+            kinds = [p.kind for p in inspect.signature(self.codec.decode).parameters.values()]
         except (TypeError, ValueError):
             return False
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+        P = inspect.Parameter
+        return sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds) >= 3 or P.VAR_POSITIONAL in kinds
 
     def encode(self, out, batch: int, token: int) -> torch.Tensor:
         try:
@@ -301,33 +256,26 @@ class Site:
     def remember(self, out) -> None:
         """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
-        first = _first_tensor(out)
+        first, floats = _first_tensor(out), _first_tensor(out, floating=True)
         self.device = first.device if first is not None else None
-        floats = _first_tensor(out, floating=True)
         self.dtype = floats.dtype if floats is not None else None
 
     def decode(self, c: torch.Tensor, inputs: Call | None = None):
         """The site's output from canonical coefficients, on the device its captured output was on (a model spread
         over devices by a device_map computes each layer on its own); `inputs` reach a codec that reads them."""
-        if self.meta is None:
-            raise FcauditError(f"site {self.name!r} has no captured output to replay into; capture a batch first")
-        if self.device is not None and c.device != self.device:
-            c = c.to(self.device)
-        if self.reads_inputs:
-            return self.codec.decode(c, self.meta, inputs)
-        return self.codec.decode(c, self.meta)
+        c = c.to(self.device) if self.device is not None else c
+        return self.codec.decode(c, self.meta, inputs) if self.reads_inputs else self.codec.decode(c, self.meta)
 
 
 def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
-    """The first tensor (floating-point, with `floating`) in a module output: a tensor, or a tuple, list or dict
-    holding tensors."""
+    """The first tensor (floating-point, with `floating`) in a tensor, or a tuple, list or dict holding tensors."""
     if isinstance(out, torch.Tensor):
         return out if out.is_floating_point() or not floating else None
     items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
     return next((t for t in (_first_tensor(i, floating) for i in items) if t is not None), None)
 
 
-# ---- token routers (controllers.routing: the capacity codec and the causality check) -------------------------
+# ---- token routers (controllers.routing holds the capacity codec and the causality check) -----------------------
 
 def chosen_index(mask: torch.Tensor) -> torch.Tensor:
     """The chosen positions of a [B, T] bool mask, ascending, as [B, k_max] int64, padded with -1 where a window
@@ -355,8 +303,7 @@ class TokenRoute(Codec):
                                f"not [batch={batch}, token={token}] and [batch, k]")
         c = torch.zeros(batch, token, 1, 2, dtype=torch.float32, device=scores.device)
         c[:, :, 0, 0] = scores.detach().float()
-        valid = index >= 0
-        c[:, :, 0, 1].scatter_add_(1, index.clamp_min(0), valid.float())  # padding (-1) adds 0 to token 0
+        c[:, :, 0, 1].scatter_add_(1, index.clamp_min(0), (index >= 0).float())  # padding (-1) adds 0 to token 0
         return c
 
     def meta(self, output: Any) -> dict:
@@ -365,26 +312,29 @@ class TokenRoute(Codec):
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
         scores = canonical[:, :, 0, 0].to(meta["dtype"]).contiguous()
         index = chosen_index(canonical[:, :, 0, 1] > 0.5)
-        kind = meta["type"]
-        return kind(scores, index) if kind is not tuple else (scores, index)
+        return meta["type"](scores, index) if meta["type"] is not tuple else (scores, index)
 
     def describe(self) -> str:
         return "token router: (scores [batch token], chosen index [batch k])"
 
 
-def routed(layout: Any, codec: Codec | None, routing: str) -> Codec:
-    """The codec of a site declared `routing` (Controller.from_modules(..., routing="tokens")): TokenRoute when
-    neither a codec nor a layout is given; a given codec is marked as a token router (or must already be one)."""
+def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None = None) -> Codec:
+    """The site's codec from `layout` or `codec`; with routing="tokens" TokenRoute by default, or the given codec
+    marked as a token router."""
+    if isinstance(layout, Codec) and codec is None:
+        codec, layout = layout, None
+    if routing is None:
+        if codec is not None or isinstance(layout, str):
+            return codec if codec is not None else Layout.parse(layout)
+        raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
+                           "codec=... for a tuple or other structured output")
     if routing != "tokens":
         raise FcauditError(f"routing={routing!r}: the one routing fcaudit knows is 'tokens' (a router choosing the "
                            "tokens a block runs on); drop routing= for any other site")
-    if codec is None and isinstance(layout, Codec):
-        codec, layout = layout, None
     if layout is not None:
         raise FcauditError(f"routing='tokens' with layout {layout!r}: a token router's coefficient is (score, chosen) "
                            "per token; drop the layout (TokenRoute reads a (scores, index) output) or pass codec=")
-    if codec is None:
-        return TokenRoute()
+    codec = codec if codec is not None else TokenRoute()
     if codec.routing not in (None, "tokens"):
         raise FcauditError(f"codec {codec.describe()} says routing={codec.routing!r}, not 'tokens': pass a token "
                            "router's codec")
@@ -397,17 +347,6 @@ def routed(layout: Any, codec: Codec | None, routing: str) -> Codec:
     return codec
 
 
-def _codec(layout: str | Codec | None, codec: Codec | None) -> Codec:
-    if codec is not None:
-        return codec
-    if isinstance(layout, Codec):
-        return layout
-    if isinstance(layout, str):
-        return Layout.parse(layout)
-    raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
-                       "codec=... for a tuple or other structured output")
-
-
 def _shape_of(x) -> str:
     return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
@@ -415,48 +354,49 @@ def _shape_of(x) -> str:
 # ---- one forward pass: each (module, method) that holds sites wrapped once ----------------------------------------
 
 class _Pass:
-    """The sites of one capture or replay pass. `found[i]`: site i's result (capture: canonical; replay: whether
-    it was replayed); calls are counted per pass, so `call=N` means the N-th call of that forward pass."""
+    """The sites of one capture pass, or of a replay pass (`native`: each site's decoded output, None where the codec
+    decodes from the live call). Calls are counted per pass, so `call=N` means the N-th call of that forward pass."""
 
-    def __init__(self, sites: Sequence[Site], capture: bool, batch: int = 0, token: int = 0, remember: bool = False,
-                 replacements: Sequence | None = None, coeffs: Sequence[torch.Tensor] | None = None):
-        self.sites, self.capturing, self.batch, self.token, self.remember = sites, capture, batch, token, remember
-        self.replacements, self.coeffs = replacements, coeffs
-        self.found: list = [None] * len(sites)
+    def __init__(self, sites: Sequence[Site], batch: int = 0, token: int = 0, remember: bool = False,
+                 raw: list | None = None, native: Sequence | None = None, coeffs: Coeffs | None = None,
+                 recording: Callable[[], list | None] = lambda: None):
+        self.sites, self.batch, self.token, self.remember, self.raw = sites, batch, token, remember, raw
+        self.native, self.coeffs, self.recording = native, coeffs, recording
+        self.found: list = [None] * len(sites)  # capture: site i's canonical output; replay: whether it ran
         self.method_calls: dict[tuple[int, str], int] = {}
-        self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op: its shapes
-        self.recording: Callable[[], list | None] = lambda: None  # replay: where to record each site's call
-        self.raw: list | None = None  # capture: each site's (output, Call) (Controller.outputs)
+        self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op, with its shapes
 
-    def result(self, i: int, inputs: Call):
-        """Replay: site i's output (decoded in advance, or now from the live call for a codec that reads it)."""
-        recorded = self.recording()
-        if recorded is not None:
-            recorded[i] = (inputs.args, inputs.kwargs)
-        self.found[i] = True
-        native = self.replacements[i]
-        return native if native is not None else self.sites[i].decode(self.coeffs[i], inputs)
-
-    def keep(self, i: int, out, inputs: Call, seen: str) -> None:
-        """Capture: encode site i's output (once: a second one of a site without `call` is refused)."""
-        site = self.sites[i]
-        if self.found[i] is not None:
-            raise FcauditError(f"site {site.name!r} ran twice in one forward pass ({seen}); pick one call with "
-                               f"call=0 or call=1 (Controller.{'from_ops' if site.op else 'from_modules'}(..., "
-                               "call=N)), or a module that produces one layer's coefficients once")
-        self.found[i] = site.encode(out, self.batch, self.token)
-        if self.remember:
-            site.remember(out)
-        if self.raw is not None:
-            self.raw[i] = (out, inputs)
+    def call(self, chosen: list[int], inputs: Call, compute: Callable[[], Any], seen: Callable[[], str]) -> Any:
+        """One call of a site's method or op: replayed (not computed), or computed and kept by the sites `chosen`
+        (capture encodes it once: a second one of a site without `call` is refused)."""
+        if chosen and self.coeffs is not None:
+            i = chosen[0]
+            recorded = self.recording()
+            if recorded is not None:
+                recorded[i] = (inputs.args, inputs.kwargs)
+            self.found[i] = True
+            return self.native[i] if self.native[i] is not None else self.sites[i].decode(self.coeffs[i], inputs)
+        out = compute()
+        for i in chosen:
+            site = self.sites[i]
+            if self.found[i] is not None:
+                raise FcauditError(f"site {site.name!r} ran twice in one forward pass ({seen()}); pick one call with "
+                                   f"call=0 or call=1 (Controller.{'from_ops' if site.op else 'from_modules'}(..., "
+                                   "call=N)), or a module that produces one layer's coefficients once")
+            self.found[i] = site.encode(out, self.batch, self.token)
+            if self.remember:
+                site.remember(out)
+            if self.raw is not None:
+                self.raw[i] = (out, inputs)
+        return out
 
 
 class _OpMode(TorchFunctionMode):
     """Active while one site method runs: the watched ops' results are captured or replaced (then not computed)."""
 
-    def __init__(self, run: _Pass, key: tuple[int, str], sites: list[int]):
+    def __init__(self, run: _Pass, module: nn.Module, method: str, sites: list[int]):
         super().__init__()
-        self.run, self.key, self.sites = run, key, sites
+        self.run, self.module, self.key, self.sites = run, module, (id(module), method), sites
         self.ops = {run.sites[i].op for i in sites}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -464,21 +404,17 @@ class _OpMode(TorchFunctionMode):
         name = op_name(func)
         if name not in self.ops:
             return func(*args, **kwargs)
-        run = self.run
-        calls = run.op_calls.setdefault((*self.key, name), [])
+        calls = self.run.op_calls.setdefault((*self.key, name), [])
         n = len(calls)
-        # what the capture saw, for the one-line errors (a replay only counts)
-        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})" if run.capturing else "")
-        chosen = [i for i in self.sites if run.sites[i].op == name and run.sites[i].call in (None, n)]
-        inputs = Call(tuple(args), kwargs, run.sites[chosen[0]].module) if chosen else None
-        if chosen and not run.capturing:
-            return run.result(chosen[0], inputs)
-        out = func(*args, **kwargs)
-        if run.capturing:
-            calls[-1] += f" -> {_shape_of(out)}"
-        for i in chosen:
-            run.keep(i, out, inputs, "; ".join(calls))
-        return out
+        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})")  # for the one-line errors
+
+        def compute():
+            out = func(*args, **kwargs)
+            calls[n] += f" -> {_shape_of(out)}"
+            return out
+
+        chosen = [i for i in self.sites if self.run.sites[i].op == name and self.run.sites[i].call in (None, n)]
+        return self.run.call(chosen, Call(tuple(args), kwargs, self.module), compute, lambda: "; ".join(calls))
 
 
 def _wrapper(run: _Pass, module: nn.Module, method: str, inner: Callable, sites: list[int]) -> Callable:
@@ -491,18 +427,14 @@ def _wrapper(run: _Pass, module: nn.Module, method: str, inner: Callable, sites:
     def wrapped(*args, **kwargs):
         n = run.method_calls.get(key, 0)
         run.method_calls[key] = n + 1
+
+        def compute():
+            with _OpMode(run, module, method, ops) if ops else nullcontext():
+                return inner(*args, **kwargs)
+
         chosen = [i for i in whole if run.sites[i].call in (None, n)]
-        inputs = Call(args, kwargs, module)
-        if chosen and not run.capturing:
-            return run.result(chosen[0], inputs)
-        if ops:
-            with _OpMode(run, key, ops):
-                out = inner(*args, **kwargs)
-        else:
-            out = inner(*args, **kwargs)
-        for i in chosen:
-            run.keep(i, out, inputs, f"call {n} of {type(module).__name__}.{method}")
-        return out
+        return run.call(chosen, Call(args, kwargs, module), compute,
+                        lambda: f"call {n} of {type(module).__name__}.{method}")
 
     return wrapped
 
@@ -511,21 +443,19 @@ def _wrapper(run: _Pass, module: nn.Module, method: str, inner: Callable, sites:
 def _patched(run: _Pass) -> Iterator[None]:
     """Each (module, method) holding sites wrapped for the pass (an instance attribute, removed on exit: the class
     and the model's code are untouched)."""
-    points: dict[tuple[int, str], list[int]] = {}
+    points: dict[tuple[int, str], tuple[nn.Module, list[int]]] = {}
     for i, s in enumerate(run.sites):
-        points.setdefault((id(s.module), s.method), []).append(i)
+        points.setdefault((id(s.module), s.method), (s.module, []))[1].append(i)
     saved = []
     try:
-        for (_, method), sites in points.items():
-            module = run.sites[sites[0]].module
+        for (_, method), (module, sites) in points.items():
             saved.append((module, method, module.__dict__.get(method, _ABSENT)))
             setattr(module, method, _wrapper(run, module, method, getattr(module, method), sites))
         yield
     finally:
         for module, method, original in reversed(saved):
-            if original is _ABSENT:
-                module.__dict__.pop(method, None)
-            else:
+            module.__dict__.pop(method, None)
+            if original is not _ABSENT:
                 module.__dict__[method] = original
 
 
@@ -537,20 +467,16 @@ def _missing(run: _Pass) -> str | None:
     for i, s in enumerate(run.sites):
         if run.found[i] is not None or (s.call is None and s.op is None and s.method == "forward"):
             continue  # a plain module site: the engine's own check names it
-        where = f"{s.path}.{s.method}"
-        ran = run.method_calls.get((id(s.module), s.method), 0)
-        if s.op is None:
-            return (f"site {s.name!r}: {where} ran {ran} time(s) in one forward pass, so call={s.call} does not "
-                    f"exist; pass call=0..{ran - 1}" if ran else f"site {s.name!r}: {where} did not run in a "
-                    "forward pass; pick a method the model calls")
+        where, ran = f"{s.path}.{s.method}", run.method_calls.get((id(s.module), s.method), 0)
+        calls = run.op_calls.get((id(s.module), s.method, s.op), [])
         if not ran:
             return f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls"
-        calls = run.op_calls.get((id(s.module), s.method, s.op), [])
-        if not calls:
+        if s.op is not None and not calls:
             return (f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it makes "
                     "(e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
-        return (f"site {s.name!r}: {where} made {len(calls)} call(s) of {s.op!r} ({'; '.join(calls)}), so "
-                f"call={s.call} does not exist; pass call=0..{len(calls) - 1}")
+        n, saw = (ran, f"ran {ran} time(s) in one forward pass") if s.op is None else \
+            (len(calls), f"made {len(calls)} call(s) of {s.op!r} ({'; '.join(calls)})")
+        return f"site {s.name!r}: {where} {saw}, so call={s.call} does not exist; pass call=0..{n - 1}"
     return None
 
 
@@ -664,9 +590,8 @@ class Controller:
         >>> len(ctrl.sites), ctrl.labels["StaticProfile"]
         (2, 'LayerMean')
         """
-        chosen = _codec(layout, codec) if routing is None else routed(layout, codec, routing)
-        return cls._build(model, pattern, chosen, (call, method, None),
-                          (static_name, reference, reference_name, context))
+        return cls._build(model, pattern, _codec(layout, codec, routing), call, method, None, static_name, reference,
+                          reference_name, context)
 
     @classmethod
     def from_ops(cls, model: nn.Module, pattern: str, op: str, layout: str | Codec | None = None, *,
@@ -702,21 +627,18 @@ class Controller:
         """
         if not isinstance(op, str) or not op:
             raise FcauditError(f"op must be a torch function's name such as 'matmul' or '@', got {op!r}")
-        return cls._build(model, pattern, _codec(layout, codec), (call, method, OP_ALIASES.get(op, op)),
-                          (static_name, reference, reference_name, context))
+        return cls._build(model, pattern, _codec(layout, codec), call, method, OP_ALIASES.get(op, op), static_name,
+                          reference, reference_name, context)
 
     @classmethod
-    def _build(cls, model: nn.Module, pattern: str, chosen: Codec, where: tuple[int | None, str, str | None],
-               names: tuple) -> "Controller":
-        """The sites of `pattern` at `where` = (call, method, op), with the controller's `names` (static_name,
-        reference, reference_name, context)."""
-        static_name, reference, reference_name, context = names
-        call, method, op = where
+    def _build(cls, model: nn.Module, pattern: str, codec: Codec, call: int | None, method: str, op: str | None,
+               static_name: str, reference: str, reference_name: str | None,
+               context: Callable[[], AbstractContextManager] | None) -> "Controller":
         if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
             raise FcauditError(f"call must be an integer >= 0 (0 = the first call in a forward pass), got {call!r}")
         if not isinstance(method, str) or not method:
             raise FcauditError(f"method must be a method's name such as 'forward' or 'prepare', got {method!r}")
-        sites = [Site(name, m, chosen, call, method, op) for name, m in model.named_modules()
+        sites = [Site(name, m, codec, call, method, op) for name, m in model.named_modules()
                  if name and path_matches(name, pattern)]
         shared = [name for name, _ in model.named_modules(remove_duplicate=False) if name and path_matches(name, pattern)
                   and name not in {s.path for s in sites}]
@@ -736,12 +658,11 @@ class Controller:
                                f"{lacking.method!r}; its own methods are {own[:8]}")
         if reference_name is None:
             reference_name = "GlobalMean" if reference == "global_mean" else "SourceUniformMean"
-        described = f"{type(model).__name__}:{pattern}:{chosen.describe()}"
-        described += "".join(f":{k}={v}" for k, v in (("method", method if method != "forward" else None),
-                                                        ("op", op), ("call", call)) if v is not None)
-        if context is None:
-            return cls(sites, static_name, reference, reference_name, described)
-        return cls(sites, static_name, reference, reference_name, f"{described}:{context.__name__}", context)
+        parts = [f"{type(model).__name__}:{pattern}:{codec.describe()}"]
+        parts += [f"{k}={v}" for k, v in (("method", method if method != "forward" else None), ("op", op),
+                                          ("call", call)) if v is not None]
+        parts += [context.__name__] if context is not None else []
+        return cls(sites, static_name, reference, reference_name, ":".join(parts), context or nullcontext)
 
     @classmethod
     def merge(cls, *controllers: "Controller", group: Callable[[Site], Hashable] | None = None) -> "Controller":
@@ -772,28 +693,27 @@ class Controller:
         if not controllers or not all(isinstance(c, Controller) for c in controllers):
             raise FcauditError("Controller.merge takes one or more fcaudit.Controller objects")
         first = controllers[0]
-        for c in controllers[1:]:
-            if (c.reference, c.static_name, c.reference_name) != (first.reference, first.static_name,
-                                                                  first.reference_name):
-                raise FcauditError("controllers with other references or condition names cannot be merged; build "
-                                   "them with the same reference= and names")
-            if c.context is not first.context:
-                raise FcauditError("controllers run within other contexts cannot be merged; pass the same context=")
+        names = lambda c: (c.reference, c.static_name, c.reference_name)  # noqa: E731
+        if any(names(c) != names(first) for c in controllers):
+            raise FcauditError("controllers with other references or condition names cannot be merged; build "
+                               "them with the same reference= and names")
+        if any(c.context is not first.context for c in controllers):
+            raise FcauditError("controllers run within other contexts cannot be merged; pass the same context=")
         sites = [s for c in controllers for s in c.sites]
-        seen: dict[tuple[int, str, str | None, int | None], str] = {}
+        seen: set[tuple[int, str, str | None, int | None]] = set()
         for s in sites:
             key = (id(s.module), s.method, s.op, s.call)
             if key in seen:
                 raise FcauditError(f"site {s.name!r} is in two of the merged controllers; give each site once")
-            seen[key] = s.name
+            seen.add(key)
             if s.call is None and any(k[:3] == key[:3] and k != key for k in seen):
                 raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
                                    "call=N to both")
         keys = [group(s) if group is not None else id(s.module) for s in sites]
         order = {k: g for g, k in enumerate(dict.fromkeys(keys))}
         groups = tuple(order[k] for k in keys)
-        description = " + ".join(c.description for c in controllers)
-        return cls(sites, first.static_name, first.reference, first.reference_name, description, first.context,
+        return cls(sites, first.static_name, first.reference, first.reference_name,
+                   " + ".join(c.description for c in controllers), first.context,
                    groups if len(set(groups)) < len(groups) else ())
 
     @property
@@ -810,22 +730,10 @@ class Controller:
         out = {"description": self.description, "sites": [s.name for s in self.sites],
                "codecs": [s.codec.describe() for s in self.sites], "reference": self.reference,
                "labels": self.labels}
-        if self.groups:
-            out["groups"] = list(self.groups)
-        return out
+        return out | ({"groups": list(self.groups)} if self.groups else {})
 
     @contextmanager
-    def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
-        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
-
-        With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
-        takes it once, from a probe of the first batch, so every replay decodes alike)."""
-        run = _Pass(self.sites, True, batch, token, remember)
-        with self._capturing(run):
-            yield run.found
-
-    @contextmanager
-    def _capturing(self, run: _Pass) -> Iterator[None]:
+    def _capture(self, run: _Pass) -> Iterator[None]:
         with _patched(run), self.context():
             yield
         problem = _missing(run)
@@ -833,11 +741,20 @@ class Controller:
             raise FcauditError(problem)
 
     @contextmanager
+    def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
+        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
+
+        With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
+        takes it once, from a probe of the first batch, so every replay decodes alike)."""
+        run = _Pass(self.sites, batch, token, remember)
+        with self._capture(run):
+            yield run.found
+
+    @contextmanager
     def outputs(self, batch: int, token: int) -> Iterator[list[tuple[Any, Call] | None]]:
         """Each site's raw output and call (args, kwargs, module) in one forward pass, for the pre-write checks."""
-        run = _Pass(self.sites, True, batch, token, remember=False)
-        run.raw = [None] * len(self.sites)
-        with self._capturing(run):
+        run = _Pass(self.sites, batch, token, raw=[None] * len(self.sites))
+        with self._capture(run):
             yield run.raw
 
     @contextmanager
@@ -849,12 +766,12 @@ class Controller:
         """
         if len(coeffs) != len(self.sites):
             raise FcauditError(f"replay got {len(coeffs)} coefficient tensors for {len(self.sites)} sites")
-        # decoded in advance, unless the codec reads the live call
+        blank = next((s for s in self.sites if s.meta is None), None)
+        if blank is not None:
+            raise FcauditError(f"site {blank.name!r} has no captured output to replay into; capture a batch first")
+        # decoded in advance, unless the codec reads the live call; recording_inputs may be entered after this
         native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]
-        if any(s.reads_inputs and s.meta is None for s in self.sites):
-            raise FcauditError("a site has no captured output to replay into; capture a batch first")
-        run = _Pass(self.sites, False, replacements=native, coeffs=coeffs)
-        run.recording = lambda: self._recording  # recording_inputs may be entered after this context
+        run = _Pass(self.sites, native=native, coeffs=coeffs, recording=lambda: self._recording)
         with _patched(run), self.context():
             yield
 
@@ -878,12 +795,11 @@ class Controller:
             site, call = self.sites[i], inputs[i]
             if call is None:
                 raise FcauditError(f"site {site.name!r} did not run in the recorded pass")
-            args, kwargs = call
-            if site.op is not None:
+            if site.op is None:
+                fn = getattr(site.module, site.method)
+            else:
                 fn = next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
                 if fn is None:
                     raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
-                out[i] = site.encode(fn(*args, **kwargs), batch, token)
-            else:
-                out[i] = site.encode(getattr(site.module, site.method)(*args, **kwargs), batch, token)
+            out[i] = site.encode(fn(*call[0], **call[1]), batch, token)
         return out
