@@ -34,12 +34,12 @@ class Finding:
 @dataclass
 class Observation:
     """One Correct forward pass of the first batch: its logits, each site's canonical coefficients, raw output and
-    call, and whether a later module took the site's output, or a value carried on from it, as its input."""
+    call, and the watched sites whose output, or a value carried on from it, a later module took as its input."""
 
     logits: torch.Tensor
     coeffs: list[torch.Tensor]
     outputs: list[tuple[Any, Call]]
-    feeds_module: list[bool]
+    feeds: set[int]
 
 
 SUMS = {"add", "add_", "sub", "sub_"}  # op_name of `x + h`, `x += h`, `x - h`, `1 - h`
@@ -97,7 +97,7 @@ def observe(model: nn.Module, controller: Controller, first: torch.Tensor, watch
             watching.callback(nn.modules.module.register_module_forward_pre_hook(flow.consumer).remove)
         logits = logits_of(model(first))
     coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
-    return Observation(logits, coeffs, list(raws), [i in flow.feeds for i in range(len(raws))])
+    return Observation(logits, coeffs, list(raws), flow.feeds)
 
 
 def check_deterministic(controller: Controller, seen: Observation, probe: tuple) -> Finding | None:
@@ -201,11 +201,9 @@ def hidden_width(model: nn.Module) -> int | None:
 
 
 def hidden_state_notice(controller: Controller, seen: Observation, width: int | None) -> Finding | None:
-    """A notice when a site's source axis has the model's hidden width and a later module takes its output, or a
-    value carried on from it (`_Flow`), as input (the next block, the final norm): an activation, not coefficients
-    that act on one."""
-    hidden = [s.name for s, c, feeds in zip(controller.sites, seen.coeffs, seen.feeds_module)
-              if feeds and c.shape[-1] == width]
+    """A notice when a site watched for its source axis of the model's hidden width feeds a later module (the next
+    block, the final norm; `_Flow`): an activation, not coefficients that act on one."""
+    hidden = [s.name for i, s in enumerate(controller.sites) if i in seen.feeds]
     if not hidden:
         return None
     more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""

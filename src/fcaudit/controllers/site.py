@@ -16,6 +16,7 @@ import re
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -693,7 +694,7 @@ class Controller:
         if not controllers or not all(isinstance(c, Controller) for c in controllers):
             raise FcauditError("Controller.merge takes one or more fcaudit.Controller objects")
         first = controllers[0]
-        names = lambda c: (c.reference, c.static_name, c.reference_name)  # noqa: E731
+        names = attrgetter("reference", "static_name", "reference_name")
         if any(names(c) != names(first) for c in controllers):
             raise FcauditError("controllers with other references or condition names cannot be merged; build "
                                "them with the same reference= and names")
