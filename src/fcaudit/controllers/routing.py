@@ -95,17 +95,13 @@ class CapacityRoute(Codec):
         self.num_experts, self.capacity, self.top_k, self.name = int(num_experts), int(capacity), int(top_k), name
         self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
 
-    def _check(self, t: torch.Tensor, batch: int | None = None, token: int | None = None) -> None:
-        E, C = self.num_experts, self.capacity
-        if tuple(t.shape[2:]) != (E, C) or (batch is not None and tuple(t.shape[:2]) != (batch, token)):
-            want = f"[{batch if batch is not None else 'batch'}, {token if token is not None else 'token'}, {E}, {C}]"
-            raise FcauditError(f"{self.name} returned dispatch/combine of shape {list(t.shape)}, not {want}; pass "
-                               f"CapacityRoute(num_experts, capacity) as the router has them (capacity = its slots "
-                               f"per expert and window)")
-
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         dispatch, combine = _split_dispatch(output, self.name)
-        self._check(combine, batch, token)
+        if tuple(combine.shape) != (batch, token, self.num_experts, self.capacity):
+            raise FcauditError(f"{self.name} returned dispatch/combine of shape {list(combine.shape)}, not "
+                               f"[{batch}, {token}, {self.num_experts}, {self.capacity}]; pass "
+                               "CapacityRoute(num_experts, capacity) as the router has them (capacity = its slots "
+                               "per expert and window)")
         dtype = torch.promote_types(combine.dtype, torch.float32)  # bf16 / fp16 weights convert to it and back exactly
         c = combine.detach().to(dtype).sum(-1)[:, :, None, :]  # one slot per (token, expert) holds the weight
         if not torch.equal(placed(c, self.capacity), dispatch.detach() != 0):
@@ -114,10 +110,8 @@ class CapacityRoute(Codec):
                                "this router needs its own codec")
         return c.contiguous()
 
-    def meta(self, output: Any) -> dict:
-        dispatch, combine = _split_dispatch(output, self.name)
-        self._check(combine)
-        return {"dispatch_dtype": dispatch.dtype, "combine_dtype": combine.dtype, "type": type(output)}
+    def meta(self, output: Any) -> dict:  # of an output `encode` has checked
+        return {"dispatch_dtype": output[0].dtype, "combine_dtype": output[1].dtype, "type": type(output)}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if canonical.dim() != 4 or tuple(canonical.shape[2:]) != (1, self.num_experts):
