@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.controllers.site import Call, Controller, Site, _first_tensor, op_name
+from fcaudit.controllers.site import Call, Controller, Site, _first_tensor, leaves, op_name
 from fcaudit.loss import logits_of
 
 
@@ -71,7 +71,7 @@ class _Flow(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
-            tensors = [t for _, t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tensors = [t for _, t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             carrying = {id(t): self.sites_of(t) for t in tensors if t.numel() == out.numel()}
             sites = frozenset().union(*carrying.values())
             if sites and (op_name(func) in SUMS or all(t.numel() < out.numel() for t in tensors
@@ -81,7 +81,7 @@ class _Flow(TorchFunctionMode):
 
     def consumer(self, module: nn.Module, args: tuple) -> None:
         """A module's forward pre-hook: the sites its inputs carry feed it."""
-        fed = frozenset().union(*(self.sites_of(t) for _, t in _leaves(args)))
+        fed = frozenset().union(*(self.sites_of(t) for _, t in leaves(args)))
         if fed:
             self.feeds |= fed
             self.carriers = {k: (t, s - self.feeds) for k, (t, s) in self.carriers.items() if s - self.feeds}
@@ -118,22 +118,6 @@ def check_deterministic(controller: Controller, seen: Observation, probe: tuple)
                    "its eval forward deterministic before auditing", True)
 
 
-def _leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) of a site output: ".name" for a namedtuple field, "[i]" for a tuple or list item, "['k']" for a
-    dict entry, "" for the output itself."""
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        for name, v in zip(x._fields, x):
-            yield from _leaves(v, f"{path}.{name}")
-    elif isinstance(x, (tuple, list)):
-        for i, v in enumerate(x):
-            yield from _leaves(v, f"{path}[{i}]")
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, f"{path}[{k!r}]")
-    else:
-        yield path, x
-
-
 def _differs(a: Any, b: Any) -> str | None:
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
         return f"{type(b).__name__} instead of {type(a).__name__}"
@@ -152,7 +136,7 @@ def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token
     codec's `slots` (its weights and index leaves) differ and nothing else does, rows that hold the same (index,
     weight) pairs in another order are reported as "slot order" (see check_round_trip)."""
     skip = set(getattr(site.codec, "placeholders", ()))
-    got, want = dict(_leaves(site.decode(site.encode(output, batch, token), call))), dict(_leaves(output))
+    got, want = dict(leaves(site.decode(site.encode(output, batch, token), call))), dict(leaves(output))
     if list(got) != list(want):
         return f"the structure ({sorted(got)} instead of {list(want)})"
     differ = {p: _differs(want[p], got[p]) for p in want if p not in skip}

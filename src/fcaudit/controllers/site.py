@@ -268,12 +268,26 @@ class Site:
         return self.codec.decode(c, self.meta, inputs) if self.reads_inputs else self.codec.decode(c, self.meta)
 
 
+def leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of a site output: ".name" for a namedtuple field, "[i]" for a tuple or list item, "['k']" for a
+    dict entry, "" for the output itself."""
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        for name, v in zip(x._fields, x):
+            yield from leaves(v, f"{path}.{name}")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from leaves(v, f"{path}[{i}]")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from leaves(v, f"{path}[{k!r}]")
+    else:
+        yield path, x
+
+
 def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
-    """The first tensor (floating-point, with `floating`) in a tensor, or a tuple, list or dict holding tensors."""
-    if isinstance(out, torch.Tensor):
-        return out if out.is_floating_point() or not floating else None
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    return next((t for t in (_first_tensor(i, floating) for i in items) if t is not None), None)
+    """The first tensor (floating-point, with `floating`) among the leaves of a module output."""
+    return next((t for _, t in leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or not floating)),
+                None)
 
 
 # ---- token routers (controllers.routing holds the capacity codec and the causality check) -----------------------
