@@ -149,7 +149,7 @@ def test_layout_round_trip(pattern, shape):
     lay = Layout.parse(pattern)
     c = lay.encode(x, batch=2, token=5)
     assert c.dim() == 4 and c.shape[:2] == (2, 5)
-    assert torch.equal(lay.decode(c, {}), x)
+    assert torch.equal(lay.decode(c, lay.meta(x)), x)
     if pattern.startswith("stream"):
         assert torch.equal(c[1, 3, 2], x[2, 1, 3])  # [batch, token, stream, source]
         permuted = torch.randn(2, 5, 3, 4).permute(2, 0, 1, 3)  # a non-contiguous site output

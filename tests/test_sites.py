@@ -412,7 +412,7 @@ def test_layouts_with_merged_and_unit_axes_round_trip(pattern, shape, canonical)
     lay = Layout.parse(pattern)
     x = torch.randn(shape)
     c = lay.encode(x, 2, 5)
-    assert tuple(c.shape) == canonical and torch.equal(lay.decode(c, {}), x)
+    assert tuple(c.shape) == canonical and torch.equal(lay.decode(c, lay.meta(x)), x)
     assert lay.describe() == pattern
 
 

@@ -38,11 +38,6 @@ def path_matches(path: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats))
 
 
-def memory_order(t: torch.Tensor) -> tuple[int, ...]:
-    """Dims from outermost to innermost in memory (largest stride first; size-1 and broadcast dims keep order)."""
-    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
-
-
 class Codec:
     """How one site's output maps to canonical coefficients [batch, token, stream, source] and back.
 
@@ -173,14 +168,14 @@ class Layout(Codec):
         return c.detach().clone()  # the model may modify `output` in place
 
     def meta(self, output) -> dict:
-        return {"memory_order": memory_order(output)}
+        """Its dims from outermost to innermost in memory (largest stride first; size-1 dims keep their order)."""
+        strides = [-stride if n > 1 else 0 for stride, n in zip(output.stride(), output.shape)]
+        return {"memory_order": tuple(sorted(range(output.dim()), key=strides.__getitem__))}  # stable: ties in order
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
         """A fresh copy (in-place ops downstream cannot touch the cache) with the captured output's memory order, so
         kernels see the same strides."""
-        x = rearrange(canonical, f"{self.canonical} -> {self.pattern}")
-        order = meta.get("memory_order")
-        order = tuple(order) if order is not None and len(order) == x.dim() else tuple(range(x.dim()))
+        x, order = rearrange(canonical, f"{self.canonical} -> {self.pattern}"), meta["memory_order"]
         inverse = sorted(range(len(order)), key=order.__getitem__)
         return x.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
 
