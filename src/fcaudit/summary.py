@@ -1,9 +1,9 @@
 """From audits to the paper's evidence: per-checkpoint tables and checkpoint-level inference (`fcaudit summarize`).
 
 Two levels, never mixed (paper §4.1):
-- within one checkpoint (`checkpoint_summary`): paired-window bootstrap intervals and the Monte Carlo SE across
-  randomizations. They describe stability across evaluation windows, not uncertainty across training runs; a family
-  with one checkpoint is labelled "window-level (one checkpoint)" everywhere, its criteria included.
+- within one checkpoint (a family of one, stats.results.WindowStatistics): paired-window bootstrap intervals and the
+  Monte Carlo SE across randomizations. They describe stability across evaluation windows, not uncertainty across
+  training runs; such a family is labelled "window-level (one checkpoint)" everywhere, its criteria included.
 - across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
   Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
 Audits are read through `AuditResult` (the one reader). Checkpoints pooled into one family must be independent (no
@@ -14,7 +14,7 @@ from each audit's config.json, where the engine wrote them before the audit ran.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,6 +43,11 @@ FEW_CHECKPOINTS = 5
 FEW_NOTE = (" With {n} checkpoints the intervals are coarse (with 2, the range of the two) and no p-value can be "
             "below {p:.3g}: read the criteria with that in mind.")
 PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
+
+
+def met_word(met: bool | None) -> str:
+    """A criterion's verdict in words (None: the number it needs does not exist)."""
+    return {True: "met", False: "not met"}.get(met, "not evaluable")
 
 
 # ---- within one checkpoint ------------------------------------------------------------------------------------
@@ -103,28 +108,6 @@ def _window_level(stats: WindowStatistics, family: str = ""):
             _frame(rets, "retention"))
 
 
-def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | None = None) -> pd.DataFrame:
-    """Paper Table 2 for one checkpoint: per condition its label, mean ΔNLL, paired-window bootstrap interval,
-    MC SE across randomizations and retention vs the structure-removed reference; then the factor effects E_input,
-    E_token, E_interaction with window-level intervals. Intervals describe stability across windows
-    (df.attrs["note"])."""
-    crit = Criteria.from_dict(config["criteria"]) if config.get("criteria") else Criteria()
-    crit = crit if confidence is None else replace(crit, confidence=confidence)
-    conds, facs, rets = _window_level(WindowStatistics(records, labels_of(config), crit))
-    table = conds.drop(columns=["family", "level", "pvalue", "n_positive"]).assign(kind="condition")
-    r = rets.set_index("condition")[["retention", "ci_low", "ci_high"]]
-    r.columns = ["retention", "retention_low", "retention_high"]
-    table = table.join(r, on="condition")
-    f = facs.drop(columns=["family", "level", "pvalue", "pvalue_holm", "n_positive"]).rename(
-        columns={"effect": "condition"}).assign(kind="factor")
-    out = pd.concat([table, f], ignore_index=True)
-    out = out[["kind", "condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "retention", "retention_low",
-               "retention_high"]]
-    out.attrs["note"] = WINDOW_NOTE
-    out.attrs["confidence"] = crit.confidence
-    return out
-
-
 # ---- across checkpoints ---------------------------------------------------------------------------------------
 
 def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
@@ -143,12 +126,11 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
         x = means[c].to_numpy()
         est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)  # pvalue: exact sign-flip test
         lo, hi = _ci(est)
-        rand = [m.randomization_means[c].dropna() for m in members]
+        se = np.array([mc_se(m.randomization_means[c]) for m in members])  # nan for a deterministic condition
         conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "checkpoint", "n": n,
                       "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
                       "n_positive": int((x > 0).sum()),
-                      "mc_se": float(np.nanmean([mc_se(r) for r in rand])) if any(len(r) > 1 for r in rand)
-                      else float("nan"),
+                      "mc_se": float(np.nanmean(se)) if np.isfinite(se).any() else float("nan"),
                       "active": float(active.get(c, np.nan))})
     facs = []
     roles = protocol.factorial()
@@ -177,27 +159,21 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
     """The two prespecified verdicts for one family (None where the needed number does not exist)."""
     pct = f"{100 * criteria.confidence:g}%"
     out = []
-    s = conditions[conditions["condition"] == "StaticProfile"]
-    bound = float(s["ci_high"].iloc[0]) if len(s) else float("nan")
-    out.append({"family": family, "name": "practically small", "quantity": "StaticProfile ΔNLL",
-                "label": str(s["label"].iloc[0]) if len(s) else "StaticProfile",
-                "rule": f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}",
-                "threshold": criteria.small_upper, "bound": bound,
-                "met": bool(bound < criteria.small_upper) if math.isfinite(bound) else None,
-                "level": str(s["level"].iloc[0]) if len(s) else None})
-    r = retention[retention["condition"] == "StaticProfile"]
-    bound = float(r["ci_low"].iloc[0]) if len(r) else float("nan")
-    out.append({"family": family, "name": "high retention", "quantity": "StaticProfile retention",
-                "label": str(r["label"].iloc[0]) if len(r) else "StaticProfile",
-                "rule": f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%",
-                "threshold": criteria.retention_lower, "bound": bound,
-                "met": bool(bound > criteria.retention_lower) if math.isfinite(bound) else None,
-                "level": str(r["level"].iloc[0]) if len(r) else None})
-    for v in out:
-        v.update(criteria=criteria.to_dict(), fixed_in_advance=source == "config.json", fixed_at=fixed_at,
-                 source=source, bound=v["bound"] if math.isfinite(v["bound"]) else None)
-        if v["level"] == "window":
-            v["level"] = WINDOW_LEVEL
+    for name, table, quantity, side, threshold, rule in (
+            ("practically small", conditions, "ΔNLL", "ci_high", criteria.small_upper,
+             f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}"),
+            ("high retention", retention, "retention", "ci_low", criteria.retention_lower,
+             f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%")):
+        row = table[table["condition"] == "StaticProfile"]
+        bound = float(row[side].iloc[0]) if len(row) else float("nan")
+        level = str(row["level"].iloc[0]) if len(row) else None
+        met = (bound < threshold if side == "ci_high" else bound > threshold) if math.isfinite(bound) else None
+        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}",
+                    "label": str(row["label"].iloc[0]) if len(row) else "StaticProfile", "rule": rule,
+                    "threshold": threshold, "bound": bound if math.isfinite(bound) else None,
+                    "met": None if met is None else bool(met), "level": WINDOW_LEVEL if level == "window" else level,
+                    "criteria": criteria.to_dict(), "fixed_in_advance": source == "config.json", "fixed_at": fixed_at,
+                    "source": source})
     return out
 
 
@@ -289,30 +265,34 @@ class Summary:
     groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation, partial
 
     def family(self, name: str) -> dict:
+        """One family's rows of each table and its group entries; "replay" holds the replay records that exist."""
+        g = {"audits": [], "variation": [], "partial": False, "confidence": 0.95, **self.groups[name]}
         return {"conditions": self.conditions[self.conditions["family"] == name],
                 "factors": self.factors[self.factors["family"] == name],
                 "retention": self.retention[self.retention["family"] == name],
-                "criteria": [c for c in self.criteria if c["family"] == name], **self.groups[name]}
+                "criteria": [c for c in self.criteria if c["family"] == name], **g,
+                "replay": [r for r in g.get("replay", []) if isinstance(r, dict)]}
 
     def __str__(self) -> str:
         lines = []
-        for fam, g in self.groups.items():
+        for fam in self.groups:
+            g = self.family(fam)
             level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
             lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
-                         + ("  [PARTIAL]" if g.get("partial") else ""))
-            # routers: the causality check above 0 and the token note, once per family
-            lines += [f"  {line}" for line in dict.fromkeys(line for r in g.get("replay", []) if isinstance(r, dict)
+                         + ("  [PARTIAL]" if g["partial"] else ""))
+            # the audits' notices, and for routers the causality check above 0 and the token note, once per family
+            lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
                                                           for line in (*(r.get("notices") or ()), *routing_lines(r)))]
-            for r in self.conditions[self.conditions["family"] == fam].itertuples():
+            for r in g["conditions"].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
-            for r in self.retention[self.retention["family"] == fam].itertuples():
+            for r in g["retention"].itertuples():
                 lines.append(f"  retention {r.label} vs {r.reference_label}: "
                              f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
                              f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
-            for v in (c for c in self.criteria if c["family"] == fam):
-                verdict = {True: "met", False: "not met"}.get(v["met"], "not evaluable")
-                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {verdict}")
+            for v in g["criteria"]:
+                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): "
+                             f"{met_word(v['met'])}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

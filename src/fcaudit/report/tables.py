@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
+from fcaudit.summary import met_word
 
 # Display names of the training variants (Table 1 "Method" column).
 METHOD_NAMES = {
@@ -64,11 +65,15 @@ def training_table(metrics: list[dict]) -> pd.DataFrame:
     return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
 
 
-# ---- number formatting ------------------------------------------------------------------------------------------
+# ---- number formatting: '—' for a missing number everywhere ---------------------------------------------------
+
+def missing(x: Any) -> bool:
+    return x is None or not math.isfinite(float(x))
+
 
 def fmt(x: Any, digits: int = 6) -> str:
-    """A number for a table: fixed decimals, '—' for missing."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+    """A number for a table: fixed decimals."""
+    if missing(x):
         return "—"
     if isinstance(x, (int, np.integer)):
         return str(int(x))
@@ -78,20 +83,21 @@ def fmt(x: Any, digits: int = 6) -> str:
     return f"{x:.{digits}f}"
 
 
+def fmt_g(x: Any) -> str:
+    """A number for a sentence: 3 significant digits."""
+    return "—" if missing(x) else f"{float(x):.3g}"
+
+
 def fmt_p(p: Any) -> str:
-    if p is None or (isinstance(p, float) and not math.isfinite(p)):
-        return "—"
-    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+    return "—" if missing(p) else f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
 def fmt_interval(lo: Any, hi: Any, digits: int = 6) -> str:
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return "—"
-    return f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
+    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
 
 
-def fmt_pct(x: Any) -> str:
-    return "—" if x is None or not math.isfinite(float(x)) else f"{100 * x:.2f}%"
+def fmt_pct(x: Any, decimals: int = 2) -> str:
+    return "—" if missing(x) else f"{100 * float(x):.{decimals}f}%"
 
 
 # ---- display tables (strings) -----------------------------------------------------------------------------------
@@ -151,7 +157,7 @@ def criteria_display(criteria: list[dict]) -> pd.DataFrame:
                      "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
                      "Level": {"checkpoint": "checkpoints", "window": "window-level (one checkpoint)",
                                "window-level (one checkpoint)": "window-level (one checkpoint)"}.get(c["level"], "—"),
-                     "Verdict": {True: "met", False: "not met"}.get(c["met"], "not evaluable")})
+                     "Verdict": met_word(c["met"])})
     return pd.DataFrame(rows)
 
 
