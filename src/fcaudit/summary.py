@@ -110,9 +110,22 @@ def _window_level(stats: WindowStatistics, family: str = ""):
 
 # ---- across checkpoints ---------------------------------------------------------------------------------------
 
+def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
+    """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
+    est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
+    lo, hi = _ci(est)
+    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()), "ci_low": lo, "ci_high": hi,
+            "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
+
+
+def _nanmean(x: np.ndarray) -> float:
+    """The mean of the finite values; nan, without numpy's warning, where there is none."""
+    return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
+
+
 def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
     """(conditions, factors, retention) frames of one family's checkpoints: each checkpoint's mean ΔNLL is one unit."""
-    n, labels, confidence = len(members), members[0].labels, criteria.confidence
+    labels, confidence = members[0].labels, criteria.confidence
     means = pd.DataFrame([m.per_window.mean() for m in members]).reset_index(drop=True)  # checkpoints x conditions
     if means.isna().any().any():
         missing = means.columns[means.isna().any()].tolist()
@@ -121,31 +134,17 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
     means = means[sorted(means.columns, key=protocol.order)]
     pooled = pd.concat([m.records for m in members])
     active = pooled.groupby("condition")["active"].mean() if "active" in pooled else pd.Series(dtype=float)
-    conds = []
-    for c in means.columns:
-        x = means[c].to_numpy()
-        est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)  # pvalue: exact sign-flip test
-        lo, hi = _ci(est)
-        se = np.array([mc_se(m.randomization_means[c]) for m in members])  # nan for a deterministic condition
-        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "checkpoint", "n": n,
-                      "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
-                      "n_positive": int((x > 0).sum()),
-                      "mc_se": float(np.nanmean(se)) if np.isfinite(se).any() else float("nan"),
-                      "active": float(active.get(c, np.nan))})
+    conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
+                               mc_se=_nanmean(np.array([mc_se(m.randomization_means[c]) for m in members])),
+                               active=float(active.get(c, np.nan))) for c in means.columns]
     facs = []
     roles = protocol.factorial()
     if all(c in means.columns for c in roles.values()):
         dc, cs, ds = (means[roles[k]].to_numpy() for k in ("input", "token", "both"))
         fe = factor_effects(np.zeros_like(dc), dc, cs, ds)
-        for k, name in FACTORS.items():
-            x = np.asarray(getattr(fe, k), dtype=float)
-            est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
-            lo, hi = _ci(est)
-            facs.append({"family": family, "effect": k, "label": name, "level": "checkpoint", "n": n,
-                         "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
-                         "pvalue_holm": np.nan, "n_positive": int((x > 0).sum())})
-        adjusted = holm([f["pvalue"] for f in facs])
-        for f, p in zip(facs, adjusted):
+        facs = [_over_checkpoints(np.asarray(getattr(fe, k), dtype=float), confidence, family=family, effect=k,
+                                  label=name) for k, name in FACTORS.items()]
+        for f, p in zip(facs, holm([f["pvalue"] for f in facs])):  # Holm across the three effects
             f["pvalue_holm"] = float(p)
     rets = []
     if protocol.structure_removed(means.columns) is not None:
