@@ -14,7 +14,7 @@ from each audit's config.json, where the engine wrote them before the audit ran.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,10 +51,6 @@ def met_word(met: bool | None) -> str:
 
 
 # ---- within one checkpoint ------------------------------------------------------------------------------------
-
-def labels_of(config: dict) -> dict[str, str]:
-    return {**protocol.default_labels(), **(config.get("labels") or {})}
-
 
 def _ci(est) -> tuple[float, float]:
     lo, hi = est.confidence_interval
@@ -232,17 +228,15 @@ def _check_pool(family: str, members: list[AuditResult]) -> None:
 
 
 def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str | None, str]:
-    names = {f.name for f in fields(Criteria)}
-    found = [a.config.get("criteria") for a in audits]
-    if all(f is None for f in found):
+    """The family's criteria, when they were fixed (the latest stamp) and where they come from."""
+    if all(a.config.get("criteria") is None for a in audits):
         return Criteria(), None, "defaults (not found in the audit config: NOT fixed in advance)"
-    thresholds = [None if f is None else {k: v for k, v in f.items() if k in names} for f in found]
-    if any(t is None or t != thresholds[0] for t in thresholds):
+    if any(a.config.get("criteria") is None or a.criteria != audits[0].criteria for a in audits):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = sorted(t for t in ((a.config.get("criteria") or {}).get("fixed_at") or a.config.get("created_at")
-                                for a in audits) if t)
-    return Criteria.from_dict(thresholds[0]), (stamps[-1] if stamps else None), "config.json"
+    stamps = sorted(t for t in (a.config["criteria"].get("fixed_at") or a.config.get("created_at") for a in audits)
+                    if t)
+    return audits[0].criteria, (stamps[-1] if stamps else None), "config.json"
 
 
 # ---- the summary ----------------------------------------------------------------------------------------------
@@ -384,8 +378,8 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
-        labels = labels_of(members[0].config)
-        stats = [WindowStatistics(a.records, labels_of(a.config), crit, complete=not a.partial) for a in members]
+        labels = members[0].labels
+        stats = [a.statistics() for a in members]  # each audit's own criteria: the family's, checked above
         if len(members) == 1:
             c, f, r = _window_level(stats[0], fam)
             level, note = "window", WINDOW_NOTE
