@@ -289,10 +289,10 @@ class Summary:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        def recs(df):  # full precision (to_json rounds to 10 digits), nan as None
-            return finite_json(df.to_dict(orient="records"))
-        return {"groups": self.groups, "conditions": recs(self.conditions), "factors": recs(self.factors),
-                "retention": recs(self.retention), "criteria": self.criteria}
+        # full precision (to_json rounds to 10 digits), nan as None
+        tables = {k: finite_json(getattr(self, k).to_dict(orient="records"))
+                  for k in ("conditions", "factors", "retention")}
+        return {"groups": self.groups, **tables, "criteria": self.criteria}
 
     def save(self, out: str | Path) -> Path:
         """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's

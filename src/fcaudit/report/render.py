@@ -43,10 +43,6 @@ class Found:
     execution: list[Path] = field(default_factory=list)
 
 
-def _is_audit(d: Path) -> bool:
-    return (d / "config.json").is_file() and (d / "records").exists()
-
-
 def _read(f: Path) -> Any:
     """A JSON or CSV input of the report; one that does not parse is an error naming the file."""
     try:
@@ -62,14 +58,12 @@ def discover(inputs: Sequence[str | Path]) -> Found:
     for inp in map(Path, inputs):
         if not inp.exists():
             raise FcauditError(f"{inp} does not exist; pass summary, audit or training-run directories")
-        if inp.is_file():
-            files = [inp]
-        else:
-            files = sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = ([inp] if inp.is_file() else
+                 sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith(".")))
         for f in files:
             if f.name == "summary.json":
                 found.summaries.append((f.parent, Summary.load(f.parent)))
-            elif f.name == "config.json" and _is_audit(f.parent):
+            elif f.name == "config.json" and (f.parent / "records").exists():
                 found.audits.append(f.parent)
             elif f.name == "metrics.json":
                 m = _read(f)

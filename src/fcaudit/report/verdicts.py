@@ -1,12 +1,6 @@
-"""The report's headline: per model family one line for each of the paper's three questions, with its numbers.
-
-    variation              how the coefficient variance splits into layer vs input/token terms (descriptive)
-    functional dependence  the static profile's ΔNLL and retention, the assignment interventions, the two criteria
-    execution              blocks run, FLOPs and latency vs Dense, for the family's measured checkpoint(s)
-
-Each line only restates numbers found elsewhere in the report; where a question has no data, it says which command
-provides it.
-"""
+"""The report's headline: per model family one line for each of the paper's three questions (variation, functional
+dependence, execution). Each restates numbers found elsewhere in the report; where a question has no data, it says
+which command provides them."""
 
 from __future__ import annotations
 
