@@ -90,18 +90,15 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
 
 
 def _window_level(stats: WindowStatistics, family: str = ""):
-    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit."""
-    pen = stats.penalties().to_frame()
-    conds = pen.drop(columns=["randomizations"]).assign(family=family, level="window", pvalue=np.nan,
-                                                         n_positive=np.nan)
-    facs = pd.DataFrame(columns=_COLUMNS["factors"])
+    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit (no
+    p-values: its windows are not independent units for a test)."""
+    conds = stats.penalties().to_frame().assign(family=family, level="window")
+    facs = pd.DataFrame()
     if stats.has_factorial:
-        fe = stats.factor_effects().to_frame().drop(columns=["mc_se"]).reset_index()
-        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window", pvalue=np.nan,
-                         pvalue_holm=np.nan, n_positive=np.nan)
-    rets = _retention_rows(stats.retentions(), family)
+        fe = stats.factor_effects().to_frame().reset_index()
+        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window")
     return (_frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"),
-            _frame(rets, "retention"))
+            _frame(_retention_rows(stats.retentions(), family), "retention"))
 
 
 # ---- across checkpoints ---------------------------------------------------------------------------------------
@@ -290,8 +287,7 @@ class Summary:
 
     def to_dict(self) -> dict:
         # full precision (to_json rounds to 10 digits), nan as None
-        tables = {k: finite_json(getattr(self, k).to_dict(orient="records"))
-                  for k in ("conditions", "factors", "retention")}
+        tables = {k: finite_json(getattr(self, k).to_dict(orient="records")) for k in _COLUMNS}
         return {"groups": self.groups, **tables, "criteria": self.criteria}
 
     def save(self, out: str | Path) -> Path:
@@ -299,7 +295,7 @@ class Summary:
         rule (new, empty, or an earlier summary's)."""
         out = claim_out(out, "summary")
         write_json(out / "summary.json", self.to_dict())
-        for name in ("conditions", "factors", "retention"):
+        for name in _COLUMNS:
             atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): csv_frame(df).to_csv(p, index=False))
         write_json(out / "criteria.json", self.criteria)
         return out
@@ -311,7 +307,7 @@ class Summary:
             raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
         try:
             d = read_json(path / "summary.json")
-            return cls(*(_frame(d[k], k) for k in ("conditions", "factors", "retention")), d["criteria"], d["groups"])
+            return cls(*(_frame(d[k], k) for k in _COLUMNS), d["criteria"], d["groups"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
                                f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
@@ -373,7 +369,7 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)
 
-    frames: dict[str, list[pd.DataFrame]] = {"conditions": [], "factors": [], "retention": []}
+    frames: dict[str, list[pd.DataFrame]] = {k: [] for k in _COLUMNS}
     criteria, groups = [], {}
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
