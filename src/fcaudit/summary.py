@@ -205,12 +205,11 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
     through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
     seen: dict[tuple, Path] = {}
     for a in audits:
-        params = (a.config.get("model") or {}).get("params_sha256")
-        h = (params, str((a.config.get("controller") or {}).get("description"))) if params else None
-        if h and h in seen:
-            raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever their "
-                               "family labels): pass one audit per independently trained checkpoint")
-        if h:
+        if params := (a.config.get("model") or {}).get("params_sha256"):
+            h = (params, str((a.config.get("controller") or {}).get("description")))
+            if h in seen:
+                raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever "
+                                   "their family labels): pass one audit per independently trained checkpoint")
             seen[h] = a.path
 
 

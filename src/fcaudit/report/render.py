@@ -68,7 +68,7 @@ def discover(inputs: Sequence[str | Path]) -> Found:
             elif f.name == "metrics.json":
                 m = _read(f)
                 if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
-                    found.training.append({**m, "_path": str(f.parent)})
+                    found.training.append(m)
             elif f.name == "table1.csv":
                 t = _read(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
