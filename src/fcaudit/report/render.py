@@ -106,6 +106,7 @@ class Doc:
     out: Path
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (Markdown, HTML)
     csvs: list[str] = field(default_factory=list)
+    pngs: list[str] = field(default_factory=list)
 
     def h(self, level: int, text: str):
         self.blocks.append(("#" * level + " " + text, f"<h{level}>{html.escape(text)}</h{level}>"))
@@ -130,6 +131,7 @@ class Doc:
                             f"{html.escape(name)}.csv)</figcaption></figure>"))
 
     def img(self, png: Path, caption: str):
+        self.pngs.append(png.name)
         data = base64.b64encode(png.read_bytes()).decode("ascii")
         self.blocks.append((f"![{caption}]({png.name})\n\n*{caption}*",
                             f"<figure><img alt='{html.escape(caption, quote=True)}' src='data:image/png;base64,{data}'>"
@@ -223,8 +225,8 @@ def _replay_line(replays: list[dict]) -> str:
 
 
 def _family_section(doc: Doc, fam: str, g: dict):
-    slug, n, conds, facs, rets, crit = _slug(fam), g["n_checkpoints"], g["conditions"], g["factors"], g["retention"], \
-        g["criteria"]
+    slug, n, crit = _slug(fam), g["n_checkpoints"], g["criteria"]
+    conds, facs, rets = g["conditions"], g["factors"], g["retention"]
     doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g["partial"] else ""))
     doc.p(f"**{n} checkpoint(s).** {g['note']}")
     doc.p(_replay_line(g["replay"]))
@@ -292,36 +294,32 @@ def _variation_section(doc: Doc, summaries: list[Summary], fracs: dict[str, dict
             doc.p(f"Per-layer coefficient mean and sd ({len(per_layer)} rows) are in coefficient_profile.csv.")
 
 
-def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> list[Path]:
+def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> None:
     conds = pd.concat([s.conditions for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
     rets = pd.concat([s.retention for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
     if conds.empty and not fracs:
-        return []
+        return
     doc.h(2, "Figures")
-    made: list[tuple[Path, str]] = []
     for fam, g in _families(summaries):
         if not g["conditions"].empty:
-            made.append((figures.penalties_figure(g["conditions"], doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
-                                                  g["confidence"]),
-                         f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed "
-                         "reference on its own linear scale."))
+            doc.img(figures.penalties_figure(g["conditions"], doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
+                                             g["confidence"]),
+                    f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed reference "
+                    "on its own linear scale.")
     if fracs:
         missing = [f"{fam} ({verdicts.variation_line(g['variation'], None)})"
                    for fam, g in _families(summaries) if fam not in fracs]
-        made.append((figures.variance_figure(fracs, doc.out / "fig3_variance.png"),
-                     "Figure 3: variance decomposition of the controller coefficients per model."
-                     + (f" Not shown: {'; '.join(missing)}." if missing else "")))
+        doc.img(figures.variance_figure(fracs, doc.out / "fig3_variance.png"),
+                "Figure 3: variance decomposition of the controller coefficients per model."
+                + (f" Not shown: {'; '.join(missing)}." if missing else ""))
     if not rets.empty:
-        made.append((figures.retention_figure(rets, doc.out / "fig4_retention.png"),
-                     "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ "
-                     "between families, so compare within a family only."))
+        doc.img(figures.retention_figure(rets, doc.out / "fig4_retention.png"),
+                "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ between "
+                "families, so compare within a family only.")
     if not conds.empty:
-        made.append((figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png"),
-                     "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the "
-                     "left edge, not dropped)."))
-    for png, caption in made:
-        doc.img(png, caption)
-    return [png for png, _ in made]
+        doc.img(figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png"),
+                "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the left "
+                "edge, not dropped).")
 
 
 @dataclass
@@ -513,14 +511,14 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     _variation_section(doc, summaries, fracs)
     numbers["variance_decomposition"] = fracs
 
-    pngs = _figures(doc, summaries, fracs)
+    _figures(doc, summaries, fracs)
     if executions:
         numbers["execution"] = _execution_section(doc, executions)
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
-          + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
+          + ("; figures: " + ", ".join(f"`{p}`" for p in doc.pngs) if doc.pngs else "") + ".")
     summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("[!.]*"))] if made is not None else []
-    numbers["files"] = [*doc.csvs, *(p.name for p in pngs), *summary_files, "report.md", "report.html"]
+    numbers["files"] = [*doc.csvs, *doc.pngs, *summary_files, "report.md", "report.html"]
     write_json(out / "report.json", numbers)
     write_text(out / "report.md", doc.markdown())
     return write_text(out / "report.html", doc.html("fcaudit report"))
