@@ -16,7 +16,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import write_json
 from fcaudit.report import build_report, training_table
 from fcaudit.report.tables import fca_display
-from fcaudit.summary import Summary, checkpoint_summary, summarize
+from fcaudit.summary import Summary, summarize
 from conftest import FG, MUDD, MUDD_LABELS, make_records, write_audit
 
 
@@ -31,27 +31,29 @@ def fg7(tmp_path):
     return [write_audit(tmp_path / f"fg{k}", _seed_penalties(FG, k, 7), seed=k) for k in range(7)]
 
 
-def test_checkpoint_summary_recovers_planted_values():
-    rec = make_records(MUDD, n_windows=30, R=5)
-    t = checkpoint_summary(rec, {"labels": MUDD_LABELS})
-    conds = t[t["kind"] == "condition"].set_index("condition")
+def test_one_checkpoint_recovers_planted_values_at_window_level(tmp_path):
+    audit = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS, n_windows=30, R=5)
+    g = summarize([audit]).family("MUDDPythia")
+    conds, rets = g["conditions"].set_index("condition"), g["retention"].set_index("condition")
     for c, v in MUDD.items():
         assert conds.loc[c, "mean"] == pytest.approx(v, abs=1e-12)
         assert conds.loc[c, "ci_low"] <= v <= conds.loc[c, "ci_high"]
-    assert conds.loc["StaticProfile", "label"] == "StaticMixMean"
+    assert conds.loc["StaticProfile", "label"] == "StaticMixMean" and (conds["level"] == "window").all()
     # paper: MUDDPythia retentions 73.33% and 86.27% against SourceUniformMean
-    assert conds.loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
-    assert conds.loc["LayerPositionMean", "retention"] == pytest.approx(0.8627, abs=5e-5)
-    # MC SE: sd of the randomization means / sqrt(R), computed independently
+    assert rets.loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
+    assert rets.loc["LayerPositionMean", "retention"] == pytest.approx(0.8627, abs=5e-5)
+    # MC SE: sd of the randomization means / sqrt(R), computed independently from the records written
+    rec = make_records(MUDD, n_windows=30, R=5)
     ci = rec[rec["condition"] == "CrossInput"].merge(rec[rec["condition"] == "Correct"][["example", "nll"]],
                                                      on="example", suffixes=("", "_c"))
     rmeans = (ci["nll"] - ci["nll_c"]).groupby(ci["randomization"]).mean()
     assert conds.loc["CrossInput", "mc_se"] == pytest.approx(rmeans.std(ddof=1) / np.sqrt(5), rel=1e-9)
     assert np.isnan(conds.loc["StaticProfile", "mc_se"])  # deterministic: no MC error
-    f = t[t["kind"] == "factor"].set_index("condition")
+    f = g["factors"].set_index("effect")
     assert f.loc["input", "mean"] == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"] - MUDD["TokenShuffle"]))
     assert f.loc["interaction", "mean"] == pytest.approx(MUDD["CrossShuffle"] - MUDD["CrossInput"] - MUDD["TokenShuffle"])
-    assert "windows" in t.attrs["note"]
+    assert conds["pvalue"].isna().all()  # the windows of one checkpoint are no units for a test
+    assert "windows" in g["note"]
 
 
 def test_summarize_seven_checkpoints(fg7, tmp_path):

@@ -1,9 +1,9 @@
 """From audits to the paper's evidence: per-checkpoint tables and checkpoint-level inference (`fcaudit summarize`).
 
 Two levels, never mixed (paper §4.1):
-- within one checkpoint (`checkpoint_summary`): paired-window bootstrap intervals and the Monte Carlo SE across
-  randomizations. They describe stability across evaluation windows, not uncertainty across training runs; a family
-  with one checkpoint is labelled "window-level (one checkpoint)" everywhere, its criteria included.
+- within one checkpoint (a family of one, stats.results.WindowStatistics): paired-window bootstrap intervals and the
+  Monte Carlo SE across randomizations. They describe stability across evaluation windows, not uncertainty across
+  training runs; such a family is labelled "window-level (one checkpoint)" everywhere, its criteria included.
 - across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
   Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
 Audits are read through `AuditResult` (the one reader). Checkpoints pooled into one family must be independent (no
@@ -14,7 +14,7 @@ from each audit's config.json, where the engine wrote them before the audit ran.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,11 +45,12 @@ FEW_NOTE = (" With {n} checkpoints the intervals are coarse (with 2, the range o
 PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
 
 
+def met_word(met: bool | None) -> str:
+    """A criterion's verdict in words (None: the number it needs does not exist)."""
+    return {True: "met", False: "not met"}.get(met, "not evaluable")
+
+
 # ---- within one checkpoint ------------------------------------------------------------------------------------
-
-def labels_of(config: dict) -> dict[str, str]:
-    return {**protocol.default_labels(), **(config.get("labels") or {})}
-
 
 def _ci(est) -> tuple[float, float]:
     lo, hi = est.confidence_interval
@@ -89,47 +90,35 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
 
 
 def _window_level(stats: WindowStatistics, family: str = ""):
-    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit."""
-    pen = stats.penalties().to_frame()
-    conds = pen.drop(columns=["randomizations"]).assign(family=family, level="window", pvalue=np.nan,
-                                                         n_positive=np.nan)
-    facs = pd.DataFrame(columns=_COLUMNS["factors"])
+    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit (no
+    p-values: its windows are not independent units for a test)."""
+    conds = stats.penalties().to_frame().assign(family=family, level="window")
+    facs = pd.DataFrame()
     if stats.has_factorial:
-        fe = stats.factor_effects().to_frame().drop(columns=["mc_se"]).reset_index()
-        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window", pvalue=np.nan,
-                         pvalue_holm=np.nan, n_positive=np.nan)
-    rets = _retention_rows(stats.retentions(), family)
+        fe = stats.factor_effects().to_frame().reset_index()
+        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window")
     return (_frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"),
-            _frame(rets, "retention"))
-
-
-def checkpoint_summary(records: pd.DataFrame, config: dict, confidence: float | None = None) -> pd.DataFrame:
-    """Paper Table 2 for one checkpoint: per condition its label, mean ΔNLL, paired-window bootstrap interval,
-    MC SE across randomizations and retention vs the structure-removed reference; then the factor effects E_input,
-    E_token, E_interaction with window-level intervals. Intervals describe stability across windows
-    (df.attrs["note"])."""
-    crit = Criteria.from_dict(config["criteria"]) if config.get("criteria") else Criteria()
-    crit = crit if confidence is None else replace(crit, confidence=confidence)
-    conds, facs, rets = _window_level(WindowStatistics(records, labels_of(config), crit))
-    table = conds.drop(columns=["family", "level", "pvalue", "n_positive"]).assign(kind="condition")
-    r = rets.set_index("condition")[["retention", "ci_low", "ci_high"]]
-    r.columns = ["retention", "retention_low", "retention_high"]
-    table = table.join(r, on="condition")
-    f = facs.drop(columns=["family", "level", "pvalue", "pvalue_holm", "n_positive"]).rename(
-        columns={"effect": "condition"}).assign(kind="factor")
-    out = pd.concat([table, f], ignore_index=True)
-    out = out[["kind", "condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "retention", "retention_low",
-               "retention_high"]]
-    out.attrs["note"] = WINDOW_NOTE
-    out.attrs["confidence"] = crit.confidence
-    return out
+            _frame(_retention_rows(stats.retentions(), family), "retention"))
 
 
 # ---- across checkpoints ---------------------------------------------------------------------------------------
 
+def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
+    """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
+    est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
+    lo, hi = _ci(est)
+    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()), "ci_low": lo, "ci_high": hi,
+            "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
+
+
+def _nanmean(x: np.ndarray) -> float:
+    """The mean of the finite values; nan, without numpy's warning, where there is none."""
+    return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
+
+
 def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
     """(conditions, factors, retention) frames of one family's checkpoints: each checkpoint's mean ΔNLL is one unit."""
-    n, labels, confidence = len(members), members[0].labels, criteria.confidence
+    labels, confidence = members[0].labels, criteria.confidence
     means = pd.DataFrame([m.per_window.mean() for m in members]).reset_index(drop=True)  # checkpoints x conditions
     if means.isna().any().any():
         missing = means.columns[means.isna().any()].tolist()
@@ -138,32 +127,17 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
     means = means[sorted(means.columns, key=protocol.order)]
     pooled = pd.concat([m.records for m in members])
     active = pooled.groupby("condition")["active"].mean() if "active" in pooled else pd.Series(dtype=float)
-    conds = []
-    for c in means.columns:
-        x = means[c].to_numpy()
-        est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)  # pvalue: exact sign-flip test
-        lo, hi = _ci(est)
-        rand = [m.randomization_means[c].dropna() for m in members]
-        conds.append({"family": family, "condition": c, "label": labels.get(c, c), "level": "checkpoint", "n": n,
-                      "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
-                      "n_positive": int((x > 0).sum()),
-                      "mc_se": float(np.nanmean([mc_se(r) for r in rand])) if any(len(r) > 1 for r in rand)
-                      else float("nan"),
-                      "active": float(active.get(c, np.nan))})
+    conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
+                               mc_se=_nanmean(np.array([mc_se(m.randomization_means[c]) for m in members])),
+                               active=float(active.get(c, np.nan))) for c in means.columns]
     facs = []
     roles = protocol.factorial()
     if all(c in means.columns for c in roles.values()):
         dc, cs, ds = (means[roles[k]].to_numpy() for k in ("input", "token", "both"))
         fe = factor_effects(np.zeros_like(dc), dc, cs, ds)
-        for k, name in FACTORS.items():
-            x = np.asarray(getattr(fe, k), dtype=float)
-            est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
-            lo, hi = _ci(est)
-            facs.append({"family": family, "effect": k, "label": name, "level": "checkpoint", "n": n,
-                         "mean": float(x.mean()), "ci_low": lo, "ci_high": hi, "pvalue": float(est.pvalue),
-                         "pvalue_holm": np.nan, "n_positive": int((x > 0).sum())})
-        adjusted = holm([f["pvalue"] for f in facs])
-        for f, p in zip(facs, adjusted):
+        facs = [_over_checkpoints(np.asarray(getattr(fe, k), dtype=float), confidence, family=family, effect=k,
+                                  label=name) for k, name in FACTORS.items()]
+        for f, p in zip(facs, holm([f["pvalue"] for f in facs])):  # Holm across the three effects
             f["pvalue_holm"] = float(p)
     rets = []
     if protocol.structure_removed(means.columns) is not None:
@@ -177,27 +151,21 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
     """The two prespecified verdicts for one family (None where the needed number does not exist)."""
     pct = f"{100 * criteria.confidence:g}%"
     out = []
-    s = conditions[conditions["condition"] == "StaticProfile"]
-    bound = float(s["ci_high"].iloc[0]) if len(s) else float("nan")
-    out.append({"family": family, "name": "practically small", "quantity": "StaticProfile ΔNLL",
-                "label": str(s["label"].iloc[0]) if len(s) else "StaticProfile",
-                "rule": f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}",
-                "threshold": criteria.small_upper, "bound": bound,
-                "met": bool(bound < criteria.small_upper) if math.isfinite(bound) else None,
-                "level": str(s["level"].iloc[0]) if len(s) else None})
-    r = retention[retention["condition"] == "StaticProfile"]
-    bound = float(r["ci_low"].iloc[0]) if len(r) else float("nan")
-    out.append({"family": family, "name": "high retention", "quantity": "StaticProfile retention",
-                "label": str(r["label"].iloc[0]) if len(r) else "StaticProfile",
-                "rule": f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%",
-                "threshold": criteria.retention_lower, "bound": bound,
-                "met": bool(bound > criteria.retention_lower) if math.isfinite(bound) else None,
-                "level": str(r["level"].iloc[0]) if len(r) else None})
-    for v in out:
-        v.update(criteria=criteria.to_dict(), fixed_in_advance=source == "config.json", fixed_at=fixed_at,
-                 source=source, bound=v["bound"] if math.isfinite(v["bound"]) else None)
-        if v["level"] == "window":
-            v["level"] = WINDOW_LEVEL
+    for name, table, quantity, side, threshold, rule in (
+            ("practically small", conditions, "ΔNLL", "ci_high", criteria.small_upper,
+             f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}"),
+            ("high retention", retention, "retention", "ci_low", criteria.retention_lower,
+             f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%")):
+        row = table[table["condition"] == "StaticProfile"]
+        bound = float(row[side].iloc[0]) if len(row) else float("nan")
+        level = str(row["level"].iloc[0]) if len(row) else None
+        met = (bound < threshold if side == "ci_high" else bound > threshold) if math.isfinite(bound) else None
+        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}",
+                    "label": str(row["label"].iloc[0]) if len(row) else "StaticProfile", "rule": rule,
+                    "threshold": threshold, "bound": bound if math.isfinite(bound) else None,
+                    "met": None if met is None else bool(met), "level": WINDOW_LEVEL if level == "window" else level,
+                    "criteria": criteria.to_dict(), "fixed_in_advance": source == "config.json", "fixed_at": fixed_at,
+                    "source": source})
     return out
 
 
@@ -237,12 +205,11 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
     through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
     seen: dict[tuple, Path] = {}
     for a in audits:
-        params = (a.config.get("model") or {}).get("params_sha256")
-        h = (params, str((a.config.get("controller") or {}).get("description"))) if params else None
-        if h and h in seen:
-            raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever their "
-                               "family labels): pass one audit per independently trained checkpoint")
-        if h:
+        if params := (a.config.get("model") or {}).get("params_sha256"):
+            h = (params, str((a.config.get("controller") or {}).get("description")))
+            if h in seen:
+                raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever "
+                                   "their family labels): pass one audit per independently trained checkpoint")
             seen[h] = a.path
 
 
@@ -257,17 +224,15 @@ def _check_pool(family: str, members: list[AuditResult]) -> None:
 
 
 def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str | None, str]:
-    names = {f.name for f in fields(Criteria)}
-    found = [a.config.get("criteria") for a in audits]
-    if all(f is None for f in found):
+    """The family's criteria, when they were fixed (the latest stamp) and where they come from."""
+    if all(a.config.get("criteria") is None for a in audits):
         return Criteria(), None, "defaults (not found in the audit config: NOT fixed in advance)"
-    thresholds = [None if f is None else {k: v for k, v in f.items() if k in names} for f in found]
-    if any(t is None or t != thresholds[0] for t in thresholds):
+    if any(a.config.get("criteria") is None or a.criteria != audits[0].criteria for a in audits):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = sorted(t for t in ((a.config.get("criteria") or {}).get("fixed_at") or a.config.get("created_at")
-                                for a in audits) if t)
-    return Criteria.from_dict(thresholds[0]), (stamps[-1] if stamps else None), "config.json"
+    stamps = sorted(t for t in (a.config["criteria"].get("fixed_at") or a.config.get("created_at") for a in audits)
+                    if t)
+    return audits[0].criteria, (stamps[-1] if stamps else None), "config.json"
 
 
 # ---- the summary ----------------------------------------------------------------------------------------------
@@ -289,44 +254,47 @@ class Summary:
     groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation, partial
 
     def family(self, name: str) -> dict:
+        """One family's rows of each table and its group entries; "replay" holds the replay records that exist."""
+        g = {"audits": [], "variation": [], "partial": False, "confidence": 0.95, **self.groups[name]}
         return {"conditions": self.conditions[self.conditions["family"] == name],
                 "factors": self.factors[self.factors["family"] == name],
                 "retention": self.retention[self.retention["family"] == name],
-                "criteria": [c for c in self.criteria if c["family"] == name], **self.groups[name]}
+                "criteria": [c for c in self.criteria if c["family"] == name], **g,
+                "replay": [r for r in g.get("replay", []) if isinstance(r, dict)]}
 
     def __str__(self) -> str:
         lines = []
-        for fam, g in self.groups.items():
+        for fam in self.groups:
+            g = self.family(fam)
             level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
             lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
-                         + ("  [PARTIAL]" if g.get("partial") else ""))
-            # routers: the causality check above 0 and the token note, once per family
-            lines += [f"  {line}" for line in dict.fromkeys(line for r in g.get("replay", []) if isinstance(r, dict)
+                         + ("  [PARTIAL]" if g["partial"] else ""))
+            # the audits' notices, and for routers the causality check above 0 and the token note, once per family
+            lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
                                                           for line in (*(r.get("notices") or ()), *routing_lines(r)))]
-            for r in self.conditions[self.conditions["family"] == fam].itertuples():
+            for r in g["conditions"].itertuples():
                 p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
                 lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
-            for r in self.retention[self.retention["family"] == fam].itertuples():
+            for r in g["retention"].itertuples():
                 lines.append(f"  retention {r.label} vs {r.reference_label}: "
                              f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
                              f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
-            for v in (c for c in self.criteria if c["family"] == fam):
-                verdict = {True: "met", False: "not met"}.get(v["met"], "not evaluable")
-                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {verdict}")
+            for v in g["criteria"]:
+                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): "
+                             f"{met_word(v['met'])}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        def recs(df):  # full precision (to_json rounds to 10 digits), nan as None
-            return finite_json(df.to_dict(orient="records"))
-        return {"groups": self.groups, "conditions": recs(self.conditions), "factors": recs(self.factors),
-                "retention": recs(self.retention), "criteria": self.criteria}
+        # full precision (to_json rounds to 10 digits), nan as None
+        tables = {k: finite_json(getattr(self, k).to_dict(orient="records")) for k in _COLUMNS}
+        return {"groups": self.groups, **tables, "criteria": self.criteria}
 
     def save(self, out: str | Path) -> Path:
         """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's
         rule (new, empty, or an earlier summary's)."""
         out = claim_out(out, "summary")
         write_json(out / "summary.json", self.to_dict())
-        for name in ("conditions", "factors", "retention"):
+        for name in _COLUMNS:
             atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): csv_frame(df).to_csv(p, index=False))
         write_json(out / "criteria.json", self.criteria)
         return out
@@ -338,7 +306,7 @@ class Summary:
             raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
         try:
             d = read_json(path / "summary.json")
-            return cls(*(_frame(d[k], k) for k in ("conditions", "factors", "retention")), d["criteria"], d["groups"])
+            return cls(*(_frame(d[k], k) for k in _COLUMNS), d["criteria"], d["groups"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
                                f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
@@ -400,13 +368,13 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)
 
-    frames: dict[str, list[pd.DataFrame]] = {"conditions": [], "factors": [], "retention": []}
+    frames: dict[str, list[pd.DataFrame]] = {k: [] for k in _COLUMNS}
     criteria, groups = [], {}
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
-        labels = labels_of(members[0].config)
-        stats = [WindowStatistics(a.records, labels_of(a.config), crit, complete=not a.partial) for a in members]
+        labels = members[0].labels
+        stats = [a.statistics() for a in members]  # each audit's own criteria: the family's, checked above
         if len(members) == 1:
             c, f, r = _window_level(stats[0], fam)
             level, note = "window", WINDOW_NOTE

@@ -40,10 +40,10 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _xerr(df: pd.DataFrame) -> np.ndarray:
+def _xerr(df: pd.DataFrame, value: str = "mean") -> np.ndarray:
     """Asymmetric error-bar lengths; missing intervals draw no bar (0 length) instead of a fake one."""
-    lo = (df["mean"] - df["ci_low"]).fillna(0).clip(lower=0).to_numpy()
-    hi = (df["ci_high"] - df["mean"]).fillna(0).clip(lower=0).to_numpy()
+    lo = (df[value] - df["ci_low"]).fillna(0).clip(lower=0).to_numpy()
+    hi = (df["ci_high"] - df[value]).fillna(0).clip(lower=0).to_numpy()
     return np.vstack([lo, hi])
 
 
@@ -54,12 +54,6 @@ def _padded_limits(df: pd.DataFrame, pad: float = 0.12) -> tuple[float, float]:
     lo, hi = float(values.min()), float(values.max())
     span = hi - lo if hi > lo else max(abs(hi), 1e-3)
     return lo - pad * span, hi + pad * span
-
-
-def _interval_words(level: str, confidence: float = 0.95) -> str:
-    pct = f"{100 * confidence:g}%"
-    return (f"{pct} CI across checkpoints" if level == "checkpoint"
-            else f"{pct} paired-window bootstrap intervals, one checkpoint")
 
 
 def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
@@ -91,7 +85,9 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     if not ref.empty:
         axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
     axes[0].set_title("assignment and static interventions", fontsize=9)
-    fig.suptitle(f"{title}: intervention penalties ({_interval_words(level, confidence)})")
+    intervals = ("CI across checkpoints" if level == "checkpoint" else
+                 "paired-window bootstrap intervals, one checkpoint")
+    fig.suptitle(f"{title}: intervention penalties ({100 * confidence:g}% {intervals})")
     return _save(fig, Path(path))
 
 
@@ -123,11 +119,9 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(10, 0.6 * max(len(df), 2) + 1.6))
     y = np.arange(len(df))
     pct = df[["retention", "ci_low", "ci_high"]].astype(float) * 100
-    lo = (pct["retention"] - pct["ci_low"]).fillna(0).clip(lower=0)
-    hi = (pct["ci_high"] - pct["retention"]).fillna(0).clip(lower=0)
     fams = list(dict.fromkeys(retention["family"]))
     colors = [_FAMILY_COLORS[fams.index(f) % len(_FAMILY_COLORS)] for f in df["family"]]
-    for yi, x, l, h, c in zip(y, pct["retention"], lo, hi, colors):
+    for yi, x, l, h, c in zip(y, pct["retention"], *_xerr(pct, "retention"), colors):
         ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
     ax.set_yticks(y, [f"{r.family}\n{r.label} vs {r.reference_label}" for r in df.itertuples()], fontsize=8)
     # the numbers sit in a column right of the axes, so they never collide with points or each other

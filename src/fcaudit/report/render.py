@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -43,34 +43,14 @@ class Found:
     execution: list[Path] = field(default_factory=list)
 
 
-def _is_audit(d: Path) -> bool:
-    return (d / "config.json").is_file() and (d / "records").exists()
-
-
-def _load_summary(d: Path) -> Summary:
+def _read(f: Path) -> Any:
+    """A JSON or CSV input of the report; one that does not parse is an error naming the file."""
     try:
-        return Summary.load(d)
-    except FcauditError:
-        raise
-    except Exception as e:  # not JSON, or JSON without the summary's tables
-        raise FcauditError(f"{d / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}): "
-                           f"rewrite it with `fcaudit summarize AUDIT_DIR... --out {d}`") from None
-
-
-def _read_json(f: Path) -> Any:
-    try:
-        return read_json(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FcauditError(f"{f} is not valid JSON ({type(e).__name__}): rewrite it with the fcaudit command that "
-                           "made it, or leave its directory out") from None
-
-
-def _read_csv(f: Path) -> pd.DataFrame:
-    try:
-        return pd.read_csv(f)
-    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
-        raise FcauditError(f"{f} is not a readable CSV table ({type(e).__name__}): rewrite it with the fcaudit "
-                           "command that made it, or leave its directory out") from None
+        return pd.read_csv(f) if f.suffix == ".csv" else read_json(f)
+    except ValueError as e:  # so are UnicodeDecodeError and pandas' ParserError and EmptyDataError
+        what = "a readable CSV table" if f.suffix == ".csv" else "valid JSON"
+        raise FcauditError(f"{f} is not {what} ({type(e).__name__}): rewrite it with the fcaudit command that made "
+                           "it, or leave its directory out") from None
 
 
 def discover(inputs: Sequence[str | Path]) -> Found:
@@ -78,21 +58,19 @@ def discover(inputs: Sequence[str | Path]) -> Found:
     for inp in map(Path, inputs):
         if not inp.exists():
             raise FcauditError(f"{inp} does not exist; pass summary, audit or training-run directories")
-        if inp.is_file():
-            files = [inp]
-        else:
-            files = sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = ([inp] if inp.is_file() else
+                 sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith(".")))
         for f in files:
             if f.name == "summary.json":
-                found.summaries.append((f.parent, _load_summary(f.parent)))
-            elif f.name == "config.json" and _is_audit(f.parent):
+                found.summaries.append((f.parent, Summary.load(f.parent)))
+            elif f.name == "config.json" and (f.parent / "records").exists():
                 found.audits.append(f.parent)
             elif f.name == "metrics.json":
-                m = _read_json(f)
+                m = _read(f)
                 if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
-                    found.training.append({**m, "_path": str(f.parent)})
+                    found.training.append(m)
             elif f.name == "table1.csv":
-                t = _read_csv(f)
+                t = _read(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
                     raise FcauditError(f"{f} lacks columns {missing}; write it with fcaudit.report.tables.training_table")
                 found.table1.append(t[list(TABLE1_COLUMNS)])
@@ -109,97 +87,61 @@ def discover(inputs: Sequence[str | Path]) -> Found:
 
 # ---- variation.json ---------------------------------------------------------------------------------------------
 
-def _find(obj: Any, want) -> Any:
-    """Depth-first search for the first sub-object satisfying want (variation.json layouts differ by model)."""
-    if want(obj):
-        return obj
-    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
-    for c in children:
-        if (hit := _find(c, want)) is not None:
-            return hit
-    return None
+def variation_fractions(variation: dict) -> dict[str, float]:
+    """The variance-decomposition fractions in an audit's variation.json (none where the coefficients are constant)."""
+    return {k: float(v) for k, v in variation["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
 
 
-def variation_fractions(variation: dict) -> dict[str, float] | None:
-    """The pooled variance-decomposition fractions in an audit's variation.json."""
-    for key in ("decomposition", "variance_decomposition", "fractions"):
-        if isinstance(variation.get(key), dict) and {"input", "layer", "token"} <= set(variation[key]):
-            return {k: float(v) for k, v in variation[key].items() if k in figures.VARIANCE_TERMS and v is not None}
-    hit = _find(variation, lambda o: isinstance(o, dict) and {"input", "layer", "token"} <= set(o)
-                and all(isinstance(o[k], (int, float)) for k in ("input", "layer", "token")))
-    return None if hit is None else {k: float(v) for k, v in hit.items() if k in figures.VARIANCE_TERMS}
-
-
-def variation_profile(variation: dict) -> pd.DataFrame | None:
+def variation_profile(variation: dict) -> pd.DataFrame:
     """Per-layer coefficient mean/sd rows in an audit's variation.json."""
-    hit = _find(variation, lambda o: isinstance(o, list) and o and isinstance(o[0], dict)
-                and {"layer", "mean", "sd"} <= set(o[0]))
-    if hit is None:
-        return None
-    # scalar columns only (layer, mean, sd, stream/source ids); nested per-slice lists stay in report.json
-    return pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, (int, float, str))} for row in hit])
+    # scalar columns only (layer, mean, sd, site); nested per-slice lists stay in report.json
+    return pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, (int, float, str))}
+                         for row in variation["layers"]])
 
 
-# ---- document model: one list of blocks rendered twice (Markdown and HTML) -------------------------------------
+# ---- document model: each block kept as Markdown and as HTML --------------------------------------------------
 
 @dataclass
 class Doc:
     out: Path
-    blocks: list[tuple] = field(default_factory=list)
+    blocks: list[tuple[str, str]] = field(default_factory=list)  # (Markdown, HTML)
     csvs: list[str] = field(default_factory=list)
+    pngs: list[str] = field(default_factory=list)
 
     def h(self, level: int, text: str):
-        self.blocks.append(("h", level, text))
+        self.blocks.append(("#" * level + " " + text, f"<h{level}>{html.escape(text)}</h{level}>"))
 
     def p(self, text: str):
-        self.blocks.append(("p", text))
+        self.blocks.append((text, f"<p>{_inline(text)}</p>"))
+
+    def ul(self, items: list[str]):
+        self.blocks.append(("\n".join(f"- {item}" for item in items),
+                            "<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in items) + "</ul>"))
+
+    def csv(self, name: str, frame: pd.DataFrame):
+        atomic_write(self.out / name, lambda p: frame.to_csv(p, index=False))
+        self.csvs.append(name)
 
     def table(self, display: pd.DataFrame, raw: pd.DataFrame, name: str, caption: str = ""):
         """A table shown formatted, with its unformatted numbers written to NAME.csv."""
-        atomic_write(self.out / f"{name}.csv", lambda p: csv_frame(raw).to_csv(p, index=False))
-        self.csvs.append(f"{name}.csv")
-        self.blocks.append(("table", display, f"{name}.csv", caption))
+        self.csv(f"{name}.csv", csv_frame(raw))
+        cap = f"{caption} " if caption else ""
+        self.blocks.append((f"{tables.to_markdown(display)}\n\n*{cap}(numbers: [{name}.csv]({name}.csv))*",
+                            f"<figure class='tbl'>{tables.to_html(display)}<figcaption>{html.escape(cap)}(numbers: "
+                            f"{html.escape(name)}.csv)</figcaption></figure>"))
 
     def img(self, png: Path, caption: str):
-        self.blocks.append(("img", png, caption))
-
-    def ul(self, items: list[str]):
-        self.blocks.append(("ul", items))
+        self.pngs.append(png.name)
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        self.blocks.append((f"![{caption}]({png.name})\n\n*{caption}*",
+                            f"<figure><img alt='{html.escape(caption, quote=True)}' src='data:image/png;base64,{data}'>"
+                            f"<figcaption>{html.escape(caption)}</figcaption></figure>"))
 
     def markdown(self) -> str:
-        parts = []
-        for b in self.blocks:
-            if b[0] == "h":
-                parts.append("#" * b[1] + " " + b[2])
-            elif b[0] == "p":
-                parts.append(b[1])
-            elif b[0] == "table":
-                cap = f"{b[3]} " if b[3] else ""
-                parts.append(f"{tables.to_markdown(b[1])}\n\n*{cap}(numbers: [{b[2]}]({b[2]}))*")
-            elif b[0] == "img":
-                parts.append(f"![{b[2]}]({b[1].name})\n\n*{b[2]}*")
-            elif b[0] == "ul":
-                parts.append("\n".join(f"- {item}" for item in b[1]))
-        return "\n\n".join(parts) + "\n"
+        return "\n\n".join(m for m, _ in self.blocks) + "\n"
 
     def html(self, title: str) -> str:
-        parts = []
-        for b in self.blocks:
-            if b[0] == "h":
-                parts.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
-            elif b[0] == "p":
-                parts.append(f"<p>{_inline(b[1])}</p>")
-            elif b[0] == "table":
-                cap = html.escape(b[3]) + " " if b[3] else ""
-                parts.append(f"<figure class='tbl'>{tables.to_html(b[1])}<figcaption>{cap}(numbers: "
-                             f"{html.escape(b[2])})</figcaption></figure>")
-            elif b[0] == "ul":
-                parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in b[1]) + "</ul>")
-            elif b[0] == "img":
-                data = base64.b64encode(b[1].read_bytes()).decode("ascii")
-                parts.append(f"<figure><img alt='{html.escape(b[2], quote=True)}' src='data:image/png;base64,{data}'>"
-                             f"<figcaption>{html.escape(b[2])}</figcaption></figure>")
-        body = "\n".join(parts)
+        body = "\n".join(h for _, h in self.blocks)
         return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                 f"<style>{_CSS}</style></head><body><main>\n{body}\n</main></body></html>\n")
 
@@ -225,9 +167,11 @@ def _inline(text: str) -> str:
     return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
 
 
-def _families(s: Summary) -> list[str]:
-    """Families in the order they were summarized (summary.json stores groups with sorted keys)."""
-    return list(dict.fromkeys([*s.conditions["family"], *s.groups]))
+def _families(summaries: list[Summary]) -> Iterator[tuple[str, dict]]:
+    """(name, Summary.family(name)) in the order the families were summarized (summary.json sorts its groups)."""
+    for s in summaries:
+        for fam in dict.fromkeys([*s.conditions["family"], *s.groups]):
+            yield fam, s.family(fam)
 
 
 def _slug(name: str) -> str:
@@ -249,32 +193,45 @@ def _training_section(doc: Doc, found: Found) -> pd.DataFrame | None:
     return t1
 
 
-def _replay_line(replays: list) -> str:
-    reps = [r for r in replays if isinstance(r, dict)]
-    if not reps:
+def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, executions: list[Execution]) -> list[dict]:
+    """The headline: per audited family one line for each of the three questions, with its numbers."""
+    rows = [r for e in executions for r in e.rows.to_dict(orient="records")]
+    out = []
+    for fam, g in _families(summaries):
+        lines = {"variation": verdicts.variation_line(g["variation"], fracs.get(fam)),
+                 "functional dependence": verdicts.dependence_line(g),
+                 "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
+        if not out:
+            doc.h(2, "Verdicts: the three questions per model family")
+        doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)"
+              + (" **[PARTIAL: from unfinished audits]**" if g["partial"] else ""))
+        doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
+        out.append({"family": fam, **lines})
+    return out
+
+
+def _replay_line(replays: list[dict]) -> str:
+    if not replays:
         return "Exact replay: no replay record found in the audit directories."
-    passed = sum(bool(r.get("passed")) for r in reps)
-    worst = max((float(np.nan if r.get("max_abs_dlogit") is None else r["max_abs_dlogit"]) for r in reps),
-                default=np.nan)  # null: not finite
-    routing = list(dict.fromkeys(line for r in reps for line in routing_lines(r)))
-    if any(r.get("later_token_flips") == 0 for r in reps):
+    passed = sum(bool(r.get("passed")) for r in replays)
+    worst = max(np.nan if r.get("max_abs_dlogit") is None else float(r["max_abs_dlogit"]) for r in replays)
+    routing = list(dict.fromkeys(line for r in replays for line in routing_lines(r)))
+    if any(r.get("later_token_flips") == 0 for r in replays):
         routing.insert(0, "Causality check: no routing decision at an earlier position changed when the last quarter "
                           "of the probe windows did.")
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
-            f"{len(reps)} checkpoint(s); largest max |Δlogit| = {worst:.3g}."
+            f"{len(replays)} checkpoint(s); largest max |Δlogit| = {worst:.3g}."
             + "".join(f" {line[0].upper()}{line[1:]}{'' if line.endswith('.') else '.'}" for line in routing))
 
 
-def _family_section(doc: Doc, s: Summary, fam: str):
-    g = s.family(fam)
-    slug = _slug(fam)
-    doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g.get("partial") else ""))
-    n = g["n_checkpoints"]
-    doc.p(f"**{n} checkpoint(s).** {g['note']}")
-    doc.p(_replay_line(g.get("replay", [])))
-    for notice in dict.fromkeys(n for r in g.get("replay", []) if isinstance(r, dict) for n in r.get("notices") or ()):
-        doc.p(notice)
+def _family_section(doc: Doc, fam: str, g: dict):
+    slug, n, crit = _slug(fam), g["n_checkpoints"], g["criteria"]
     conds, facs, rets = g["conditions"], g["factors"], g["retention"]
+    doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g["partial"] else ""))
+    doc.p(f"**{n} checkpoint(s).** {g['note']}")
+    doc.p(_replay_line(g["replay"]))
+    for notice in dict.fromkeys(line for r in g["replay"] for line in r.get("notices") or ()):
+        doc.p(notice)
     doc.h(3, "Intervention penalties (Table 2 style)")
     doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",
               "Mean ΔNLL vs Correct (nats per predicted token); retention = 1 − ΔNLL(S)/ΔNLL(R) against "
@@ -282,8 +239,7 @@ def _family_section(doc: Doc, s: Summary, fam: str):
               "within this family only; undefined unless the interval of ΔNLL(R) lies above the practically-small "
               "bound of the criteria (removing the structure must itself cost something).")
     if len(rets):
-        atomic_write(doc.out / f"retention_{slug}.csv", lambda p: rets.to_csv(p, index=False))
-        doc.csvs.append(f"retention_{slug}.csv")
+        doc.csv(f"retention_{slug}.csv", rets)
     if len(facs):
         doc.h(3, "Factor effects (Eq. 5-7)")
         holm_note = (f"p-values: {sign_flip_kind(n)} two-sided sign-flip tests over checkpoints, Holm-adjusted "
@@ -292,11 +248,9 @@ def _family_section(doc: Doc, s: Summary, fam: str):
         doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
                   "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
     doc.h(3, "Prespecified criteria")
-    crit = g["criteria"]
     if crit and crit[0]["fixed_in_advance"]:
-        when = crit[0]["fixed_at"] or "time not recorded"
         doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
-              f"before the audit ran ({when}).")
+              f"before the audit ran ({crit[0]['fixed_at'] or 'time not recorded'}).")
     else:
         doc.p("**The audit configuration holds no criteria: the default thresholds below were applied after the "
               "fact and are not prespecified.**")
@@ -305,51 +259,67 @@ def _family_section(doc: Doc, s: Summary, fam: str):
     doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
 
 
-def _fractions(s_list: list[Summary]) -> dict[str, dict[str, float]]:
+def _fractions(summaries: list[Summary]) -> dict[str, dict[str, float]]:
     """Per family the variance-decomposition fractions (mean over checkpoints); families whose coefficients have
     no variance (or no variation.json) are absent."""
     fracs = {}
-    for s in s_list:
-        for fam in _families(s):
-            decs = [d for d in (variation_fractions(v) for v in s.groups[fam].get("variation", [])) if d]
-            if decs:
-                fracs[fam] = pd.DataFrame(decs).mean().to_dict()
+    for fam, g in _families(summaries):
+        if decs := [d for d in map(variation_fractions, g["variation"]) if d]:
+            fracs[fam] = pd.DataFrame(decs).mean().to_dict()
     return fracs
 
 
-def _variation_section(doc: Doc, s_list: list[Summary], fracs: dict[str, dict[str, float]]) -> None:
-    profiles = []
-    for s in s_list:
-        for fam in _families(s):
-            g = s.groups[fam]
-            for i, v in enumerate(g.get("variation", [])):
-                prof = variation_profile(v)
-                if prof is not None:
-                    profiles.append(prof.assign(family=fam, checkpoint=i))
+def _variation_section(doc: Doc, summaries: list[Summary], fracs: dict[str, dict[str, float]]) -> None:
+    profiles = [variation_profile(v).assign(family=fam, checkpoint=i)
+                for fam, g in _families(summaries) for i, v in enumerate(g["variation"])]
     if not fracs and not profiles:
         return
     doc.h(2, "Coefficient variation (question 1)")
     doc.p("Descriptive only: how the coefficients spread over inputs, layers and tokens. It does not say whether "
           "the frozen model uses that spread; the interventions above test that.")
     if fracs:
-        raw = pd.DataFrame(fracs).T.reindex(columns=[t for t in figures.VARIANCE_TERMS])
-        raw.index.name = "family"
-        disp = raw.map(tables.fmt_pct).reset_index()
-        doc.table(disp, raw.reset_index(), "variance_decomposition",
+        raw = pd.DataFrame(fracs).T.reindex(columns=list(figures.VARIANCE_TERMS)).rename_axis("family")
+        doc.table(raw.map(tables.fmt_pct).reset_index(), raw.reset_index(), "variance_decomposition",
                   "Fractions of the total coefficient variance (balanced functional ANOVA; mean over checkpoints).")
     if profiles:
         prof = pd.concat(profiles, ignore_index=True)
         keys = [c for c in prof.columns if c not in ("mean", "sd", "min", "max", "checkpoint")]
         per_layer = prof.groupby(keys, sort=False)[["mean", "sd"]].mean().reset_index()
-        atomic_write(doc.out / "coefficient_profile.csv", lambda p: prof.to_csv(p, index=False))
-        doc.csvs.append("coefficient_profile.csv")
+        doc.csv("coefficient_profile.csv", prof)
         if len(per_layer) <= 64:
-            disp = per_layer.assign(mean=per_layer["mean"].map(lambda x: tables.fmt(x, 4)),
-                                    sd=per_layer["sd"].map(lambda x: tables.fmt(x, 4)))
-            doc.table(disp, per_layer, "coefficient_profile_mean",
+            shown = per_layer.assign(**{c: per_layer[c].map(lambda x: tables.fmt(x, 4)) for c in ("mean", "sd")})
+            doc.table(shown, per_layer, "coefficient_profile_mean",
                       "Per-layer coefficient mean and sd across inputs and tokens (mean over checkpoints).")
         else:
             doc.p(f"Per-layer coefficient mean and sd ({len(per_layer)} rows) are in coefficient_profile.csv.")
+
+
+def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> None:
+    conds = pd.concat([s.conditions for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
+    rets = pd.concat([s.retention for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
+    if conds.empty and not fracs:
+        return
+    doc.h(2, "Figures")
+    for fam, g in _families(summaries):
+        if not g["conditions"].empty:
+            doc.img(figures.penalties_figure(g["conditions"], doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
+                                             g["confidence"]),
+                    f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed reference "
+                    "on its own linear scale.")
+    if fracs:
+        missing = [f"{fam} ({verdicts.variation_line(g['variation'], None)})"
+                   for fam, g in _families(summaries) if fam not in fracs]
+        doc.img(figures.variance_figure(fracs, doc.out / "fig3_variance.png"),
+                "Figure 3: variance decomposition of the controller coefficients per model."
+                + (f" Not shown: {'; '.join(missing)}." if missing else ""))
+    if not rets.empty:
+        doc.img(figures.retention_figure(rets, doc.out / "fig4_retention.png"),
+                "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ between "
+                "families, so compare within a family only.")
+    if not conds.empty:
+        doc.img(figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png"),
+                "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the left "
+                "edge, not dropped).")
 
 
 @dataclass
@@ -359,23 +329,20 @@ class Execution:
     source: Path
     data: Any
     rows: pd.DataFrame
-    settings: dict | None
-    thresholding: pd.DataFrame | None
+    settings: dict | None = None
+    thresholding: pd.DataFrame | None = None
     conditions: pd.DataFrame | None = None  # routed models under Correct and each static condition
 
 
 def _read_execution(f: Path) -> Execution:
+    data = _read(f)
     if f.suffix == ".csv":
-        df = _read_csv(f)
-        return Execution(f, json.loads(df.to_json(orient="records")), df, None, None)
-    data = _read_json(f)
-    rows = data.get("rows") if isinstance(data, dict) else data
-    if not isinstance(rows, list):
+        return Execution(f, json.loads(data.to_json(orient="records")), data)
+    d = data if isinstance(data, dict) else {"rows": data}
+    if not isinstance(d.get("rows"), list):
         raise FcauditError(f"{f} has no list of rows; rewrite it with `fcaudit execution`")
-    settings = data.get("settings") if isinstance(data, dict) else None
-    sweep = pd.DataFrame(data["thresholding"]) if isinstance(data, dict) and data.get("thresholding") else None
-    conds = pd.DataFrame(data["conditions"]) if isinstance(data, dict) and data.get("conditions") else None
-    return Execution(f, data, pd.json_normalize(rows), settings, sweep, conds)
+    tables_of = {k: pd.DataFrame(d[k]) if d.get(k) else None for k in ("thresholding", "conditions")}
+    return Execution(f, data, pd.json_normalize(d["rows"]), d.get("settings"), **tables_of)
 
 
 def _threshold_note(sweep: pd.DataFrame, settings: dict | None) -> str:
@@ -383,8 +350,7 @@ def _threshold_note(sweep: pd.DataFrame, settings: dict | None) -> str:
     plain = sweep.groupby("model", sort=False).agg(plain_nll=("plain_nll", "first"), windows=("windows", "first"))
     per_model = ", ".join(f"{m} {np.exp(r.plain_nll):.4g}" for m, r in plain.iterrows())
     window = (settings or {}).get("window")
-    where = (f"{int(plain['windows'].iloc[0])} test windows of {window} tokens" if window
-             else f"{int(plain['windows'].iloc[0])} test windows")
+    where = f"{int(plain['windows'].iloc[0])} test windows" + (f" of {window} tokens" if window else "")
     return ("Post-training thresholding of scalar gates: gates below the threshold are set to 0 by replay. Byte-PPL "
             f"is measured on the first {where}; threshold 0 sets no gate to 0, so its row is the unmodified model "
             f"(unthresholded Byte-PPL: {per_model}). It differs from Table 1's Byte-PPL, which the training run "
@@ -413,10 +379,10 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
         if e.thresholding is not None:
             shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct)) \
                 if "frac_below" in e.thresholding.columns else e.thresholding  # as the terminal shows it
-            doc.table(_display(_pick(shown, _THRESHOLD_COLUMNS)), e.thresholding, f"{name}_thresholding",
+            doc.table(_shown(shown, _THRESHOLD_COLUMNS), e.thresholding, f"{name}_thresholding",
                       _threshold_note(e.thresholding, e.settings))
         if e.conditions is not None:
-            doc.table(_display(_pick(e.conditions, _CONDITION_COLUMNS)), e.conditions, f"{name}_conditions",
+            doc.table(_shown(e.conditions, _CONDITION_COLUMNS), e.conditions, f"{name}_conditions",
                       "Routed models under Correct and the audit's conditions, replayed. Top-k routers (Correct: "
                       "the live router; each static condition): experts actually run per token, their FLOPs as a "
                       "share of running every expert, and latency; a static profile is a computational shortcut "
@@ -450,18 +416,6 @@ _EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "token_block
                       "flops_per_token": "FLOPs/token",
                       "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
                       "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}
-
-
-def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
-    """Nine columns that fit a narrow page (ten with token routers): blocks run as k/n, a noisy latency marked
-    with *."""
-    df = df.copy()
-    if {"executed_blocks", "n_blocks"} <= set(df.columns):
-        df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
-    shown = _display(_pick(df, _EXECUTION_COLUMNS))
-    if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
-        shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
-    return shown
 _CONDITION_COLUMNS = {"model": "Model", "label": "Condition", "experts_per_token": "Experts/token",
                       "active_expert_fraction": "FLOPs of all experts", "expert_flops_per_token": "Expert FLOPs/token",
                       "token_fraction": "Tokens run (routed blocks)", "token_block_fraction": "Token×block pairs run",
@@ -472,15 +426,24 @@ _THRESHOLD_COLUMNS = {"model": "Model", "threshold": "Threshold", "frac_below": 
                       "delta_nll": "ΔNLL"}
 
 
-def _pick(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """The columns a reader compares, renamed, floats to 4 significant digits; the CSV keeps full precision."""
     present = [c for c in columns if c in df.columns]
-    return df[present].rename(columns=columns) if present else df
-
-
-def _display(df: pd.DataFrame) -> pd.DataFrame:
-    """Floats to 4 significant digits for reading; the CSV keeps full precision."""
+    df = df[present].rename(columns=columns) if present else df
     return df.apply(lambda col: col.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
                                         else f"{v:.4g}" if isinstance(v, float) else v))
+
+
+def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
+    """Nine columns that fit a narrow page (ten with token routers): blocks run as k/n, a noisy latency marked
+    with *."""
+    df = df.copy()
+    if {"executed_blocks", "n_blocks"} <= set(df.columns):
+        df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
+    shown = _shown(df, _EXECUTION_COLUMNS)
+    if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
+        shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
+    return shown
 
 
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
@@ -542,21 +505,20 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     t1 = _training_section(doc, found)
     if t1 is not None:
         numbers["table1"] = json.loads(t1.to_json(orient="records"))
-    for s in summaries:
-        for fam in _families(s):
-            _family_section(doc, s, fam)
+    for fam, g in _families(summaries):
+        _family_section(doc, fam, g)
     numbers["summaries"] = [s.to_dict() for s in summaries]
     _variation_section(doc, summaries, fracs)
     numbers["variance_decomposition"] = fracs
 
-    pngs = _figures(doc, summaries, fracs)
+    _figures(doc, summaries, fracs)
     if executions:
         numbers["execution"] = _execution_section(doc, executions)
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
-          + ("; figures: " + ", ".join(f"`{p.name}`" for p in pngs) if pngs else "") + ".")
+          + ("; figures: " + ", ".join(f"`{p}`" for p in doc.pngs) if doc.pngs else "") + ".")
     summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("[!.]*"))] if made is not None else []
-    numbers["files"] = [*doc.csvs, *(p.name for p in pngs), *summary_files, "report.md", "report.html"]
+    numbers["files"] = [*doc.csvs, *doc.pngs, *summary_files, "report.md", "report.html"]
     write_json(out / "report.json", numbers)
     write_text(out / "report.md", doc.markdown())
     return write_text(out / "report.html", doc.html("fcaudit report"))
@@ -578,65 +540,8 @@ def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:
     statistics under one name (and one figure row each)."""
     seen: dict[str, str] = {}
     for where, s in sources:
-        for fam in _families(s):
+        for fam, _ in _families([s]):
             if fam in seen:
                 raise FcauditError(f"model family {fam!r} is in {seen[fam]} and in {where}: summarize all of its audits "
                                    "together (fcaudit summarize AUDIT_DIR... --out DIR) and pass that summary")
             seen[fam] = where
-
-
-def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, executions: list[Execution]) -> list[dict]:
-    """The headline: per audited family one line for each of the three questions, with its numbers."""
-    rows = [r for e in executions for r in e.rows.to_dict(orient="records")]
-    out = []
-    for s in summaries:
-        for fam in _families(s):
-            g = s.family(fam)
-            lines = {"variation": verdicts.variation_line(g.get("variation", []), fracs.get(fam)),
-                     "functional dependence": verdicts.dependence_line(g),
-                     "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
-            if not out:
-                doc.h(2, "Verdicts: the three questions per model family")
-            doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)"
-                  + (" **[PARTIAL: from unfinished audits]**" if g.get("partial") else ""))
-            doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
-            out.append({"family": fam, **lines})
-    return out
-
-
-def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> list[Path]:
-    conds = pd.concat([s.conditions for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
-    rets = pd.concat([s.retention for s in summaries], ignore_index=True) if summaries else pd.DataFrame()
-    pngs: list[Path] = []
-    if conds.empty and not fracs:
-        return pngs
-    doc.h(2, "Figures")
-    for s in summaries:
-        for fam in _families(s):
-            g = s.groups[fam]
-            c = s.conditions[s.conditions["family"] == fam]
-            if c.empty:
-                continue
-            png = figures.penalties_figure(c, doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
-                                           g.get("confidence", 0.95))
-            doc.img(png, f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed "
-                         "reference on its own linear scale.")
-            pngs.append(png)
-    if fracs:
-        png = figures.variance_figure(fracs, doc.out / "fig3_variance.png")
-        missing = [f"{fam} ({verdicts.variation_line(s.groups[fam].get('variation', []), None)})"
-                   for s in summaries for fam in _families(s) if fam not in fracs]
-        doc.img(png, "Figure 3: variance decomposition of the controller coefficients per model."
-                + (f" Not shown: {'; '.join(missing)}." if missing else ""))
-        pngs.append(png)
-    if not rets.empty:
-        png = figures.retention_figure(rets, doc.out / "fig4_retention.png")
-        doc.img(png, "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ "
-                     "between families, so compare within a family only.")
-        pngs.append(png)
-    if not conds.empty:
-        png = figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png")
-        doc.img(png, "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the "
-                     "left edge, not dropped).")
-        pngs.append(png)
-    return pngs

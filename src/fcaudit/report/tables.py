@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
+from fcaudit.summary import WINDOW_LEVEL, met_word
 
 # Display names of the training variants (Table 1 "Method" column).
 METHOD_NAMES = {
@@ -64,11 +65,15 @@ def training_table(metrics: list[dict]) -> pd.DataFrame:
     return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
 
 
-# ---- number formatting ------------------------------------------------------------------------------------------
+# ---- number formatting: '—' for a missing number everywhere ---------------------------------------------------
+
+def missing(x: Any) -> bool:
+    return x is None or not math.isfinite(float(x))
+
 
 def fmt(x: Any, digits: int = 6) -> str:
-    """A number for a table: fixed decimals, '—' for missing."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+    """A number for a table: fixed decimals."""
+    if missing(x):
         return "—"
     if isinstance(x, (int, np.integer)):
         return str(int(x))
@@ -78,20 +83,21 @@ def fmt(x: Any, digits: int = 6) -> str:
     return f"{x:.{digits}f}"
 
 
+def fmt_g(x: Any) -> str:
+    """A number for a sentence: 3 significant digits."""
+    return "—" if missing(x) else f"{float(x):.3g}"
+
+
 def fmt_p(p: Any) -> str:
-    if p is None or (isinstance(p, float) and not math.isfinite(p)):
-        return "—"
-    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+    return "—" if missing(p) else f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
 def fmt_interval(lo: Any, hi: Any, digits: int = 6) -> str:
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return "—"
-    return f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
+    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
 
 
-def fmt_pct(x: Any) -> str:
-    return "—" if x is None or not math.isfinite(float(x)) else f"{100 * x:.2f}%"
+def fmt_pct(x: Any, decimals: int = 2) -> str:
+    return "—" if missing(x) else f"{100 * float(x):.{decimals}f}%"
 
 
 # ---- display tables (strings) -----------------------------------------------------------------------------------
@@ -108,29 +114,25 @@ def training_display(table: pd.DataFrame) -> pd.DataFrame:
 def fca_display(conditions: pd.DataFrame, retention: pd.DataFrame) -> pd.DataFrame:
     """Paper Table 2 style: condition, mean ΔNLL, interval, MC SE, retention (with its interval)."""
     ret = {r.condition: r for r in retention.itertuples()}
-    rows = []
-    for r in conditions.itertuples():
-        rt = ret.get(r.condition)
-        rows.append({
-            "Condition": r.label, "Mean ΔNLL": fmt(r.mean), "95% interval": fmt_interval(r.ci_low, r.ci_high),
-            "MC SE": fmt(r.mc_se), "Positive": "—" if pd.isna(r.n_positive) else f"{int(r.n_positive)}/{int(r.n)}",
-            "p (sign-flip)": fmt_p(r.pvalue),
-            "Retention": "—" if rt is None else _retention_cell(rt),
-        })
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{
+        "Condition": r.label, "Mean ΔNLL": fmt(r.mean), "95% interval": fmt_interval(r.ci_low, r.ci_high),
+        "MC SE": fmt(r.mc_se), "Positive": "—" if pd.isna(r.n_positive) else f"{int(r.n_positive)}/{int(r.n)}",
+        "p (sign-flip)": fmt_p(r.pvalue), "Retention": _retention_cell(ret.get(r.condition)),
+    } for r in conditions.itertuples()])
 
 
 def retention_undefined(rt) -> str:
     """Why a retention row has no value, in a few words (the CSV's note has the interval)."""
-    bound = getattr(rt, "bound", math.nan)
     if not pd.isna(rt.n) and int(rt.n) < 2:
         return "undefined (one unit: no interval for ΔNLL(R))"
-    if bound is None or pd.isna(bound):  # a summary written before the bound was recorded
+    if pd.isna(getattr(rt, "bound", None)):  # a summary written before the bound was recorded
         return "undefined (ΔNLL(R) not clearly > 0)"
-    return f"undefined (ΔNLL(R) interval not above {float(bound):g})"
+    return f"undefined (ΔNLL(R) interval not above {float(rt.bound):g})"
 
 
 def _retention_cell(rt) -> str:
+    if rt is None:
+        return "—"
     if pd.isna(rt.retention):  # Eq. 8 needs the reference's interval above the practically-small bound
         return retention_undefined(rt)
     return f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]"
@@ -145,14 +147,13 @@ def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
 
 
 def criteria_display(criteria: list[dict]) -> pd.DataFrame:
-    rows = []
-    for c in criteria:
-        rows.append({"Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
-                     "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
-                     "Level": {"checkpoint": "checkpoints", "window": "window-level (one checkpoint)",
-                               "window-level (one checkpoint)": "window-level (one checkpoint)"}.get(c["level"], "—"),
-                     "Verdict": {True: "met", False: "not met"}.get(c["met"], "not evaluable")})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([{
+        "Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
+        "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
+        "Level": "checkpoints" if c["level"] == "checkpoint" else
+        WINDOW_LEVEL if c["level"] in ("window", WINDOW_LEVEL) else "—",
+        "Verdict": met_word(c["met"]),
+    } for c in criteria])
 
 
 # ---- Markdown / HTML -------------------------------------------------------------------------------------------

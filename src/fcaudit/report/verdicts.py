@@ -1,16 +1,9 @@
-"""The report's headline: per model family one line for each of the paper's three questions, with its numbers.
-
-    variation              how the coefficient variance splits into layer vs input/token terms (descriptive)
-    functional dependence  the static profile's ΔNLL and retention, the assignment interventions, the two criteria
-    execution              blocks run, FLOPs and latency vs Dense, for the family's measured checkpoint(s)
-
-Each line only restates numbers found elsewhere in the report; where a question has no data, it says which command
-provides it.
-"""
+"""The report's headline: per model family one line for each of the paper's three questions (variation, functional
+dependence, execution). Each restates numbers found elsewhere in the report; where a question has no data, it says
+which command provides them."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +12,10 @@ import pandas as pd
 from fcaudit import protocol
 from fcaudit.auditor.results import LATER_TOKENS
 from fcaudit.io import read_json
+from fcaudit.report.tables import fmt_g, fmt_pct, missing
+from fcaudit.summary import met_word
 
 _INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
-
-
-def _g(x: Any) -> str:
-    """A number for a sentence: 3 significant digits."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "—"
-    return f"{float(x):.3g}"
-
-
-def _pct(x: Any) -> str:
-    return "—" if x is None or not math.isfinite(float(x)) else f"{100 * float(x):.1f}%"
 
 
 def variation_line(variations: list[dict], fractions: dict[str, float] | None) -> str:
@@ -43,9 +27,9 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
     layer = fractions.get("layer", 0.0)
     rest = sum(fractions.get(t, 0.0) for t in _INPUT_TOKEN_TERMS)
     if rest <= 1e-12:
-        return f"across layers only: layer identity explains {_pct(layer)} of the coefficient variance"
-    return (f"layer identity explains {_pct(layer)} of the coefficient variance; input, token and their "
-            f"interactions {_pct(rest)} (balanced ANOVA, descriptive)")
+        return f"across layers only: layer identity explains {fmt_pct(layer, 1)} of the coefficient variance"
+    return (f"layer identity explains {fmt_pct(layer, 1)} of the coefficient variance; input, token and their "
+            f"interactions {fmt_pct(rest, 1)} (balanced ANOVA, descriptive)")
 
 
 def dependence_line(fam: dict) -> str:
@@ -54,26 +38,25 @@ def dependence_line(fam: dict) -> str:
     parts = []
     assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
     if assignment:
-        parts.append(", ".join(f"{conds.loc[c, 'label']} ΔNLL {_g(conds.loc[c, 'mean'])}" for c in assignment))
+        parts.append(", ".join(f"{conds.loc[c, 'label']} ΔNLL {fmt_g(conds.loc[c, 'mean'])}" for c in assignment))
     # the static profile (token routers: StaticTopK, the static condition they are offered) against Eq. 8's R
     static = next((c for c in ("StaticProfile", "StaticTopK") if c in conds.index), None)
     reference = protocol.structure_removed(conds.index)
     if static is not None:
         s = conds.loc[static]
-        text = f"{s['label']} {_g(s['mean'])} [{_g(s['ci_low'])}, {_g(s['ci_high'])}]"
+        text = f"{s['label']} {fmt_g(s['mean'])} [{fmt_g(s['ci_low'])}, {fmt_g(s['ci_high'])}]"
         if reference is not None:
-            text += f" vs {conds.loc[reference, 'label']} {_g(conds.loc[reference, 'mean'])}"
+            text += f" vs {conds.loc[reference, 'label']} {fmt_g(conds.loc[reference, 'mean'])}"
         if static in rets.index:
             r = rets.loc[static]
-            note = r.get("note") if isinstance(r.get("note"), str) and r.get("note") else "no clear gap to retain"
-            value = _pct(r["retention"]) if math.isfinite(r["retention"]) else f"undefined ({note})"
-            ci = (f" [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]"
-                  if math.isfinite(r["ci_low"]) and math.isfinite(r["ci_high"]) else "")
+            value = (f"undefined ({r['note'] or 'no clear gap to retain'})" if missing(r["retention"])
+                     else fmt_pct(r["retention"], 1))
+            ci = "" if missing(r["ci_low"]) or missing(r["ci_high"]) else \
+                f" [{fmt_pct(r['ci_low'], 1)}, {fmt_pct(r['ci_high'], 1)}]"
             text += f", retention {value}{ci}"
         parts.append(text)
-    verdicts = {True: "met", False: "not met"}
-    crit = "; ".join(f"{c['name']}: {verdicts.get(c['met'], 'not evaluable')}" for c in fam["criteria"])
-    flips = [r["later_token_flips"] for r in fam.get("replay", []) if isinstance(r, dict) and r.get("later_token_flips")]
+    crit = "; ".join(f"{c['name']}: {met_word(c['met'])}" for c in fam["criteria"])
+    flips = [r["later_token_flips"] for r in fam["replay"] if r.get("later_token_flips")]
     if flips:
         parts.append(f"{LATER_TOKENS} ({', '.join(map(str, flips))} decisions at earlier positions changed with the "
                      "last quarter of the probe windows: the Correct baseline uses future tokens)")
@@ -91,7 +74,7 @@ def _resolved(p: Any) -> str:
 def audited_checkpoints(fam: dict) -> set[str]:
     """The checkpoints the family's audits ran on (from each audit's config.json)."""
     out = set()
-    for audit in fam.get("audits", []):
+    for audit in fam["audits"]:
         cfg = Path(audit) / "config.json"
         if cfg.is_file():
             model = read_json(cfg).get("model")
@@ -109,18 +92,18 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
     pairs = r.get("token_block_fraction")
     text = (f"{r['executed_blocks']}/{r['n_blocks']} blocks run"
             + (" (no block skipped)" if skipped == 0 else f" ({skipped} skipped)"))
-    if pairs is not None and math.isfinite(float(pairs)):  # token routers: blocks run on the tokens chosen
-        text += (f", but the routed blocks run {_pct(r['token_fraction'])} of the tokens: "
-                 f"{_pct(pairs)} of the token x block pairs run, {_pct(1 - float(pairs))} skipped")
+    if not missing(pairs):  # token routers: blocks run on the tokens chosen
+        text += (f", but the routed blocks run {fmt_pct(r['token_fraction'], 1)} of the tokens: "
+                 f"{fmt_pct(pairs, 1)} of the token x block pairs run, {fmt_pct(1 - float(pairs), 1)} skipped")
     ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
-    ratios = [(n, v) for n, v in ratios if v is not None and math.isfinite(float(v))]
+    ratios = [(n, v) for n, v in ratios if not missing(v)]
     if ratios:
         text += "; " + ", ".join(f"{n} {float(v):.2f}x" for n, v in ratios) + " Dense's"
     else:
         text += "; no Dense model of the same architecture measured for ratios"
     if r.get("latency_noisy"):
         text += " (latency noisy: spread over repetitions exceeds the median)"
-    if r.get("experts_per_token") is not None and math.isfinite(float(r["experts_per_token"])):
-        text += (f"; {float(r['experts_per_token']):.3g} experts per token run, {_pct(r['active_expert_fraction'])} "
-                 "of the expert FLOPs of running all")
+    if not missing(r.get("experts_per_token")):
+        text += (f"; {float(r['experts_per_token']):.3g} experts per token run, "
+                 f"{fmt_pct(r['active_expert_fraction'], 1)} of the expert FLOPs of running all")
     return text + (f" ({len(mine)} checkpoints measured; the first shown)" if len(mine) > 1 else "")
