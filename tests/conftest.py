@@ -243,7 +243,7 @@ def run_bash(code: str, where: Path, env: dict[str, str], label: str) -> None:
             result = CliRunner(env=env).invoke(app, args, prog_name="fcaudit")
             crashed = result.exception and not isinstance(result.exception, SystemExit)
             trace = "".join(traceback.format_exception(result.exception)) if crashed else ""
-            assert result.exit_code == 0, f"{label}: `{line}` failed ({result.exit_code}):\n{result.output[-3000:]}{trace}"
+            assert result.exit_code == 0, f"{label}: `{line}` exit {result.exit_code}:\n{result.output[-3000:]}{trace}"
         return
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=where, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
