@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -209,6 +211,44 @@ def shims(bin_dir: Path) -> dict[str, str]:
     return env
 
 
+SHELL = set("|&;<>()$`\\*?[]{}~")  # what only a shell understands: a line with any of it runs in bash
+
+
+def fcaudit_args(line: str) -> list[str] | None:
+    """The arguments of a line that is one plain `fcaudit` command (words and a trailing comment), else None."""
+    if re.search(r"\S#", line):  # bash keeps a # inside a word, shlex would start a comment there
+        return None
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote, a continuation backslash
+        return None
+    plain = words[:1] == ["fcaudit"] and not any(SHELL & set(w) for w in words)
+    return words[1:] if plain else None
+
+
+def run_bash(code: str, where: Path, env: dict[str, str], label: str) -> None:
+    """Run a bash block as a user's shell would. A block of plain `fcaudit` lines runs them one by one through the
+    Typer app in this process (the same command `fcaudit` runs, without a new interpreter's imports each time); any
+    other block (torchrun, diff, a variable, a pipe) runs whole in bash, with `fcaudit` on PATH."""
+    lines = [line for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    commands = [fcaudit_args(line) for line in lines]
+    if all(args is not None for args in commands):
+        from typer.testing import CliRunner
+
+        from fcaudit.cli import app
+
+        for line, args in zip(lines, commands):
+            result = CliRunner(env=env).invoke(app, args, prog_name="fcaudit")
+            crashed = result.exception and not isinstance(result.exception, SystemExit)
+            trace = "".join(traceback.format_exception(result.exception)) if crashed else ""
+            assert result.exit_code == 0, f"{label}: `{line}` exit {result.exit_code}:\n{result.output[-3000:]}{trace}"
+        return
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=where, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
 def run_page(path: Path, where: Path, monkeypatch) -> dict:
     """Run every runnable block of `path` in `where`; returns the Python namespace the blocks shared."""
     env = shims(where / ".bin")
@@ -221,7 +261,5 @@ def run_page(path: Path, where: Path, monkeypatch) -> dict:
         if b.lang == "python":
             exec(compile(b.code, label, "exec"), scope)
         else:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", b.code], cwd=where, env=env,
-                                  capture_output=True, text=True)
-            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            run_bash(b.code, where, env, label)
     return scope

@@ -81,7 +81,7 @@ def test_rerun_resumes_without_recomputing(demo):
 
 
 SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, steps=4, mudd_steps=4, moe_steps=4, fixed_depth=1, n_eval=4,
-                 n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,), min_run_time=0.05)
+                 n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,), min_run_time=0.01)
 
 
 def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch):

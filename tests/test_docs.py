@@ -1,8 +1,9 @@
 """The documentation is tested like code: every code block of the README and the docs pages runs, the site builds in
 strict mode (a broken link or API reference fails), and the troubleshooting page quotes messages the code has.
 
-A page's blocks run in order in one fresh directory: Python blocks share one namespace, bash blocks run in bash
-with `fcaudit`, `python` and `torchrun` on PATH. A block that cannot run here (it installs packages, needs the hub
+A page's blocks run in order in one fresh directory: Python blocks share one namespace; a bash block of plain
+`fcaudit` lines runs them through the CLI's Typer app in this process, any other runs in bash with `fcaudit`,
+`python` and `torchrun` on PATH (conftest.run_bash). A block that cannot run here (it installs packages, needs the hub
 or a GPU, or takes minutes) says why on the line before it: `<!-- not run: REASON -->`. ```text blocks are
 outputs and are not run.
 """
@@ -10,14 +11,12 @@ outputs and are not run.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import DOCS, NOT_CODE, PAGES, ROOT, RUN, blocks, run_page
+from conftest import DOCS, NOT_CODE, PAGES, ROOT, RUN, blocks, fcaudit_args, run_bash, run_page, shims
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -29,7 +28,8 @@ def test_every_block_is_run_or_says_why_not(page):
             assert len(b.skip) > 10, f"{page.name}:{b.line}: say why the block is not run"
 
 
-# The sharding page runs torchrun: slow, like the other torchrun tests (test_sharding's two-rank audit is the smoke test)
+# The sharding page runs torchrun: slow, like the other torchrun tests (test_sharding's two-rank audit is the smoke
+# test)
 SLOW_PAGES = {"sharding.md"}
 
 
@@ -41,17 +41,36 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
     run_page(page, tmp_path, monkeypatch)
 
 
-def test_docs_site_builds_strict(tmp_path):
+def test_runner_takes_only_plain_fcaudit_lines_in_process(tmp_path, monkeypatch):
+    """What a shell would read otherwise (a pipe, a variable, a glob, an env prefix, a quote left open, another
+    program) goes to bash; an fcaudit line that fails in process fails the page with its error line."""
+    assert fcaudit_args("fcaudit audit runs/a --out 'my dir'  # why") == ["audit", "runs/a", "--out", "my dir"]
+    for line in ("fcaudit audit a | tee log", "fcaudit audit $RUN", "fcaudit report runs/*", "X=1 fcaudit audit a",
+                 "fcaudit audit a && echo ok", "fcaudit audit 'a", "fcaudit audit a#b", "torchrun -m fcaudit audit a"):
+        assert fcaudit_args(line) is None, line
+    monkeypatch.chdir(tmp_path)
+    env = shims(tmp_path / ".bin")
+    run_bash("fcaudit --help | grep 'Frozen-Controller Auditing' >/dev/null", tmp_path, env, "piped")  # in bash
+    with pytest.raises(AssertionError, match="no checkpoint directory nowhere"):
+        run_bash("fcaudit --help\nfcaudit audit nowhere --out a", tmp_path, env, "failing")
+
+
+def test_docs_site_builds_strict(tmp_path, monkeypatch, caplog):
+    """`mkdocs build --strict`, in this process (fcaudit, which the hooks import, is loaded already)."""
     missing = [m for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
                if importlib.util.find_spec(m.split(".")[0]) is None
                or (m.count(".") and importlib.util.find_spec(m) is None)]
     if missing:
         pytest.skip(f"the docs extra is not installed ({', '.join(missing)}): pip install -e '.[docs]'")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(tmp_path / "site")], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        build(load_config(str(ROOT / "mkdocs.yml"), strict=True, site_dir=str(tmp_path / "site")))
+    except Abort as e:  # strict: any warning (a broken link, an API name mkdocstrings cannot find) stops the build
+        pytest.fail(f"{e}\n{caplog.text[-5000:]}")
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     import fcaudit

@@ -15,6 +15,7 @@ split and calibration windows from the validation split, so the two never overla
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import sysconfig
@@ -113,7 +114,8 @@ def _split_contiguous(text: bytes) -> tuple[bytes, bytes, bytes]:
     return text[:a], text[a:b], text[b:]
 
 
-def _embedded_texts() -> list[tuple[str, bytes]]:
+@functools.lru_cache(maxsize=1)  # read once per process: the demo and the tests load it many times
+def _embedded_texts() -> tuple[tuple[str, bytes], ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
     out, total = [], 0
@@ -124,7 +126,7 @@ def _embedded_texts() -> list[tuple[str, bytes]]:
         total += len(text)
         if total >= EMBEDDED_BYTES:
             break
-    return out
+    return tuple(out)
 
 
 def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
