@@ -13,25 +13,12 @@ from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats import (
-    checkpoint_bootstrap,
-    coefficient_profile,
-    condition_means,
-    delta_nll,
-    factor_effects,
-    factorial_cells,
-    holm,
-    mc_se,
-    paired_bootstrap,
-    per_example_deltas,
-    randomization_means,
-    retention,
-    retention_bootstrap,
-    sign_flip_test,
-    variance_by_slice,
-    variance_decomposition,
-)
+from fcaudit.stats.effects import (condition_means, delta_nll, factor_effects, factorial_cells, per_example_deltas,
+                                   randomization_means, retention)
+from fcaudit.stats.inference import (checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap,
+                                     sign_flip_test)
 from fcaudit.stats.results import WindowStatistics
+from fcaudit.stats.variance import coefficient_profile, variance_by_slice, variance_decomposition
 
 
 def mean_stat(x, axis=-1):
@@ -116,12 +103,13 @@ def test_factorial_cells_are_paired_by_example_and_randomization():
     assert cells.cs[i, r] == d[("TokenShuffle", e, r)]
     assert cells.ds[i, r] == d[("CrossShuffle", e, r)]
     assert np.all(cells.cc == 0) and cells.dc.shape == (4, 3)
-    # by linearity, the mean of per-example effects equals the effects of the condition means
+    # by linearity, the mean of the per-pair effects equals the effects of the condition means
     m = condition_means(rec)
     whole = factor_effects(0.0, m["CrossInput"], m["TokenShuffle"], m["CrossShuffle"])
-    mean = cells.mean_effects()
-    assert mean.input == pytest.approx(whole.input) and mean.token == pytest.approx(whole.token)
-    assert mean.interaction == pytest.approx(whole.interaction)
+    per_pair = cells.effects()
+    assert per_pair.input.shape == (4, 3)
+    for k in ("input", "token", "interaction"):
+        assert getattr(per_pair, k).mean() == pytest.approx(getattr(whole, k))
     with pytest.raises(FcauditError):  # incomplete design
         factorial_cells(rec[~((rec["condition"] == "CrossShuffle") & (rec["randomization"] == 2))])
 

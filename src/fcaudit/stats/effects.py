@@ -91,9 +91,6 @@ class FactorEffects:
     token: float | np.ndarray
     interaction: float | np.ndarray
 
-    def as_dict(self) -> dict:
-        return {"input": self.input, "token": self.token, "interaction": self.interaction}
-
 
 def _scalar_or_array(x: np.ndarray):
     return float(x) if np.ndim(x) == 0 else x
@@ -125,16 +122,6 @@ class FactorialCells:
     def effects(self) -> FactorEffects:
         """Per-(example, randomization) factor effects, each [n_examples, R]."""
         return factor_effects(self.cc, self.dc, self.cs, self.ds)
-
-    def per_example_effects(self) -> FactorEffects:
-        """Factor effects averaged over randomizations: one value per example (the unit of a window bootstrap)."""
-        e = self.effects()
-        return FactorEffects(e.input.mean(axis=1), e.token.mean(axis=1), e.interaction.mean(axis=1))
-
-    def mean_effects(self) -> FactorEffects:
-        """The checkpoint's factor effects (equal to factor_effects of the condition means, by linearity)."""
-        e = self.per_example_effects()
-        return FactorEffects(float(e.input.mean()), float(e.token.mean()), float(e.interaction.mean()))
 
 
 def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCells:

@@ -10,7 +10,7 @@ Two levels, never mixed:
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -18,6 +18,7 @@ from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
+from fcaudit.io import finite_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import retention
 
@@ -48,33 +49,17 @@ class Estimate:
 
     def to_dict(self) -> dict:
         """JSON-ready; nan becomes None."""
-
-        def clean(v):
-            return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-        return {
-            "statistic": clean(float(self.statistic)),
-            "low": clean(float(self.confidence_interval.low)),
-            "high": clean(float(self.confidence_interval.high)),
-            "pvalue": clean(None if self.pvalue is None else float(self.pvalue)),
-            "n": int(self.n),
-            "method": self.method,
-            "confidence_level": float(self.confidence_level),
-            "standard_error": clean(float(self.standard_error)),
-        }
+        low, high = self.confidence_interval
+        return finite_json({"statistic": float(self.statistic), "low": float(low), "high": float(high),
+                            "pvalue": self.pvalue, "n": int(self.n), "method": self.method,
+                            "confidence_level": float(self.confidence_level),
+                            "standard_error": float(self.standard_error)})
 
     def __str__(self) -> str:
         low, high = self.confidence_interval
         ci = f"[{low:.6g}, {high:.6g}] {self.confidence_level:.0%} CI" if self.has_interval else "no interval"
         p = "" if self.pvalue is None else f", p={self.pvalue:.4g}"
         return f"{self.statistic:.6g} {ci} (n={self.n}{p}; {self.method})"
-
-    def __repr__(self) -> str:
-        low, high = self.confidence_interval
-        return (
-            f"Estimate(statistic={self.statistic!r}, confidence_interval=ConfidenceInterval(low={low!r}, high={high!r}), "
-            f"pvalue={self.pvalue!r}, n={self.n}, method={self.method!r})"
-        )
 
 
 def _sample(x, name: str = "x") -> np.ndarray:
@@ -86,32 +71,15 @@ def _sample(x, name: str = "x") -> np.ndarray:
     return x
 
 
-def _rng(seed) -> np.random.Generator:
-    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-
-
 def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
     """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
     if not 0 < confidence < 1:
         raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
-    n = len(data[0])
-    res = stats.bootstrap(
-        data,
-        statistic,
-        n_resamples=int(n_resamples),
-        batch=max(1, _MAX_BATCH_ELEMENTS // n),
-        vectorized=True,
-        paired=len(data) > 1,
-        confidence_level=confidence,
-        method="percentile",
-        rng=_rng(seed),
-    )
+    res = stats.bootstrap(data, statistic, n_resamples=int(n_resamples), vectorized=True, paired=len(data) > 1,
+                          batch=max(1, _MAX_BATCH_ELEMENTS // len(data[0])), confidence_level=confidence,
+                          method="percentile", rng=np.random.default_rng(seed))  # a Generator passes through
     ci = res.confidence_interval
     return ConfidenceInterval(float(ci.low), float(ci.high)), float(res.standard_error)
-
-
-def _mean(x, axis=-1):
-    return np.mean(x, axis=axis)
 
 
 def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
@@ -119,7 +87,7 @@ def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
     if x.size < 2:
         return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), None, 1,
                         f"single {unit}: no interval", confidence)
-    ci, se = _percentile_bootstrap((x,), _mean, confidence, n_resamples, seed)
+    ci, se = _percentile_bootstrap((x,), np.mean, confidence, n_resamples, seed)
     method = f"percentile bootstrap of the mean over {x.size} {unit}s ({n_resamples} resamples)"
     return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence, se)
 
@@ -157,9 +125,8 @@ def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, 
     """
     est = _mean_estimate(x, confidence, n_resamples, seed, "checkpoint")
     if sign_flip and est.n >= 2:
-        est = Estimate(est.statistic, est.confidence_interval, sign_flip_test(x, seed=seed), est.n,
-                       est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value", est.confidence_level,
-                       est.standard_error)
+        est = replace(est, pvalue=sign_flip_test(x, seed=seed),
+                      method=est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value")
     return est
 
 
@@ -190,7 +157,7 @@ def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIG
             signs = 1.0 - 2.0 * ((idx[:, None] >> bits) & 1)
             hits += int(np.count_nonzero(np.abs(signs @ x) >= observed - tol))
         return hits / total
-    rng, hits, done = _rng(seed), 0, 0
+    rng, hits, done = np.random.default_rng(seed), 0, 0
     batch = max(1, _MAX_BATCH_ELEMENTS // n)
     while done < n_resamples:
         m = min(batch, n_resamples - done)
@@ -213,9 +180,7 @@ def holm(pvalues) -> np.ndarray:
 
 
 def _retention_of_means(s, r, axis=-1):
-    ms, mr = np.mean(s, axis=axis), np.mean(r, axis=axis)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(mr > 0, 1.0 - ms / np.where(mr > 0, mr, 1.0), np.nan)
+    return retention(np.mean(s, axis=axis), np.mean(r, axis=axis))
 
 
 def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None = None, n_resamples: int = 10000,
@@ -256,6 +221,5 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
-        return Estimate(point, nan, None, int(s.size), method + "; interval undefined: some resamples have a "
-                        "reference ΔNLL <= 0", confidence, se)
+        ci, method = nan, method + "; interval undefined: some resamples have a reference ΔNLL <= 0"
     return Estimate(point, ci, None, int(s.size), method, confidence, se)

@@ -67,13 +67,17 @@ def _slices(coeffs: np.ndarray):
         yield idx, sl, np.flatnonzero(present)
 
 
-def _as_array(coeffs) -> np.ndarray:
+def _as_array(coeffs, trailing_names: tuple[str, ...] | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The coefficients as an array, and the names of its trailing axes (default axis3, axis4, ...)."""
     if hasattr(coeffs, "detach"):  # torch tensor (bfloat16 has no numpy dtype)
         coeffs = coeffs.detach().cpu().float().numpy()
     x = np.asarray(coeffs)
     if x.ndim < 3 or not np.issubdtype(x.dtype, np.number):
         raise FcauditError(f"coefficients must be a numeric array with axes (input, layer, token, ...), got shape {x.shape}")
-    return x
+    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
+    if len(names) != x.ndim - 3:
+        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    return x, names
 
 
 def _constant_tol(x: np.ndarray) -> float:
@@ -101,7 +105,7 @@ def variance_decomposition(coeffs) -> dict[str, float]:
     Layers where a slice does not exist (MUDD sources k > layer+1) may be nan-padded; each slice then uses its
     present layers only. Constant coefficients (zero total) give nan fractions with a RuntimeWarning.
     """
-    x = _as_array(coeffs)
+    x, _ = _as_array(coeffs)
     pooled: dict[str, float] = {}
     total = tol = 0.0
     for _, sl, _ in _slices(x):
@@ -116,10 +120,7 @@ def variance_decomposition(coeffs) -> dict[str, float]:
 def variance_by_slice(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
     """One row per trailing slice (e.g. per stream and source) with the fractions of `variance_decomposition`
     and `total_ss`; columns named by `trailing_names` (default axis3, axis4, ...)."""
-    x = _as_array(coeffs)
-    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
-    if len(names) != x.ndim - 3:
-        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    x, names = _as_array(coeffs, trailing_names)
     rows = []
     for idx, sl, _ in _slices(x):
         ss, t = functional_anova(sl, AXES)
@@ -135,10 +136,7 @@ def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -
     For [input, layer, token] the rows are layers; with trailing axes there is one row per (layer, *trailing)
     present (nan-padded absent layers are skipped), with the trailing indices as columns.
     """
-    x = _as_array(coeffs)
-    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
-    if len(names) != x.ndim - 3:
-        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    x, names = _as_array(coeffs, trailing_names)
     rows = []
     for idx, sl, layers in _slices(x):
         for j, layer in enumerate(layers):
@@ -174,24 +172,20 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups:
     merged sites share one (then counted once, `by_layer`)."""
     if groups and sites:
         sites = [" + ".join(dict.fromkeys(s for s, k in zip(sites, groups) if k == g)) for g in dict.fromkeys(groups)]
-    sums = sq = None
-    count = 0
+    totals, count = None, 0  # per layer: sums and sums of squares over (input, token), [stream, source] each
     for b0 in starts:
         chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
-        s = [c.sum(dim=(0, 1)) for c in chunk]  # [stream, source]
-        q = [(c * c).sum(dim=(0, 1)) for c in chunk]
-        sums = s if sums is None else [a + b for a, b in zip(sums, s)]
-        sq = q if sq is None else [a + b for a, b in zip(sq, q)]
+        part = [(c.sum(dim=(0, 1)), (c * c).sum(dim=(0, 1))) for c in chunk]
+        totals = part if totals is None else [(a + s, b + q) for (a, b), (s, q) in zip(totals, part)]
         count += chunk[0].shape[0] * chunk[0].shape[1]
     layers = []
-    for l, (s, q) in enumerate(zip(sums, sq)):
+    for l, (s, q) in enumerate(totals):
         n = count * s.numel()
         mean = float(s.sum()) / n
         layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
-                       "mean": mean,
-                       "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
+                       "mean": mean, "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
                        "stream_source_mean": (s / count).tolist()})
-    shapes = [tuple(s.shape) for s in sums]
+    shapes = [tuple(s.shape) for s, _ in totals]
     scalar = all(sh == (1, 1) for sh in shapes)
     s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
     token = store.read_chunk(int(starts[0]))[0].shape[1]
