@@ -62,18 +62,10 @@ class Latency:
                 "measurements": self.measurements, "forwards_per_measurement": self.forwards}
 
 
-def model_window(model: nn.Module, default: int = 128) -> int:
-    return context_length(model) or default
-
-
-def model_vocab(model: nn.Module, default: int = 256) -> int:
-    return int(getattr(getattr(model, "config", None), "vocab_size", default))
-
-
 def random_ids(model: nn.Module, batch_size: int, window: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     """A [batch_size, window] batch of token ids of the model's vocabulary, the same for every model of one vocab."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 256))
+    return torch.randint(0, vocab, (batch_size, window), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
@@ -93,7 +85,7 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
     for model in models:
         dev = torch.device(device) if device is not None else input_device(model)
         model = model.to(dev).eval()
-        w = window or model_window(model)
+        w = window or context_length(model) or 128
         runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev, w))
 
     def timed(model, ids, dev, n: int) -> float:

@@ -32,8 +32,8 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution.conditions import condition_execution
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
-from fcaudit.execution.threshold import scalar_gate_controller, thresholding
-from fcaudit.execution.tokens import token_conditions, token_execution, token_sites
+from fcaudit.execution.threshold import thresholding, vector_site
+from fcaudit.execution.tokens import captured, token_columns, token_conditions, token_sites
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.provenance import provenance
@@ -81,21 +81,19 @@ def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
     is not called at all (skipped in the execution graph) lowers the count.
     """
     pattern = pattern or block_pattern(model)
-    blocks = block_modules(model, pattern)
-    calls = {name: 0 for name, _ in blocks}
+    blocks = block_modules(model, pattern)  # named_modules() lists each module once
+    calls = {m: 0 for _, m in blocks}
 
-    def hook_for(name):
-        def hook(module, args, out):
-            calls[name] += 1
-        return hook
+    def hook(module, args, out):
+        calls[module] += 1
 
-    handles = [m.register_forward_hook(hook_for(name)) for name, m in blocks]
+    handles = [m.register_forward_hook(hook) for _, m in blocks]
     try:
         model(ids)
     finally:
         for h in handles:
             h.remove()
-    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, c in calls.items() if c == 0))
+    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, m in blocks if calls[m] == 0))
 
 
 # ---- the settings of `fcaudit execution` -------------------------------------------------------------------------
@@ -172,11 +170,6 @@ def _block_size(checkpoint: Path) -> int:
     return size
 
 
-def _metrics(checkpoint: Path) -> dict:
-    path = checkpoint / "metrics.json"
-    return read_json(path) if path.is_file() else {}
-
-
 def static_measures(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> dict:
     """Executed blocks, parameters and FLOPs/token of a loaded model on ids [batch, window] (on its device): what
     does not depend on the machine's load."""
@@ -185,20 +178,17 @@ def static_measures(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
             "n_params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops(model, ids[:1])}
 
 
+DENSE_RATIOS = {"latency_vs_dense": "latency_ms", "throughput_vs_dense": "tokens_per_s",
+                "flops_vs_dense": "flops_per_token", "executed_vs_dense": "executed_blocks"}
+
+
 def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Ratios to the mean Dense model of the same architecture (NaN where there is none)."""
-    df = df.copy()
-    for col in ("latency_vs_dense", "throughput_vs_dense", "flops_vs_dense", "executed_vs_dense"):
-        df[col] = math.nan
-    for arch, group in df.groupby("architecture"):
+    df = df.assign(**dict.fromkeys(DENSE_RATIOS, math.nan))
+    for _, group in df.groupby("architecture"):
         dense = group[group["model"] == "dense"]
-        if dense.empty:
-            continue
-        idx = group.index
-        df.loc[idx, "latency_vs_dense"] = group["latency_ms"] / dense["latency_ms"].mean()
-        df.loc[idx, "throughput_vs_dense"] = group["tokens_per_s"] / dense["tokens_per_s"].mean()
-        df.loc[idx, "flops_vs_dense"] = group["flops_per_token"] / dense["flops_per_token"].mean()
-        df.loc[idx, "executed_vs_dense"] = group["executed_blocks"] / dense["executed_blocks"].mean()
+        for ratio, col in DENSE_RATIOS.items() if not dense.empty else ():
+            df.loc[group.index, ratio] = group[col] / dense[col].mean()
     return df
 
 
@@ -234,18 +224,14 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
-    if sweeps:
-        sweep_df = pd.concat(sweeps, ignore_index=True)
-        atomic_write(out / "thresholding.csv", lambda p: sweep_df.to_csv(p, index=False))
-        payload["thresholding"] = sweep_df.to_dict(orient="records")
-    else:  # a sweep left by an earlier run with other settings must not sit next to these results
-        remove_file(out / "thresholding.csv")
-    if conditions:  # routed models: experts, expert FLOPs and latency under Correct and each static condition
-        cond_df = pd.concat(conditions, ignore_index=True)
-        atomic_write(out / "conditions.csv", lambda p: cond_df.to_csv(p, index=False))
-        payload["conditions"] = cond_df.to_dict(orient="records")
-    else:
-        remove_file(out / "conditions.csv")
+    # thresholding sweeps; routed models' experts or tokens, FLOPs and latency under Correct and each condition
+    for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
+        if parts:
+            table = pd.concat(parts, ignore_index=True)
+            atomic_write(out / f"{name}.csv", lambda p: table.to_csv(p, index=False))
+            payload[name] = table.to_dict(orient="records")
+        else:  # a table left by an earlier run with other settings must not sit next to these results
+            remove_file(out / f"{name}.csv")
     atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
     write_json(out / "execution.json", payload)
     return df
@@ -258,13 +244,9 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     loaded = [families.load_model(path, device=dev) for path in paths]
     rows, sweeps, models, conditions = [], [], [], []
 
-    @functools.cache
-    def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
-        return data.all_windows(data.load_corpus(cfg.corpus).test, window, limit=cfg.threshold_windows)
-
-    @functools.cache
-    def calib_windows() -> torch.Tensor:  # static profiles of routed models, from the validation split as in audits
-        return data.all_windows(data.load_corpus(cfg.corpus).validation, window, limit=cfg.threshold_windows)
+    @functools.cache  # loaded once, when needed: "test" to threshold, "validation" for static profiles (as audits)
+    def windows(split: str) -> torch.Tensor:
+        return data.all_windows(getattr(data.load_corpus(cfg.corpus), split), window, limit=cfg.threshold_windows)
 
     console = Console(stderr=True, quiet=not cfg.progress)
     labels = [families.label(model) for model, _ in loaded]
@@ -272,50 +254,39 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     labels = [f"{l} ({Path(g).name})" if labels.count(l) > 1 else l for l, g in zip(labels, cfg.checkpoints)]
     for given, path, (model, meta), label in zip(cfg.checkpoints, paths, loaded, labels):
         console.print(f"execution: {given}", highlight=False)
-        metrics = _metrics(path)
+        metrics = read_json(path / "metrics.json") if (path / "metrics.json").is_file() else {}
         row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
                "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": cfg.batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
         row.update(static_measures(model, ids))
-        family = families.for_model(model)
+        family, controller = families.for_model(model), _controller(model)
         if family is not None and family.execution is not None:
             row.update(family.execution(model, ids))
-            conditions.append(condition_execution(model, family, calib_windows(), ids, cfg.timing)
+            conditions.append(condition_execution(model, family, windows("validation"), ids, cfg.timing)
                               .assign(checkpoint=given, model=label))
-        if (routed := token_controller(model)) is not None:  # token routers: token x block pairs, conditions
+        if controller is not None and token_sites(controller):  # token routers: token x block pairs, conditions
             blocks = [name for name, _ in block_modules(model, row["block_pattern"])]
-            row.update(token_execution(model, ids, routed, blocks))
-            conditions.append(token_conditions(model, routed, calib_windows(), ids, blocks, cfg.timing)
+            row.update(token_columns(captured(model, ids, controller), controller, blocks))  # the live router's
+            conditions.append(token_conditions(model, controller, windows("validation"), ids, blocks, cfg.timing)
                               .assign(checkpoint=given, model=label))
         rows.append(row)
         models.append(model)
-        if cfg.thresholds:
-            sweep = _threshold_checkpoint(model, cfg, test_windows)
-            if sweep is not None:
-                sweeps.append(sweep.assign(checkpoint=given, model=label))
-            else:
-                console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
+        if cfg.thresholds and controller is not None and vector_site(controller) is None:
+            sweeps.append(thresholding(model, controller, windows("test"), cfg.thresholds, batch_size=cfg.batch_size)
+                          .assign(checkpoint=given, model=label))
+        elif cfg.thresholds:
+            console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
     console.print(f"latency: {len(models)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
     for row, lat in zip(rows, latencies(models, cfg.batch_size, window, dev, cfg.timing)):
         row.update(lat.columns())
     return rows, sweeps, conditions
 
 
-def token_controller(model: nn.Module):
-    """The model's controller when some of its sites route tokens (fcaudit.execution.tokens), else None."""
+def _controller(model: nn.Module):
+    """The model's controller; None for a model without one (Dense, FixedDepth)."""
     try:
-        controller = families.controller_for(model)
-    except FcauditError:  # no controller (Dense, FixedDepth)
-        return None
-    return controller if token_sites(controller) else None
-
-
-def _threshold_checkpoint(model: nn.Module, cfg: ExecutionConfig, windows) -> pd.DataFrame | None:
-    """Thresholding sweep for a scalar-gated model; None for models without scalar gates (Dense, MUDD)."""
-    try:
-        controller = scalar_gate_controller(families.controller_for(model))
+        return families.controller_for(model)
     except FcauditError:
         return None
-    return thresholding(model, controller, windows(), cfg.thresholds, batch_size=cfg.batch_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -25,14 +26,9 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.placement import input_device
 
 
-def scalar_gate_controller(controller: Controller) -> Controller:
-    """The controller itself if every site emits one scalar per token (layout "batch token"); else FcauditError."""
-    for site in controller.sites:
-        if not (isinstance(site.codec, Layout) and site.codec.scalar):
-            raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
-                               f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
-                               "layerstatic)")
-    return controller
+def vector_site(controller: Controller):
+    """The first site that does not emit one scalar per token (layout "batch token"), which thresholding needs."""
+    return next((s for s in controller.sites if not (isinstance(s.codec, Layout) and s.codec.scalar)), None)
 
 
 def _window_ids(windows) -> torch.Tensor:
@@ -55,7 +51,11 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
     Gates are strictly below tau, so tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit) and
     tau = 1 zeroes every sigmoid gate.
     """
-    controller = scalar_gate_controller(controller if controller is not None else controller_for(model))
+    controller = controller if controller is not None else controller_for(model)
+    if (site := vector_site(controller)) is not None:
+        raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
+                           f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
+                           "layerstatic)")
     ids = _window_ids(windows)
     taus = [float(t) for t in thresholds]
     if not taus or not all(math.isfinite(t) for t in taus):
@@ -66,9 +66,7 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
     n_layers = len(controller.sites)
 
     plain_sum = 0.0
-    nll_sum = [0.0] * len(taus)
-    below = [0] * len(taus)
-    skippable = [0] * len(taus)
+    nll_sum, below, skippable = np.zeros(len(taus)), np.zeros(len(taus), np.int64), np.zeros(len(taus), np.int64)
     for batch in ids.split(batch_size):
         batch = batch.to(device)
         B, T = batch.shape
@@ -87,12 +85,8 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
 
     n, t = ids.shape
     tokens = n * (t - 1)
-    plain_nll = plain_sum / tokens
-    rows = []
-    for i, tau in enumerate(taus):
-        nll = nll_sum[i] / tokens
-        rows.append({"threshold": tau, "nll": nll, "byte_ppl": math.exp(nll), "plain_nll": plain_nll,
-                     "delta_nll": nll - plain_nll, "frac_below": below[i] / (n_layers * n * t),
-                     "skippable_blocks": skippable[i] / n, "skippable_fraction": skippable[i] / (n * n_layers),
-                     "n_layers": n_layers, "windows": n, "tokens": tokens})
-    return pd.DataFrame(rows)
+    nll, plain_nll = nll_sum / tokens, plain_sum / tokens
+    return pd.DataFrame({"threshold": taus, "nll": nll, "byte_ppl": [math.exp(x) for x in nll], "plain_nll": plain_nll,
+                         "delta_nll": nll - plain_nll, "frac_below": below / (n_layers * n * t),
+                         "skippable_blocks": skippable / n, "skippable_fraction": skippable / (n * n_layers),
+                         "n_layers": n_layers, "windows": n, "tokens": tokens})

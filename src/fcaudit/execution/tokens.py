@@ -57,11 +57,6 @@ def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> 
             "token_fraction_by_block": json.dumps([round(f, 6) for f in per_block])}
 
 
-def token_execution(model: nn.Module, ids: torch.Tensor, controller: Controller, blocks: list[str]) -> dict:
-    """The live model's token columns on ids [batch, window] (execution.csv)."""
-    return token_columns(captured(model, ids, controller), controller, blocks)
-
-
 def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor,
                      blocks: list[str], timing: Timing) -> pd.DataFrame:
     """One row per condition of ROUTED on the batch `ids`, every one replayed: token columns, FLOPs per token (and
