@@ -148,15 +148,16 @@ def _kind_of(path: Path) -> str:
     return f"holds files fcaudit did not write ({theirs[0]}{', ...' if len(theirs) > 1 else ''})"
 
 
+def _regular(path: str | os.PathLike) -> bool:
+    """A regular file itself, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _is_marked(path: Path, command: Command) -> bool:
-    for name in (command.marker, command.legacy):
-        if name is not None:
-            try:
-                if stat.S_ISREG(os.lstat(path / name).st_mode):
-                    return True
-            except OSError:
-                pass
-    return False
+    return any(name is not None and _regular(path / name) for name in (command.marker, command.legacy))
 
 
 def _first_link(root: Path) -> Path | None:
@@ -207,11 +208,8 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
         if link is not None:
             raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never writes "
                                "through links there; remove it or pass a new --out")
-    existing = path
-    while not existing.exists():  # the nearest existing ancestor is where the first directory would be created
-        if existing.parent == existing:
-            break
-        existing = existing.parent
+    # the nearest existing ancestor is where the first directory would be created
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
     if existing.exists() and not existing.is_dir():
         raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
                            "that is not inside a file")
@@ -233,15 +231,14 @@ def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.Pa
     command = COMMANDS[what]
     path = prepare_out(path, what, avoid=avoid)
     path.mkdir(parents=True, exist_ok=True)
-    marker = path / command.marker
-    fresh = command.writes_marker and not os.path.lexists(marker)
-    confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
+    fresh = command.writes_marker and not os.path.lexists(path / command.marker)
+    claim = confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
     if fresh:
-        _write_marker(marker, what, [] if command.records else None)
+        _save(claim)
     return path
 
 
-def confine(root: str | os.PathLike, what: str) -> None:
+def confine(root: str | os.PathLike, what: str) -> _Claim:
     """From now on, no write, replace, lock or removal below `root` goes through a symbolic link, and for a command
     that records its files, only recorded files are replaced or removed (the record is read from its marker)."""
     absolute = Path(os.path.abspath(root))
@@ -256,6 +253,7 @@ def confine(root: str | os.PathLike, what: str) -> None:
     claim = _Claim(absolute, what, files)
     for key in {str(absolute), os.path.realpath(absolute)}:
         _CLAIMS[key] = claim
+    return claim
 
 
 def _claims_of(path: Path) -> list[tuple[str, _Claim]]:
@@ -294,10 +292,10 @@ def _recording(path: Path) -> tuple[_Claim, str] | None:
     return claim, rel
 
 
-def _write_marker(marker: Path, what: str, files: list[str] | None) -> None:
-    body = {"command": what} if files is None else {"command": what, "files": sorted(files)}
-    with _replacing(marker) as (fd, _), os.fdopen(fd, "w") as f:
-        f.write(json.dumps(body, indent=2) + "\n")
+def _save(claim: _Claim) -> None:
+    """Write the claim's marker, listing the files recorded so far (the marker is not recorded in itself)."""
+    body = {"command": claim.what} if claim.files is None else {"command": claim.what, "files": sorted(claim.files)}
+    write_text(claim.root / COMMANDS[claim.what].marker, json.dumps(body, indent=2) + "\n")
 
 
 def _record(path: Path) -> None:
@@ -313,7 +311,7 @@ def _record(path: Path) -> None:
         raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[claim.what].marker} does "
                            "not list it): move it away or pass a new --out")
     claim.files.add(rel)
-    _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+    _save(claim)
 
 
 def recorded(root: str | os.PathLike) -> list[Path]:
@@ -338,7 +336,7 @@ def remove_file(path: str | os.PathLike) -> bool:
     if held is not None:
         claim, rel = held
         claim.files.discard(rel)
-        _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+        _save(claim)
     return removed
 
 
@@ -396,8 +394,7 @@ def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) ->
         return []
     stale = []
     for dirpath, dirnames, filenames in os.walk(directory):
-        stale += [Path(dirpath) / n for n in sorted(filenames) if _TEMP.match(n)
-                  and stat.S_ISREG(os.lstat(os.path.join(dirpath, n)).st_mode)]
+        stale += [Path(dirpath) / n for n in sorted(filenames) if _TEMP.match(n) and _regular(os.path.join(dirpath, n))]
         if not recursive:
             break
     for p in stale:

@@ -55,15 +55,18 @@ def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
     return weight_map, paths
 
 
+def _index(dir: Path) -> str | None:
+    """The index of `dir`'s shards when it has no model.safetensors (the safetensors index first)."""
+    if (dir / SAFETENSORS).is_file():
+        return None
+    return next((index for index in (SAFETENSORS_INDEX, PICKLED_INDEX) if (dir / index).is_file()), None)
+
+
 def weight_files(dir: Path) -> list[Path]:
     """The files holding `dir`'s weights, safetensors first: model.safetensors, the shards of its index, else
     pytorch_model.bin or the shards of its index; [] when there are none."""
-    if (dir / SAFETENSORS).is_file():
-        return [dir / SAFETENSORS]
-    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
-        if (dir / index).is_file():
-            return shards(dir, index)[1]
-    return [dir / PICKLED] if (dir / PICKLED).is_file() else []
+    index = _index(dir)
+    return shards(dir, index)[1] if index else [f for f in (dir / SAFETENSORS, dir / PICKLED) if f.is_file()][:1]
 
 
 def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
@@ -100,21 +103,18 @@ def _load_one(path: Path) -> dict[str, torch.Tensor]:
 def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of `dir`'s weights, in `weight_files`' order of preference; a shard's key its index does not
     list is refused."""
-    if (dir / SAFETENSORS).is_file():
-        return _load_one(dir / SAFETENSORS)
-    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
-        if (dir / index).is_file():
-            weight_map, paths = shards(dir, index)
-            state: dict[str, torch.Tensor] = {}
-            for path in paths:
-                state.update(_load_one(path))
-            stray = sorted(set(state) - set(weight_map))
-            if stray:
-                raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
-            return state
-    if (dir / PICKLED).is_file():
-        return load_pickled(dir / PICKLED)
-    raise FcauditError(f"no weights in {dir}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} with shards, or {PICKLED}")
+    index = _index(dir)
+    weight_map, files = shards(dir, index) if index else ({}, weight_files(dir))
+    if not files:
+        raise FcauditError(f"no weights in {dir}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} with shards, or "
+                           f"{PICKLED}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(_load_one(path))
+    stray = sorted(set(state) - set(weight_map)) if index else []
+    if stray:
+        raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
+    return state
 
 
 def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

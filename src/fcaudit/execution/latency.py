@@ -118,9 +118,3 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
                            batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
                            measurements=len(t), forwards=n))
     return out
-
-
-def latency(model: nn.Module, batch_size: int = 8, window: int | None = None,
-            device: str | torch.device | None = None, timing: Timing = Timing()) -> Latency:
-    """Median wall time of one forward pass of one model (see `latencies`)."""
-    return latencies([model], batch_size, window, device, timing)[0]

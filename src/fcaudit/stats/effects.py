@@ -73,16 +73,6 @@ def randomization_means(records: pd.DataFrame) -> pd.DataFrame:
     return d.groupby(["randomization", "condition"])["delta"].mean().unstack("condition").sort_index()
 
 
-def condition_means(records: pd.DataFrame) -> pd.Series:
-    """Mean ΔNLL per condition (index: condition names, Correct excluded since it is 0 by definition).
-
-    Definition: the mean over examples of each example's mean over randomizations. Examples are weighted equally
-    (audit windows have equal length, so this equals the token-weighted mean); for balanced records (every example
-    has the same randomizations) it equals the plain mean over all rows of the condition.
-    """
-    return per_example_deltas(records).mean(axis=0).rename("delta_nll")
-
-
 @dataclass(frozen=True)
 class FactorEffects:
     """Paired factorial contrasts (Eq. 5-7); factorial contrasts, not an additive split into mechanisms."""

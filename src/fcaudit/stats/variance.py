@@ -101,7 +101,7 @@ def variance_decomposition(coeffs) -> dict[str, float]:
     Keys: input, layer, token, input:layer, input:token, layer:token, input:layer:token; they sum to 1.
     Trailing axes (e.g. stream, source) are not factors: each trailing slice is decomposed on its own (about its
     own grand mean) and the sums of squares are pooled over slices, so the fractions are those of the
-    within-slice variation (between-slice level differences are excluded; see `variance_by_slice` for each slice).
+    within-slice variation (between-slice level differences are excluded).
     Layers where a slice does not exist (MUDD sources k > layer+1) may be nan-padded; each slice then uses its
     present layers only. Constant coefficients (zero total) give nan fractions with a RuntimeWarning.
     """
@@ -115,19 +115,6 @@ def variance_decomposition(coeffs) -> dict[str, float]:
         total += t
         tol += _constant_tol(sl)
     return _fractions(pooled, total, tol)
-
-
-def variance_by_slice(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """One row per trailing slice (e.g. per stream and source) with the fractions of `variance_decomposition`
-    and `total_ss`; columns named by `trailing_names` (default axis3, axis4, ...)."""
-    x, names = _as_array(coeffs, trailing_names)
-    rows = []
-    for idx, sl, _ in _slices(x):
-        ss, t = functional_anova(sl, AXES)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a constant slice is shown as nan, not warned per row
-            rows.append({**dict(zip(names, idx)), **_fractions(ss, t, _constant_tol(sl)), "total_ss": t})
-    return pd.DataFrame(rows)
 
 
 def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
