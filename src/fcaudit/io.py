@@ -1,9 +1,7 @@
-"""Atomic writes (a file is either absent or complete, never half written) and the one rule for output directories.
-
-The rule, for every command's --out (audit, training run, summary, execution results, report, demo): fcaudit writes
-only into a directory that is new, empty, or carries that command's marker, and deletes only what it wrote there.
-A claimed directory is confined: no write, replace, lock or removal inside it goes through a symbolic link, so a link
-planted in a run directory cannot make fcaudit touch a file outside it."""
+"""Atomic writes (a file is absent or complete, never half written) and the one rule for every command's --out:
+fcaudit writes only into a directory that is new, empty or carries that command's marker, and deletes only what it
+wrote there. No write, replace, lock or removal inside a claimed directory goes through a symbolic link, so a link
+planted in it cannot make fcaudit touch a file outside."""
 
 import fcntl
 import json
@@ -183,13 +181,10 @@ def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | No
 
 
 def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """Check, before any work, that `path` can become (or already is) the `what`'s output directory (COMMANDS).
-
-    Creates nothing and deletes nothing. Refused with one line naming the fix: the filesystem root, the home
-    directory, a checkpoint in `avoid` (or a directory inside it), a file, a path below a file, an unwritable
-    directory, a directory holding anything but this command's marker and what fcaudit leaves (foreign files, a
-    checkpoint, another command's output), and one of ours holding a symbolic link. Returns `path` as a Path.
-    """
+    """Check, before any work and changing nothing, that `path` can become (or is) the `what`'s output directory.
+    Refused in one line naming the fix: the filesystem root, home, a checkpoint in `avoid` or inside it, a file or a
+    path below one, an unwritable directory, one holding anything but this command's marker and what fcaudit leaves,
+    and one of ours holding a symbolic link."""
     command = COMMANDS[what]
     path = Path(path)
     named = _refused_by_name(path, avoid)

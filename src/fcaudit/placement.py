@@ -1,11 +1,7 @@
-"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` (transformers'
-`from_pretrained(device_map=...)`) over several devices, with layers offloaded to the CPU or to disk.
-
-A dispatched model holds accelerate hooks: each module computes on its hook's execution device, an offloaded module's
-parameters sit on the meta device between its forward passes, and the top-level hook moves the inputs to the first
-device and the outputs back to the inputs' device. The audit needs three things of it, all here: the device its
-inputs go to, every weight's bytes (for the checkpoint hash), and whether it is dispatched at all.
-"""
+"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` over several,
+with layers offloaded to the CPU or disk (an offloaded module's parameters are on the meta device between its
+forwards). The audit needs three things of it, all here: the device its inputs go to, every weight's bytes (for the
+checkpoint hash), and whether it is dispatched at all."""
 
 from __future__ import annotations
 

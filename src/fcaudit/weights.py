@@ -1,11 +1,7 @@
-"""What fcaudit reads of a checkpoint directory: its weights and nothing that runs.
-
-Safetensors first; a pickle-format file (.bin, .pt, .pth) only through torch's restricted unpickler
-(`weights_only=True`), since a public checkpoint may ship one; what that refuses is one line naming the conversion
-to safetensors. The shards an index lists must lie inside the checkpoint directory, the sizes config.json implies
-are compared with the stored tensors' before a model is allocated, and a checkpoint whose config asks for its own
-modeling code (`auto_map`) loads only where fcaudit or transformers has that model natively.
-"""
+"""What fcaudit reads of a checkpoint directory: its weights and nothing that runs. Safetensors first; a pickle file
+(.bin, .pt, .pth, which a public checkpoint may ship) only through torch's restricted unpickler. An index's shards
+must lie inside the directory, config.json's sizes are checked against the stored tensors' before allocation, and a
+config asking for its own modeling code (`auto_map`) loads only where fcaudit or transformers has the model."""
 
 from __future__ import annotations
 

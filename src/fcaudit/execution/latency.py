@@ -70,15 +70,10 @@ def random_ids(model: nn.Module, batch_size: int, window: int, device: torch.dev
 
 def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
               device: str | torch.device | None = None, timing: Timing = Timing()) -> list[Latency]:
-    """Forward-pass wall time of each model on a [batch_size, window] batch of random token ids, measured
-    round-robin: repetition r of every model runs before repetition r + 1 of any, so a change of the machine's
-    load hits every model alike and their ratios stay fair.
-
-    Each model gets `timing.repetitions` timed repetitions of about min_run_time / repetitions seconds each (enough
-    forward calls to fill it, estimated after `timing.warmup` forwards); CUDA is synchronized around every
-    repetition; torch runs with its current number of threads. The model is moved to `device` (default: where
-    its parameters are); `window` defaults to its context.
-    """
+    """Forward-pass wall time of each model (on `device`, default its own) on a [batch_size, window] batch of random
+    token ids (`window`: default its context), timed round-robin: repetition r of every model runs before repetition
+    r + 1 of any, so a change of the machine's load hits every model alike. A repetition is enough forwards to fill
+    min_run_time / repetitions seconds (estimated after the warmup), CUDA synchronized around it."""
     if batch_size < 1:
         raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
     runs = []

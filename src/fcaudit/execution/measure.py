@@ -1,17 +1,7 @@
-"""Question 3 of the paper (section 4.5): does the mechanism actually skip work?
-
-Coefficient variation and functional dependence say nothing about execution, so this module measures what really
-runs, on any PyTorch model:
-
-    executed_blocks   forward hooks on the block modules count the block forwards of one forward pass
-    flops             torch.utils.flop_counter.FlopCounterMode: forward FLOPs per token
-    latencies         wall time per forward, all models round-robin (fcaudit.execution.latency)
-    measure_execution all of the above for a list of checkpoints -> execution.csv / execution.json, with ratios to
-                      Dense when a Dense model of the same architecture is among the inputs
-
-A soft gate (FeatureGate, Uniform, LayerStatic) multiplies a block's update; it never removes the block, so these
-models execute every block and pay for their controller on top. FixedDepth-k executes k blocks.
-"""
+"""Question 3 of the paper (section 4.5): does the mechanism actually skip work? Variation and functional dependence
+say nothing about execution, so this measures what really runs (block forwards, FLOPs, latency) for a list of
+checkpoints, with ratios to a Dense model of the same architecture. A soft gate (FeatureGate, Uniform, LayerStatic)
+scales a block's update but never removes the block: such models run every block and pay for their controller."""
 
 from __future__ import annotations
 
@@ -75,11 +65,8 @@ class BlockCount:
 
 @torch.inference_mode()
 def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> BlockCount:
-    """Run model(ids) once with a forward hook on every block; count the block forwards that really ran.
-
-    A block that is called but whose output is scaled by 0 still counts: it was executed. Only a block whose forward
-    is not called at all (skipped in the execution graph) lowers the count.
-    """
+    """Count the block forwards of one model(ids), by a forward hook on every block: a block whose output is scaled
+    by 0 still ran; only one whose forward is never called (skipped in the execution graph) lowers the count."""
     pattern = pattern or block_pattern(model)
     blocks = block_modules(model, pattern)  # named_modules() lists each module once
     calls = {m: 0 for _, m in blocks}
@@ -118,22 +105,20 @@ class ExecutionConfig:
         object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
         object.__setattr__(self, "out", str(self.out))
         object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
-        if not self.checkpoints:
-            raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")
-        if self.batch_size < 1:
-            raise FcauditError(f"batch size {self.batch_size}: pass --batch-size 1 or more")
-        if self.threads is not None and self.threads < 1:
-            raise FcauditError(f"threads {self.threads}: pass --threads 1 or more")
-        if not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
-                and self.min_run_time > 0):
-            raise FcauditError(f"--min-run-time {self.min_run_time}: pass a positive number of seconds")
-        if self.window is not None and self.window < 2:
-            raise FcauditError(f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest "
-                               "block_size)")
-        if self.threshold_windows < 1:
-            raise FcauditError(f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows")
-        if not all(math.isfinite(t) for t in self.thresholds):
-            raise FcauditError(f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")
+        refused = [message for bad, message in (
+            (not self.checkpoints, "no checkpoints to measure: pass one or more checkpoint directories"),
+            (self.batch_size < 1, f"batch size {self.batch_size}: pass --batch-size 1 or more"),
+            (self.threads is not None and self.threads < 1, f"threads {self.threads}: pass --threads 1 or more"),
+            (not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
+                  and self.min_run_time > 0), f"--min-run-time {self.min_run_time}: pass a positive number of seconds"),
+            (self.window is not None and self.window < 2,
+             f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest block_size)"),
+            (self.threshold_windows < 1,
+             f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
+            (not all(math.isfinite(t) for t in self.thresholds),
+             f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")) if bad]
+        if refused:
+            raise FcauditError(refused[0])
 
     @property
     def timing(self) -> Timing:
@@ -193,17 +178,10 @@ def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
-    """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint.
-
-    Writes `out/execution.csv` and `out/execution.json` (settings, rows, provenance), each atomically. All models run
-    with one window (default: the smallest block_size among them, at most 2048) so their rows compare. With
-    `thresholds`, every scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on
-    up to `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`; routed models
-    (a family with an `execution` hook) get a row per static condition in `out/conditions.csv`.
-    Latencies are measured round-robin over all models (see fcaudit.execution.latency): every model stays loaded
-    until then. `threads` sets torch's CPU threads for the measurement: on a shared machine, 1 thread gives far
-    steadier CPU latencies than competing for every core.
-    """
+    """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint, written to
+    `out/execution.csv` and `out/execution.json`; all models run with one window so that their rows compare. With
+    `thresholds`, scalar-gated models are thresholded on test windows (`out/thresholding.csv`); routed models get a
+    row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded."""
     out = prepare_out(cfg.out, "execution results", avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.

@@ -1,13 +1,7 @@
 """Post-training thresholding of scalar gates (paper section 4.5): how much could a soft gate skip, at what cost?
-
-For each threshold tau, every gate g[l, t] < tau is set to 0 and the frozen model is run again through the engine's
-replay mechanism (capture the coefficients of the unmodified model, replay the thresholded ones with the controller
-disabled). A block l is *skippable* for a window when all of that window's gates in block l are below tau: only then
-could an implementation drop the block for the whole sequence without changing the output.
-
-This measures potential skipping, not realised savings: in this dense implementation a zeroed gate still executes
-its block (h + 0 * F(h)), so latency and FLOPs are unchanged; see measure.py for what really runs.
-"""
+Every gate below tau is set to 0 and replayed into the frozen model. A block is *skippable* for a window when all its
+gates there are below tau: only then could it be dropped for the whole sequence. This is potential skipping: a zeroed
+gate still runs its block (h + 0 * F(h)); measure.py measures what really runs."""
 
 from __future__ import annotations
 

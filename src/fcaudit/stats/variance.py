@@ -19,12 +19,9 @@ DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memor
 
 
 def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, float], float]:
-    """Balanced functional ANOVA of a complete array: sums of squares of every main effect and interaction.
-
-    Effect of a set of axes S = mean over the other axes, minus the effects of all proper subsets of S (so the
-    effects are orthogonal and their sums of squares add up to the total sum of squares about the grand mean).
-    Returns ({"a": ss, "a:b": ss, ...} in order of interaction size, then axis order; total_ss).
-    """
+    """Balanced functional ANOVA of a complete array: ({"a": ss, "a:b": ss, ...} by interaction size, then axis order;
+    total ss). The effect of axes S is the mean over the other axes minus the effects of S's proper subsets, so the
+    effects are orthogonal and their sums of squares add up to the total about the grand mean."""
     x = np.asarray(x, dtype=np.float64)
     k = x.ndim
     if len(names) != k:
@@ -118,11 +115,8 @@ def variance_decomposition(coeffs) -> dict[str, float]:
 
 
 def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens.
-
-    For [input, layer, token] the rows are layers; with trailing axes there is one row per (layer, *trailing)
-    present (nan-padded absent layers are skipped), with the trailing indices as columns.
-    """
+    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens: one row per layer, or
+    with trailing axes per (layer, *trailing) present, the trailing indices as columns."""
     x, names = _as_array(coeffs, trailing_names)
     rows = []
     for idx, sl, layers in _slices(x):
