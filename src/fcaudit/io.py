@@ -14,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from fcaudit.errors import FcauditError
 
@@ -370,14 +370,9 @@ def lock_dir(path: str | os.PathLike, what: str) -> int:
     return fd
 
 
-@contextmanager
-def locked(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """`lock_dir` for the duration of the block."""
-    fd = lock_dir(path, what)
-    try:
-        yield
-    finally:
-        os.close(fd)
+def locked(path: str | os.PathLike, what: str) -> BinaryIO:
+    """`lock_dir` for the duration of a `with` block: the lock file, held while it is open."""
+    return os.fdopen(lock_dir(path, what), "rb")
 
 
 def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:

@@ -98,21 +98,16 @@ def _onloaded(module: nn.Module):
 def on_cpu(module: nn.Module) -> Iterator[None]:
     """Within the block every weight of `module` and its submodules holds its data on the CPU: an offloaded
     module's are loaded there, any other's are CPU copies; afterwards each holds its own data again (no copy back)."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     with ExitStack() as stack:
-        try:
-            for m in module.modules():
-                if _offloaded(m):
-                    stack.enter_context(_onloaded(m))
-                    continue
-                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-                    if t.device.type != "cpu":
-                        saved.append((t, t.data))
-                        t.data = t.data.cpu()
-            yield
-        finally:
-            for t, data in saved:
-                t.data = data
+        for m in module.modules():
+            if _offloaded(m):
+                stack.enter_context(_onloaded(m))
+                continue
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                if t.device.type != "cpu":
+                    stack.callback(setattr, t, "data", t.data)  # its own data again on the way out
+                    t.data = t.data.cpu()
+        yield
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

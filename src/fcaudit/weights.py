@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from fcaudit.errors import FcauditError
 
@@ -84,16 +86,17 @@ def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     return state
 
 
+def _corrupt(path: Path, e: Exception) -> FcauditError:
+    return FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the checkpoint")
+
+
 def _load_one(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix in PICKLE_SUFFIXES:
         return load_pickled(path)
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 (SafetensorError, OSError: truncated or not safetensors at all)
-        raise FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
-                           "checkpoint") from None
+        raise _corrupt(path, e) from None
 
 
 def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
@@ -115,8 +118,6 @@ def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
 
 def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Each stored tensor's shape, read from the safetensors headers alone (pickle files are memory-mapped)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         if f.suffix in PICKLE_SUFFIXES:
@@ -126,8 +127,7 @@ def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
             with safe_open(str(f), framework="pt") as st:
                 shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
-            raise FcauditError(f"{f} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
-                               "checkpoint") from None
+            raise _corrupt(f, e) from None
     return shapes
 
 
