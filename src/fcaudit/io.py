@@ -323,11 +323,8 @@ def remove_file(path: str | os.PathLike) -> bool:
     held = _recording(path)
     if held is not None and held[1] not in held[0].files:
         return False
-    try:
-        path.unlink()
-        removed = True
-    except FileNotFoundError:
-        removed = False
+    removed = os.path.lexists(path)
+    path.unlink(missing_ok=True)
     if held is not None:
         claim, rel = held
         claim.files.discard(rel)

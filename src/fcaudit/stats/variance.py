@@ -153,12 +153,23 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups:
     merged sites share one (then counted once, `by_layer`)."""
     if groups and sites:
         sites = [" + ".join(dict.fromkeys(s for s, k in zip(sites, groups) if k == g)) for g in dict.fromkeys(groups)]
+    first = by_layer(store.read_chunk(int(starts[0])), groups)
+    shapes, token = [tuple(c.shape[2:]) for c in first], first[0].shape[1]  # [stream, source] of each layer
+    scalar = all(sh == (1, 1) for sh in shapes)
+    s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
+    per_window = len(shapes) * token * s_max * k_max * 8
+    n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
+    n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
+    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)  # the first windows, for the decomposition
     totals, count = None, 0  # per layer: sums and sums of squares over (input, token), [stream, source] each
     for b0 in starts:
         chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
         part = [(c.sum(dim=(0, 1)), (c * c).sum(dim=(0, 1))) for c in chunk]
         totals = part if totals is None else [(a + s, b + q) for (a, b), (s, q) in zip(totals, part)]
         count += chunk[0].shape[0] * chunk[0].shape[1]
+        for l, c in enumerate(chunk if b0 < n_used else ()):
+            c = c[: n_used - b0].numpy()
+            arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
     layers = []
     for l, (s, q) in enumerate(totals):
         n = count * s.numel()
@@ -166,20 +177,6 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups:
         layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
                        "mean": mean, "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
                        "stream_source_mean": (s / count).tolist()})
-    shapes = [tuple(s.shape) for s, _ in totals]
-    scalar = all(sh == (1, 1) for sh in shapes)
-    s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
-    token = store.read_chunk(int(starts[0]))[0].shape[1]
-    per_window = len(shapes) * token * s_max * k_max * 8
-    n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
-    n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
-    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)
-    for b0 in starts:
-        if b0 >= n_used:
-            break
-        for l, c in enumerate(by_layer(store.read_chunk(int(b0)), groups)):
-            c = c[: n_used - b0].double().numpy()
-            arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
     if scalar:
         what = "the scalar coefficient per (input, layer, token)"
         arr = arr[..., 0, 0]
