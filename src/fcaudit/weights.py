@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -69,13 +70,8 @@ def weight_files(dir: Path) -> list[Path]:
 
 def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """A pickle-format weights file through torch's restricted unpickler only (tensors and plain containers)."""
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except RuntimeError as e:  # the legacy (non-zip) format cannot be memory-mapped
-            if not mmap or "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # only torch's zip format can be memory-mapped, not the legacy one
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 (an UnpicklingError, or a torn file: the same fix; never torch's advice)
         raise FcauditError(f"{path} is not a plain weights file (torch's restricted unpickler refused it: "
                            f"{type(e).__name__}): convert it to safetensors (safetensors.torch.save_file of its "

@@ -27,7 +27,8 @@ def _table(title: str, left: tuple[str, ...], right: tuple[str, ...], **caption)
 
 
 def execution_table(df: pd.DataFrame) -> Table:
-    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR over repetitions) vs Dense, throughput."""
+    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR
+    over repetitions) vs Dense, throughput."""
     tokens = "token_block_fraction" in df  # token routers: the share of token x block pairs that ran
     t = _table("Execution (question 3)", ("Model",), ("Blocks\nrun", *(("Token x block\npairs run",) if tokens else ()),
                "FLOPs\nvs Dense", "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s", "Byte-PPL"))

@@ -37,7 +37,8 @@ def block_pattern(model: nn.Module) -> str:
     lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
              if name and isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
-        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. 'blocks.*'")
+        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. "
+                           "'blocks.*'")
     return f"{max(lists)[1]}.*"
 
 
@@ -155,14 +156,6 @@ def _block_size(checkpoint: Path) -> int:
     return size
 
 
-def static_measures(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> dict:
-    """Executed blocks, parameters and FLOPs/token of a loaded model on ids [batch, window] (on its device): what
-    does not depend on the machine's load."""
-    count = executed_blocks(model, ids, pattern)
-    return {"block_pattern": count.pattern, "n_blocks": count.n_blocks, "executed_blocks": count.executed,
-            "n_params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops(model, ids[:1])}
-
-
 DENSE_RATIOS = {"latency_vs_dense": "latency_ms", "throughput_vs_dense": "tokens_per_s",
                 "flops_vs_dense": "flops_per_token", "executed_vs_dense": "executed_blocks"}
 
@@ -238,14 +231,16 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": cfg.batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
-        row.update(static_measures(model, ids))
+        count = executed_blocks(model, ids)  # what does not depend on the machine's load, then what does
+        row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
+                   n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         family, controller = families.for_model(model), _controller(model)
         if family is not None and family.execution is not None:
             row.update(family.execution(model, ids))
             conditions.append(condition_execution(model, family, windows("validation"), ids, cfg.timing)
                               .assign(checkpoint=given, model=label))
         if controller is not None and token_sites(controller):  # token routers: token x block pairs, conditions
-            blocks = [name for name, _ in block_modules(model, row["block_pattern"])]
+            blocks = [name for name, _ in block_modules(model, count.pattern)]
             row.update(token_columns(captured(model, ids, controller), controller, blocks))  # the live router's
             conditions.append(token_conditions(model, controller, windows("validation"), ids, blocks, cfg.timing)
                               .assign(checkpoint=given, model=label))
