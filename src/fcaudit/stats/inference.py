@@ -1,12 +1,7 @@
-"""Inference for FCA penalties (paper section 4.1).
-
-Two levels, never mixed:
-- within one checkpoint: paired-window bootstrap intervals (windows resampled; each window's value is already a
-  paired difference from Correct) and the Monte Carlo SE across randomizations. These describe stability across
-  evaluation windows and randomization error of *that* checkpoint, not uncertainty across trained models.
-- across checkpoints (independently trained seeds are the units): percentile bootstrap CIs of the mean, the exact
-  two-sided sign-flip test, Holm correction across the three factorial effects, and retention intervals.
-"""
+"""Inference for FCA penalties (paper section 4.1), at two levels never mixed: within one checkpoint, paired-window
+bootstrap intervals and the Monte Carlo SE across randomizations (the stability of *that* checkpoint, not uncertainty
+across trained models); across checkpoints (trained seeds are the units), percentile bootstrap CIs of the mean, the
+exact two-sided sign-flip test, Holm correction across the three factorial effects, and retention intervals."""
 
 import math
 import warnings

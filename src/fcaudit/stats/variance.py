@@ -1,8 +1,5 @@
-"""Coefficient variation (question 1): per-layer profiles and the balanced functional variance decomposition.
-
-The decomposition is descriptive: it says how much of the coefficients' spread is layer identity vs input vs token
-(paper Figure 3); it does not say whether the model *uses* that spread (that is what the interventions test).
-"""
+"""Coefficient variation (question 1): per-layer profiles and the balanced functional variance decomposition, which
+says how much of the spread is layer vs input vs token (paper Figure 3), not whether the model *uses* it."""
 
 import itertools
 import math
@@ -93,15 +90,11 @@ def _fractions(ss: dict[str, float], total: float, tol: float = 0.0) -> dict[str
 
 
 def variance_decomposition(coeffs) -> dict[str, float]:
-    """Fractions of the total sum of squares of a coefficient array [input, layer, token, *trailing].
-
-    Keys: input, layer, token, input:layer, input:token, layer:token, input:layer:token; they sum to 1.
-    Trailing axes (e.g. stream, source) are not factors: each trailing slice is decomposed on its own (about its
-    own grand mean) and the sums of squares are pooled over slices, so the fractions are those of the
-    within-slice variation (between-slice level differences are excluded).
-    Layers where a slice does not exist (MUDD sources k > layer+1) may be nan-padded; each slice then uses its
-    present layers only. Constant coefficients (zero total) give nan fractions with a RuntimeWarning.
-    """
+    """Fractions of the total sum of squares of coefficients [input, layer, token, *trailing], by input, layer, token
+    and their interactions (summing to 1). Trailing axes (stream, source) are not factors: each trailing slice is
+    decomposed about its own mean and the sums of squares pooled, so the fractions are of the within-slice variation.
+    A slice may be nan-padded in layers where it does not exist (MUDD sources k > layer + 1): it uses its present
+    layers only. Constant coefficients give nan fractions with a RuntimeWarning."""
     x, _ = _as_array(coeffs)
     pooled: dict[str, float] = {}
     total = tol = 0.0
