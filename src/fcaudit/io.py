@@ -30,8 +30,7 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
     _guard(path)
-    if not path.parent.is_dir():  # a stat is far cheaper than mkdir's failing syscall on every write
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
