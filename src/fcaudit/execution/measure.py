@@ -199,7 +199,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
         if parts:
             table = pd.concat(parts, ignore_index=True)
-            atomic_write(out / f"{name}.csv", lambda p: table.to_csv(p, index=False))
+            atomic_write(out / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
             payload[name] = table.to_dict(orient="records")
         else:  # a table left by an earlier run with other settings must not sit next to these results
             remove_file(out / f"{name}.csv")
