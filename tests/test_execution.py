@@ -10,7 +10,7 @@ from torch import nn
 
 from fcaudit.families import controller_for
 from fcaudit.errors import FcauditError
-from fcaudit.execution import (ExecutionConfig, Timing, block_pattern, executed_blocks, flops, latency, measure_execution,
+from fcaudit.execution import (ExecutionConfig, Timing, block_pattern, executed_blocks, flops, latencies, measure_execution,
                                thresholding)
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import save_checkpoint
@@ -115,13 +115,13 @@ def test_featuregate_flops_exceed_dense_and_constant_gates_add_none(ids):
 # ---- latency ------------------------------------------------------------------------------------------------------
 
 def test_latency_returns_positive_finite_numbers():
-    lat = latency(tiny("featuregate"), batch_size=2, window=8, timing=Timing(min_run_time=0.02, warmup=1))
+    [lat] = latencies([tiny("featuregate")], batch_size=2, window=8, timing=Timing(min_run_time=0.02, warmup=1))
     assert lat.ms_per_batch > 0 and math.isfinite(lat.ms_per_batch)
     assert lat.tokens_per_s > 0 and math.isfinite(lat.tokens_per_s)
     assert lat.tokens_per_s == pytest.approx(2 * 8 / (lat.ms_per_batch / 1e3))
     assert (lat.batch_size, lat.window, lat.device) == (2, 8, "cpu") and lat.measurements >= 1
     with pytest.raises(FcauditError, match="batch size"):
-        latency(tiny("dense"), batch_size=0)
+        latencies([tiny("dense")], batch_size=0)
 
 
 # ---- thresholding -------------------------------------------------------------------------------------------------

@@ -13,25 +13,12 @@ from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats import (
-    checkpoint_bootstrap,
-    coefficient_profile,
-    condition_means,
-    delta_nll,
-    factor_effects,
-    factorial_cells,
-    holm,
-    mc_se,
-    paired_bootstrap,
-    per_example_deltas,
-    randomization_means,
-    retention,
-    retention_bootstrap,
-    sign_flip_test,
-    variance_by_slice,
-    variance_decomposition,
-)
+from fcaudit.stats.effects import (delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means,
+                                   retention)
+from fcaudit.stats.inference import (checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap,
+                                     sign_flip_test)
 from fcaudit.stats.results import WindowStatistics
+from fcaudit.stats.variance import coefficient_profile, variance_decomposition
 
 
 def mean_stat(x, axis=-1):
@@ -88,7 +75,13 @@ def test_delta_nll_rejects_bad_records():
         delta_nll(rec.drop(columns=["nll"]))
 
 
-def test_condition_means_is_mean_over_examples_of_mean_over_randomizations():
+def condition_means(records: pd.DataFrame) -> pd.Series:
+    """Mean ΔNLL per condition, as the penalties report it."""
+    pen = WindowStatistics(records, n_resamples=100).penalties()
+    return pd.Series(pen.statistic, index=pen.names)
+
+
+def test_penalties_are_the_mean_over_examples_of_the_mean_over_randomizations():
     rec = make_records()
     # drop one randomization of one example: unbalanced, so the definition matters
     rec = rec[~((rec["condition"] == "TokenShuffle") & (rec["example"] == 3) & (rec["randomization"] == 2))]
@@ -116,12 +109,13 @@ def test_factorial_cells_are_paired_by_example_and_randomization():
     assert cells.cs[i, r] == d[("TokenShuffle", e, r)]
     assert cells.ds[i, r] == d[("CrossShuffle", e, r)]
     assert np.all(cells.cc == 0) and cells.dc.shape == (4, 3)
-    # by linearity, the mean of per-example effects equals the effects of the condition means
+    # by linearity, the mean of the per-pair effects equals the effects of the condition means
     m = condition_means(rec)
     whole = factor_effects(0.0, m["CrossInput"], m["TokenShuffle"], m["CrossShuffle"])
-    mean = cells.mean_effects()
-    assert mean.input == pytest.approx(whole.input) and mean.token == pytest.approx(whole.token)
-    assert mean.interaction == pytest.approx(whole.interaction)
+    per_pair = cells.effects()
+    assert per_pair.input.shape == (4, 3)
+    for k in ("input", "token", "interaction"):
+        assert getattr(per_pair, k).mean() == pytest.approx(getattr(whole, k))
     with pytest.raises(FcauditError):  # incomplete design
         factorial_cells(rec[~((rec["condition"] == "CrossShuffle") & (rec["randomization"] == 2))])
 
@@ -421,12 +415,9 @@ def test_variance_trailing_axes_pool_within_slice_sums_of_squares():
     fa, fb = variance_decomposition(a), variance_decomposition(b)
     for name in PLANTED:
         assert got[name] == pytest.approx((fa[name] * ta + fb[name] * tb) / (ta + tb))
-    per = variance_by_slice(x, trailing_names=("stream",))
-    assert list(per["stream"]) == [0, 1]
-    assert per.loc[1, "layer"] == pytest.approx(fb["layer"]) and per.loc[1, "total_ss"] == pytest.approx(tb)
     # MUDD-like nan padding: a source that exists only from layer 2 on uses those layers only
     c = np.stack([a, np.concatenate([np.full((6, 2, 8), np.nan), b[:, 2:, :]], axis=1)], axis=-1)
-    assert variance_by_slice(c).loc[1, "layer"] == pytest.approx(variance_decomposition(b[:, 2:, :])["layer"])
+    assert variance_decomposition(c[..., 1:]) == pytest.approx(variance_decomposition(b[:, 2:, :]))
     empty = np.concatenate([c, np.full(c.shape[:3] + (1,), np.nan)], axis=-1)  # a slice no layer has is skipped
     assert variance_decomposition(empty) == pytest.approx(variance_decomposition(c))
     c[0, 3, 0, 1] = np.nan

@@ -1,9 +1,7 @@
-"""Atomic writes (a file is either absent or complete, never half written) and the one rule for output directories.
-
-The rule, for every command's --out (audit, training run, summary, execution results, report, demo): fcaudit writes
-only into a directory that is new, empty, or carries that command's marker, and deletes only what it wrote there.
-A claimed directory is confined: no write, replace, lock or removal inside it goes through a symbolic link, so a link
-planted in a run directory cannot make fcaudit touch a file outside it."""
+"""Atomic writes (a file is absent or complete, never half written) and the one rule for every command's --out:
+fcaudit writes only into a directory that is new, empty or carries that command's marker, and deletes only what it
+wrote there. No write, replace, lock or removal inside a claimed directory goes through a symbolic link, so a link
+planted in it cannot make fcaudit touch a file outside."""
 
 import fcntl
 import json
@@ -16,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from fcaudit.errors import FcauditError
 
@@ -32,8 +30,7 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
     _guard(path)
-    if not path.parent.is_dir():  # a stat is far cheaper than mkdir's failing syscall on every write
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -148,15 +145,16 @@ def _kind_of(path: Path) -> str:
     return f"holds files fcaudit did not write ({theirs[0]}{', ...' if len(theirs) > 1 else ''})"
 
 
+def _regular(path: str | os.PathLike) -> bool:
+    """A regular file itself, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _is_marked(path: Path, command: Command) -> bool:
-    for name in (command.marker, command.legacy):
-        if name is not None:
-            try:
-                if stat.S_ISREG(os.lstat(path / name).st_mode):
-                    return True
-            except OSError:
-                pass
-    return False
+    return any(name is not None and _regular(path / name) for name in (command.marker, command.legacy))
 
 
 def _first_link(root: Path) -> Path | None:
@@ -182,13 +180,10 @@ def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | No
 
 
 def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """Check, before any work, that `path` can become (or already is) the `what`'s output directory (COMMANDS).
-
-    Creates nothing and deletes nothing. Refused with one line naming the fix: the filesystem root, the home
-    directory, a checkpoint in `avoid` (or a directory inside it), a file, a path below a file, an unwritable
-    directory, a directory holding anything but this command's marker and what fcaudit leaves (foreign files, a
-    checkpoint, another command's output), and one of ours holding a symbolic link. Returns `path` as a Path.
-    """
+    """Check, before any work and changing nothing, that `path` can become (or is) the `what`'s output directory.
+    Refused in one line naming the fix: the filesystem root, home, a checkpoint in `avoid` or inside it, a file or a
+    path below one, an unwritable directory, one holding anything but this command's marker and what fcaudit leaves,
+    and one of ours holding a symbolic link."""
     command = COMMANDS[what]
     path = Path(path)
     named = _refused_by_name(path, avoid)
@@ -207,11 +202,8 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
         if link is not None:
             raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never writes "
                                "through links there; remove it or pass a new --out")
-    existing = path
-    while not existing.exists():  # the nearest existing ancestor is where the first directory would be created
-        if existing.parent == existing:
-            break
-        existing = existing.parent
+    # the nearest existing ancestor is where the first directory would be created
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
     if existing.exists() and not existing.is_dir():
         raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
                            "that is not inside a file")
@@ -233,15 +225,14 @@ def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.Pa
     command = COMMANDS[what]
     path = prepare_out(path, what, avoid=avoid)
     path.mkdir(parents=True, exist_ok=True)
-    marker = path / command.marker
-    fresh = command.writes_marker and not os.path.lexists(marker)
-    confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
+    fresh = command.writes_marker and not os.path.lexists(path / command.marker)
+    claim = confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
     if fresh:
-        _write_marker(marker, what, [] if command.records else None)
+        _save(claim)
     return path
 
 
-def confine(root: str | os.PathLike, what: str) -> None:
+def confine(root: str | os.PathLike, what: str) -> _Claim:
     """From now on, no write, replace, lock or removal below `root` goes through a symbolic link, and for a command
     that records its files, only recorded files are replaced or removed (the record is read from its marker)."""
     absolute = Path(os.path.abspath(root))
@@ -256,6 +247,7 @@ def confine(root: str | os.PathLike, what: str) -> None:
     claim = _Claim(absolute, what, files)
     for key in {str(absolute), os.path.realpath(absolute)}:
         _CLAIMS[key] = claim
+    return claim
 
 
 def _claims_of(path: Path) -> list[tuple[str, _Claim]]:
@@ -294,10 +286,10 @@ def _recording(path: Path) -> tuple[_Claim, str] | None:
     return claim, rel
 
 
-def _write_marker(marker: Path, what: str, files: list[str] | None) -> None:
-    body = {"command": what} if files is None else {"command": what, "files": sorted(files)}
-    with _replacing(marker) as (fd, _), os.fdopen(fd, "w") as f:
-        f.write(json.dumps(body, indent=2) + "\n")
+def _save(claim: _Claim) -> None:
+    """Write the claim's marker, listing the files recorded so far (the marker is not recorded in itself)."""
+    body = {"command": claim.what} if claim.files is None else {"command": claim.what, "files": sorted(claim.files)}
+    write_text(claim.root / COMMANDS[claim.what].marker, json.dumps(body, indent=2) + "\n")
 
 
 def _record(path: Path) -> None:
@@ -313,7 +305,7 @@ def _record(path: Path) -> None:
         raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[claim.what].marker} does "
                            "not list it): move it away or pass a new --out")
     claim.files.add(rel)
-    _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+    _save(claim)
 
 
 def recorded(root: str | os.PathLike) -> list[Path]:
@@ -330,15 +322,12 @@ def remove_file(path: str | os.PathLike) -> bool:
     held = _recording(path)
     if held is not None and held[1] not in held[0].files:
         return False
-    try:
-        path.unlink()
-        removed = True
-    except FileNotFoundError:
-        removed = False
+    removed = os.path.lexists(path)
+    path.unlink(missing_ok=True)
     if held is not None:
         claim, rel = held
         claim.files.discard(rel)
-        _write_marker(claim.root / COMMANDS[claim.what].marker, claim.what, sorted(claim.files))
+        _save(claim)
     return removed
 
 
@@ -377,14 +366,9 @@ def lock_dir(path: str | os.PathLike, what: str) -> int:
     return fd
 
 
-@contextmanager
-def locked(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """`lock_dir` for the duration of the block."""
-    fd = lock_dir(path, what)
-    try:
-        yield
-    finally:
-        os.close(fd)
+def locked(path: str | os.PathLike, what: str) -> BinaryIO:
+    """`lock_dir` for the duration of a `with` block: the lock file, held while it is open."""
+    return os.fdopen(lock_dir(path, what), "rb")
 
 
 def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:
@@ -396,8 +380,7 @@ def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) ->
         return []
     stale = []
     for dirpath, dirnames, filenames in os.walk(directory):
-        stale += [Path(dirpath) / n for n in sorted(filenames) if _TEMP.match(n)
-                  and stat.S_ISREG(os.lstat(os.path.join(dirpath, n)).st_mode)]
+        stale += [Path(dirpath) / n for n in sorted(filenames) if _TEMP.match(n) and _regular(os.path.join(dirpath, n))]
         if not recursive:
             break
     for p in stale:

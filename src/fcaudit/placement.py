@@ -1,11 +1,7 @@
-"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` (transformers'
-`from_pretrained(device_map=...)`) over several devices, with layers offloaded to the CPU or to disk.
-
-A dispatched model holds accelerate hooks: each module computes on its hook's execution device, an offloaded module's
-parameters sit on the meta device between its forward passes, and the top-level hook moves the inputs to the first
-device and the outputs back to the inputs' device. The audit needs three things of it, all here: the device its
-inputs go to, every weight's bytes (for the checkpoint hash), and whether it is dispatched at all.
-"""
+"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` over several,
+with layers offloaded to the CPU or disk (an offloaded module's parameters are on the meta device between its
+forwards). The audit needs three things of it, all here: the device its inputs go to, every weight's bytes (for the
+checkpoint hash), and whether it is dispatched at all."""
 
 from __future__ import annotations
 
@@ -102,21 +98,16 @@ def _onloaded(module: nn.Module):
 def on_cpu(module: nn.Module) -> Iterator[None]:
     """Within the block every weight of `module` and its submodules holds its data on the CPU: an offloaded
     module's are loaded there, any other's are CPU copies; afterwards each holds its own data again (no copy back)."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     with ExitStack() as stack:
-        try:
-            for m in module.modules():
-                if _offloaded(m):
-                    stack.enter_context(_onloaded(m))
-                    continue
-                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-                    if t.device.type != "cpu":
-                        saved.append((t, t.data))
-                        t.data = t.data.cpu()
-            yield
-        finally:
-            for t, data in saved:
-                t.data = data
+        for m in module.modules():
+            if _offloaded(m):
+                stack.enter_context(_onloaded(m))
+                continue
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                if t.device.type != "cpu":
+                    stack.callback(setattr, t, "data", t.data)  # its own data again on the way out
+                    t.data = t.data.cpu()
+        yield
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,9 +30,5 @@ def _versions() -> tuple[tuple[str, str | None], ...]:
     return tuple(found.items())
 
 
-def versions() -> dict[str, str | None]:
-    return dict(_versions())
-
-
 def provenance() -> dict:
-    return {"versions": versions(), "git_hash": git_hash()}
+    return {"versions": dict(_versions()), "git_hash": git_hash()}

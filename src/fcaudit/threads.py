@@ -1,14 +1,13 @@
-"""`--threads`: how many CPU threads torch uses, and a hint when the machine is already busy.
-
-On a shared machine torch's default (one thread per core) competes with the other jobs for every core: an audit
-of a tiny model took 63.5 s with 2 threads on a loaded 2-core machine and 16.7 s with 1 (records bit-identical).
-"""
+"""`--threads`: how many CPU threads torch uses, and a hint when the machine is already busy (on a shared machine
+torch's default of one thread per core competes with the other jobs for every core)."""
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
 from typing import Iterator
+
+import torch
 
 from fcaudit.errors import FcauditError
 
@@ -34,30 +33,19 @@ def machine_load() -> tuple[float, int]:
     return load, cpus
 
 
-def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op CPU threads (None: keep torch's choice) and return the number in use."""
-    import torch
-
+@contextmanager
+def using_threads(threads: int | None, *, hint=None) -> Iterator[int]:
+    """Run the body with `threads` torch intra-op threads (None: torch's choice) and restore the previous number
+    afterwards; yields the number in use. When `threads` is None and the machine is busy, `hint(line)` is called with
+    oversubscription_hint's line."""
+    before = torch.get_num_threads()
     if threads is not None:
         if threads < 1:
             raise FcauditError(f"--threads {threads}: pass 1 or more CPU threads (or leave it out for torch's default)")
         torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
-@contextmanager
-def using_threads(threads: int | None, *, hint=None) -> Iterator[int]:
-    """Run the body with `threads` torch threads and restore the previous number afterwards.
-
-    When `threads` is None and the machine is busy, `hint(line)` is called with oversubscription_hint's line."""
-    import torch
-
-    before = torch.get_num_threads()
-    n = set_threads(threads)
-    if threads is None and hint is not None:
-        line = oversubscription_hint(n, *machine_load())
-        if line:
-            hint(line)
+    n = torch.get_num_threads()
+    if threads is None and hint is not None and (line := oversubscription_hint(n, *machine_load())):
+        hint(line)
     try:
         yield n
     finally:

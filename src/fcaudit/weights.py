@@ -1,20 +1,19 @@
-"""What fcaudit reads of a checkpoint directory: its weights and nothing that runs.
-
-Safetensors first; a pickle-format file (.bin, .pt, .pth) only through torch's restricted unpickler
-(`weights_only=True`), since a public checkpoint may ship one; what that refuses is one line naming the conversion
-to safetensors. The shards an index lists must lie inside the checkpoint directory, the sizes config.json implies
-are compared with the stored tensors' before a model is allocated, and a checkpoint whose config asks for its own
-modeling code (`auto_map`) loads only where fcaudit or transformers has that model natively.
-"""
+"""What fcaudit reads of a checkpoint directory: its weights and nothing that runs. Safetensors first; a pickle file
+(.bin, .pt, .pth, which a public checkpoint may ship) only through torch's restricted unpickler. An index's shards
+must lie inside the directory, config.json's sizes are checked against the stored tensors' before allocation, and a
+config asking for its own modeling code (`auto_map`) loads only where fcaudit or transformers has the model."""
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from fcaudit.errors import FcauditError
 
@@ -55,26 +54,24 @@ def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
     return weight_map, paths
 
 
+def _index(dir: Path) -> str | None:
+    """The index of `dir`'s shards when it has no model.safetensors (the safetensors index first)."""
+    if (dir / SAFETENSORS).is_file():
+        return None
+    return next((index for index in (SAFETENSORS_INDEX, PICKLED_INDEX) if (dir / index).is_file()), None)
+
+
 def weight_files(dir: Path) -> list[Path]:
     """The files holding `dir`'s weights, safetensors first: model.safetensors, the shards of its index, else
     pytorch_model.bin or the shards of its index; [] when there are none."""
-    if (dir / SAFETENSORS).is_file():
-        return [dir / SAFETENSORS]
-    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
-        if (dir / index).is_file():
-            return shards(dir, index)[1]
-    return [dir / PICKLED] if (dir / PICKLED).is_file() else []
+    index = _index(dir)
+    return shards(dir, index)[1] if index else [f for f in (dir / SAFETENSORS, dir / PICKLED) if f.is_file()][:1]
 
 
 def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """A pickle-format weights file through torch's restricted unpickler only (tensors and plain containers)."""
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except RuntimeError as e:  # the legacy (non-zip) format cannot be memory-mapped
-            if not mmap or "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # only torch's zip format can be memory-mapped, not the legacy one
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 (an UnpicklingError, or a torn file: the same fix; never torch's advice)
         raise FcauditError(f"{path} is not a plain weights file (torch's restricted unpickler refused it: "
                            f"{type(e).__name__}): convert it to safetensors (safetensors.torch.save_file of its "
@@ -85,42 +82,38 @@ def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     return state
 
 
+def _corrupt(path: Path, e: Exception) -> FcauditError:
+    return FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the checkpoint")
+
+
 def _load_one(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix in PICKLE_SUFFIXES:
         return load_pickled(path)
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 (SafetensorError, OSError: truncated or not safetensors at all)
-        raise FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
-                           "checkpoint") from None
+        raise _corrupt(path, e) from None
 
 
 def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of `dir`'s weights, in `weight_files`' order of preference; a shard's key its index does not
     list is refused."""
-    if (dir / SAFETENSORS).is_file():
-        return _load_one(dir / SAFETENSORS)
-    for index in (SAFETENSORS_INDEX, PICKLED_INDEX):
-        if (dir / index).is_file():
-            weight_map, paths = shards(dir, index)
-            state: dict[str, torch.Tensor] = {}
-            for path in paths:
-                state.update(_load_one(path))
-            stray = sorted(set(state) - set(weight_map))
-            if stray:
-                raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
-            return state
-    if (dir / PICKLED).is_file():
-        return load_pickled(dir / PICKLED)
-    raise FcauditError(f"no weights in {dir}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} with shards, or {PICKLED}")
+    index = _index(dir)
+    weight_map, files = shards(dir, index) if index else ({}, weight_files(dir))
+    if not files:
+        raise FcauditError(f"no weights in {dir}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} with shards, or "
+                           f"{PICKLED}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(_load_one(path))
+    stray = sorted(set(state) - set(weight_map)) if index else []
+    if stray:
+        raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
+    return state
 
 
 def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Each stored tensor's shape, read from the safetensors headers alone (pickle files are memory-mapped)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         if f.suffix in PICKLE_SUFFIXES:
@@ -130,8 +123,7 @@ def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
             with safe_open(str(f), framework="pt") as st:
                 shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
-            raise FcauditError(f"{f} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the "
-                               "checkpoint") from None
+            raise _corrupt(f, e) from None
     return shapes
 
 

@@ -1,11 +1,6 @@
-"""Execution under the audit's static conditions, for models whose controller routes (top-k routers, an MoE).
-
-Question 3 of the paper finally has a model that skips work: a top-k router runs k of E experts per token. A static
-profile is only a computational shortcut if it stays sparse: StaticMixMean (the calibration mean of the combine
-vectors) runs every expert with a nonzero mean, StaticTopK keeps k. For Correct (the live router) and each static
-condition (replayed, profiles from calibration windows as in the audit) this measures the experts actually run per
-token and layer, the expert FLOPs per token against running every expert, and the latency of a forward pass.
-"""
+"""Execution under the audit's static conditions, for top-k routers (an MoE runs k of E experts per token). A static
+profile is a computational shortcut only if it stays sparse: StaticMixMean runs every expert with a nonzero mean,
+StaticTopK keeps k. Measured for Correct and each static condition: experts run, expert FLOPs and latency."""
 
 from __future__ import annotations
 
@@ -51,9 +46,8 @@ class Replaying(nn.Module):
 
 def condition_execution(model: nn.Module, family: Family, calib: torch.Tensor, ids: torch.Tensor,
                         timing: Timing) -> pd.DataFrame:
-    """One row per condition (Correct, then each static condition) on the batch `ids` [batch, window]: experts run
-    per token, expert FLOPs per token and their fraction of running every expert (the family's `execution` hook),
-    and latency, timed round-robin. Static profiles come from the calibration windows `calib` [N, >= window]."""
+    """One row per condition (Correct, then each static one, profiled on the calibration windows `calib`) on the
+    batch `ids`: the family's `execution` columns (experts and expert FLOPs per token) and latency, round-robin."""
     controller = family.controller(model)
     labels = {**protocol.default_labels(), **controller.labels}
     batch_size, window = ids.shape

@@ -17,15 +17,21 @@ def _ratio(v) -> str:
     return _num(v, "{:.2f}x")
 
 
+def _table(title: str, left: tuple[str, ...], right: tuple[str, ...], **caption) -> Table:
+    """A table of the `left` (label) columns and the `right`-justified number columns."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+              **caption)
+    for name in left + right:
+        t.add_column(name, justify="left" if name in left else "right", no_wrap=True)
+    return t
+
+
 def execution_table(df: pd.DataFrame) -> Table:
-    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR over repetitions) vs Dense, throughput."""
-    t = Table(title="Execution (question 3)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-              collapse_padding=True)
-    t.add_column("Model", no_wrap=True)
+    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR
+    over repetitions) vs Dense, throughput."""
     tokens = "token_block_fraction" in df  # token routers: the share of token x block pairs that ran
-    for name in ("Blocks\nrun", *(("Token x block\npairs run",) if tokens else ()), "FLOPs\nvs Dense",
-                 "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s", "Byte-PPL"):
-        t.add_column(name, justify="right", no_wrap=True)
+    t = _table("Execution (question 3)", ("Model",), ("Blocks\nrun", *(("Token x block\npairs run",) if tokens else ()),
+               "FLOPs\nvs Dense", "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s", "Byte-PPL"))
     for r in df.to_dict(orient="records"):
         noisy = bool(r.get("latency_noisy", False))
         pairs = (_num(r.get("token_block_fraction", math.nan), "{:.1%}"),) if tokens else ()
@@ -46,13 +52,10 @@ def noisy_note(df: pd.DataFrame) -> str | None:
 
 def thresholding_table(df: pd.DataFrame) -> Table:
     """Post-training thresholding: how much could be skipped at each threshold, and at what Byte-PPL."""
-    t = Table(title="Gate thresholding (potential skipping: the blocks still run)", title_justify="left",
-              caption="Byte-PPL here is on the first test windows (threshold 0: the unmodified model), not the "
-                      "main table's", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-              collapse_padding=True)
-    t.add_column("Model", no_wrap=True)
-    for name in ("Threshold", "Gates\nbelow", "Skippable blocks\nper window", "Byte-PPL", "ΔNLL"):
-        t.add_column(name, justify="right", no_wrap=True)
+    t = _table("Gate thresholding (potential skipping: the blocks still run)", ("Model",),
+               ("Threshold", "Gates\nbelow", "Skippable blocks\nper window", "Byte-PPL", "ΔNLL"),
+               caption="Byte-PPL here is on the first test windows (threshold 0: the unmodified model), not the "
+                       "main table's", caption_justify="left")
     for r in df.to_dict(orient="records"):
         t.add_row(str(r["model"]), _num(r["threshold"], "{:g}"), _num(r["frac_below"], "{:.1%}"),
                   f"{_num(r['skippable_blocks'], '{:.2f}')} of {r['n_layers']}", _num(r["byte_ppl"]),
@@ -64,15 +67,10 @@ def conditions_table(df: pd.DataFrame) -> Table:
     """Routed models under Correct and each condition measured: experts run and their FLOPs (top-k routers), tokens
     run and FLOPs vs Correct (token routers), latency."""
     experts, tokens = ("experts_per_token" in df), ("token_fraction" in df)
-    t = Table(title="Routed models: executed work under the audit's conditions", title_justify="left",
-              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    t.add_column("Model", no_wrap=True)
-    t.add_column("Condition", no_wrap=True)
-    names = ((("Experts\n/token", "FLOPs of\nall experts") if experts else ())
-             + (("Tokens run\n(routed)", "Token x block\npairs run", "FLOPs\nvs Correct") if tokens else ())
-             + ("ms/batch\nmedian", "vs\nCorrect"))
-    for name in names:
-        t.add_column(name, justify="right", no_wrap=True)
+    t = _table("Routed models: executed work under the audit's conditions", ("Model", "Condition"),
+               (("Experts\n/token", "FLOPs of\nall experts") if experts else ())
+               + (("Tokens run\n(routed)", "Token x block\npairs run", "FLOPs\nvs Correct") if tokens else ())
+               + ("ms/batch\nmedian", "vs\nCorrect"))
     for r in df.to_dict(orient="records"):
         cells = [_num(r["experts_per_token"], "{:.3g}"), _num(r["active_expert_fraction"], "{:.0%}")] if experts else []
         if tokens:

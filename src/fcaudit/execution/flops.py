@@ -3,6 +3,8 @@ every execution view uses: models, an MoE's or a token router's conditions)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
@@ -27,13 +29,10 @@ def flops(model: nn.Module, ids: torch.Tensor) -> float:
     """
     # FlopCounterMode's module tracker hooks autograd on module inputs that require grad (MUDDPythia passes its
     # dense_bs parameters into modules), which fails without a graph: freeze the parameters while counting.
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        for p, _ in flags:
+    with ExitStack() as flags:
+        for p in model.parameters():
+            flags.callback(p.requires_grad_, p.requires_grad)
             p.requires_grad_(False)
         with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
             model(ids)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
     return counter.get_total_flops() / ids.numel()

@@ -62,38 +62,25 @@ class Latency:
                 "measurements": self.measurements, "forwards_per_measurement": self.forwards}
 
 
-def model_window(model: nn.Module, default: int = 128) -> int:
-    return context_length(model) or default
-
-
-def model_vocab(model: nn.Module, default: int = 256) -> int:
-    return int(getattr(getattr(model, "config", None), "vocab_size", default))
-
-
 def random_ids(model: nn.Module, batch_size: int, window: int, device: torch.device, seed: int = 0) -> torch.Tensor:
     """A [batch_size, window] batch of token ids of the model's vocabulary, the same for every model of one vocab."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model_vocab(model), (batch_size, window), generator=gen).to(device)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 256))
+    return torch.randint(0, vocab, (batch_size, window), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
               device: str | torch.device | None = None, timing: Timing = Timing()) -> list[Latency]:
-    """Forward-pass wall time of each model on a [batch_size, window] batch of random token ids, measured
-    round-robin: repetition r of every model runs before repetition r + 1 of any, so a change of the machine's
-    load hits every model alike and their ratios stay fair.
-
-    Each model gets `timing.repetitions` timed repetitions of about min_run_time / repetitions seconds each (enough
-    forward calls to fill it, estimated after `timing.warmup` forwards); CUDA is synchronized around every
-    repetition; torch runs with its current number of threads. The model is moved to `device` (default: where
-    its parameters are); `window` defaults to its context.
-    """
+    """Forward-pass wall time of each model (on `device`, default its own) on a [batch_size, window] batch of random
+    token ids (`window`: default its context), timed round-robin: repetition r of every model runs before repetition
+    r + 1 of any, so a change of the machine's load hits every model alike. A repetition is enough forwards to fill
+    min_run_time / repetitions seconds (estimated after the warmup), CUDA synchronized around it."""
     if batch_size < 1:
         raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
     runs = []
     for model in models:
         dev = torch.device(device) if device is not None else input_device(model)
         model = model.to(dev).eval()
-        w = window or model_window(model)
+        w = window or context_length(model) or 128
         runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev, w))
 
     def timed(model, ids, dev, n: int) -> float:
@@ -126,9 +113,3 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
                            batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
                            measurements=len(t), forwards=n))
     return out
-
-
-def latency(model: nn.Module, batch_size: int = 8, window: int | None = None,
-            device: str | torch.device | None = None, timing: Timing = Timing()) -> Latency:
-    """Median wall time of one forward pass of one model (see `latencies`)."""
-    return latencies([model], batch_size, window, device, timing)[0]

@@ -1,17 +1,7 @@
-"""Question 3 of the paper (section 4.5): does the mechanism actually skip work?
-
-Coefficient variation and functional dependence say nothing about execution, so this module measures what really
-runs, on any PyTorch model:
-
-    executed_blocks   forward hooks on the block modules count the block forwards of one forward pass
-    flops             torch.utils.flop_counter.FlopCounterMode: forward FLOPs per token
-    latencies         wall time per forward, all models round-robin (fcaudit.execution.latency)
-    measure_execution all of the above for a list of checkpoints -> execution.csv / execution.json, with ratios to
-                      Dense when a Dense model of the same architecture is among the inputs
-
-A soft gate (FeatureGate, Uniform, LayerStatic) multiplies a block's update; it never removes the block, so these
-models execute every block and pay for their controller on top. FixedDepth-k executes k blocks.
-"""
+"""Question 3 of the paper (section 4.5): does the mechanism actually skip work? Variation and functional dependence
+say nothing about execution, so this measures what really runs (block forwards, FLOPs, latency) for a list of
+checkpoints, with ratios to a Dense model of the same architecture. A soft gate (FeatureGate, Uniform, LayerStatic)
+scales a block's update but never removes the block: such models run every block and pay for their controller."""
 
 from __future__ import annotations
 
@@ -32,8 +22,8 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution.conditions import condition_execution
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
-from fcaudit.execution.threshold import scalar_gate_controller, thresholding
-from fcaudit.execution.tokens import token_conditions, token_execution, token_sites
+from fcaudit.execution.threshold import thresholding, vector_site
+from fcaudit.execution.tokens import captured, token_columns, token_conditions, token_sites
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.provenance import provenance
@@ -47,7 +37,8 @@ def block_pattern(model: nn.Module) -> str:
     lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
              if name and isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
-        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. 'blocks.*'")
+        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. "
+                           "'blocks.*'")
     return f"{max(lists)[1]}.*"
 
 
@@ -75,27 +66,22 @@ class BlockCount:
 
 @torch.inference_mode()
 def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> BlockCount:
-    """Run model(ids) once with a forward hook on every block; count the block forwards that really ran.
-
-    A block that is called but whose output is scaled by 0 still counts: it was executed. Only a block whose forward
-    is not called at all (skipped in the execution graph) lowers the count.
-    """
+    """Count the block forwards of one model(ids), by a forward hook on every block: a block whose output is scaled
+    by 0 still ran; only one whose forward is never called (skipped in the execution graph) lowers the count."""
     pattern = pattern or block_pattern(model)
-    blocks = block_modules(model, pattern)
-    calls = {name: 0 for name, _ in blocks}
+    blocks = block_modules(model, pattern)  # named_modules() lists each module once
+    calls = {m: 0 for _, m in blocks}
 
-    def hook_for(name):
-        def hook(module, args, out):
-            calls[name] += 1
-        return hook
+    def hook(module, args, out):
+        calls[module] += 1
 
-    handles = [m.register_forward_hook(hook_for(name)) for name, m in blocks]
+    handles = [m.register_forward_hook(hook) for _, m in blocks]
     try:
         model(ids)
     finally:
         for h in handles:
             h.remove()
-    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, c in calls.items() if c == 0))
+    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, m in blocks if calls[m] == 0))
 
 
 # ---- the settings of `fcaudit execution` -------------------------------------------------------------------------
@@ -120,22 +106,20 @@ class ExecutionConfig:
         object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
         object.__setattr__(self, "out", str(self.out))
         object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
-        if not self.checkpoints:
-            raise FcauditError("no checkpoints to measure: pass one or more checkpoint directories")
-        if self.batch_size < 1:
-            raise FcauditError(f"batch size {self.batch_size}: pass --batch-size 1 or more")
-        if self.threads is not None and self.threads < 1:
-            raise FcauditError(f"threads {self.threads}: pass --threads 1 or more")
-        if not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
-                and self.min_run_time > 0):
-            raise FcauditError(f"--min-run-time {self.min_run_time}: pass a positive number of seconds")
-        if self.window is not None and self.window < 2:
-            raise FcauditError(f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest "
-                               "block_size)")
-        if self.threshold_windows < 1:
-            raise FcauditError(f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows")
-        if not all(math.isfinite(t) for t in self.thresholds):
-            raise FcauditError(f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")
+        refused = [message for bad, message in (
+            (not self.checkpoints, "no checkpoints to measure: pass one or more checkpoint directories"),
+            (self.batch_size < 1, f"batch size {self.batch_size}: pass --batch-size 1 or more"),
+            (self.threads is not None and self.threads < 1, f"threads {self.threads}: pass --threads 1 or more"),
+            (not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
+                  and self.min_run_time > 0), f"--min-run-time {self.min_run_time}: pass a positive number of seconds"),
+            (self.window is not None and self.window < 2,
+             f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest block_size)"),
+            (self.threshold_windows < 1,
+             f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
+            (not all(math.isfinite(t) for t in self.thresholds),
+             f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")) if bad]
+        if refused:
+            raise FcauditError(refused[0])
 
     @property
     def timing(self) -> Timing:
@@ -172,48 +156,25 @@ def _block_size(checkpoint: Path) -> int:
     return size
 
 
-def _metrics(checkpoint: Path) -> dict:
-    path = checkpoint / "metrics.json"
-    return read_json(path) if path.is_file() else {}
-
-
-def static_measures(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> dict:
-    """Executed blocks, parameters and FLOPs/token of a loaded model on ids [batch, window] (on its device): what
-    does not depend on the machine's load."""
-    count = executed_blocks(model, ids, pattern)
-    return {"block_pattern": count.pattern, "n_blocks": count.n_blocks, "executed_blocks": count.executed,
-            "n_params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops(model, ids[:1])}
+DENSE_RATIOS = {"latency_vs_dense": "latency_ms", "throughput_vs_dense": "tokens_per_s",
+                "flops_vs_dense": "flops_per_token", "executed_vs_dense": "executed_blocks"}
 
 
 def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Ratios to the mean Dense model of the same architecture (NaN where there is none)."""
-    df = df.copy()
-    for col in ("latency_vs_dense", "throughput_vs_dense", "flops_vs_dense", "executed_vs_dense"):
-        df[col] = math.nan
-    for arch, group in df.groupby("architecture"):
+    df = df.assign(**dict.fromkeys(DENSE_RATIOS, math.nan))
+    for _, group in df.groupby("architecture"):
         dense = group[group["model"] == "dense"]
-        if dense.empty:
-            continue
-        idx = group.index
-        df.loc[idx, "latency_vs_dense"] = group["latency_ms"] / dense["latency_ms"].mean()
-        df.loc[idx, "throughput_vs_dense"] = group["tokens_per_s"] / dense["tokens_per_s"].mean()
-        df.loc[idx, "flops_vs_dense"] = group["flops_per_token"] / dense["flops_per_token"].mean()
-        df.loc[idx, "executed_vs_dense"] = group["executed_blocks"] / dense["executed_blocks"].mean()
+        for ratio, col in DENSE_RATIOS.items() if not dense.empty else ():
+            df.loc[group.index, ratio] = group[col] / dense[col].mean()
     return df
 
 
 def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
-    """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint.
-
-    Writes `out/execution.csv` and `out/execution.json` (settings, rows, provenance), each atomically. All models run
-    with one window (default: the smallest block_size among them, at most 2048) so their rows compare. With
-    `thresholds`, every scalar-gated model is also thresholded after training (see fcaudit.execution.threshold) on
-    up to `threshold_windows` contiguous test windows of `corpus`, written to `out/thresholding.csv`; routed models
-    (a family with an `execution` hook) get a row per static condition in `out/conditions.csv`.
-    Latencies are measured round-robin over all models (see fcaudit.execution.latency): every model stays loaded
-    until then. `threads` sets torch's CPU threads for the measurement: on a shared machine, 1 thread gives far
-    steadier CPU latencies than competing for every core.
-    """
+    """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint, written to
+    `out/execution.csv` and `out/execution.json`; all models run with one window so that their rows compare. With
+    `thresholds`, scalar-gated models are thresholded on test windows (`out/thresholding.csv`); routed models get a
+    row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded."""
     out = prepare_out(cfg.out, "execution results", avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
@@ -234,18 +195,14 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
-    if sweeps:
-        sweep_df = pd.concat(sweeps, ignore_index=True)
-        atomic_write(out / "thresholding.csv", lambda p: sweep_df.to_csv(p, index=False))
-        payload["thresholding"] = sweep_df.to_dict(orient="records")
-    else:  # a sweep left by an earlier run with other settings must not sit next to these results
-        remove_file(out / "thresholding.csv")
-    if conditions:  # routed models: experts, expert FLOPs and latency under Correct and each static condition
-        cond_df = pd.concat(conditions, ignore_index=True)
-        atomic_write(out / "conditions.csv", lambda p: cond_df.to_csv(p, index=False))
-        payload["conditions"] = cond_df.to_dict(orient="records")
-    else:
-        remove_file(out / "conditions.csv")
+    # thresholding sweeps; routed models' experts or tokens, FLOPs and latency under Correct and each condition
+    for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
+        if parts:
+            table = pd.concat(parts, ignore_index=True)
+            atomic_write(out / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
+            payload[name] = table.to_dict(orient="records")
+        else:  # a table left by an earlier run with other settings must not sit next to these results
+            remove_file(out / f"{name}.csv")
     atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
     write_json(out / "execution.json", payload)
     return df
@@ -258,13 +215,9 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     loaded = [families.load_model(path, device=dev) for path in paths]
     rows, sweeps, models, conditions = [], [], [], []
 
-    @functools.cache
-    def test_windows() -> torch.Tensor:  # loaded once, and only when a scalar-gated model is thresholded
-        return data.all_windows(data.load_corpus(cfg.corpus).test, window, limit=cfg.threshold_windows)
-
-    @functools.cache
-    def calib_windows() -> torch.Tensor:  # static profiles of routed models, from the validation split as in audits
-        return data.all_windows(data.load_corpus(cfg.corpus).validation, window, limit=cfg.threshold_windows)
+    @functools.cache  # loaded once, when needed: "test" to threshold, "validation" for static profiles (as audits)
+    def windows(split: str) -> torch.Tensor:
+        return data.all_windows(getattr(data.load_corpus(cfg.corpus), split), window, limit=cfg.threshold_windows)
 
     console = Console(stderr=True, quiet=not cfg.progress)
     labels = [families.label(model) for model, _ in loaded]
@@ -272,50 +225,41 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     labels = [f"{l} ({Path(g).name})" if labels.count(l) > 1 else l for l, g in zip(labels, cfg.checkpoints)]
     for given, path, (model, meta), label in zip(cfg.checkpoints, paths, loaded, labels):
         console.print(f"execution: {given}", highlight=False)
-        metrics = _metrics(path)
+        metrics = read_json(path / "metrics.json") if (path / "metrics.json").is_file() else {}
         row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
                "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
                "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": cfg.batch_size,
                "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
-        row.update(static_measures(model, ids))
-        family = families.for_model(model)
+        count = executed_blocks(model, ids)  # what does not depend on the machine's load, then what does
+        row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
+                   n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
+        family, controller = families.for_model(model), _controller(model)
         if family is not None and family.execution is not None:
             row.update(family.execution(model, ids))
-            conditions.append(condition_execution(model, family, calib_windows(), ids, cfg.timing)
+            conditions.append(condition_execution(model, family, windows("validation"), ids, cfg.timing)
                               .assign(checkpoint=given, model=label))
-        if (routed := token_controller(model)) is not None:  # token routers: token x block pairs, conditions
-            blocks = [name for name, _ in block_modules(model, row["block_pattern"])]
-            row.update(token_execution(model, ids, routed, blocks))
-            conditions.append(token_conditions(model, routed, calib_windows(), ids, blocks, cfg.timing)
+        if controller is not None and token_sites(controller):  # token routers: token x block pairs, conditions
+            blocks = [name for name, _ in block_modules(model, count.pattern)]
+            row.update(token_columns(captured(model, ids, controller), controller, blocks))  # the live router's
+            conditions.append(token_conditions(model, controller, windows("validation"), ids, blocks, cfg.timing)
                               .assign(checkpoint=given, model=label))
         rows.append(row)
         models.append(model)
-        if cfg.thresholds:
-            sweep = _threshold_checkpoint(model, cfg, test_windows)
-            if sweep is not None:
-                sweeps.append(sweep.assign(checkpoint=given, model=label))
-            else:
-                console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
+        if cfg.thresholds and controller is not None and vector_site(controller) is None:
+            sweeps.append(thresholding(model, controller, windows("test"), cfg.thresholds, batch_size=cfg.batch_size)
+                          .assign(checkpoint=given, model=label))
+        elif cfg.thresholds:
+            console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
     console.print(f"latency: {len(models)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
     for row, lat in zip(rows, latencies(models, cfg.batch_size, window, dev, cfg.timing)):
         row.update(lat.columns())
     return rows, sweeps, conditions
 
 
-def token_controller(model: nn.Module):
-    """The model's controller when some of its sites route tokens (fcaudit.execution.tokens), else None."""
+def _controller(model: nn.Module):
+    """The model's controller; None for a model without one (Dense, FixedDepth)."""
     try:
-        controller = families.controller_for(model)
-    except FcauditError:  # no controller (Dense, FixedDepth)
-        return None
-    return controller if token_sites(controller) else None
-
-
-def _threshold_checkpoint(model: nn.Module, cfg: ExecutionConfig, windows) -> pd.DataFrame | None:
-    """Thresholding sweep for a scalar-gated model; None for models without scalar gates (Dense, MUDD)."""
-    try:
-        controller = scalar_gate_controller(families.controller_for(model))
+        return families.controller_for(model)
     except FcauditError:
         return None
-    return thresholding(model, controller, windows(), cfg.thresholds, batch_size=cfg.batch_size)

@@ -1,19 +1,14 @@
 """Post-training thresholding of scalar gates (paper section 4.5): how much could a soft gate skip, at what cost?
-
-For each threshold tau, every gate g[l, t] < tau is set to 0 and the frozen model is run again through the engine's
-replay mechanism (capture the coefficients of the unmodified model, replay the thresholded ones with the controller
-disabled). A block l is *skippable* for a window when all of that window's gates in block l are below tau: only then
-could an implementation drop the block for the whole sequence without changing the output.
-
-This measures potential skipping, not realised savings: in this dense implementation a zeroed gate still executes
-its block (h + 0 * F(h)), so latency and FLOPs are unchanged; see measure.py for what really runs.
-"""
+Every gate below tau is set to 0 and replayed into the frozen model. A block is *skippable* for a window when all its
+gates there are below tau: only then could it be dropped for the whole sequence. This is potential skipping: a zeroed
+gate still runs its block (h + 0 * F(h)); measure.py measures what really runs."""
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -25,14 +20,9 @@ from fcaudit.loss import logits_of, token_nll
 from fcaudit.placement import input_device
 
 
-def scalar_gate_controller(controller: Controller) -> Controller:
-    """The controller itself if every site emits one scalar per token (layout "batch token"); else FcauditError."""
-    for site in controller.sites:
-        if not (isinstance(site.codec, Layout) and site.codec.scalar):
-            raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
-                               f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
-                               "layerstatic)")
-    return controller
+def vector_site(controller: Controller):
+    """The first site that does not emit one scalar per token (layout "batch token"), which thresholding needs."""
+    return next((s for s in controller.sites if not (isinstance(s.codec, Layout) and s.codec.scalar)), None)
 
 
 def _window_ids(windows) -> torch.Tensor:
@@ -55,7 +45,11 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
     Gates are strictly below tau, so tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit) and
     tau = 1 zeroes every sigmoid gate.
     """
-    controller = scalar_gate_controller(controller if controller is not None else controller_for(model))
+    controller = controller if controller is not None else controller_for(model)
+    if (site := vector_site(controller)) is not None:
+        raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
+                           f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
+                           "layerstatic)")
     ids = _window_ids(windows)
     taus = [float(t) for t in thresholds]
     if not taus or not all(math.isfinite(t) for t in taus):
@@ -66,9 +60,7 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
     n_layers = len(controller.sites)
 
     plain_sum = 0.0
-    nll_sum = [0.0] * len(taus)
-    below = [0] * len(taus)
-    skippable = [0] * len(taus)
+    nll_sum, below, skippable = np.zeros(len(taus)), np.zeros(len(taus), np.int64), np.zeros(len(taus), np.int64)
     for batch in ids.split(batch_size):
         batch = batch.to(device)
         B, T = batch.shape
@@ -87,12 +79,8 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
 
     n, t = ids.shape
     tokens = n * (t - 1)
-    plain_nll = plain_sum / tokens
-    rows = []
-    for i, tau in enumerate(taus):
-        nll = nll_sum[i] / tokens
-        rows.append({"threshold": tau, "nll": nll, "byte_ppl": math.exp(nll), "plain_nll": plain_nll,
-                     "delta_nll": nll - plain_nll, "frac_below": below[i] / (n_layers * n * t),
-                     "skippable_blocks": skippable[i] / n, "skippable_fraction": skippable[i] / (n * n_layers),
-                     "n_layers": n_layers, "windows": n, "tokens": tokens})
-    return pd.DataFrame(rows)
+    nll, plain_nll = nll_sum / tokens, plain_sum / tokens
+    return pd.DataFrame({"threshold": taus, "nll": nll, "byte_ppl": [math.exp(x) for x in nll], "plain_nll": plain_nll,
+                         "delta_nll": nll - plain_nll, "frac_below": below / (n_layers * n * t),
+                         "skippable_blocks": skippable / n, "skippable_fraction": skippable / (n * n_layers),
+                         "n_layers": n_layers, "windows": n, "tokens": tokens})

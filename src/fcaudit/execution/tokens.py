@@ -1,15 +1,7 @@
-"""Execution of token routers (sites declared routing="tokens": Mixture-of-Depths, routed branches).
-
-A token router's block runs on the tokens it chose, so the work skipped is counted in token x block pairs: per block
-the fraction of a window's tokens that ran it (1 for a block without a router, the router's chosen fraction for a
-routed one), `token_fraction` (the routed blocks' mean: the capacity, under the live router) and
-`token_block_fraction` (all blocks: the share of the dense model's token x block pairs that ran). FLOPs come from
-torch's FlopCounterMode on the forward that really runs, so a block that gathers k tokens counts k tokens' work.
-
-Under the audit's conditions (`token_conditions`) Correct, StaticTopK and RandomRoute are all replayed (the router
-does not run in any of them), with equal budgets per window and layer: equal FLOPs, and latency measured
-round-robin says whether the assignment alone changes wall time.
-"""
+"""Execution of token routers (sites with routing="tokens": Mixture-of-Depths, routed branches), whose blocks run on
+the tokens chosen: the work is counted in token x block pairs, and FLOPs on the forward that really runs. Under the
+audit's conditions Correct, StaticTopK and RandomRoute are all replayed with equal budgets per window and layer, so
+their FLOPs are equal and the latency says whether the assignment alone changes wall time."""
 
 from __future__ import annotations
 
@@ -43,8 +35,9 @@ def captured(model: nn.Module, ids: torch.Tensor, controller: Controller) -> Coe
 
 
 def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> dict:
-    """Token x block pairs that ran, from the coefficients a forward used: per block (`blocks`: the block paths in
-    order) the fraction of tokens that ran it, the routed blocks' mean and all blocks' mean."""
+    """Token x block pairs that ran, from the coefficients a forward used: per block (`blocks`, in order) the fraction
+    of tokens that ran it (1 without a router), `token_fraction` (the routed blocks' mean: the capacity) and
+    `token_block_fraction` (all blocks': the share of the dense model's pairs)."""
     routed = {}
     for i in token_sites(controller):
         frac = float(protocol.chosen(coeffs[i]).double().mean())
@@ -57,16 +50,10 @@ def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> 
             "token_fraction_by_block": json.dumps([round(f, 6) for f in per_block])}
 
 
-def token_execution(model: nn.Module, ids: torch.Tensor, controller: Controller, blocks: list[str]) -> dict:
-    """The live model's token columns on ids [batch, window] (execution.csv)."""
-    return token_columns(captured(model, ids, controller), controller, blocks)
-
-
 def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor,
                      blocks: list[str], timing: Timing) -> pd.DataFrame:
-    """One row per condition of ROUTED on the batch `ids`, every one replayed: token columns, FLOPs per token (and
-    vs Correct's) and latency (and vs Correct's), timed round-robin within one model's timing budget. StaticTopK's
-    profile comes from the calibration windows `calib` [N, >= window], as in the audit; RandomRoute is its
+    """One row per condition of ROUTED on the batch `ids`, all replayed: token columns, FLOPs and latency (and each vs
+    Correct's). StaticTopK's profile comes from the calibration windows `calib` as in the audit; RandomRoute is its
     randomization 0."""
     labels = {**protocol.default_labels(), **controller.labels}
     batch, window = ids.shape

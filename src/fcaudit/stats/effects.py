@@ -1,11 +1,7 @@
-"""Intervention penalties (ΔNLL), the factorial effects of Eq. 5-7 and static retention (Eq. 8).
-
-Records are the audit's long table (fcaudit.protocol.RECORD_COLUMNS): one row per (example, condition,
-randomization) with the mean NLL per predicted token of that window. Deterministic conditions (Correct, the static
-profiles, the reference) have randomization 0 only; randomized conditions have randomizations 0..R-1. The factorial
-cells are the conditions whose registered role is input (DC), token (CS) and both (DS); randomization r of DS reuses
-the donor mapping of DC r and the permutations of CS r (paired sampling), so cells pair by (example, randomization).
-"""
+"""Intervention penalties (ΔNLL), the factorial effects of Eq. 5-7 and static retention (Eq. 8), from the audit's
+records: one row per (example, condition, randomization) with the window's mean NLL per predicted token (randomization
+0 only for a deterministic condition). The factorial cells are the conditions registered as input (DC), token (CS)
+and both (DS); DS r reuses DC r's donors and CS r's permutations, so cells pair by (example, randomization)."""
 
 from dataclasses import dataclass
 
@@ -30,11 +26,8 @@ def _check_records(records: pd.DataFrame) -> None:
 
 
 def delta_nll(records: pd.DataFrame) -> pd.DataFrame:
-    """Each row's NLL minus the Correct NLL of the same example (the paired penalty ΔNLL).
-
-    Returns the non-Correct rows with the original columns plus `delta`; Correct rows are dropped (their ΔNLL is 0
-    by definition). Every example must have exactly one Correct row (randomization 0).
-    """
+    """The non-Correct rows with `delta`: their NLL minus the Correct NLL of the same example (the paired penalty
+    ΔNLL). Every example must have exactly one Correct row (randomization 0)."""
     _check_records(records)
     correct = records[records["condition"] == CORRECT]
     if correct.empty:
@@ -56,31 +49,17 @@ def _deltas(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_example_deltas(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [example x condition] of ΔNLL averaged over randomizations: the unit for window bootstraps.
-
-    Accepts raw records or the output of `delta_nll`. Averaging over randomizations first makes each window one
-    observation, so a window bootstrap resamples windows, not (window, randomization) pairs.
-    """
+    """Wide table [example x condition] of ΔNLL (from records or `delta_nll`'s rows) averaged over randomizations:
+    each window is one observation, so a window bootstrap resamples windows, not (window, randomization) pairs."""
     d = _deltas(records)
     return d.groupby(["example", "condition"])["delta"].mean().unstack("condition").sort_index()
 
 
 def randomization_means(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [randomization x condition] of ΔNLL averaged over examples: the input of `mc_se`.
-
-    Deterministic conditions have a value at randomization 0 only (nan below it)."""
+    """Wide table [randomization x condition] of ΔNLL averaged over examples: the input of `mc_se` (deterministic
+    conditions have randomization 0 only)."""
     d = _deltas(records)
     return d.groupby(["randomization", "condition"])["delta"].mean().unstack("condition").sort_index()
-
-
-def condition_means(records: pd.DataFrame) -> pd.Series:
-    """Mean ΔNLL per condition (index: condition names, Correct excluded since it is 0 by definition).
-
-    Definition: the mean over examples of each example's mean over randomizations. Examples are weighted equally
-    (audit windows have equal length, so this equals the token-weighted mean); for balanced records (every example
-    has the same randomizations) it equals the plain mean over all rows of the condition.
-    """
-    return per_example_deltas(records).mean(axis=0).rename("delta_nll")
 
 
 @dataclass(frozen=True)
@@ -91,20 +70,14 @@ class FactorEffects:
     token: float | np.ndarray
     interaction: float | np.ndarray
 
-    def as_dict(self) -> dict:
-        return {"input": self.input, "token": self.token, "interaction": self.interaction}
-
 
 def _scalar_or_array(x: np.ndarray):
     return float(x) if np.ndim(x) == 0 else x
 
 
 def factor_effects(cc, dc, cs, ds) -> FactorEffects:
-    """E_input, E_token, E_interaction (Eq. 5-7), elementwise on scalars or broadcastable arrays.
-
-    cc: correct input and tokens (ΔNLL 0 when the cells are ΔNLLs), dc: changed input donor (CrossInput),
-    cs: shuffled tokens (TokenShuffle), ds: both (CrossShuffle).
-    """
+    """E_input, E_token, E_interaction (Eq. 5-7), elementwise: cc correct input and tokens (ΔNLL 0), dc another input's
+    (CrossInput), cs shuffled tokens (TokenShuffle), ds both (CrossShuffle)."""
     cc, dc, cs, ds = (np.asarray(v, dtype=np.float64) for v in (cc, dc, cs, ds))
     e_input = 0.5 * ((dc - cc) + (ds - cs))
     e_token = 0.5 * ((cs - cc) + (ds - dc))
@@ -125,16 +98,6 @@ class FactorialCells:
     def effects(self) -> FactorEffects:
         """Per-(example, randomization) factor effects, each [n_examples, R]."""
         return factor_effects(self.cc, self.dc, self.cs, self.ds)
-
-    def per_example_effects(self) -> FactorEffects:
-        """Factor effects averaged over randomizations: one value per example (the unit of a window bootstrap)."""
-        e = self.effects()
-        return FactorEffects(e.input.mean(axis=1), e.token.mean(axis=1), e.interaction.mean(axis=1))
-
-    def mean_effects(self) -> FactorEffects:
-        """The checkpoint's factor effects (equal to factor_effects of the condition means, by linearity)."""
-        e = self.per_example_effects()
-        return FactorEffects(float(e.input.mean()), float(e.token.mean()), float(e.interaction.mean()))
 
 
 def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCells:
@@ -169,15 +132,9 @@ def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCe
 
 
 def retention(delta_static, delta_reference):
-    """Static retention 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8), elementwise; 1 = the static profile keeps all performance
-    that removing the structure (reference R) loses.
-
-    A reference with ΔNLL(R) <= 0 gives nan: retention is the share of the Correct-to-R gap that S closes, and with
-    no positive gap there is nothing to retain; the ratio would be undefined (0) or flip sign (< 0). This is the
-    formula only: the estimates (stats.inference.retention_bootstrap) also require the reference's interval to lie
-    above the criteria's practically-small bound. Always report retention beside the absolute ΔNLL, and only within
-    one model and evaluation set.
-    """
+    """Static retention 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8), elementwise: the share of the Correct-to-R gap that S closes,
+    nan where ΔNLL(R) <= 0 (no gap to retain). The formula only: `inference.retention_bootstrap` also requires the
+    reference's interval above the practically-small bound. Report it beside the absolute ΔNLLs."""
     s = np.asarray(delta_static, dtype=np.float64)
     r = np.asarray(delta_reference, dtype=np.float64)
     s, r = np.broadcast_arrays(s, r)

@@ -1,16 +1,11 @@
-"""Inference for FCA penalties (paper section 4.1).
-
-Two levels, never mixed:
-- within one checkpoint: paired-window bootstrap intervals (windows resampled; each window's value is already a
-  paired difference from Correct) and the Monte Carlo SE across randomizations. These describe stability across
-  evaluation windows and randomization error of *that* checkpoint, not uncertainty across trained models.
-- across checkpoints (independently trained seeds are the units): percentile bootstrap CIs of the mean, the exact
-  two-sided sign-flip test, Holm correction across the three factorial effects, and retention intervals.
-"""
+"""Inference for FCA penalties (paper section 4.1), at two levels never mixed: within one checkpoint, paired-window
+bootstrap intervals and the Monte Carlo SE across randomizations (the stability of *that* checkpoint, not uncertainty
+across trained models); across checkpoints (trained seeds are the units), percentile bootstrap CIs of the mean, the
+exact two-sided sign-flip test, Holm correction across the three factorial effects, and retention intervals."""
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -18,6 +13,7 @@ from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
+from fcaudit.io import finite_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import retention
 
@@ -48,33 +44,17 @@ class Estimate:
 
     def to_dict(self) -> dict:
         """JSON-ready; nan becomes None."""
-
-        def clean(v):
-            return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-        return {
-            "statistic": clean(float(self.statistic)),
-            "low": clean(float(self.confidence_interval.low)),
-            "high": clean(float(self.confidence_interval.high)),
-            "pvalue": clean(None if self.pvalue is None else float(self.pvalue)),
-            "n": int(self.n),
-            "method": self.method,
-            "confidence_level": float(self.confidence_level),
-            "standard_error": clean(float(self.standard_error)),
-        }
+        low, high = self.confidence_interval
+        return finite_json({"statistic": float(self.statistic), "low": float(low), "high": float(high),
+                            "pvalue": self.pvalue, "n": int(self.n), "method": self.method,
+                            "confidence_level": float(self.confidence_level),
+                            "standard_error": float(self.standard_error)})
 
     def __str__(self) -> str:
         low, high = self.confidence_interval
         ci = f"[{low:.6g}, {high:.6g}] {self.confidence_level:.0%} CI" if self.has_interval else "no interval"
         p = "" if self.pvalue is None else f", p={self.pvalue:.4g}"
         return f"{self.statistic:.6g} {ci} (n={self.n}{p}; {self.method})"
-
-    def __repr__(self) -> str:
-        low, high = self.confidence_interval
-        return (
-            f"Estimate(statistic={self.statistic!r}, confidence_interval=ConfidenceInterval(low={low!r}, high={high!r}), "
-            f"pvalue={self.pvalue!r}, n={self.n}, method={self.method!r})"
-        )
 
 
 def _sample(x, name: str = "x") -> np.ndarray:
@@ -86,32 +66,15 @@ def _sample(x, name: str = "x") -> np.ndarray:
     return x
 
 
-def _rng(seed) -> np.random.Generator:
-    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-
-
 def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
     """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
     if not 0 < confidence < 1:
         raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
-    n = len(data[0])
-    res = stats.bootstrap(
-        data,
-        statistic,
-        n_resamples=int(n_resamples),
-        batch=max(1, _MAX_BATCH_ELEMENTS // n),
-        vectorized=True,
-        paired=len(data) > 1,
-        confidence_level=confidence,
-        method="percentile",
-        rng=_rng(seed),
-    )
+    res = stats.bootstrap(data, statistic, n_resamples=int(n_resamples), vectorized=True, paired=len(data) > 1,
+                          batch=max(1, _MAX_BATCH_ELEMENTS // len(data[0])), confidence_level=confidence,
+                          method="percentile", rng=np.random.default_rng(seed))  # a Generator passes through
     ci = res.confidence_interval
     return ConfidenceInterval(float(ci.low), float(ci.high)), float(res.standard_error)
-
-
-def _mean(x, axis=-1):
-    return np.mean(x, axis=axis)
 
 
 def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
@@ -119,26 +82,20 @@ def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
     if x.size < 2:
         return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), None, 1,
                         f"single {unit}: no interval", confidence)
-    ci, se = _percentile_bootstrap((x,), _mean, confidence, n_resamples, seed)
+    ci, se = _percentile_bootstrap((x,), np.mean, confidence, n_resamples, seed)
     method = f"percentile bootstrap of the mean over {x.size} {unit}s ({n_resamples} resamples)"
     return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence, se)
 
 
 def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
-    """Percentile bootstrap CI of the mean over evaluation windows of one checkpoint.
-
-    x: one paired ΔNLL (or factor effect) per window, already averaged over randomizations
-    (see `effects.per_example_deltas`). Descriptive of window stability only (Table 2 of the paper).
-    """
+    """Percentile bootstrap CI of the mean over evaluation windows of one checkpoint, `x` one paired ΔNLL (or factor
+    effect) per window averaged over randomizations: descriptive of window stability only (Table 2 of the paper)."""
     return _mean_estimate(x, confidence, n_resamples, seed, "window")
 
 
 def mc_se(randomization_means) -> float:
     """Monte Carlo SE of a randomized condition: sd (ddof=1) of the R randomization means / sqrt(R); nan for R < 2.
-
-    nan entries are dropped first, so a column of `effects.randomization_means` can be passed as is (deterministic
-    conditions have only randomization 0 there and get nan: they carry no Monte Carlo error).
-    """
+    nan entries are dropped, so a deterministic condition's column of `effects.randomization_means` gives nan."""
     r = np.asarray(randomization_means, dtype=np.float64).ravel()
     r = r[~np.isnan(r)]
     if r.size < 2:
@@ -148,18 +105,13 @@ def mc_se(randomization_means) -> float:
 
 def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0,
                          sign_flip: bool = True) -> Estimate:
-    """Percentile bootstrap CI of the mean over independently trained checkpoints (the unit of inference).
-
-    With sign_flip (default) the Estimate's pvalue is the exact two-sided sign-flip p-value of `sign_flip_test`.
-    A single checkpoint gives the value with no interval ((nan, nan)) and no p-value: one model says nothing
-    about variation across training seeds. With few checkpoints the percentile interval is coarse (n=3 has only
-    10 distinct resample means); report n beside it.
-    """
+    """Percentile bootstrap CI of the mean over independently trained checkpoints (the unit of inference), with the
+    two-sided sign-flip p-value of `sign_flip_test` unless `sign_flip` is False. One checkpoint gives no interval and
+    no p-value: one model says nothing about variation across seeds. With few, the interval is coarse: report n."""
     est = _mean_estimate(x, confidence, n_resamples, seed, "checkpoint")
     if sign_flip and est.n >= 2:
-        est = Estimate(est.statistic, est.confidence_interval, sign_flip_test(x, seed=seed), est.n,
-                       est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value", est.confidence_level,
-                       est.standard_error)
+        est = replace(est, pvalue=sign_flip_test(x, seed=seed),
+                      method=est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value")
     return est
 
 
@@ -172,32 +124,24 @@ def sign_flip_kind(n: int) -> str:
 
 
 def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIGN_FLIP_EXACT_MAX_N) -> float:
-    """Two-sided sign-flip (one-sample permutation) test of mean 0.
-
-    p = fraction of sign patterns whose |mean| >= the observed |mean| (ties within a relative tolerance of 1e-12
-    count as >=). Exact over all 2^n patterns for n <= exact_max_n (7 all-positive values give 2/128); above that,
-    n_resamples random patterns with p = (1 + hits) / (1 + n_resamples), as scipy does.
-    """
+    """Two-sided sign-flip (one-sample permutation) test of mean 0: the fraction of sign patterns whose |mean| >= the
+    observed one (ties within a relative 1e-12 count). Exact over all 2^n patterns for n <= exact_max_n (7 positive
+    values give 2/128); above, n_resamples random patterns with p = (1 + hits) / (1 + n_resamples), as scipy does."""
     x = _sample(x)
     n = x.size
     observed = abs(x.sum())  # the sum orders patterns the same as the mean
     tol = 1e-12 * max(observed, np.abs(x).sum())
-    if n <= exact_max_n:
-        total, hits, chunk = 1 << n, 0, 1 << 16
-        bits = np.arange(n, dtype=np.int64)
-        for start in range(0, total, chunk):
-            idx = np.arange(start, min(start + chunk, total), dtype=np.int64)
-            signs = 1.0 - 2.0 * ((idx[:, None] >> bits) & 1)
-            hits += int(np.count_nonzero(np.abs(signs @ x) >= observed - tol))
-        return hits / total
-    rng, hits, done = _rng(seed), 0, 0
-    batch = max(1, _MAX_BATCH_ELEMENTS // n)
-    while done < n_resamples:
-        m = min(batch, n_resamples - done)
-        signs = rng.choice(np.array([-1.0, 1.0]), size=(m, n))
-        hits += int(np.count_nonzero(np.abs(signs @ x) >= observed - tol))
-        done += m
-    return (1 + hits) / (1 + n_resamples)
+    exact = n <= exact_max_n
+    if exact:  # the patterns are the bits of 0 .. 2^n - 1, 2^16 of them at a time
+        total, bits, chunk = 1 << n, np.arange(n, dtype=np.int64), 1 << 16
+        batches = (1.0 - 2.0 * ((np.arange(start, min(start + chunk, total), dtype=np.int64)[:, None] >> bits) & 1)
+                   for start in range(0, total, chunk))
+    else:
+        rng, batch = np.random.default_rng(seed), max(1, _MAX_BATCH_ELEMENTS // n)
+        batches = (rng.choice(np.array([-1.0, 1.0]), size=(min(batch, n_resamples - done), n))
+                   for done in range(0, n_resamples, batch))
+    hits = sum(int(np.count_nonzero(np.abs(signs @ x) >= observed - tol)) for signs in batches)
+    return hits / total if exact else (1 + hits) / (1 + n_resamples)
 
 
 def holm(pvalues) -> np.ndarray:
@@ -213,26 +157,18 @@ def holm(pvalues) -> np.ndarray:
 
 
 def _retention_of_means(s, r, axis=-1):
-    ms, mr = np.mean(s, axis=axis), np.mean(r, axis=axis)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(mr > 0, 1.0 - ms / np.where(mr > 0, mr, 1.0), np.nan)
+    return retention(np.mean(s, axis=axis), np.mean(r, axis=axis))
 
 
 def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None = None, n_resamples: int = 10000,
                         seed=0, unit: str = "checkpoint") -> Estimate:
-    """Retention 1 - mean(S)/mean(R) with a percentile bootstrap CI, resampling units jointly (paired).
+    """Retention 1 - mean(S)/mean(R) (a fraction) with a percentile bootstrap CI, resampling the (ΔNLL(S), ΔNLL(R))
+    pairs of `unit`s jointly: "checkpoint" (the primary analysis) or "window" (descriptive, like Table 2). Retention
+    of the means: a mean of per-unit ratios explodes for units with a small reference gap.
 
-    unit="checkpoint": one (ΔNLL(S), ΔNLL(R)) pair per trained checkpoint (the primary analysis);
-    unit="window": one pair per evaluation window of a single checkpoint (descriptive, like Table 2).
-    Retention of the means (not the mean of per-unit ratios, which explodes for units with a small reference gap).
-    Values are fractions (0.9870 = 98.70%). `criteria` (default `Criteria()`): its confidence and its
-    practically-small bound.
-
-    Eq. 8 means something only where removing the structure itself costs more than a negligible amount: unless the
-    bootstrap interval of the reference's mean ΔNLL (same units, confidence and resamples as its penalty) lies above
-    the practically-small bound `criteria.small_upper` (and above 0), retention is undefined: nan, with the reason in
-    `method`. With a single unit there is no such interval, so retention is undefined too.
-    """
+    Eq. 8 means something only where removing the structure costs more than a negligible amount: unless the interval
+    of the reference's mean ΔNLL (as its penalty's) lies above `criteria.small_upper` (and 0), retention is undefined:
+    nan, with the reason in `method`. A single unit has no such interval, so its retention is undefined too."""
     criteria = criteria or Criteria()
     if unit not in ("checkpoint", "window"):
         raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
@@ -256,6 +192,5 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
-        return Estimate(point, nan, None, int(s.size), method + "; interval undefined: some resamples have a "
-                        "reference ΔNLL <= 0", confidence, se)
+        ci, method = nan, method + "; interval undefined: some resamples have a reference ΔNLL <= 0"
     return Estimate(point, ci, None, int(s.size), method, confidence, se)

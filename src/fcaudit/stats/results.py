@@ -5,8 +5,9 @@ table from numbers already computed (no I/O), and `to_frame()` for the DataFrame
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -68,17 +69,14 @@ class _Estimates:
                 return self.estimates[i]
         raise KeyError(f"{name!r} is not one of {list(self.names)}")
 
-    def _rows(self) -> list[str]:
+    def __repr__(self) -> str:
+        windows = "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
         width = max((len(label) for label in self.labels), default=0)
-        return [(f"  {label:<{width}}  {_signed(e.statistic):>11} {_interval(e.confidence_interval):<26}"
-                + ("" if not math.isfinite(se) else f"  MC SE {se:.2g}")).rstrip()
-                for label, e, se in zip(self.labels, self.estimates, self.mc_se)]
-
-    def _head(self, what: str) -> str:
-        n = sorted(set(self.n.tolist()))
-        windows = "/".join(map(str, n)) if n else "0"
-        return (f"{type(self).__name__}: {what}, {100 * self.confidence_level:g}% paired-window bootstrap intervals "
-                f"over {windows} windows")
+        return "\n".join([f"{type(self).__name__}: {self._what}, {100 * self.confidence_level:g}% paired-window "
+                          f"bootstrap intervals over {windows} windows",
+                          *[(f"  {label:<{width}}  {_signed(e.statistic):>11} {_interval(e.confidence_interval):<26}"
+                             + ("" if not math.isfinite(se) else f"  MC SE {se:.2g}")).rstrip()
+                            for label, e, se in zip(self.labels, self.estimates, self.mc_se)]])
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -113,9 +111,7 @@ class PenaltiesResult(_Estimates):
 
     randomizations: tuple[int, ...] = ()
     active: np.ndarray = field(default_factory=lambda: np.array([]))  # mean active sources (experts) per token
-
-    def __repr__(self) -> str:
-        return "\n".join([self._head("mean ΔNLL vs Correct per condition (nats per predicted token)"), *self._rows()])
+    _what: ClassVar[str] = "mean ΔNLL vs Correct per condition (nats per predicted token)"
 
     def to_frame(self) -> pd.DataFrame:
         """One row per condition: label, n, mean, ci_low, ci_high, mc_se, randomizations, active."""
@@ -142,8 +138,7 @@ class FactorEffectsResult(_Estimates):
     4
     """
 
-    def __repr__(self) -> str:
-        return "\n".join([self._head("factor effects (ΔNLL, paired CC/DC/CS/DS cells)"), *self._rows()])
+    _what: ClassVar[str] = "factor effects (ΔNLL, paired CC/DC/CS/DS cells)"
 
     def to_frame(self) -> pd.DataFrame:
         """One row per effect (index input, token, interaction): mean, ci_low, ci_high, mc_se, n."""
@@ -324,7 +319,7 @@ class WindowStatistics:
         return all(c in self.per_window.columns for c in protocol.factorial().values())
 
     def factor_effects(self) -> FactorEffectsResult:
-        per_pair = factorial_cells(self._deltas, complete=self.complete).effects().as_dict()  # [example, r]
+        per_pair = asdict(factorial_cells(self._deltas, complete=self.complete).effects())  # [example, r]
         names = tuple(FACTOR_LABELS)
         return FactorEffectsResult(
             names, tuple(FACTOR_LABELS.values()),

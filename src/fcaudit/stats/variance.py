@@ -1,8 +1,5 @@
-"""Coefficient variation (question 1): per-layer profiles and the balanced functional variance decomposition.
-
-The decomposition is descriptive: it says how much of the coefficients' spread is layer identity vs input vs token
-(paper Figure 3); it does not say whether the model *uses* that spread (that is what the interventions test).
-"""
+"""Coefficient variation (question 1): per-layer profiles and the balanced functional variance decomposition, which
+says how much of the spread is layer vs input vs token (paper Figure 3), not whether the model *uses* it."""
 
 import itertools
 import math
@@ -19,12 +16,9 @@ DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memor
 
 
 def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, float], float]:
-    """Balanced functional ANOVA of a complete array: sums of squares of every main effect and interaction.
-
-    Effect of a set of axes S = mean over the other axes, minus the effects of all proper subsets of S (so the
-    effects are orthogonal and their sums of squares add up to the total sum of squares about the grand mean).
-    Returns ({"a": ss, "a:b": ss, ...} in order of interaction size, then axis order; total_ss).
-    """
+    """Balanced functional ANOVA of a complete array: ({"a": ss, "a:b": ss, ...} by interaction size, then axis order;
+    total ss). The effect of axes S is the mean over the other axes minus the effects of S's proper subsets, so the
+    effects are orthogonal and their sums of squares add up to the total about the grand mean."""
     x = np.asarray(x, dtype=np.float64)
     k = x.ndim
     if len(names) != k:
@@ -67,13 +61,17 @@ def _slices(coeffs: np.ndarray):
         yield idx, sl, np.flatnonzero(present)
 
 
-def _as_array(coeffs) -> np.ndarray:
+def _as_array(coeffs, trailing_names: tuple[str, ...] | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The coefficients as an array, and the names of its trailing axes (default axis3, axis4, ...)."""
     if hasattr(coeffs, "detach"):  # torch tensor (bfloat16 has no numpy dtype)
         coeffs = coeffs.detach().cpu().float().numpy()
     x = np.asarray(coeffs)
     if x.ndim < 3 or not np.issubdtype(x.dtype, np.number):
         raise FcauditError(f"coefficients must be a numeric array with axes (input, layer, token, ...), got shape {x.shape}")
-    return x
+    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
+    if len(names) != x.ndim - 3:
+        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    return x, names
 
 
 def _constant_tol(x: np.ndarray) -> float:
@@ -92,16 +90,12 @@ def _fractions(ss: dict[str, float], total: float, tol: float = 0.0) -> dict[str
 
 
 def variance_decomposition(coeffs) -> dict[str, float]:
-    """Fractions of the total sum of squares of a coefficient array [input, layer, token, *trailing].
-
-    Keys: input, layer, token, input:layer, input:token, layer:token, input:layer:token; they sum to 1.
-    Trailing axes (e.g. stream, source) are not factors: each trailing slice is decomposed on its own (about its
-    own grand mean) and the sums of squares are pooled over slices, so the fractions are those of the
-    within-slice variation (between-slice level differences are excluded; see `variance_by_slice` for each slice).
-    Layers where a slice does not exist (MUDD sources k > layer+1) may be nan-padded; each slice then uses its
-    present layers only. Constant coefficients (zero total) give nan fractions with a RuntimeWarning.
-    """
-    x = _as_array(coeffs)
+    """Fractions of the total sum of squares of coefficients [input, layer, token, *trailing], by input, layer, token
+    and their interactions (summing to 1). Trailing axes (stream, source) are not factors: each trailing slice is
+    decomposed about its own mean and the sums of squares pooled, so the fractions are of the within-slice variation.
+    A slice may be nan-padded in layers where it does not exist (MUDD sources k > layer + 1): it uses its present
+    layers only. Constant coefficients give nan fractions with a RuntimeWarning."""
+    x, _ = _as_array(coeffs)
     pooled: dict[str, float] = {}
     total = tol = 0.0
     for _, sl, _ in _slices(x):
@@ -113,32 +107,10 @@ def variance_decomposition(coeffs) -> dict[str, float]:
     return _fractions(pooled, total, tol)
 
 
-def variance_by_slice(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """One row per trailing slice (e.g. per stream and source) with the fractions of `variance_decomposition`
-    and `total_ss`; columns named by `trailing_names` (default axis3, axis4, ...)."""
-    x = _as_array(coeffs)
-    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
-    if len(names) != x.ndim - 3:
-        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
-    rows = []
-    for idx, sl, _ in _slices(x):
-        ss, t = functional_anova(sl, AXES)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a constant slice is shown as nan, not warned per row
-            rows.append({**dict(zip(names, idx)), **_fractions(ss, t, _constant_tol(sl)), "total_ss": t})
-    return pd.DataFrame(rows)
-
-
 def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens.
-
-    For [input, layer, token] the rows are layers; with trailing axes there is one row per (layer, *trailing)
-    present (nan-padded absent layers are skipped), with the trailing indices as columns.
-    """
-    x = _as_array(coeffs)
-    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
-    if len(names) != x.ndim - 3:
-        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
+    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens: one row per layer, or
+    with trailing axes per (layer, *trailing) present, the trailing indices as columns."""
+    x, names = _as_array(coeffs, trailing_names)
     rows = []
     for idx, sl, layers in _slices(x):
         for j, layer in enumerate(layers):
@@ -174,37 +146,30 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups:
     merged sites share one (then counted once, `by_layer`)."""
     if groups and sites:
         sites = [" + ".join(dict.fromkeys(s for s, k in zip(sites, groups) if k == g)) for g in dict.fromkeys(groups)]
-    sums = sq = None
-    count = 0
-    for b0 in starts:
-        chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
-        s = [c.sum(dim=(0, 1)) for c in chunk]  # [stream, source]
-        q = [(c * c).sum(dim=(0, 1)) for c in chunk]
-        sums = s if sums is None else [a + b for a, b in zip(sums, s)]
-        sq = q if sq is None else [a + b for a, b in zip(sq, q)]
-        count += chunk[0].shape[0] * chunk[0].shape[1]
-    layers = []
-    for l, (s, q) in enumerate(zip(sums, sq)):
-        n = count * s.numel()
-        mean = float(s.sum()) / n
-        layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
-                       "mean": mean,
-                       "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
-                       "stream_source_mean": (s / count).tolist()})
-    shapes = [tuple(s.shape) for s in sums]
+    first = by_layer(store.read_chunk(int(starts[0])), groups)
+    shapes, token = [tuple(c.shape[2:]) for c in first], first[0].shape[1]  # [stream, source] of each layer
     scalar = all(sh == (1, 1) for sh in shapes)
     s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
-    token = store.read_chunk(int(starts[0]))[0].shape[1]
     per_window = len(shapes) * token * s_max * k_max * 8
     n_total = int(starts[-1]) + store.read_chunk(int(starts[-1]))[0].shape[0]
     n_used = max(2, min(n_total, DECOMPOSITION_WINDOWS, DECOMPOSITION_BUDGET // per_window))
-    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)
+    arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)  # the first windows, for the decomposition
+    totals, count = None, 0  # per layer: sums and sums of squares over (input, token), [stream, source] each
     for b0 in starts:
-        if b0 >= n_used:
-            break
-        for l, c in enumerate(by_layer(store.read_chunk(int(b0)), groups)):
-            c = c[: n_used - b0].double().numpy()
+        chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
+        part = [(c.sum(dim=(0, 1)), (c * c).sum(dim=(0, 1))) for c in chunk]
+        totals = part if totals is None else [(a + s, b + q) for (a, b), (s, q) in zip(totals, part)]
+        count += chunk[0].shape[0] * chunk[0].shape[1]
+        for l, c in enumerate(chunk if b0 < n_used else ()):
+            c = c[: n_used - b0].numpy()
             arr[b0:b0 + c.shape[0], l, :, : c.shape[2], : c.shape[3]] = c
+    layers = []
+    for l, (s, q) in enumerate(totals):
+        n = count * s.numel()
+        mean = float(s.sum()) / n
+        layers.append({"layer": l, **({"site": sites[l]} if sites else {}), "shape": [int(x) for x in s.shape],
+                       "mean": mean, "sd": math.sqrt(max(float(q.sum()) / n - mean * mean, 0.0)),
+                       "stream_source_mean": (s / count).tolist()})
     if scalar:
         what = "the scalar coefficient per (input, layer, token)"
         arr = arr[..., 0, 0]
