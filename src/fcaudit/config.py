@@ -39,11 +39,22 @@ LossFn = Callable[[Any, Any], Any]
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """What one audit runs with; None where the inputs decide (windows given to `fcaudit.audit`, the model's context).
+    """What one audit runs with; None where the inputs decide (windows given to `fca.audit`, the model's context).
 
-    Bounds: n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
+    `fca.audit(..., config=...)` takes one instead of its keywords; `fcaudit audit` builds one from its flags. Bounds:
+    n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
     batch_size <= MAX_BATCH_SIZE, world_size <= MAX_WORLD_SIZE, seed in [0, 2**63 - 1]. `flags`: name the settings by
-    their `fcaudit audit` flags in errors (the command line builds it so)."""
+    their `fcaudit audit` flags in errors (the command line builds it so).
+
+    Examples
+    --------
+    >>> config = fca.AuditConfig(randomizations=2, seed=1, out="audits/my-lm")
+    >>> config.to_json()["randomizations"], config.criteria.confidence
+    (2, 0.95)
+    >>> fca.AuditConfig(batch_size=0)
+    Traceback (most recent call last):
+    fcaudit.errors.FcauditError: batch size must be an integer >= 1, got 0
+    """
 
     out: Path | None = None  # the audit directory (None: a new temporary one)
     n_eval: int | None = None  # evaluation windows drawn from the test split

@@ -644,7 +644,7 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     active = ("tokens run" if rep.get("routing_note") else "experts" if rep.get("route_flips") is not None
               else "active")
     table.add_column("condition", overflow="fold")
-    for col in ("mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", active):
+    for col in ("mean ΔNLL", f"{100 * result.criteria.confidence:g}% CI", "MC SE", active):
         table.add_column(col, justify="right", no_wrap=True)
     for _, row in result.penalties().to_frame().iterrows():
         table.add_row(row["label"], f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
