@@ -33,7 +33,6 @@ _BOUNDS = {
     "batch_size": ("--batch-size", "batch size", 1, MAX_BATCH_SIZE, ""),
     "world_size": ("--world-size", "world size", 1, MAX_WORLD_SIZE, ""),
 }
-CLI_HINTS = {"window": "; leave --window out for the model's context"}
 LossFn = Callable[[Any, Any], Any]
 
 
@@ -127,8 +126,8 @@ def _bounded(name: str, value, flags: bool) -> int:
     if exact and value > high:
         raise FcauditError(f"{flag} {value}: pass an integer <= {high} (fcaudit's limit)" if flags else
                            f"{keyword} must be at most {high} (fcaudit's limit), got {value}")
-    if flags:
-        why += CLI_HINTS.get(name, "")
+    if flags and name == "window":
+        why += "; leave --window out for the model's context"
     reason = f" ({why})" if why else ""
     raise FcauditError(f"{flag} {value}: pass an integer >= {low}{reason}" if flags else
                        f"{keyword} must be an integer >= {low}{reason}, got {value!r}")

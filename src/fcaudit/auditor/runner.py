@@ -15,6 +15,7 @@ import secrets
 import tempfile
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -264,23 +265,6 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
 
-def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tensor) -> int:
-    """Memory one forward pass of one window allocates beyond the parameters at its peak, after a warm-up pass (lazy
-    tables built): from CUDA's allocator statistics on a GPU, from the tensors its ops make on the CPU."""
-    device = one.device
-    with torch.inference_mode():
-        capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            capture_batch(model, controller, one, None)
-            return int(torch.cuda.max_memory_allocated(device) - base)
-        with _PeakBytes() as counted:
-            capture_batch(model, controller, one, None)
-        return counted.peak
-
-
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
 
 
@@ -327,13 +311,21 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
+    one, cuda = ev[:1].to(device), device.type == "cuda"
     was_training = model.training
     model.eval()
     try:
-        one = ev[:1].to(device)
-        acts = _activation_bytes(model, controller, one)
         with torch.inference_mode():
-            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+            capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            # what one window's forward pass allocates beyond the parameters at its peak: from CUDA's allocator
+            # statistics on a GPU, from the tensors its ops make on the CPU
+            with nullcontext() if cuda else _PeakBytes() as counted:
+                coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+            acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
     finally:
         model.train(was_training)
     check_finite(coeffs, "a 1-window forward")
