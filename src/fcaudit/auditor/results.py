@@ -39,9 +39,8 @@ def routing_lines(replay: dict) -> list[str]:
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.sort_values(["condition", "randomization", "example"],
+    df = df.sort_values(["condition", "randomization", "example"], ignore_index=True,
                         key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
-    df = df.reset_index(drop=True)
     if "active" not in df.columns:  # audits of fcaudit before records carried it
         df["active"] = np.nan
     # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)

@@ -151,14 +151,12 @@ ROUTING_CHECK_PASSES = 2  # and for a controller with routers, the causality che
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
                      loss_fn: LossFn | None) -> str | None:
     """Two single-window forward passes on window 0 that check the controller is read as the audit assumes:
-    - captured alone, its coefficients must be its row of the batch's capture (else an error): a layout that names
-      the axes of a flattened output in the wrong order ("(token batch)" for "(batch token)") passes the exact
-      replay check but moves coefficients between windows;
-    - replaying zeros for every coefficient (token routers: for their scores) should change its logits. When it
-      does not, returns a notice: either the coefficients have no effect (e.g. gated branches that output zero at
-      initialization), or the model does not use what its sites return (it keeps the gate's value in an
-      attribute), and then every replay measures nothing. The logits cannot tell the two apart. A codec that
-      refuses all-zero coefficients skips this."""
+    - captured alone, its coefficients must be its row of the batch's (else an error): a layout naming a flattened
+      output's axes in the wrong order ("(token batch)") passes the exact replay check but moves coefficients
+      between windows;
+    - replaying zeros (token routers: zero scores) should change the logits. When it does not, returns a notice:
+      the coefficients have no effect, or the model does not use what its sites return (it keeps the gate's value
+      in an attribute), and every replay measures nothing. A codec that refuses all-zero coefficients skips this."""
     one = first[:1]
     alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
     if first.shape[0] > 1:
@@ -417,8 +415,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
         raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
                            f"{type(controller).__name__}")
     modules = {id(m) for m in model.modules()}
-    foreign = [s.path for s in controller.sites if id(s.module) not in modules]
-    if foreign:
+    if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
         raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
     check_ids(model, windows.ev, windows.ca)
@@ -478,9 +475,8 @@ def _check_shared(adir: AuditDir, group: Group) -> None:
 
 def _check_same(configs: list[dict]) -> None:
     """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
-    digests = [config_hash(c) for c in configs]
-    if len(set(digests)) > 1:
-        odd = next(k for k, d in enumerate(digests) if d != digests[0])
+    first = config_hash(configs[0])
+    if (odd := next((k for k, c in enumerate(configs) if config_hash(c) != first), None)) is not None:
         raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (differs in "
                            f"{differences(configs[0], configs[odd])}); give every node the same checkpoint and corpus")
 
