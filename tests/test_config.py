@@ -137,6 +137,15 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
     [config] = seen
     assert (config.randomizations, config.seed, config.batch_size, config.tolerance) == (2, 5, 3, 0.5)
     assert config.out == tmp_path / "a" and res.config["batch_size"] == 3 and res.replay["tolerance"] == 0.5
+    # the same settings in one AuditConfig: the same audit (it resumes: nothing recomputed), the object passed whole
+    records = {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")}
+    given = AuditConfig(randomizations=2, seed=5, out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)
+    again = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given)
+    assert seen[1] is given and again.config["config_hash"] == res.config["config_hash"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")} == records
+    with pytest.raises(FcauditError, match=r"^pass the settings in config= or as keywords, not both .*'seed'"):
+        fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), seed=6, config=given)
+    assert len(seen) == 2  # refused before any work
 
 
 # ---- the dry run's plan -------------------------------------------------------------------------------------------

@@ -47,9 +47,7 @@ class AuditConfig:
 
     Examples
     --------
-    >>> config = fca.AuditConfig(randomizations=2, seed=1, out="audits/my-lm")
-    >>> config.to_json()["randomizations"], config.criteria.confidence
-    (2, 0.95)
+    >>> config = fca.AuditConfig(randomizations=2, seed=1, out="audits/my-lm")  # for fca.audit(..., config=config)
     >>> fca.AuditConfig(batch_size=0)
     Traceback (most recent call last):
     fcaudit.errors.FcauditError: batch size must be an integer >= 1, got 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fcaudit.auditor import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import Locked, confine, lock_dir, prepare_out, remove_file, remove_stale_temps
+from fcaudit.io import confine, lock_dir, prepare_out, remove_file, remove_stale_temps
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"

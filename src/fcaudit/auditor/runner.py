@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from fcaudit import api, data, families, placement, protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import AuditDir, Locked, config_hash, differences
+from fcaudit.auditor.directory import AuditDir, config_hash, differences
 from fcaudit.auditor.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
@@ -43,7 +43,7 @@ from fcaudit.controllers.routing import later_token_flips
 from fcaudit.controllers.site import Controller
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.io import read_json, write_text
+from fcaudit.io import Locked, read_json, write_text
 from fcaudit.loss import logits_of
 from fcaudit.tokens import load_tokenizer
 
@@ -591,8 +591,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             if config.out is None:
                 config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
             adir = AuditDir(config.out)
-            configs = group.gather(saved)
-            group.run(lambda: _check_same(configs))
+            group.run(lambda: _check_same(group.gather(saved)))
             try:
                 # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
                 # process (or a refused configuration) stops every rank with the same error instead of leaving the
