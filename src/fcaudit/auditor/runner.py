@@ -76,10 +76,12 @@ class Windows:
 
     @classmethod
     def of(cls, eval_windows, calib_windows) -> "Windows":
-        """The windows, refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where
-        calibration windows repeat or overlap evaluation windows."""
-        w = cls(*as_windows(eval_windows, "evaluation"), *as_windows(calib_windows, "calibration"))
-        ev, ca = w.ev, w.ca
+        return cls(*as_windows(eval_windows, "evaluation"), *as_windows(calib_windows, "calibration"))
+
+    def check(self) -> None:
+        """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where calibration
+        windows repeat or overlap evaluation windows (a real run's check: a dry run plans whatever it is given)."""
+        ev, ca = self.ev, self.ca
         if ev.shape[0] < 2:
             raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at least 2 (--eval)")
         if ca.shape[0] < 1:
@@ -95,15 +97,14 @@ class Windows:
                                "from a different split (e.g. validation) than the evaluation windows (test), or, "
                                "when they already are (as fcaudit audit draws them), use a corpus whose text does not "
                                "repeat")
-        e, c = (getattr(s, "starts", None) for s in (w.ev_set, w.ca_set))
-        if e is not None and c is not None and w.ev_set.split == w.ca_set.split:
+        e, c = (getattr(s, "starts", None) for s in (self.ev_set, self.ca_set))
+        if e is not None and c is not None and self.ev_set.split == self.ca_set.split:
             t, e, c = ev.shape[1], np.sort(np.asarray(e)), np.asarray(c)
             # a calibration window [c, c+t) overlaps an eval window [e, e+t) iff some e lies in (c-t, c+t)
             nxt = np.searchsorted(e, c - t + 1)
             if np.any((nxt < len(e)) & (e[np.minimum(nxt, len(e) - 1)] < c + t)):
-                raise FcauditError(f"calibration windows overlap evaluation windows in split {w.ev_set.split!r}; "
+                raise FcauditError(f"calibration windows overlap evaluation windows in split {self.ev_set.split!r}; "
                                    "take them from another split or non-overlapping ranges")
-        return w
 
 
 # ---- model helpers ----------------------------------------------------------------------------------------------
@@ -418,6 +419,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
         raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
+    windows.check()
     check_ids(model, windows.ev, windows.ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
