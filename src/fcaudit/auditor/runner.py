@@ -83,7 +83,8 @@ class Windows:
         windows repeat or overlap evaluation windows (a real run's check: a dry run plans whatever it is given)."""
         ev, ca = self.ev, self.ca
         if ev.shape[0] < 2:
-            raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at least 2 (--eval)")
+            raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at "
+                               "least 2 (--eval)")
         if ca.shape[0] < 1:
             raise FcauditError("no calibration windows: static profiles need at least 1 (--calib)")
         if ev.shape[1] != ca.shape[1]:
@@ -91,8 +92,8 @@ class Windows:
                                "use one window length for both (--window)")
         if ev.shape[1] < 2:
             raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
-        rows = {row.tobytes() for row in ev.numpy()}
-        if shared := sum(row.tobytes() in rows for row in ca.numpy()):
+        rows = {hashlib.sha256(row.tobytes()).digest() for row in ev.numpy()}  # not a copy of every window
+        if shared := sum(hashlib.sha256(row.tobytes()).digest() in rows for row in ca.numpy()):
             raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
                                "from a different split (e.g. validation) than the evaluation windows (test), or, "
                                "when they already are (as fcaudit audit draws them), use a corpus whose text does not "
