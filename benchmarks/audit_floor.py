@@ -123,14 +123,14 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | No
             nll(ev[:1])
         with timed(replays), ctrl.replay([torch.zeros_like(c[:1]) for c in coeffs]):  # then replayed with zeros
             nll(ev[:1])
-        for u in sched.stage1():
+        for u in sched.iter_stage1():
             ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
             with ctrl.capture(*ids.shape):  # the audit's capture pass: within the controller's context, as a replay
                 nll(ids)
             if u.kind == "capture":
                 with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
                     nll(ids)
-        for u in sched.stage2():
+        for u in sched.iter_stage2():
             ids = ev[u.start:u.start + batch]
             with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
                 nll(ids)

@@ -84,12 +84,12 @@ def bare_loop(model: nn.Module, ctrl: fca.Controller, ev: torch.Tensor, ca: torc
         nll(ev[:batch])  # the pre-write checks' pass
         nll(ev[:1])  # check_sites_read: window 0 alone, then replayed with zeros
         nll(ev[:1])
-        for u in sched.stage1():
+        for u in sched.iter_stage1():
             ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
             nll(ids)
             if u.kind == "capture":
                 nll(ids)  # the exact replay check
-        for u in sched.stage2():
+        for u in sched.iter_stage2():
             nll(ev[u.start:u.start + batch])
     return clock() - t0
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 import fcaudit as fca
 from fcaudit import config as cfg
 from fcaudit import protocol
-from fcaudit.auditor.runner import RUN_BYTES, passes_per_rank, runs
-from fcaudit.auditor.units import Schedule, split
+from fcaudit.auditor.runner import RUN_BYTES
+from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
 from fcaudit.errors import FcauditError
@@ -137,18 +137,27 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
     [config] = seen
     assert (config.randomizations, config.seed, config.batch_size, config.tolerance) == (2, 5, 3, 0.5)
     assert config.out == tmp_path / "a" and res.config["batch_size"] == 3 and res.replay["tolerance"] == 0.5
+    # the same settings in one AuditConfig: the same audit (it resumes: nothing recomputed), the object passed whole
+    records = {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")}
+    given = AuditConfig(randomizations=2, seed=5, out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)
+    again = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given)
+    assert seen[1] is given and again.config["config_hash"] == res.config["config_hash"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")} == records
+    with pytest.raises(FcauditError, match=r"^pass the settings in config= or as keywords, not both .*'seed'"):
+        fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), seed=6, config=given)
+    assert len(seen) == 2  # refused before any work
 
 
 # ---- the dry run's plan -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_eval, n_calib, batch, r, world", [(8, 4, 2, 3, 1), (9, 5, 2, 2, 3), (7, 1, 3, 1, 4),
                                                                (5, 6, 8, 4, 7), (3, 2, 1, 2, 16)])
-def test_passes_per_rank_are_counted_as_split_lists_them(n_eval, n_calib, batch, r, world):
+def test_passes_per_rank_are_counted_as_share_lists_them(n_eval, n_calib, batch, r, world):
     sched = Schedule(n_eval, n_calib, batch, r, tuple(protocol.names()))
-    listed = [sum(u.passes for u in split(sched.stage1(), k, world) + split(sched.stage2(), k, world))
+    listed = [sum(u.passes for stage in (sched.iter_stage1(), sched.iter_stage2()) for u in share(stage, k, world))
               for k in range(world)]
-    assert passes_per_rank(sched, world) == listed
-    assert runs(sched) == len(sched.replay_keys()) and sum(listed) == sched.forward_passes()
+    assert sched.passes_per_rank(world) == listed
+    assert sched.runs() == len(sched.replay_keys()) and sum(listed) == sched.forward_passes()
 
 
 def test_a_dry_run_at_the_bounds_is_counted_in_a_second_without_listing_its_units():

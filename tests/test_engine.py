@@ -633,7 +633,7 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
     sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
-    assert len(calls) == SITE_CHECK_PASSES + sum(u.passes for u in (*sched.stage1(), *sched.stage2()))
+    assert len(calls) == SITE_CHECK_PASSES + sum(u.passes for u in (*sched.iter_stage1(), *sched.iter_stage2()))
     # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone and the
     # pre-write checks' pass of the first batch
     assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 1] * 3

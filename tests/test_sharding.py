@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import fcaudit
 from fcaudit import data
 from fcaudit.auditor.directory import AuditDir
-from fcaudit.auditor.units import Schedule, split
+from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
@@ -100,8 +100,8 @@ def test_two_ranks_equal_one_process(ckpt, reference, tmp_path):
     # rank 0's progress bar counts its own share of the forward passes, not all of them
     conditions = tuple(json.loads((reference / "config.json").read_text())["conditions"])
     sched = Schedule(N_EVAL, N_CALIB, B, R, conditions)
-    share = sum(u.passes for u in split(sched.stage1(), 0, 2) + split(sched.stage2(), 0, 2))
-    assert share < sched.forward_passes() and f"{share}/{share}" in r.stderr, r.stderr[-2000:]
+    share0 = sum(u.passes for stage in (sched.iter_stage1(), sched.iter_stage2()) for u in share(stage, 0, 2))
+    assert share0 < sched.forward_passes() and f"{share0}/{share0}" in r.stderr, r.stderr[-2000:]
 
 
 def test_dry_run_prints_the_split(ckpt, tmp_path):
@@ -135,8 +135,8 @@ def byte_of_rank(rank: int, world: int) -> tuple[int, list[int]]:
         return set(torch.cat([(ev.ids if u.kind == "capture" else ca.ids)[u.start:u.start + B]
                               for u in units]).flatten().tolist())
 
-    others = set().union(*(seen(split(sched.stage1(), k, world)) for k in range(world) if k != rank))
-    mine = split(sched.stage1(), rank, world)
+    others = set().union(*(seen(share(sched.iter_stage1(), k, world)) for k in range(world) if k != rank))
+    mine = list(share(sched.iter_stage1(), rank, world))
     only = sorted(seen(mine) - others)
     assert only, "no byte is seen by this rank alone; change N_EVAL or the seed"
     x = only[0]

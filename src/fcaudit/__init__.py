@@ -19,7 +19,7 @@ _LAZY = {
     "Controller": "fcaudit.controllers", "Codec": "fcaudit.controllers", "Layout": "fcaudit.controllers",
     "controller_for": "fcaudit.families", "register": "fcaudit.families", "Family": "fcaudit.families",
     "AuditResult": "fcaudit.auditor", "plan": "fcaudit.auditor", "audit": "fcaudit.auditor",
-    "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol",
+    "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol", "AuditConfig": "fcaudit.config",
     "build_report": "fcaudit.report.render",
 }
 

@@ -10,7 +10,7 @@ import errno
 import functools
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Annotated, Callable, List, Optional
 
 import typer
 
@@ -23,12 +23,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth), "
                "mudd, moe (a byte-level Mixtral; needs fcaudit[hf]) or mod (Mixture-of-Depths)")
-DEVICE_HELP = "auto, cpu or cuda (auto: CUDA when visible)"
-
-
-def threads_option(default: Optional[int] = None, help: str = "torch CPU threads (default: torch's choice, one "
-                   "per core; on a busy machine fewer is often faster)"):
-    return typer.Option(default, "--threads", metavar="N", help=help)
+# options that several commands share
+Corpus = Annotated[str, typer.Option(metavar="NAME", help="embedded, a local text file or directory, wikitext-103 or "
+                                                           "openwebtext")]
+Device = Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu or cuda (auto: CUDA when visible)")]
+AllowPartial = Annotated[bool, typer.Option("--allow-partial", help="include unfinished audits (marked PARTIAL "
+                                                                     "everywhere)")]
+THREADS_HELP = "torch CPU threads (default: torch's choice, one per core; on a busy machine fewer is often faster)"
+Threads = Annotated[Optional[int], typer.Option("--threads", metavar="N", help=THREADS_HELP)]
 
 
 def _hint(line: str) -> None:
@@ -74,8 +76,7 @@ def train(
     preset: str = typer.Option("demo", metavar="NAME", help="size: tiny, demo, paper-76m or paper-504m (mudd, moe, "
                                                               "mod: tiny or demo)"),
     seed: int = typer.Option(0, metavar="N", help="training seed (weights, batches)"),
-    corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
-                                                                 "wikitext-103 or openwebtext"),
+    corpus: Corpus = "embedded",
     out: Path = typer.Option(..., metavar="DIR", help="run directory (rerun the same command to resume)"),
     steps: Optional[int] = typer.Option(None, metavar="N", help="optimizer steps (default: the preset's)"),
     batch_size: Optional[int] = typer.Option(None, metavar="N", help="windows per step (default: the preset's)"),
@@ -85,8 +86,8 @@ def train(
     matched_to: Optional[Path] = typer.Option(None, metavar="DIR", help="uniform-matched: a trained FeatureGate run "
                                                                          "whose gate mass it takes"),
     depth: Optional[int] = typer.Option(None, metavar="K", help="fixeddepth: number of blocks K"),
-    device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
-    threads: Optional[int] = threads_option(),
+    device: Device = "auto",
+    threads: Threads = None,
 ) -> None:
     """Train one model.
 
@@ -94,11 +95,9 @@ def train(
     """
     from fcaudit.train import TrainConfig, train as run_train
 
-    overrides = {k: v for k, v in dict(steps=steps, batch_size=batch_size, lr=lr, gate_value=gate_value,
-                                       fixed_depth=depth,
-                                       matched_to=str(matched_to) if matched_to else None).items() if v is not None}
     result = run_train(TrainConfig(model=model, preset=preset, seed=seed, corpus=corpus, out=str(out), device=device,
-                                   **overrides))
+                                   steps=steps, batch_size=batch_size, lr=lr, gate_value=gate_value, fixed_depth=depth,
+                                   matched_to=str(matched_to) if matched_to else None))
     mass = "n/a" if result.gate_mass is None else f"{result.gate_mass:.4f}"
     typer.echo(f"Byte-PPL {result.byte_ppl:.4f}  gate mass {mass}  -> {out}")
 
@@ -106,8 +105,7 @@ def train(
 @command
 def audit(
     checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="checkpoint directory or Hugging Face hub id"),
-    corpus: str = typer.Option("embedded", metavar="NAME", help="embedded, a local text file or directory, "
-                                                                 "wikitext-103 or openwebtext"),
+    corpus: Corpus = "embedded",
     out: Path = typer.Option(..., metavar="DIR", help="audit directory (rerun the same command to resume)"),
     eval: int = typer.Option(512, "--eval", metavar="N", help="evaluation windows (test split)"),
     calib: int = typer.Option(512, "--calib", metavar="N", help="calibration windows (validation split)"),
@@ -116,7 +114,7 @@ def audit(
     randomizations: int = typer.Option(20, metavar="R", help="randomizations of each randomized condition"),
     seed: int = typer.Option(0, metavar="N", help="seed of the windows and randomizations"),
     batch_size: int = typer.Option(8, metavar="N", help="windows per forward pass"),
-    device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
+    device: Device = "auto",
     revision: Optional[str] = typer.Option(None, metavar="REV", help="hub revision (e.g. 3c241c8)"),
     dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32 or bfloat16 (default: the "
                                                                      "checkpoint's)"),
@@ -133,7 +131,7 @@ def audit(
                                          "of one family as training seeds (default: the checkpoint's own variant "
                                          "and preset, else its directory name or hub id)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
-    threads: Optional[int] = threads_option(),
+    threads: Threads = None,
 ) -> None:
     """Frozen-Controller Audit of one checkpoint (question 2).
 
@@ -154,9 +152,7 @@ def audit(
 def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
                                                       help="audit directories (one per checkpoint)"),
               out: Path = typer.Option(..., metavar="DIR", help="directory for summary.json and the CSV tables"),
-              allow_partial: bool = typer.Option(False, "--allow-partial",
-                                                 help="summarize unfinished audits too (marked PARTIAL everywhere)"),
-              threads: Optional[int] = threads_option()) -> None:
+              allow_partial: AllowPartial = False, threads: Threads = None) -> None:
     """Statistics across checkpoints (training seeds).
 
     Bootstrap CIs, exact sign-flip tests, Holm; one checkpoint falls back to window-level intervals.
@@ -183,9 +179,10 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
               corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL"),
               threshold_windows: int = typer.Option(32, metavar="N", help="test windows for thresholding"),
               min_run_time: float = typer.Option(1.0, metavar="SECONDS", help="seconds of timing per model"),
-              threads: Optional[int] = threads_option(help="torch CPU threads (default: torch's choice; 1 gives the "
-                                                           "steadiest latencies on a shared machine)"),
-              device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP)) -> None:
+              threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch CPU threads "
+                                                    "(default: torch's choice; 1 gives the steadiest latencies on a "
+                                                    "shared machine)"),
+              device: Device = "auto") -> None:
     """Executed blocks, FLOPs, latency (question 3).
 
     Latencies of all models are measured round-robin (median and IQR over repetitions); --threshold adds
@@ -215,9 +212,7 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
 def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
                                                help="summary, audit, training or execution directories"),
            out: Path = typer.Option(..., metavar="DIR", help="directory for report.html, report.md, figures, CSVs"),
-           allow_partial: bool = typer.Option(False, "--allow-partial",
-                                              help="report unfinished audits too (marked PARTIAL everywhere)"),
-           threads: Optional[int] = threads_option()) -> None:
+           allow_partial: AllowPartial = False, threads: Threads = None) -> None:
     """Markdown and HTML report with tables and figures.
 
     Finds what the given directories hold (summaries, audits, training runs, execution results).
@@ -232,11 +227,10 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
 def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output directory (rerun to resume)"),
          quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 11 "
                                                              "minutes on one CPU thread)"),
-         device: str = typer.Option("auto", metavar="DEVICE", help=DEVICE_HELP),
-         threads: Optional[int] = threads_option(1, help="torch CPU threads (default 1: the same numbers on every "
-                                                         "run, and no thrashing on a shared machine; more train "
-                                                         "faster on idle cores, with other last digits)")
-         ) -> None:
+         device: Device = "auto",
+         threads: Optional[int] = typer.Option(1, "--threads", metavar="N", help="torch CPU threads (default 1: the "
+                                               "same numbers on every run, and no thrashing on a shared machine; "
+                                               "more train faster on idle cores, with other last digits)")) -> None:
     """The whole study end to end on the embedded corpus.
 
     Trains, audits, summarizes, measures execution and writes the report; rerun to resume.

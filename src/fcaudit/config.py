@@ -33,17 +33,25 @@ _BOUNDS = {
     "batch_size": ("--batch-size", "batch size", 1, MAX_BATCH_SIZE, ""),
     "world_size": ("--world-size", "world size", 1, MAX_WORLD_SIZE, ""),
 }
-CLI_HINTS = {"window": "; leave --window out for the model's context"}
 LossFn = Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
 class AuditConfig:
-    """What one audit runs with; None where the inputs decide (windows given to `fcaudit.audit`, the model's context).
+    """What one audit runs with; None where the inputs decide (windows given to `fca.audit`, the model's context).
 
-    Bounds: n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
+    `fca.audit(..., config=...)` takes one instead of its keywords; `fcaudit audit` builds one from its flags. Bounds:
+    n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
     batch_size <= MAX_BATCH_SIZE, world_size <= MAX_WORLD_SIZE, seed in [0, 2**63 - 1]. `flags`: name the settings by
-    their `fcaudit audit` flags in errors (the command line builds it so)."""
+    their `fcaudit audit` flags in errors (the command line builds it so).
+
+    Examples
+    --------
+    >>> config = fca.AuditConfig(randomizations=2, seed=1, out="audits/my-lm")  # for fca.audit(..., config=config)
+    >>> fca.AuditConfig(batch_size=0)
+    Traceback (most recent call last):
+    fcaudit.errors.FcauditError: batch size must be an integer >= 1, got 0
+    """
 
     out: Path | None = None  # the audit directory (None: a new temporary one)
     n_eval: int | None = None  # evaluation windows drawn from the test split
@@ -116,8 +124,8 @@ def _bounded(name: str, value, flags: bool) -> int:
     if exact and value > high:
         raise FcauditError(f"{flag} {value}: pass an integer <= {high} (fcaudit's limit)" if flags else
                            f"{keyword} must be at most {high} (fcaudit's limit), got {value}")
-    if flags:
-        why += CLI_HINTS.get(name, "")
+    if flags and name == "window":
+        why += "; leave --window out for the model's context"
     reason = f" ({why})" if why else ""
     raise FcauditError(f"{flag} {value}: pass an integer >= {low}{reason}" if flags else
                        f"{keyword} must be an integer >= {low}{reason}, got {value!r}")

@@ -63,34 +63,24 @@ MULTI_SEED = ("featuregate", "uniform", "layerstatic")
 AUDITED = MULTI_SEED + ("mudd", "moe", "mod")
 
 
-def _runs(plan: DemoPlan) -> list[tuple[str, int]]:
-    """(model, seed) in training order; uniform-matched comes after the FeatureGate seeds it is matched to."""
-    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)]
-    return runs + [("dense", 0), ("uniform-fixed", 0), ("uniform-matched", 0), ("fixeddepth", 0), ("mudd", 0),
-                   ("moe", 0), ("mod", 0)]
-
-
-def _check_out(out: Path, plan: DemoPlan) -> None:
-    path = out / "demo_plan.json"
-    if path.is_file() and read_json(path) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
-        raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
-    claim_out(out, "demo")
-    if not path.is_file():
-        write_json(path, asdict(plan))
-
-
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
     out = prepare_out(out, "demo")
-    _check_out(out, plan)
+    saved = out / "demo_plan.json"
+    if saved.is_file() and read_json(saved) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
+        raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
+    claim_out(out, "demo")
+    if not saved.is_file():
+        write_json(saved, asdict(plan))
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")
     console.print(f"[bold]fcaudit demo[/bold] ({'quick' if quick else 'full'}) -> {out}  "
                   f"corpus: {corpus.source}, {sum(corpus.describe()['tokens'].values()) / 1e6:.1f} MB")
 
-    # 1. training (Table 1)
-    runs = _runs(plan)
+    # 1. training (Table 1); uniform-matched comes after the FeatureGate seeds it is matched to
+    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [
+        (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod")]
     for i, (model, seed) in enumerate(runs, 1):
         run_dir = out / "train" / f"{model}-s{seed}"
         console.print(f"[bold]train[/bold] {i}/{len(runs)}: {model} seed {seed}")
@@ -127,14 +117,11 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     # 3. summaries, execution, report
     summary = summarize(audits, out=out / "summary")
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
-    inputs = [out / "train", out / "summary", *audits]
     ckpts = [out / "train" / f"{m}-s0"
              for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod")]
-    ckpts.append(causal)
-    measure_execution(ExecutionConfig(ckpts, out / "execution", batch_size=8, window=plan.window, device=device,
-                                      min_run_time=plan.min_run_time,
-                                      thresholds=plan.thresholds, threshold_windows=plan.n_eval, progress=False))
-    inputs.append(out / "execution")
-    report = build_report(inputs, out / "report")
+    measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
+                                      device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
+                                      threshold_windows=plan.n_eval, progress=False))
+    report = build_report([out / "train", out / "summary", *audits, out / "execution"], out / "report")
     console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
     return report

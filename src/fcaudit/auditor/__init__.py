@@ -12,9 +12,9 @@
 
 from fcaudit.auditor.group import Group, TorchGroup, group_from_env
 from fcaudit.auditor.results import AuditResult, load_records
-from fcaudit.auditor.runner import AuditPlan, audit, dry_run, plan, print_summary
+from fcaudit.auditor.runner import AuditPlan, audit, plan, print_summary
 from fcaudit.auditor.store import CoefficientStore
 
-__all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "Group", "TorchGroup", "audit", "dry_run",
-           "group_from_env", "load_records", "plan", "print_summary"]
+__all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "Group", "TorchGroup", "audit", "group_from_env",
+           "load_records", "plan", "print_summary"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fcaudit.auditor import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import Locked, confine, lock_dir, prepare_out, remove_file, remove_stale_temps
+from fcaudit.io import confine, lock_dir, prepare_out, remove_file, remove_stale_temps
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
@@ -35,17 +35,14 @@ DESCRIPTIVE = ("checkpoint", "family", "corpus", "revision")
 
 
 def identity(config: dict) -> dict:
-    """The configuration without the model's DESCRIPTIVE fields: what must match for an audit to resume."""
-    model = config.get("model")
-    if not isinstance(model, dict):
-        return config
-    return {**config, "model": {k: v for k, v in model.items() if k not in DESCRIPTIVE}}
-
-
-def stored_identity(saved: dict) -> dict:
-    """`identity` of a config.json as written: without the time the criteria were fixed at."""
-    criteria = {k: v for k, v in (saved.get("criteria") or {}).items() if k != "fixed_at"}
-    return identity({**saved, "criteria": criteria})
+    """What must match for an audit to resume: the configuration without the model's DESCRIPTIVE fields, nor the time
+    the criteria were fixed at (config.json as written holds it)."""
+    out = dict(config)
+    if isinstance(config.get("model"), dict):
+        out["model"] = {k: v for k, v in config["model"].items() if k not in DESCRIPTIVE}
+    if isinstance(config.get("criteria"), dict):
+        out["criteria"] = {k: v for k, v in config["criteria"].items() if k != "fixed_at"}
+    return out
 
 
 def config_hash(config: dict) -> str:
@@ -53,7 +50,8 @@ def config_hash(config: dict) -> str:
 
 
 def differences(old: dict, new: dict) -> list[str]:
-    """Top-level keys whose values differ, and model.KEY for the model's own (which of its fields changed)."""
+    """The fields in which the identities differ: top-level keys of `new`, and model.KEY for the model's own."""
+    old, new = identity(old), identity(new)
     out = []
     for k in sorted(new):
         if old.get(k) == new[k]:
@@ -70,27 +68,11 @@ class AuditDir:
         self.root = Path(root)
         self._lock_fd: int | None = None
         confine(self.root, "audit")  # every rank's writes and removals below it never go through a link
-
-    # ---- paths ---------------------------------------------------------------------------------------------------
-    @property
-    def config_path(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def coeffs(self) -> Path:
-        return self.root / "coeffs"
-
-    @property
-    def profiles(self) -> Path:
-        return self.root / "profiles.safetensors"
-
-    @property
-    def replay(self) -> Path:
-        return self.root / "replay.json"
-
-    @property
-    def variation(self) -> Path:
-        return self.root / "variation.json"
+        self.config_path = self.root / "config.json"
+        self.coeffs = self.root / "coeffs"
+        self.profiles = self.root / "profiles.safetensors"
+        self.replay = self.root / "replay.json"
+        self.variation = self.root / "variation.json"
 
     def calib_part(self, start: int) -> Path:
         return self.root / "calib" / f"sum_{start:07d}.safetensors"
@@ -140,7 +122,7 @@ class AuditDir:
         current = files.quietly(files.read_json, self.config_path)
         changed = ["(config.json unreadable)"]
         if held is not None and held != digest and current is not None and current.get("config_hash") == held:
-            changed = differences(stored_identity(current), identity(config))
+            changed = differences(current, config)
             if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
                 held = digest
                 current = {**current, "config_hash": digest}

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from fcaudit.errors import FcauditError
 
@@ -95,22 +96,16 @@ class TorchGroup(Group):
     group is nccl."""
 
     def __init__(self, owned: bool = False):
-        import torch.distributed as dist
-
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._owned = owned  # initialized by group_from_env: destroyed by close()
         self._objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
 
     def gather(self, obj: object) -> list:
-        import torch.distributed as dist
-
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self._objects)
         return out
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if self._owned and dist.is_initialized():
             dist.destroy_process_group()
             self._owned = False
@@ -143,8 +138,6 @@ def rank_device(device: torch.device) -> torch.device:
 def group_from_env(device: torch.device | str = "cpu") -> Group:
     """The group of this process: a TorchGroup under torchrun (WORLD_SIZE > 1, or an already initialized process
     group), initializing it with nccl when `device` is CUDA, else gloo; Group() for a process launched alone."""
-    import torch.distributed as dist
-
     device = torch.device(device)
     initialized = dist.is_available() and dist.is_initialized()
     if launched_world() <= 1 and not initialized:

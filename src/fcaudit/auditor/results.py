@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 
 from fcaudit import protocol
 from fcaudit.auditor import files
@@ -38,9 +39,8 @@ def routing_lines(replay: dict) -> list[str]:
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.sort_values(["condition", "randomization", "example"],
+    df = df.sort_values(["condition", "randomization", "example"], ignore_index=True,
                         key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
-    df = df.reset_index(drop=True)
     if "active" not in df.columns:  # audits of fcaudit before records carried it
         df["active"] = np.nan
     # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
@@ -84,30 +84,19 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
     return _sorted(pd.concat(frames, ignore_index=True))
 
 
-def expected_records(config: dict) -> list[tuple[str, int]]:
-    """The (condition, randomization) pairs a finished audit with this configuration holds."""
-    conditions = config.get("conditions") or V1_CONDITIONS
-    return [(c, r) for c in conditions if c in protocol.REGISTRY
-            for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
-
-
-def missing_files(root: Path, config: dict) -> list[str]:
-    """The expected (condition, randomization) records files that are absent or short, read from their Parquet
-    metadata only (the records themselves are read, and their hashes checked, when first used)."""
-    import pyarrow.parquet as pq
-
-    adir, n, missing = AuditDir(root), config["windows"]["n_eval"], []
-    for c, r in expected_records(config):
-        path = adir.records(c, r)
-        if not path.is_file():
-            missing.append(f"{c} r{r}")
-            continue
-        try:
-            rows = pq.read_metadata(path).num_rows
-        except Exception as e:
-            raise _damaged(files.Damaged(path, f"unreadable ({type(e).__name__})"), adir.root) from None
-        if rows != n:
-            missing.append(f"{c} r{r}")
+def missing_records(adir: AuditDir, config: dict) -> list[str]:
+    """The (condition, randomization) records files a finished audit of `config` holds that are absent or short,
+    read from their Parquet metadata only (the records themselves are read, and their hashes checked, when used)."""
+    missing = []
+    for c in config.get("conditions") or V1_CONDITIONS:
+        for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1):
+            path = adir.records(c, r)
+            try:
+                rows = pq.read_metadata(path).num_rows if path.is_file() else None
+            except Exception as e:
+                raise _damaged(files.Damaged(path, f"unreadable ({type(e).__name__})"), adir.root) from None
+            if rows != config["windows"]["n_eval"]:
+                missing.append(f"{c} r{r}")
     return missing
 
 
@@ -205,7 +194,6 @@ class AuditResult:
         (True, False)
         """
         adir = AuditDir(path)
-        rerun = f"rerun the audit command with --out {adir.root} to finish it"
         if not adir.config_path.is_file():
             raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
                                "`fcaudit audit`")
@@ -220,16 +208,17 @@ class AuditResult:
         if replay.get("passed") is False:
             raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
                                "|Δlogit|); its interventions are not valid, see replay.json")
-        missing = missing_files(adir.root, config)
+        missing = missing_records(adir, config)
         # written last, after replay.json: without it the audit was stopped before its end
         missing += [p.name for p in (adir.replay, adir.variation) if _read_json(p, adir.root) is None]
         if missing and not allow_partial:
-            what = f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-            raise FcauditError(f"{adir.root} is an unfinished audit ({what}); {rerun} (or pass --allow-partial)")
+            raise FcauditError(f"{adir.root} is an unfinished audit (lacks {', '.join(missing[:3])}"
+                               f"{' ...' if len(missing) > 3 else ''}); rerun the audit command with --out "
+                               f"{adir.root} to finish it (or pass --allow-partial)")
         if not missing:
             return cls(adir.root, config, replay)
-        records = load_records(adir.root, partial=True)  # an unfinished audit, asked for: read what is there
-        return cls(adir.root, config, replay, partial=True, _records=records)
+        # an unfinished audit, asked for: read what is there
+        return cls(adir.root, config, replay, partial=True, _records=load_records(adir.root, partial=True))
 
     @property
     def notices(self) -> tuple[str, ...]:
@@ -278,17 +267,6 @@ class AuditResult:
         Criteria(small_upper=0.002, retention_lower=0.95, confidence=0.95)
         """
         return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
-
-    @property
-    def penalties_confidence(self) -> float:
-        """The confidence level of the intervals, as the criteria fix it (`penalties(confidence=...)` overrides it).
-
-        Examples
-        --------
-        >>> result.penalties_confidence
-        0.95
-        """
-        return self.criteria.confidence
 
     def statistics(self, confidence: float | None = None, n_resamples: int = 10000) -> WindowStatistics:
         """The window-level statistics of this audit's records, the one object penalties, factor effects and

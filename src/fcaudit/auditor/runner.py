@@ -1,11 +1,10 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
-configuration, lock the audit directory, run the work units (audit.engine) and return the results. For `fcaudit
+configuration, lock the audit directory, run the work units (auditor.engine) and return the results. For `fcaudit
 audit CHECKPOINT` it also loads the checkpoint, draws its windows and finds its controller (audit_checkpoint); one
 AuditConfig carries the settings from there to the engine.
 
-Every finished unit is written atomically and verified when reused, so rerunning the same command resumes an
-interrupted audit; randomness is keyed by (seed, randomization, example), so a resumed audit yields the same records
-bit for bit as an uninterrupted one.
+Every finished unit is written atomically and verified when reused, and randomness is keyed by (seed, randomization,
+example), so rerunning the same command resumes an interrupted audit with the records of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import secrets
 import tempfile
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fcaudit import data, families, placement, protocol
+from fcaudit import api, data, families, placement, protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import AuditDir, Locked, config_hash, differences, identity, stored_identity
+from fcaudit.auditor.directory import AuditDir, config_hash, differences
 from fcaudit.auditor.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
@@ -41,10 +41,9 @@ from fcaudit.config import AuditConfig
 from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.routing import later_token_flips
 from fcaudit.controllers.site import Controller
-from fcaudit.device import as_dtype, resolve_device
+from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.hub import resolve
-from fcaudit.io import read_json, write_text
+from fcaudit.io import Locked, read_json, write_text
 from fcaudit.loss import logits_of
 from fcaudit.tokens import load_tokenizer
 
@@ -66,35 +65,47 @@ def as_windows(windows, what: str) -> tuple[torch.Tensor, object | None]:
     return ids.long().cpu(), window_set
 
 
-def check_windows(ev: torch.Tensor, ca: torch.Tensor, ev_set, ca_set) -> None:
-    if ev.shape[0] < 2:
-        raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at least 2 (--eval)")
-    if ca.shape[0] < 1:
-        raise FcauditError("no calibration windows: static profiles need at least 1 (--calib)")
-    if ev.shape[1] != ca.shape[1]:
-        raise FcauditError(f"evaluation windows have length {ev.shape[1]} but calibration windows {ca.shape[1]}; "
-                           "use one window length for both (--window)")
-    if ev.shape[1] < 2:
-        raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
-    # rows by their hash (a set of the rows' bytes would copy every evaluation window), equality checked on a match
-    evn, by_hash = ev.numpy(), {}
-    for i, row in enumerate(evn):
-        by_hash.setdefault(hash(row.tobytes()), []).append(i)
-    shared = sum(any(np.array_equal(row, evn[i]) for i in by_hash.get(hash(row.tobytes()), ())) for row in ca.numpy())
-    if shared:
-        raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
-                           "from a different split (e.g. validation) than the evaluation windows (test), or, when "
-                           "they already are (as fcaudit audit draws them), use a corpus whose text does not repeat")
-    starts = [getattr(s, "starts", None) for s in (ev_set, ca_set)]
-    if all(s is not None for s in starts) and ev_set.split == ca_set.split:
-        t = ev.shape[1]
-        e = np.sort(np.asarray(starts[0]))
-        c = np.asarray(starts[1])
-        # a calibration window [c, c+t) overlaps an eval window [e, e+t) iff some e lies in (c-t, c+t)
-        nxt = np.searchsorted(e, c - t + 1)
-        if np.any((nxt < len(e)) & (e[np.minimum(nxt, len(e) - 1)] < c + t)):
-            raise FcauditError(f"calibration windows overlap evaluation windows in split {ev_set.split!r}; "
-                               "take them from another split or non-overlapping ranges")
+@dataclass
+class Windows:
+    """An audit's evaluation and calibration ids [N, T] (int64, on the CPU) and the WindowSets they came from."""
+
+    ev: torch.Tensor
+    ev_set: object | None
+    ca: torch.Tensor
+    ca_set: object | None
+
+    @classmethod
+    def of(cls, eval_windows, calib_windows) -> "Windows":
+        return cls(*as_windows(eval_windows, "evaluation"), *as_windows(calib_windows, "calibration"))
+
+    def check(self) -> None:
+        """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where calibration
+        windows repeat or overlap evaluation windows (a real run's check: a dry run plans whatever it is given)."""
+        ev, ca = self.ev, self.ca
+        if ev.shape[0] < 2:
+            raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at "
+                               "least 2 (--eval)")
+        if ca.shape[0] < 1:
+            raise FcauditError("no calibration windows: static profiles need at least 1 (--calib)")
+        if ev.shape[1] != ca.shape[1]:
+            raise FcauditError(f"evaluation windows have length {ev.shape[1]} but calibration windows {ca.shape[1]}; "
+                               "use one window length for both (--window)")
+        if ev.shape[1] < 2:
+            raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
+        rows = {hashlib.sha256(row.tobytes()).digest() for row in ev.numpy()}  # not a copy of every window
+        if shared := sum(hashlib.sha256(row.tobytes()).digest() in rows for row in ca.numpy()):
+            raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
+                               "from a different split (e.g. validation) than the evaluation windows (test), or, "
+                               "when they already are (as fcaudit audit draws them), use a corpus whose text does not "
+                               "repeat")
+        e, c = (getattr(s, "starts", None) for s in (self.ev_set, self.ca_set))
+        if e is not None and c is not None and self.ev_set.split == self.ca_set.split:
+            t, e, c = ev.shape[1], np.sort(np.asarray(e)), np.asarray(c)
+            # a calibration window [c, c+t) overlaps an eval window [e, e+t) iff some e lies in (c-t, c+t)
+            nxt = np.searchsorted(e, c - t + 1)
+            if np.any((nxt < len(e)) & (e[np.minimum(nxt, len(e) - 1)] < c + t)):
+                raise FcauditError(f"calibration windows overlap evaluation windows in split {self.ev_set.split!r}; "
+                                   "take them from another split or non-overlapping ranges")
 
 
 # ---- model helpers ----------------------------------------------------------------------------------------------
@@ -106,8 +117,6 @@ def parameter_hash(model: nn.Module) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # the buffer: no copy
     return h.hexdigest()
-
-
 
 
 def vocab_size(model: nn.Module) -> int | None:
@@ -122,7 +131,7 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
     would give NLLs of another model; some models do not refuse them)."""
     vocab, context = vocab_size(model), families.context_length(model)
     for ids in windows:
-        if context is not None and ids.dim() == 2 and ids.shape[1] > context:
+        if context is not None and ids.shape[1] > context:
             raise FcauditError(f"windows of {ids.shape[1]} tokens exceed the model's context of {context} positions; "
                                f"pass windows of at most {context} tokens (--window {context})")
         if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
@@ -144,14 +153,12 @@ ROUTING_CHECK_PASSES = 2  # and for a controller with routers, the causality che
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
                      loss_fn: LossFn | None) -> str | None:
     """Two single-window forward passes on window 0 that check the controller is read as the audit assumes:
-    - captured alone, its coefficients must be its row of the batch's capture (else an error): a layout that names
-      the axes of a flattened output in the wrong order ("(token batch)" for "(batch token)") passes the exact
-      replay check but moves coefficients between windows;
-    - replaying zeros for every coefficient (token routers: for their scores) should change its logits. When it
-      does not, returns a notice: either the coefficients have no effect (e.g. gated branches that output zero at
-      initialization), or the model does not use what its sites return (it keeps the gate's value in an
-      attribute), and then every replay measures nothing. The logits cannot tell the two apart. A codec that
-      refuses all-zero coefficients skips this."""
+    - captured alone, its coefficients must be its row of the batch's (else an error): a layout naming a flattened
+      output's axes in the wrong order ("(token batch)") passes the exact replay check but moves coefficients
+      between windows;
+    - replaying zeros (token routers: zero scores) should change the logits. When it does not, returns a notice:
+      the coefficients have no effect, or the model does not use what its sites return (it keeps the gate's value
+      in an attribute), and every replay measures nothing. A codec that refuses all-zero coefficients skips this."""
     one = first[:1]
     alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
     if first.shape[0] > 1:
@@ -174,10 +181,9 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
         # token routers keep their choices (a block on no token is no k-set) and lose their scores
         with controller.replay([a * a.new_tensor([0.0, 1.0]) if s.codec.routing == "tokens" else torch.zeros_like(a)
                                 for s, a in zip(controller.sites, alone)]):
-            unchanged = torch.equal(logits_of(model(one)), logits_alone)
+            if not torch.equal(logits_of(model(one)), logits_alone):
+                return None
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
-        return None
-    if not unchanged:
         return None
     return ("note: replaying zeros for every coefficient leaves the logits unchanged: the coefficients have no effect "
             "on this model, or it does not use what its sites return (e.g. it keeps the gate's value in an "
@@ -259,43 +265,7 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
 
-def _activation_bytes(model: nn.Module, controller: Controller, one: torch.Tensor) -> int:
-    """Memory one forward pass of one window allocates beyond the parameters at its peak, after a warm-up pass (lazy
-    tables built): from CUDA's allocator statistics on a GPU, from the tensors its ops make on the CPU."""
-    device = one.device
-    with torch.inference_mode():
-        capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            capture_batch(model, controller, one, None)
-            return int(torch.cuda.max_memory_allocated(device) - base)
-        with _PeakBytes() as counted:
-            capture_batch(model, controller, one, None)
-        return counted.peak
-
-
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
-
-
-def _share(n: int, rank: int, world: int) -> int:
-    """How many of n units `units.split` gives `rank`: every world-th one from index `rank`."""
-    return max(0, -(-(n - rank) // world))
-
-
-def passes_per_rank(sched: Schedule, world: int) -> list[int]:
-    """Each rank's forward passes (`units.split` of stage 1 and of stage 2), counted without listing the units."""
-    ne, nc = len(range(0, sched.n_eval, sched.batch_size)), len(range(0, sched.n_calib, sched.batch_size))
-    replays = runs(sched) * ne
-    # stage 1: the captures (2 passes each), then the calibration batches (1 each)
-    return [_share(ne, k, world) + _share(ne + nc, k, world) + _share(replays, k, world) for k in range(world)]
-
-
-def runs(sched: Schedule) -> int:
-    """The (condition, randomization) pairs of stage 2, counted without listing them."""
-    static = sum(protocol.REGISTRY[c].kind == "static" for c in sched.conditions)
-    return static + sched.randomizations * sum(protocol.REGISTRY[c].randomized for c in sched.conditions)
 
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
@@ -338,23 +308,24 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     """
     config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
     ev, _ = as_windows(eval_windows, "evaluation")
-    ca = None if calib_windows is None else as_windows(calib_windows, "calibration")[0]
-    return _plan(model, controller, (ev, ca), config)
-
-
-def _plan(model: nn.Module, controller: Controller, windows: tuple, config: AuditConfig) -> AuditPlan:
-    """`plan` of window ids (ev, ca or None) with the sizes of `config`; nothing grows with the randomizations."""
-    ev, ca = windows
+    n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
-    n_calib = 0 if ca is None else ca.shape[0]
     device = placement.input_device(model)
+    one, cuda = ev[:1].to(device), device.type == "cuda"
     was_training = model.training
     model.eval()
     try:
-        one = ev[:1].to(device)
-        acts = _activation_bytes(model, controller, one)
         with torch.inference_mode():
-            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+            capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            # what one window's forward pass allocates beyond the parameters at its peak: from CUDA's allocator
+            # statistics on a GPU, from the tensors its ops make on the CPU
+            with nullcontext() if cuda else _PeakBytes() as counted:
+                coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+            acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
     finally:
         model.train(was_training)
     check_finite(coeffs, "a 1-window forward")
@@ -362,20 +333,17 @@ def _plan(model: nn.Module, controller: Controller, windows: tuple, config: Audi
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     conditions = protocol.for_controller(controller.info)
-    world, batch = config.world_size or 1, config.batch_size
+    world, batch = config.world_size, config.batch_size
     sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
     store = per_window * ev.shape[0]
-    planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (runs(sched) + 1) * RUN_BYTES
+    planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
                      store, sched.forward_passes(), param_bytes, acts,
                      param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
-                     passes_per_rank(sched, world), str(device) if keeps_store_on(device, store) else None,
+                     sched.passes_per_rank(world), str(device) if keeps_store_on(device, store) else None,
                      sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
                      planned)
-
-
-dry_run = plan
 
 
 def against_out(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig,
@@ -386,9 +354,7 @@ def against_out(model: nn.Module, controller: Controller, windows: Windows, conf
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
         return None
-    changed = differences(stored_identity(current),
-                          identity(_config(model, controller, windows, config, planned.coeff_dtype)))
-    if changed:
+    if changed := differences(current, _config(model, controller, windows, config, planned.coeff_dtype)):
         return f"note: {config.out} holds an audit with another configuration (differs in {changed}): the real run " \
                "would refuse it; pass a new --out"
     return f"note: {config.out} holds this audit: the real run resumes it"
@@ -396,39 +362,22 @@ def against_out(model: nn.Module, controller: Controller, windows: Windows, conf
 
 # ---- the audit --------------------------------------------------------------------------------------------------
 
-@dataclass
-class Windows:
-    """An audit's evaluation and calibration ids [N, T] (int64, on the CPU) and the WindowSets they came from."""
-
-    ev: torch.Tensor
-    ca: torch.Tensor
-    ev_set: object | None = None
-    ca_set: object | None = None
-
-    @classmethod
-    def of(cls, eval_windows, calib_windows) -> "Windows":
-        (ev, ev_set), (ca, ca_set) = as_windows(eval_windows, "evaluation"), as_windows(calib_windows, "calibration")
-        return cls(ev, ca, ev_set, ca_set)
-
-
 def _config(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, coeff_dtype: str) -> dict:
     """config.json's content: the settings, the windows, the model and its controller."""
     ev, ca = windows.ev, windows.ca
     described = {"n_eval": int(ev.shape[0]), "n_calib": int(ca.shape[0]), "window": int(ev.shape[1]),
                  "eval_sha256": tensor_sha256(ev), "calib_sha256": tensor_sha256(ca)}
     for name, s in (("eval", windows.ev_set), ("calib", windows.ca_set)):
-        if s is not None and getattr(s, "split", None) is not None:
+        if getattr(s, "split", None) is not None:
             described[f"{name}_split"] = s.split
     model_desc = {**(config.model_info or {}), "class": type(model).__name__,
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
-    settings = config.to_json()
     routing = routing_checks(model, controller, ev[:config.batch_size])
-    return {"format": 2, **{k: settings[k] for k in ("seed", "randomizations", "batch_size", "tolerance")},
-            "conditions": list(protocol.for_controller(controller.info)), "windows": described, "model": model_desc,
-            "controller": controller.describe(), "labels": controller.labels, "loss": settings["loss"],
-            "criteria": settings["criteria"], **({"routing": routing} if routing else {})}
+    return {"format": 2, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
+            "windows": described, "model": model_desc, "controller": controller.describe(),
+            "labels": controller.labels, **({"routing": routing} if routing else {})}
 
 
 def routing_checks(model: nn.Module, controller: Controller, probe: torch.Tensor) -> dict:
@@ -436,8 +385,7 @@ def routing_checks(model: nn.Module, controller: Controller, probe: torch.Tensor
     (decisions at earlier positions that change when only the last quarter of each window does: above 0 the
     router cannot decode autoregressively as it is) and, for token routers, why the scalar static conditions are
     not offered. Recorded in config.json and replay.json; empty for other controllers."""
-    sites = [s.codec for s in controller.sites]
-    if not any(c.top_k is not None or c.routing for c in sites):
+    if not any(s.codec.top_k is not None or s.codec.routing for s in controller.sites):
         return {}
     ids = probe.to(placement.input_device(model))
     vocab = vocab_size(model) or int(ids.max()) + 1
@@ -459,9 +407,9 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
 
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
-    """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, a notice of
-    `check_sites_read` or None). The probe is the first evaluation batch's capture (coefficients, logits, NLL):
-    stage 1 uses it for that batch."""
+    """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, the notices
+    of the checks). The probe is the first evaluation batch's capture (coefficients, logits, NLL): stage 1 uses it
+    for that batch."""
     if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
@@ -469,16 +417,14 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
         raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
                            f"{type(controller).__name__}")
     modules = {id(m) for m in model.modules()}
-    foreign = [s.path for s in controller.sites if id(s.module) not in modules]
-    if foreign:
+    if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
         raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
-    ev, ca = windows.ev, windows.ca
-    check_windows(ev, ca, windows.ev_set, windows.ca_set)
-    check_ids(model, ev, ca)
+    windows.check()
+    check_ids(model, windows.ev, windows.ca)
     # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
     # it also fixes each site's codec metadata, so every replay decodes alike on every rank
-    first = ev[:config.batch_size].to(placement.input_device(model))
+    first = windows.ev[:config.batch_size].to(placement.input_device(model))
     try:
         probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
     except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
@@ -532,18 +478,16 @@ def _check_shared(adir: AuditDir, group: Group) -> None:
 
 def _check_same(configs: list[dict]) -> None:
     """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
-    digests = [config_hash(c) for c in configs]
-    if len(set(digests)) > 1:
-        odd = next(k for k, d in enumerate(digests) if d != digests[0])
-        fields = differences(identity(configs[0]), identity(configs[odd]))
-        raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (differs in {fields}); give "
-                           "every node the same checkpoint and corpus")
+    first = config_hash(configs[0])
+    if (odd := next((k for k, c in enumerate(configs) if config_hash(c) != first), None)) is not None:
+        raise FcauditError(f"rank {odd} has another audit configuration than rank 0 (differs in "
+                           f"{differences(configs[0], configs[odd])}); give every node the same checkpoint and corpus")
 
 
 def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
           seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
           loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
-          group: Group | None = None) -> AuditResult:
+          config: AuditConfig | None = None, group: Group | None = None) -> AuditResult:
     """Run (or resume) a Frozen-Controller Audit of `model` and return its results, also written to `out`.
 
     The audit runs the unmodified model once and caches every site's coefficients, checks that replaying that cache
@@ -581,6 +525,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         as training seeds (default: class and size), "checkpoint" where it came from.
     quiet
         No progress bar or summary table.
+    config : fcaudit.AuditConfig, optional
+        All the settings above in one object, instead of the keywords (then leave them out).
     group
         The processes sharing this audit (default: this process alone); under torchrun pass
         `fcaudit.auditor.group_from_env(device)` and every rank runs its share of the work units.
@@ -629,29 +575,26 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
 
     The examples of `fca.AuditResult`, `fca.plan`, `fca.summarize` and `fca.build_report` continue this one.
     """
-    config = AuditConfig(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size,
-                         tolerance=tolerance, loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)
-    return run(model, controller, (eval_windows, calib_windows), config, group)
-
-
-def run(model: nn.Module, controller: Controller, windows: tuple | Windows, config: AuditConfig,
-        group: Group | None = None) -> AuditResult:
-    """`audit` with its settings in one AuditConfig; `windows`: (eval_windows, calib_windows) or Windows."""
+    settings = dict(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
+                    loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)
+    if config is None:
+        config = AuditConfig(**settings)
+    elif given := [k for k, v in settings.items() if v is not None and v != getattr(AuditConfig(), k)]:
+        raise FcauditError(f"pass the settings in config= or as keywords, not both (got config= and {given})")
     group = group or Group()
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             # an agreed phase: bad input on any rank stops every rank with its one-line error
-            windows = windows if isinstance(windows, Windows) else group.run(lambda: Windows.of(*windows))
+            windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
             probe, saved, notices = group.run(lambda: _prepare(model, controller, windows, config, group.world))
             if notices and group.is_main:  # printed even when quiet: it may mean the results measure nothing
                 Console(stderr=True, highlight=False).print("\n".join(notices), soft_wrap=True)
             if config.out is None:
                 config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
             adir = AuditDir(config.out)
-            configs = group.gather(saved)
-            group.run(lambda: _check_same(configs))
+            group.run(lambda: _check_same(group.gather(saved)))
             try:
                 # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
                 # process (or a refused configuration) stops every rank with the same error instead of leaving the
@@ -691,7 +634,7 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
     active = ("tokens run" if rep.get("routing_note") else "experts" if rep.get("route_flips") is not None
               else "active")
     table.add_column("condition", overflow="fold")
-    for col in ("mean ΔNLL", f"{100 * result.penalties_confidence:g}% CI", "MC SE", active):
+    for col in ("mean ΔNLL", f"{100 * result.criteria.confidence:g}% CI", "MC SE", active):
         table.add_column(col, justify="right", no_wrap=True)
     for _, row in result.penalties().to_frame().iterrows():
         table.add_row(row["label"], f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
@@ -715,22 +658,21 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
             Path(p).resolve() for p in (config.out, checkpoint) if p is not None}:
         raise FcauditError(f"--offload-folder {config.offload_folder} is the audit's --out or the checkpoint: pass a "
                            "directory of its own (it receives a copy of the offloaded weights)")
-    if config.device_map is not None and config.dry_run and launched_world() > 1:
-        raise FcauditError("--device-map spreads one model in one process: a dry run for several processes "
-                           "(--world-size) plans a run that would be refused; drop one of them")
+    if config.dry_run:  # AuditConfig refuses a device map planned for several processes
+        config = replace(config, world_size=config.world_size or launched_world())
     device = rank_device(resolve_device(config.device))
     group = Group() if config.dry_run else group_from_env(device)
     group.on_failure = ignore_sigterm
     try:
         # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
-        model, controller, windows, config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
+        model, controller, (ev, ca), config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
         if not config.dry_run:
-            return run(model, controller, windows, config, group)
-        config = replace(config, world_size=config.world_size or launched_world())
-        planned = _plan(model, controller, (windows.ev, windows.ca), config)
+            return audit(model, controller, ev, ca, config=config, group=group)
+        planned = plan(model, controller, ev, ca, batch_size=config.batch_size, randomizations=config.randomizations,
+                       world_size=config.world_size)
         if launched_rank() == 0:
             print(planned)
-            if note := against_out(model, controller, windows, config, planned):
+            if note := against_out(model, controller, Windows.of(ev, ca), config, planned):
                 print(note)
         return planned
     finally:
@@ -738,38 +680,34 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
 
 
 def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.device, world: int) -> tuple:
-    """(model, controller, windows, config with the model's description) of a checkpoint on a corpus; a bad --out or
-    launch fails before anything is loaded."""
+    """(model, controller, (eval, calib) WindowSets, config with the model's description) of a checkpoint on a
+    corpus; a bad --out or launch fails before anything is loaded."""
     if not config.dry_run:
         AuditDir(config.out).check(checkpoint)
         if config.world_size is not None and config.world_size != world:
             raise FcauditError(f"--world-size {config.world_size} but this run has {world} process(es); launch with "
                                f"torchrun --nproc_per_node={config.world_size} (or drop --world-size, which is for "
                                "--dry-run)")
-    placed = {}
-    if config.device_map is not None:
-        if not config.dry_run and world > 1:
+        if config.device_map is not None and world > 1:
             raise FcauditError(f"--device-map spreads one model over this machine's devices, but torchrun started "
                                f"{world} processes, each of which would load it whole: run one process, or drop "
                                "--device-map")
-        placed = {"device_map": placement.parse_device_map(config.device_map), "offload_folder": config.offload_folder}
-    ckpt_dir = resolve(checkpoint, config.revision)
-    model, _ = families.load_model(ckpt_dir, device=device, dtype=None if config.dtype is None else as_dtype(config.dtype),
-                          **placed)
+    model = api.load(checkpoint, device=device, dtype=config.dtype, revision=config.revision,
+                     device_map=None if config.device_map is None else placement.parse_device_map(config.device_map),
+                     offload_folder=config.offload_folder)
+    ckpt_dir = Path(model.fcaudit_meta["checkpoint"])
     cap = families.DEFAULT_WINDOW_CAP
     window = config.window or min(families.context_length(model) or cap, cap)
-    tokenizer = None
-    if (ckpt_dir / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(ckpt_dir)
+    tokenizer = load_tokenizer(ckpt_dir) if (ckpt_dir / "tokenizer.json").is_file() else None
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if tokenizer is None and vocab is not None and vocab != 256:
         raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the checkpoint's "
                            "tokenizer.json in its directory")
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
-    ev, ca = data.audit_windows(corp, config.n_eval, config.n_calib, window, config.seed)
     info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
             "revision": config.revision, "corpus": corp.describe()}
-    return model, families.controller_for(model), Windows.of(ev, ca), replace(config, model_info=info)
+    return (model, families.controller_for(model), data.audit_windows(corp, config.n_eval, config.n_calib, window,
+                                                                       config.seed), replace(config, model_info=info))
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:

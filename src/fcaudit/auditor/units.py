@@ -30,11 +30,6 @@ class Unit:
         """Forward passes the unit runs (capture: the capture and the exact replay check)."""
         return 2 if self.kind == "capture" else 1
 
-    def __str__(self) -> str:
-        if self.kind == "replay":
-            return f"{self.condition} r{self.r} windows {self.start}+"
-        return f"{self.kind} windows {self.start}+"
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -52,9 +47,6 @@ class Schedule:
     def calib_starts(self) -> list[int]:
         return list(range(0, self.n_calib, self.batch_size))
 
-    def stage1(self) -> list[Unit]:
-        return list(self.iter_stage1())
-
     def iter_stage1(self) -> Iterator[Unit]:
         yield from (Unit("capture", b) for b in self.eval_starts)
         yield from (Unit("calibrate", b) for b in self.calib_starts)
@@ -66,9 +58,6 @@ class Schedule:
                       if protocol.REGISTRY[c].randomized]
         return static + randomized
 
-    def stage2(self) -> list[Unit]:
-        return list(self.iter_stage2())
-
     def iter_stage2(self) -> Iterator[Unit]:
         """Generated on demand: an audit's unit list is never held in memory (it grows with the windows)."""
         return (Unit("replay", b, c, r) for c, r in self.replay_keys() for b in self.eval_starts)
@@ -76,16 +65,27 @@ class Schedule:
     def record_keys(self) -> list[tuple[str, int]]:
         return [("Correct", 0)] + self.replay_keys()
 
+    def runs(self) -> int:
+        """len(replay_keys()), counted without listing them."""
+        static = sum(protocol.REGISTRY[c].kind == "static" for c in self.conditions)
+        return static + self.randomizations * sum(protocol.REGISTRY[c].randomized for c in self.conditions)
+
     def forward_passes(self) -> int:
         return protocol.forward_passes(self.conditions, math.ceil(self.n_eval / self.batch_size),
                                        math.ceil(self.n_calib / self.batch_size), self.randomizations)
 
+    def passes_per_rank(self, world: int) -> list[int]:
+        """Each rank's forward passes under `share` of stage 1 and of stage 2, counted without listing the units."""
+        ne, nc = math.ceil(self.n_eval / self.batch_size), math.ceil(self.n_calib / self.batch_size)
+        replays = self.runs() * ne
 
-def split(units: list[Unit], rank: int, world: int) -> list[Unit]:
-    """Rank `rank`'s share: every world-th unit, so each rank gets a mix of conditions and batches."""
-    return units[rank::world]
+        def of(n: int, rank: int) -> int:  # how many of n units are `rank`'s: every world-th one from index `rank`
+            return max(0, -(-(n - rank) // world))
+
+        # stage 1: the captures (2 passes each), then the calibration batches (1 each)
+        return [of(ne, k) + of(ne + nc, k) + of(replays, k) for k in range(world)]
 
 
 def share(units: Iterable[Unit], rank: int, world: int) -> Iterator[Unit]:
-    """`split` of a generated unit sequence, without holding it."""
+    """Rank `rank`'s share: every world-th unit, so each rank gets a mix of conditions and batches."""
     return islice(units, rank, None, world)
