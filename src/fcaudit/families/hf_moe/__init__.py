@@ -15,8 +15,7 @@ from torch import nn
 
 from fcaudit.families import Family, register
 from fcaudit.families.hf_moe.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
-from fcaudit.families.hf_moe.discover import (MoeAdapter, MoeSite, ensure_eager_experts, find_routers, is_moe,
-                                              moe_adapter, moe_controller)
+from fcaudit.families.hf_moe.discover import ensure_eager_experts, is_moe, moe_controller
 from fcaudit.families.hf_moe.execution import expert_execution
 from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require_transformers
 from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
@@ -80,5 +79,5 @@ register(Family(
     device_maps=True,
 ))
 
-__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "MoeSite", "MoeAdapter", "find_routers",
-           "moe_adapter", "moe_controller", "ensure_eager_experts", "load_hf_moe", "looks_like_hf_moe", "require_transformers"]
+__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "moe_controller", "ensure_eager_experts",
+           "load_hf_moe", "looks_like_hf_moe", "require_transformers"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,40 +37,6 @@ SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRoute
                       "DeepseekV3TopkRouter", "GptOssTopKRouter", "Llama4Router")
 PROBE_TOKENS = 4
 REPEAT_TOLERANCE = 1e-3  # "repeat" padding: the probe's bound on the output's change, relative to its largest value
-
-
-@dataclass
-class MoeSite:
-    """One controller site: a module path, the module, and the codec between its output and canonical form."""
-
-    path: str
-    module: nn.Module = field(repr=False)
-    codec: Codec = field(repr=False)
-    kind: str  # "router" (combine vector over experts) or "shared_gate" (one scalar per token)
-    experts_path: str | None = None  # the experts module a router feeds
-
-
-@dataclass
-class MoeAdapter:
-    """The sites of one MoE model plus the labels its static and reference conditions carry."""
-
-    sites: list[MoeSite]
-    description: str
-    experts_implementation_before: str  # what the model ran before the switch to eager
-    static_name: str = "StaticMixMean"
-    reference: str = "source_uniform_mean"  # m_l / E for every expert
-    reference_name: str = "ExpertUniformMean"
-
-    @property
-    def routers(self) -> list[MoeSite]:
-        return [s for s in self.sites if s.kind == "router"]
-
-    def describe(self) -> dict:
-        return {"description": self.description, "sites": [s.path for s in self.sites],
-                "kinds": [s.kind for s in self.sites], "codecs": [s.codec.describe() for s in self.sites],
-                "top_k": [s.codec.top_k for s in self.sites], "reference": self.reference,
-                "labels": {"StaticProfile": self.static_name, "StructureRemoved": self.reference_name},
-                "experts_implementation": "eager", "experts_implementation_before": self.experts_implementation_before}
 
 
 def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
@@ -301,47 +267,35 @@ def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weig
                                          f"weight 0 they {failed['repeat']}")
 
 
-def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite]:
-    """The MoE controller sites of `model` in module order (switches its experts to eager first)."""
-    cands = _candidates(model)
-    if not cands:
-        raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts attributes "
-                           f"next to an experts module); fcaudit audits transformers>=5 MoE models like Mixtral")
-    ensure_eager_experts(model)
-    _probe(model, cands)
-    sites = []
-    for c in cands:
-        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
-            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
-        sites.append(MoeSite(c.path, c.module, codec, "router", c.experts_path))
-        if shared_gates:
-            sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]
-    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
-    return sorted(sites, key=lambda s: order[s.path])
-
-
-def moe_adapter(model: nn.Module, *, shared_gates: bool = True) -> MoeAdapter:
-    """Sites and condition labels of an MoE model, as plain data for the engine's Controller."""
+def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller:
+    """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec, in module
+    order. Switches its experts to eager first, and back when the model cannot be audited."""
     before = ensure_eager_experts(model)
     try:
-        sites = find_routers(model, shared_gates=shared_gates)
+        cands = _candidates(model)
+        if not cands:
+            raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts "
+                               "attributes next to an experts module); fcaudit audits transformers>=5 MoE models like "
+                               "Mixtral")
+        _probe(model, cands)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    routers = [s for s in sites if s.kind == "router"]
-    desc = (f"{type(model).__name__}: {len(routers)} top-{routers[0].codec.top_k} routers over "
-            f"{routers[0].codec.num_experts} experts ({type(routers[0].module).__name__})"
-            + (f", {len(sites) - len(routers)} shared-expert gates" if len(sites) > len(routers) else ""))
-    return MoeAdapter(sites, desc, before)
-
-
-def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller:
-    """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec."""
-    adapter = moe_adapter(model, shared_gates=shared_gates)
-    return Controller([Site(s.path, s.module, codec=s.codec) for s in adapter.sites], static_name=adapter.static_name,
-                      reference=adapter.reference, reference_name=adapter.reference_name,
-                      description=adapter.description)
+    sites = []
+    for c in cands:
+        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
+            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
+        sites.append(Site(c.path, c.module, codec=codec))
+        if shared_gates:
+            sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths]
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    sites.sort(key=lambda s: order[s.path])
+    gates = len(sites) - len(cands)
+    desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
+            f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
+    return Controller(sites, static_name="StaticMixMean", reference="source_uniform_mean",
+                      reference_name="ExpertUniformMean", description=desc)
 
 
 def is_moe(model: nn.Module) -> bool:
