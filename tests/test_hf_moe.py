@@ -260,7 +260,7 @@ def test_llama4_score_router_replays_bit_exact_and_its_experts_all_run(dtype):
             s.module.weight.fill_(float("nan"))
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
     execution = expert_execution(model, ids, ctrl)
-    assert (execution.experts_per_token == E).all() and execution.summary()["active_fraction"] == 1.0
+    assert (execution.experts_per_token == E).all() and execution.summary()["active_expert_fraction"] == 1.0
 
 
 def test_llama4_audit_with_a_zero_router_gives_exactly_zero_for_assignments(tmp_path):
@@ -331,7 +331,7 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
     cap = capture(model, ctrl, ids)
     correct = expert_execution(model, ids, ctrl)
     assert correct.experts_per_token.shape == (2, 4, 12) and (correct.experts_per_token == K).all()
-    assert correct.summary()["active_fraction"] == pytest.approx(K / E)
+    assert correct.summary()["active_expert_fraction"] == pytest.approx(K / E)
     # A static dense mixture: every token gets the batch mean, with expert 0 never selected in layer 0.
     static = []
     for s, c in zip(ctrl.sites, cap.coefficients):

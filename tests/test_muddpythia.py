@@ -168,7 +168,7 @@ def test_missing_extra_and_misshaped_keys_are_named(tmp_path):
         path = _broken_checkpoint(tmp_path / name, edit)
         with pytest.raises(FcauditError) as err:
             from_pretrained(path)
-        assert f"'{key}'" in str(err.value) and "\n" not in str(err.value)
+        assert key in str(err.value) and "\n" not in str(err.value)
 
 
 def test_bad_paths_and_offline_hub_give_one_line_errors(tmp_path, monkeypatch):

@@ -58,9 +58,7 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
 def _execution(model: nn.Module, ids: torch.Tensor, controller=None, coefficients=None) -> dict:
     """Experts run per token and expert FLOPs per token (measured) against running every expert, for the live
     router or, with `coefficients`, replayed ones."""
-    s = expert_execution(model, ids, controller, coefficients).summary()
-    return {"experts_per_token": s["experts_per_token"], "expert_flops_per_token": s["expert_flops_per_token"],
-            "all_experts_flops_per_token": s["dense_flops_per_token"], "active_expert_fraction": s["active_fraction"]}
+    return expert_execution(model, ids, controller, coefficients).summary()
 
 
 register(Family(
