@@ -2,8 +2,8 @@
 
     h[l+1, t] = h[l, t] + g[l, t](x) * F_l(h_l)[t],     F_l(h) = a + m,  a = attn(ln1(h)),  m = mlp(ln2(h + a))
 
-F_l is the whole block update (attention and MLP together), so one scalar per token and layer scales it.
-Variants (GPTConfig.variant), all executing every block:
+F_l is the whole block update, so one scalar per token and layer scales it. Variants (GPTConfig.variant), all
+executing every block:
 
     dense            g = 1: no gate module and no multiplication (`block.gate is None`)
     fixeddepth       dense with n_layer = k blocks
@@ -13,18 +13,12 @@ Variants (GPTConfig.variant), all executing every block:
     layerstatic      one learned coefficient sigmoid(w_l) per layer
     featuregate      a per-token controller (FeatureGate below) maps features of block l to g in (0, 1)
 
-Every gated variant's gate is the module `model.blocks[l].gate`; its forward returns g of shape [B, T] (constants
-are expanded), so an audit treats all variants alike: replacing that forward disables the controller, features
-included. Learned gates start at sigmoid(w) = 0.6.
-
-Every variant computes its attention output by F.scaled_dot_product_attention, in training, evaluation, audits and
-timing alike, so a comparison of variants measures the gates and FeatureGate's controller is its only extra work.
-The controller's features need statistics of this block's and the previous block's attention; the gate computes
-them from their q, k by torch ops over tiles of query rows (never a [T, T] map). Each block hands its q, k to the
-next gate in an `Attention` made per forward pass, with the lse once its own gate has computed it.
-
-The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
-this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
+Every gated variant's gate is the module `model.blocks[l].gate`, whose forward returns g [B, T], so an audit treats
+all variants alike. Every variant computes its attention by F.scaled_dot_product_attention in every mode, so a
+comparison of variants measures the gates: FeatureGate's controller is its only extra work. Its features are
+computed from this block's and the previous block's q, k by torch ops over tiles of query rows (never a [T, T] map).
+The head is tied to the token embedding, which gives the paper's parameter counts (paper-76m: 75.94M, paper-504m:
+504.3M; `model.n_params()`).
 """
 
 import math
@@ -190,10 +184,8 @@ def _score_tiles(q: torch.Tensor, k: torch.Tensor):
 def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = True):
     """One pass over tiles of a block's scores S: its lse into att.lse and, with `stats`, the per-head entropy
     -sum_s P log P and (with another block's `cross`) the cross score sum_s P S' = q'_t . (P K')_t, [B, H, T] each.
-
-    Each row is shifted by its maximum, x = S - max; log_z = -log max_s P comes from the one softmax (max_s P >=
-    1 / (t + 1), so the log never underflows), lse = max + log_z and H = log_z - sum_s P x: sums of terms of the size
-    of log P, which do not cancel. The lse has the same bits with or without `stats`."""
+    With x = S - max, log_z = -log max_s P (>= -log(t + 1): no underflow), lse = max + log_z and
+    H = log_z - sum_s P x: sums of terms the size of log P, which do not cancel."""
     B, H, T, _ = att.q.shape
     q, k = att.flat()
     lse = q.new_empty(B * H, T, 1)
