@@ -183,12 +183,9 @@ def split_score_output(output, num_experts: int, where: str = "router") -> tuple
 
 
 class ScoreRouterCodec(Codec):
-    """A router returning dense scores: (router_scores [N, E], router_logits [N, E]), the scores zero off each
-    token's top-k (Llama 4: the sigmoid of the top-k logits, 0 elsewhere). Its block scales every expert's input by
-    the expert's score, so the scores are the coefficient as they are: canonical [batch, token, 1, E]; decode returns
-    them with log-score placeholder logits (finfo.min off the support; the block only passes the logits on, for the
-    auxiliary loss). Replay needs no padding: a score of 0 is a zero input to that expert. transformers' Llama 4
-    computes every expert for every token this way, so its routing saves no work (`fcaudit execution` counts E)."""
+    """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
+    top-k logits, 0 elsewhere). No padding is needed: a score of 0 is a zero input to that expert, though
+    transformers' Llama 4 computes every expert for every token (`fcaudit execution` counts E)."""
 
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 

@@ -1,16 +1,12 @@
 """Finding the controller sites of a Hugging Face MoE model by structure, not by class name.
 
-A router is a module with a top-k attribute (`top_k`, `num_experts_per_tok`) and an expert-count attribute
-(`num_experts`, `num_local_experts`, `n_routed_experts`), holding a [num_experts, hidden] weight, next to an
-experts module (a sibling holding num_experts experts as 3-D weights or a ModuleList). One probe forward pass
-(4 tokens) then checks what makes the codec valid: the router returns (router_logits, top_k_weights,
-top_k_index), those very tensors are what the experts module receives, and the experts' output stays the same
-when a slot is padded: bit for bit with the sentinel index num_experts (which the eager loop skips), or else to
-within rounding with a repeated expert at weight 0. A router that returns (router_scores, router_logits) instead
-(Llama 4) is a score router if its scores select at most top_k experts per token (ScoreRouterCodec; the audit's
-exact replay check is what shows its block reads nothing else of the router). A router failing a check gets a
-one-line FcauditError naming its class and the closest supported router. A Linear(hidden, 1) sibling of a router
-(Qwen2-MoE's shared_expert_gate) is a second site kind: one scalar per token.
+A router is a module with a top-k and an expert-count attribute and a [num_experts, hidden] weight, beside an experts
+module (num_experts experts as 3-D weights or a ModuleList). One probe forward pass checks what makes its codec
+valid: it returns (router_logits, top_k_weights, top_k_index), those very tensors reach the experts, and the experts
+take a padded slot (bit for bit with the sentinel index num_experts, or within rounding with a repeated expert at
+weight 0); or it returns (router_scores, router_logits) with at most top_k experts scored per token (Llama 4).
+A router failing a check gets one line naming its class and the closest supported router. A Linear(hidden, 1)
+sibling of a router (Qwen2-MoE's shared_expert_gate) is a second kind of site: one scalar per token.
 """
 
 from __future__ import annotations
@@ -39,20 +35,18 @@ PROBE_TOKENS = 4
 REPEAT_TOLERANCE = 1e-3  # "repeat" padding: the probe's bound on the output's change, relative to its largest value
 
 
+def _counts(m: nn.Module, names: tuple[str, ...]) -> list[int]:
+    return [v for n in names if isinstance(v := getattr(m, n, None), int) and not isinstance(v, bool) and v > 0]
+
+
 def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
-    for n in names:
-        v = getattr(m, n, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+    return next(iter(_counts(m, names)), None)
 
 
 def _router_experts(m: nn.Module) -> int | None:
     """A router-like module's expert count: the first of its counts that its [num_experts, hidden] weight has rows
     for (or its first count, when no weight matches: then it is no router)."""
-    counts = [v for n in NUM_EXPERTS_NAMES if isinstance(v := getattr(m, n, None), int) and not isinstance(v, bool)
-              and v > 0]
-    rows = {p.shape[0] for p in m.parameters() if p.dim() == 2}
+    counts, rows = _counts(m, NUM_EXPERTS_NAMES), {p.shape[0] for p in m.parameters() if p.dim() == 2}
     return next((v for v in counts if v in rows), counts[0] if counts else None)
 
 
@@ -64,12 +58,8 @@ def _holds_experts(m: nn.Module, num_experts: int) -> bool:
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that hold num_experts experts (their own expert-count attribute and 3-D weights)."""
-    out = {}
-    for path, m in model.named_modules():
-        E = _int_attr(m, NUM_EXPERTS_NAMES)
-        if E is not None and _holds_experts(m, E):
-            out[path] = m
-    return out
+    return {path: m for path, m in model.named_modules()
+            if (E := _int_attr(m, NUM_EXPERTS_NAMES)) is not None and _holds_experts(m, E)}
 
 
 def _closest(cls_name: str) -> str:
@@ -198,7 +188,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
 
 
-def _off_cpu(t: torch.Tensor) -> bool:
+def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an accelerator
     return t.device.type != "cpu"
 
 
@@ -236,12 +226,10 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
-    """How decode may pad a row beyond its support (codecs.PADDINGS). "sentinel": one more slot of (index
-    num_experts, weight 0) leaves the experts' output bit-identical. Else "repeat" (experts that cannot take the
-    index num_experts, like GPT-OSS's): one more slot repeating each token's first expert at weight 0 adds an exact 0,
-    but gives that expert's matmul more rows, which may change the rounding of its other rows (float matmuls are not
-    row-count invariant), so it must agree to REPEAT_TOLERANCE of the output's largest value (or 4 units of rounding
-    of the dtype, when coarser): a slot not weighted 0 would move a token's output by a whole expert's."""
+    """How decode may pad a row beyond its support (codecs.PADDINGS): "sentinel" if one more slot (num_experts,
+    weight 0) leaves the experts' output bit-identical, else "repeat" if one more slot repeating each token's first
+    expert at weight 0 keeps it within REPEAT_TOLERANCE of its largest value (or 4 ulps of the dtype): more matmul
+    rows may move the rounding, but a slot not weighted 0 would move a token's output by a whole expert's."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
