@@ -379,9 +379,3 @@ class FeatureGateGPT(GPT):
         if not return_gates:
             return logits
         return logits, (torch.stack(gates) if self.config.gated else None)
-
-    @torch.no_grad()
-    def gate_mass(self, ids: torch.Tensor) -> float:
-        """Mean gate over tokens and layers (1.0 for the ungated variants)."""
-        _, gates = self(ids, return_gates=True)
-        return 1.0 if gates is None else gates.float().mean().item()

@@ -437,10 +437,6 @@ from_pretrained = MUDDPythia.from_pretrained
 MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
 
 
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 # Byte-level models for `fcaudit train --model mudd` on the embedded corpus (vocab 256, trained on the CPU).
 # Sized like the FeatureGate tiny/demo presets (same window, about the same cost per training step), so
 # `fcaudit demo` contrasts the two families at equal budget: tiny trains in seconds, demo in about a minute.
