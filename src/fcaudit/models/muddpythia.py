@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from safetensors.torch import save_file
 
-from fcaudit.device import DTYPES, as_dtype
+from fcaudit.device import DTYPES, as_dtype, dtype_name
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
@@ -142,10 +142,6 @@ class MUDDConfig:
 
     def to_dict(self) -> dict:
         return {"model_type": MODEL_TYPE, "architectures": ["MUDDPythia"], **asdict(self)}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -392,7 +388,7 @@ class MUDDPythia(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         atomic_write(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-        write_json(out / "config.json", {**(extra or {}), **self.config.to_dict(), "torch_dtype": _dtype_name(self.dtype)})
+        write_json(out / "config.json", {**(extra or {}), **self.config.to_dict(), "torch_dtype": dtype_name(self.dtype)})
         return out
 
     @classmethod
@@ -426,10 +422,10 @@ class MUDDPythia(nn.Module):
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
-            raise FcauditError(f"checkpoint {path} does not match its config.json (n_layer, dim, ...) or is not a "
-                               f"MUDDPythia checkpoint ({one_line(e, 240)}): use the matching config.json and weights") \
-                from None
-        config.torch_dtype = _dtype_name(target)
+            raise FcauditError(f"checkpoint {path} does not match its config.json (n_layer, dim, ...) "
+                               f"or is not a MUDDPythia checkpoint ({one_line(e, 240)}): use the matching config.json "
+                               "and weights") from None
+        config.torch_dtype = dtype_name(target)
         return model.to(device=device, dtype=target).eval()
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.site import Codec
+from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
 
 
@@ -39,10 +40,6 @@ PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its s
 def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or wider when the site is wider: bf16 / fp16 / fp32 values convert to it and back exactly."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str | torch.dtype) -> torch.dtype:
