@@ -350,8 +350,8 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
 
 def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     tiny_moe("olmoe", experts=4, top_k=2).save_pretrained(tmp_path)
-    model, tokenizer = load_hf_moe(tmp_path, dtype=torch.bfloat16)
-    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16  # byte-level: no tokenizer
+    model = load_hf_moe(tmp_path, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._experts_implementation == "eager"
     ctrl = moe_controller(model)
     ids = ids_for()
@@ -359,8 +359,10 @@ def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
 
 
-def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_weights(tmp_path):
+def test_load_refuses_a_directory_without_weights_and_the_tokenizer_is_the_checkpoints(tmp_path):
     from tokenizers import Tokenizer, models
+
+    from fcaudit.tokens import load_tokenizer
 
     model = tiny_moe("qwen3_moe", experts=4, top_k=2)
     model.config.save_pretrained(tmp_path)
@@ -370,8 +372,8 @@ def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_w
     model.save_pretrained(tmp_path)
     tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
-    loaded, tokenizer = load_hf_moe(tmp_path)
-    assert tokenizer("a")["input_ids"] == [1] and loaded.config._experts_implementation == "eager"
+    loaded = load_hf_moe(tmp_path)
+    assert load_tokenizer(tmp_path).encode("a").ids == [1] and loaded.config._experts_implementation == "eager"
 
 
 def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):
@@ -513,7 +515,7 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
     full.save_pretrained(tmp_path / "ckpt")
     assert looks_like_hf_moe(json.loads((tmp_path / "ckpt" / "config.json").read_text()))
     caplog.set_level("WARNING")
-    model, _ = load_hf_moe(tmp_path / "ckpt")
+    model = load_hf_moe(tmp_path / "ckpt")
     # neither its list of unused vision weights, nor the tensor-parallel notes that silencing it by level brings
     assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage() or "not sharded" in r.getMessage()]
     ids = ids_for()
@@ -591,8 +593,8 @@ def test_a_model_with_a_layer_offloaded_to_disk_audits_to_the_records_of_the_mod
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf_moe(tmp_path / "ckpt")
     assert placement.is_dispatched(placed) and not placement.is_dispatched(whole)
     layer = placed.model.layers[1]
     assert all(p.is_meta for p in layer.parameters())
@@ -613,8 +615,8 @@ def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf_moe(tmp_path / "ckpt")
     experts = placed.model.layers[1].mlp.experts
     with placement.on_cpu(experts):
         assert torch.equal(experts.down_proj, whole.model.layers[1].mlp.experts.down_proj)
@@ -642,7 +644,7 @@ def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_
 
     tiny_moe("gpt_oss", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
     both = {**ON_DISK, "model.layers.0": "disk"}  # the first experts probed are offloaded
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
     monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
     ctrl = moe_controller(placed)
     assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]

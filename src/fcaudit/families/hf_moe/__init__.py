@@ -26,7 +26,7 @@ def _is_hf_moe(model: nn.Module) -> bool:
 
 
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
-    model, _ = load_hf_moe(dir, dtype=dtype, device=device, tokenizer=False, **placed)  # fcaudit.tokens reads it
+    model = load_hf_moe(dir, dtype=dtype, device=device, **placed)
     c = model.config
     return model, {"model_type": c.model_type, "variant": f"moe-{c.model_type}"}
 
