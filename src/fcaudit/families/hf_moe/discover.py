@@ -255,7 +255,7 @@ def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weig
                                          f"weight 0 they {failed['repeat']}")
 
 
-def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller:
+def moe_controller(model: nn.Module) -> Controller:
     """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec, in module
     order. Switches its experts to eager first, and back when the model cannot be audited."""
     before = ensure_eager_experts(model)
@@ -274,9 +274,8 @@ def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller
     for c in cands:
         codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
             TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
-        sites.append(Site(c.path, c.module, codec=codec))
-        if shared_gates:
-            sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths]
+        sites += [Site(c.path, c.module, codec=codec),
+                  *(Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths)]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     sites.sort(key=lambda s: order[s.path])
     gates = len(sites) - len(cands)
