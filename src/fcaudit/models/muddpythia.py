@@ -381,14 +381,14 @@ class MUDDPythia(nn.Module):
                 x = mix(dw, hiddens)
         return self.output(self.norm(x[0]))
 
-    def save_pretrained(self, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
+    def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
         """HF format: config.json + model.safetensors in the model's dtype, each written atomically, weights first,
         so a config.json never points at half-written weights."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         atomic_write(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-        write_json(out / "config.json", {**(extra or {}), **self.config.to_dict(), "torch_dtype": dtype_name(self.dtype)})
+        write_json(out / "config.json", {**self.config.to_dict(), "torch_dtype": dtype_name(self.dtype)})
         return out
 
     @classmethod
