@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch import nn
-
-from fcaudit.controllers.site import Controller, path_matches
+from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
@@ -20,10 +18,9 @@ from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTCon
 PATTERN = "blocks.*.gate"
 
 
-def controller(model: nn.Module) -> Controller:
-    if not any(path_matches(name, PATTERN) for name, _ in model.named_modules()):
-        variant = getattr(getattr(model, "config", None), "variant", type(model).__name__)
-        raise FcauditError(f"model variant {variant!r} has no gate modules ({PATTERN}) to audit; "
+def controller(model: FeatureGateGPT) -> Controller:
+    if not model.config.gated:
+        raise FcauditError(f"model variant {model.config.variant!r} has no gate modules ({PATTERN}) to audit; "
                            "audit a gated variant (featuregate, uniform, layerstatic)")
     return Controller.from_modules(model, PATTERN, layout="batch token", static_name="LayerMean",
                                    reference="global_mean", reference_name="GlobalMean")

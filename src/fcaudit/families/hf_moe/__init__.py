@@ -50,8 +50,7 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
     model.config.output_router_logits = False  # audits and evaluation use the LM output only
     with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
         model.save_pretrained(tmp)
-        files = sorted(Path(tmp).iterdir(), key=lambda p: p.name == "config.json")
-        for f in files:
+        for f in sorted(Path(tmp).iterdir(), key=lambda p: p.name == "config.json"):
             os.replace(f, out / f.name)
 
 
