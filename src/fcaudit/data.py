@@ -1,16 +1,11 @@
 """Corpora and windows.
 
-A corpus is three 1-D arrays of token ids (train / validation / test). Byte-level corpora use the raw
-UTF-8 bytes (vocabulary 256); with a `tokenizers.Tokenizer` the text is encoded instead (MUDDPythia).
-
-The default corpus, "embedded", is the Python source text of the standard library of the running
-interpreter: real text, several MB, on every machine that runs fcaudit, with no download. Its
-license is the PSF License (the LICENSE.txt next to the standard library). The file list is sorted and
-each file goes to a split by a stable hash of its path, so the split is deterministic for a given
-Python version; the corpus fingerprint recorded with every run pins the exact bytes.
-
-Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test
-split and calibration windows from the validation split, so the two never overlap.
+A corpus is three 1-D arrays of token ids (train / validation / test): the raw UTF-8 bytes (vocabulary 256), or the
+text encoded by a `tokenizers.Tokenizer` (MUDDPythia). The default corpus, "embedded", is the Python source of the
+running interpreter's standard library (PSF License, LICENSE.txt beside it): several MB of real text on every machine,
+no download. Each file goes to a split by a stable hash of its path, and each run records the corpus fingerprint.
+Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test split and
+calibration windows from the validation split, so the two never overlap.
 """
 
 from __future__ import annotations

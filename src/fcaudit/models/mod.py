@@ -11,10 +11,9 @@ keeps the router on the gradient path. Top-k over the window is not causal; for 
 trains a small causal predictor of "is t in the top-k" beside the model (`predictor`, trained with BCE on the
 router's choices, gradients stopped at its input). `routing="predictor"` runs the model on its choices instead.
 
-Every block runs the same attention operation (F.scaled_dot_product_attention, causal) as the Dense baseline of the
-same shape (variant "dense": no router, every block on every token), so their FLOPs and latency compare the
-mechanism, not two kernels. The router of block l is the module `blocks[l].router`; its output (the scores, and
-which tokens were chosen) is the coefficient an audit replays.
+The blocks and the decoder around them are FeatureGate's Dense ones, so FLOPs and latency against Dense of the same
+shape compare the mechanism, not two kernels. The router of block l is the module `blocks[l].router`; its output
+(the scores, and which tokens were chosen) is the coefficient an audit replays.
 """
 
 from __future__ import annotations

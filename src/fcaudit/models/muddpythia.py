@@ -289,13 +289,9 @@ def mix(dw: torch.Tensor, hiddens: list[torch.Tensor]) -> tuple[torch.Tensor, ..
 
 
 def mix_stacked(dw: torch.Tensor, stack: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens.
-
-    stack [B, T, L+1, D] holds h_0, h_1, ... along dim 2 (filled as the layers run), so the J = dw.shape[-1]
-    sources are a view; the hiddens are read once for all streams, where mix() reads them once per stream and
-    writes 2 J intermediate sums. Not bit-exact against mix(): the matrix product sums in its own order (and in
-    bf16 rounds once instead of after every source). Streams come back as [B, T, D] views of one [B, T, C, D] tensor.
-    """
+    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens,
+    read from stack [B, T, L+1, D] (h_0, h_1, ... filled as the layers run). Not bit-exact against mix(): the product
+    sums in its own order (in bf16 it rounds once, not after every source)."""
     C, B, T, J = dw.shape
     w = dw.permute(1, 2, 0, 3).reshape(B * T, C, J)
     out = torch.bmm(w, stack[:, :, :J].reshape(B * T, J, -1))
