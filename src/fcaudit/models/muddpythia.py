@@ -95,17 +95,15 @@ class MUDDConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or (v < low and not (name in optional and v == -1)):
                 raise bad(name, f"an integer >= {low}" + (" (or -1)" if name in optional else ""))
-        for name, (low, high) in {"rope_base": (0.0, math.inf), "rotary_pct": (0.0, 1.0),
-                                  "norm_eps": (0.0, math.inf)}.items():
-            v = getattr(self, name)
+        for name in ("rope_base", "rotary_pct", "norm_eps"):
+            v, unit = getattr(self, name), name == "rotary_pct"
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or not (low < v <= high if name != "rotary_pct" else low <= v <= high):
-                raise bad(name, "a number in [0, 1]" if name == "rotary_pct" else "a finite number > 0")
-        for f in fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise bad(f.name, "true or false")
-        if not isinstance(self.dense_type, str) or not isinstance(self.torch_dtype, str):
-            raise bad("dense_type" if not isinstance(self.dense_type, str) else "torch_dtype", "a string")
+            if not ok or not (0 <= v <= 1 if unit else v > 0):
+                raise bad(name, "a number in [0, 1]" if unit else "a finite number > 0")
+        for f in fields(self):  # bool and str fields
+            kind = {"bool": (bool, "true or false"), "str": (str, "a string")}.get(f.type)
+            if kind and not isinstance(getattr(self, f.name), kind[0]):
+                raise bad(f.name, kind[1])
 
     @property
     def rotary_ndims(self) -> int:

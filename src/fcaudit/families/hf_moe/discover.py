@@ -164,19 +164,17 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
         output = outputs[c.path]
-        if isinstance(output, (tuple, list)) and len(output) == 2:  # dense scores, the input scale of every expert
-            try:
-                scores, _ = split_score_output(output, c.num_experts, "it")
-            except FcauditError as e:
-                raise _unsupported(c.module, c.path, str(e)) from None
-            if ((scores != 0).sum(1) > c.top_k).any():
-                raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
-            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, scores.shape[0])
-            continue
+        scored = isinstance(output, (tuple, list)) and len(output) == 2  # dense scores, every expert's input scale
         try:
-            _, weights, index = split_router_output(output, c.num_experts, "it")
+            parts = (split_score_output if scored else split_router_output)(output, c.num_experts, "it")
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
+        if scored:
+            if ((parts[0] != 0).sum(1) > c.top_k).any():
+                raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
+            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, parts[0].shape[0])
+            continue
+        _, weights, index = parts
         if weights.shape[1] != c.top_k:
             raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not top_k={c.top_k}")
         args, kwargs = inputs[c.experts_path]
