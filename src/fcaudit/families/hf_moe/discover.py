@@ -21,8 +21,8 @@ from torch import nn
 from fcaudit import placement
 from fcaudit.controllers.site import Controller, Site
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
-                                            experts_implementation, split_router_output, split_score_output)
+from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
+                                            split_router_output, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 # LongCat-Flash: the router's n_routed_experts and the experts' total_experts count its zero-computation (identity)
