@@ -19,7 +19,7 @@ import transformers
 
 import fcaudit as fca
 from fcaudit.errors import FcauditError
-from fcaudit.families.hf_moe import moe_adapter
+from fcaudit.families.hf_moe import moe_controller
 from fcaudit.families.hf_moe.tiny import FAMILIES, SCORE_FAMILIES, tiny_moe
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -70,16 +70,17 @@ def build(family: str) -> torch.nn.Module:
 def audit(family: str) -> str:
     model = build(family)
     try:
-        adapter = moe_adapter(model)
+        ctrl = moe_controller(model)
     except FcauditError as e:
         return f"not audited: {e}"
     g = torch.Generator().manual_seed(0)
     ev, ca = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
     with tempfile.TemporaryDirectory() as out:
-        res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=out, batch_size=2, quiet=True)
-    router = type(adapter.routers[0].module).__name__
-    pads = sorted({getattr(s.codec, "pad", "none (scores)") for s in adapter.routers})
-    sites = f"{len(adapter.sites)} site" + "s" * (len(adapter.sites) != 1)
+        res = fca.audit(model, ctrl, ev, ca, randomizations=2, out=out, batch_size=2, quiet=True)
+    routers = [s for s in ctrl.sites if s.codec.top_k is not None]
+    router = type(routers[0].module).__name__
+    pads = sorted({getattr(s.codec, "pad", "none (scores)") for s in routers})
+    sites = f"{len(ctrl.sites)} site" + "s" * (len(ctrl.sites) != 1)
     return (f"audited: {sites} ({router}), padding {'/'.join(pads)}, exact replay "
             f"{res.replay['bit_equal']}, route flips {res.replay['route_flips']}")
 

@@ -62,7 +62,7 @@ def test_local_file_and_directory(tmp_path):
     for i in range(60):
         (d / f"{i}.txt").write_text(f"document {i} " * 50)
     c = data.load_corpus(str(d))
-    assert all(len(c.split(s)) > 0 for s in ("train", "validation", "test"))
+    assert all(len(getattr(c, s)) > 0 for s in ("train", "validation", "test"))
     with pytest.raises(FcauditError, match="unknown corpus"):
         data.load_corpus(str(tmp_path / "missing"))
 
@@ -104,8 +104,8 @@ def test_a_small_directory_still_gets_three_splits_and_hidden_files_are_not_read
     for i in range(3):
         (d / f"{i}.txt").write_text(f"document {i}: plain text\n" * 200)
     c = data.load_corpus(str(d))
-    assert all(len(c.split(s)) > 0 for s in ("train", "validation", "test"))
-    text = b"".join(c.split(s).astype("uint8").tobytes() for s in ("train", "validation", "test"))
+    assert all(len(getattr(c, s)) > 0 for s in ("train", "validation", "test"))
+    text = b"".join(getattr(c, s).astype("uint8").tobytes() for s in ("train", "validation", "test"))
     assert b"compressed object" not in text and b"SECRET" not in text and bytes(range(256)) not in text
     assert text == b"".join((d / f"{i}.txt").read_bytes() for i in range(3))  # joined in path order, 90/5/5
     many = tmp_path / "docs"

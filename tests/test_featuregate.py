@@ -40,13 +40,11 @@ def test_every_variant_has_the_right_shapes_and_gates_in_unit_interval(variant, 
     assert torch.isfinite(logits).all()
     if variant in ("dense", "fixeddepth"):
         assert gates is None and all(b.gate is None for b in model.blocks)
-        assert model.gate_mass(ids) == 1.0
     else:
         assert gates.shape == (3, 3, 12)
         for l, block in enumerate(model.blocks):  # the gate module itself returns [B, T]
             assert block.gate is not None
         assert ((gates > 0) & (gates < 1)).all()
-        assert model.gate_mass(ids) == pytest.approx(gates.mean().item())
 
 
 def test_gate_kinds_per_variant(ids):

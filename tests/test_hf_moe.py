@@ -10,9 +10,9 @@ import torch
 import transformers  # noqa: E402  (a test dependency: fcaudit[test] includes fcaudit[hf])
 
 from fcaudit.errors import FcauditError  # noqa: E402
-from fcaudit.families.hf_moe import TopKRouterCodec, load_hf_moe, moe_adapter, require_transformers  # noqa: E402
+from fcaudit.families.hf_moe import TopKRouterCodec, ensure_eager_experts, load_hf_moe, moe_controller, require_transformers  # noqa: E402
 from fcaudit.families.hf_moe.discover import SUPPORTED_EXAMPLES  # noqa: E402
-from fcaudit.controllers import Controller, Site  # noqa: E402
+from fcaudit.controllers import Controller  # noqa: E402
 from fcaudit.families.hf_moe.execution import expert_execution  # noqa: E402
 from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe  # noqa: E402
 from fcaudit.loss import token_nll  # noqa: E402
@@ -25,9 +25,12 @@ class Captured:
         self.coefficients, self.logits = coefficients, logits
 
 
-def controller_of(adapter) -> Controller:
-    return Controller([Site(s.path, s.module, codec=s.codec) for s in adapter.sites], adapter.static_name,
-                      adapter.reference, adapter.reference_name)
+def routers_of(ctrl: Controller) -> list:
+    return [s for s in ctrl.sites if s.codec.top_k is not None]
+
+
+def kind(site) -> str:
+    return "router" if site.codec.top_k is not None else "shared_gate"
 
 
 def forward_logits(model, ids):
@@ -79,14 +82,13 @@ def zero_routers(model):
 def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(family, dtype):
     model = tiny_moe(family, dtype=dtype, experts=E, top_k=K)
     spread_router(model)
-    adapter = moe_adapter(model)
-    routers = adapter.routers
+    ctrl = moe_controller(model)
+    routers = routers_of(ctrl)
     assert len(routers) == 2 and all(s.codec.top_k == K for s in routers)
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
-    for site, c in zip(adapter.sites, cap.coefficients):
-        if site.kind == "router":
+    for site, c in zip(ctrl.sites, cap.coefficients):
+        if kind(site) == "router":
             assert c.shape == (4, 12, 1, E) and c.dtype == torch.float32
             assert ((c != 0).sum(-1) == K).all()  # k experts per token, after top-k
             total = c.sum(-1)
@@ -107,8 +109,8 @@ def test_replay_of_captured_coefficients_is_bit_exact_with_the_router_disabled(f
 def test_decode_rebuilds_the_router_output_the_experts_received(family):
     model = tiny_moe(family, dtype=torch.bfloat16, experts=E, top_k=K)
     spread_router(model)
-    adapter = moe_adapter(model)
-    site = adapter.routers[0]
+    ctrl = moe_controller(model)
+    site = routers_of(ctrl)[0]
     seen = []
     handle = site.module.register_forward_hook(lambda m, a, out: seen.append(out))
     forward_logits(model, ids_for())
@@ -154,11 +156,10 @@ def test_gpt_oss_experts_get_repeat_padding_and_run_variable_support_within_roun
     more rows, and FLOPs count the padded slots that the experts compute."""
     model = tiny_moe("gpt_oss", experts=E, top_k=K)
     spread_router(model)
-    adapter = moe_adapter(model)
-    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
-    assert "padded with a selected expert" in adapter.routers[0].codec.describe()
+    ctrl = moe_controller(model)
+    assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]
+    assert "padded with a selected expert" in routers_of(ctrl)[0].codec.describe()
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)  # Correct: no padding
     narrow = [c.clone() for c in cap.coefficients]
@@ -189,9 +190,8 @@ def test_gpt_oss_experts_get_repeat_padding_and_run_variable_support_within_roun
 def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_shuffle(family):
     model = tiny_moe(family, experts=E, top_k=K)
     zero_routers(model)  # every controller emits the same coefficient for every token
-    adapter = moe_adapter(model)
+    ctrl = moe_controller(model)
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     nll = token_nll(cap.logits, ids)
     g = torch.Generator().manual_seed(1)
@@ -205,39 +205,37 @@ def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_s
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replaying_other_experts_changes_the_logits(family):
     model = tiny_moe(family, experts=E, top_k=K)
-    adapter = moe_adapter(model)
+    ctrl = moe_controller(model)
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
-    other = [c.roll(1, dims=-1) if s.kind == "router" else c for s, c in zip(adapter.sites, cap.coefficients)]
+    other = [c.roll(1, dims=-1) if kind(s) == "router" else c for s, c in zip(ctrl.sites, cap.coefficients)]
     replayed = replay_logits(model, ctrl, ids, other)
     assert (replayed - cap.logits).abs().max() > 0
 
 
 def test_qwen2_shared_expert_gate_is_a_scalar_site_that_matters():
     model = tiny_moe("qwen2_moe", experts=E, top_k=K)
-    adapter = moe_adapter(model)
-    assert [s.kind for s in adapter.sites] == ["router", "shared_gate", "router", "shared_gate"]
-    assert adapter.sites[1].path == "model.layers.0.mlp.shared_expert_gate" and adapter.sites[1].codec.top_k is None
+    ctrl = moe_controller(model)
+    assert [kind(s) for s in ctrl.sites] == ["router", "shared_gate", "router", "shared_gate"]
+    assert ctrl.sites[1].path == "model.layers.0.mlp.shared_expert_gate" and ctrl.sites[1].codec.top_k is None
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     assert cap.coefficients[1].shape == (4, 12, 1, 1)
-    changed = [c + 3.0 if s.kind == "shared_gate" else c for s, c in zip(adapter.sites, cap.coefficients)]
+    changed = [c + 3.0 if kind(s) == "shared_gate" else c for s, c in zip(ctrl.sites, cap.coefficients)]
     assert not torch.equal(replay_logits(model, ctrl, ids, changed), cap.logits)
-    assert [s.kind for s in moe_adapter(model, shared_gates=False).sites] == ["router", "router"]
 
 
-def test_adapter_labels_and_switch_from_grouped_mm_to_eager():
+def test_controller_labels_and_switch_from_grouped_mm_to_eager():
     model = tiny_moe("mixtral", experts=4, top_k=2, experts_implementation="grouped_mm")
     assert model.config._experts_implementation == "grouped_mm"
-    adapter = moe_adapter(model)
-    assert adapter.experts_implementation_before == "grouped_mm"
+    assert ensure_eager_experts(model) == "grouped_mm"
+    assert ensure_eager_experts(model) == "eager" and model.config._experts_implementation == "eager"
+    model.set_experts_implementation("grouped_mm")
+    ctrl = moe_controller(model)
     assert model.config._experts_implementation == "eager"
-    assert (adapter.static_name, adapter.reference, adapter.reference_name) == \
+    assert (ctrl.static_name, ctrl.reference, ctrl.reference_name) == \
         ("StaticMixMean", "source_uniform_mean", "ExpertUniformMean")
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     model.set_experts_implementation("grouped_mm")  # the sentinel is unsafe there: the codec refuses
     with pytest.raises(FcauditError, match="eager"):
@@ -248,21 +246,20 @@ def test_adapter_labels_and_switch_from_grouped_mm_to_eager():
 def test_llama4_score_router_replays_bit_exact_and_its_experts_all_run(dtype):
     """Llama 4's router returns (scores, logits): dense scores, zero off the top-k, scaling each expert's input."""
     model = tiny_moe("llama4", dtype=dtype, experts=E, top_k=K)
-    adapter = moe_adapter(model)
-    assert [type(s.codec).__name__ for s in adapter.sites] == ["ScoreRouterCodec"] * 2
+    ctrl = moe_controller(model)
+    assert [type(s.codec).__name__ for s in ctrl.sites] == ["ScoreRouterCodec"] * 2
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     for c in cap.coefficients:
         assert c.shape == (4, 12, 1, E) and ((c != 0).sum(-1) == K).all() and ((c >= 0) & (c <= 1)).all()  # sigmoid
     other = [c.roll(1, dims=-1) for c in cap.coefficients]
     assert (replay_logits(model, ctrl, ids, other) - cap.logits).abs().max() > 0
     with torch.no_grad():  # the router really does not run
-        for s in adapter.routers:
+        for s in routers_of(ctrl):
             s.module.weight.fill_(float("nan"))
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
     execution = expert_execution(model, ids, ctrl)
-    assert (execution.experts_per_token == E).all() and execution.summary()["active_fraction"] == 1.0
+    assert (execution.experts_per_token == E).all() and execution.summary()["active_expert_fraction"] == 1.0
 
 
 def test_llama4_audit_with_a_zero_router_gives_exactly_zero_for_assignments(tmp_path):
@@ -288,7 +285,7 @@ def test_score_router_refuses_scores_with_more_than_top_k_experts():
     forward = type(router).forward  # dense sigmoid scores of every expert: more than its top_k = 1
     router.forward = lambda h: (torch.sigmoid(torch.nn.functional.linear(h, router.weight)), forward(router, h)[1])
     with pytest.raises(FcauditError, match="select more than top_k=1 experts") as err:
-        moe_adapter(model)
+        moe_controller(model)
     assert "\n" not in str(err.value)
 
 
@@ -314,7 +311,7 @@ def _gpt_oss_unpaddable():
 ])
 def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supported(build, cls, why):
     with pytest.raises(FcauditError) as err:
-        moe_adapter(build())
+        moe_controller(build())
     msg = str(err.value)
     assert "\n" not in msg and cls in msg and why in msg
     assert any(name in msg for name in SUPPORTED_EXAMPLES)
@@ -322,26 +319,25 @@ def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supp
 
 def test_model_without_router_is_refused():
     with pytest.raises(FcauditError, match="has no MoE router"):
-        moe_adapter(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        moe_controller(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_dense_mixture(family):
     model = tiny_moe(family, experts=E, top_k=K)
-    adapter = moe_adapter(model)
+    ctrl = moe_controller(model)
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     correct = expert_execution(model, ids, ctrl)
     assert correct.experts_per_token.shape == (2, 4, 12) and (correct.experts_per_token == K).all()
-    assert correct.summary()["active_fraction"] == pytest.approx(K / E)
+    assert correct.summary()["active_expert_fraction"] == pytest.approx(K / E)
     # A static dense mixture: every token gets the batch mean, with expert 0 never selected in layer 0.
     static = []
-    for s, c in zip(adapter.sites, cap.coefficients):
+    for s, c in zip(ctrl.sites, cap.coefficients):
         m = c.mean((0, 1), keepdim=True).expand_as(c).clone()
-        if s.kind == "router":
+        if kind(s) == "router":
             m = m.clamp_min(1e-3)  # every expert in use, even one no token picked here
-            if s is adapter.routers[0]:
+            if s is routers_of(ctrl)[0]:
                 m[..., 0] = 0
         static.append(m)
     dense = expert_execution(model, ids, ctrl, static)
@@ -353,18 +349,19 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
 
 def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     tiny_moe("olmoe", experts=4, top_k=2).save_pretrained(tmp_path)
-    model, tokenizer = load_hf_moe(tmp_path, dtype=torch.bfloat16)
-    assert tokenizer is None and next(model.parameters()).dtype == torch.bfloat16  # byte-level: no tokenizer
+    model = load_hf_moe(tmp_path, dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._experts_implementation == "eager"
-    adapter = moe_adapter(model)
+    ctrl = moe_controller(model)
     ids = ids_for()
-    ctrl = controller_of(adapter)
     cap = capture(model, ctrl, ids)
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)
 
 
-def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_weights(tmp_path):
+def test_load_refuses_a_directory_without_weights_and_the_tokenizer_is_the_checkpoints(tmp_path):
     from tokenizers import Tokenizer, models
+
+    from fcaudit.tokens import load_tokenizer
 
     model = tiny_moe("qwen3_moe", experts=4, top_k=2)
     model.config.save_pretrained(tmp_path)
@@ -374,8 +371,8 @@ def test_load_returns_the_checkpoint_tokenizer_and_refuses_a_directory_without_w
     model.save_pretrained(tmp_path)
     tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
-    loaded, tokenizer = load_hf_moe(tmp_path)
-    assert tokenizer("a")["input_ids"] == [1] and loaded.config._experts_implementation == "eager"
+    loaded = load_hf_moe(tmp_path)
+    assert load_tokenizer(tmp_path).encode("a").ids == [1] and loaded.config._experts_implementation == "eager"
 
 
 def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):
@@ -517,7 +514,7 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
     full.save_pretrained(tmp_path / "ckpt")
     assert looks_like_hf_moe(json.loads((tmp_path / "ckpt" / "config.json").read_text()))
     caplog.set_level("WARNING")
-    model, _ = load_hf_moe(tmp_path / "ckpt")
+    model = load_hf_moe(tmp_path / "ckpt")
     # neither its list of unused vision weights, nor the tensor-parallel notes that silencing it by level brings
     assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage() or "not sharded" in r.getMessage()]
     ids = ids_for()
@@ -550,8 +547,8 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
 
     monkeypatch.setattr(placement, "on_cpu", recorded)
     monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
-    adapter = moe_adapter(model)
-    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
+    ctrl = moe_controller(model)
+    assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]
     # the probe's forward (2 layers), then one class's padding: plain, the sentinel (refused), the repeat
     assert len(calls) == 2 + 3
     assert entered == [model.model.layers[0].mlp.experts]  # once, for the first router's experts
@@ -572,7 +569,7 @@ def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b[6:] = 0.3
-    ctrl = controller_of(moe_adapter(model))
+    ctrl = moe_controller(model)
     assert ctrl.sites[0].codec.num_experts == 8
     execution = expert_execution(model, ids_for(), ctrl)
     n = execution.experts_per_token[0]
@@ -595,8 +592,8 @@ def test_a_model_with_a_layer_offloaded_to_disk_audits_to_the_records_of_the_mod
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf_moe(tmp_path / "ckpt")
     assert placement.is_dispatched(placed) and not placement.is_dispatched(whole)
     layer = placed.model.layers[1]
     assert all(p.is_meta for p in layer.parameters())
@@ -617,8 +614,8 @@ def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole, _ = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf_moe(tmp_path / "ckpt")
     experts = placed.model.layers[1].mlp.experts
     with placement.on_cpu(experts):
         assert torch.equal(experts.down_proj, whole.model.layers[1].mlp.experts.down_proj)
@@ -646,10 +643,10 @@ def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_
 
     tiny_moe("gpt_oss", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
     both = {**ON_DISK, "model.layers.0": "disk"}  # the first experts probed are offloaded
-    placed, _ = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
+    placed = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
     monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
-    adapter = moe_adapter(placed)
-    assert [s.codec.pad for s in adapter.routers] == ["repeat", "repeat"]
+    ctrl = moe_controller(placed)
+    assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]
     assert all(p.is_meta for p in placed.model.layers[0].mlp.experts.parameters())
 
 
@@ -669,7 +666,7 @@ def test_a_site_remembers_its_outputs_precision_which_the_store_may_widen():
     """A bf16 router's weights are stored as float32 (codecs.canonical_dtype); the layout check's tolerance is the
     precision the model computed in, which the site keeps from its captured output."""
     model = tiny_moe("mixtral", experts=E, top_k=K, dtype=torch.bfloat16)
-    ctrl = controller_of(moe_adapter(model))
+    ctrl = moe_controller(model)
     coeffs = capture(model, ctrl, ids_for()).coefficients
     assert coeffs[0].dtype == torch.float32 and ctrl.sites[0].dtype == torch.bfloat16
 

@@ -1,16 +1,11 @@
 """Corpora and windows.
 
-A corpus is three 1-D arrays of token ids (train / validation / test). Byte-level corpora use the raw
-UTF-8 bytes (vocabulary 256); with a `tokenizers.Tokenizer` the text is encoded instead (MUDDPythia).
-
-The default corpus, "embedded", is the Python source text of the standard library of the running
-interpreter: real text, several MB, on every machine that runs fcaudit, with no download. Its
-license is the PSF License (the LICENSE.txt next to the standard library). The file list is sorted and
-each file goes to a split by a stable hash of its path, so the split is deterministic for a given
-Python version; the corpus fingerprint recorded with every run pins the exact bytes.
-
-Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test
-split and calibration windows from the validation split, so the two never overlap.
+A corpus is three 1-D arrays of token ids (train / validation / test): the raw UTF-8 bytes (vocabulary 256), or the
+text encoded by a `tokenizers.Tokenizer` (MUDDPythia). The default corpus, "embedded", is the Python source of the
+running interpreter's standard library (PSF License, LICENSE.txt beside it): several MB of real text on every machine,
+no download. Each file goes to a split by a stable hash of its path, and each run records the corpus fingerprint.
+Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test split and
+calibration windows from the validation split, so the two never overlap.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2t
 _HELD_OUT = 20  # 1 file in 20 to validation, 1 in 20 to test (by path hash)
 SPLITS = ("train", "validation", "test")
 
-# name -> (datasets path, config, how to make validation/test when the dataset has none)
+# name -> (datasets path, config); a corpus without validation and test splits is split by document hash
 HF_CORPORA = {
     "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1"),
     "openwebtext": ("Skylion007/openwebtext", None),
@@ -53,16 +48,9 @@ class Corpus:
     source: str
     fingerprint: str = field(default="")
 
-    def split(self, name: str) -> np.ndarray:
-        if name not in SPLITS:
-            raise FcauditError(f"unknown split {name!r}; use train, validation or test")
-        return getattr(self, name)
-
     def describe(self) -> dict:
-        return {
-            "name": self.name, "source": self.source, "license": self.license, "vocab_size": self.vocab_size,
-            "fingerprint": self.fingerprint, "tokens": {s: int(len(self.split(s))) for s in SPLITS},
-        }
+        return {"name": self.name, "source": self.source, "license": self.license, "vocab_size": self.vocab_size,
+                "fingerprint": self.fingerprint, "tokens": {s: len(getattr(self, s)) for s in SPLITS}}
 
 
 @dataclass(frozen=True)
@@ -75,10 +63,6 @@ class WindowSet:
 
     def __len__(self) -> int:
         return self.ids.shape[0]
-
-    @property
-    def window(self) -> int:
-        return self.ids.shape[1]
 
 
 def _fingerprint(*arrays: np.ndarray) -> str:
@@ -218,15 +202,21 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
     return Corpus(name, *arrays, vocab_size=vocab, license=license, source=source, fingerprint=_fingerprint(*arrays))
 
 
+def _slots(tokens: np.ndarray, window: int, split: str = "") -> int:
+    """How many non-overlapping windows fit in a split (at least one, or a one-line error)."""
+    if len(tokens) < window:
+        raise FcauditError(f"window {window} is longer than the {split + ' ' if split else ''}split ({len(tokens)} "
+                           "tokens); use a shorter --window")
+    return len(tokens) // window
+
+
 def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str) -> WindowSet:
     """n non-overlapping windows of `window` tokens at seeded random slots of one split."""
     if window < 2:
         raise FcauditError(f"window {window} is too short; next-token NLL needs at least 2 tokens")
     if n < 1:
         raise FcauditError(f"{n} windows asked of the {split} split; pass a positive number of windows")
-    slots = len(tokens) // window
-    if slots == 0:
-        raise FcauditError(f"window {window} is longer than the {split} split ({len(tokens)} tokens); use a shorter --window")
+    slots = _slots(tokens, window, split)
     if n > slots:
         raise FcauditError(f"the {split} split has room for {slots} non-overlapping windows of {window} tokens, "
                            f"not {n}; lower the window count or --window")
@@ -245,17 +235,12 @@ def audit_windows(corpus: Corpus, n_eval: int, n_calib: int, window: int, seed: 
 
 def all_windows(tokens: np.ndarray, window: int, limit: int | None = None) -> torch.Tensor:
     """Contiguous non-overlapping windows covering a split from its start (Byte-PPL evaluation)."""
-    n = len(tokens) // window
-    if n == 0:
-        raise FcauditError(f"window {window} is longer than the split ({len(tokens)} tokens); use a shorter window")
-    if limit is not None:
-        n = min(n, limit)
+    n = _slots(tokens, window) if limit is None else min(_slots(tokens, window), limit)
     return torch.from_numpy(tokens[: n * window].astype(np.int64).reshape(n, window))
 
 
 def random_batch(tokens: np.ndarray, batch_size: int, window: int, rng: np.random.Generator) -> torch.Tensor:
     """Training batch of windows at uniformly random offsets."""
-    if len(tokens) < window:
-        raise FcauditError(f"window {window} is longer than the split ({len(tokens)} tokens); use a shorter window")
+    _slots(tokens, window)
     starts = rng.integers(0, len(tokens) - window + 1, size=batch_size)
     return torch.from_numpy(np.stack([tokens[s:s + window] for s in starts]).astype(np.int64))

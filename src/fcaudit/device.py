@@ -30,3 +30,8 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise FcauditError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the name config.json and metadata hold."""
+    return str(dtype).removeprefix("torch.")

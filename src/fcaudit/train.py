@@ -135,11 +135,6 @@ class TrainResult:
     metrics: dict = field(default_factory=dict)
 
 
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """A freshly initialized model of cfg.model's family (call after seeding): ids [B, T] -> logits [B, T, V]."""
-    return families.for_training(cfg.model).build(cfg)
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at the last step."""
     if step < cfg.warmup:
@@ -163,13 +158,6 @@ def _autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def _forward(model: nn.Module, family, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits and, for a family with scalar gates, the gates [L, B, T] (None for its ungated members)."""
-    if family is not None and family.gates is not None:
-        return family.gates(model, ids)
-    return logits_of(model(ids)), None
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
@@ -179,18 +167,15 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: t
     nll_sum, n_tok, gate_sum, n_gate = 0.0, 0, 0.0, 0
     for ids in windows.split(batch_size):
         ids = ids.to(device)
-        with _autocast(device):
-            logits, gates = _forward(model, family, ids)
+        with _autocast(device):  # the gates [L, B, T] of a family with scalar gates (None for its ungated members)
+            logits, gates = family.gates(model, ids) if family and family.gates else (logits_of(model(ids)), None)
         nll = token_nll(logits, ids).double()
         nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
         if gates is not None:
             gate_sum, n_gate = gate_sum + gates.double().sum().item(), n_gate + gates.numel()
     model.train(was_training)
     nll = nll_sum / n_tok
-    if n_gate:
-        mass = gate_sum / n_gate
-    else:
-        mass = family.ungated_mass if family is not None else None
+    mass = gate_sum / n_gate if n_gate else family.ungated_mass if family is not None else None
     byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # nan stays nan; exp overflows above 709
     return {"nll": nll, "byte_ppl": byte_ppl if nll == nll else nll, "gate_mass": mass, "tokens": n_tok,
             "windows": len(windows)}
@@ -206,12 +191,10 @@ def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, hist
     tmp.mkdir(parents=True)
     save_weights(tmp / "model.safetensors", model)
     opt_state = opt.state_dict()
-    tensors = {f"{i}.{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()}
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    rng_tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng_tensors["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    save_file({f"{i}.{k}": v.detach().contiguous().cpu() for i, s in opt_state["state"].items() for k, v in s.items()},
+              str(tmp / "optimizer.safetensors"))
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    save_file({"torch": torch.get_rng_state(), **cuda}, str(tmp / "rng.safetensors"))
     write_json(tmp / "state.json", {"step": step, "numpy_rng": rng.bit_generator.state,
                                     "param_groups": opt_state["param_groups"], "history": history})
     remove_tree(out / name)
@@ -243,11 +226,6 @@ def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.d
         torch.cuda.set_rng_state(rng_tensors["cuda"])
     rng.bit_generator.state = state["numpy_rng"]
     return state["step"], state["history"]
-
-
-def _save_final(out: Path, model: nn.Module, meta: dict) -> None:
-    """The family's checkpoint format: config.json + weights, each atomically, weights first."""
-    families.for_model(model).save(model, out, meta)
 
 
 def _has_results(out: Path) -> bool:
@@ -314,8 +292,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     elif corpus.name != cfg.corpus:
         raise FcauditError(f"corpus {corpus.name!r} was passed for a config naming {cfg.corpus!r}: pass the matching corpus")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg).to(device)
     family = families.for_training(cfg.model)
+    model = family.build(cfg).to(device)  # ids [B, T] -> logits [B, T, V]
     context = families.context_length(model)
     window = cfg.window or context
     if window > context:
@@ -361,11 +339,10 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
-                loss_value, grad_value = loss.item(), grad_norm.item()
-                if not math.isfinite(loss_value):
-                    raise _non_finite("the training loss", loss_value, step + 1, cfg, out, created)
-                if not math.isfinite(grad_value):
-                    raise _non_finite("the gradient norm", grad_value, step + 1, cfg, out, created)
+                loss_value = loss.item()
+                for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm.item())):
+                    if not math.isfinite(value):
+                        raise _non_finite(what, value, step + 1, cfg, out, created)
                 opt.step()
                 tokens_seen += ids.numel()
                 done = step + 1
@@ -392,7 +369,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                    "train_seconds_this_session": train_seconds,
                    "train_tokens_per_s_this_session": tokens_seen / train_seconds if tokens_seen else None,
                    "history": history, "config": cfg.identity(), **provenance()}
-        _save_final(out, model, {k: metrics[k] for k in ("byte_ppl", "gate_mass", "variant", "seed", "corpus", "steps")})
+        family.save(model, out, {k: metrics[k] for k in ("byte_ppl", "gate_mass", "variant", "seed", "corpus", "steps")})
         write_json(out / "metrics.json", metrics)
         return TrainResult(out, metrics["byte_ppl"], metrics["gate_mass"], n_params, metrics)
 

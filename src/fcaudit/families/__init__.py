@@ -156,10 +156,6 @@ def for_model(model: nn.Module) -> Family | None:
     return next((f for f in reversed(families()) if f.matches(model)), None)
 
 
-def for_config(config: dict) -> Family | None:
-    return next((f for f in reversed(families()) if f.accepts(config)), None)
-
-
 def for_training(name: str) -> Family:
     for f in families():
         if name in f.trains:
@@ -228,7 +224,7 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
         config = read_json(config_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FcauditError(f"{config_path} is not valid JSON ({one_line(e)}): restore it from the training run") from None
-    family = for_config(config) if isinstance(config, dict) else None
+    family = next((f for f in reversed(families()) if f.accepts(config)), None) if isinstance(config, dict) else None
     if family is None:
         model_type = config.get("model_type") if isinstance(config, dict) else None
         known = ", ".join(f.name for f in families() if f.load is not None)

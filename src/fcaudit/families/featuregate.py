@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from fcaudit.controllers.site import Controller, path_matches
+from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
@@ -21,10 +18,9 @@ from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTCon
 PATTERN = "blocks.*.gate"
 
 
-def controller(model: nn.Module) -> Controller:
-    if not any(path_matches(name, PATTERN) for name, _ in model.named_modules()):
-        variant = getattr(getattr(model, "config", None), "variant", type(model).__name__)
-        raise FcauditError(f"model variant {variant!r} has no gate modules ({PATTERN}) to audit; "
+def controller(model: FeatureGateGPT) -> Controller:
+    if not model.config.gated:
+        raise FcauditError(f"model variant {model.config.variant!r} has no gate modules ({PATTERN}) to audit; "
                            "audit a gated variant (featuregate, uniform, layerstatic)")
     return Controller.from_modules(model, PATTERN, layout="batch token", static_name="LayerMean",
                                    reference="global_mean", reference_name="GlobalMean")
@@ -39,9 +35,17 @@ def build(cfg) -> FeatureGateGPT:
     return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
 
 
+# The variants' own training options: field -> (CLI flag, the variants that take it).
+OPTIONS = {"matched_to": ("--matched-to", ("uniform-matched",)), "fixed_depth": ("--depth", ("fixeddepth",)),
+           "gate_value": ("--gate-value", ("uniform-fixed", "uniform-matched"))}
+
+
 def configure(cfg) -> None:
-    """The variants' own training options: uniform-fixed's and uniform-matched's constant gate (uniform-matched's
-    measured on a trained FeatureGate run) and fixeddepth's number of blocks; each refused for the other variants."""
+    """Checks and completes the variants' options: uniform-fixed's and uniform-matched's constant gate
+    (uniform-matched's measured on a trained FeatureGate run) and fixeddepth's number of blocks."""
+    for name, (flag, variants) in OPTIONS.items():
+        if getattr(cfg, name) is not None and cfg.model not in variants:
+            raise FcauditError(f"{flag} is for --model {' or '.join(variants)}, not {cfg.model}: drop it")
     if cfg.model == "uniform-matched":
         if cfg.matched_to is not None:
             cfg.gate_value = _measured_gate_mass(cfg.matched_to)
@@ -49,14 +53,8 @@ def configure(cfg) -> None:
         elif cfg.gate_value is None:
             raise FcauditError("uniform-matched needs the FeatureGate gate mass: pass --gate-value or "
                                "--matched-to RUN_DIR (a trained FeatureGate run)")
-    elif cfg.matched_to is not None:
-        raise FcauditError(f"--matched-to is for --model uniform-matched, not {cfg.model}: drop it")
     if cfg.model == "fixeddepth" and cfg.fixed_depth is None:
         raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
-    if cfg.fixed_depth is not None and cfg.model != "fixeddepth":
-        raise FcauditError(f"--depth is for --model fixeddepth, not {cfg.model}: drop it")
-    if cfg.gate_value is not None and cfg.model not in ("uniform-fixed", "uniform-matched"):
-        raise FcauditError(f"--gate-value is for --model uniform-fixed or uniform-matched, not {cfg.model}: drop it")
     if cfg.gate_value is None:
         cfg.gate_value = GPTConfig.gate_value  # uniform-fixed's constant
 
@@ -71,10 +69,6 @@ def _measured_gate_mass(run_dir: str) -> float:
     return float(mass)
 
 
-def gates(model: FeatureGateGPT, ids: torch.Tensor):
-    return model(ids, return_gates=True)
-
-
 register(Family(
     name="featuregate",
     accepts=lambda config: config.get("model_type") == MODEL_TYPE,
@@ -87,6 +81,6 @@ register(Family(
     build=build,
     configure=configure,
     save=lambda model, out, meta: save_checkpoint(Path(out), model, meta),
-    gates=gates,
+    gates=lambda model, ids: model(ids, return_gates=True),
     ungated_mass=1.0,
 ))

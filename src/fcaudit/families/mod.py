@@ -52,7 +52,7 @@ def causal_checkpoint(src: Path, out: Path) -> Path:
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    return read_checkpoint(dir, lambda config: (lambda mc=MoDConfig.from_dict(config): MoDGPT(mc)), device, dtype)
+    return read_checkpoint(dir, lambda config: MoDGPT(MoDConfig.from_dict(config)), device, dtype)
 
 
 def save(model: MoDGPT, out: Path, meta: dict) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Controller, Layout, Site
+from fcaudit.controllers.site import Controller
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
 from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
@@ -23,12 +23,8 @@ LAYOUT = "stream batch token source"
 
 
 def controller(model: MUDDPythia) -> Controller:
-    # The sites are exactly the children of model.dynamic_dense (a glob "dynamic_dense.*" would also match their
-    # w1/w2 submodules), one per layer in layer order.
-    layout = Layout.parse(LAYOUT)
-    sites = [Site(f"dynamic_dense.{i}", m, layout) for i, m in enumerate(model.dynamic_dense)]
-    return Controller(sites, static_name="StaticMixMean", reference="source_uniform_mean",
-                      reference_name="SourceUniformMean", description=f"{type(model).__name__}:dynamic_dense.*:{LAYOUT}")
+    return Controller.from_modules(model, "dynamic_dense.*", layout=LAYOUT, static_name="StaticMixMean",
+                                   reference="source_uniform_mean", reference_name="SourceUniformMean")
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:

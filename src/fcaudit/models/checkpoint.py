@@ -27,10 +27,9 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(path: str | os.PathLike, model: nn.Module) -> Path:
-    """Atomically write a module's weights as safetensors: tied tensors once, under the alphabetically first of their
-    names (as safetensors' save_model keeps them; load_weights restores the ties), and the ties in one metadata entry.
-    save_model writes an entry per tie, and safetensors writes several entries in a random order, so a model with
-    several ties (Uniform: one logit in every block) got other bytes on every save."""
+    """Atomically write a module's weights as safetensors: tied tensors once, under the first of their names in sorted
+    order (load_weights restores the ties), and the ties in one metadata entry, so that the bytes are the same on
+    every save (safetensors' save_model writes an entry per tie, in a random order)."""
     state = model.state_dict()
     tied: dict[tuple, list[str]] = {}
     for name, t in state.items():
@@ -69,17 +68,16 @@ def write_checkpoint(dir: str | os.PathLike, model: nn.Module, model_type: str, 
     return dir
 
 
-def read_checkpoint(dir: Path, build: Callable[[dict], Callable[[], nn.Module]], device: torch.device,
+def read_checkpoint(dir: Path, build: Callable[[dict], nn.Module], device: torch.device,
                     dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    """(model in eval mode, meta) of a checkpoint written by `write_checkpoint`. `build(config fields)` returns what
-    makes the model; config.json's sizes are checked against the weights before anything is allocated."""
+    """(model in eval mode, meta) of a checkpoint written by `write_checkpoint`; `build(config fields)` makes the
+    model, first on the meta device: config.json's sizes are checked against the weights before anything is allocated."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
     config.pop("model_type", None)
     try:
-        make = build(config)
-        check_sizes(make, dir)  # config.json's sizes against the weights, nothing allocated
-        model = make()
+        check_sizes(lambda: build(config), dir)
+        model = build(config)
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None
@@ -94,5 +92,4 @@ def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | 
 
 def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
     """A FeatureGate-family checkpoint written by `save_checkpoint`."""
-    return read_checkpoint(dir, lambda config: (lambda gpt=GPTConfig.from_dict(config): FeatureGateGPT(gpt)), device,
-                           dtype)
+    return read_checkpoint(dir, lambda config: FeatureGateGPT(GPTConfig.from_dict(config)), device, dtype)

@@ -2,8 +2,8 @@
 
     h[l+1, t] = h[l, t] + g[l, t](x) * F_l(h_l)[t],     F_l(h) = a + m,  a = attn(ln1(h)),  m = mlp(ln2(h + a))
 
-F_l is the whole block update (attention and MLP together), so one scalar per token and layer scales it.
-Variants (GPTConfig.variant), all executing every block:
+F_l is the whole block update, so one scalar per token and layer scales it. Variants (GPTConfig.variant), all
+executing every block:
 
     dense            g = 1: no gate module and no multiplication (`block.gate is None`)
     fixeddepth       dense with n_layer = k blocks
@@ -13,18 +13,12 @@ Variants (GPTConfig.variant), all executing every block:
     layerstatic      one learned coefficient sigmoid(w_l) per layer
     featuregate      a per-token controller (FeatureGate below) maps features of block l to g in (0, 1)
 
-Every gated variant's gate is the module `model.blocks[l].gate`; its forward returns g of shape [B, T] (constants
-are expanded), so an audit treats all variants alike: replacing that forward disables the controller, features
-included. Learned gates start at sigmoid(w) = 0.6.
-
-Every variant computes its attention output by F.scaled_dot_product_attention, in training, evaluation, audits and
-timing alike, so a comparison of variants measures the gates and FeatureGate's controller is its only extra work.
-The controller's features need statistics of this block's and the previous block's attention; the gate computes
-them from their q, k by torch ops over tiles of query rows (never a [T, T] map). Each block hands its q, k to the
-next gate in an `Attention` made per forward pass, with the lse once its own gate has computed it.
-
-The LM head is tied to the token embedding (as in GPT-2/nanoGPT); with bias-free linear layers and block_size 512
-this gives the paper's parameter counts (paper-76m: 75.94M, paper-504m: 504.3M; `model.n_params()`).
+Every gated variant's gate is the module `model.blocks[l].gate`, whose forward returns g [B, T], so an audit treats
+all variants alike. Every variant computes its attention by F.scaled_dot_product_attention in every mode, so a
+comparison of variants measures the gates: FeatureGate's controller is its only extra work. Its features are
+computed from this block's and the previous block's q, k by torch ops over tiles of query rows (never a [T, T] map).
+The head is tied to the token embedding, which gives the paper's parameter counts (paper-76m: 75.94M, paper-504m:
+504.3M; `model.n_params()`).
 """
 
 import math
@@ -42,8 +36,34 @@ GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.
 N_FEATURES = 4
 
 
+class ConfigFile:
+    """A model config dataclass as config.json holds it: its fields, unknown keys ignored on the way back."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> None:
+    """config.json is user-editable: the variant, integer fields >= their lower bound and heads that divide the
+    width are checked here rather than fail deep inside a forward pass."""
+    name = type(config).__name__
+    if config.variant not in variants:
+        raise FcauditError(f"unknown model variant {config.variant!r}: use one of {', '.join(variants)}")
+    for field, low in counts.items():
+        v = getattr(config, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise FcauditError(f"{name} {field}={v!r} is invalid: set {field} to an integer >= {low} in config.json")
+    if config.d_model % config.n_head:
+        raise FcauditError(f"d_model {config.d_model} is not divisible by n_head {config.n_head}: change one of them")
+
+
 @dataclass
-class GPTConfig:
+class GPTConfig(ConfigFile):
     variant: str = "featuregate"
     n_layer: int = 4
     n_head: int = 4
@@ -55,15 +75,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise FcauditError(f"unknown model variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
-        # config.json is user-editable: check types and ranges here rather than fail deep inside a forward pass
-        for name, low in (("n_layer", 1), ("n_head", 1), ("d_model", 1), ("block_size", 2), ("vocab_size", 1),
-                          ("gate_hidden", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to an integer >= {low} in "
-                                   "config.json")
+        check_config(self, VARIANTS, dict(n_layer=1, n_head=1, d_model=1, block_size=2, vocab_size=1, gate_hidden=1))
         for name in ("gate_value", "norm_eps"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
@@ -71,22 +83,12 @@ class GPTConfig:
         if not self.norm_eps > 0:
             raise FcauditError(f"GPTConfig norm_eps={self.norm_eps!r} is invalid: set norm_eps > 0 (e.g. 1e-5) "
                                "in config.json")
-        if self.d_model % self.n_head:
-            raise FcauditError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}: change one of them")
         if not 0.0 < self.gate_value < 1.0:
             raise FcauditError(f"gate_value {self.gate_value} is outside (0, 1): pass a gate value between 0 and 1")
 
     @property
     def gated(self) -> bool:
         return self.variant not in ("dense", "fixeddepth")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -182,10 +184,8 @@ def _score_tiles(q: torch.Tensor, k: torch.Tensor):
 def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = True):
     """One pass over tiles of a block's scores S: its lse into att.lse and, with `stats`, the per-head entropy
     -sum_s P log P and (with another block's `cross`) the cross score sum_s P S' = q'_t . (P K')_t, [B, H, T] each.
-
-    Each row is shifted by its maximum, x = S - max; log_z = -log max_s P comes from the one softmax (max_s P >=
-    1 / (t + 1), so the log never underflows), lse = max + log_z and H = log_z - sum_s P x: sums of terms of the size
-    of log P, which do not cancel. The lse has the same bits with or without `stats`."""
+    With x = S - max, log_z = -log max_s P (>= -log(t + 1): no underflow), lse = max + log_z and
+    H = log_z - sum_s P x: sums of terms the size of log P, which do not cancel."""
     B, H, T, _ = att.q.shape
     q, k = att.flat()
     lse = q.new_empty(B * H, T, 1)
@@ -300,25 +300,30 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.gate = gate
 
+    def update(self, h: torch.Tensor) -> tuple[torch.Tensor, Attention]:
+        """F(h) = a + mlp(ln2(h + a)) with a = attn(ln1(h)), and the Attention it ran (for the gates)."""
+        a, q, k = self.attn(self.ln1(h))
+        return a + self.mlp(self.ln2(h + a)), Attention(q, k)
+
     def forward(self, h: torch.Tensor, prev: Attention | None) -> tuple[torch.Tensor, torch.Tensor | None, Attention]:
         """The new residual stream, this block's gate [B, T] (None if ungated) and its Attention (for the next gate)."""
-        a, q, k = self.attn(self.ln1(h))
-        att = Attention(q, k)
-        update = a + self.mlp(self.ln2(h + a))
+        update, att = self.update(h)
         if self.gate is None:
             return h + update, None, att
         g = self.gate(h, update, att, prev)
         return h + g.unsqueeze(-1).to(update.dtype) * update, g, att
 
 
-class FeatureGateGPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+class GPT(nn.Module):
+    """nanoGPT's decoder around the blocks `make_blocks` returns: token and position embeddings, a final LayerNorm
+    and a head tied to the token embedding, with GPT-2's initialization."""
+
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.block_size, config.d_model)
-        shared = nn.Parameter(torch.tensor(math.log(GATE_INIT / (1 - GATE_INIT))))  # uniform: one tied logit
-        self.blocks = nn.ModuleList(Block(config, self._make_gate(shared)) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(self.make_blocks())
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -326,6 +331,30 @@ class FeatureGateGPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def make_blocks(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):  # controller biases keep their own init (FeatureGate.__init__)
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def n_params(self) -> int:
+        """Unique parameters (the tied head counted once), as the paper counts them."""
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        if T > self.config.block_size:
+            raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
+        return self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+
+
+class FeatureGateGPT(GPT):
+    def make_blocks(self) -> list[Block]:
+        shared = nn.Parameter(torch.tensor(math.log(GATE_INIT / (1 - GATE_INIT))))  # uniform: one tied logit
+        return [Block(self.config, self._make_gate(shared)) for _ in range(self.config.n_layer)]
 
     def _make_gate(self, shared: nn.Parameter) -> nn.Module | None:
         v = self.config.variant
@@ -339,23 +368,9 @@ class FeatureGateGPT(nn.Module):
             return ConstantGate(self.config.gate_value)
         return FeatureGate(self.config)
 
-    @staticmethod
-    def _init_weights(m: nn.Module):
-        if isinstance(m, nn.Linear):  # controller biases keep their own init (FeatureGate.__init__)
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    def n_params(self) -> int:
-        """Unique parameters (the tied head counted once), as the paper counts them."""
-        return sum(p.numel() for p in self.parameters())
-
     def forward(self, ids: torch.Tensor, *, return_gates: bool = False):
         """Logits [B, T, V]; with return_gates also the gates [L, B, T] (None for dense / fixeddepth)."""
-        B, T = ids.shape
-        if T > self.config.block_size:
-            raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
-        h = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+        h = self.embed(ids)
         prev, gates = None, []
         for block in self.blocks:
             h, g, prev = block(h, prev)
@@ -364,10 +379,3 @@ class FeatureGateGPT(nn.Module):
         if not return_gates:
             return logits
         return logits, (torch.stack(gates) if self.config.gated else None)
-
-    @torch.no_grad()
-    def gate_mass(self, ids: torch.Tensor) -> float:
-        """Mean gate over tokens and layers (1.0 for the ungated variants)."""
-        _, gates = self(ids, return_gates=True)
-        return 1.0 if gates is None else gates.float().mean().item()
-

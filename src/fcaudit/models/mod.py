@@ -11,31 +11,31 @@ keeps the router on the gradient path. Top-k over the window is not causal; for 
 trains a small causal predictor of "is t in the top-k" beside the model (`predictor`, trained with BCE on the
 router's choices, gradients stopped at its input). `routing="predictor"` runs the model on its choices instead.
 
-Every block runs the same attention operation (F.scaled_dot_product_attention, causal) as the Dense baseline of the
-same shape (variant "dense": no router, every block on every token), so their FLOPs and latency compare the
-mechanism, not two kernels. The router of block l is the module `blocks[l].router`; its output (the scores, and
-which tokens were chosen) is the coefficient an audit replays.
+The blocks and the decoder around them are FeatureGate's Dense ones, so FLOPs and latency against Dense of the same
+shape compare the mechanism, not two kernels. The router of block l is the module `blocks[l].router`; its output
+(the scores, and which tokens were chosen) is the coefficient an audit replays.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from fcaudit.errors import FcauditError
+from fcaudit.models import featuregate
+from fcaudit.models.featuregate import GPT, ConfigFile, check_config
 
 VARIANTS = ("mod", "dense")
 ROUTINGS = ("topk", "predictor")
 
 
 @dataclass
-class MoDConfig:
+class MoDConfig(ConfigFile):
     variant: str = "mod"
     n_layer: int = 4
     n_head: int = 4
@@ -49,19 +49,12 @@ class MoDConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise FcauditError(f"unknown MoD variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
+        check_config(self, VARIANTS, dict(n_layer=1, n_head=1, d_model=1, block_size=2, vocab_size=1, route_every=1,
+                                          predictor_hidden=1))
         if self.routing not in ROUTINGS:
             raise FcauditError(f"unknown routing {self.routing!r}: use one of {', '.join(ROUTINGS)}")
-        for name, low in (("n_layer", 1), ("n_head", 1), ("d_model", 1), ("block_size", 2), ("vocab_size", 1),
-                          ("route_every", 1), ("predictor_hidden", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise FcauditError(f"MoDConfig {name}={v!r} is invalid: set {name} to an integer >= {low}")
         if not (isinstance(self.capacity, (int, float)) and 0.0 < self.capacity <= 1.0):
             raise FcauditError(f"MoDConfig capacity={self.capacity!r} is invalid: pass a fraction in (0, 1]")
-        if self.d_model % self.n_head:
-            raise FcauditError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}: change one of them")
 
     def routed(self, layer: int) -> bool:
         return self.variant == "mod" and layer % self.route_every == self.route_every - 1
@@ -69,14 +62,6 @@ class MoDConfig:
     def budget(self, tokens: int) -> int:
         """k: how many of a window's `tokens` enter a routed block (at least one)."""
         return max(1, min(tokens, math.ceil(self.capacity * tokens)))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MoDConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 PRESETS: dict[str, MoDConfig] = {
@@ -133,84 +118,33 @@ def choose(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(index < mask.size(1), index, torch.full_like(index, -1))
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: MoDConfig):
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+class Block(featuregate.Block):
+    """FeatureGate's ungated block, with a router when it is routed."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: MoDConfig):
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
     def __init__(self, cfg: MoDConfig, routed: bool):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        super().__init__(cfg, gate=None)
         self.router = Router(cfg) if routed else None
-
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.ln1(x))
-        return a + self.mlp(self.ln2(x + a))
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, Route | None]:
         if self.router is None:
-            return h + self.update(h), None
+            return h + self.update(h)[0], None
         route = self.router(h)
         index = route.index
         valid = index >= 0
         safe = index.clamp_min(0)
         x = h.gather(1, safe.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # the chosen tokens, in order
         weight = route.scores.gather(1, safe) * valid
-        delta = weight.unsqueeze(-1).to(h.dtype) * self.update(x)
+        delta = weight.unsqueeze(-1).to(h.dtype) * self.update(x)[0]
         return h.scatter_add(1, safe.unsqueeze(-1).expand_as(delta), delta), route
 
 
-class MoDGPT(nn.Module):
-    def __init__(self, config: MoDConfig):
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.wpe = nn.Embedding(config.block_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, config.routed(i)) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        self.lm_head.weight = self.wte.weight
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+class MoDGPT(GPT):
+    def make_blocks(self) -> list[Block]:
+        return [Block(self.config, self.config.routed(i)) for i in range(self.config.n_layer)]
 
     def forward(self, ids: torch.Tensor, *, return_aux: bool = False):
         """Logits [B, T, V]; with return_aux also the causal predictors' mean BCE loss (0 without routed blocks)."""
-        B, T = ids.shape
-        if T > self.config.block_size:
-            raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
-        h = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+        h = self.embed(ids)
         aux = []
         for block in self.blocks:
             before = h

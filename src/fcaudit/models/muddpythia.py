@@ -24,9 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from safetensors.torch import save_file
 
-from fcaudit.device import DTYPES, as_dtype
-from fcaudit.errors import FcauditError
+from fcaudit.device import DTYPES, as_dtype, dtype_name
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
 from fcaudit.weights import read_state_dict
@@ -94,17 +95,15 @@ class MUDDConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or (v < low and not (name in optional and v == -1)):
                 raise bad(name, f"an integer >= {low}" + (" (or -1)" if name in optional else ""))
-        for name, (low, high) in {"rope_base": (0.0, math.inf), "rotary_pct": (0.0, 1.0),
-                                  "norm_eps": (0.0, math.inf)}.items():
-            v = getattr(self, name)
+        for name in ("rope_base", "rotary_pct", "norm_eps"):
+            v, unit = getattr(self, name), name == "rotary_pct"
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or not (low < v <= high if name != "rotary_pct" else low <= v <= high):
-                raise bad(name, "a number in [0, 1]" if name == "rotary_pct" else "a finite number > 0")
-        for f in fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise bad(f.name, "true or false")
-        if not isinstance(self.dense_type, str) or not isinstance(self.torch_dtype, str):
-            raise bad("dense_type" if not isinstance(self.dense_type, str) else "torch_dtype", "a string")
+            if not ok or not (0 <= v <= 1 if unit else v > 0):
+                raise bad(name, "a number in [0, 1]" if unit else "a finite number > 0")
+        for f in fields(self):  # bool and str fields
+            kind = {"bool": (bool, "true or false"), "str": (str, "a string")}.get(f.type)
+            if kind and not isinstance(getattr(self, f.name), kind[0]):
+                raise bad(f.name, kind[1])
 
     @property
     def rotary_ndims(self) -> int:
@@ -141,10 +140,6 @@ class MUDDConfig:
 
     def to_dict(self) -> dict:
         return {"model_type": MODEL_TYPE, "architectures": ["MUDDPythia"], **asdict(self)}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -292,13 +287,9 @@ def mix(dw: torch.Tensor, hiddens: list[torch.Tensor]) -> tuple[torch.Tensor, ..
 
 
 def mix_stacked(dw: torch.Tensor, stack: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens.
-
-    stack [B, T, L+1, D] holds h_0, h_1, ... along dim 2 (filled as the layers run), so the J = dw.shape[-1]
-    sources are a view; the hiddens are read once for all streams, where mix() reads them once per stream and
-    writes 2 J intermediate sums. Not bit-exact against mix(): the matrix product sums in its own order (and in
-    bf16 rounds once instead of after every source). Streams come back as [B, T, D] views of one [B, T, C, D] tensor.
-    """
+    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens,
+    read from stack [B, T, L+1, D] (h_0, h_1, ... filled as the layers run). Not bit-exact against mix(): the product
+    sums in its own order (in bf16 it rounds once, not after every source)."""
     C, B, T, J = dw.shape
     w = dw.permute(1, 2, 0, 3).reshape(B * T, C, J)
     out = torch.bmm(w, stack[:, :, :J].reshape(B * T, J, -1))
@@ -384,18 +375,56 @@ class MUDDPythia(nn.Module):
                 x = mix(dw, hiddens)
         return self.output(self.norm(x[0]))
 
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
-        return save_pretrained(self, out_dir, extra)
+    def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
+        """HF format: config.json + model.safetensors in the model's dtype, each written atomically, weights first,
+        so a config.json never points at half-written weights."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        atomic_write(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        write_json(out / "config.json", {**self.config.to_dict(), "torch_dtype": dtype_name(self.dtype)})
+        return out
 
     @classmethod
     def from_pretrained(cls, dir_or_hub_id: str | os.PathLike, revision: str | None = None,
                         dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> "MUDDPythia":
-        return from_pretrained(dir_or_hub_id, revision=revision, dtype=dtype, device=device)
+        """Load a MUDDPythia checkpoint from a local directory or a hub id (optionally at `revision`); dtype None
+        keeps the checkpoint's own `torch_dtype` (bfloat16 for the published 1.4B model)."""
+        path = resolve(dir_or_hub_id, revision)
+        if not (path / "config.json").exists():
+            raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise FcauditError(f"{path / 'config.json'} is not valid JSON ({e.msg}): re-download or rewrite it") from None
+        try:
+            config = MUDDConfig.from_dict(raw)
+        except TypeError as e:
+            raise FcauditError(f"{path / 'config.json'} has a field of the wrong type ({e}): fix config.json") from None
+        if config.block_size > MAX_POSITIONS:  # no weight holds it: the first forward would build a table this long
+            raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than "
+                               f"fcaudit builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with "
+                               "these weights")
+        with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
+            model = cls(config)
+        state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
+        if dtype is None:  # the checkpoint's own dtype: its config's, else that of the stored tensors
+            stored = state.get("tok_embeddings.weight")
+            declared = "torch_dtype" in raw or "dtype" in raw
+            dtype = config.torch_dtype if declared or stored is None else stored.dtype
+        target = as_dtype(dtype)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise FcauditError(f"checkpoint {path} does not match its config.json (n_layer, dim, ...) "
+                               f"or is not a MUDDPythia checkpoint ({one_line(e, 240)}): use the matching config.json "
+                               "and weights") from None
+        config.torch_dtype = dtype_name(target)
+        return model.to(device=device, dtype=target).eval()
 
 
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+from_pretrained = MUDDPythia.from_pretrained
+MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
 
 
 # Byte-level models for `fcaudit train --model mudd` on the embedded corpus (vocab 256, trained on the CPU).
@@ -407,72 +436,3 @@ BYTE_PRESETS: dict[str, MUDDConfig] = {
     "demo": MUDDConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, dim=96, intermediate_size=384,
                        use_qk_norm=True, expand_last=True, round64=True),
 }
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-def save_pretrained(model: MUDDPythia, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
-    """HF format: config.json + model.safetensors in the model's dtype. Each file is written atomically,
-    weights first, so a config.json never points at half-written weights."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    atomic_write(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    config = {**(extra or {}), **model.config.to_dict(), "torch_dtype": _dtype_name(model.dtype)}
-    write_json(out / "config.json", config)
-    return out
-
-
-def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
-    """Strict key and shape check; the one-line error names the first offending key."""
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    more = lambda ks: f" (and {len(ks) - 1} more)" if len(ks) > 1 else ""
-    if missing:
-        raise FcauditError(f"checkpoint {where} is missing key {missing[0]!r}{more(missing)}: "
-                           f"it does not match its config.json (n_layer, dim, ...) or is not a MUDDPythia checkpoint")
-    if extra:
-        raise FcauditError(f"checkpoint {where} has unexpected key {extra[0]!r}{more(extra)}: "
-                           f"it does not match its config.json or is not a MUDDPythia checkpoint")
-    for k, v in expected.items():
-        if tuple(state[k].shape) != tuple(v.shape):
-            raise FcauditError(f"checkpoint {where} key {k!r} has shape {list(state[k].shape)}, config.json implies "
-                               f"{list(v.shape)}: fix config.json or use the matching weights")
-
-
-MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
-
-
-def from_pretrained(dir_or_hub_id: str | os.PathLike, revision: str | None = None,
-                    dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu") -> MUDDPythia:
-    """Load a MUDDPythia checkpoint from a local directory or a hub id (optionally at `revision`).
-
-    dtype None keeps the checkpoint's own `torch_dtype` (bfloat16 for the published 1.4B model)."""
-    path = resolve(dir_or_hub_id, revision)
-    if not (path / "config.json").exists():
-        raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise FcauditError(f"{path / 'config.json'} is not valid JSON ({e.msg}): re-download or rewrite it") from None
-    try:
-        config = MUDDConfig.from_dict(raw)
-    except TypeError as e:
-        raise FcauditError(f"{path / 'config.json'} has a field of the wrong type ({e}): fix config.json") from None
-    if config.block_size > MAX_POSITIONS:  # no weight holds it: the first forward would build a table this long
-        raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than fcaudit "
-                           f"builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with these weights")
-    with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
-        model = MUDDPythia(config)
-    state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
-    if dtype is None:  # the checkpoint's own dtype: its config's, else that of the stored tensors
-        stored = state.get("tok_embeddings.weight")
-        declared = "torch_dtype" in raw or "dtype" in raw
-        dtype = config.torch_dtype if declared or stored is None else stored.dtype
-    target = as_dtype(dtype)
-    check_state_dict(model.state_dict(), state, str(path))
-    model.load_state_dict(state, strict=True, assign=True)
-    config.torch_dtype = _dtype_name(target)
-    return model.to(device=device, dtype=target).eval()

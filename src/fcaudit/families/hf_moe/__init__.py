@@ -15,8 +15,7 @@ from torch import nn
 
 from fcaudit.families import Family, register
 from fcaudit.families.hf_moe.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
-from fcaudit.families.hf_moe.discover import (MoeAdapter, MoeSite, ensure_eager_experts, find_routers, is_moe,
-                                              moe_adapter, moe_controller)
+from fcaudit.families.hf_moe.discover import ensure_eager_experts, is_moe, moe_controller
 from fcaudit.families.hf_moe.execution import expert_execution
 from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require_transformers
 from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
@@ -27,7 +26,7 @@ def _is_hf_moe(model: nn.Module) -> bool:
 
 
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
-    model, _ = load_hf_moe(dir, dtype=dtype, device=device, tokenizer=False, **placed)  # fcaudit.tokens reads it
+    model = load_hf_moe(dir, dtype=dtype, device=device, **placed)
     c = model.config
     return model, {"model_type": c.model_type, "variant": f"moe-{c.model_type}"}
 
@@ -51,17 +50,14 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
     model.config.output_router_logits = False  # audits and evaluation use the LM output only
     with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
         model.save_pretrained(tmp)
-        files = sorted(Path(tmp).iterdir(), key=lambda p: p.name == "config.json")
-        for f in files:
+        for f in sorted(Path(tmp).iterdir(), key=lambda p: p.name == "config.json"):
             os.replace(f, out / f.name)
 
 
 def _execution(model: nn.Module, ids: torch.Tensor, controller=None, coefficients=None) -> dict:
     """Experts run per token and expert FLOPs per token (measured) against running every expert, for the live
     router or, with `coefficients`, replayed ones."""
-    s = expert_execution(model, ids, controller, coefficients).summary()
-    return {"experts_per_token": s["experts_per_token"], "expert_flops_per_token": s["expert_flops_per_token"],
-            "all_experts_flops_per_token": s["dense_flops_per_token"], "active_expert_fraction": s["active_fraction"]}
+    return expert_execution(model, ids, controller, coefficients).summary()
 
 
 register(Family(
@@ -80,5 +76,5 @@ register(Family(
     device_maps=True,
 ))
 
-__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "MoeSite", "MoeAdapter", "find_routers",
-           "moe_adapter", "moe_controller", "ensure_eager_experts", "load_hf_moe", "looks_like_hf_moe", "require_transformers"]
+__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "moe_controller", "ensure_eager_experts",
+           "load_hf_moe", "looks_like_hf_moe", "require_transformers"]

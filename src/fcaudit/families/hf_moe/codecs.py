@@ -1,40 +1,27 @@
 """Codecs of Hugging Face transformers (>= 5) MoE controller sites: site output <-> canonical coefficients.
 
-Router site (the `gate` of a sparse MoE block, e.g. MixtralTopKRouter): its output is the triple
-(router_logits [N, E], top_k_weights [N, k], top_k_index [N, k]) over the N = batch * token flattened tokens.
-The canonical coefficient is the post-top-k combine vector c[t, e] (the weight expert e gets for token t, 0 when
-e is not selected), exactly as the experts module receives it: after softmax, top-k, any renormalization
-(Mixtral always, OLMoE / Qwen2-MoE / Qwen3-MoE when `norm_topk_prob`) and the cast to the weights' dtype.
-Layout "(batch token) expert": canonical [batch, token, 1, E], experts on the source axis.
+Router site (the `gate` of a sparse MoE block, e.g. MixtralTopKRouter): its output is (router_logits [N, E],
+top_k_weights [N, k], top_k_index [N, k]) over the N = batch * token tokens. The canonical coefficient is the
+post-top-k combine vector c [batch, token, 1, E] (the weight expert e gets for token t, 0 when not selected), exactly
+as the experts receive it: after softmax, top-k, any renormalization and the cast to the weights' dtype.
 
-Decode rebuilds the triple from c: the selected experts are the support of c, in descending weight order
-(ties: lower expert first) like torch.topk's, or, for a router whose captured slots are in router-logit order but
-not in weight order (PhiMoE's sparsemixer: the argmax expert first, both weights often 1.0), in the order of the
-router's logits on its live input (an nn.Linear router: decode computes them; the slot order of the experts' rows
-can move the eager loop's rounding); rows with fewer selected experts than the width are padded with
-index E and weight 0, which the eager experts loop of transformers skips ("no expert"). Experts that cannot take
-that index (GPT-OSS's one_hot over E classes) get padding "repeat" instead: the row's first selected expert again
-(expert 0 for an empty row) at weight 0. That adds an exact 0 to the token's output, but one more row to that
-expert's matmul, which can move the other rows' rounding (discover.py's probe picks the padding). Only rows whose
-support is narrower than the batch's widest are padded: never under Correct (k experts per token, so its replay
-stays bit-exact) or the randomized conditions (whole k-expert vectors move), at most under a static profile with
-zeros in it. The router logits are a placeholder: log(c), with finfo.min off the support (so softmax of it is
-the normalized combine vector). The forward pass never reads them; transformers uses router logits only for the
-auxiliary training loss.
+Decode rebuilds the triple from c: the support of c in descending weight order (ties: lower expert first), as
+torch.topk orders it, or, for a router whose slots are in router-logit order only (PhiMoE's sparsemixer), in the
+order of the router's logits on its live input. Rows narrower than the batch's widest (never under Correct or the
+randomized conditions) are padded with index E at weight 0, which the eager experts loop skips; experts that cannot
+take that index (GPT-OSS's one_hot) get "repeat" padding instead: the row's first expert again at weight 0 (an exact
+0, though one more matmul row may move other rows' rounding; discover.py's probe picks the padding). The router
+logits are a placeholder, log(c) with finfo.min off the support: the forward pass never reads them (transformers
+uses them for the auxiliary training loss only).
 
-Decode is correct only under the *eager* experts implementation, and both codecs refuse to run under another:
-`grouped_mm` (transformers' default) leaves the rows of sentinel slots uninitialized (NaN * 0 = NaN reaches the
-output) and sums the k slot outputs in slot order (so a tie reordered by a bf16 cast changes bits);
-`batched_mm` indexes the weights with the sentinel (IndexError). The eager loop accumulates per expert in
-expert order, so the result does not depend on slot order or padding. See `ensure_eager_experts`.
+Both router codecs refuse to run under an experts implementation other than *eager*: `grouped_mm` leaves sentinel
+rows uninitialized (NaN * 0 reaches the output) and sums slot outputs in slot order; `batched_mm` indexes the weights
+with the sentinel. The eager loop accumulates per expert in expert order, whatever the slot order or padding.
 
-Score router site (Llama 4's router): its output is (router_scores [N, E], router_logits [N, E]), the scores zero
-off each token's top-k, and its block scales every expert's input by the expert's score. The scores are the
-canonical coefficient as they are; see ScoreRouterCodec.
-
-Shared-expert gate site (Qwen2-MoE's `shared_expert_gate`, a Linear(hidden, 1)): one pre-sigmoid scalar per
-token, canonical [batch, token, 1, 1]. The sigmoid is applied by the block after the site, so replay is exact;
-static means of this site are means of the gate logit.
+Score router site (Llama 4): (router_scores [N, E], router_logits [N, E]), the scores zero off each token's top-k,
+each expert's input scaled by its score: the scores are the canonical coefficient as they are.
+Shared-expert gate site (Qwen2-MoE's `shared_expert_gate`, a Linear(hidden, 1)): one pre-sigmoid scalar per token,
+canonical [batch, token, 1, 1]; the block applies the sigmoid after the site, so replay is exact.
 """
 
 from __future__ import annotations
@@ -42,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fcaudit.errors import FcauditError
-
 from fcaudit.controllers.site import Codec
+from fcaudit.device import dtype_name
+from fcaudit.errors import FcauditError
 
 
 PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (see the module docstring)
@@ -53,10 +40,6 @@ PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its s
 def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or wider when the site is wider: bf16 / fp16 / fp32 values convert to it and back exactly."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str | torch.dtype) -> torch.dtype:
@@ -197,12 +180,9 @@ def split_score_output(output, num_experts: int, where: str = "router") -> tuple
 
 
 class ScoreRouterCodec(Codec):
-    """A router returning dense scores: (router_scores [N, E], router_logits [N, E]), the scores zero off each
-    token's top-k (Llama 4: the sigmoid of the top-k logits, 0 elsewhere). Its block scales every expert's input by
-    the expert's score, so the scores are the coefficient as they are: canonical [batch, token, 1, E]; decode returns
-    them with log-score placeholder logits (finfo.min off the support; the block only passes the logits on, for the
-    auxiliary loss). Replay needs no padding: a score of 0 is a zero input to that expert. transformers' Llama 4
-    computes every expert for every token this way, so its routing saves no work (`fcaudit execution` counts E)."""
+    """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
+    top-k logits, 0 elsewhere). No padding is needed: a score of 0 is a zero input to that expert, though
+    transformers' Llama 4 computes every expert for every token (`fcaudit execution` counts E)."""
 
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 

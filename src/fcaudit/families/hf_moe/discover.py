@@ -1,23 +1,19 @@
 """Finding the controller sites of a Hugging Face MoE model by structure, not by class name.
 
-A router is a module with a top-k attribute (`top_k`, `num_experts_per_tok`) and an expert-count attribute
-(`num_experts`, `num_local_experts`, `n_routed_experts`), holding a [num_experts, hidden] weight, next to an
-experts module (a sibling holding num_experts experts as 3-D weights or a ModuleList). One probe forward pass
-(4 tokens) then checks what makes the codec valid: the router returns (router_logits, top_k_weights,
-top_k_index), those very tensors are what the experts module receives, and the experts' output stays the same
-when a slot is padded: bit for bit with the sentinel index num_experts (which the eager loop skips), or else to
-within rounding with a repeated expert at weight 0. A router that returns (router_scores, router_logits) instead
-(Llama 4) is a score router if its scores select at most top_k experts per token (ScoreRouterCodec; the audit's
-exact replay check is what shows its block reads nothing else of the router). A router failing a check gets a
-one-line FcauditError naming its class and the closest supported router. A Linear(hidden, 1) sibling of a router
-(Qwen2-MoE's shared_expert_gate) is a second site kind: one scalar per token.
+A router is a module with a top-k and an expert-count attribute and a [num_experts, hidden] weight, beside an experts
+module (num_experts experts as 3-D weights or a ModuleList). One probe forward pass checks what makes its codec
+valid: it returns (router_logits, top_k_weights, top_k_index), those very tensors reach the experts, and the experts
+take a padded slot (bit for bit with the sentinel index num_experts, or within rounding with a repeated expert at
+weight 0); or it returns (router_scores, router_logits) with at most top_k experts scored per token (Llama 4).
+A router failing a check gets one line naming its class and the closest supported router. A Linear(hidden, 1)
+sibling of a router (Qwen2-MoE's shared_expert_gate) is a second kind of site: one scalar per token.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,8 +21,8 @@ from torch import nn
 from fcaudit import placement
 from fcaudit.controllers.site import Controller, Site
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.families.hf_moe.codecs import (Codec, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
-                                            experts_implementation, split_router_output, split_score_output)
+from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
+                                            split_router_output, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 # LongCat-Flash: the router's n_routed_experts and the experts' total_experts count its zero-computation (identity)
@@ -39,54 +35,18 @@ PROBE_TOKENS = 4
 REPEAT_TOLERANCE = 1e-3  # "repeat" padding: the probe's bound on the output's change, relative to its largest value
 
 
-@dataclass
-class MoeSite:
-    """One controller site: a module path, the module, and the codec between its output and canonical form."""
-
-    path: str
-    module: nn.Module = field(repr=False)
-    codec: Codec = field(repr=False)
-    kind: str  # "router" (combine vector over experts) or "shared_gate" (one scalar per token)
-    experts_path: str | None = None  # the experts module a router feeds
-
-
-@dataclass
-class MoeAdapter:
-    """The sites of one MoE model plus the labels its static and reference conditions carry."""
-
-    sites: list[MoeSite]
-    description: str
-    experts_implementation_before: str  # what the model ran before the switch to eager
-    static_name: str = "StaticMixMean"
-    reference: str = "source_uniform_mean"  # m_l / E for every expert
-    reference_name: str = "ExpertUniformMean"
-
-    @property
-    def routers(self) -> list[MoeSite]:
-        return [s for s in self.sites if s.kind == "router"]
-
-    def describe(self) -> dict:
-        return {"description": self.description, "sites": [s.path for s in self.sites],
-                "kinds": [s.kind for s in self.sites], "codecs": [s.codec.describe() for s in self.sites],
-                "top_k": [s.codec.top_k for s in self.sites], "reference": self.reference,
-                "labels": {"StaticProfile": self.static_name, "StructureRemoved": self.reference_name},
-                "experts_implementation": "eager", "experts_implementation_before": self.experts_implementation_before}
+def _counts(m: nn.Module, names: tuple[str, ...]) -> list[int]:
+    return [v for n in names if isinstance(v := getattr(m, n, None), int) and not isinstance(v, bool) and v > 0]
 
 
 def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
-    for n in names:
-        v = getattr(m, n, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+    return next(iter(_counts(m, names)), None)
 
 
 def _router_experts(m: nn.Module) -> int | None:
     """A router-like module's expert count: the first of its counts that its [num_experts, hidden] weight has rows
     for (or its first count, when no weight matches: then it is no router)."""
-    counts = [v for n in NUM_EXPERTS_NAMES if isinstance(v := getattr(m, n, None), int) and not isinstance(v, bool)
-              and v > 0]
-    rows = {p.shape[0] for p in m.parameters() if p.dim() == 2}
+    counts, rows = _counts(m, NUM_EXPERTS_NAMES), {p.shape[0] for p in m.parameters() if p.dim() == 2}
     return next((v for v in counts if v in rows), counts[0] if counts else None)
 
 
@@ -98,12 +58,8 @@ def _holds_experts(m: nn.Module, num_experts: int) -> bool:
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that hold num_experts experts (their own expert-count attribute and 3-D weights)."""
-    out = {}
-    for path, m in model.named_modules():
-        E = _int_attr(m, NUM_EXPERTS_NAMES)
-        if E is not None and _holds_experts(m, E):
-            out[path] = m
-    return out
+    return {path: m for path, m in model.named_modules()
+            if (E := _int_attr(m, NUM_EXPERTS_NAMES)) is not None and _holds_experts(m, E)}
 
 
 def _closest(cls_name: str) -> str:
@@ -208,19 +164,17 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
         output = outputs[c.path]
-        if isinstance(output, (tuple, list)) and len(output) == 2:  # dense scores, the input scale of every expert
-            try:
-                scores, _ = split_score_output(output, c.num_experts, "it")
-            except FcauditError as e:
-                raise _unsupported(c.module, c.path, str(e)) from None
-            if ((scores != 0).sum(1) > c.top_k).any():
-                raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
-            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, scores.shape[0])
-            continue
+        scored = isinstance(output, (tuple, list)) and len(output) == 2  # dense scores, every expert's input scale
         try:
-            _, weights, index = split_router_output(output, c.num_experts, "it")
+            parts = (split_score_output if scored else split_router_output)(output, c.num_experts, "it")
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
+        if scored:
+            if ((parts[0] != 0).sum(1) > c.top_k).any():
+                raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
+            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, parts[0].shape[0])
+            continue
+        _, weights, index = parts
         if weights.shape[1] != c.top_k:
             raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not top_k={c.top_k}")
         args, kwargs = inputs[c.experts_path]
@@ -232,7 +186,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
 
 
-def _off_cpu(t: torch.Tensor) -> bool:
+def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an accelerator
     return t.device.type != "cpu"
 
 
@@ -270,12 +224,10 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
-    """How decode may pad a row beyond its support (codecs.PADDINGS). "sentinel": one more slot of (index
-    num_experts, weight 0) leaves the experts' output bit-identical. Else "repeat" (experts that cannot take the
-    index num_experts, like GPT-OSS's): one more slot repeating each token's first expert at weight 0 adds an exact 0,
-    but gives that expert's matmul more rows, which may change the rounding of its other rows (float matmuls are not
-    row-count invariant), so it must agree to REPEAT_TOLERANCE of the output's largest value (or 4 units of rounding
-    of the dtype, when coarser): a slot not weighted 0 would move a token's output by a whole expert's."""
+    """How decode may pad a row beyond its support (codecs.PADDINGS): "sentinel" if one more slot (num_experts,
+    weight 0) leaves the experts' output bit-identical, else "repeat" if one more slot repeating each token's first
+    expert at weight 0 keeps it within REPEAT_TOLERANCE of its largest value (or 4 ulps of the dtype): more matmul
+    rows may move the rounding, but a slot not weighted 0 would move a token's output by a whole expert's."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
@@ -301,47 +253,34 @@ def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weig
                                          f"weight 0 they {failed['repeat']}")
 
 
-def find_routers(model: nn.Module, *, shared_gates: bool = True) -> list[MoeSite]:
-    """The MoE controller sites of `model` in module order (switches its experts to eager first)."""
-    cands = _candidates(model)
-    if not cands:
-        raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts attributes "
-                           f"next to an experts module); fcaudit audits transformers>=5 MoE models like Mixtral")
-    ensure_eager_experts(model)
-    _probe(model, cands)
-    sites = []
-    for c in cands:
-        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
-            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
-        sites.append(MoeSite(c.path, c.module, codec, "router", c.experts_path))
-        if shared_gates:
-            sites += [MoeSite(g, model.get_submodule(g), SharedGateCodec(g), "shared_gate") for g in c.gate_paths]
-    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
-    return sorted(sites, key=lambda s: order[s.path])
-
-
-def moe_adapter(model: nn.Module, *, shared_gates: bool = True) -> MoeAdapter:
-    """Sites and condition labels of an MoE model, as plain data for the engine's Controller."""
+def moe_controller(model: nn.Module) -> Controller:
+    """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec, in module
+    order. Switches its experts to eager first, and back when the model cannot be audited."""
     before = ensure_eager_experts(model)
     try:
-        sites = find_routers(model, shared_gates=shared_gates)
+        cands = _candidates(model)
+        if not cands:
+            raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts "
+                               "attributes next to an experts module); fcaudit audits transformers>=5 MoE models like "
+                               "Mixtral")
+        _probe(model, cands)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    routers = [s for s in sites if s.kind == "router"]
-    desc = (f"{type(model).__name__}: {len(routers)} top-{routers[0].codec.top_k} routers over "
-            f"{routers[0].codec.num_experts} experts ({type(routers[0].module).__name__})"
-            + (f", {len(sites) - len(routers)} shared-expert gates" if len(sites) > len(routers) else ""))
-    return MoeAdapter(sites, desc, before)
-
-
-def moe_controller(model: nn.Module, *, shared_gates: bool = True) -> Controller:
-    """The audit controller of an MoE model: its routers (and shared-expert gates), each with its codec."""
-    adapter = moe_adapter(model, shared_gates=shared_gates)
-    return Controller([Site(s.path, s.module, codec=s.codec) for s in adapter.sites], static_name=adapter.static_name,
-                      reference=adapter.reference, reference_name=adapter.reference_name,
-                      description=adapter.description)
+    sites = []
+    for c in cands:
+        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
+            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
+        sites += [Site(c.path, c.module, codec=codec),
+                  *(Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths)]
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    sites.sort(key=lambda s: order[s.path])
+    gates = len(sites) - len(cands)
+    desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
+            f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
+    return Controller(sites, static_name="StaticMixMean", reference="source_uniform_mean",
+                      reference_name="ExpertUniformMean", description=desc)
 
 
 def is_moe(model: nn.Module) -> bool:

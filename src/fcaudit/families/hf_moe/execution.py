@@ -28,22 +28,12 @@ class ExpertExecution:
     expert_flops: list[int]          # per layer: FLOPs counted inside the experts module
     dense_flops: list[int]           # per layer: FLOPs if every token ran every expert (same per-expert cost)
 
-    @property
-    def tokens(self) -> int:
-        return int(self.experts_per_token[0].numel())
-
-    def per_layer(self) -> list[dict]:
-        return [{"layer": p, "experts_per_token": float(n.float().mean()), "max_experts_per_token": int(n.max()),
-                 "num_experts": e, "expert_flops_per_token": f / self.tokens, "dense_flops_per_token": d / self.tokens,
-                 "active_fraction": f / d}
-                for p, e, n, f, d in zip(self.layers, self.num_experts, self.experts_per_token, self.expert_flops,
-                                         self.dense_flops)]
-
     def summary(self) -> dict:
-        active, dense = sum(self.expert_flops), sum(self.dense_flops)
+        """Experts run and expert FLOPs per token, against running every expert (the family's execution columns)."""
+        active, dense, tokens = sum(self.expert_flops), sum(self.dense_flops), self.experts_per_token[0].numel()
         return {"experts_per_token": float(self.experts_per_token.float().mean()),
-                "expert_flops_per_token": active / self.tokens, "dense_flops_per_token": dense / self.tokens,
-                "active_fraction": active / dense}
+                "expert_flops_per_token": active / tokens, "all_experts_flops_per_token": dense / tokens,
+                "active_expert_fraction": active / dense}
 
 
 def computing_experts(experts: nn.Module, num_experts: int) -> int:

@@ -57,15 +57,14 @@ def looks_like_hf_moe(config: dict) -> bool:
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 revision: str | None = None, device_map: str | dict | None = None,
-                offload_folder: str | os.PathLike | None = None, tokenizer: bool = True):
-    """(model in eval mode with eager experts, tokenizer or None for byte-level checkpoints) from a checkpoint
-    directory or hub id. A hub id offline fails in seconds (fcaudit.hub) unless it is in the local cache.
-    `device_map` (instead of `device`): spread the model with accelerate (fcaudit.placement.parse_device_map);
-    `offload_folder` holds the weights it puts on "disk". `tokenizer` False: do not load it (returns None)."""
+                offload_folder: str | os.PathLike | None = None):
+    """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline, a hub id fails in
+    seconds unless it is cached; its tokenizer.json is fcaudit.tokens'). `device_map` (instead of `device`): spread
+    the model with accelerate (fcaudit.placement.parse_device_map); `offload_folder` holds what it puts on "disk"."""
     require_transformers()
     if device_map is not None:
         require_accelerate()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dir = resolve(path_or_id, revision)
     if not (dir / "config.json").is_file():
@@ -109,14 +108,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     if missing:
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
-    found = None
-    if tokenizer and _has_tokenizer(dir):
-        try:
-            found = AutoTokenizer.from_pretrained(dir, trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 (a torn tokenizer.json fails in many ways inside transformers)
-            raise FcauditError(f"the tokenizer files in {dir} are unreadable ({type(e).__name__}): restore them from "
-                               "the checkpoint") from None
-    return (model if device_map is not None else model.to(device)).eval(), found
+    return (model if device_map is not None else model.to(device)).eval()
 
 
 def _check_files(dir: Path) -> bool:
@@ -160,7 +152,3 @@ class _NoLoadReport(logging.Filter):
             key, _, why = (part.strip() for part in line.split("|", 2))
             return f"{key}: {why.split(' - ', 1)[-1]}"
         return None
-
-
-def _has_tokenizer(dir: Path) -> bool:
-    return any((dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

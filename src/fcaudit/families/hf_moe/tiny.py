@@ -24,44 +24,32 @@ def tiny_moe_config(family: str, *, vocab_size: int = 256, hidden_size: int = 64
                     experts: int = 4, top_k: int = 2, intermediate_size: int = 64, max_positions: int = 512, **overrides):
     """A transformers config of one family at toy size, experts running the eager implementation."""
     transformers = require_transformers()
+    width, head_dim, groups = intermediate_size, hidden_size // heads, max(1, experts // 2)
+    rope = lambda theta: {"rope_type": "default", "rope_theta": theta}  # noqa: E731
+    own = {
+        "mixtral": ("MixtralConfig", dict(num_local_experts=experts)),
+        "olmoe": ("OlmoeConfig", dict(num_experts=experts, norm_topk_prob=False)),
+        "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=experts, moe_intermediate_size=width,
+                                             shared_expert_intermediate_size=width, norm_topk_prob=False)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=experts, moe_intermediate_size=width, head_dim=head_dim,
+                                             norm_topk_prob=True)),
+        # two experts per group: the router ranks a group by its best two
+        "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=experts, moe_intermediate_size=width,
+                                                 n_shared_experts=1, first_k_dense_replace=0, n_group=groups,
+                                                 topk_group=max(1, groups // 2), kv_lora_rank=16, q_lora_rank=16,
+                                                 qk_rope_head_dim=8, qk_nope_head_dim=head_dim - 8,
+                                                 v_head_dim=head_dim, rope_parameters=rope(10000.0))),
+        "gpt_oss": ("GptOssConfig", dict(num_local_experts=experts, head_dim=head_dim, rope_parameters=rope(150000.0))),
+        "llama4": ("Llama4TextConfig", dict(num_local_experts=experts, intermediate_size_mlp=width, head_dim=head_dim)),
+    }
+    if family not in own:
+        raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES + SCORE_FAMILIES)}")
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=heads, max_position_embeddings=max_positions, num_experts_per_tok=top_k,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-                  experts_implementation="eager")
-    if family == "mixtral":
-        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size)
-        cls = transformers.MixtralConfig
-    elif family == "olmoe":
-        cfg = dict(common, num_experts=experts, intermediate_size=intermediate_size, norm_topk_prob=False)
-        cls = transformers.OlmoeConfig
-    elif family == "qwen2_moe":
-        cfg = dict(common, num_experts=experts, moe_intermediate_size=intermediate_size, intermediate_size=intermediate_size,
-                   shared_expert_intermediate_size=intermediate_size, norm_topk_prob=False)
-        cls = transformers.Qwen2MoeConfig
-    elif family == "qwen3_moe":
-        cfg = dict(common, num_experts=experts, moe_intermediate_size=intermediate_size, intermediate_size=intermediate_size,
-                   head_dim=hidden_size // heads, norm_topk_prob=True)
-        cls = transformers.Qwen3MoeConfig
-    elif family == "deepseek_v3":
-        groups = max(1, experts // 2)  # two experts per group: the router ranks a group by its best two
-        cfg = dict(common, n_routed_experts=experts, moe_intermediate_size=intermediate_size,
-                   intermediate_size=intermediate_size, n_shared_experts=1, first_k_dense_replace=0, n_group=groups,
-                   topk_group=max(1, groups // 2), kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                   qk_nope_head_dim=hidden_size // heads - 8, v_head_dim=hidden_size // heads,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        cls = transformers.DeepseekV3Config
-    elif family == "gpt_oss":
-        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size, head_dim=hidden_size // heads,
-                   rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
-        cls = transformers.GptOssConfig
-    elif family == "llama4":
-        cfg = dict(common, num_local_experts=experts, intermediate_size=intermediate_size,
-                   intermediate_size_mlp=intermediate_size, head_dim=hidden_size // heads)
-        cls = transformers.Llama4TextConfig
-    else:
-        raise FcauditError(f"unknown tiny MoE family {family!r}; use one of {', '.join(FAMILIES + SCORE_FAMILIES)}")
-    cfg.update(overrides)
-    return cls(**cfg)
+                  intermediate_size=width, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  tie_word_embeddings=False, experts_implementation="eager")
+    cls, extra = own[family]
+    return getattr(transformers, cls)(**{**common, **extra, **overrides})
 
 
 def tiny_moe(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config):
