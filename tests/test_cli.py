@@ -94,6 +94,17 @@ def test_dry_run_prints_plan(tmp_path, tiny_ckpt):
     r = run("audit", tiny_ckpt, "--eval", 8, "--calib", 8, "--window", 32, "--dry-run", "--out", tmp_path / "a")
     assert r.exit_code == 0, r.output
     assert "store" in r.output.lower() and not (tmp_path / "a").exists()
+    assert "note:" not in r.output
+
+
+def test_a_dry_run_notes_the_windows_a_real_run_would_refuse(tmp_path, tiny_ckpt):
+    (tmp_path / "repeats.txt").write_text("abcd" * 20_000)  # every window of its splits is the same text
+    args = ("audit", tiny_ckpt, "--corpus", tmp_path / "repeats.txt", "--eval", 8, "--calib", 8, "--window", 32)
+    r = run(*args, "--dry-run", "--out", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    assert "note: the audit itself would stop here: 8 calibration window(s) equal evaluation windows" in r.output
+    assert not (tmp_path / "a").exists()
+    one_line_error(run(*args, "--out", tmp_path / "a"), "8 calibration window(s) equal evaluation windows")
 
 
 def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved_one_resumes(tmp_path, monkeypatch):

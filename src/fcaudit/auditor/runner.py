@@ -80,7 +80,7 @@ class Windows:
 
     def check(self) -> None:
         """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where calibration
-        windows repeat or overlap evaluation windows (a real run's check: a dry run plans whatever it is given)."""
+        windows repeat or overlap evaluation windows (a real run's check: a dry run prints it as a note)."""
         ev, ca = self.ev, self.ca
         if ev.shape[0] < 2:
             raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at "
@@ -674,6 +674,10 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
             print(planned)
             if note := against_out(model, controller, Windows.of(ev, ca), config, planned):
                 print(note)
+            try:  # a plan of any size is printed, but the user learns what the real run would refuse
+                Windows.of(ev, ca).check()
+            except FcauditError as e:
+                print(f"note: the audit itself would stop here: {e}")
         return planned
     finally:
         group.close()
