@@ -18,7 +18,7 @@ when the machine kept its speed between the two runs: the pair's noise), and the
 overhead; a timer per forward pass); and per pair the audit's median replay against the bare loop's (steadier than the
 sums: a slow spell of the machine moves a median less).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
-time): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
+CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
 decoding the coefficients into each replay, counting active sources, stage 1's checks and writes (beside its forward
 passes), setting up and finishing (inputs, directory, profiles, merge, variation, reading the results back), and the
 rest (the replays' loop and contexts).
@@ -150,7 +150,7 @@ def timed(seconds: list[float] | None) -> Iterator[None]:
 
 @contextmanager
 def timed_parts() -> Iterator[Counter]:
-    """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
+    """CPU seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
     step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
     reads within making coefficients), so the parts add up."""
     from fcaudit.auditor import engine, runner
@@ -175,11 +175,11 @@ def timed_parts() -> Iterator[Counter]:
     def timer(fn, part):
         def run(*args, **kwargs):
             outer, inner[0] = inner[0], 0.0
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                took = time.perf_counter() - t0
+                took = time.process_time() - t0
                 spent[part] += took - inner[0]
                 inner[0] = outer + took
         return run
@@ -203,9 +203,9 @@ PARTS = ("forward passes and NLLs", "making coefficients", "reading the store", 
 
 def parts_line(model, ctrl, ev, ca, batch: int, R: int) -> str:
     with timed_parts() as spent:
-        total = audit_once(model, ctrl, ev, ca, batch, R)[0]
+        total = audit_once(model, ctrl, ev, ca, batch, R)[1]
     rest = total - sum(spent.values())  # the replays' loop and contexts, the engine's set-up
-    return (f"audit {total:.3f} s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
+    return (f"audit {total:.3f} CPU s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
             + f", the rest {rest:.3f} s")
 
 
@@ -292,8 +292,10 @@ def main() -> None:
                 bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations, theirs))
             per_replay.append(statistics.median(mine) / statistics.median(theirs))
         if args.parts:
-            print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
-                  flush=True)
+            print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)} "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        if not audits:
+            continue
         for i, what in enumerate(("wall", "CPU")):
             a, b = [t[i] for t in audits], [t[i] for t in bares]
             ratios = [x / y for x, y in zip(a, b)]

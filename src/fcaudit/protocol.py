@@ -59,9 +59,10 @@ def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows
     """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
     (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
     CrossShuffle r use the same ones."""
-    positions = np.broadcast_to(np.arange(token), (rows, token))
-    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1)
-                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
+    positions, out = np.broadcast_to(np.arange(token), (rows, token)), np.empty((len(examples), rows, token), np.int64)
+    for o, e in zip(out, np.asarray(examples).tolist()):
+        np.random.default_rng([SHUFFLE, seed, r, e]).permuted(positions, axis=1, out=o)  # each into its place
+    return out
 
 
 def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:

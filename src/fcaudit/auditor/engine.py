@@ -10,6 +10,7 @@ all of them (fcaudit.auditor.group; one process: a trivial group).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -84,8 +85,8 @@ def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int
     order = list(sites or range(len(coeffs)))
     chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
-    # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
-    counts = [ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double() for i, c in zip(order, chosen)]
+    # bit for bit (integer sums are exact in float64); count_nonzero counts what c.bool() holds (nan yes, -0.0 no)
+    counts = [ran[i] if i in ran else c.count_nonzero((1, 2, 3)).double() for i, c in zip(order, chosen)]
     if not groups:
         return torch.stack([n / (c.shape[1] * c.shape[2]) for n, c in zip(counts, chosen)]).mean(0)
     # merged sites of one layer (Controller.merge) count once, as stats.variance.by_layer sees the layer: their
@@ -317,24 +318,18 @@ class Engine:
         coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
         check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}",
                      [s.path for s in self.controller.sites])
-        sums = {f"layer.{l}": c.detach().to("cpu", torch.float64).sum(0) for l, c in enumerate(coeffs)}
+        sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
         files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
 
     def _reduce_profiles(self) -> None:
         """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
         if self.profiles_done():
             return
-        sums, count = None, 0
-        for start in self.schedule.calib_starts:
-            tensors, meta = files.read_tensors(self.dir.calib_part(start))
-            batch = [tensors[f"layer.{l}"] for l in range(len(tensors))]
-            sums = batch if sums is None else [s + b for s, b in zip(sums, batch)]
-            count += meta["count"]
-        info = self.controller.info
-        cal = protocol.Calibration(sums, count, info.top_k)
-        static = [c for c in protocol.conditions(self.schedule.conditions, kind="static")]
-        tensors = {f"{c.name}.{l}": p for c in static for l, p in enumerate(c.profile(cal, info))}
-        files.write_tensors(self.dir.profiles, tensors, {"count": count, "conditions": [c.name for c in static]})
+        parts = (files.read_tensors(self.dir.calib_part(start)) for start in self.schedule.calib_starts)
+        sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
+        profiles = protocol.static_profiles(sums, self.controller.info, self.schedule.conditions)
+        files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
+                            {"count": int(self.ca.shape[0]), "conditions": list(profiles)})
         remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
@@ -350,39 +345,25 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
-        """The pending replays, unit by unit. A run of consecutive units of one (condition, r) keeps its NLLs and
-        active counts until it ends, then writes them as one records file (`_write_run`)."""
+        """The pending replays, unit by unit. Each run of consecutive units of one (condition, r) keeps its NLLs and
+        active counts as Python floats (no small tensors left between the forward passes), then writes them as one
+        records file (`_write_run`)."""
         ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
-        key, ranges, nlls, acts = None, [], [], []
-        for u in units:
-            if self._skip(u, step):
-                continue
-            if (u.condition, u.r) != key:
-                if key is not None:
-                    self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
-                                    torch.tensor(acts, dtype=torch.float64))
-                key, ranges, nlls, acts = (u.condition, u.r), [], [], []
-            count = self._count(u)
-            coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-            acts.extend(self._active(coeffs).tolist())  # Python floats: no small tensors left between the forwards
-            with self.controller.replay(coeffs):
-                # the NLL alone: the logits go now, not during the next forward
-                nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
-            ranges.append((u.start, count))
-            step()
-        if key is not None:
-            self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
-                            torch.tensor(acts, dtype=torch.float64))
-
-    def _count(self, unit: Unit) -> int:
-        return min(self.B, self.ev.shape[0] - unit.start)
-
-    def _skip(self, unit: Unit, step) -> bool:
-        """Whether a unit's records are already done (then it counts as progress)."""
-        if self.done(unit):
-            step()
-            return True
-        return False
+        for key, run in groupby(units, lambda u: (u.condition, u.r)):
+            make, ranges, nlls, acts = protocol.REGISTRY[key[0]].make, [], [], []
+            for u in run:
+                if not self.done(u):
+                    count = min(self.B, self.ev.shape[0] - u.start)
+                    coeffs = make(self, u.r, np.arange(u.start, u.start + count))
+                    acts.extend(self._active(coeffs).tolist())
+                    with self.controller.replay(coeffs):
+                        # the NLL alone: the logits go now, not during the next forward
+                        nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
+                    ranges.append((u.start, count))
+                step()
+            if ranges:
+                self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
+                                torch.tensor(acts, dtype=torch.float64))
 
     def _write_run(self, key: tuple[str, int], ranges: list[tuple[int, int]], nll: torch.Tensor,
                    act: torch.Tensor) -> None:
