@@ -109,8 +109,8 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
     return model, fca.controller_for(model), 64
 
 
-def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> float:
-    """The audit's forward passes and their NLLs with nothing else: seconds. `replays` gets each replay's seconds
+def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> np.ndarray:
+    """The audit's forward passes and their NLLs with nothing else: (wall, CPU) seconds. `replays` gets each replay's seconds
     (its context and forward pass, as `audit_split` times the audit's)."""
     sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
     nll = lambda ids: token_nll(logits_of(model(ids)), ids).mean(1)  # noqa: E731
@@ -204,9 +204,12 @@ PARTS = ("forward passes and NLLs", "making coefficients", "reading the store", 
 def parts_line(model, ctrl, ev, ca, batch: int, R: int) -> str:
     with timed_parts() as spent:
         total = audit_once(model, ctrl, ev, ca, batch, R)[1]
+    bare = bare_loop(model, ctrl, ev, ca, batch, R)[1]  # right after, in CPU time: what the forward passes cost
     rest = total - sum(spent.values())  # the replays' loop and contexts, the engine's set-up
+    beside = total - spent["forward passes and NLLs"]
     return (f"audit {total:.3f} CPU s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
-            + f", the rest {rest:.3f} s")
+            + f", the rest {rest:.3f} s; bare loop {bare:.3f} CPU s: audit / bare {total / bare:.3f}, the audit's "
+            f"forward passes / bare {spent['forward passes and NLLs'] / bare:.3f}, the rest / bare {beside / bare:.3f}")
 
 
 def clock() -> np.ndarray:

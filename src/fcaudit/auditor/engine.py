@@ -85,8 +85,8 @@ def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int
     order = list(sites or range(len(coeffs)))
     chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
-    # bit for bit (integer sums are exact in float64); count_nonzero counts what c.bool() holds (nan yes, -0.0 no)
-    counts = [ran[i] if i in ran else c.count_nonzero((1, 2, 3)).double() for i, c in zip(order, chosen)]
+    # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
+    counts = [ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double() for i, c in zip(order, chosen)]
     if not groups:
         return torch.stack([n / (c.shape[1] * c.shape[2]) for n, c in zip(counts, chosen)]).mean(0)
     # merged sites of one layer (Controller.merge) count once, as stats.variance.by_layer sees the layer: their
