@@ -152,6 +152,7 @@ class Engine:
         self.store = CoefficientStore(self.dir.coeffs)
         self.starts = np.asarray(self.schedule.eval_starts)
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
+        self._taken: tuple[int, dict[bytes, Coeffs]] = (-1, {})  # stage 2's current batch: the rows read for it
         self._static: dict[str, Coeffs] = {}
         self._merged: dict[tuple[str, int], bool] = {}
         self._coverage: dict[tuple[str, int], set[int]] = {}
@@ -345,23 +346,29 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
-        """The pending replays, unit by unit. Each run of consecutive units of one (condition, r) keeps its NLLs and
-        active counts as Python floats (no small tensors left between the forward passes), then writes them as one
-        records file (`_write_run`)."""
+        """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other,
+        so they read its rows (and its donors' rows) once (`take`) and CrossShuffle reuses TokenShuffle's draws. Each
+        (condition, r) keeps its NLLs and active counts as Python floats (no small tensors left between the forward
+        passes) until r ends, then writes them as one records file (`_write_run`)."""
         ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
-        for key, run in groupby(units, lambda u: (u.condition, u.r)):
-            make, ranges, nlls, acts = protocol.REGISTRY[key[0]].make, [], [], []
-            for u in run:
+        order = {c: i for i, c in enumerate(protocol.REGISTRY)}
+        for _, same_r in groupby(units, lambda u: u.r):
+            runs: dict[tuple[str, int], tuple[list, list, list]] = {}
+            for u in sorted(same_r, key=lambda u: (u.start, order[u.condition])):
                 if not self.done(u):
+                    if u.start != self._taken[0]:
+                        self._taken = (u.start, {})
                     count = min(self.B, self.ev.shape[0] - u.start)
-                    coeffs = make(self, u.r, np.arange(u.start, u.start + count))
+                    coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
+                    ranges, nlls, acts = runs.setdefault((u.condition, u.r), ([], [], []))
                     acts.extend(self._active(coeffs).tolist())
                     with self.controller.replay(coeffs):
                         # the NLL alone: the logits go now, not during the next forward
                         nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
                     ranges.append((u.start, count))
                 step()
-            if ranges:
+            self._taken = (-1, {})
+            for key, (ranges, nlls, acts) in runs.items():
                 self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
                                 torch.tensor(acts, dtype=torch.float64))
 
@@ -397,10 +404,14 @@ class Engine:
 
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
-        coeffs = self.store.take(examples, self.starts)
-        if self.device.type == "cuda" and self.store.device != self.device:
-            return [c.pin_memory().to(self.device, non_blocking=True) for c in coeffs]
-        return coeffs
+        """The rows of `examples`, read once per batch of stage 2 (its own rows, its donors' rows)."""
+        taken = self._taken[1]
+        key = examples.tobytes()
+        if key not in taken:
+            taken[key] = self.store.take(examples, self.starts)
+            if self.device.type == "cuda" and self.store.device != self.device:
+                taken[key] = [c.pin_memory().to(self.device, non_blocking=True) for c in taken[key]]
+        return taken[key]
 
     def derangement(self, r: int) -> np.ndarray:
         if self._perm[0] != r:  # one derangement per randomization, shared by CrossInput and CrossShuffle
