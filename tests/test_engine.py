@@ -224,7 +224,7 @@ def test_store_round_trip_take_and_reopen(tmp_path):
     assert all(torch.equal(g, d[4:8]) for g, d in zip(again.read_chunk(4), data))
     with pytest.raises(FcauditError, match="non-finite"):
         store.write(12, [torch.full((1, T, 1, 1), float("nan")), torch.zeros(1, T, 3, 5)])
-    assert not store.has(12) and not list(tmp_path.glob(".*"))
+    assert not store.chunk_path(12).exists() and not list(tmp_path.glob(".*"))
     # equal content, equal bytes (the metadata is written in a fixed order)
     twin = CoefficientStore(tmp_path / "twin")
     twin.write(4, [d[4:8] for d in data])

@@ -146,7 +146,7 @@ class Engine:
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
-        self.group, self.quiet = group, config.quiet
+        self.group = group
         self.device = placement.input_device(model)
         self.B = config.batch_size
         self.store = CoefficientStore(self.dir.coeffs)
@@ -154,8 +154,7 @@ class Engine:
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
         self._taken: tuple[int, dict[bytes, Coeffs]] = (-1, {})  # stage 2's current batch: the rows read for it
         self._static: dict[str, Coeffs] = {}
-        self._merged: dict[tuple[str, int], bool] = {}
-        self._coverage: dict[tuple[str, int], set[int]] = {}
+        self._done: dict[tuple[str, int], set[int] | bool] = {}  # `_recorded`
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
         self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
         self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
@@ -182,43 +181,37 @@ class Engine:
             e.path.unlink(missing_ok=True)
             return False
 
-    def _merged_ok(self, condition: str, r: int) -> bool:
+    def _recorded(self, condition: str, r: int) -> set[int] | bool:
+        """True when the records file of (condition, r) verifies, else the evaluation windows in its verified part
+        files (cached: a fresh audit lists each (condition, r) once, not per unit)."""
         key = (condition, r)
-        if key not in self._merged:
-            path = self.dir.records(condition, r)
-            self._merged[key] = self._verified(path, lambda: self._check_frame(files.read_frame(path), path))
-        return self._merged[key]
+        if key not in self._done:
+            path, n = self.dir.records(condition, r), self.ev.shape[0]
 
-    def _check_frame(self, frame: pd.DataFrame, path: Path) -> None:
-        if len(frame) != self.ev.shape[0] or list(frame["example"]) != list(range(self.ev.shape[0])):
-            raise files.Damaged(path, "does not hold one row per evaluation window")
+            def whole() -> None:
+                frame = files.read_frame(path)
+                if len(frame) != n or list(frame["example"]) != list(range(n)):
+                    raise files.Damaged(path, "does not hold one row per evaluation window")
 
-    def _covered(self, condition: str, r: int) -> set[int]:
-        """Evaluation windows whose records of (condition, r) are in verified part files (cached)."""
-        key = (condition, r)
-        if key not in self._coverage:
-            found: set[int] = set()
-            for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
-                part = []
-                if self._verified(path, lambda p=path: part.append(files.read_tensors(p)[0])):
-                    found.update(part[0]["example"].tolist())
-            self._coverage[key] = found
-        return self._coverage[key]
-
-    def _part_ok(self, condition: str, r: int, start: int) -> bool:
-        if self._merged_ok(condition, r):
-            return True
-        covered = self._covered(condition, r)  # empty in a fresh audit: no set to build per unit
-        return bool(covered) and set(range(start, min(start + self.B, self.ev.shape[0]))) <= covered
+            if self._verified(path, whole):
+                self._done[key] = True
+            else:
+                found: set[int] = set()
+                for part in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
+                    self._verified(part, lambda p=part: found.update(files.read_tensors(p)[0]["example"].tolist()))
+                self._done[key] = found
+        return self._done[key]
 
     def done(self, unit: Unit) -> bool:
-        if unit.kind == "capture":
-            return (self._verified(self.store.chunk_path(unit.start), lambda: self.store.verify(unit.start))
-                    and self._part_ok("Correct", 0, unit.start))
         if unit.kind == "calibrate":
             path = self.dir.calib_part(unit.start)
             return self.profiles_done() or self._verified(path, lambda: files.read_tensors(path))
-        return self._part_ok(unit.condition, unit.r, unit.start)
+        if unit.kind == "capture" and not self._verified(self.store.chunk_path(unit.start),
+                                                         lambda: self.store.verify(unit.start)):
+            return False
+        recorded = self._recorded(unit.condition, unit.r)  # capture units record Correct r0
+        return recorded is True or (bool(recorded) and
+                                    set(range(unit.start, min(unit.start + self.B, self.ev.shape[0]))) <= recorded)
 
     def profiles_done(self) -> bool:
         return self._verified(self.dir.profiles, lambda: files.read_tensors(self.dir.profiles))
@@ -230,7 +223,8 @@ class Engine:
         stage1 = lambda: share(sched.iter_stage1(), rank, world)  # noqa: E731  (generated, never held)
         stage2 = lambda: share(sched.iter_stage2(), rank, world)  # noqa: E731
         total = sum(u.passes for u in stage1()) + sum(u.passes for u in stage2())
-        with self._progress() as progress:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=self.console, disable=self.console.quiet) as progress:
             task = progress.add_task("audit (forward passes)", total=total)
             # a quiet audit takes no progress lock per forward pass
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
@@ -249,10 +243,6 @@ class Engine:
         if redone:
             self.notices.print(f"resumed: recomputed {len(redone)} damaged file(s): " + "; ".join(redone[:3])
                                + (" ..." if len(redone) > 3 else ""), soft_wrap=True)
-
-    def _progress(self) -> Progress:
-        return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=self.console.quiet)
 
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
@@ -378,7 +368,7 @@ class Engine:
         order) is its final records file at once; any other run is a part file that the final merge orders."""
         if len(nll) == self.ev.shape[0]:
             self._write_records(*key, nll.cpu().numpy(), act.cpu().numpy())
-            self._merged[key] = True
+            self._done[key] = True
         else:
             self._write_part(*key, ranges, nll, act)
 
@@ -463,7 +453,7 @@ class Engine:
 
     def _finalize(self) -> None:
         for condition, r in self.schedule.record_keys():
-            if not self._merged_ok(condition, r):
+            if self._recorded(condition, r) is not True:
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged

@@ -43,10 +43,6 @@ def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> 
                                "(e.g. load in float32) before auditing")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class CoefficientStore:
     """Per-layer coefficient arrays over all evaluation windows, split into chunk files."""
 
@@ -67,7 +63,7 @@ class CoefficientStore:
         check_finite(coeffs, f"windows from {start}")
         layout, groups, offsets = [], {}, {}
         for c in coeffs:
-            name = _dtype_name(c.dtype)
+            name = str(c.dtype).removeprefix("torch.")
             flat = c.detach().to("cpu").reshape(c.shape[0], -1)
             layout.append({"dtype": name, "offset": offsets.get(name, 0), "shape": list(c.shape[1:])})
             offsets[name] = offsets.get(name, 0) + flat.shape[1]
@@ -79,9 +75,6 @@ class CoefficientStore:
         if not self.path.exists():
             return []
         return sorted(int(m.group(1)) for p in self.path.iterdir() if (m := _CHUNK.match(p.name)))
-
-    def has(self, start: int) -> bool:
-        return self.chunk_path(start).exists()
 
     def verify(self, start: int) -> dict:
         """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
@@ -190,6 +183,3 @@ class CoefficientStore:
             else:
                 runs.append([c, e - c, e - c + 1])
         return self._split(self._read(runs))
-
-    def close(self) -> None:
-        self._resident = None
