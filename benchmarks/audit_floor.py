@@ -18,10 +18,11 @@ when the machine kept its speed between the two runs: the pair's noise), and the
 overhead; a timer per forward pass); and per pair the audit's median replay against the bare loop's (steadier than the
 sums: a slow spell of the machine moves a median less).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
-CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
-decoding the coefficients into each replay, counting active sources, stage 1's checks and writes (beside its forward
-passes), setting up and finishing (inputs, directory, profiles, merge, variation, reading the results back), and the
-rest (the replays' loop and contexts).
+CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the forward passes with their
+NLLs, making the replayed coefficients, reading the store, records files, decoding the coefficients into each
+replay, counting active sources, stage 1's checks and writes (beside its forward passes), setting up and finishing
+(inputs, directory, profiles, merge, variation, reading the results back), and the rest (the replays' loop and
+contexts); then a bare loop right after, in CPU time, and the audit, its forward passes and the rest against it.
 Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd] [--parts]
 """
 
@@ -110,8 +111,8 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
 
 
 def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> np.ndarray:
-    """The audit's forward passes and their NLLs with nothing else: (wall, CPU) seconds. `replays` gets each replay's seconds
-    (its context and forward pass, as `audit_split` times the audit's)."""
+    """The audit's forward passes and their NLLs with nothing else: (wall, CPU) seconds. `replays` gets each replay's
+    seconds (its context and forward pass, as `audit_split` times the audit's)."""
     sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
     nll = lambda ids: token_nll(logits_of(model(ids)), ids).mean(1)  # noqa: E731
     with torch.inference_mode():

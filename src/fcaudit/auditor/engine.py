@@ -338,39 +338,41 @@ class Engine:
     def _replays(self, units: Iterable[Unit], step) -> None:
         """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other,
         so they read its rows (and its donors' rows) once (`take`) and CrossShuffle reuses TokenShuffle's draws. Each
-        (condition, r) keeps its NLLs and active counts as Python floats (no small tensors left between the forward
-        passes) until r ends, then writes them as one records file (`_write_run`)."""
-        ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
+        (condition, r) keeps its NLLs and active counts in arrays over the windows (no small tensors left between the
+        forward passes) until r ends, then writes them as one records file (`_write_run`)."""
+        ev, n = self.ev.to(self.device), self.ev.shape[0]  # once, not per batch (on the CPU the same tensor)
         order = {c: i for i, c in enumerate(protocol.REGISTRY)}
+        active_shape = (n, 1 + len(self.counts)) if self.counts else (n,)  # see `_active`
         for _, same_r in groupby(units, lambda u: u.r):
-            runs: dict[tuple[str, int], tuple[list, list, list]] = {}
+            runs: dict[tuple[str, int], tuple[list, np.ndarray, np.ndarray]] = {}
             for u in sorted(same_r, key=lambda u: (u.start, order[u.condition])):
                 if not self.done(u):
                     if u.start != self._taken[0]:
                         self._taken = (u.start, {})
-                    count = min(self.B, self.ev.shape[0] - u.start)
-                    coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-                    ranges, nlls, acts = runs.setdefault((u.condition, u.r), ([], [], []))
-                    acts.extend(self._active(coeffs).tolist())
+                    rows = slice(u.start, min(u.start + self.B, n))
+                    coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
+                    ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
+                    act[rows] = self._active(coeffs).cpu().numpy()
                     with self.controller.replay(coeffs):
                         # the NLL alone: the logits go now, not during the next forward
-                        nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
-                    ranges.append((u.start, count))
+                        nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
+                    ranges.append(rows)
                 step()
             self._taken = (-1, {})
-            for key, (ranges, nlls, acts) in runs.items():
-                self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
-                                torch.tensor(acts, dtype=torch.float64))
+            for key, run in runs.items():
+                self._write_run(key, *run)
 
-    def _write_run(self, key: tuple[str, int], ranges: list[tuple[int, int]], nll: torch.Tensor,
-                   act: torch.Tensor) -> None:
-        """A run that holds every window of one (condition, r) (one process, nothing resumed: its units came in window
-        order) is its final records file at once; any other run is a part file that the final merge orders."""
-        if len(nll) == self.ev.shape[0]:
-            self._write_records(*key, nll.cpu().numpy(), act.cpu().numpy())
+    def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
+        """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled. A run that holds every
+        window (one process, nothing resumed) is its final records file at once; any other run is a part file that
+        the final merge orders."""
+        if sum(r.stop - r.start for r in ranges) == self.ev.shape[0]:
+            self._write_records(*key, nll, act)
             self._done[key] = True
         else:
-            self._write_part(*key, ranges, nll, act)
+            examples = np.concatenate([np.arange(r.start, r.stop) for r in ranges])
+            self._write_part(*key, [(r.start, r.stop - r.start) for r in ranges], torch.from_numpy(nll[examples]),
+                             torch.from_numpy(act[examples]))
 
     def _write_records(self, condition: str, r: int, nll: np.ndarray, act: np.ndarray) -> None:
         """The records of (condition, r), one row per evaluation window in window order."""

@@ -95,7 +95,8 @@ class CoefficientStore:
             fd = os.open(f"{self._prefix}{start:07d}.safetensors", os.O_RDONLY)  # a str: no Path per read
             try:
                 for begin, view in zip(where, views):
-                    if os.preadv(fd, [view[row:row + hi - lo]], begin + lo * view.shape[1]) != (hi - lo) * view.shape[1]:
+                    width = view.shape[1]  # bytes per row
+                    if os.preadv(fd, [view[row:row + hi - lo]], begin + lo * width) != (hi - lo) * width:
                         raise Damaged(self.chunk_path(start), "truncated")
             finally:
                 os.close(fd)
