@@ -287,7 +287,7 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, self._active(coeffs))
+        self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
@@ -296,13 +296,10 @@ class Engine:
         return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts,
                         self.groups)
 
-    def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
-                    act: torch.Tensor) -> None:
-        """One records file for consecutive batches (first window, count) of (condition, r): their windows, NLLs and
-        active sources (a single host sync for all of them)."""
-        examples = torch.cat([torch.arange(start, start + count) for start, count in ranges])
-        files.write_tensors(self.dir.part(condition, r, ranges[0][0]),
-                            {"example": examples, "nll": nll.cpu(), "active": act.cpu()})
+    def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
+        """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
+        files.write_tensors(self.dir.part(condition, r, int(examples[0])),
+                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
@@ -371,8 +368,7 @@ class Engine:
             self._done[key] = True
         else:
             examples = np.concatenate([np.arange(r.start, r.stop) for r in ranges])
-            self._write_part(*key, [(r.start, r.stop - r.start) for r in ranges], torch.from_numpy(nll[examples]),
-                             torch.from_numpy(act[examples]))
+            self._write_part(*key, examples, torch.from_numpy(nll[examples]), torch.from_numpy(act[examples]))
 
     def _write_records(self, condition: str, r: int, nll: np.ndarray, act: np.ndarray) -> None:
         """The records of (condition, r), one row per evaluation window in window order."""
