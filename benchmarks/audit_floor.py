@@ -36,7 +36,6 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np

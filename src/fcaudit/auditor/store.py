@@ -139,6 +139,7 @@ class CoefficientStore:
     def read_chunk(self, start: int) -> Coeffs:
         self.layout(start)
         return self._split({k.removeprefix("coeffs."): t for k, t in load_file(self.chunk_path(start)).items()})
+
     def load(self, chunk_starts: np.ndarray, windows: int, device: torch.device) -> None:
         """Hold the rows of all `windows` on `device`, one [windows, features] tensor per dtype in window order (each
         chunk read once, straight into its rows); `take` then gathers there. `unload` lets them go."""
