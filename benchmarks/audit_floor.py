@@ -18,10 +18,11 @@ when the machine kept its speed between the two runs: the pair's noise), and the
 overhead; a timer per forward pass); and per pair the audit's median replay against the bare loop's (steadier than the
 sums: a slow spell of the machine moves a median less).
 With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
-time): the forward passes with their NLLs, making the replayed coefficients, reading the store, records files,
-decoding the coefficients into each replay, counting active sources, stage 1's checks and writes (beside its forward
-passes), setting up and finishing (inputs, directory, profiles, merge, variation, reading the results back), and the
-rest (the replays' loop and contexts).
+CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the forward passes with their
+NLLs, making the replayed coefficients, reading the store, records files, decoding the coefficients into each
+replay, counting active sources, stage 1's checks and writes (beside its forward passes), setting up and finishing
+(inputs, directory, profiles, merge, variation, reading the results back), and the rest (the replays' loop and
+contexts); then a bare loop right after, in CPU time, and the audit, its forward passes and the rest against it.
 Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd] [--parts]
 """
 
@@ -35,7 +36,6 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -109,9 +109,9 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
     return model, fca.controller_for(model), 64
 
 
-def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> float:
-    """The audit's forward passes and their NLLs with nothing else: seconds. `replays` gets each replay's seconds
-    (its context and forward pass, as `audit_split` times the audit's)."""
+def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> np.ndarray:
+    """The audit's forward passes and their NLLs with nothing else: (wall, CPU) seconds. `replays` gets each replay's
+    seconds (its context and forward pass, as `audit_split` times the audit's)."""
     sched = Schedule(ev.shape[0], ca.shape[0], batch, R, tuple(protocol.for_controller(ctrl.info)))
     nll = lambda ids: token_nll(logits_of(model(ids)), ids).mean(1)  # noqa: E731
     with torch.inference_mode():
@@ -150,7 +150,7 @@ def timed(seconds: list[float] | None) -> Iterator[None]:
 
 @contextmanager
 def timed_parts() -> Iterator[Counter]:
-    """Seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
+    """CPU seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
     step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
     reads within making coefficients), so the parts add up."""
     from fcaudit.auditor import engine, runner
@@ -175,11 +175,11 @@ def timed_parts() -> Iterator[Counter]:
     def timer(fn, part):
         def run(*args, **kwargs):
             outer, inner[0] = inner[0], 0.0
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                took = time.perf_counter() - t0
+                took = time.process_time() - t0
                 spent[part] += took - inner[0]
                 inner[0] = outer + took
         return run
@@ -203,10 +203,13 @@ PARTS = ("forward passes and NLLs", "making coefficients", "reading the store", 
 
 def parts_line(model, ctrl, ev, ca, batch: int, R: int) -> str:
     with timed_parts() as spent:
-        total = audit_once(model, ctrl, ev, ca, batch, R)[0]
+        total = audit_once(model, ctrl, ev, ca, batch, R)[1]
+    bare = bare_loop(model, ctrl, ev, ca, batch, R)[1]  # right after, in CPU time: what the forward passes cost
     rest = total - sum(spent.values())  # the replays' loop and contexts, the engine's set-up
-    return (f"audit {total:.3f} s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
-            + f", the rest {rest:.3f} s")
+    beside = total - spent["forward passes and NLLs"]
+    return (f"audit {total:.3f} CPU s: " + ", ".join(f"{part} {spent[part]:.3f} s" for part in PARTS)
+            + f", the rest {rest:.3f} s; bare loop {bare:.3f} CPU s: audit / bare {total / bare:.3f}, the audit's "
+            f"forward passes / bare {spent['forward passes and NLLs'] / bare:.3f}, the rest / bare {beside / bare:.3f}")
 
 
 def clock() -> np.ndarray:
@@ -292,8 +295,10 @@ def main() -> None:
                 bares.append(bare_loop(model, ctrl, ev, ca, args.batch_size, args.randomizations, theirs))
             per_replay.append(statistics.median(mine) / statistics.median(theirs))
         if args.parts:
-            print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)}",
-                  flush=True)
+            print(f"{name:<12} parts: {parts_line(model, ctrl, ev, ca, args.batch_size, args.randomizations)} "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        if not audits:
+            continue
         for i, what in enumerate(("wall", "CPU")):
             a, b = [t[i] for t in audits], [t[i] for t in bares]
             ratios = [x / y for x, y in zip(a, b)]

@@ -57,6 +57,20 @@ def test_audit_floors_bare_loop_runs_the_audits_replays():
     assert len(mine) == len(theirs) > 0  # the same replays, each timed, in both
 
 
+def test_audit_floors_parts_name_every_step_and_leave_the_engine_as_it_was():
+    import torch
+
+    from fcaudit import protocol
+    from fcaudit.auditor import engine
+
+    audit_floor = load_script("audit_floor")
+    model, ctrl, _ = audit_floor.build("own")
+    before = engine.forward_nll, engine.Engine.take, protocol.REGISTRY["CrossInput"].make
+    line = audit_floor.parts_line(model, ctrl, torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (2, 16)), 2, 1)
+    assert all(f"{part} " in line for part in audit_floor.PARTS) and "the rest / bare" in line
+    assert (engine.forward_nll, engine.Engine.take, protocol.REGISTRY["CrossInput"].make) == before
+
+
 def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is_not():
     moe_families = load_script("moe_families")
     assert moe_families.audit("glm4_moe").startswith("audited: 2 sites (Glm4MoeTopkRouter), padding sentinel, "

@@ -16,7 +16,7 @@ from torch import nn
 
 from fcaudit import protocol
 from fcaudit.auditor import CoefficientStore, audit, plan
-from fcaudit.auditor import store as store_module
+from fcaudit.auditor import files
 from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
 from fcaudit.families import Family, controller_for, registered
@@ -223,7 +223,7 @@ def test_store_round_trip_take_and_reopen(tmp_path):
     assert all(torch.equal(g, d[4:8]) for g, d in zip(again.read_chunk(4), data))
     with pytest.raises(FcauditError, match="non-finite"):
         store.write(12, [torch.full((1, T, 1, 1), float("nan")), torch.zeros(1, T, 3, 5)])
-    assert not store.has(12) and not list(tmp_path.glob(".*"))
+    assert not store.chunk_path(12).exists() and not list(tmp_path.glob(".*"))
     # equal content, equal bytes (the metadata is written in a fixed order)
     twin = CoefficientStore(tmp_path / "twin")
     twin.write(4, [d[4:8] for d in data])
@@ -254,28 +254,32 @@ def test_store_reads_keep_no_memory(tmp_path, monkeypatch):
     assert grown < 100_000, f"{grown} bytes kept after {20 * len(reads)} reads"
 
 
-def test_store_keeps_chunks_loaded_within_its_bound(tmp_path, monkeypatch):
-    """Scattered reads (a derangement's donors) load each chunk once while the loaded chunks fit the bound; past it
-    the least recently used go, and reads stay right."""
+def test_store_reads_hold_only_the_rows_asked_for(tmp_path):
+    """Scattered reads (a derangement's donors) give the right rows, each read its own tensors: nothing of a chunk
+    stays loaded between reads, so memory does not grow with the windows."""
     data = [torch.randn(64, T, 1, 1).to(torch.bfloat16), torch.randn(64, T, 2, 3)]
     writer = CoefficientStore(tmp_path)
     for b0 in range(0, 64, 2):
         writer.write(b0, [d[b0:b0 + 2] for d in data])
-    opened = []
-    loader = store_module.load_file
-    monkeypatch.setattr(store_module, "load_file", lambda path: opened.append(path) or loader(path))
-    rng = np.random.default_rng(0)
-    reads = [rng.permutation(64)[:8] for _ in range(40)]
-    chunk_bytes = sum(d[:2].nbytes for d in data)
-    for max_loaded, kept in ((2**30, 32), (3 * chunk_bytes, 3), (1, 1)):
-        monkeypatch.setattr(store_module, "MAX_LOADED", max_loaded)
-        store, opened[:] = CoefficientStore(tmp_path), []
-        starts = np.array(store.starts())
-        for idx in reads:
-            got = store.take(idx, starts)
-            assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
-        assert len(store._loaded) == kept and store._bytes == kept * chunk_bytes
-        assert (len(opened) == len(set(opened)) == 32) == (kept == 32)  # all kept: each chunk loaded once
+    store, rng = CoefficientStore(tmp_path), np.random.default_rng(0)
+    starts = np.array(store.starts())
+    for idx in [rng.permutation(64)[:8] for _ in range(40)] + [np.arange(6, 8), np.array([63])]:
+        got = store.take(idx, starts)
+        assert all(torch.equal(g, d[torch.from_numpy(idx)]) for g, d in zip(got, data))
+        assert [g.untyped_storage().nbytes() for g in got] == [d[:len(idx)].nbytes for d in data]
+    assert vars(store).keys() == vars(CoefficientStore(tmp_path)).keys() and store.device is None
+
+
+def test_a_store_read_past_a_chunk_or_its_bytes_is_damaged(tmp_path):
+    store = CoefficientStore(tmp_path)
+    store.write(0, [torch.randn(4, T, 1, 1)])
+    starts = np.array(store.starts())
+    with pytest.raises(files.Damaged, match="holds 4 windows"):
+        store.take(np.array([5]), starts)
+    path = store.chunk_path(0)
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(files.Damaged, match="truncated"):
+        store.take(np.array([3]), starts)
 
 
 def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
@@ -305,9 +309,9 @@ def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
     base = run(model, ctrl, tmp_path / "files", R=2)
     monkeypatch.setattr(engine_module, "keeps_store_on", lambda device, nbytes: True)
     monkeypatch.setattr(CoefficientStore, "load", lambda self, *a: files_read.append("load") or load(self, *a))
-    open_chunk = CoefficientStore._open
-    monkeypatch.setattr(CoefficientStore, "_open",
-                        lambda self, start: files_read.append(self.device) or open_chunk(self, start))
+    read_rows = CoefficientStore._read
+    monkeypatch.setattr(CoefficientStore, "_read",
+                        lambda self, *a: files_read.append(self.device) or read_rows(self, *a))
     held = run(model, ctrl, tmp_path / "held", R=2)
     assert "load" in files_read and not any(isinstance(x, torch.device) for x in files_read)
     pd.testing.assert_frame_equal(held.records, base.records, check_exact=True)
@@ -366,7 +370,7 @@ def test_stage2_writes_each_run_once_complete_and_a_resumed_run_as_a_part(tmp_pa
         b.gate = SparseGate(16)
     written, write_run = [], engine_module.Engine._write_run
     monkeypatch.setattr(engine_module.Engine, "_write_run",
-                        lambda self, key, ranges, nll, act: written.append((key, len(nll)))
+                        lambda self, key, ranges, nll, act: written.append((key, sum(r.stop - r.start for r in ranges)))
                         or write_run(self, key, ranges, nll, act))
     base = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
     varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -56,12 +57,19 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
 
 
 def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
-    """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
-    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
-    CrossShuffle r use the same ones."""
-    positions = np.broadcast_to(np.arange(token), (rows, token))
-    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1)
-                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
+    """An int array [examples, rows, token] (read-only): per example an independent permutation of positions per
+    row, one row per (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle
+    r and CrossShuffle r use the same ones: the last batch's are kept, for the engine runs them one after the other."""
+    return _permutations(tuple(np.asarray(examples).tolist()), seed, r, token, rows)
+
+
+@lru_cache(maxsize=1)
+def _permutations(examples: tuple[int, ...], seed: int, r: int, token: int, rows: int) -> np.ndarray:
+    positions, out = np.broadcast_to(np.arange(token), (rows, token)), np.empty((len(examples), rows, token), np.int64)
+    for o, e in zip(out, examples):
+        np.random.default_rng([SHUFFLE, seed, r, e]).permuted(positions, axis=1, out=o)  # each into its place
+    out.flags.writeable = False
+    return out
 
 
 def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
@@ -94,7 +102,7 @@ def move_tokens(coeffs: Coeffs, index: np.ndarray, groups: Sequence[int] = ()) -
     index: [batch, rows, token], stacked from `token_permutations` or `past_positions`, rows as `group_rows` says.
     """
     # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
-    index = torch.from_numpy(np.ascontiguousarray(index.transpose(0, 2, 1))).to(coeffs[0].device)
+    index = torch.from_numpy(index.transpose(0, 2, 1).copy()).to(coeffs[0].device)
     out = []
     for c, s0 in zip(coeffs, group_rows(coeffs, groups)[1]):
         s = c.shape[2]

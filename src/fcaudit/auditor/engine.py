@@ -10,11 +10,11 @@ all of them (fcaudit.auditor.group; one process: a trivial group).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -145,15 +145,15 @@ class Engine:
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
-        self.group, self.quiet = group, config.quiet
+        self.group = group
         self.device = placement.input_device(model)
         self.B = config.batch_size
         self.store = CoefficientStore(self.dir.coeffs)
         self.starts = np.asarray(self.schedule.eval_starts)
         self._perm: tuple[int, np.ndarray | None] = (-1, None)
+        self._taken: tuple[int, dict[bytes, Coeffs]] = (-1, {})  # stage 2's current batch: the rows read for it
         self._static: dict[str, Coeffs] = {}
-        self._merged: dict[tuple[str, int], bool] = {}
-        self._coverage: dict[tuple[str, int], set[int]] = {}
+        self._done: dict[tuple[str, int], set[int] | bool] = {}  # `_recorded`
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
         self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
         self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
@@ -180,43 +180,37 @@ class Engine:
             e.path.unlink(missing_ok=True)
             return False
 
-    def _merged_ok(self, condition: str, r: int) -> bool:
+    def _recorded(self, condition: str, r: int) -> set[int] | bool:
+        """True when the records file of (condition, r) verifies, else the evaluation windows in its verified part
+        files (cached: a fresh audit lists each (condition, r) once, not per unit)."""
         key = (condition, r)
-        if key not in self._merged:
-            path = self.dir.records(condition, r)
-            self._merged[key] = self._verified(path, lambda: self._check_frame(files.read_frame(path), path))
-        return self._merged[key]
+        if key not in self._done:
+            path, n = self.dir.records(condition, r), self.ev.shape[0]
 
-    def _check_frame(self, frame: pd.DataFrame, path: Path) -> None:
-        if len(frame) != self.ev.shape[0] or list(frame["example"]) != list(range(self.ev.shape[0])):
-            raise files.Damaged(path, "does not hold one row per evaluation window")
+            def whole() -> None:
+                frame = files.read_frame(path)
+                if len(frame) != n or list(frame["example"]) != list(range(n)):
+                    raise files.Damaged(path, "does not hold one row per evaluation window")
 
-    def _covered(self, condition: str, r: int) -> set[int]:
-        """Evaluation windows whose records of (condition, r) are in verified part files (cached)."""
-        key = (condition, r)
-        if key not in self._coverage:
-            found: set[int] = set()
-            for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
-                part = []
-                if self._verified(path, lambda p=path: part.append(files.read_tensors(p)[0])):
-                    found.update(part[0]["example"].tolist())
-            self._coverage[key] = found
-        return self._coverage[key]
-
-    def _part_ok(self, condition: str, r: int, start: int) -> bool:
-        if self._merged_ok(condition, r):
-            return True
-        covered = self._covered(condition, r)  # empty in a fresh audit: no set to build per unit
-        return bool(covered) and set(range(start, min(start + self.B, self.ev.shape[0]))) <= covered
+            if self._verified(path, whole):
+                self._done[key] = True
+            else:
+                found: set[int] = set()
+                for part in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
+                    self._verified(part, lambda p=part: found.update(files.read_tensors(p)[0]["example"].tolist()))
+                self._done[key] = found
+        return self._done[key]
 
     def done(self, unit: Unit) -> bool:
-        if unit.kind == "capture":
-            return (self._verified(self.store.chunk_path(unit.start), lambda: self.store.verify(unit.start))
-                    and self._part_ok("Correct", 0, unit.start))
         if unit.kind == "calibrate":
             path = self.dir.calib_part(unit.start)
             return self.profiles_done() or self._verified(path, lambda: files.read_tensors(path))
-        return self._part_ok(unit.condition, unit.r, unit.start)
+        if unit.kind == "capture" and not self._verified(self.store.chunk_path(unit.start),
+                                                         lambda: self.store.verify(unit.start)):
+            return False
+        recorded = self._recorded(unit.condition, unit.r)  # capture units record Correct r0
+        return recorded is True or (bool(recorded) and
+                                    set(range(unit.start, min(unit.start + self.B, self.ev.shape[0]))) <= recorded)
 
     def profiles_done(self) -> bool:
         return self._verified(self.dir.profiles, lambda: files.read_tensors(self.dir.profiles))
@@ -228,7 +222,8 @@ class Engine:
         stage1 = lambda: share(sched.iter_stage1(), rank, world)  # noqa: E731  (generated, never held)
         stage2 = lambda: share(sched.iter_stage2(), rank, world)  # noqa: E731
         total = sum(u.passes for u in stage1()) + sum(u.passes for u in stage2())
-        with self._progress() as progress:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=self.console, disable=self.console.quiet) as progress:
             task = progress.add_task("audit (forward passes)", total=total)
             # a quiet audit takes no progress lock per forward pass
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
@@ -247,10 +242,6 @@ class Engine:
         if redone:
             self.notices.print(f"resumed: recomputed {len(redone)} damaged file(s): " + "; ".join(redone[:3])
                                + (" ..." if len(redone) > 3 else ""), soft_wrap=True)
-
-    def _progress(self) -> Progress:
-        return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=self.console.quiet)
 
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
@@ -295,7 +286,7 @@ class Engine:
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
         self.store.write(start, coeffs, stats)
-        self._write_part("Correct", 0, [(start, ids.shape[0])], nll, self._active(coeffs))
+        self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
@@ -304,37 +295,28 @@ class Engine:
         return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts,
                         self.groups)
 
-    def _write_part(self, condition: str, r: int, ranges: list[tuple[int, int]], nll: torch.Tensor,
-                    act: torch.Tensor) -> None:
-        """One records file for consecutive batches (first window, count) of (condition, r): their windows, NLLs and
-        active sources (a single host sync for all of them)."""
-        examples = torch.cat([torch.arange(start, start + count) for start, count in ranges])
-        files.write_tensors(self.dir.part(condition, r, ranges[0][0]),
-                            {"example": examples, "nll": nll.cpu(), "active": act.cpu()})
+    def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
+        """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
+        files.write_tensors(self.dir.part(condition, r, int(examples[0])),
+                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
         coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
         check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}",
                      [s.path for s in self.controller.sites])
-        sums = {f"layer.{l}": c.detach().to("cpu", torch.float64).sum(0) for l, c in enumerate(coeffs)}
+        sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
         files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
 
     def _reduce_profiles(self) -> None:
         """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
         if self.profiles_done():
             return
-        sums, count = None, 0
-        for start in self.schedule.calib_starts:
-            tensors, meta = files.read_tensors(self.dir.calib_part(start))
-            batch = [tensors[f"layer.{l}"] for l in range(len(tensors))]
-            sums = batch if sums is None else [s + b for s, b in zip(sums, batch)]
-            count += meta["count"]
-        info = self.controller.info
-        cal = protocol.Calibration(sums, count, info.top_k)
-        static = [c for c in protocol.conditions(self.schedule.conditions, kind="static")]
-        tensors = {f"{c.name}.{l}": p for c in static for l, p in enumerate(c.profile(cal, info))}
-        files.write_tensors(self.dir.profiles, tensors, {"count": count, "conditions": [c.name for c in static]})
+        parts = (files.read_tensors(self.dir.calib_part(start)) for start in self.schedule.calib_starts)
+        sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
+        profiles = protocol.static_profiles(sums, self.controller.info, self.schedule.conditions)
+        files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
+                            {"count": int(self.ca.shape[0]), "conditions": list(profiles)})
         remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
@@ -350,49 +332,42 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
-        """The pending replays, unit by unit. A run of consecutive units of one (condition, r) keeps its NLLs and
-        active counts until it ends, then writes them as one records file (`_write_run`)."""
-        ev = self.ev.to(self.device)  # once, not per batch (on the CPU the same tensor)
-        key, ranges, nlls, acts = None, [], [], []
-        for u in units:
-            if self._skip(u, step):
-                continue
-            if (u.condition, u.r) != key:
-                if key is not None:
-                    self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
-                                    torch.tensor(acts, dtype=torch.float64))
-                key, ranges, nlls, acts = (u.condition, u.r), [], [], []
-            count = self._count(u)
-            coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(u.start, u.start + count))
-            acts.extend(self._active(coeffs).tolist())  # Python floats: no small tensors left between the forwards
-            with self.controller.replay(coeffs):
-                # the NLL alone: the logits go now, not during the next forward
-                nlls.extend(forward_nll(self.model, ev[u.start:u.start + count], self.loss_fn)[1].tolist())
-            ranges.append((u.start, count))
-            step()
-        if key is not None:
-            self._write_run(key, ranges, torch.tensor(nlls, dtype=torch.float64),
-                            torch.tensor(acts, dtype=torch.float64))
+        """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other,
+        so they read its rows (and its donors' rows) once (`take`) and CrossShuffle reuses TokenShuffle's draws. Each
+        (condition, r) keeps its NLLs and active counts in arrays over the windows (no small tensors left between the
+        forward passes) until r ends, then writes them as one records file (`_write_run`)."""
+        ev, n = self.ev.to(self.device), self.ev.shape[0]  # once, not per batch (on the CPU the same tensor)
+        order = {c: i for i, c in enumerate(protocol.REGISTRY)}
+        active_shape = (n, 1 + len(self.counts)) if self.counts else (n,)  # see `_active`
+        for _, same_r in groupby(units, lambda u: u.r):
+            runs: dict[tuple[str, int], tuple[list, np.ndarray, np.ndarray]] = {}
+            for u in sorted(same_r, key=lambda u: (u.start, order[u.condition])):
+                if not self.done(u):
+                    if u.start != self._taken[0]:
+                        self._taken = (u.start, {})
+                    rows = slice(u.start, min(u.start + self.B, n))
+                    coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
+                    ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
+                    act[rows] = self._active(coeffs).cpu().numpy()
+                    with self.controller.replay(coeffs):
+                        # the NLL alone: the logits go now, not during the next forward
+                        nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
+                    ranges.append(rows)
+                step()
+            self._taken = (-1, {})
+            for key, run in runs.items():
+                self._write_run(key, *run)
 
-    def _count(self, unit: Unit) -> int:
-        return min(self.B, self.ev.shape[0] - unit.start)
-
-    def _skip(self, unit: Unit, step) -> bool:
-        """Whether a unit's records are already done (then it counts as progress)."""
-        if self.done(unit):
-            step()
-            return True
-        return False
-
-    def _write_run(self, key: tuple[str, int], ranges: list[tuple[int, int]], nll: torch.Tensor,
-                   act: torch.Tensor) -> None:
-        """A run that holds every window of one (condition, r) (one process, nothing resumed: its units came in window
-        order) is its final records file at once; any other run is a part file that the final merge orders."""
-        if len(nll) == self.ev.shape[0]:
-            self._write_records(*key, nll.cpu().numpy(), act.cpu().numpy())
-            self._merged[key] = True
+    def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
+        """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled. A run that holds every
+        window (one process, nothing resumed) is its final records file at once; any other run is a part file that
+        the final merge orders."""
+        if sum(r.stop - r.start for r in ranges) == self.ev.shape[0]:
+            self._write_records(*key, nll, act)
+            self._done[key] = True
         else:
-            self._write_part(*key, ranges, nll, act)
+            examples = np.concatenate([np.arange(r.start, r.stop) for r in ranges])
+            self._write_part(*key, examples, torch.from_numpy(nll[examples]), torch.from_numpy(act[examples]))
 
     def _write_records(self, condition: str, r: int, nll: np.ndarray, act: np.ndarray) -> None:
         """The records of (condition, r), one row per evaluation window in window order."""
@@ -416,10 +391,14 @@ class Engine:
 
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
-        coeffs = self.store.take(examples, self.starts)
-        if self.device.type == "cuda" and self.store.device != self.device:
-            return [c.pin_memory().to(self.device, non_blocking=True) for c in coeffs]
-        return coeffs
+        """The rows of `examples`, read once per batch of stage 2 (its own rows, its donors' rows)."""
+        taken = self._taken[1]
+        key = examples.tobytes()
+        if key not in taken:
+            taken[key] = self.store.take(examples, self.starts)
+            if self.device.type == "cuda" and self.store.device != self.device:
+                taken[key] = [c.pin_memory().to(self.device, non_blocking=True) for c in taken[key]]
+        return taken[key]
 
     def derangement(self, r: int) -> np.ndarray:
         if self._perm[0] != r:  # one derangement per randomization, shared by CrossInput and CrossShuffle
@@ -471,7 +450,7 @@ class Engine:
 
     def _finalize(self) -> None:
         for condition, r in self.schedule.record_keys():
-            if not self._merged_ok(condition, r):
+            if self._recorded(condition, r) is not True:
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged

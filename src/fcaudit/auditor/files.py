@@ -98,10 +98,13 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
     sidecar. The sidecar is written first, so a killed write leaves a file that is absent or fails its check."""
     path = Path(path)
     rows = next(len(v) for v in columns.values() if not isinstance(v, str))
-    table = pa.table({name: pa.repeat(v, rows) if isinstance(v, str) else pa.array(v) for name, v in columns.items()})
-    buffer = pa.BufferOutputStream()
+    pool = pa.system_memory_pool()  # pyarrow's own pool keeps what its largest table took: it would grow with the rows
+    table = pa.table({name: pa.repeat(v, rows, memory_pool=pool) if isinstance(v, str) else pa.array(v, memory_pool=pool)
+                      for name, v in columns.items()})
+    buffer = pa.BufferOutputStream(memory_pool=pool)
     # a dictionary for the constant columns only: on distinct numbers it costs more than the write
-    pq.write_table(table, buffer, use_dictionary=[name for name, v in columns.items() if isinstance(v, str)])
+    pq.write_table(table, buffer, use_dictionary=[name for name, v in columns.items() if isinstance(v, str)],
+                   memory_pool=pool)
     data = memoryview(buffer.getvalue())
     write_bytes(sidecar(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
     return write_bytes(path, data)

@@ -2,33 +2,29 @@
 
 One safetensors file per capture batch (`chunk_{start:07d}.safetensors`). Each example's canonical coefficients of all
 layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coeffs.float32`, `coeffs.bfloat16`, ...),
-so reading the coefficients of any set of examples costs one slice per run of consecutive rows, not one per layer.
-Chunks are written atomically with a content hash (audit.files), so RAM does not grow with the number of windows
-and a killed run leaves only whole chunks. Reads come from chunks loaded whole (safetensors' `load_file`), the most
-recently used kept up to MAX_LOADED bytes (at least one). A store that fits a GPU can be held there whole (`load`, the
-engine decides), so reads gather on the device with no host copy.
+so reading the coefficients of any set of examples costs one read per run of consecutive rows, not one per layer.
+Chunks are written atomically with a content hash (audit.files), so a killed run leaves only whole chunks. A read
+takes just the rows it asks for from the file (`_read`), and nothing stays loaded, so memory does not grow with the
+windows. A store that fits a GPU can be held there whole (`load`, the engine decides), so reads gather on the device.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from fcaudit.auditor.files import read_tensors, tensor_meta, write_tensors
+from fcaudit.auditor.files import Damaged, read_tensors, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs
 
 _CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
-# Loaded chunks are kept up to this many bytes, least recently used first out: a derangement reads each batch's
-# donors from chunks all over the store, and memory stays bounded however many windows there are.
-MAX_LOADED = 256 * 2**20
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -47,19 +43,16 @@ def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> 
                                "(e.g. load in float32) before auditing")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class CoefficientStore:
     """Per-layer coefficient arrays over all evaluation windows, split into chunk files."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._loaded: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()  # chunk start -> {dtype: [n, F]}
-        self._bytes = 0  # bytes of the kept chunks' tensors
+        self._prefix = str(self.path / "chunk_")
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
+        self._width: dict[str, int] = {}  # features per row of each dtype, in the order of the layers
+        self._offsets: dict[int, tuple[int, list[int]]] = {}  # per chunk read: `_where`
         self._resident: dict[str, torch.Tensor] | None = None  # `load`: every row, in window order, per dtype
 
     def chunk_path(self, start: int) -> Path:
@@ -70,13 +63,12 @@ class CoefficientStore:
         check_finite(coeffs, f"windows from {start}")
         layout, groups, offsets = [], {}, {}
         for c in coeffs:
-            name = _dtype_name(c.dtype)
+            name = str(c.dtype).removeprefix("torch.")
             flat = c.detach().to("cpu").reshape(c.shape[0], -1)
             layout.append({"dtype": name, "offset": offsets.get(name, 0), "shape": list(c.shape[1:])})
             offsets[name] = offsets.get(name, 0) + flat.shape[1]
             groups.setdefault(name, []).append(flat)
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
-        self._drop(start)
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
     def starts(self) -> list[int]:
@@ -84,32 +76,46 @@ class CoefficientStore:
             return []
         return sorted(int(m.group(1)) for p in self.path.iterdir() if (m := _CHUNK.match(p.name)))
 
-    def has(self, start: int) -> bool:
-        return self.chunk_path(start).exists()
-
     def verify(self, start: int) -> dict:
         """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
-        self._drop(start)
         return read_tensors(self.chunk_path(start))[1]
 
-    def _drop(self, start: int) -> None:
-        tensors = self._loaded.pop(start, None)
-        if tensors is not None:
-            self._bytes -= sum(t.nbytes for t in tensors.values())
+    def _read(self, runs: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Rows lo:hi of chunk `start` for each (start, lo, hi) of `runs`, one after the other, per dtype, read from
+        the file (safetensors' own readers keep some bytes per call, and an audit reads hundreds of thousands of
+        times)."""
+        total = sum(hi - lo for _, lo, hi in runs)
+        out = {d: torch.empty(total, n, dtype=getattr(torch, d)) for d, n in self._width.items()}
+        views = [t.view(torch.uint8).numpy() for t in out.values()]  # numpy has no bfloat16; bytes it has
+        row = 0
+        for start, lo, hi in runs:
+            rows, where = self._where(start)
+            if not 0 <= lo < hi <= rows:
+                raise Damaged(self.chunk_path(start), f"it holds {rows} windows, not row {hi - 1}")
+            fd = os.open(f"{self._prefix}{start:07d}.safetensors", os.O_RDONLY)  # a str: no Path per read
+            try:
+                for begin, view in zip(where, views):
+                    width = view.shape[1]  # bytes per row
+                    if os.preadv(fd, [view[row:row + hi - lo]], begin + lo * width) != (hi - lo) * width:
+                        raise Damaged(self.chunk_path(start), "truncated")
+            finally:
+                os.close(fd)
+            row += hi - lo
+        return out
 
-    def _open(self, start: int) -> dict[str, torch.Tensor]:
-        if start in self._loaded:
-            self._loaded.move_to_end(start)
-        else:
-            self._loaded[start] = {k.removeprefix("coeffs."): t for k, t in load_file(self.chunk_path(start)).items()}
-            self._bytes += sum(t.nbytes for t in self._loaded[start].values())
-            while len(self._loaded) > 1 and self._bytes > MAX_LOADED:
-                self._drop(next(iter(self._loaded)))
-        return self._loaded[start]
-
-    def _rows(self, start: int, dtype: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows lo:hi of one chunk's flat tensor (a view of the loaded chunk)."""
-        return self._open(start)[dtype][lo:hi]
+    def _where(self, start: int) -> tuple[int, list[int]]:
+        """(windows, where each dtype's rows begin) of a chunk, from its safetensors header (an 8-byte length, then
+        JSON), read once."""
+        if start not in self._offsets:
+            path = self.chunk_path(start)
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            specs = [header.get(f"coeffs.{d}", {}) for d in self._width]
+            if any(s.get("shape", [0, 0])[1] != n for s, n in zip(specs, self._width.values())):
+                raise Damaged(path, "its rows do not match the store's layout")
+            self._offsets[start] = specs[0]["shape"][0], [8 + size + s["data_offsets"][0] for s in specs]
+        return self._offsets[start]
 
     def metadata(self, start: int) -> dict:
         return tensor_meta(self.chunk_path(start))
@@ -124,6 +130,7 @@ class CoefficientStore:
             # (dtype, first column, last column + 1, shape) per layer: how `_split` cuts a row
             self._slices = [(s["dtype"], s["offset"], s["offset"] + math.prod(s["shape"]), tuple(s["shape"]))
                             for s in self._layout]
+            self._width = {d: hi for d, _, hi, _ in self._slices}  # each dtype's row: its last layer's end
         return self._layout
 
     def _split(self, rows: dict[str, torch.Tensor]) -> Coeffs:
@@ -131,7 +138,7 @@ class CoefficientStore:
 
     def read_chunk(self, start: int) -> Coeffs:
         self.layout(start)
-        return self._split(self._open(start))
+        return self._split({k.removeprefix("coeffs."): t for k, t in load_file(self.chunk_path(start)).items()})
 
     def load(self, chunk_starts: np.ndarray, windows: int, device: torch.device) -> None:
         """Hold the rows of all `windows` on `device`, one [windows, features] tensor per dtype in window order (each
@@ -155,11 +162,12 @@ class CoefficientStore:
         return None if self._resident is None else next(iter(self._resident.values())).device
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
-        """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of a
-        loaded chunk: callers never modify them in place (transformations gather, site codecs decode into copies).
+        """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of
+        the store held on a device (`load`): callers never modify them in place (transformations gather, site codecs
+        decode into copies).
 
-        `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is read
-        as one slice. A loaded store gathers on its device.
+        `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is one
+        read.
         """
         examples = np.asarray(examples, dtype=np.int64)
         if self._resident is not None:
@@ -168,23 +176,12 @@ class CoefficientStore:
                 return self._split({d: t[lo:hi] for d, t in self._resident.items()})
             index = torch.from_numpy(examples).to(self.device)
             return self._split({d: t.index_select(0, index) for d, t in self._resident.items()})
-        which = np.searchsorted(chunk_starts, examples, side="right") - 1
-        layout = self.layout(int(chunk_starts[0]))
-        dtypes = list(dict.fromkeys(s["dtype"] for s in layout))
-        # runs of consecutive rows within one chunk: [lo, hi) positions in `examples`
-        cuts = np.flatnonzero((np.diff(examples) != 1) | (np.diff(which) != 0)) + 1
-        if not len(cuts):  # a batch's own rows: one slice
-            start = int(chunk_starts[which[0]])
-            lo = int(examples[0]) - start
-            return self._split({d: self._rows(start, d, lo, lo + len(examples)) for d in dtypes})
-        # e.g. the windows of several batches: a slice per chunk; a derangement's donors: one row each, in order
-        lo, hi = np.concatenate(([0], cuts)), np.concatenate((cuts, [len(examples)]))
-        firsts = chunk_starts[which[lo]]
-        rows = examples[lo] - firsts  # each run's first row within its chunk
-        runs = list(zip(firsts.tolist(), rows.tolist(), (rows + hi - lo).tolist()))
-        return self._split({d: torch.cat([self._rows(f, d, a, b) for f, a, b in runs]) for d in dtypes})
-
-    def close(self) -> None:
-        self._loaded.clear()
-        self._bytes = 0
-        self._resident = None
+        self.layout(int(chunk_starts[0]))
+        runs: list[list[int]] = []  # [chunk start, first row, last row + 1]: a batch's own rows are one run
+        chunks = chunk_starts[np.searchsorted(chunk_starts, examples, side="right") - 1]
+        for e, c in zip(examples.tolist(), chunks.tolist()):
+            if runs and runs[-1][0] == c and runs[-1][2] == e - c:
+                runs[-1][2] += 1
+            else:
+                runs.append([c, e - c, e - c + 1])
+        return self._split(self._read(runs))
