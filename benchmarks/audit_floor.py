@@ -1,13 +1,14 @@
 """How close an audit is to its floor: the forward passes it must run, and nothing else.
 
-For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the tiny MUDD;
+For each model (FeatureGate demo preset, a user's own gated LM described with Controller.from_modules, the MUDD
+of the full demo (demo preset) and, as mudd-tiny, the quick demo's;
 `--models moe` adds the demo's byte-level Mixtral, whose bare loop replays the captured routing of k experts in every
 pass while the audit's dense static conditions run every expert: its forward halves differ by that work, its rest is
 the comparable number),
 one audit (64 + 64 windows, R = 20 by default, a fresh directory each time) is timed against a bare loop of the same
 forward passes: per evaluation batch a capture pass and a replay pass, per calibration batch a capture pass, and one
 replay pass per (condition, randomization, batch), each with its NLL (the quantity an audit must compute) and within
-the controller's capture or replay context as in the audit (FeatureGate: the fused attention path), with
+the controller's capture or replay context as in the audit, with
 coefficients prepared once beforehand, and nothing written.
 Audit and bare loop alternate (A B B A A B ...: each pair's order alternates, so an effect of running first or
 second cancels), one thread; printed: the median of the per-pair ratios audit / bare, and
@@ -23,7 +24,7 @@ NLLs, making the replayed coefficients, reading the store, records files, decodi
 replay, counting active sources, stage 1's checks and writes (beside its forward passes), setting up and finishing
 (inputs, directory, profiles, merge, variation, reading the results back), and the rest (the replays' loop and
 contexts); then a bare loop right after, in CPU time, and the audit, its forward passes and the rest against it.
-Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd] [--parts]
+Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd mudd-tiny] [--parts]
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
         return model, fca.controller_for(model), 128
     from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
 
-    model = MUDDPythia(BYTE_PRESETS["tiny"]).eval()
+    preset = "tiny" if name == "mudd-tiny" else "demo"  # the quick demo's MUDD, or the full demo's
+    model = MUDDPythia(BYTE_PRESETS[preset]).eval()
     with torch.no_grad():  # a silent controller at init: give it something to say
         for dd in model.dynamic_dense:
             dd.w2.weight.normal_(0, 0.02)
-    return model, fca.controller_for(model), 64
+    return model, fca.controller_for(model), BYTE_PRESETS[preset].block_size
 
 
 def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | None = None) -> np.ndarray:
@@ -265,8 +267,8 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd"],
-                   choices=["featuregate", "own", "mudd", "moe"])
+    p.add_argument("--models", nargs="+", default=["featuregate", "own", "mudd", "mudd-tiny"],
+                   choices=["featuregate", "own", "mudd", "mudd-tiny", "moe"])
     p.add_argument("--n-eval", type=int, default=64)
     p.add_argument("--n-calib", type=int, default=64)
     p.add_argument("--randomizations", type=int, default=20)

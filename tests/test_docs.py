@@ -111,7 +111,7 @@ def test_benchmarks_page_is_the_table_make_bench_writes(tmp_path):
     text = mb.page([run], [mb.BENCHES[0]])
     assert run.rc == 0 and run.result_lines() == ["featuregate 1.5 x Dense"]
     assert "| `fake` | a stand-in | `featuregate 1.5 x Dense` |" in text
-    assert f"not run in this table's run" in text and "## Whole outputs" in text
+    assert "not run in this table's run" in text and "## Whole outputs" in text
     assert "Written by `make bench`" in (DOCS / "benchmarks.md").read_text()
 
 
