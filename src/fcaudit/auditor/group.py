@@ -11,6 +11,7 @@ The units' outputs are files; the group only carries barriers and the verdicts (
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -109,6 +110,7 @@ class TorchGroup(Group):
         if self._owned and dist.is_initialized():
             dist.destroy_process_group()
             self._owned = False
+            gc.collect()  # gloo's last work objects freed while the interpreter is whole, not during its shutdown
 
 
 def launched_world() -> int:

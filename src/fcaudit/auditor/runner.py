@@ -667,7 +667,11 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
         # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
         model, controller, (ev, ca), config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
         if not config.dry_run:
-            return audit(model, controller, ev, ca, config=config, group=group)
+            result = audit(model, controller, ev, ca, config=config, group=group)
+            # every rank done communicating before any tears its group down: without this and close()'s collect, a
+            # rank sometimes aborted at exit ("terminate called without an active exception") after a whole audit
+            group.gather(None)
+            return result
         planned = plan(model, controller, ev, ca, batch_size=config.batch_size, randomizations=config.randomizations,
                        world_size=config.world_size)
         if launched_rank() == 0:
