@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -57,19 +56,12 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
 
 
 def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
-    """An int array [examples, rows, token] (read-only): per example an independent permutation of positions per
-    row, one row per (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle
-    r and CrossShuffle r use the same ones: the last batch's are kept, for the engine runs them one after the other."""
-    return _permutations(tuple(np.asarray(examples).tolist()), seed, r, token, rows)
-
-
-@lru_cache(maxsize=1)
-def _permutations(examples: tuple[int, ...], seed: int, r: int, token: int, rows: int) -> np.ndarray:
-    positions, out = np.broadcast_to(np.arange(token), (rows, token)), np.empty((len(examples), rows, token), np.int64)
-    for o, e in zip(out, examples):
-        np.random.default_rng([SHUFFLE, seed, r, e]).permuted(positions, axis=1, out=o)  # each into its place
-    out.flags.writeable = False
-    return out
+    """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
+    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
+    CrossShuffle r use the same ones."""
+    positions = np.broadcast_to(np.arange(token), (rows, token))
+    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1)
+                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
 
 
 def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:

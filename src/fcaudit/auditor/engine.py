@@ -332,10 +332,10 @@ class Engine:
             self.store.unload()
 
     def _replays(self, units: Iterable[Unit], step) -> None:
-        """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other,
-        so they read its rows (and its donors' rows) once (`take`) and CrossShuffle reuses TokenShuffle's draws. Each
-        (condition, r) keeps its NLLs and active counts in arrays over the windows (no small tensors left between the
-        forward passes) until r ends, then writes them as one records file (`_write_run`)."""
+        """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other
+        and read its rows (and its donors' rows) once (`take`); read per condition instead, the peak memory grew with
+        the windows. Each (condition, r) keeps its NLLs and active counts in arrays over the windows (no small tensors
+        left between the forward passes) until r ends, then writes them as one records file (`_write_run`)."""
         ev, n = self.ev.to(self.device), self.ev.shape[0]  # once, not per batch (on the CPU the same tensor)
         order = {c: i for i, c in enumerate(protocol.REGISTRY)}
         active_shape = (n, 1 + len(self.counts)) if self.counts else (n,)  # see `_active`

@@ -48,7 +48,6 @@ class CoefficientStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._prefix = str(self.path / "chunk_")
         self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
         self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
         self._width: dict[str, int] = {}  # features per row of each dtype, in the order of the layers
@@ -92,7 +91,7 @@ class CoefficientStore:
             rows, where = self._where(start)
             if not 0 <= lo < hi <= rows:
                 raise Damaged(self.chunk_path(start), f"it holds {rows} windows, not row {hi - 1}")
-            fd = os.open(f"{self._prefix}{start:07d}.safetensors", os.O_RDONLY)  # a str: no Path per read
+            fd = os.open(self.chunk_path(start), os.O_RDONLY)
             try:
                 for begin, view in zip(where, views):
                     width = view.shape[1]  # bytes per row
