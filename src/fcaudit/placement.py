@@ -6,7 +6,7 @@ checkpoint hash), and whether it is dispatched at all."""
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -80,18 +80,14 @@ def is_dispatched(model: nn.Module) -> bool:
     return mapping is not None and (len(set(mapping.values())) > 1 or any(p.is_meta for p in model.parameters()))
 
 
-def _offloaded(module: nn.Module) -> bool:
-    return bool(getattr(getattr(module, "_hf_hook", None), "offload", False))
+def _onloaded(module: nn.Module) -> AbstractContextManager | None:
+    """accelerate's align_module_device, in which an offloaded module's own parameters hold their data on the CPU;
+    None for a module that is not offloaded."""
+    if not getattr(getattr(module, "_hf_hook", None), "offload", False):
+        return None
+    from accelerate.utils import align_module_device
 
-
-def _onloaded(module: nn.Module):
-    """A context in which an offloaded module's own parameters hold their data on the CPU (accelerate's
-    align_module_device); a plain module's are left as they are."""
-    if _offloaded(module):
-        from accelerate.utils import align_module_device
-
-        return align_module_device(module, torch.device("cpu"))
-    return nullcontext()
+    return align_module_device(module, torch.device("cpu"))
 
 
 @contextmanager
@@ -100,8 +96,8 @@ def on_cpu(module: nn.Module) -> Iterator[None]:
     module's are loaded there, any other's are CPU copies; afterwards each holds its own data again (no copy back)."""
     with ExitStack() as stack:
         for m in module.modules():
-            if _offloaded(m):
-                stack.enter_context(_onloaded(m))
+            if (onloaded := _onloaded(m)) is not None:
+                stack.enter_context(onloaded)
                 continue
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
                 if t.device.type != "cpu":
@@ -127,7 +123,7 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 owner, _, leaf = name.rpartition(".")
                 if owner != loaded:
                     held.close()
-                    held.enter_context(_onloaded(owners[owner]))
+                    held.enter_context(_onloaded(owners[owner]) or nullcontext())
                     loaded = owner
                 t = getattr(owners[owner], leaf)
                 if t.is_meta:

@@ -1,13 +1,7 @@
-"""The processes that run one audit together: which share of the units is this process's, and one verdict per phase.
-
-A phase (stage 1, the profile reduction, stage 2, the final merge) ends with every rank agreeing: if any rank failed
-with an FcauditError, every rank raises that one-line error, so nothing half-written is consumed by a later phase.
-The units' outputs are files; the group only carries barriers and the verdicts (torch.distributed under torchrun).
-
-    Group        one process: rank 0 of 1
-    TorchGroup   the ranks of a torch.distributed process group (torchrun); verdicts travel on a gloo group
-    group_from_env(device)   the group `torchrun` launched this process in (WORLD_SIZE > 1), else Group()
-"""
+"""The processes that run one audit together (torch.distributed under torchrun, or one process alone): which share
+of the units is this process's, and one verdict per phase. A phase ends with every rank agreeing: if any rank failed
+with an FcauditError, every rank raises that one line, so nothing half-written is consumed by a later phase. The
+units' outputs are files; the group carries only barriers and verdicts."""
 
 from __future__ import annotations
 
@@ -91,10 +85,8 @@ class Group:
 
 
 class TorchGroup(Group):
-    """The ranks of the initialized torch.distributed process group.
-
-    `gather` (and so `agree`) is all_gather_object on a gloo group, so verdicts travel on the CPU even when the default
-    group is nccl."""
+    """The ranks of the initialized torch.distributed process group; verdicts travel on a gloo group (on the CPU),
+    even when the default group is nccl."""
 
     def __init__(self, owned: bool = False):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
