@@ -13,9 +13,8 @@ from fcaudit.errors import FcauditError
 
 
 def oversubscription_hint(threads: int, load: float, cpus: int) -> str | None:
-    """A one-line hint when `threads` more busy threads would exceed the machine's cores, else None.
-
-    `load` is the 1-minute load average (the other jobs' runnable threads, before this command starts)."""
+    """A one-line hint when `threads` more busy threads would exceed the `cpus`, given the 1-minute `load` average
+    (the other jobs' runnable threads), else None."""
     if threads <= 1 or load + threads <= cpus + 0.5:
         return None
     free = max(1, round(cpus - load))
