@@ -1,7 +1,6 @@
-"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` over several,
-with layers offloaded to the CPU or disk (an offloaded module's parameters are on the meta device between its
-forwards). The audit needs three things of it, all here: the device its inputs go to, every weight's bytes (for the
-checkpoint hash), and whether it is dispatched at all."""
+"""Where a model's weights and computation are: one device, or spread by accelerate's `device_map` over several, with
+layers offloaded to the CPU or disk (their parameters on the meta device between forwards). The audit needs the device
+its inputs go to, every weight's bytes (for the checkpoint hash), and whether it is dispatched at all."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def parse_device_map(spec: str) -> str | dict[str, str | int]:
     if gpus and not torch.cuda.is_available():
         raise FcauditError(f"--device-map {spec} puts modules on {gpus[0]!r} but no CUDA device is visible: map them "
                            'to "cpu" or "disk", or run where the GPUs are')
-    unknown = [v for v in mapping.values() if not isinstance(v, int) and v not in ("cpu", "disk", "meta")
-               and not str(v).startswith("cuda")]
+    unknown = [v for v in mapping.values() if v not in gpus and v not in ("cpu", "disk", "meta")]
     if unknown:
         raise FcauditError(f"--device-map {spec}: unknown device {unknown[0]!r}; use cuda:N (or N), cpu or disk")
     return mapping
@@ -107,9 +105,8 @@ def on_cpu(module: nn.Module) -> Iterator[None]:
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter, then every buffer, by name, with its data: an offloaded module's are loaded one module at a
-    time (memory holds one module's weights, not the model's; named_* lists a module's own tensors together, so each
-    is loaded once per kind), each valid until the next is asked for. Order: named_parameters(), named_buffers()."""
+    """named_parameters(), then named_buffers(), each tensor with its data, valid until the next is asked for: an
+    offloaded module's are loaded one module at a time (named_* lists a module's own tensors together)."""
     owners = dict(model.named_modules())
     for kind in ("parameters", "buffers"):
         with ExitStack() as held:

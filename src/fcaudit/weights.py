@@ -25,9 +25,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
-    """(weight_map, shard paths) of an index in `dir`; every shard a relative path that resolves inside `dir` (not
-    an absolute path, one through '..', or a link to another checkpoint's weights; a hub snapshot's links into its
-    own cache are its files)."""
+    """(weight_map, shard paths) of an index in `dir`, every shard inside `dir`: not an absolute path, one through
+    '..', or a link to another checkpoint's weights (a hub snapshot's links into its own cache are its files)."""
     index = dir / index_name
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -135,9 +134,8 @@ def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
 
 
 def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -> None:
-    """Refuse, before any library reads it, a checkpoint that would load only through its own code: config.json's
-    `auto_map` names a module of its own and `native(model_type)` is False (no class of fcaudit's or transformers'
-    own loads it). The message names the file it asked to run."""
+    """Refuse, before any library reads it, a checkpoint whose config.json's `auto_map` names its own code for a
+    model_type that no class of fcaudit's or transformers' loads (`native` is False); the message names the file."""
     auto = config.get("auto_map")
     if not auto or native(str(config.get("model_type"))):
         return

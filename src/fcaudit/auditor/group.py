@@ -43,11 +43,9 @@ class Group:
         return self.rank == 0
 
     def run(self, phase: Callable[[], T], main_only: bool = False) -> T | None:
-        """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, return its result
-        (None on the ranks that skipped it).
-
-        An FcauditError on any rank becomes that error on every rank. Any other exception (a bug, out of memory) is
-        re-raised with its traceback on its own rank and stops the other ranks with a one-line error naming it."""
+        """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, and return its result
+        (None where skipped). An FcauditError on any rank is raised on every rank; any other exception is re-raised
+        with its traceback on its own rank and stops the others with a one-line error naming it."""
         error, crash, result = None, None, None
         try:
             if self.is_main or not main_only:
@@ -152,7 +150,7 @@ def group_from_env(device: torch.device | str = "cpu") -> Group:
 
 
 def ignore_sigterm() -> None:
-    """For a launched rank about to print its one-line error and exit 2: torchrun SIGTERMs the other ranks as soon as
-    the first one exits, and that must neither cut their line nor turn their exit code 2 into -15."""
+    """For a launched rank about to print its error and exit 2: torchrun SIGTERMs the other ranks once the first
+    exits, which must neither cut their line nor turn their exit code 2 into -15."""
     if launched_world() > 1 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -186,7 +186,6 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
-    # thresholding sweeps; routed models' experts or tokens, FLOPs and latency under Correct and each condition
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
         if parts:
             table = pd.concat(parts, ignore_index=True)
