@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -33,7 +33,7 @@ def machine_load() -> tuple[float, int]:
 
 
 @contextmanager
-def using_threads(threads: int | None, *, hint=None) -> Iterator[int]:
+def using_threads(threads: int | None, *, hint: Callable[[str], None] | None = None) -> Iterator[int]:
     """Run the body with `threads` torch intra-op threads (None: torch's choice) and restore the previous number
     afterwards; yields the number in use. When `threads` is None and the machine is busy, `hint(line)` is called with
     oversubscription_hint's line."""

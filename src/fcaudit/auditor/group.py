@@ -138,11 +138,10 @@ def group_from_env(device: torch.device | str = "cpu") -> Group:
         raise FcauditError("this torch build has no torch.distributed; run one process or install a torch with it")
     if initialized:
         return TorchGroup()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl":
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     except ValueError as e:  # env:// without MASTER_ADDR / MASTER_PORT / RANK
         raise FcauditError(f"WORLD_SIZE is {launched_world()} but the process group cannot start ({e}); launch with "
                            "torchrun, or unset WORLD_SIZE to run one process") from None

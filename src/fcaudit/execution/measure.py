@@ -107,8 +107,7 @@ class ExecutionConfig:
                   and self.min_run_time > 0), f"--min-run-time {self.min_run_time}: pass a positive number of seconds"),
             (self.window is not None and self.window < 2,
              f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest block_size)"),
-            (self.threshold_windows < 1,
-             f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
+            (self.threshold_windows < 1, f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
             (not all(math.isfinite(t) for t in self.thresholds),
              f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")):
             if bad:
