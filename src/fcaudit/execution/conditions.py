@@ -92,9 +92,8 @@ def token_sites(controller: Controller) -> list[int]:
 
 
 def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> dict:
-    """Token x block pairs that ran, from the coefficients a forward used: per block (`blocks`, in order) the fraction
-    of tokens that ran it (1 without a router), `token_fraction` (the routed blocks' mean: the capacity) and
-    `token_block_fraction` (all blocks': the share of the dense model's pairs)."""
+    """Token x block pairs that ran under `coeffs`: the fraction of tokens each of `blocks` ran (1 without a router),
+    its mean over the routed blocks (`token_fraction`, the capacity) and over all (`token_block_fraction`)."""
     routed = {}
     for i in token_sites(controller):
         frac = float(protocol.chosen(coeffs[i]).double().mean())
@@ -109,9 +108,8 @@ def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> 
 
 def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor,
                      blocks: list[str], timing: Timing) -> pd.DataFrame:
-    """One row per condition of ROUTED on the batch `ids`, all replayed: token columns, FLOPs and latency (and each vs
-    Correct's). StaticTopK's profile comes from the calibration windows `calib` as in the audit; RandomRoute is its
-    randomization 0."""
+    """One row per condition of ROUTED on the batch `ids`, all replayed: token columns, FLOPs and latency, and each
+    vs Correct's. StaticTopK is profiled on `calib` as in the audit; RandomRoute is its randomization 0."""
     labels = {**protocol.default_labels(), **controller.labels}
     correct = captured(model, ids, controller)
     profile = _statics(model, controller, calib, ids)["StaticTopK"]

@@ -51,8 +51,7 @@ class Latency:
 
     @property
     def noisy(self) -> bool:
-        """The spread over repetitions (max - min) exceeds the median: the machine's load changed while timing,
-        so single ratios are doubtful (rerun with --threads 1 on a quieter machine)."""
+        """The spread over repetitions (max - min) exceeds the median: the load changed while timing."""
         return self.max_ms - self.min_ms > self.ms_per_batch
 
     def columns(self) -> dict:
