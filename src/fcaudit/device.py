@@ -17,7 +17,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
     except RuntimeError:
         raise FcauditError(f"unknown device {name!r}: use auto, cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise FcauditError("--device cuda but no CUDA device is visible: use --device cpu or install a CUDA build of torch")
+        raise FcauditError("--device cuda but no CUDA device is visible: use --device cpu or install a CUDA build of "
+                           "torch")
     return device
 
 

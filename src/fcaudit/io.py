@@ -52,8 +52,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
 
 def write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Path:
-    """`atomic_write` of bytes already in memory, through the temp file's own descriptor (the audit writes many small
-    files, where opening the file a second time costs more than the write)."""
+    """`atomic_write` of bytes in memory, through the temp file's own descriptor (no second open per small file)."""
     path = Path(path)
     with _replacing(path) as (fd, _), os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -153,17 +152,10 @@ def _regular(path: str | os.PathLike) -> bool:
         return False
 
 
-def _is_marked(path: Path, command: Command) -> bool:
-    return any(name is not None and _regular(path / name) for name in (command.marker, command.legacy))
-
-
 def _first_link(root: Path) -> Path | None:
-    """The first symbolic link anywhere below `root` (links are not followed while looking)."""
-    for dirpath, dirnames, filenames in os.walk(root):  # os.walk does not descend into linked directories
-        for name in sorted(dirnames + filenames):
-            if os.path.islink(os.path.join(dirpath, name)):
-                return Path(dirpath) / name
-    return None
+    """The first symbolic link anywhere below `root` (os.walk does not descend into linked directories)."""
+    return next((Path(d) / n for d, dirs, files in os.walk(root) for n in sorted(dirs + files)
+                 if os.path.islink(os.path.join(d, n))), None)
 
 
 def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | None:
@@ -180,10 +172,9 @@ def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | No
 
 
 def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """Check, before any work and changing nothing, that `path` can become (or is) the `what`'s output directory.
-    Refused in one line naming the fix: the filesystem root, home, a checkpoint in `avoid` or inside it, a file or a
-    path below one, an unwritable directory, one holding anything but this command's marker and what fcaudit leaves,
-    and one of ours holding a symbolic link."""
+    """Check, before any work and changing nothing, that `path` can become (or is) the `what`'s output directory:
+    refused in one line naming the fix when it is the root, home, in a checkpoint of `avoid`, a file or below one,
+    unwritable, another's directory, or ours holding a symbolic link."""
     command = COMMANDS[what]
     path = Path(path)
     named = _refused_by_name(path, avoid)
@@ -195,14 +186,14 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
         raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                            "(fcaudit does not overwrite files it did not write)")
     if path.is_dir():
-        if not _is_marked(path, command) and not all(_ours(n) for n in os.listdir(path)):
+        marked = any(name is not None and _regular(path / name) for name in (command.marker, command.legacy))
+        if not marked and not all(_ours(n) for n in os.listdir(path)):
             raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new or "
                                f"empty directory for the {what}")
         link = _first_link(path)
         if link is not None:
             raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never writes "
                                "through links there; remove it or pass a new --out")
-    # the nearest existing ancestor is where the first directory would be created
     existing = next((p for p in (path, *path.parents) if p.exists()), path)
     if existing.exists() and not existing.is_dir():
         raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
@@ -220,8 +211,8 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
 
 
 def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """`prepare_out`, then make `path` the `what`'s directory: created, marked (unless the command writes its own
-    marker) and confined for the rest of this process (`confine`). Call it where the first file is written."""
+    """`prepare_out`, then make `path` the `what`'s directory, created, marked (unless the command writes its own
+    marker) and `confine`d; called where the first file is written."""
     command = COMMANDS[what]
     path = prepare_out(path, what, avoid=avoid)
     path.mkdir(parents=True, exist_ok=True)
@@ -258,8 +249,7 @@ def _claims_of(path: Path) -> list[tuple[str, _Claim]]:
 
 
 def _guard(path: str | os.PathLike) -> None:
-    """Refuse `path` when it, or a directory between it and a claimed directory that holds it, is a symbolic link:
-    the resolved path then stays inside the claimed directory."""
+    """Refuse `path` when it, or a directory between it and a claimed directory holding it, is a symbolic link."""
     text = os.path.abspath(path)
     for key, claim in _claims_of(Path(text)):
         current = key
@@ -295,11 +285,8 @@ def _save(claim: _Claim) -> None:
 def _record(path: Path) -> None:
     """Add `path` to its recording directory's marker before it is written; a file already there that fcaudit did
     not record is never replaced."""
-    held = _recording(path)
-    if held is None:
-        return
-    claim, rel = held
-    if rel in claim.files:
+    claim, rel = _recording(path) or (None, "")
+    if claim is None or rel in claim.files:
         return
     if os.path.lexists(path):
         raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[claim.what].marker} does "
@@ -319,13 +306,12 @@ def remove_file(path: str | os.PathLike) -> bool:
     files only a recorded one. Returns whether a file was deleted."""
     path = Path(path)
     _guard(path)
-    held = _recording(path)
-    if held is not None and held[1] not in held[0].files:
+    claim, rel = _recording(path) or (None, "")
+    if claim is not None and rel not in claim.files:
         return False
     removed = os.path.lexists(path)
     path.unlink(missing_ok=True)
-    if held is not None:
-        claim, rel = held
+    if claim is not None:
         claim.files.discard(rel)
         _save(claim)
     return removed
@@ -343,8 +329,8 @@ def remove_tree(path: str | os.PathLike) -> None:
 
 def lock_dir(path: str | os.PathLike, what: str) -> int:
     """Claim directory `path` for the `what` (`claim_out`) and take its exclusive lock, or fail at once: two
-    processes must never write one run or audit directory. Returns the lock's descriptor; closing it (or the
-    process ending, however it ends) releases the lock. The lock file is never opened through a link."""
+    processes must never write one directory. Returns the lock's descriptor (never opened through a link); closing
+    it, or the process ending however it ends, releases the lock."""
     path = claim_out(path, what)
     try:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -372,9 +358,8 @@ def locked(path: str | os.PathLike, what: str) -> BinaryIO:
 
 
 def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:
-    """Delete the temp files an interrupted atomic_write left in `directory` (with `recursive`, below it too, links
-    not followed); returns them. Only names of atomic_write's own pattern are touched, never a file fcaudit did not
-    create."""
+    """Delete and return the temp files (atomic_write's own name pattern only) an interrupted write left in
+    `directory`, and with `recursive` below it (links not followed)."""
     directory = Path(directory)
     if not directory.is_dir() or directory.is_symlink():
         return []

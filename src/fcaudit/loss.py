@@ -7,10 +7,8 @@ from fcaudit.errors import FcauditError
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL [B, T-1] in float32: position t predicts ids[:, t+1] (targets shifted by one).
-
-    Computed over all B*T rows of the logits as they are (a view, no copy of the [B, T-1, V] slice); the last
-    position of each window has no target and is dropped. Each row's value does not depend on the others."""
+    """Per-token NLL [B, T-1] in float32: position t predicts ids[:, t+1]. Computed over all B*T rows of the logits
+    as they are (no copy of the [B, T-1, V] slice), each row independent of the others; the last is dropped."""
     if logits.dim() != 3 or ids.shape != logits.shape[:2]:
         raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
     B, T, V = logits.shape

@@ -1,12 +1,11 @@
-"""Where a model's weights and computation are: on one device, or spread by accelerate's `device_map` over several,
-with layers offloaded to the CPU or disk (an offloaded module's parameters are on the meta device between its
-forwards). The audit needs three things of it, all here: the device its inputs go to, every weight's bytes (for the
-checkpoint hash), and whether it is dispatched at all."""
+"""Where a model's weights and computation are: one device, or spread by accelerate's `device_map` over several, with
+layers offloaded to the CPU or disk (their parameters on the meta device between forwards). The audit needs the device
+its inputs go to, every weight's bytes (for the checkpoint hash), and whether it is dispatched at all."""
 
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -39,8 +38,7 @@ def parse_device_map(spec: str) -> str | dict[str, str | int]:
     if gpus and not torch.cuda.is_available():
         raise FcauditError(f"--device-map {spec} puts modules on {gpus[0]!r} but no CUDA device is visible: map them "
                            'to "cpu" or "disk", or run where the GPUs are')
-    unknown = [v for v in mapping.values() if not isinstance(v, int) and v not in ("cpu", "disk", "meta")
-               and not str(v).startswith("cuda")]
+    unknown = [v for v in mapping.values() if v not in gpus and v not in ("cpu", "disk", "meta")]
     if unknown:
         raise FcauditError(f"--device-map {spec}: unknown device {unknown[0]!r}; use cuda:N (or N), cpu or disk")
     return mapping
@@ -80,18 +78,14 @@ def is_dispatched(model: nn.Module) -> bool:
     return mapping is not None and (len(set(mapping.values())) > 1 or any(p.is_meta for p in model.parameters()))
 
 
-def _offloaded(module: nn.Module) -> bool:
-    return bool(getattr(getattr(module, "_hf_hook", None), "offload", False))
+def _onloaded(module: nn.Module) -> AbstractContextManager | None:
+    """accelerate's align_module_device, in which an offloaded module's own parameters hold their data on the CPU;
+    None for a module that is not offloaded."""
+    if not getattr(getattr(module, "_hf_hook", None), "offload", False):
+        return None
+    from accelerate.utils import align_module_device
 
-
-def _onloaded(module: nn.Module):
-    """A context in which an offloaded module's own parameters hold their data on the CPU (accelerate's
-    align_module_device); a plain module's are left as they are."""
-    if _offloaded(module):
-        from accelerate.utils import align_module_device
-
-        return align_module_device(module, torch.device("cpu"))
-    return nullcontext()
+    return align_module_device(module, torch.device("cpu"))
 
 
 @contextmanager
@@ -100,8 +94,8 @@ def on_cpu(module: nn.Module) -> Iterator[None]:
     module's are loaded there, any other's are CPU copies; afterwards each holds its own data again (no copy back)."""
     with ExitStack() as stack:
         for m in module.modules():
-            if _offloaded(m):
-                stack.enter_context(_onloaded(m))
+            if (onloaded := _onloaded(m)) is not None:
+                stack.enter_context(onloaded)
                 continue
             for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
                 if t.device.type != "cpu":
@@ -111,9 +105,8 @@ def on_cpu(module: nn.Module) -> Iterator[None]:
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter, then every buffer, by name, with its data: an offloaded module's are loaded one module at a
-    time (memory holds one module's weights, not the model's; named_* lists a module's own tensors together, so each
-    is loaded once per kind), each valid until the next is asked for. Order: named_parameters(), named_buffers()."""
+    """named_parameters(), then named_buffers(), each tensor with its data, valid until the next is asked for: an
+    offloaded module's are loaded one module at a time (named_* lists a module's own tensors together)."""
     owners = dict(model.named_modules())
     for kind in ("parameters", "buffers"):
         with ExitStack() as held:
@@ -127,7 +120,7 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 owner, _, leaf = name.rpartition(".")
                 if owner != loaded:
                     held.close()
-                    held.enter_context(_onloaded(owners[owner]))
+                    held.enter_context(_onloaded(owners[owner]) or nullcontext())
                     loaded = owner
                 t = getattr(owners[owner], leaf)
                 if t.is_meta:

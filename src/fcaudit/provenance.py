@@ -12,7 +12,8 @@ _PACKAGES = ("fcaudit", "torch", "numpy", "scipy", "statsmodels", "pandas", "saf
 @cache
 def git_hash() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                             timeout=5)
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -13,9 +13,8 @@ from fcaudit.errors import FcauditError
 
 
 def oversubscription_hint(threads: int, load: float, cpus: int) -> str | None:
-    """A one-line hint when `threads` more busy threads would exceed the machine's cores, else None.
-
-    `load` is the 1-minute load average (the other jobs' runnable threads, before this command starts)."""
+    """A one-line hint when `threads` more busy threads would exceed the `cpus`, given the 1-minute `load` average
+    (the other jobs' runnable threads), else None."""
     if threads <= 1 or load + threads <= cpus + 0.5:
         return None
     free = max(1, round(cpus - load))
@@ -34,7 +33,7 @@ def machine_load() -> tuple[float, int]:
 
 
 @contextmanager
-def using_threads(threads: int | None, *, hint=None) -> Iterator[int]:
+def using_threads(threads: int | None, *, hint: Callable[[str], None] | None = None) -> Iterator[int]:
     """Run the body with `threads` torch intra-op threads (None: torch's choice) and restore the previous number
     afterwards; yields the number in use. When `threads` is None and the machine is busy, `hint(line)` is called with
     oversubscription_hint's line."""

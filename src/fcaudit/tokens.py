@@ -1,7 +1,5 @@
-"""Tokenizers for subword checkpoints (MUDDPythia uses the Pythia / GPT-NeoX BPE), through `tokenizers`.
-
-Byte-level models need none: their token ids are the bytes themselves (fcaudit.data).
-"""
+"""Tokenizers for subword checkpoints (MUDDPythia uses the Pythia / GPT-NeoX BPE), through `tokenizers`; byte-level
+models need none (their token ids are the bytes, fcaudit.data)."""
 
 from __future__ import annotations
 

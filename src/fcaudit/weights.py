@@ -25,9 +25,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
-    """(weight_map, shard paths) of an index in `dir`; every shard a relative path that resolves inside `dir` (not
-    an absolute path, one through '..', or a link to another checkpoint's weights; a hub snapshot's links into its
-    own cache are its files)."""
+    """(weight_map, shard paths) of an index in `dir`, every shard inside `dir`: not an absolute path, one through
+    '..', or a link to another checkpoint's weights (a hub snapshot's links into its own cache are its files)."""
     index = dir / index_name
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -86,15 +85,6 @@ def _corrupt(path: Path, e: Exception) -> FcauditError:
     return FcauditError(f"{path} is corrupt or truncated ({type(e).__name__}): re-download or rewrite the checkpoint")
 
 
-def _load_one(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix in PICKLE_SUFFIXES:
-        return load_pickled(path)
-    try:
-        return load_file(str(path))
-    except Exception as e:  # noqa: BLE001 (SafetensorError, OSError: truncated or not safetensors at all)
-        raise _corrupt(path, e) from None
-
-
 def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of `dir`'s weights, in `weight_files`' order of preference; a shard's key its index does not
     list is refused."""
@@ -105,26 +95,17 @@ def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
                            f"{PICKLED}")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(_load_one(path))
+        if path.suffix in PICKLE_SUFFIXES:
+            state.update(load_pickled(path))
+            continue
+        try:
+            state.update(load_file(str(path)))
+        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError: truncated or not safetensors at all)
+            raise _corrupt(path, e) from None
     stray = sorted(set(state) - set(weight_map)) if index else []
     if stray:
         raise FcauditError(f"key {stray[0]!r} is in a shard but not in {index}: re-download {dir}")
     return state
-
-
-def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Each stored tensor's shape, read from the safetensors headers alone (pickle files are memory-mapped)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        if f.suffix in PICKLE_SUFFIXES:
-            shapes.update({k: tuple(v.shape) for k, v in load_pickled(f, mmap=True).items()})
-            continue
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
-            raise _corrupt(f, e) from None
-    return shapes
 
 
 def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
@@ -135,7 +116,16 @@ def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
         return  # the loader says what is missing
     with torch.device("meta"):
         expected: Mapping[str, torch.Tensor] = build().state_dict()
-    stored = stored_shapes(files)
+    stored: dict[str, tuple[int, ...]] = {}  # from the safetensors headers alone (pickle files are memory-mapped)
+    for f in files:
+        if f.suffix in PICKLE_SUFFIXES:
+            stored.update({k: tuple(v.shape) for k, v in load_pickled(f, mmap=True).items()})
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                stored.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
+            raise _corrupt(f, e) from None
     for key, t in expected.items():
         if key in stored and tuple(t.shape) != stored[key]:
             raise FcauditError(f"the weights in {dir} do not match its config.json ({key}: config.json implies "
@@ -144,9 +134,8 @@ def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
 
 
 def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -> None:
-    """Refuse, before any library reads it, a checkpoint that would load only through its own code: config.json's
-    `auto_map` names a module of its own and `native(model_type)` is False (no class of fcaudit's or transformers'
-    own loads it). The message names the file it asked to run."""
+    """Refuse, before any library reads it, a checkpoint whose config.json's `auto_map` names its own code for a
+    model_type that no class of fcaudit's or transformers' loads (`native` is False); the message names the file."""
     auto = config.get("auto_map")
     if not auto or native(str(config.get("model_type"))):
         return

@@ -1,13 +1,7 @@
-"""The processes that run one audit together: which share of the units is this process's, and one verdict per phase.
-
-A phase (stage 1, the profile reduction, stage 2, the final merge) ends with every rank agreeing: if any rank failed
-with an FcauditError, every rank raises that one-line error, so nothing half-written is consumed by a later phase.
-The units' outputs are files; the group only carries barriers and the verdicts (torch.distributed under torchrun).
-
-    Group        one process: rank 0 of 1
-    TorchGroup   the ranks of a torch.distributed process group (torchrun); verdicts travel on a gloo group
-    group_from_env(device)   the group `torchrun` launched this process in (WORLD_SIZE > 1), else Group()
-"""
+"""The processes that run one audit together (torch.distributed under torchrun, or one process alone): which share
+of the units is this process's, and one verdict per phase. A phase ends with every rank agreeing: if any rank failed
+with an FcauditError, every rank raises that one line, so nothing half-written is consumed by a later phase. The
+units' outputs are files; the group carries only barriers and verdicts."""
 
 from __future__ import annotations
 
@@ -49,11 +43,9 @@ class Group:
         return self.rank == 0
 
     def run(self, phase: Callable[[], T], main_only: bool = False) -> T | None:
-        """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, return its result
-        (None on the ranks that skipped it).
-
-        An FcauditError on any rank becomes that error on every rank. Any other exception (a bug, out of memory) is
-        re-raised with its traceback on its own rank and stops the other ranks with a one-line error naming it."""
+        """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, and return its result
+        (None where skipped). An FcauditError on any rank is raised on every rank; any other exception is re-raised
+        with its traceback on its own rank and stops the others with a one-line error naming it."""
         error, crash, result = None, None, None
         try:
             if self.is_main or not main_only:
@@ -91,10 +83,8 @@ class Group:
 
 
 class TorchGroup(Group):
-    """The ranks of the initialized torch.distributed process group.
-
-    `gather` (and so `agree`) is all_gather_object on a gloo group, so verdicts travel on the CPU even when the default
-    group is nccl."""
+    """The ranks of the initialized torch.distributed process group; verdicts travel on a gloo group (on the CPU),
+    even when the default group is nccl."""
 
     def __init__(self, owned: bool = False):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -148,11 +138,10 @@ def group_from_env(device: torch.device | str = "cpu") -> Group:
         raise FcauditError("this torch build has no torch.distributed; run one process or install a torch with it")
     if initialized:
         return TorchGroup()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl":
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     except ValueError as e:  # env:// without MASTER_ADDR / MASTER_PORT / RANK
         raise FcauditError(f"WORLD_SIZE is {launched_world()} but the process group cannot start ({e}); launch with "
                            "torchrun, or unset WORLD_SIZE to run one process") from None
@@ -160,7 +149,7 @@ def group_from_env(device: torch.device | str = "cpu") -> Group:
 
 
 def ignore_sigterm() -> None:
-    """For a launched rank about to print its one-line error and exit 2: torchrun SIGTERMs the other ranks as soon as
-    the first one exits, and that must neither cut their line nor turn their exit code 2 into -15."""
+    """For a launched rank about to print its error and exit 2: torchrun SIGTERMs the other ranks once the first
+    exits, which must neither cut their line nor turn their exit code 2 into -15."""
     if launched_world() > 1 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

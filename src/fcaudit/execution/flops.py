@@ -21,12 +21,9 @@ _EXTRA_FLOP_FORMULAS = {
 
 @torch.inference_mode()
 def flops(model: nn.Module, ids: torch.Tensor) -> float:
-    """Forward FLOPs per token (total FLOPs of model(ids) / ids.numel()), counted by FlopCounterMode.
-
-    Counts matmuls, convolutions and attention kernels (a multiply-add = 2 FLOPs); elementwise ops, norms and
-    softmax are not counted, as in torch's counter. The FeatureGate controller's explicit attention recomputation
-    (q @ k^T for its features) is a matmul and is counted: it is the controller's extra work.
-    """
+    """Forward FLOPs per token (total FLOPs of model(ids) / ids.numel()), counted by FlopCounterMode: matmuls,
+    convolutions and attention kernels (a multiply-add = 2 FLOPs), not elementwise ops, norms or softmax. A
+    controller's own matmuls (FeatureGate's q @ k^T for its features) are counted: they are its extra work."""
     # FlopCounterMode's module tracker hooks autograd on module inputs that require grad (MUDDPythia passes its
     # dense_bs parameters into modules), which fails without a graph: freeze the parameters while counting.
     with ExitStack() as flags:

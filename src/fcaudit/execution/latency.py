@@ -51,8 +51,7 @@ class Latency:
 
     @property
     def noisy(self) -> bool:
-        """The spread over repetitions (max - min) exceeds the median: the machine's load changed while timing,
-        so single ratios are doubtful (rerun with --threads 1 on a quieter machine)."""
+        """The spread over repetitions (max - min) exceeds the median: the load changed while timing."""
         return self.max_ms - self.min_ms > self.ms_per_batch
 
     def columns(self) -> dict:
@@ -68,12 +67,24 @@ def random_ids(model: nn.Module, batch_size: int, window: int, device: torch.dev
     return torch.randint(0, vocab, (batch_size, window), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
+def _seconds(model: nn.Module, ids: torch.Tensor, n: int) -> float:
+    """Seconds per forward of model(ids), averaged over n calls (CUDA synchronized around them)."""
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model(ids)
+        sync()
+    return (time.perf_counter() - t0) / n
+
+
 def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | None = None,
               device: str | torch.device | None = None, timing: Timing = Timing()) -> list[Latency]:
     """Forward-pass wall time of each model (on `device`, default its own) on a [batch_size, window] batch of random
     token ids (`window`: default its context), timed round-robin: repetition r of every model runs before repetition
     r + 1 of any, so a change of the machine's load hits every model alike. A repetition is enough forwards to fill
-    min_run_time / repetitions seconds (estimated after the warmup), CUDA synchronized around it."""
+    min_run_time / repetitions seconds (estimated after the warmup)."""
     if batch_size < 1:
         raise FcauditError(f"batch size {batch_size} for latency: pass a batch size of at least 1")
     runs = []
@@ -81,35 +92,22 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
         dev = torch.device(device) if device is not None else input_device(model)
         model = model.to(dev).eval()
         w = window or context_length(model) or 128
-        runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev, w))
-
-    def timed(model, ids, dev, n: int) -> float:
-        """Seconds per forward, averaged over n calls."""
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                model(ids)
-            sync()
-        return (time.perf_counter() - t0) / n
-
+        runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev))
     forwards = []
-    for model, ids, dev, _ in runs:
+    for model, ids, _ in runs:
         if timing.warmup:
-            timed(model, ids, dev, timing.warmup)
-        forwards.append(max(1, math.ceil(timing.min_run_time / timing.repetitions / timed(model, ids, dev, 1))))
+            _seconds(model, ids, timing.warmup)
+        forwards.append(max(1, math.ceil(timing.min_run_time / timing.repetitions / _seconds(model, ids, 1))))
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(timing.repetitions):
-        for i, (model, ids, dev, _) in enumerate(runs):
-            times[i].append(timed(model, ids, dev, forwards[i]))
-
+        for t, (model, ids, _), n in zip(times, runs, forwards):
+            t.append(_seconds(model, ids, n))
     out = []
-    for (model, ids, dev, w), t, n in zip(runs, times, forwards):
+    for (_, ids, dev), t, n in zip(runs, times, forwards):
         ms = np.asarray(t) * 1e3
         q1, median, q3 = np.percentile(ms, [25, 50, 75])
         out.append(Latency(ms_per_batch=float(median), iqr_ms=float(q3 - q1), min_ms=float(ms.min()),
-                           max_ms=float(ms.max()), tokens_per_s=batch_size * w / (median / 1e3),
-                           batch_size=batch_size, window=w, device=str(dev), threads=torch.get_num_threads(),
+                           max_ms=float(ms.max()), tokens_per_s=ids.numel() / (median / 1e3), batch_size=batch_size,
+                           window=ids.shape[1], device=str(dev), threads=torch.get_num_threads(),
                            measurements=len(t), forwards=n))
     return out

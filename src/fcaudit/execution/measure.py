@@ -19,17 +19,15 @@ from fcaudit import data, families
 from fcaudit.controllers.site import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.execution.conditions import condition_execution
+from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
-from fcaudit.execution.tokens import captured, token_columns, token_conditions, token_sites
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
-# ---- which modules are the blocks ---------------------------------------------------------------------------------
 
 def block_pattern(model: nn.Module) -> str:
     """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
@@ -42,8 +40,7 @@ def block_pattern(model: nn.Module) -> str:
     return f"{max(lists)[1]}.*"
 
 
-def block_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
-    pattern = pattern or block_pattern(model)
+def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     found = [(name, m) for name, m in model.named_modules() if name and path_matches(name, pattern)]
     if not found:
         sample = [n for n, _ in model.named_modules() if n][:6]
@@ -51,8 +48,6 @@ def block_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[st
                            f"module paths look like {sample}")
     return found
 
-
-# ---- executed blocks ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class BlockCount:
@@ -84,8 +79,6 @@ def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
     return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, m in blocks if calls[m] == 0))
 
 
-# ---- the settings of `fcaudit execution` -------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class ExecutionConfig:
     """What `fcaudit execution` measures and how: checked once, here, before anything is loaded or written."""
@@ -106,7 +99,7 @@ class ExecutionConfig:
         object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
         object.__setattr__(self, "out", str(self.out))
         object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
-        refused = [message for bad, message in (
+        for bad, message in (
             (not self.checkpoints, "no checkpoints to measure: pass one or more checkpoint directories"),
             (self.batch_size < 1, f"batch size {self.batch_size}: pass --batch-size 1 or more"),
             (self.threads is not None and self.threads < 1, f"threads {self.threads}: pass --threads 1 or more"),
@@ -114,19 +107,16 @@ class ExecutionConfig:
                   and self.min_run_time > 0), f"--min-run-time {self.min_run_time}: pass a positive number of seconds"),
             (self.window is not None and self.window < 2,
              f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest block_size)"),
-            (self.threshold_windows < 1,
-             f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
+            (self.threshold_windows < 1, f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
             (not all(math.isfinite(t) for t in self.thresholds),
-             f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")) if bad]
-        if refused:
-            raise FcauditError(refused[0])
+             f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")):
+            if bad:
+                raise FcauditError(message)
 
     @property
     def timing(self) -> Timing:
         return Timing(self.min_run_time)
 
-
-# ---- many checkpoints ---------------------------------------------------------------------------------------------
 
 def _architecture(model: nn.Module) -> str:
     """Models comparable to one Dense reference: same class, width, heads, context and vocabulary (depth and gate
@@ -195,7 +185,6 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
-    # thresholding sweeps; routed models' experts or tokens, FLOPs and latency under Correct and each condition
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
         if parts:
             table = pd.concat(parts, ignore_index=True)
@@ -210,10 +199,10 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
 
 def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                  window: int) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
-    """Load every model first (a bad checkpoint fails before anything is printed or measured), then blocks, FLOPs
-    and thresholding model by model, then the latencies of all models round-robin."""
+    """Load every model (a bad checkpoint fails before anything is measured), measure what does not depend on the
+    machine's load model by model, then time all models round-robin."""
     loaded = [families.load_model(path, device=dev) for path in paths]
-    rows, sweeps, models, conditions = [], [], [], []
+    rows, sweeps, conditions = [], [], []
 
     @functools.cache  # loaded once, when needed: "test" to threshold, "validation" for static profiles (as audits)
     def windows(split: str) -> torch.Tensor:
@@ -227,9 +216,8 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
         console.print(f"execution: {given}", highlight=False)
         metrics = read_json(path / "metrics.json") if (path / "metrics.json").is_file() else {}
         row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
-               "seed": metrics.get("seed", meta.get("seed")), "byte_ppl": metrics.get("byte_ppl", meta.get("byte_ppl")),
-               "gate_mass": metrics.get("gate_mass", meta.get("gate_mass")), "batch_size": cfg.batch_size,
-               "window": window, "device": str(dev), "threads": torch.get_num_threads()}
+               **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
+               "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
         count = executed_blocks(model, ids)  # what does not depend on the machine's load, then what does
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
@@ -245,14 +233,13 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
             conditions.append(token_conditions(model, controller, windows("validation"), ids, blocks, cfg.timing)
                               .assign(checkpoint=given, model=label))
         rows.append(row)
-        models.append(model)
         if cfg.thresholds and controller is not None and vector_site(controller) is None:
             sweeps.append(thresholding(model, controller, windows("test"), cfg.thresholds, batch_size=cfg.batch_size)
                           .assign(checkpoint=given, model=label))
         elif cfg.thresholds:
             console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
-    console.print(f"latency: {len(models)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
-    for row, lat in zip(rows, latencies(models, cfg.batch_size, window, dev, cfg.timing)):
+    console.print(f"latency: {len(rows)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
+    for row, lat in zip(rows, latencies([m for m, _ in loaded], cfg.batch_size, window, dev, cfg.timing)):
         row.update(lat.columns())
     return rows, sweeps, conditions
 

@@ -25,32 +25,26 @@ def vector_site(controller: Controller):
     return next((s for s in controller.sites if not (isinstance(s.codec, Layout) and s.codec.scalar)), None)
 
 
-def _window_ids(windows) -> torch.Tensor:
-    ids = torch.as_tensor(windows.ids if hasattr(windows, "ids") else windows)
-    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.dtype.is_floating_point:
-        raise FcauditError(f"thresholding needs integer windows [N, T] with N >= 1 and T >= 2, got {ids.dtype} "
-                           f"{tuple(ids.shape)}: pass a WindowSet or an int64 tensor of token ids")
-    return ids.long()
-
-
 @torch.inference_mode()
 def thresholding(model: nn.Module, controller: Controller | None, windows, thresholds: Sequence[float], *,
                  batch_size: int = 8) -> pd.DataFrame:
     """One row per threshold tau: NLL and Byte-PPL with gates < tau set to 0, and how much could be skipped.
 
-    Columns: threshold, nll (mean per predicted token), byte_ppl (exp(nll); Byte-PPL for byte-level models),
-    plain_nll (the unmodified model), delta_nll, frac_below (fraction of (window, layer, token) gates below tau),
-    skippable_blocks (mean over windows of the number of blocks whose gates are all below tau for the whole window),
-    skippable_fraction (skippable_blocks / n_layers), n_layers, windows, tokens (predicted tokens).
-    Gates are strictly below tau, so tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit) and
-    tau = 1 zeroes every sigmoid gate.
+    Columns: threshold, nll (mean per predicted token), byte_ppl (exp(nll)), plain_nll (the unmodified model),
+    delta_nll, frac_below (of the (window, layer, token) gates), skippable_blocks (mean over windows of the blocks
+    whose gates are all below tau), skippable_fraction (/ n_layers), n_layers, windows, tokens (predicted tokens).
+    tau = 0 replays the captured gates unchanged (the plain NLL, bit for bit); tau = 1 zeroes every sigmoid gate.
     """
     controller = controller if controller is not None else controller_for(model)
     if (site := vector_site(controller)) is not None:
         raise FcauditError(f"thresholding needs scalar gates (layout 'batch token'), but site {site.path!r} has "
                            f"{site.codec.describe()!r}: threshold a FeatureGate-family model (featuregate, uniform, "
                            "layerstatic)")
-    ids = _window_ids(windows)
+    ids = torch.as_tensor(windows.ids if hasattr(windows, "ids") else windows)
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.dtype.is_floating_point:
+        raise FcauditError(f"thresholding needs integer windows [N, T] with N >= 1 and T >= 2, got {ids.dtype} "
+                           f"{tuple(ids.shape)}: pass a WindowSet or an int64 tensor of token ids")
+    ids = ids.long()
     taus = [float(t) for t in thresholds]
     if not taus or not all(math.isfinite(t) for t in taus):
         raise FcauditError(f"thresholds {list(thresholds)}: pass one or more finite thresholds, e.g. 0.1,0.3,0.5")
