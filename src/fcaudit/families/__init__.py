@@ -1,10 +1,6 @@
-"""The family registry: everything fcaudit knows about one kind of model lives in that family's own module.
-
-A family registers a `Family`: which checkpoints it loads (config.json), how it loads and saves them, which models it
-recognizes, their controller adapter (the sites FCA audits), a label for tables, and, when fcaudit can train it, its
-builder and training hooks. Nothing outside a family's module dispatches on a model class. Every module in this
-package registers itself on import; the registry imports them on first use (so `import fcaudit` never imports a
-model), and a user's own model is one `register(Family(name, matches=..., controller=...))` call.
+"""The family registry: everything fcaudit knows about one kind of model lives in that family's own module, and
+nothing outside it dispatches on a model class. Each module of this package registers its `Family` on import; the
+registry imports them on first use, so `import fcaudit` never imports a model.
 """
 
 from __future__ import annotations
@@ -13,10 +9,9 @@ import importlib
 import json
 import os
 import pkgutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,10 +28,9 @@ class Family:
     """Everything fcaudit knows about one kind of model: which models it recognizes and their controller, and
     optionally how to load, save and train its checkpoints.
 
-    Register one for your own model class (`fca.register`) and `fca.controller_for(model)`, `fcaudit audit` on
-    its checkpoints and the tables find it; only `name`, `matches` and `controller` are needed for that. The
-    other fields are what a built-in family (FeatureGate, MoD, MUDDPythia, Hugging Face MoE) adds: `accepts` and
-    `load` for its checkpoints' config.json, `label` for tables, and the training hooks of `fcaudit train`.
+    Registered for your own model class (`fca.register`), it lets `fca.controller_for(model)` and the tables find
+    it with only `name`, `matches` and `controller`; the built-in families add checkpoint loading and the training
+    hooks of `fcaudit train`.
 
     Parameters
     ----------
@@ -131,16 +125,6 @@ def register(family: Family) -> Callable[[], None]:
     _FAMILIES.pop(family.name, None)
     _FAMILIES[family.name] = family
     return lambda: _FAMILIES.pop(family.name, None) if _FAMILIES.get(family.name) is family else None
-
-
-@contextmanager
-def registered(family: Family) -> Iterator[Family]:
-    """A family registered for the duration of a `with` block (tests, notebooks)."""
-    unregister = register(family)
-    try:
-        yield family
-    finally:
-        unregister()
 
 
 def families() -> list[Family]:

@@ -1,11 +1,7 @@
 """Finding the controller sites of a Hugging Face MoE model by structure, not by class name.
 
-A router is a module with a top-k and an expert-count attribute and a [num_experts, hidden] weight, beside an experts
-module (num_experts experts as 3-D weights or a ModuleList). One probe forward pass checks what makes its codec
-valid: it returns (router_logits, top_k_weights, top_k_index), those very tensors reach the experts, and the experts
-take a padded slot (bit for bit with the sentinel index num_experts, or within rounding with a repeated expert at
-weight 0); or it returns (router_scores, router_logits) with at most top_k experts scored per token (Llama 4).
-A router failing a check gets one line naming its class and the closest supported router. A Linear(hidden, 1)
+A router has top-k and expert-count attributes and a [num_experts, hidden] weight, beside an experts module (3-D
+weights or a ModuleList); one probe forward pass checks what makes its codec valid (`_probe`). A Linear(hidden, 1)
 sibling of a router (Qwen2-MoE's shared_expert_gate) is a second kind of site: one scalar per token.
 """
 
@@ -57,7 +53,7 @@ def _holds_experts(m: nn.Module, num_experts: int) -> bool:
 
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that hold num_experts experts (their own expert-count attribute and 3-D weights)."""
+    """Modules that hold as many experts as their own expert-count attribute says."""
     return {path: m for path, m in model.named_modules()
             if (E := _int_attr(m, NUM_EXPERTS_NAMES)) is not None and _holds_experts(m, E)}
 
@@ -96,14 +92,13 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
             continue  # not router-like, or a block that contains the experts itself
         weight = [p for p in m.parameters() if p.dim() == 2 and p.shape[0] == E]
         parent_path = path.rpartition(".")[0]
-        parent = modules[parent_path]
-        siblings = {f"{parent_path}.{n}" if parent_path else n: c for n, c in parent.named_children() if c is not m}
+        siblings = {f"{parent_path}.{n}" if parent_path else n: c
+                    for n, c in modules[parent_path].named_children() if c is not m}
         ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
         if not weight or not ex:
             continue
-        hidden = weight[0].shape[1]
         gates = [p for p, c in siblings.items()
-                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
+                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == weight[0].shape[1]]
         found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
         routed_parents.add(parent_path)
     for path, m in experts.items():
@@ -131,8 +126,9 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
-    """One short forward pass checking each router's output structure, its flow into the experts module, and
-    how the experts take a padded slot; also that each shared gate returns one scalar per token."""
+    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
+    reach its experts, and the experts take a padded slot (`_padding`); or it returns (router_scores, router_logits)
+    with at most top_k experts scored per token (Llama 4). Each shared gate must return one scalar per token."""
     modules = dict(model.named_modules())
     outputs: dict[str, object] = {}
     inputs: dict[str, tuple] = {}
@@ -145,8 +141,12 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
     try:
+        cached = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        cached = False
+    try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
+            model(input_ids=ids, use_cache=False) if cached else model(ids)
     except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
         if "meta tensor" in str(e) and placement.is_dispatched(model):  # e.g. Llama 4 sends its ids to the embedding's
             raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
@@ -172,18 +172,21 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if scored:
             if ((parts[0] != 0).sum(1) > c.top_k).any():
                 raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
-            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, parts[0].shape[0])
-            continue
-        _, weights, index = parts
-        if weights.shape[1] != c.top_k:
-            raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not top_k={c.top_k}")
-        args, kwargs = inputs[c.experts_path]
-        received = list(args) + list(kwargs.values())
-        if not (any(t is index for t in received) and any(t is weights for t in received)):
-            raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
-                                                 f"({c.experts_path}) receive them")
-        c.pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
-        c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
+            c.kind = "scores"
+        else:
+            _, weights, index = parts
+            if weights.shape[1] != c.top_k:
+                raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not "
+                                                     f"top_k={c.top_k}")
+            args, kwargs = inputs[c.experts_path]
+            received = list(args) + list(kwargs.values())
+            if not (any(t is index for t in received) and any(t is weights for t in received)):
+                raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
+                                                     f"({c.experts_path}) receive them")
+            c.pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
+        # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
+        c.gate_paths = [g for g in c.gate_paths
+                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
 
 
 def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an accelerator
@@ -198,29 +201,13 @@ def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tenso
     if not _off_cpu(index):
         return _padding(c, args, kwargs, index, weights)
     if type(c.experts) not in pads:
-        moved: dict[int, torch.Tensor] = {}  # one CPU copy per tensor: `_padding` finds index and weights by identity
-
-        def cpu(t):
-            if isinstance(t, torch.Tensor) and id(t) not in moved:
-                moved[id(t)] = t.cpu()
-            return moved.get(id(t), t)
-
+        # one CPU copy per tensor: `_padding` finds index and weights (among the inputs) by identity
+        moved = {id(t): t.cpu() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        cpu = lambda t: moved.get(id(t), t)  # noqa: E731
         with placement.on_cpu(c.experts):
             pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
                                              cpu(index), cpu(weights))
     return pads[type(c.experts)]
-
-
-def _scalar_gates(c: _Candidate, outputs: dict, tokens: int) -> list[str]:
-    """A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token."""
-    return [g for g in c.gate_paths if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == tokens]
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:

@@ -1,9 +1,8 @@
 """Execution measures for MoE models (the paper's question 3): which experts actually run, and their FLOPs.
 
-Counts come from what each experts module receives (the distinct experts of each token's index row; the sentinel
-num_experts is skipped by the eager loop) and FLOPs from torch.utils.flop_counter inside each experts module, so a
-static dense mixture that selects every expert shows up as every expert running, not as a nominal top-k (and the
-zero-weight slots of "repeat" padding, which GPT-OSS's experts do compute, show up in the FLOPs).
+Counts are the distinct experts of each token's index row as its experts module receives it, FLOPs are counted by
+torch.utils.flop_counter inside that module: a static dense mixture shows every expert running, not a nominal top-k,
+and the zero-weight slots of "repeat" padding, which GPT-OSS's experts compute, show up in the FLOPs.
 """
 
 from __future__ import annotations
