@@ -57,8 +57,6 @@ class Family:
     >>> family = fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites)
     >>> family.name, family.matches(TwoGates()), family.matches(nn.Linear(2, 2))
     ('two-gates', True, False)
-
-    `fca.register(family)` makes it known (see its example).
     """
 
     name: str
@@ -72,8 +70,7 @@ class Family:
     presets: tuple[str, ...] = ()
     build: Callable[[Any], nn.Module] | None = None
     save: Callable[[nn.Module, Path, dict], None] | None = None  # config.json + weights
-    # checks and completes a TrainConfig's variant options (gate value, depth); a family without it takes none
-    configure: Callable[[Any], None] | None = None
+    configure: Callable[[Any], None] | None = None  # checks and completes a TrainConfig's variant options
     no_decay: tuple[str, ...] = ()  # parameter names (prefixes) kept from weight decay besides vectors
     train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
     # training evaluation: (logits, gates [L, B, T] or None); gate mass of an ungated member (Dense: 1.0) or None
@@ -81,10 +78,8 @@ class Family:
     ungated_mass: float | None = None
     # extra execution columns (MoE: experts run, expert FLOPs): (model, ids, controller=None, coefficients=None)
     execution: Callable[..., dict] | None = None
-    # load(dir, device, dtype, device_map=..., offload_folder=...) spreads a model with accelerate (fcaudit.placement)
-    device_maps: bool = False
-    # execution ratios: the class of its Dense baseline of the same shape, when another family's (MoD: FeatureGateGPT)
-    architecture: str | None = None
+    device_maps: bool = False  # load(..., device_map=..., offload_folder=...) spreads a model (fcaudit.placement)
+    architecture: str | None = None  # execution ratios: its Dense baseline's class when another family's (MoD's)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -109,14 +104,9 @@ def register(family: Family) -> Callable[[], None]:
 
     Examples
     --------
-    >>> class TwoGates(nn.Module):  # only its module paths matter here
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.gates = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
-    >>> def sites(model):
-    ...     return fca.Controller.from_modules(model, "gates.*", layout="batch token 1")
-    >>> unregister = fca.register(
-    ...     fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites))
+    With `family` and `TwoGates` of `fca.Family`'s example:
+
+    >>> unregister = fca.register(family)
     >>> [site.name for site in fca.controller_for(TwoGates()).sites]
     ['gates.0', 'gates.1']
     >>> _ = unregister()

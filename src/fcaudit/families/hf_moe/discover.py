@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fcaudit import placement
-from fcaudit.controllers.site import Controller, Site
+from fcaudit.controllers.site import Codec, Controller, Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output, split_score_output)
@@ -39,11 +39,10 @@ def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
     return next(iter(_counts(m, names)), None)
 
 
-def _router_experts(m: nn.Module) -> int | None:
-    """A router-like module's expert count: the first of its counts that its [num_experts, hidden] weight has rows
-    for (or its first count, when no weight matches: then it is no router)."""
-    counts, rows = _counts(m, NUM_EXPERTS_NAMES), {p.shape[0] for p in m.parameters() if p.dim() == 2}
-    return next((v for v in counts if v in rows), counts[0] if counts else None)
+def _router_shape(m: nn.Module) -> tuple[int, int] | None:
+    """(num_experts, hidden) of a router-like module: the first of its expert counts that a 2-D weight has rows for."""
+    weights = [p for p in m.parameters() if p.dim() == 2]
+    return next(((v, p.shape[1]) for v in _counts(m, NUM_EXPERTS_NAMES) for p in weights if p.shape[0] == v), None)
 
 
 def _holds_experts(m: nn.Module, num_experts: int) -> bool:
@@ -78,8 +77,7 @@ class _Candidate:
     experts_path: str
     experts: nn.Module
     gate_paths: list[str]
-    kind: str = "top_k"  # set by the probe: "top_k" (a (logits, weights, index) triple) or "scores" (dense scores)
-    pad: str = "sentinel"  # how decode pads a top-k row (codecs.PADDINGS), set by the probe
+    codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
 
 
 def _candidates(model: nn.Module) -> list[_Candidate]:
@@ -87,18 +85,17 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
     experts = _experts_modules(model)
     found, routed_parents = [], set()
     for path, m in modules.items():
-        k, E = _int_attr(m, TOP_K_NAMES), _router_experts(m)
-        if k is None or E is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
+        k, shape = _int_attr(m, TOP_K_NAMES), _router_shape(m)
+        if k is None or shape is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
             continue  # not router-like, or a block that contains the experts itself
-        weight = [p for p in m.parameters() if p.dim() == 2 and p.shape[0] == E]
-        parent_path = path.rpartition(".")[0]
+        (E, hidden), parent_path = shape, path.rpartition(".")[0]
         siblings = {f"{parent_path}.{n}" if parent_path else n: c
                     for n, c in modules[parent_path].named_children() if c is not m}
         ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
-        if not weight or not ex:
+        if not ex:
             continue
         gates = [p for p, c in siblings.items()
-                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == weight[0].shape[1]]
+                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
         found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
         routed_parents.add(parent_path)
     for path, m in experts.items():
@@ -127,17 +124,13 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
-    reach its experts, and the experts take a padded slot (`_padding`); or it returns (router_scores, router_logits)
-    with at most top_k experts scored per token (Llama 4). Each shared gate must return one scalar per token."""
-    modules = dict(model.named_modules())
-    outputs: dict[str, object] = {}
+    reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
+    outputs: dict[str, object] = {}  # the first output of each router and gate, the first inputs of each experts
     inputs: dict[str, tuple] = {}
-    handles = []
-    for c in cands:
-        for p in [c.path, *c.gate_paths]:
-            handles.append(modules[p].register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o)))
-        handles.append(c.experts.register_forward_pre_hook(
-            lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)), with_kwargs=True))
+    handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
+               for c in cands for p in [c.path, *c.gate_paths]]
+    handles += [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
+                                                    with_kwargs=True) for c in cands]
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
     try:
@@ -172,7 +165,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if scored:
             if ((parts[0] != 0).sum(1) > c.top_k).any():
                 raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
-            c.kind = "scores"
+            c.codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path)
         else:
             _, weights, index = parts
             if weights.shape[1] != c.top_k:
@@ -183,7 +176,8 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
             if not (any(t is index for t in received) and any(t is weights for t in received)):
                 raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
                                                      f"({c.experts_path}) receive them")
-            c.pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
+            pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
+            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
@@ -195,9 +189,8 @@ def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an 
 
 def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
                     pads: dict[type, str]) -> str:
-    """`_padding`, probed on the CPU: an index the experts refuse raises there, but on CUDA it trips a device-side
-    assert that ends the process's CUDA context. The experts of a model elsewhere run on CPU copies of their weights
-    (loaded there when offloaded), once per experts class in `pads`: the padding is a property of their code."""
+    """`_padding` probed on the CPU (on CUDA a refused index trips a device-side assert that ends the CUDA context):
+    for a model elsewhere once per experts class (`pads`), on CPU copies of their weights and inputs."""
     if not _off_cpu(index):
         return _padding(c, args, kwargs, index, weights)
     if type(c.experts) not in pads:
@@ -211,10 +204,9 @@ def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tenso
 
 
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
-    """How decode may pad a row beyond its support (codecs.PADDINGS): "sentinel" if one more slot (num_experts,
-    weight 0) leaves the experts' output bit-identical, else "repeat" if one more slot repeating each token's first
-    expert at weight 0 keeps it within REPEAT_TOLERANCE of its largest value (or 4 ulps of the dtype): more matmul
-    rows may move the rounding, but a slot not weighted 0 would move a token's output by a whole expert's."""
+    """How decode may pad a row (codecs.PADDINGS): "sentinel" if a slot (num_experts, weight 0) more leaves the experts'
+    output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within REPEAT_TOLERANCE
+    of its largest value (or 4 ulps): more matmul rows may move the rounding, a weighted slot a whole expert."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
@@ -255,12 +247,8 @@ def moe_controller(model: nn.Module) -> Controller:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    sites = []
-    for c in cands:
-        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
-            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
-        sites += [Site(c.path, c.module, codec=codec),
-                  *(Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths)]
+    sites = [Site(c.path, c.module, codec=c.codec) for c in cands]
+    sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for c in cands for g in c.gate_paths]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     sites.sort(key=lambda s: order[s.path])
     gates = len(sites) - len(cands)

@@ -31,8 +31,7 @@ def require_transformers(what: str = "auditing Hugging Face MoE models"):
     except ImportError:
         raise FcauditError(f"{what} needs transformers, an optional extra: pip install 'fcaudit[hf]'") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
-    major = int(transformers.__version__.split(".")[0])
-    if major < MIN_TRANSFORMERS:
+    if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS:
         raise FcauditError(f"transformers {transformers.__version__} is too old for MoE audits (needs >= "
                            f"{MIN_TRANSFORMERS}): pip install -U 'fcaudit[hf]'")
     return transformers
@@ -51,8 +50,7 @@ def looks_like_hf_moe(config: dict) -> bool:
 
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                revision: str | None = None, device_map: str | dict | None = None,
-                offload_folder: str | os.PathLike | None = None):
+                device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
     """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline, a hub id fails in
     seconds unless it is cached; its tokenizer.json is fcaudit.tokens'). `device_map` (instead of `device`): spread
     the model with accelerate (fcaudit.placement.parse_device_map); `offload_folder` holds what it puts on "disk"."""
@@ -61,7 +59,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         require_accelerate()
     from transformers import AutoModelForCausalLM
 
-    dir = resolve(path_or_id, revision)
+    dir = resolve(path_or_id)
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
     safetensors = _check_files(dir)
@@ -115,9 +113,8 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
 
 
 def _check_files(dir: Path) -> bool:
-    """Before transformers reads `dir`: refuse a checkpoint that would load only through its own code, an index
-    naming shards outside `dir`, and a .bin that torch's restricted unpickler refuses (each one line). Returns
-    whether the weights are safetensors (then transformers reads nothing else)."""
+    """Refuse, before transformers reads `dir`, a checkpoint that needs its own code, shards outside `dir` and a .bin
+    the restricted unpickler refuses. Returns whether the weights are safetensors (then transformers reads no other)."""
     from transformers import CONFIG_MAPPING
 
     try:
