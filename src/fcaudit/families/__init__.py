@@ -28,9 +28,8 @@ class Family:
     """Everything fcaudit knows about one kind of model: which models it recognizes and their controller, and
     optionally how to load, save and train its checkpoints.
 
-    Registered for your own model class (`fca.register`), it lets `fca.controller_for(model)` and the tables find
-    it with only `name`, `matches` and `controller`; the built-in families add checkpoint loading and the training
-    hooks of `fcaudit train`.
+    Registered (`fca.register`) with only `name`, `matches` and `controller`, it lets `fca.controller_for(model)` and
+    the tables find a model of your own class; the built-in families add loading and `fcaudit train`'s hooks.
 
     Parameters
     ----------
@@ -144,9 +143,8 @@ def trainable() -> list[str]:
 def controller_for(model: nn.Module) -> Controller:
     """The controller of a model of a registered family: its sites, found for you.
 
-    Built-in families cover fcaudit's own models (FeatureGate, MoD, MUDDPythia) and Hugging Face mixture-of-experts
-    LMs (routers found by structure); a model of any other class needs `fca.Controller.from_modules(...)`, or a
-    `fca.Family` registered for it.
+    Built-in families cover FeatureGate, MoD, MUDDPythia and Hugging Face mixture-of-experts LMs (routers found by
+    structure); a model of any other class needs `fca.Controller.from_modules(...)` or a registered `fca.Family`.
 
     Parameters
     ----------
@@ -218,11 +216,8 @@ DEFAULT_WINDOW_CAP = 2048  # a window left to default is the model's context, at
 def context_length(model: nn.Module) -> int | None:
     """The longest window a model takes (block_size, or a transformers config's max_position_embeddings)."""
     config = getattr(model, "config", None)
-    for key in ("block_size", "max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    values = (getattr(config, key, None) for key in ("block_size", "max_position_embeddings", "n_positions"))
+    return next((v for v in values if isinstance(v, int) and v > 0), None)
 
 
 def label(model: nn.Module) -> str:

@@ -22,8 +22,7 @@ from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
 
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
     model = load_hf_moe(dir, dtype=dtype, device=device, **placed)
-    c = model.config
-    return model, {"model_type": c.model_type, "variant": f"moe-{c.model_type}"}
+    return model, {"model_type": model.config.model_type, "variant": f"moe-{model.config.model_type}"}
 
 
 def _build(cfg) -> nn.Module:

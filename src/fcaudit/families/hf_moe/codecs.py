@@ -1,9 +1,7 @@
-"""Codecs of transformers (>= 5) MoE sites: site output <-> canonical coefficients (docs/tutorials/hf-moe.md).
-
-A top-k router's coefficient is its post-top-k combine vector c [batch, token, 1, E], exactly as the experts receive
-it; a score router's (Llama 4) its scores; a shared-expert gate's its pre-sigmoid scalar. Replay needs the eager
-experts, which sum per expert in expert order whatever the slot order and skip the sentinel index E: `grouped_mm`
-leaves sentinel rows uninitialized (NaN * 0 reaches the output), `batched_mm` indexes the weights with it.
+"""Codecs of transformers (>= 5) MoE sites (docs/tutorials/hf-moe.md): a top-k router's coefficient is its post-top-k
+combine vector [batch, token, 1, E], as the experts receive it; a score router's (Llama 4) its scores; a shared-expert
+gate's its pre-sigmoid scalar. Replay needs the eager experts (summed per expert in expert order, the sentinel index E
+skipped): `grouped_mm` leaves sentinel rows uninitialized (NaN * 0 reaches the output), `batched_mm` indexes with E.
 """
 
 from __future__ import annotations
@@ -117,10 +115,9 @@ class TopKRouterCodec(Codec):
                 **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {})}
 
     def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The support of c in descending weight order (ties: lower expert first, as torch.topk), or in live router
-        logit order for a router captured in that order only (PhiMoE's sparsemixer). Rows narrower than the widest
-        are padded at weight 0 with the sentinel E, or ("repeat", for experts that refuse E: GPT-OSS's one_hot) with
-        the row's first expert again: an exact 0, though one more matmul row may move the others' rounding."""
+        """The support of c by descending weight (ties: lower expert first, as torch.topk), or by live router logit
+        if captured in that order only (PhiMoE's sparsemixer). Narrower rows are padded at weight 0 with the sentinel
+        E or ("repeat": experts that refuse E, GPT-OSS) the row's first expert again, moving only others' rounding."""
         _require_eager(self._experts, self.name)
         E = self.num_experts
         c = _expert_rows(canonical, E, self.name)
@@ -148,8 +145,6 @@ class TopKRouterCodec(Codec):
 def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> bool:
     """Whether a captured router output's slots are in descending router-logit order but not in the descending
     weight order (ties: lower expert first) that decode gives by default."""
-    if index.shape[1] < 2 or not index.numel():
-        return False
     w, l = weights.float(), logits.gather(1, index.long()).float()
     by_weight = ((w[:, :-1] > w[:, 1:]) | ((w[:, :-1] == w[:, 1:]) & (index[:, :-1] < index[:, 1:]))).all()
     return bool(not by_weight and (l[:, :-1] >= l[:, 1:]).all())
@@ -157,8 +152,7 @@ def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: tor
 
 class ScoreRouterCodec(Codec):
     """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
-    top-k logits, 0 elsewhere). No padding is needed: a score of 0 is a zero input to that expert, though
-    transformers' Llama 4 computes every expert for every token (`fcaudit execution` counts E)."""
+    top-k logits, 0 elsewhere), unpadded: a score of 0 is a zero input to that expert, which runs all the same."""
 
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 

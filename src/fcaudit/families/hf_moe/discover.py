@@ -133,10 +133,7 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                                                     with_kwargs=True) for c in cands]
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
-    try:
-        cached = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        cached = False
+    cached = "use_cache" in inspect.signature(model.forward).parameters
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False) if cached else model(ids)
@@ -145,10 +142,9 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
             raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
                                "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
                                "(cpu or cuda) in the map") from e
-        c = cands[0]
         raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
-                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {c.top_k} of "
-                           f"{c.num_experts} experts) and that the model fits in memory") from e
+                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {cands[0].top_k} "
+                           f"of {cands[0].num_experts} experts) and that the model fits in memory") from e
     finally:
         for h in handles:
             h.remove()

@@ -1,8 +1,6 @@
-"""Execution measures for MoE models (the paper's question 3): which experts actually run, and their FLOPs.
-
-Counts are the distinct experts of each token's index row as its experts module receives it, FLOPs are counted by
-torch.utils.flop_counter inside that module: a static dense mixture shows every expert running, not a nominal top-k,
-and the zero-weight slots of "repeat" padding, which GPT-OSS's experts compute, show up in the FLOPs.
+"""Execution measures for MoE models (the paper's question 3): the distinct experts of each token's index row as its
+experts module receives it, and the FLOPs torch.utils.flop_counter counts inside that module. A static dense mixture
+shows every expert running, and the zero-weight slots of "repeat" padding (GPT-OSS computes them) their FLOPs.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ class ExpertExecution:
 
 
 def computing_experts(experts: nn.Module, num_experts: int) -> int:
-    """How many of the experts compute: those with a slice of every 3-D weight. LongCat-Flash's zero-computation
-    (identity) experts come after its routed ones and have no down_proj slice; other families' count is all of them."""
+    """How many experts compute: those with a slice of every 3-D weight (not LongCat-Flash's identity experts)."""
     return min([num_experts, *(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)])
 
 

@@ -51,9 +51,8 @@ def looks_like_hf_moe(config: dict) -> bool:
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
-    """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline, a hub id fails in
-    seconds unless it is cached; its tokenizer.json is fcaudit.tokens'). `device_map` (instead of `device`): spread
-    the model with accelerate (fcaudit.placement.parse_device_map); `offload_folder` holds what it puts on "disk"."""
+    """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline: fails in seconds
+    unless cached). `device_map` (not `device`) spreads it with accelerate, putting its "disk" in `offload_folder`."""
     require_transformers()
     if device_map is not None:
         require_accelerate()

@@ -1,8 +1,6 @@
-"""Tiny Hugging Face MoE models built from configs (no download): tests, benchmarks and the byte-level demo.
-
-Each keeps its family's router semantics: Mixtral renormalizes the top-k weights, OLMoE and Qwen2-MoE do not (as
-their released checkpoints), Qwen3-MoE does; DeepSeek-V3 picks by sigmoid within groups and scales by its
-routed_scaling_factor; GPT-OSS's experts cannot skip a slot ("repeat" padding); Llama 4 returns dense scores.
+"""Tiny Hugging Face MoE models built from configs (no download): tests, benchmarks and the byte-level demo. Each
+keeps its family's router semantics (Mixtral and Qwen3-MoE renormalize the top-k weights, OLMoE and Qwen2-MoE do not,
+as released; DeepSeek-V3 picks by sigmoid within groups; GPT-OSS's experts cannot skip a slot; Llama 4 scores).
 """
 
 from __future__ import annotations
