@@ -125,8 +125,8 @@ def ensure_eager_experts(model: nn.Module) -> str:
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
     reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
-    outputs: dict[str, object] = {}  # the first output of each router and gate, the first inputs of each experts
-    inputs: dict[str, tuple] = {}
+    outputs: dict[str, object] = {}  # the first output of each router and gate
+    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module
     handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
                for c in cands for p in [c.path, *c.gate_paths]]
     handles += [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
@@ -200,9 +200,9 @@ def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tenso
 
 
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
-    """How decode may pad a row (codecs.PADDINGS): "sentinel" if a slot (num_experts, weight 0) more leaves the experts'
-    output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within REPEAT_TOLERANCE
-    of its largest value (or 4 ulps): more matmul rows may move the rounding, a weighted slot a whole expert."""
+    """How decode may pad a row (codecs.PADDINGS): "sentinel" if one more slot (num_experts, weight 0) leaves the
+    experts' output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within
+    REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows may move the rounding, a weighted slot a whole expert."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
