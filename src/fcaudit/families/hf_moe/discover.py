@@ -202,7 +202,7 @@ def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tenso
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
     """How decode may pad a row (codecs.PADDINGS): "sentinel" if one more slot (num_experts, weight 0) leaves the
     experts' output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within
-    REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows may move the rounding, a weighted slot a whole expert."""
+    REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows move rounding, a weighted slot a whole expert."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
