@@ -130,9 +130,10 @@ def documented() -> list:
 
 # Examples that continue another name's (as the reference page says in each): they use what that one built. The
 # audit's example builds the model, windows and `result` the results' examples read; load's trains the checkpoint
-# controller_for reads.
+# controller_for reads; Family's builds the family register registers.
 CONTINUES = {name: "audit" for name in ("AuditResult", "plan", "summarize", "build_report", "PenaltiesResult",
-                                        "FactorEffectsResult", "RetentionResult")} | {"controller_for": "load"}
+                                        "FactorEffectsResult", "RetentionResult")}
+CONTINUES |= {"controller_for": "load", "register": "Family"}
 
 
 def test_docstring_examples_run(tmp_path, monkeypatch):

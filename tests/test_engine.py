@@ -19,7 +19,7 @@ from fcaudit.auditor import CoefficientStore, audit, plan
 from fcaudit.auditor import files
 from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
-from fcaudit.families import Family, controller_for, registered
+from fcaudit.families import Family, controller_for, register
 from fcaudit.errors import FcauditError
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.protocol import derangement, resample_past, shuffle_tokens
@@ -193,9 +193,12 @@ def test_replay_disables_controller_and_restores_model():
 def test_controller_for_registry_and_featuregate():
     with pytest.raises(FcauditError, match="Controller.from_modules"):
         controller_for(ToyMoE())
-    with registered(Family("toy-moe", matches=lambda m: isinstance(m, ToyMoE),
-                           controller=lambda m: Controller.from_modules(m, "layers.*.router", "(batch token) expert"))):
+    sites = lambda m: Controller.from_modules(m, "layers.*.router", "(batch token) expert")  # noqa: E731
+    unregister = register(Family("toy-moe", matches=lambda m: isinstance(m, ToyMoE), controller=sites))
+    try:
         assert [s.path for s in controller_for(ToyMoE()).sites] == ["layers.0.router", "layers.1.router"]
+    finally:
+        unregister()
     with pytest.raises(FcauditError, match="Controller.from_modules"):  # the registration did not leak
         controller_for(ToyMoE())
     model = FeatureGateGPT(config_for("tiny", "featuregate"))

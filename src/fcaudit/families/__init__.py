@@ -1,10 +1,6 @@
-"""The family registry: everything fcaudit knows about one kind of model lives in that family's own module.
-
-A family registers a `Family`: which checkpoints it loads (config.json), how it loads and saves them, which models it
-recognizes, their controller adapter (the sites FCA audits), a label for tables, and, when fcaudit can train it, its
-builder and training hooks. Nothing outside a family's module dispatches on a model class. Every module in this
-package registers itself on import; the registry imports them on first use (so `import fcaudit` never imports a
-model), and a user's own model is one `register(Family(name, matches=..., controller=...))` call.
+"""The family registry: everything fcaudit knows about one kind of model lives in that family's own module, and
+nothing outside it dispatches on a model class. Each module of this package registers its `Family` on import; the
+registry imports them on first use, so `import fcaudit` never imports a model.
 """
 
 from __future__ import annotations
@@ -13,10 +9,9 @@ import importlib
 import json
 import os
 import pkgutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,10 +28,8 @@ class Family:
     """Everything fcaudit knows about one kind of model: which models it recognizes and their controller, and
     optionally how to load, save and train its checkpoints.
 
-    Register one for your own model class (`fca.register`) and `fca.controller_for(model)`, `fcaudit audit` on
-    its checkpoints and the tables find it; only `name`, `matches` and `controller` are needed for that. The
-    other fields are what a built-in family (FeatureGate, MoD, MUDDPythia, Hugging Face MoE) adds: `accepts` and
-    `load` for its checkpoints' config.json, `label` for tables, and the training hooks of `fcaudit train`.
+    Registered (`fca.register`) with only `name`, `matches` and `controller`, it lets `fca.controller_for(model)` and
+    the tables find a model of your own class; the built-in families add loading and `fcaudit train`'s hooks.
 
     Parameters
     ----------
@@ -63,8 +56,6 @@ class Family:
     >>> family = fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites)
     >>> family.name, family.matches(TwoGates()), family.matches(nn.Linear(2, 2))
     ('two-gates', True, False)
-
-    `fca.register(family)` makes it known (see its example).
     """
 
     name: str
@@ -78,8 +69,7 @@ class Family:
     presets: tuple[str, ...] = ()
     build: Callable[[Any], nn.Module] | None = None
     save: Callable[[nn.Module, Path, dict], None] | None = None  # config.json + weights
-    # checks and completes a TrainConfig's variant options (gate value, depth); a family without it takes none
-    configure: Callable[[Any], None] | None = None
+    configure: Callable[[Any], None] | None = None  # checks and completes a TrainConfig's variant options
     no_decay: tuple[str, ...] = ()  # parameter names (prefixes) kept from weight decay besides vectors
     train_loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # default: next-token NLL
     # training evaluation: (logits, gates [L, B, T] or None); gate mass of an ungated member (Dense: 1.0) or None
@@ -87,10 +77,8 @@ class Family:
     ungated_mass: float | None = None
     # extra execution columns (MoE: experts run, expert FLOPs): (model, ids, controller=None, coefficients=None)
     execution: Callable[..., dict] | None = None
-    # load(dir, device, dtype, device_map=..., offload_folder=...) spreads a model with accelerate (fcaudit.placement)
-    device_maps: bool = False
-    # execution ratios: the class of its Dense baseline of the same shape, when another family's (MoD: FeatureGateGPT)
-    architecture: str | None = None
+    device_maps: bool = False  # load(..., device_map=..., offload_folder=...) spreads a model (fcaudit.placement)
+    architecture: str | None = None  # execution ratios: its Dense baseline's class when another family's (MoD's)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -115,14 +103,9 @@ def register(family: Family) -> Callable[[], None]:
 
     Examples
     --------
-    >>> class TwoGates(nn.Module):  # only its module paths matter here
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.gates = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
-    >>> def sites(model):
-    ...     return fca.Controller.from_modules(model, "gates.*", layout="batch token 1")
-    >>> unregister = fca.register(
-    ...     fca.Family("two-gates", matches=lambda m: isinstance(m, TwoGates), controller=sites))
+    With `family` and `TwoGates` of `fca.Family`'s example:
+
+    >>> unregister = fca.register(family)
     >>> [site.name for site in fca.controller_for(TwoGates()).sites]
     ['gates.0', 'gates.1']
     >>> _ = unregister()
@@ -131,16 +114,6 @@ def register(family: Family) -> Callable[[], None]:
     _FAMILIES.pop(family.name, None)
     _FAMILIES[family.name] = family
     return lambda: _FAMILIES.pop(family.name, None) if _FAMILIES.get(family.name) is family else None
-
-
-@contextmanager
-def registered(family: Family) -> Iterator[Family]:
-    """A family registered for the duration of a `with` block (tests, notebooks)."""
-    unregister = register(family)
-    try:
-        yield family
-    finally:
-        unregister()
 
 
 def families() -> list[Family]:
@@ -170,9 +143,8 @@ def trainable() -> list[str]:
 def controller_for(model: nn.Module) -> Controller:
     """The controller of a model of a registered family: its sites, found for you.
 
-    Built-in families cover fcaudit's own models (FeatureGate, MoD, MUDDPythia) and Hugging Face mixture-of-experts
-    LMs (routers found by structure); a model of any other class needs `fca.Controller.from_modules(...)`, or a
-    `fca.Family` registered for it.
+    Built-in families cover FeatureGate, MoD, MUDDPythia and Hugging Face mixture-of-experts LMs (routers found by
+    structure); a model of any other class needs `fca.Controller.from_modules(...)` or a registered `fca.Family`.
 
     Parameters
     ----------
@@ -244,11 +216,8 @@ DEFAULT_WINDOW_CAP = 2048  # a window left to default is the model's context, at
 def context_length(model: nn.Module) -> int | None:
     """The longest window a model takes (block_size, or a transformers config's max_position_embeddings)."""
     config = getattr(model, "config", None)
-    for key in ("block_size", "max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    values = (getattr(config, key, None) for key in ("block_size", "max_position_embeddings", "n_positions"))
+    return next((v for v in values if isinstance(v, int) and v > 0), None)
 
 
 def label(model: nn.Module) -> str:

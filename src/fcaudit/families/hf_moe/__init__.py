@@ -1,7 +1,6 @@
-"""The Hugging Face MoE family: transformers (>= 5) mixture-of-experts LMs audited as they are (Mixtral, OLMoE,
-Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS, Llama 4 and any router with the same structure, see discover.py and
-benchmarks/moe_families.py). Coefficient semantics: codecs.py.
-`fcaudit train --model moe` trains a byte-level Mixtral (tiny.py); transformers is the optional extra fcaudit[hf].
+"""The Hugging Face MoE family: transformers (>= 5) mixture-of-experts LMs audited as they are, their routers found
+by structure (discover.py, benchmarks/moe_families.py), their coefficients in codecs.py. `fcaudit train --model moe`
+trains a byte-level Mixtral (tiny.py). transformers is the optional extra fcaudit[hf].
 """
 
 from __future__ import annotations
@@ -21,14 +20,9 @@ from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require
 from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
 
 
-def _is_hf_moe(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("transformers.") and is_moe(model)
-
-
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
     model = load_hf_moe(dir, dtype=dtype, device=device, **placed)
-    c = model.config
-    return model, {"model_type": c.model_type, "variant": f"moe-{c.model_type}"}
+    return model, {"model_type": model.config.model_type, "variant": f"moe-{model.config.model_type}"}
 
 
 def _build(cfg) -> nn.Module:
@@ -36,11 +30,6 @@ def _build(cfg) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(byte_mixtral_config(cfg.preset, output_router_logits=True))
-
-
-def _train_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The language-modelling loss plus the family's load-balancing loss (router_aux_loss_coef), as in training."""
-    return model(input_ids=ids, labels=ids, output_router_logits=True).loss
 
 
 def _save(model: nn.Module, out: Path, meta: dict) -> None:
@@ -54,25 +43,22 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
             os.replace(f, out / f.name)
 
 
-def _execution(model: nn.Module, ids: torch.Tensor, controller=None, coefficients=None) -> dict:
-    """Experts run per token and expert FLOPs per token (measured) against running every expert, for the live
-    router or, with `coefficients`, replayed ones."""
-    return expert_execution(model, ids, controller, coefficients).summary()
-
-
 register(Family(
     name="hf_moe",
     accepts=looks_like_hf_moe,
     load=_load,
-    matches=_is_hf_moe,
+    matches=lambda model: type(model).__module__.startswith("transformers.") and is_moe(model),
     controller=moe_controller,
     label=lambda model: f"moe-{model.config.model_type}",
     trains=("moe",),
     presets=tuple(BYTE_PRESETS),
     build=_build,
     save=_save,
-    train_loss=_train_loss,
-    execution=_execution,
+    # the language-modelling loss plus the load-balancing loss (router_aux_loss_coef), as in training
+    train_loss=lambda model, ids: model(input_ids=ids, labels=ids, output_router_logits=True).loss,
+    # experts run and expert FLOPs per token against running every expert, live or with coefficients replayed
+    execution=lambda model, ids, controller=None, coefficients=None: expert_execution(
+        model, ids, controller, coefficients).summary(),
     device_maps=True,
 ))
 

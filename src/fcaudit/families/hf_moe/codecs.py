@@ -1,27 +1,7 @@
-"""Codecs of Hugging Face transformers (>= 5) MoE controller sites: site output <-> canonical coefficients.
-
-Router site (the `gate` of a sparse MoE block, e.g. MixtralTopKRouter): its output is (router_logits [N, E],
-top_k_weights [N, k], top_k_index [N, k]) over the N = batch * token tokens. The canonical coefficient is the
-post-top-k combine vector c [batch, token, 1, E] (the weight expert e gets for token t, 0 when not selected), exactly
-as the experts receive it: after softmax, top-k, any renormalization and the cast to the weights' dtype.
-
-Decode rebuilds the triple from c: the support of c in descending weight order (ties: lower expert first), as
-torch.topk orders it, or, for a router whose slots are in router-logit order only (PhiMoE's sparsemixer), in the
-order of the router's logits on its live input. Rows narrower than the batch's widest (never under Correct or the
-randomized conditions) are padded with index E at weight 0, which the eager experts loop skips; experts that cannot
-take that index (GPT-OSS's one_hot) get "repeat" padding instead: the row's first expert again at weight 0 (an exact
-0, though one more matmul row may move other rows' rounding; discover.py's probe picks the padding). The router
-logits are a placeholder, log(c) with finfo.min off the support: the forward pass never reads them (transformers
-uses them for the auxiliary training loss only).
-
-Both router codecs refuse to run under an experts implementation other than *eager*: `grouped_mm` leaves sentinel
-rows uninitialized (NaN * 0 reaches the output) and sums slot outputs in slot order; `batched_mm` indexes the weights
-with the sentinel. The eager loop accumulates per expert in expert order, whatever the slot order or padding.
-
-Score router site (Llama 4): (router_scores [N, E], router_logits [N, E]), the scores zero off each token's top-k,
-each expert's input scaled by its score: the scores are the canonical coefficient as they are.
-Shared-expert gate site (Qwen2-MoE's `shared_expert_gate`, a Linear(hidden, 1)): one pre-sigmoid scalar per token,
-canonical [batch, token, 1, 1]; the block applies the sigmoid after the site, so replay is exact.
+"""Codecs of transformers (>= 5) MoE sites (docs/tutorials/hf-moe.md): a top-k router's coefficient is its post-top-k
+combine vector [batch, token, 1, E], as the experts receive it; a score router's (Llama 4) its scores; a shared-expert
+gate's its pre-sigmoid scalar. Replay needs the eager experts (summed per expert in expert order, the sentinel index E
+skipped): `grouped_mm` leaves sentinel rows uninitialized (NaN * 0 reaches the output), `batched_mm` indexes with E.
 """
 
 from __future__ import annotations
@@ -33,8 +13,7 @@ from fcaudit.controllers.site import Codec
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
 
-
-PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (see the module docstring)
+PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (TopKRouterCodec.decode)
 
 
 def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,15 +21,9 @@ def canonical_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def dtype_of(name: str | torch.dtype) -> torch.dtype:
-    """Metas hold dtype names (JSON-friendly); a torch.dtype is accepted too."""
-    return name if isinstance(name, torch.dtype) else getattr(torch, name)
-
-
 def experts_implementation(experts: nn.Module | None) -> str:
     """The experts implementation a transformers experts module dispatches to ("eager" for plain modules)."""
-    config = getattr(experts, "config", None)
-    return getattr(config, "_experts_implementation", None) or "eager"
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
 
 
 def _require_eager(experts: nn.Module | None, where: str) -> None:
@@ -83,6 +56,17 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
     return logits, weights, index
 
 
+def split_score_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
+    """Check and unpack (router_scores [N, E], router_logits [N, E])."""
+    ok = (isinstance(output, (tuple, list)) and len(output) == 2
+          and all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 for t in output)
+          and output[0].shape == output[1].shape and output[0].shape[1] == num_experts)
+    if not ok:
+        raise FcauditError(f"{where} returned {_shapes(output)}, not (router_scores [N, {num_experts}], "
+                           f"router_logits [N, {num_experts}])")
+    return output[0], output[1]
+
+
 def _expert_rows(canonical: torch.Tensor, num_experts: int, name: str) -> torch.Tensor:
     """Canonical router coefficients [batch, token, 1, E] as one row per token [N, E]."""
     if canonical.shape[-1] != num_experts or canonical.shape[-2] != 1:
@@ -92,10 +76,11 @@ def _expert_rows(canonical: torch.Tensor, num_experts: int, name: str) -> torch.
 
 
 def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Router logits the forward pass does not read: log(c) on the support, finfo.min off it (softmax of them is
-    the normalized vector)."""
+    """Router logits for the auxiliary loss only (the forward pass does not read them): log(c) on the support,
+    finfo.min off it, so that their softmax is the normalized vector."""
+    out = getattr(torch, dtype)
     return torch.where(c != 0, c.abs().clamp_min(torch.finfo(c.dtype).tiny).log(),
-                       torch.full_like(c, torch.finfo(dtype_of(dtype)).min)).to(dtype_of(dtype))
+                       torch.full_like(c, torch.finfo(out).min)).to(out)
 
 
 class TopKRouterCodec(Codec):
@@ -109,8 +94,7 @@ class TopKRouterCodec(Codec):
         if pad not in PADDINGS:
             raise FcauditError(f"{name}: padding {pad!r} is not one of {', '.join(PADDINGS)}")
         self.num_experts, self.top_k, self.name, self.pad = int(num_experts), int(top_k), name, pad
-        self._experts = experts  # the experts module this router feeds; checked to run eager
-        self.experts_path = experts_path
+        self._experts, self.experts_path = experts, experts_path  # the experts it feeds: checked to run eager
 
     def encode(self, output, batch: int, token: int) -> torch.Tensor:
         _require_eager(self._experts, self.name)
@@ -131,27 +115,27 @@ class TopKRouterCodec(Codec):
                 **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {})}
 
     def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The support of c by descending weight (ties: lower expert first, as torch.topk), or by live router logit
+        if captured in that order only (PhiMoE's sparsemixer). Narrower rows are padded at weight 0 with the sentinel
+        E or ("repeat": experts that refuse E, GPT-OSS) the row's first expert again, moving only others' rounding."""
         _require_eager(self._experts, self.name)
         E = self.num_experts
         c = _expert_rows(canonical, E, self.name)
         selected = c != 0
         width = max(self.top_k, int(selected.sum(1).max().item()) if c.numel() else 0)
-        # Selected experts first, by descending weight (or router logit, as captured); stable, so ties keep the lower
-        # expert first.
         order_by = c
         if meta.get("slot_order") == "logits" and inputs is not None and isinstance(inputs.module, nn.Linear):
             with torch.no_grad():
                 order_by = nn.Linear.forward(inputs.module, inputs.args[0]).reshape(c.shape).to(c.dtype)
         key = torch.where(selected, order_by, torch.full_like(c, -torch.inf))
-        _, order = torch.sort(key, dim=1, descending=True, stable=True)
-        order = order[:, :width]
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :width]
         keep = selected.gather(1, order)
         filler = torch.full_like(order[:, :1], E) if self.pad == "sentinel" else \
             torch.where(keep[:, :1], order[:, :1], torch.zeros_like(order[:, :1]))  # the row's top expert, or 0
-        index = torch.where(keep, order, filler).to(dtype_of(meta["index_dtype"]))
+        index = torch.where(keep, order, filler).to(getattr(torch, meta["index_dtype"]))
         weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
-        return (_placeholder_logits(c, meta["logits_dtype"]), weights.to(dtype_of(meta["weights_dtype"])).contiguous(),
-                index.contiguous())
+        return (_placeholder_logits(c, meta["logits_dtype"]),
+                weights.to(getattr(torch, meta["weights_dtype"])).contiguous(), index.contiguous())
 
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
@@ -159,30 +143,16 @@ class TopKRouterCodec(Codec):
 
 
 def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether a captured router output's slots are in descending router-logit order but not in descending weight
-    order (ties: lower expert first), which decode gives by default."""
-    if index.shape[1] < 2 or not index.numel():
-        return False
+    """Whether a captured router output's slots are in descending router-logit order but not in the descending
+    weight order (ties: lower expert first) that decode gives by default."""
     w, l = weights.float(), logits.gather(1, index.long()).float()
     by_weight = ((w[:, :-1] > w[:, 1:]) | ((w[:, :-1] == w[:, 1:]) & (index[:, :-1] < index[:, 1:]))).all()
     return bool(not by_weight and (l[:, :-1] >= l[:, 1:]).all())
 
 
-def split_score_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
-    """Check and unpack (router_scores [N, E], router_logits [N, E])."""
-    ok = (isinstance(output, (tuple, list)) and len(output) == 2
-          and all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 for t in output)
-          and output[0].shape == output[1].shape and output[0].shape[1] == num_experts)
-    if not ok:
-        raise FcauditError(f"{where} returned {_shapes(output)}, not (router_scores [N, {num_experts}], "
-                           f"router_logits [N, {num_experts}])")
-    return output[0], output[1]
-
-
 class ScoreRouterCodec(Codec):
     """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
-    top-k logits, 0 elsewhere). No padding is needed: a score of 0 is a zero input to that expert, though
-    transformers' Llama 4 computes every expert for every token (`fcaudit execution` counts E)."""
+    top-k logits, 0 elsewhere), unpadded: a score of 0 is a zero input to that expert, which runs all the same."""
 
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 
@@ -202,7 +172,7 @@ class ScoreRouterCodec(Codec):
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
         c = _expert_rows(canonical, self.num_experts, self.name)
-        return c.to(dtype_of(meta["scores_dtype"])).contiguous(), _placeholder_logits(c, meta["logits_dtype"])
+        return c.to(getattr(torch, meta["scores_dtype"])).contiguous(), _placeholder_logits(c, meta["logits_dtype"])
 
     def describe(self) -> str:
         return (f"top-{self.top_k} score router over {self.num_experts} experts: (batch token) expert scores, "
@@ -210,9 +180,8 @@ class ScoreRouterCodec(Codec):
 
 
 class SharedGateCodec(Codec):
-    """A Linear(hidden, 1) gate's output [N, 1] (pre-sigmoid) <-> canonical [batch, token, 1, 1]."""
-
-    top_k = None
+    """A Linear(hidden, 1) gate's output [N, 1] (pre-sigmoid: the block applies the sigmoid after the site) <->
+    canonical [batch, token, 1, 1]."""
 
     def __init__(self, name: str = "shared_expert_gate"):
         self.name = name
@@ -227,7 +196,7 @@ class SharedGateCodec(Codec):
         return {"dtype": dtype_name(output.dtype), "shape_tail": list(output.shape[1:])}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
-        out = canonical.reshape(-1, *meta["shape_tail"]).to(dtype_of(meta["dtype"]))
+        out = canonical.reshape(-1, *meta["shape_tail"]).to(getattr(torch, meta["dtype"]))
         return out.clone(memory_format=torch.contiguous_format)
 
     def describe(self) -> str:

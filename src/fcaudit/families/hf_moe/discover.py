@@ -1,11 +1,7 @@
 """Finding the controller sites of a Hugging Face MoE model by structure, not by class name.
 
-A router is a module with a top-k and an expert-count attribute and a [num_experts, hidden] weight, beside an experts
-module (num_experts experts as 3-D weights or a ModuleList). One probe forward pass checks what makes its codec
-valid: it returns (router_logits, top_k_weights, top_k_index), those very tensors reach the experts, and the experts
-take a padded slot (bit for bit with the sentinel index num_experts, or within rounding with a repeated expert at
-weight 0); or it returns (router_scores, router_logits) with at most top_k experts scored per token (Llama 4).
-A router failing a check gets one line naming its class and the closest supported router. A Linear(hidden, 1)
+A router has top-k and expert-count attributes and a [num_experts, hidden] weight, beside an experts module (3-D
+weights or a ModuleList); one probe forward pass checks what makes its codec valid (`_probe`). A Linear(hidden, 1)
 sibling of a router (Qwen2-MoE's shared_expert_gate) is a second kind of site: one scalar per token.
 """
 
@@ -19,7 +15,7 @@ import torch
 from torch import nn
 
 from fcaudit import placement
-from fcaudit.controllers.site import Controller, Site
+from fcaudit.controllers.site import Codec, Controller, Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output, split_score_output)
@@ -43,11 +39,10 @@ def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int | None:
     return next(iter(_counts(m, names)), None)
 
 
-def _router_experts(m: nn.Module) -> int | None:
-    """A router-like module's expert count: the first of its counts that its [num_experts, hidden] weight has rows
-    for (or its first count, when no weight matches: then it is no router)."""
-    counts, rows = _counts(m, NUM_EXPERTS_NAMES), {p.shape[0] for p in m.parameters() if p.dim() == 2}
-    return next((v for v in counts if v in rows), counts[0] if counts else None)
+def _router_shape(m: nn.Module) -> tuple[int, int] | None:
+    """(num_experts, hidden) of a router-like module: the first of its expert counts that a 2-D weight has rows for."""
+    weights = [p for p in m.parameters() if p.dim() == 2]
+    return next(((v, p.shape[1]) for v in _counts(m, NUM_EXPERTS_NAMES) for p in weights if p.shape[0] == v), None)
 
 
 def _holds_experts(m: nn.Module, num_experts: int) -> bool:
@@ -57,7 +52,7 @@ def _holds_experts(m: nn.Module, num_experts: int) -> bool:
 
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that hold num_experts experts (their own expert-count attribute and 3-D weights)."""
+    """Modules that hold as many experts as their own expert-count attribute says."""
     return {path: m for path, m in model.named_modules()
             if (E := _int_attr(m, NUM_EXPERTS_NAMES)) is not None and _holds_experts(m, E)}
 
@@ -82,8 +77,7 @@ class _Candidate:
     experts_path: str
     experts: nn.Module
     gate_paths: list[str]
-    kind: str = "top_k"  # set by the probe: "top_k" (a (logits, weights, index) triple) or "scores" (dense scores)
-    pad: str = "sentinel"  # how decode pads a top-k row (codecs.PADDINGS), set by the probe
+    codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
 
 
 def _candidates(model: nn.Module) -> list[_Candidate]:
@@ -91,17 +85,15 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
     experts = _experts_modules(model)
     found, routed_parents = [], set()
     for path, m in modules.items():
-        k, E = _int_attr(m, TOP_K_NAMES), _router_experts(m)
-        if k is None or E is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
+        k, shape = _int_attr(m, TOP_K_NAMES), _router_shape(m)
+        if k is None or shape is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
             continue  # not router-like, or a block that contains the experts itself
-        weight = [p for p in m.parameters() if p.dim() == 2 and p.shape[0] == E]
-        parent_path = path.rpartition(".")[0]
-        parent = modules[parent_path]
-        siblings = {f"{parent_path}.{n}" if parent_path else n: c for n, c in parent.named_children() if c is not m}
+        (E, hidden), parent_path = shape, path.rpartition(".")[0]
+        siblings = {f"{parent_path}.{n}" if parent_path else n: c
+                    for n, c in modules[parent_path].named_children() if c is not m}
         ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
-        if not weight or not ex:
+        if not ex:
             continue
-        hidden = weight[0].shape[1]
         gates = [p for p, c in siblings.items()
                  if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
         found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
@@ -131,31 +123,28 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
-    """One short forward pass checking each router's output structure, its flow into the experts module, and
-    how the experts take a padded slot; also that each shared gate returns one scalar per token."""
-    modules = dict(model.named_modules())
-    outputs: dict[str, object] = {}
-    inputs: dict[str, tuple] = {}
-    handles = []
-    for c in cands:
-        for p in [c.path, *c.gate_paths]:
-            handles.append(modules[p].register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o)))
-        handles.append(c.experts.register_forward_pre_hook(
-            lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)), with_kwargs=True))
+    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
+    reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
+    outputs: dict[str, object] = {}  # the first output of each router and gate
+    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module
+    handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
+               for c in cands for p in [c.path, *c.gate_paths]]
+    handles += [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
+                                                    with_kwargs=True) for c in cands]
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
+    cached = "use_cache" in inspect.signature(model.forward).parameters
     try:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False) if _accepts(model, "use_cache") else model(ids)
+            model(input_ids=ids, use_cache=False) if cached else model(ids)
     except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
         if "meta tensor" in str(e) and placement.is_dispatched(model):  # e.g. Llama 4 sends its ids to the embedding's
             raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
                                "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
                                "(cpu or cuda) in the map") from e
-        c = cands[0]
         raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
-                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {c.top_k} of "
-                           f"{c.num_experts} experts) and that the model fits in memory") from e
+                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {cands[0].top_k} "
+                           f"of {cands[0].num_experts} experts) and that the model fits in memory") from e
     finally:
         for h in handles:
             h.remove()
@@ -172,18 +161,22 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if scored:
             if ((parts[0] != 0).sum(1) > c.top_k).any():
                 raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
-            c.kind, c.gate_paths = "scores", _scalar_gates(c, outputs, parts[0].shape[0])
-            continue
-        _, weights, index = parts
-        if weights.shape[1] != c.top_k:
-            raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not top_k={c.top_k}")
-        args, kwargs = inputs[c.experts_path]
-        received = list(args) + list(kwargs.values())
-        if not (any(t is index for t in received) and any(t is weights for t in received)):
-            raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
-                                                 f"({c.experts_path}) receive them")
-        c.pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
-        c.gate_paths = _scalar_gates(c, outputs, index.shape[0])
+            c.codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path)
+        else:
+            _, weights, index = parts
+            if weights.shape[1] != c.top_k:
+                raise _unsupported(c.module, c.path, f"it returned {weights.shape[1]} experts per token, not "
+                                                     f"top_k={c.top_k}")
+            args, kwargs = inputs[c.experts_path]
+            received = list(args) + list(kwargs.values())
+            if not (any(t is index for t in received) and any(t is weights for t in received)):
+                raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
+                                                     f"({c.experts_path}) receive them")
+            pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
+            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad)
+        # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
+        c.gate_paths = [g for g in c.gate_paths
+                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
 
 
 def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an accelerator
@@ -192,42 +185,24 @@ def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an 
 
 def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
                     pads: dict[type, str]) -> str:
-    """`_padding`, probed on the CPU: an index the experts refuse raises there, but on CUDA it trips a device-side
-    assert that ends the process's CUDA context. The experts of a model elsewhere run on CPU copies of their weights
-    (loaded there when offloaded), once per experts class in `pads`: the padding is a property of their code."""
+    """`_padding` probed on the CPU (on CUDA a refused index trips a device-side assert that ends the CUDA context):
+    for a model elsewhere once per experts class (`pads`), on CPU copies of their weights and inputs."""
     if not _off_cpu(index):
         return _padding(c, args, kwargs, index, weights)
     if type(c.experts) not in pads:
-        moved: dict[int, torch.Tensor] = {}  # one CPU copy per tensor: `_padding` finds index and weights by identity
-
-        def cpu(t):
-            if isinstance(t, torch.Tensor) and id(t) not in moved:
-                moved[id(t)] = t.cpu()
-            return moved.get(id(t), t)
-
+        # one CPU copy per tensor: `_padding` finds index and weights (among the inputs) by identity
+        moved = {id(t): t.cpu() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        cpu = lambda t: moved.get(id(t), t)  # noqa: E731
         with placement.on_cpu(c.experts):
             pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
                                              cpu(index), cpu(weights))
     return pads[type(c.experts)]
 
 
-def _scalar_gates(c: _Candidate, outputs: dict, tokens: int) -> list[str]:
-    """A Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token."""
-    return [g for g in c.gate_paths if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == tokens]
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
-    """How decode may pad a row beyond its support (codecs.PADDINGS): "sentinel" if one more slot (num_experts,
-    weight 0) leaves the experts' output bit-identical, else "repeat" if one more slot repeating each token's first
-    expert at weight 0 keeps it within REPEAT_TOLERANCE of its largest value (or 4 ulps of the dtype): more matmul
-    rows may move the rounding, but a slot not weighted 0 would move a token's output by a whole expert's."""
+    """How decode may pad a row (codecs.PADDINGS): "sentinel" if one more slot (num_experts, weight 0) leaves the
+    experts' output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within
+    REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows move rounding, a weighted slot a whole expert."""
     with torch.no_grad():
         plain = c.experts(*args, **kwargs)
     failed = {}
@@ -268,12 +243,8 @@ def moe_controller(model: nn.Module) -> Controller:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    sites = []
-    for c in cands:
-        codec = ScoreRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path) if c.kind == "scores" else \
-            TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, c.pad)
-        sites += [Site(c.path, c.module, codec=codec),
-                  *(Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for g in c.gate_paths)]
+    sites = [Site(c.path, c.module, codec=c.codec) for c in cands]
+    sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for c in cands for g in c.gate_paths]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     sites.sort(key=lambda s: order[s.path])
     gates = len(sites) - len(cands)

@@ -1,9 +1,6 @@
-"""Execution measures for MoE models (the paper's question 3): which experts actually run, and their FLOPs.
-
-Counts come from what each experts module receives (the distinct experts of each token's index row; the sentinel
-num_experts is skipped by the eager loop) and FLOPs from torch.utils.flop_counter inside each experts module, so a
-static dense mixture that selects every expert shows up as every expert running, not as a nominal top-k (and the
-zero-weight slots of "repeat" padding, which GPT-OSS's experts do compute, show up in the FLOPs).
+"""Execution measures for MoE models (the paper's question 3): the distinct experts of each token's index row as its
+experts module receives it, and the FLOPs torch.utils.flop_counter counts inside that module. A static dense mixture
+shows every expert running, and the zero-weight slots of "repeat" padding (GPT-OSS computes them) their FLOPs.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from fcaudit.families.hf_moe.discover import moe_controller
 
 @dataclass
 class ExpertExecution:
-    layers: list[str]                # experts module paths, in model order
     num_experts: list[int]           # per layer: experts that compute (LongCat-Flash's identity experts left out)
     experts_per_token: torch.Tensor  # [layers, batch, token] int64: experts run for each token
     expert_flops: list[int]          # per layer: FLOPs counted inside the experts module
@@ -37,8 +33,7 @@ class ExpertExecution:
 
 
 def computing_experts(experts: nn.Module, num_experts: int) -> int:
-    """How many of the experts compute: those with a slice of every 3-D weight. LongCat-Flash's zero-computation
-    (identity) experts come after its routed ones and have no down_proj slice; other families' count is all of them."""
+    """How many experts compute: those with a slice of every 3-D weight (not LongCat-Flash's identity experts)."""
     return min([num_experts, *(p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3)])
 
 
@@ -58,21 +53,20 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
     B, T = ids.shape
     counts: dict[str, torch.Tensor] = {}
 
-    def count(path: str, E: int):
-        def hook(module, args, kwargs):
-            index = next((t for t in (*args, *kwargs.values())
-                          if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
-            if index is None:  # no index: every expert computes every token (Llama 4: inputs scaled by scores)
-                counts[path] = torch.full((B, T), E, dtype=torch.int64)
-                return
-            # distinct computing experts per token: a "repeat" padding slot names one of the token's experts again,
-            # and a zero-computation expert (or the sentinel) lands in the column dropped at the end
-            hit = torch.zeros(index.shape[0], E + 1, dtype=torch.bool, device=index.device)
-            hit.scatter_(1, torch.where((index >= 0) & (index < E), index, E).long(), True)
-            counts[path] = hit[:, :E].sum(1).reshape(B, T).cpu()
-        return hook
+    def count(path: str, E: int, args: tuple, kwargs: dict) -> None:
+        index = next((t for t in (*args, *kwargs.values())
+                      if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+        if index is None:  # no index: every expert computes every token (Llama 4: inputs scaled by scores)
+            counts[path] = torch.full((B, T), E, dtype=torch.int64)
+            return
+        # distinct computing experts per token: a "repeat" padding slot names one of the token's experts again,
+        # and a zero-computation expert (or the sentinel) lands in the column dropped at the end
+        hit = torch.zeros(index.shape[0], E + 1, dtype=torch.bool, device=index.device)
+        hit.scatter_(1, torch.where((index >= 0) & (index < E), index, E).long(), True)
+        counts[path] = hit[:, :E].sum(1).reshape(B, T).cpu()
 
-    handles = [m.register_forward_pre_hook(count(p, E), with_kwargs=True) for p, m, E in experts]
+    handles = [m.register_forward_pre_hook(lambda _, a, k, p=p, E=E: count(p, E, a, k), with_kwargs=True)
+               for p, m, E in experts]
     replay = controller.replay(list(coefficients)) if coefficients is not None else contextlib.nullcontext()
     try:
         with torch.inference_mode(), replay, FlopCounterMode(display=False) as counter:
@@ -80,11 +74,8 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
     finally:
         for h in handles:
             h.remove()
-    by_module = counter.get_flop_counts()
-    flops = []
-    for p, _, _ in experts:
-        key = next((k for k in by_module if k == p or k.endswith("." + p)), None)
-        flops.append(int(sum(by_module[key].values())) if key else 0)
-    dense = [B * T * E * _flops_per_pair(m, E) for _, m, E in experts]
-    return ExpertExecution([p for p, _, _ in experts], [E for _, _, E in experts],
-                           torch.stack([counts[p] for p, _, _ in experts]), flops, dense)
+    by_module = counter.get_flop_counts()  # keyed by path, under the model's own name
+    keys = [next((k for k in by_module if k == p or k.endswith("." + p)), None) for p, _, _ in experts]
+    return ExpertExecution([E for _, _, E in experts], torch.stack([counts[p] for p, _, _ in experts]),
+                           [int(sum(by_module[k].values())) if k else 0 for k in keys],
+                           [B * T * E * _flops_per_pair(m, E) for _, m, E in experts])

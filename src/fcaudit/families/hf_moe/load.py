@@ -1,9 +1,7 @@
-"""Loading Hugging Face MoE checkpoints (config.json + safetensors [+ tokenizer]) with transformers, an optional
-extra: `pip install 'fcaudit[hf]'`.
+"""Loading Hugging Face MoE checkpoints (config.json + safetensors) with transformers, the optional extra fcaudit[hf].
 
-transformers never runs a checkpoint's code here (trust_remote_code=False, and a checkpoint that needs its own code
-is refused before transformers reads it), reads safetensors when there are any, and reads a .bin only after
-fcaudit.weights has opened it through torch's restricted unpickler."""
+transformers never runs a checkpoint's code here (a checkpoint that needs it is refused first), reads safetensors when
+there are any, and reads a .bin only after torch's restricted unpickler has opened it (fcaudit.weights)."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def require_transformers(what: str = "auditing Hugging Face MoE models"):
     except ImportError:
         raise FcauditError(f"{what} needs transformers, an optional extra: pip install 'fcaudit[hf]'") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
-    major = int(transformers.__version__.split(".")[0])
-    if major < MIN_TRANSFORMERS:
+    if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS:
         raise FcauditError(f"transformers {transformers.__version__} is too old for MoE audits (needs >= "
                            f"{MIN_TRANSFORMERS}): pip install -U 'fcaudit[hf]'")
     return transformers
@@ -47,34 +44,35 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")  # ERNIE-4.5: moe_k, H
 def looks_like_hf_moe(config: dict) -> bool:
     """Whether a config.json describes a transformers MoE model (top-k routing over several experts), itself or in
     its `text_config` (a multimodal checkpoint such as Llama 4's, whose language model AutoModelForCausalLM loads)."""
-    if not isinstance(config.get("model_type"), str):
-        return False
-    for c in (config, config.get("text_config")):
-        if isinstance(c, dict) and any(c.get(k) for k in EXPERTS_KEYS) and any(c.get(k) for k in TOP_K_KEYS):
-            return True
-    return False
+    return isinstance(config.get("model_type"), str) and any(
+        isinstance(c, dict) and any(c.get(k) for k in EXPERTS_KEYS) and any(c.get(k) for k in TOP_K_KEYS)
+        for c in (config, config.get("text_config")))
 
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                revision: str | None = None, device_map: str | dict | None = None,
-                offload_folder: str | os.PathLike | None = None):
-    """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline, a hub id fails in
-    seconds unless it is cached; its tokenizer.json is fcaudit.tokens'). `device_map` (instead of `device`): spread
-    the model with accelerate (fcaudit.placement.parse_device_map); `offload_folder` holds what it puts on "disk"."""
+                device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
+    """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline: fails in seconds
+    unless cached). `device_map` (not `device`) spreads it with accelerate, putting its "disk" in `offload_folder`."""
     require_transformers()
     if device_map is not None:
         require_accelerate()
     from transformers import AutoModelForCausalLM
 
-    dir = resolve(path_or_id, revision)
+    dir = resolve(path_or_id)
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
     safetensors = _check_files(dir)
-    # transformers' load report lists every checkpoint weight the model does not use: hundreds of lines for the
-    # vision tower of a multimodal checkpoint (Llama 4's), whose language model is what is audited. What matters of
-    # it is checked below: a weight the model lacks would be random, and a size mismatch is an error anyway.
-    # A filter, not a level: at WARNING or above that logger's level makes transformers check tensor-parallel plans.
-    report, quiet = logging.getLogger("transformers.modeling_utils"), _NoLoadReport()
+    # transformers' load report lists every unused checkpoint weight (hundreds for Llama 4's vision tower); what
+    # matters of it is checked below. A filter, not a level: at WARNING that logger makes transformers check TP plans.
+    reports: list[str] = []  # dropped, kept for an error message
+
+    def quiet(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            reports.append(record.getMessage())
+            return False
+        return True
+
+    report = logging.getLogger("transformers.modeling_utils")
     report.addFilter(quiet)
     fresh = offload_folder is not None and not Path(offload_folder).exists()  # transformers makes it early
     try:
@@ -96,10 +94,12 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         if device_map is not None and "device_map" in msg:  # a map that leaves out modules, or names others
             raise FcauditError(f"the device map does not fit {dir} ({one_line(e)}): give every module a device "
                                "(or use --device-map auto)") from None
-        mismatch = quiet.mismatch()
-        if mismatch:  # the report the message refers to is the one filtered out: its first mismatched weight
-            raise FcauditError(f"{dir}: config.json does not fit the weights ({mismatch}): use the config.json "
-                               "saved with these weights") from None
+        # the report the message refers to is the one filtered out: its first mismatched weight
+        mismatch = next((line for r in reports for line in r.splitlines() if "size mismatch" in line), None)
+        if mismatch:  # "KEY | ... | ... - ckpt torch.Size(..) vs model torch.Size(..)"
+            key, _, why = (part.strip() for part in mismatch.split("|", 2))
+            raise FcauditError(f"{dir}: config.json does not fit the weights ({key}: {why.split(' - ', 1)[-1]}): use "
+                               "the config.json saved with these weights") from None
         raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {one_line(e)}): pass a complete "
                            f"checkpoint directory of a transformers>=5 MoE model") from None
     finally:
@@ -112,9 +112,8 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
 
 
 def _check_files(dir: Path) -> bool:
-    """Before transformers reads `dir`: refuse a checkpoint that would load only through its own code, an index
-    naming shards outside `dir`, and a .bin that torch's restricted unpickler refuses (each one line). Returns
-    whether the weights are safetensors (then transformers reads nothing else)."""
+    """Refuse, before transformers reads `dir`, a checkpoint that needs its own code, shards outside `dir` and a .bin
+    the restricted unpickler refuses. Returns whether the weights are safetensors (then transformers reads no other)."""
     from transformers import CONFIG_MAPPING
 
     try:
@@ -131,24 +130,3 @@ def _check_files(dir: Path) -> bool:
             load_pickled(f, mmap=True)
     return bool(files) and all(f.suffix == ".safetensors" for f in files)
 
-
-class _NoLoadReport(logging.Filter):
-    """Drops transformers' load report, keeping its text for an error message."""
-
-    def __init__(self):
-        super().__init__()
-        self.reports: list[str] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "LOAD REPORT" in message:
-            self.reports.append(message)
-            return False
-        return True
-
-    def mismatch(self) -> str | None:
-        """The first size mismatch the dropped reports list: "KEY: ckpt torch.Size(..) vs model torch.Size(..)"."""
-        for line in (l for r in self.reports for l in r.splitlines() if "size mismatch" in l):
-            key, _, why = (part.strip() for part in line.split("|", 2))
-            return f"{key}: {why.split(' - ', 1)[-1]}"
-        return None

@@ -1,12 +1,6 @@
-"""Tiny Hugging Face MoE models built from configs (no download): tests, benchmarks and the byte-level demo.
-
-Each family keeps its real router semantics: Mixtral renormalizes the top-k weights (always, in float32),
-OLMoE and Qwen2-MoE do not (`norm_topk_prob=False`, as their released checkpoints), Qwen3-MoE does
-(`norm_topk_prob=True`, as Qwen3-30B-A3B); Qwen2-MoE adds a shared expert behind a sigmoid gate. DeepSeek-V3 scores
-experts by sigmoid, picks within the best groups of experts, renormalizes and scales by `routed_scaling_factor` (2.5,
-its default), beside an ungated shared expert; GPT-OSS softmaxes its top-k logits (a router with a bias) and its
-experts cannot skip a slot (their padding is "repeat", see codecs.py). Llama 4 (SCORE_FAMILIES) returns dense
-scores, the sigmoid of its top-k logits, which scale each expert's input beside a shared expert.
+"""Tiny Hugging Face MoE models built from configs (no download): tests, benchmarks and the byte-level demo. Each
+keeps its family's router semantics (Mixtral and Qwen3-MoE renormalize the top-k weights, OLMoE and Qwen2-MoE do not,
+as released; DeepSeek-V3 picks by sigmoid within groups; GPT-OSS's experts cannot skip a slot; Llama 4 scores).
 """
 
 from __future__ import annotations
