@@ -1,21 +1,9 @@
-"""Training the model families on a byte-level corpus: AdamW, warmup + cosine, clipping, validation, resume.
+"""Training the model families on a byte-level corpus: AdamW, warmup + cosine, clipping, validation, exact resume.
 
-A run directory holds everything about one run:
-
-    train_config.json        the resolved TrainConfig (a rerun with a different config is refused)
-    ckpt/step-NNNNNN/        the latest training state: model.safetensors, optimizer.safetensors, rng.safetensors,
-                             state.json (step, numpy RNG state, validation history) -- safetensors + JSON, no pickle
-    latest.json              atomic pointer to that state; rerunning the same command resumes from it
-    config.json, model.safetensors   the final model (load with fcaudit.families.load_model)
-    metrics.json             Byte-PPL and gate mass on the test split, written last
-
-Resume is exact on the CPU: model, optimizer moments and the batch RNG are restored bit for bit, so an interrupted
-run ends with the same weights as an uninterrupted one (on CUDA, kernels may differ run to run anyway).
-
-Byte-PPL = exp(mean NLL per predicted byte) over contiguous non-overlapping test windows of `window` bytes, taken from
-the start of the test split (at most `test_windows` of them; 0 = all); within a window position t predicts byte t+1,
-so each window predicts window-1 bytes. Gate mass = mean gate over the same windows' tokens and all layers
-(1.0 for dense / fixeddepth, None for mudd, which has no scalar gate).
+A run directory holds train_config.json (a rerun with another config is refused), the latest training state
+ckpt/step-NNNNNN/ (safetensors + JSON, pointed at by latest.json; rerunning resumes from it, bit for bit on the CPU),
+the final model (config.json, model.safetensors) and, last, metrics.json: Byte-PPL (exp of the mean NLL per predicted
+byte over contiguous test windows from the split's start) and gate mass (mean gate over those tokens and all layers).
 """
 
 import math
@@ -147,9 +135,9 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
     # Matrices decay; norms, biases, gate logits and what the family keeps from decay (Family.no_decay) do not.
     # Tied weights appear once in named_parameters().
     kept = families.for_training(cfg.model).no_decay
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if p.dim() >= 2 and not n.startswith(kept)]
-    no_decay = [p for n, p in named if p.dim() < 2 or n.startswith(kept)]
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not n.startswith(kept) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
@@ -214,9 +202,8 @@ def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.d
         raise FcauditError(f"training state {ckpt} is incomplete: delete {out} (or latest.json) and rerun")
     state = read_json(ckpt / "state.json")
     load_weights(ckpt / "model.safetensors", model, device=device)
-    tensors = load_file(str(ckpt / "optimizer.safetensors"))
     per_param: dict[int, dict] = {}
-    for key, t in tensors.items():
+    for key, t in load_file(str(ckpt / "optimizer.safetensors")).items():
         i, name = key.split(".", 1)
         per_param.setdefault(int(i), {})[name] = t
     opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
@@ -234,9 +221,8 @@ def _has_results(out: Path) -> bool:
 
 
 def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None:
-    """Refuse a run dir holding results of another config, or of the same corpus path with other content (a resumed
-    run would train its remaining steps on other data); a config file without results (a run stopped before its
-    first checkpoint) is replaced, so the corrected command is not blocked by the failed one."""
+    """Refuse a run dir holding results of another config or corpus content (a resume would train on other data); a
+    config file without results (a run stopped before its first checkpoint) is replaced, not blocking the fix."""
     path = out / "train_config.json"
     current = {**cfg.identity(), "corpus_fingerprint": corpus_fingerprint}
     if path.is_file() and _has_results(out):
@@ -253,14 +239,6 @@ def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None
             write_json(path, current)
     else:
         write_json(path, current)
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """What an interrupted run left half written: atomic_write temp files and unfinished training states."""
-    remove_stale_temps(out)
-    remove_stale_temps(out / "ckpt")
-    for tmp in (out / "ckpt").glob(".tmp-step-*"):
-        remove_tree(tmp)
 
 
 def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path, created: bool) -> FcauditError:
@@ -282,9 +260,7 @@ def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path,
 
 def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     """Train (or resume, or return the finished run in cfg.out) and report Byte-PPL and gate mass on the test split.
-
-    `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
-    """
+    `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs)."""
     out = prepare_out(cfg.out, "training run")  # new, empty or a run of ours (fcaudit.io's rule for every --out)
     device = resolve_device(cfg.device)
     if corpus is None:
@@ -300,10 +276,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
     if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
         raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
-    if len(corpus.validation) < window:
-        raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
-                           f"than one window of {window}: give it more text (its validation split is 5% of a file)")
-    val = data.make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
+    n_val = max(1, min(cfg.eval_windows, len(corpus.validation) // window))  # 0 fit: make_windows names the fix
+    val = data.make_windows(corpus.validation, n_val, window, 0, "validation").ids
     test = data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
@@ -315,7 +289,10 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
             m = read_json(out / "metrics.json")
             return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
 
-        _remove_stale_temps(out)
+        for d in (out, out / "ckpt"):  # what an interrupted run left half written
+            remove_stale_temps(d)
+        for tmp in (out / "ckpt").glob(".tmp-step-*"):
+            remove_tree(tmp)
         start, history = _load_state(out, model, opt, rng, device)
         model.train()
         t0, tokens_seen = time.perf_counter(), 0

@@ -12,7 +12,7 @@ from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
-from fcaudit.models.checkpoint import MODEL_TYPE, load_featuregate, save_checkpoint
+from fcaudit.models.checkpoint import MODEL_TYPE, read_checkpoint, save_checkpoint
 from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTConfig, config_for
 
 PATTERN = "blocks.*.gate"
@@ -72,7 +72,8 @@ def _measured_gate_mass(run_dir: str) -> float:
 register(Family(
     name="featuregate",
     accepts=lambda config: config.get("model_type") == MODEL_TYPE,
-    load=load_featuregate,
+    load=lambda dir, device, dtype: read_checkpoint(
+        dir, lambda config: FeatureGateGPT(GPTConfig.from_dict(config)), device, dtype),
     matches=lambda model: isinstance(model, FeatureGateGPT),
     controller=controller,
     label=label,
@@ -80,7 +81,7 @@ register(Family(
     presets=tuple(PRESETS),
     build=build,
     configure=configure,
-    save=lambda model, out, meta: save_checkpoint(Path(out), model, meta),
+    save=lambda model, out, meta: save_checkpoint(out, model, meta),
     gates=lambda model, ids: model(ids, return_gates=True),
     ungated_mass=1.0,
 ))

@@ -59,12 +59,6 @@ def save(model: MoDGPT, out: Path, meta: dict) -> None:
     write_checkpoint(out, model, MODEL_TYPE, meta)
 
 
-def build(cfg) -> MoDGPT:
-    if cfg.preset not in PRESETS:
-        raise FcauditError(f"unknown MoD preset {cfg.preset!r}: use one of {', '.join(PRESETS)}")
-    return MoDGPT(config_for(cfg.preset, "mod"))
-
-
 def train_loss(model: MoDGPT, ids: torch.Tensor) -> torch.Tensor:
     """Next-token NLL plus the causal predictors' BCE (their inputs are detached, so it trains them only)."""
     logits, aux = model(ids, return_aux=True)
@@ -84,7 +78,7 @@ register(Family(
     label=label,
     trains=("mod",),
     presets=tuple(PRESETS),
-    build=build,
+    build=lambda cfg: MoDGPT(config_for(cfg.preset, "mod")),
     save=save,
     train_loss=train_loss,
     architecture="FeatureGateGPT",  # its Dense and FixedDepth baselines: FeatureGate's variants of the same shape

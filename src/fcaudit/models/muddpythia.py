@@ -1,14 +1,8 @@
-"""MUDDPythia: a Pythia-style decoder with multiway dynamic dense (MUDD) cross-layer connections.
-
-A native implementation of the architecture of the public checkpoint `Caiyun-AI/MUDDPythia-1.4B`
-(spec: shared/specs/muddpythia.md), so its weights load with strict key checking and no remote code.
-
-After every block i a small MLP (the controller, `dynamic_dense[i]`) reads the block output and emits
-signed mixing coefficients dw [C_i, B, T, i+2]: for each stream c (query, key, value, residual; one
-stream after the last block) the next input is sum_j dw[c, :, :, j] * h_j over the embedding and all
-block outputs so far. FCA audits dw; `dynamic_dense[i]` is the controller site and its forward returns
-the complete dw (controller MLP output plus the static `dense_bs[i]`), so replacing that forward
-disables the controller while the rest of the model computes exactly the same thing.
+"""MUDDPythia: a Pythia-style decoder with multiway dynamic dense (MUDD) cross-layer connections, a native
+implementation of `Caiyun-AI/MUDDPythia-1.4B` (spec: shared/specs/muddpythia.md) that loads its weights strictly,
+running no remote code. After block i the controller `dynamic_dense[i]` emits signed coefficients dw [C_i, B, T, i+2]
+(static `dense_bs[i]` included) mixing the embedding and block outputs into the next block's q, k, v and residual
+streams: it is the FCA site, and replacing its forward disables the controller while the rest computes the same.
 """
 
 from __future__ import annotations
@@ -251,9 +245,7 @@ class TransformerBlock(nn.Module):
             res = x[3]
             attn = self.attention(*(norm(s) for norm, s in zip(self.attention_norms, x[:3])), table)
         h = res + attn
-        if self.cfg.use_parallel_residual:
-            return h + self.feed_forward(self.ffn_norm(res))
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(res if self.cfg.use_parallel_residual else h))
 
 
 class DynamicDense(nn.Module):
@@ -318,19 +310,16 @@ class MUDDPythia(nn.Module):
             self.apply(self._init_weights)
             self.init_dense()
 
-    # Training from scratch (byte presets): GPT-2 style init; the static mix starts as "take the latest
-    # hidden state" (a plain pre-LN residual stream) and the controller starts silent, so a random model
-    # trains like an ordinary Transformer and learns its dynamic mixing from there.
     def _init_weights(self, m: nn.Module):
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     @torch.no_grad()
     def init_dense(self):
+        """Training from scratch: the static mix starts as "take the latest hidden state" (a plain pre-LN residual
+        stream) and the controller silent, so a random model trains like a Transformer and learns to mix from there."""
         for i, (dd, bs) in enumerate(zip(self.dynamic_dense, self.dense_bs)):
             nn.init.zeros_(dd.w2.weight)
             bs.zero_()
