@@ -36,10 +36,9 @@ TRAIN_PRESETS: dict[str, dict] = {
     "paper-504m": dict(steps=100_000, batch_size=64, lr=3e-4, warmup=2000, eval_interval=2000, eval_windows=256,
                        test_windows=0),
 }
-# Fields that may change between a run and its resumption (they do not change the result).
-_NOT_IDENTITY = ("device", "out", "progress")
-# Options of some variants only (field -> CLI flag): the family's `configure` checks and completes them.
-VARIANT_OPTIONS = {"gate_value": "--gate-value", "matched_to": "--matched-to", "fixed_depth": "--depth"}
+# Options of some variants only: field -> (CLI flag, the models that take it); the family's `configure` completes them.
+VARIANT_OPTIONS = {"matched_to": ("--matched-to", ("uniform-matched",)), "fixed_depth": ("--depth", ("fixeddepth",)),
+                   "gate_value": ("--gate-value", ("uniform-fixed", "uniform-matched"))}
 
 
 @dataclass
@@ -78,15 +77,15 @@ class TrainConfig:
         _check_hyperparameters(self)  # before anything is read or written: a bad value never leaves a run dir
         if self.min_lr is None:
             self.min_lr = self.lr / 10
+        for name, (flag, models) in VARIANT_OPTIONS.items():
+            if getattr(self, name) is not None and self.model not in models:
+                raise FcauditError(f"{flag} is for --model {' or '.join(models)}, not {self.model}: drop it")
         if family.configure is not None:
             family.configure(self)
-        else:
-            given = [flag for name, flag in VARIANT_OPTIONS.items() if getattr(self, name) is not None]
-            if given:
-                raise FcauditError(f"{given[0]} is not an option of --model {self.model}: drop it")
 
     def identity(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in _NOT_IDENTITY}
+        """The fields that define the run: device, out and progress may change when it resumes."""
+        return {k: v for k, v in asdict(self).items() if k not in ("device", "out", "progress")}
 
 
 # (field, CLI flag, smallest allowed value, is the smallest value itself allowed). None fields are left to defaults.
@@ -147,26 +146,25 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+def evaluate(model: nn.Module, family: families.Family, windows: torch.Tensor, batch_size: int,
+             device: torch.device) -> dict:
     """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
-    family = families.for_model(model)
     was_training = model.training
     model.eval()
     nll_sum, n_tok, gate_sum, n_gate = 0.0, 0, 0.0, 0
     for ids in windows.split(batch_size):
         ids = ids.to(device)
         with _autocast(device):  # the gates [L, B, T] of a family with scalar gates (None for its ungated members)
-            logits, gates = family.gates(model, ids) if family and family.gates else (logits_of(model(ids)), None)
+            logits, gates = family.gates(model, ids) if family.gates else (logits_of(model(ids)), None)
         nll = token_nll(logits, ids).double()
         nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
         if gates is not None:
             gate_sum, n_gate = gate_sum + gates.double().sum().item(), n_gate + gates.numel()
     model.train(was_training)
     nll = nll_sum / n_tok
-    mass = gate_sum / n_gate if n_gate else family.ungated_mass if family is not None else None
-    byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # nan stays nan; exp overflows above 709
-    return {"nll": nll, "byte_ppl": byte_ppl if nll == nll else nll, "gate_mass": mass, "tokens": n_tok,
-            "windows": len(windows)}
+    mass = gate_sum / n_gate if n_gate else family.ungated_mass
+    byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # exp overflows above 709; a non-finite NLL stops training
+    return {"nll": nll, "byte_ppl": byte_ppl, "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
 
 
 # ---- training state: safetensors + JSON ------------------------------------------------------------------------
@@ -230,13 +228,9 @@ def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None
             previous = read_json(path)
         except (ValueError, UnicodeDecodeError):
             raise FcauditError(f"{path} is not valid JSON: delete {out} and rerun") from None
-        recorded = "corpus_fingerprint" in previous
-        previous.setdefault("corpus_fingerprint", corpus_fingerprint)  # a run from before it was recorded
-        if previous != current:
-            diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if diff:
             raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
-        if not recorded:  # from now on a later resume checks the corpus too
-            write_json(path, current)
     else:
         write_json(path, current)
 
@@ -276,7 +270,10 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
     if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
         raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
-    n_val = max(1, min(cfg.eval_windows, len(corpus.validation) // window))  # 0 fit: make_windows names the fix
+    if len(corpus.validation) < window:
+        raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
+                           f"than one window of {window}: give it more text (its validation split is 5% of a file)")
+    n_val = min(cfg.eval_windows, len(corpus.validation) // window)
     val = data.make_windows(corpus.validation, n_val, window, 0, "validation").ids
     test = data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
     rng = np.random.default_rng(cfg.seed)
@@ -324,7 +321,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 tokens_seen += ids.numel()
                 done = step + 1
                 if done % cfg.eval_interval == 0 or done == cfg.steps:
-                    v = evaluate(model, val, cfg.batch_size, device)
+                    v = evaluate(model, family, val, cfg.batch_size, device)
                     if not math.isfinite(v["nll"]):
                         raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
                     history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
@@ -336,7 +333,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                                 (f" val {history[-1]['val_nll']:.3f}" if history else ""))
         train_seconds = time.perf_counter() - t0
 
-        result = evaluate(model, test, cfg.batch_size, device)
+        result = evaluate(model, family, test, cfg.batch_size, device)
         if not math.isfinite(result["nll"]):
             raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
         metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],

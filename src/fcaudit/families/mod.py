@@ -19,7 +19,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint
-from fcaudit.models.mod import PRESETS, MoDConfig, MoDGPT, config_for
+from fcaudit.models.mod import PRESETS, MoDGPT, config_for
 
 MODEL_TYPE = "mod"
 PATTERN = "blocks.*.router"
@@ -52,7 +52,7 @@ def causal_checkpoint(src: Path, out: Path) -> Path:
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    return read_checkpoint(dir, lambda config: MoDGPT(MoDConfig.from_dict(config)), device, dtype)
+    return read_checkpoint(dir, MoDGPT, device, dtype)
 
 
 def save(model: MoDGPT, out: Path, meta: dict) -> None:

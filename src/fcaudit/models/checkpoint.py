@@ -3,8 +3,8 @@ any module's weights and any model with a `config` dataclass (FeatureGate's and 
 
 import json
 import os
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -53,25 +53,26 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, device: str | tor
 
 
 def write_checkpoint(dir: str | os.PathLike, model: nn.Module, model_type: str, meta: dict | None = None) -> Path:
-    """Write `model.safetensors`, then `config.json` (model_type, `config.to_dict()`, meta), each atomically: a
-    directory whose config.json names model_type is complete."""
+    """Write `model.safetensors`, then `config.json` (model_type, the `config` dataclass's fields, meta), each
+    atomically: a directory whose config.json names model_type is complete."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     save_weights(dir / WEIGHTS_NAME, model)
-    write_json(dir / CONFIG_NAME, {"model_type": model_type, **model.config.to_dict(), "meta": meta or {}})
+    write_json(dir / CONFIG_NAME, {"model_type": model_type, **asdict(model.config), "meta": meta or {}})
     return dir
 
 
-def read_checkpoint(dir: Path, build: Callable[[dict], nn.Module], device: torch.device,
+def read_checkpoint(dir: Path, model_class: type, device: torch.device,
                     dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    """(model in eval mode, meta) of a `write_checkpoint` directory; `build(config fields)` runs first on the meta
-    device, so config.json's sizes are checked against the weights before anything is allocated."""
+    """(model in eval mode, meta) of a `write_checkpoint` directory: `model_class(model_class.config_class(config.json's
+    fields))`, unknown keys ignored, built first on the meta device to check its sizes against the weights."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
-    config.pop("model_type", None)
+    cls = model_class.config_class
+    known = {k: v for k, v in config.items() if k in {f.name for f in fields(cls)}}  # model_type is none of them
     try:
-        check_sizes(lambda: build(config), dir)
-        model = build(config)
+        check_sizes(lambda: model_class(cls(**known)), dir)
+        model = model_class(cls(**known))
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None

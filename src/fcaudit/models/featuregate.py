@@ -9,7 +9,7 @@ head is tied to the token embedding, which gives the paper's parameter counts (`
 """
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -21,18 +21,6 @@ from fcaudit.errors import FcauditError
 VARIANTS = ("dense", "uniform", "uniform-fixed", "uniform-matched", "layerstatic", "fixeddepth", "featuregate")
 GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.6)
 N_FEATURES = 4
-
-
-class ConfigFile:
-    """A model config dataclass as config.json holds it: its fields, unknown keys ignored on the way back."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> None:
@@ -50,7 +38,7 @@ def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> N
 
 
 @dataclass
-class GPTConfig(ConfigFile):
+class GPTConfig:
     variant: str = "featuregate"
     n_layer: int = 4
     n_head: int = 4
@@ -324,6 +312,8 @@ class GPT(nn.Module):
 
 
 class FeatureGateGPT(GPT):
+    config_class = GPTConfig
+
     def make_blocks(self) -> list[Block]:
         shared = nn.Parameter(torch.tensor(math.log(GATE_INIT / (1 - GATE_INIT))))  # uniform: one tied logit
         return [Block(self.config, self._make_gate(shared)) for _ in range(self.config.n_layer)]

@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
 from fcaudit.models import featuregate
-from fcaudit.models.featuregate import GPT, ConfigFile, check_config
+from fcaudit.models.featuregate import GPT, check_config
 
 VARIANTS = ("mod", "dense")
 ROUTINGS = ("topk", "predictor")
 
 
 @dataclass
-class MoDConfig(ConfigFile):
+class MoDConfig:
     variant: str = "mod"
     n_layer: int = 4
     n_head: int = 4
@@ -128,6 +128,8 @@ class Block(featuregate.Block):
 
 
 class MoDGPT(GPT):
+    config_class = MoDConfig
+
     def make_blocks(self) -> list[Block]:
         return [Block(self.config, self.config.routed(i)) for i in range(self.config.n_layer)]
 

@@ -152,11 +152,6 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rmsnorm_noscale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The controller's input norm: no weight, computed in the model dtype."""
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-
-
 def rotary_table(block_size: int, n: int, base: float, device=None) -> torch.Tensor:
     """cos/sin [block_size, n/2, 2] computed in float32 for every position, then stored in float16."""
     inv_freq = 1.0 / (base ** (torch.arange(0, n, 2, device=device)[: n // 2].float() / n))
@@ -262,7 +257,8 @@ class DynamicDense(nn.Module):
         self.w2 = nn.Linear(hidden, self.C * self.n_sources, bias=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        dw = self.w2(F.gelu(self.w1(rmsnorm_noscale(x, self.eps))))
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # RMSNorm without weight, model dtype
+        dw = self.w2(F.gelu(self.w1(x)))
         dw = rearrange(dw, "b t (c l) -> c b t l", c=self.C)
         return dw + bias[:, None, None, :]
 
