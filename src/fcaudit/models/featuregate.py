@@ -24,8 +24,7 @@ N_FEATURES = 4
 
 
 def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> None:
-    """config.json is user-editable: the variant, integer fields >= their lower bound and heads that divide the
-    width are checked here rather than fail deep inside a forward pass."""
+    """config.json is user-editable: a bad variant, integer or head count fails here, not inside a forward pass."""
     name = type(config).__name__
     if config.variant not in variants:
         raise FcauditError(f"unknown model variant {config.variant!r}: use one of {', '.join(variants)}")
@@ -123,8 +122,7 @@ class Attention:
 
 MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
 
-# Scores held at a time, in float32 elements: 2 MiB keeps a CPU tile in cache; on a GPU one tile covers a paper-size
-# block (fewer kernel launches).
+# Scores held at a time (float32 elements): 2 MiB keeps a CPU tile in cache; a GPU tile covers a paper-size block.
 TILE_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 26}
 TILE_ROWS_CPU = (32, 64)  # query rows per CPU tile: a quarter of the window, within these bounds
 
@@ -175,9 +173,8 @@ def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = Tru
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
-    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]. Both are >= 0 by definition;
-    clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row). The entropy is 0 at t = 0 (one visible
-    key); elsewhere divided by log(t + 1) >= log 2."""
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; entropy and KL are >= 0, so
+    clamping removes only rounding noise (e.g. -1e-7 for a one-hot attention row)."""
     log_visible = torch.arange(1, lse.size(-1) + 1, device=lse.device, dtype=torch.float32).log_()
     entropy = entropy_h.mean(1).clamp_min_(0.0).div_(log_visible)  # [B, T]
     entropy[:, 0] = 0.0  # 0 / 0 there
@@ -275,8 +272,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's decoder around the blocks `make_blocks` returns: token and position embeddings, a final LayerNorm
-    and a head tied to the token embedding, with GPT-2's initialization."""
+    """nanoGPT's decoder, GPT-2's initialization, around the blocks `make_blocks` returns; the head is tied."""
 
     def __init__(self, config):
         super().__init__()
