@@ -145,9 +145,8 @@ def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
 
 
 def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] = SPLITS) -> Corpus:
-    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext).
-
-    Splits not in `splits` are left empty (an audit needs only validation and test)."""
+    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext); splits not in
+    `splits` are left empty (an audit needs only validation and test)."""
     if name == "embedded":
         texts = _split_by_path(_embedded_texts())
         source = f"Python {sysconfig.get_python_version()} standard library source ({sysconfig.get_paths()['stdlib']})"

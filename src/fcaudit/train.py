@@ -131,8 +131,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Matrices decay; norms, biases, gate logits and what the family keeps from decay (Family.no_decay) do not.
-    # Tied weights appear once in named_parameters().
+    # Matrices decay; vectors (norms, biases, gate logits) and the family's Family.no_decay do not. Ties count once.
     kept = families.for_training(cfg.model).no_decay
     decay, no_decay = [], []
     for n, p in model.named_parameters():
@@ -166,8 +165,6 @@ def evaluate(model: nn.Module, family: families.Family, windows: torch.Tensor, b
     byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # exp overflows above 709; a non-finite NLL stops training
     return {"nll": nll, "byte_ppl": byte_ppl, "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
 
-
-# ---- training state: safetensors + JSON ------------------------------------------------------------------------
 
 def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, history: list) -> None:
     """Write ckpt/step-NNNNNN/ completely, then point latest.json at it, then drop older states."""
@@ -312,8 +309,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
-                loss_value = loss.item()
+                loss_value = loss.item()  # a non-finite step stops before it reaches the weights
                 for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm.item())):
                     if not math.isfinite(value):
                         raise _non_finite(what, value, step + 1, cfg, out, created)

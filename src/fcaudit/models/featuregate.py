@@ -218,8 +218,7 @@ class FeatureGate(nn.Module):
         nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
 
     def forward(self, h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
-        feats = gate_features(h, update, att, prev)  # float32 by definition
-        feats = feats.to(self.fc.weight.dtype)  # a model loaded in bf16: its MLP computes in bf16 (float32: no-op)
+        feats = gate_features(h, update, att, prev).to(self.fc.weight.dtype)  # float32; a bf16 model's MLP is bf16
         return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
 
 
