@@ -118,11 +118,9 @@ class Block(featuregate.Block):
         if self.router is None:
             return h + self.update(h)[0], None
         route = self.router(h)
-        index = route.index
-        valid = index >= 0
-        safe = index.clamp_min(0)
+        safe = route.index.clamp_min(0)  # -1 pads a window with fewer chosen tokens: weight 0 below
         x = h.gather(1, safe.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # the chosen tokens, in order
-        weight = route.scores.gather(1, safe) * valid
+        weight = route.scores.gather(1, safe) * (route.index >= 0)
         delta = weight.unsqueeze(-1).to(h.dtype) * self.update(x)[0]
         return h.scatter_add(1, safe.unsqueeze(-1).expand_as(delta), delta), route
 
