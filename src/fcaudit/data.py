@@ -198,11 +198,8 @@ def _slots(tokens: np.ndarray, window: int, split: str = "") -> int:
 
 
 def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str) -> WindowSet:
-    """n non-overlapping windows of `window` tokens at seeded random slots of one split."""
-    if window < 2:
-        raise FcauditError(f"window {window} is too short; next-token NLL needs at least 2 tokens")
-    if n < 1:
-        raise FcauditError(f"{n} windows asked of the {split} split; pass a positive number of windows")
+    """n non-overlapping windows of `window` tokens at seeded random slots of one split (n, window: checked by the
+    callers' configs)."""
     slots = _slots(tokens, window, split)
     if n > slots:
         raise FcauditError(f"the {split} split has room for {slots} non-overlapping windows of {window} tokens, "

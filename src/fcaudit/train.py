@@ -169,8 +169,7 @@ def evaluate(model: nn.Module, family: families.Family, windows: torch.Tensor, b
 def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, history: list) -> None:
     """Write ckpt/step-NNNNNN/ completely, then point latest.json at it, then drop older states."""
     name = f"ckpt/step-{step:06d}"
-    tmp = out / f"ckpt/.tmp-step-{step:06d}"
-    remove_tree(tmp)
+    tmp = out / f"ckpt/.tmp-step-{step:06d}"  # none is left: the run removed stale ones and holds the lock
     tmp.mkdir(parents=True)
     save_weights(tmp / "model.safetensors", model)
     opt_state = opt.state_dict()
