@@ -18,6 +18,7 @@ from fcaudit.families import Family, register
 from fcaudit.io import read_json
 from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
 
+
 def controller(model: MUDDPythia) -> Controller:
     return Controller.from_modules(model, "dynamic_dense.*", layout="stream batch token source",
                                    static_name="StaticMixMean", reference="source_uniform_mean",

@@ -69,7 +69,8 @@ def read_checkpoint(dir: Path, model_class: type, device: torch.device,
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
     cls = model_class.config_class
-    known = {k: v for k, v in config.items() if k in {f.name for f in fields(cls)}}  # model_type is none of them
+    names = {f.name for f in fields(cls)}  # model_type is none of them
+    known = {k: v for k, v in config.items() if k in names}
     try:
         check_sizes(lambda: model_class(cls(**known)), dir)
         model = model_class(cls(**known))
