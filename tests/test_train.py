@@ -115,7 +115,7 @@ def test_uniform_matched_takes_the_measured_gate_mass(tmp_path, corpus):
                                        (dict(model="fixeddepth"), "--depth K"),
                                        (dict(model="uniform-matched"), "--matched-to"),
                                        (dict(model="mudd", preset="paper-76m"), "unknown preset 'paper-76m' for mudd"),
-                                       (dict(model="mudd", fixed_depth=2), "--depth is not an option of --model mudd"),
+                                       (dict(model="mudd", fixed_depth=2), "--depth is for --model fixeddepth, not mudd"),
                                        (dict(model="dense", fixed_depth=2), "--depth is for --model fixeddepth"),
                                        (dict(model="featuregate", matched_to="x"), "--matched-to is for")])
 def test_bad_config_is_refused_with_one_line(kw, match):

@@ -1,11 +1,7 @@
-"""Corpora and windows.
-
-A corpus is three 1-D arrays of token ids (train / validation / test): the raw UTF-8 bytes (vocabulary 256), or the
-text encoded by a `tokenizers.Tokenizer` (MUDDPythia). The default corpus, "embedded", is the Python source of the
-running interpreter's standard library (PSF License, LICENSE.txt beside it): several MB of real text on every machine,
-no download. Each file goes to a split by a stable hash of its path, and each run records the corpus fingerprint.
-Windows follow the paper: fixed-length, non-overlapping, seeded; evaluation windows come from the test split and
-calibration windows from the validation split, so the two never overlap.
+"""Corpora (train / validation / test arrays of byte or tokenizer ids) and the paper's windows: fixed-length,
+non-overlapping, seeded; evaluation windows from the test split, calibration windows from the validation split.
+The default corpus, "embedded", is the running interpreter's standard library source (PSF License): several MB of
+real text on every machine, no download, each file in a split by a stable hash of its path.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import hashlib
 import sys
 import sysconfig
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +42,7 @@ class Corpus:
     vocab_size: int
     license: str
     source: str
-    fingerprint: str = field(default="")
+    fingerprint: str = ""
 
     def describe(self) -> dict:
         return {"name": self.name, "source": self.source, "license": self.license, "vocab_size": self.vocab_size,
@@ -82,19 +78,9 @@ def _split_by_path(named_texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes, 
     return tuple(b"".join(parts[s]) for s in ("train", "validation", "test"))  # type: ignore[return-value]
 
 
-def _split_directory(named_texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes, bytes]:
-    """A local directory: whole files by path hash (`_split_by_path`, 1 in 20 files per held-out split); one too
-    small for that to give both held-out splits a file has its files joined in path order and split 90/5/5."""
-    train, validation, test = _split_by_path(named_texts)
-    if validation and test:
-        return train, validation, test
-    return _split_contiguous(b"".join(text for _, text in named_texts))
-
-
 def _split_contiguous(text: bytes) -> tuple[bytes, bytes, bytes]:
     """One file: the first 90% trains, the next 5% validates, the last 5% tests."""
-    n = len(text)
-    a, b = int(n * 0.90), int(n * 0.95)
+    a, b = int(len(text) * 0.90), int(len(text) * 0.95)
     return text[:a], text[a:b], text[b:]
 
 
@@ -159,9 +145,8 @@ def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
 
 
 def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] = SPLITS) -> Corpus:
-    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext).
-
-    Splits not in `splits` are left empty (an audit needs only validation and test)."""
+    """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext); splits not in
+    `splits` are left empty (an audit needs only validation and test)."""
     if name == "embedded":
         texts = _split_by_path(_embedded_texts())
         source = f"Python {sysconfig.get_python_version()} standard library source ({sysconfig.get_paths()['stdlib']})"
@@ -187,7 +172,9 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
             if not text:
                 raise FcauditError(f"corpus directory {path} holds no text files (hidden and binary files are not "
                                    "read); point --corpus at text files")
-            texts = _split_directory(text)
+            texts = _split_by_path(text)  # too few files for both held-out splits: joined, then split 90/5/5
+            if not (texts[1] and texts[2]):
+                texts = _split_contiguous(b"".join(t for _, t in text))
         else:
             raw = path.read_bytes()
             if _is_binary(raw):  # as a binary file inside a corpus directory is left out: then nothing is left
@@ -211,11 +198,8 @@ def _slots(tokens: np.ndarray, window: int, split: str = "") -> int:
 
 
 def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str) -> WindowSet:
-    """n non-overlapping windows of `window` tokens at seeded random slots of one split."""
-    if window < 2:
-        raise FcauditError(f"window {window} is too short; next-token NLL needs at least 2 tokens")
-    if n < 1:
-        raise FcauditError(f"{n} windows asked of the {split} split; pass a positive number of windows")
+    """n non-overlapping windows of `window` tokens at seeded random slots of one split (n, window: checked by the
+    callers' configs)."""
     slots = _slots(tokens, window, split)
     if n > slots:
         raise FcauditError(f"the {split} split has room for {slots} non-overlapping windows of {window} tokens, "

@@ -1,21 +1,9 @@
-"""Training the model families on a byte-level corpus: AdamW, warmup + cosine, clipping, validation, resume.
+"""Training the model families on a byte-level corpus: AdamW, warmup + cosine, clipping, validation, exact resume.
 
-A run directory holds everything about one run:
-
-    train_config.json        the resolved TrainConfig (a rerun with a different config is refused)
-    ckpt/step-NNNNNN/        the latest training state: model.safetensors, optimizer.safetensors, rng.safetensors,
-                             state.json (step, numpy RNG state, validation history) -- safetensors + JSON, no pickle
-    latest.json              atomic pointer to that state; rerunning the same command resumes from it
-    config.json, model.safetensors   the final model (load with fcaudit.families.load_model)
-    metrics.json             Byte-PPL and gate mass on the test split, written last
-
-Resume is exact on the CPU: model, optimizer moments and the batch RNG are restored bit for bit, so an interrupted
-run ends with the same weights as an uninterrupted one (on CUDA, kernels may differ run to run anyway).
-
-Byte-PPL = exp(mean NLL per predicted byte) over contiguous non-overlapping test windows of `window` bytes, taken from
-the start of the test split (at most `test_windows` of them; 0 = all); within a window position t predicts byte t+1,
-so each window predicts window-1 bytes. Gate mass = mean gate over the same windows' tokens and all layers
-(1.0 for dense / fixeddepth, None for mudd, which has no scalar gate).
+A run directory holds train_config.json (a rerun with another config is refused), the latest training state
+ckpt/step-NNNNNN/ (safetensors + JSON, pointed at by latest.json; rerunning resumes from it, bit for bit on the CPU),
+the final model (config.json, model.safetensors) and, last, metrics.json: Byte-PPL (exp of the mean NLL per predicted
+byte over contiguous test windows from the split's start) and gate mass (mean gate over those tokens and all layers).
 """
 
 import math
@@ -48,10 +36,9 @@ TRAIN_PRESETS: dict[str, dict] = {
     "paper-504m": dict(steps=100_000, batch_size=64, lr=3e-4, warmup=2000, eval_interval=2000, eval_windows=256,
                        test_windows=0),
 }
-# Fields that may change between a run and its resumption (they do not change the result).
-_NOT_IDENTITY = ("device", "out", "progress")
-# Options of some variants only (field -> CLI flag): the family's `configure` checks and completes them.
-VARIANT_OPTIONS = {"gate_value": "--gate-value", "matched_to": "--matched-to", "fixed_depth": "--depth"}
+# Options of some variants only: field -> (CLI flag, the models that take it); the family's `configure` completes them.
+VARIANT_OPTIONS = {"matched_to": ("--matched-to", ("uniform-matched",)), "fixed_depth": ("--depth", ("fixeddepth",)),
+                   "gate_value": ("--gate-value", ("uniform-fixed", "uniform-matched"))}
 
 
 @dataclass
@@ -90,15 +77,15 @@ class TrainConfig:
         _check_hyperparameters(self)  # before anything is read or written: a bad value never leaves a run dir
         if self.min_lr is None:
             self.min_lr = self.lr / 10
+        for name, (flag, models) in VARIANT_OPTIONS.items():
+            if getattr(self, name) is not None and self.model not in models:
+                raise FcauditError(f"{flag} is for --model {' or '.join(models)}, not {self.model}: drop it")
         if family.configure is not None:
             family.configure(self)
-        else:
-            given = [flag for name, flag in VARIANT_OPTIONS.items() if getattr(self, name) is not None]
-            if given:
-                raise FcauditError(f"{given[0]} is not an option of --model {self.model}: drop it")
 
     def identity(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in _NOT_IDENTITY}
+        """The fields that define the run: device, out and progress may change when it resumes."""
+        return {k: v for k, v in asdict(self).items() if k not in ("device", "out", "progress")}
 
 
 # (field, CLI flag, smallest allowed value, is the smallest value itself allowed). None fields are left to defaults.
@@ -144,12 +131,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Matrices decay; norms, biases, gate logits and what the family keeps from decay (Family.no_decay) do not.
-    # Tied weights appear once in named_parameters().
+    # Matrices decay; vectors (norms, biases, gate logits) and the family's Family.no_decay do not. Ties count once.
     kept = families.for_training(cfg.model).no_decay
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if p.dim() >= 2 and not n.startswith(kept)]
-    no_decay = [p for n, p in named if p.dim() < 2 or n.startswith(kept)]
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not n.startswith(kept) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
@@ -159,35 +145,31 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+def evaluate(model: nn.Module, family: families.Family, windows: torch.Tensor, batch_size: int,
+             device: torch.device) -> dict:
     """Mean NLL per predicted token, Byte-PPL and gate mass over `windows` [N, T]."""
-    family = families.for_model(model)
     was_training = model.training
     model.eval()
     nll_sum, n_tok, gate_sum, n_gate = 0.0, 0, 0.0, 0
     for ids in windows.split(batch_size):
         ids = ids.to(device)
         with _autocast(device):  # the gates [L, B, T] of a family with scalar gates (None for its ungated members)
-            logits, gates = family.gates(model, ids) if family and family.gates else (logits_of(model(ids)), None)
+            logits, gates = family.gates(model, ids) if family.gates else (logits_of(model(ids)), None)
         nll = token_nll(logits, ids).double()
         nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
         if gates is not None:
             gate_sum, n_gate = gate_sum + gates.double().sum().item(), n_gate + gates.numel()
     model.train(was_training)
     nll = nll_sum / n_tok
-    mass = gate_sum / n_gate if n_gate else family.ungated_mass if family is not None else None
-    byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # nan stays nan; exp overflows above 709
-    return {"nll": nll, "byte_ppl": byte_ppl if nll == nll else nll, "gate_mass": mass, "tokens": n_tok,
-            "windows": len(windows)}
+    mass = gate_sum / n_gate if n_gate else family.ungated_mass
+    byte_ppl = math.exp(nll) if nll <= 709 else math.inf  # exp overflows above 709; a non-finite NLL stops training
+    return {"nll": nll, "byte_ppl": byte_ppl, "gate_mass": mass, "tokens": n_tok, "windows": len(windows)}
 
-
-# ---- training state: safetensors + JSON ------------------------------------------------------------------------
 
 def _save_state(out: Path, step: int, model, opt, rng: np.random.Generator, history: list) -> None:
     """Write ckpt/step-NNNNNN/ completely, then point latest.json at it, then drop older states."""
     name = f"ckpt/step-{step:06d}"
-    tmp = out / f"ckpt/.tmp-step-{step:06d}"
-    remove_tree(tmp)
+    tmp = out / f"ckpt/.tmp-step-{step:06d}"  # none is left: the run removed stale ones and holds the lock
     tmp.mkdir(parents=True)
     save_weights(tmp / "model.safetensors", model)
     opt_state = opt.state_dict()
@@ -214,9 +196,8 @@ def _load_state(out: Path, model, opt, rng: np.random.Generator, device: torch.d
         raise FcauditError(f"training state {ckpt} is incomplete: delete {out} (or latest.json) and rerun")
     state = read_json(ckpt / "state.json")
     load_weights(ckpt / "model.safetensors", model, device=device)
-    tensors = load_file(str(ckpt / "optimizer.safetensors"))
     per_param: dict[int, dict] = {}
-    for key, t in tensors.items():
+    for key, t in load_file(str(ckpt / "optimizer.safetensors")).items():
         i, name = key.split(".", 1)
         per_param.setdefault(int(i), {})[name] = t
     opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
@@ -234,9 +215,8 @@ def _has_results(out: Path) -> bool:
 
 
 def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None:
-    """Refuse a run dir holding results of another config, or of the same corpus path with other content (a resumed
-    run would train its remaining steps on other data); a config file without results (a run stopped before its
-    first checkpoint) is replaced, so the corrected command is not blocked by the failed one."""
+    """Refuse a run dir holding results of another config or corpus content (a resume would train on other data); a
+    config file without results (a run stopped before its first checkpoint) is replaced, not blocking the fix."""
     path = out / "train_config.json"
     current = {**cfg.identity(), "corpus_fingerprint": corpus_fingerprint}
     if path.is_file() and _has_results(out):
@@ -244,23 +224,11 @@ def _check_run_dir(out: Path, cfg: TrainConfig, corpus_fingerprint: str) -> None
             previous = read_json(path)
         except (ValueError, UnicodeDecodeError):
             raise FcauditError(f"{path} is not valid JSON: delete {out} and rerun") from None
-        recorded = "corpus_fingerprint" in previous
-        previous.setdefault("corpus_fingerprint", corpus_fingerprint)  # a run from before it was recorded
-        if previous != current:
-            diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if diff:
             raise FcauditError(f"{out} holds a run with a different config ({', '.join(diff)}): use another --out or delete {out}")
-        if not recorded:  # from now on a later resume checks the corpus too
-            write_json(path, current)
     else:
         write_json(path, current)
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """What an interrupted run left half written: atomic_write temp files and unfinished training states."""
-    remove_stale_temps(out)
-    remove_stale_temps(out / "ckpt")
-    for tmp in (out / "ckpt").glob(".tmp-step-*"):
-        remove_tree(tmp)
 
 
 def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path, created: bool) -> FcauditError:
@@ -282,9 +250,7 @@ def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path,
 
 def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     """Train (or resume, or return the finished run in cfg.out) and report Byte-PPL and gate mass on the test split.
-
-    `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs).
-    """
+    `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs)."""
     out = prepare_out(cfg.out, "training run")  # new, empty or a run of ours (fcaudit.io's rule for every --out)
     device = resolve_device(cfg.device)
     if corpus is None:
@@ -303,7 +269,8 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     if len(corpus.validation) < window:
         raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
                            f"than one window of {window}: give it more text (its validation split is 5% of a file)")
-    val = data.make_windows(corpus.validation, min(cfg.eval_windows, len(corpus.validation) // window), window, 0, "validation").ids
+    n_val = min(cfg.eval_windows, len(corpus.validation) // window)
+    val = data.make_windows(corpus.validation, n_val, window, 0, "validation").ids
     test = data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
@@ -315,7 +282,10 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
             m = read_json(out / "metrics.json")
             return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
 
-        _remove_stale_temps(out)
+        for d in (out, out / "ckpt"):  # what an interrupted run left half written
+            remove_stale_temps(d)
+        for tmp in (out / "ckpt").glob(".tmp-step-*"):
+            remove_tree(tmp)
         start, history = _load_state(out, model, opt, rng, device)
         model.train()
         t0, tokens_seen = time.perf_counter(), 0
@@ -338,8 +308,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                # Stop before a non-finite step reaches the weights; the saved state stays the last good one.
-                loss_value = loss.item()
+                loss_value = loss.item()  # a non-finite step stops before it reaches the weights
                 for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm.item())):
                     if not math.isfinite(value):
                         raise _non_finite(what, value, step + 1, cfg, out, created)
@@ -347,7 +316,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                 tokens_seen += ids.numel()
                 done = step + 1
                 if done % cfg.eval_interval == 0 or done == cfg.steps:
-                    v = evaluate(model, val, cfg.batch_size, device)
+                    v = evaluate(model, family, val, cfg.batch_size, device)
                     if not math.isfinite(v["nll"]):
                         raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
                     history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
@@ -359,7 +328,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
                                 (f" val {history[-1]['val_nll']:.3f}" if history else ""))
         train_seconds = time.perf_counter() - t0
 
-        result = evaluate(model, test, cfg.batch_size, device)
+        result = evaluate(model, family, test, cfg.batch_size, device)
         if not math.isfinite(result["nll"]):
             raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
         metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],

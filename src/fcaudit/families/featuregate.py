@@ -12,7 +12,7 @@ from fcaudit.controllers.site import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
-from fcaudit.models.checkpoint import MODEL_TYPE, load_featuregate, save_checkpoint
+from fcaudit.models.checkpoint import MODEL_TYPE, read_checkpoint, save_checkpoint
 from fcaudit.models.featuregate import PRESETS, VARIANTS, FeatureGateGPT, GPTConfig, config_for
 
 PATTERN = "blocks.*.gate"
@@ -35,17 +35,9 @@ def build(cfg) -> FeatureGateGPT:
     return FeatureGateGPT(config_for(cfg.preset, cfg.model, gate_value=cfg.gate_value, fixed_depth=cfg.fixed_depth))
 
 
-# The variants' own training options: field -> (CLI flag, the variants that take it).
-OPTIONS = {"matched_to": ("--matched-to", ("uniform-matched",)), "fixed_depth": ("--depth", ("fixeddepth",)),
-           "gate_value": ("--gate-value", ("uniform-fixed", "uniform-matched"))}
-
-
 def configure(cfg) -> None:
-    """Checks and completes the variants' options: uniform-fixed's and uniform-matched's constant gate
-    (uniform-matched's measured on a trained FeatureGate run) and fixeddepth's number of blocks."""
-    for name, (flag, variants) in OPTIONS.items():
-        if getattr(cfg, name) is not None and cfg.model not in variants:
-            raise FcauditError(f"{flag} is for --model {' or '.join(variants)}, not {cfg.model}: drop it")
+    """Completes the variants' options (TrainConfig checked which models take them): uniform-fixed's and
+    uniform-matched's constant gate (uniform-matched's measured on a trained FeatureGate run), fixeddepth's depth."""
     if cfg.model == "uniform-matched":
         if cfg.matched_to is not None:
             cfg.gate_value = _measured_gate_mass(cfg.matched_to)
@@ -72,7 +64,7 @@ def _measured_gate_mass(run_dir: str) -> float:
 register(Family(
     name="featuregate",
     accepts=lambda config: config.get("model_type") == MODEL_TYPE,
-    load=load_featuregate,
+    load=lambda dir, device, dtype: read_checkpoint(dir, FeatureGateGPT, device, dtype),
     matches=lambda model: isinstance(model, FeatureGateGPT),
     controller=controller,
     label=label,
@@ -80,7 +72,7 @@ register(Family(
     presets=tuple(PRESETS),
     build=build,
     configure=configure,
-    save=lambda model, out, meta: save_checkpoint(Path(out), model, meta),
+    save=lambda model, out, meta: save_checkpoint(out, model, meta),
     gates=lambda model, ids: model(ids, return_gates=True),
     ungated_mass=1.0,
 ))

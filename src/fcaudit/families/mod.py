@@ -1,10 +1,7 @@
-"""The Mixture-of-Depths family (Raposo et al. 2024): fcaudit.models.mod, trained byte-level here
-(`fcaudit train --model mod`); its baselines are the FeatureGate family's Dense and FixedDepth of the same shape.
-
-Controller: the router of every routed block (`blocks.*.router`) is a token-routing site (controllers.routing): its
-coefficient is each token's score and whether it was chosen, so every condition keeps each window's budget k.
-A checkpoint audits through what its config's `routing` says: the top-k over the window (non-causal, as trained)
-or the causal predictor trained beside it (`causal(model)` switches a loaded model).
+"""The Mixture-of-Depths family: fcaudit.models.mod, trained byte-level here (`fcaudit train --model mod`); its
+baselines are FeatureGate's Dense and FixedDepth of the same shape. Every routed block's router is a token-routing
+site (each token's score and whether it was chosen, so every condition keeps each window's budget k), audited as its
+config's `routing` says: the top-k over the window (as trained) or the causal predictor (`causal(model)`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.loss import token_nll
 from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint
-from fcaudit.models.mod import PRESETS, MoDConfig, MoDGPT, config_for
+from fcaudit.models.mod import PRESETS, MoDGPT, config_for
 
 MODEL_TYPE = "mod"
 PATTERN = "blocks.*.router"
@@ -47,22 +44,15 @@ def causal_checkpoint(src: Path, out: Path) -> Path:
     run's Byte-PPL stays with `src` (it is the top-k router's), so the copy records none."""
     model, meta = load(Path(src), torch.device("cpu"), None)
     meta = {**{k: v for k, v in meta.items() if k != "byte_ppl"}, "variant": "mod-causal", "routing_of": str(src)}
-    save(causal(model), Path(out), meta)
-    return Path(out)
+    return save(causal(model), Path(out), meta)
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    return read_checkpoint(dir, lambda config: MoDGPT(MoDConfig.from_dict(config)), device, dtype)
+    return read_checkpoint(dir, MoDGPT, device, dtype)
 
 
-def save(model: MoDGPT, out: Path, meta: dict) -> None:
-    write_checkpoint(out, model, MODEL_TYPE, meta)
-
-
-def build(cfg) -> MoDGPT:
-    if cfg.preset not in PRESETS:
-        raise FcauditError(f"unknown MoD preset {cfg.preset!r}: use one of {', '.join(PRESETS)}")
-    return MoDGPT(config_for(cfg.preset, "mod"))
+def save(model: MoDGPT, out: Path, meta: dict) -> Path:
+    return write_checkpoint(out, model, MODEL_TYPE, meta)
 
 
 def train_loss(model: MoDGPT, ids: torch.Tensor) -> torch.Tensor:
@@ -84,7 +74,7 @@ register(Family(
     label=label,
     trains=("mod",),
     presets=tuple(PRESETS),
-    build=build,
+    build=lambda cfg: MoDGPT(config_for(cfg.preset, "mod")),
     save=save,
     train_loss=train_loss,
     architecture="FeatureGateGPT",  # its Dense and FixedDepth baselines: FeatureGate's variants of the same shape

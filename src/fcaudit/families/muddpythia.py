@@ -1,10 +1,9 @@
 """The MUDDPythia family (the paper's external control, §4.4): fcaudit.models.muddpythia, loaded from the published
 HF-format checkpoint or trained byte-level here (`fcaudit train --model mudd`).
 
-Controller: the dynamic dense block of every layer emits dw [stream, batch, token, source]. dw already includes the
-static dense_bs, so replaying it with the controller disabled skips only the controller MLPs. The static profile is
-StaticMixMean (layer, stream, source); the structure-removed reference is SourceUniformMean (each source of a
-(layer, stream) gets the mean over sources, which keeps the signed sum over sources).
+Controller: every layer's dynamic dense block emits dw [stream, batch, token, source], static dense_bs included, so
+a replay skips only the controller MLPs. Static profile StaticMixMean (layer, stream, source); the structure-removed
+reference SourceUniformMean gives each source the mean over sources (keeping their signed sum).
 """
 
 from __future__ import annotations
@@ -19,21 +18,16 @@ from fcaudit.families import Family, register
 from fcaudit.io import read_json
 from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
 
-LAYOUT = "stream batch token source"
-
 
 def controller(model: MUDDPythia) -> Controller:
-    return Controller.from_modules(model, "dynamic_dense.*", layout=LAYOUT, static_name="StaticMixMean",
-                                   reference="source_uniform_mean", reference_name="SourceUniformMean")
+    return Controller.from_modules(model, "dynamic_dense.*", layout="stream batch token source",
+                                   static_name="StaticMixMean", reference="source_uniform_mean",
+                                   reference_name="SourceUniformMean")
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
     meta = {k: v for k, v in read_json(dir / "config.json").items() if k != "model_type"}
     return from_pretrained(dir, dtype=dtype).to(device).eval(), meta
-
-
-def build(cfg) -> MUDDPythia:
-    return MUDDPythia(BYTE_PRESETS[cfg.preset])
 
 
 register(Family(
@@ -45,7 +39,7 @@ register(Family(
     label=lambda model: "mudd",
     trains=("mudd",),
     presets=tuple(BYTE_PRESETS),
-    build=build,
+    build=lambda cfg: MUDDPythia(BYTE_PRESETS[cfg.preset]),
     no_decay=("dense_bs",),  # the static mix, initialised as "take the latest hidden state": decay would pull it to 0
     save=lambda model, out, meta: model.save_pretrained(out),
 ))

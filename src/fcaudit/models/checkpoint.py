@@ -1,14 +1,10 @@
-"""Checkpoints in Hugging Face layout: `config.json` (with `model_type`) + `model.safetensors`, never pickle.
-
-Weights of any module (save_weights / load_weights), and checkpoints of a model with a `config` dataclass
-(write_checkpoint / read_checkpoint; FeatureGate's save_checkpoint / load_featuregate, MoD's through the same pair);
-fcaudit.families.load_model hands a directory to the family that accepts its config.json.
-"""
+"""Checkpoints in Hugging Face layout, never pickle: `config.json` (with `model_type`) + `model.safetensors`, for
+any module's weights and any model with a `config` dataclass (FeatureGate's and MoD's)."""
 
 import json
 import os
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -18,7 +14,7 @@ from safetensors.torch import save_file
 
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import atomic_write, read_json, write_json
-from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
+from fcaudit.models.featuregate import FeatureGateGPT
 from fcaudit.weights import check_sizes
 
 MODEL_TYPE = "featuregate"
@@ -27,9 +23,8 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(path: str | os.PathLike, model: nn.Module) -> Path:
-    """Atomically write a module's weights as safetensors: tied tensors once, under the first of their names in sorted
-    order (load_weights restores the ties), and the ties in one metadata entry, so that the bytes are the same on
-    every save (safetensors' save_model writes an entry per tie, in a random order)."""
+    """Atomically write a module's weights as safetensors: tied tensors once, under the first of their sorted names,
+    the ties in one metadata entry, so every save has the same bytes (safetensors' save_model orders them randomly)."""
     state = model.state_dict()
     tied: dict[tuple, list[str]] = {}
     for name, t in state.items():
@@ -58,26 +53,27 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, device: str | tor
 
 
 def write_checkpoint(dir: str | os.PathLike, model: nn.Module, model_type: str, meta: dict | None = None) -> Path:
-    """Write `config.json` (model_type, the model's `config.to_dict()` fields, meta) and `model.safetensors`, each
-    atomically. The weights go first, the config last: a directory whose config.json names model_type is complete.
-    """
+    """Write `model.safetensors`, then `config.json` (model_type, the `config` dataclass's fields, meta), each
+    atomically: a directory whose config.json names model_type is complete."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     save_weights(dir / WEIGHTS_NAME, model)
-    write_json(dir / CONFIG_NAME, {"model_type": model_type, **model.config.to_dict(), "meta": meta or {}})
+    write_json(dir / CONFIG_NAME, {"model_type": model_type, **asdict(model.config), "meta": meta or {}})
     return dir
 
 
-def read_checkpoint(dir: Path, build: Callable[[dict], nn.Module], device: torch.device,
+def read_checkpoint(dir: Path, model_class: type, device: torch.device,
                     dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    """(model in eval mode, meta) of a checkpoint written by `write_checkpoint`; `build(config fields)` makes the
-    model, first on the meta device: config.json's sizes are checked against the weights before anything is allocated."""
+    """(model in eval mode, meta) of a `write_checkpoint` directory: `model_class(model_class.config_class(config.json's
+    fields))`, unknown keys ignored, built first on the meta device to check its sizes against the weights."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
-    config.pop("model_type", None)
+    cls = model_class.config_class
+    names = {f.name for f in fields(cls)}  # model_type is none of them
+    known = {k: v for k, v in config.items() if k in names}
     try:
-        check_sizes(lambda: build(config), dir)
-        model = build(config)
+        check_sizes(lambda: model_class(cls(**known)), dir)
+        model = model_class(cls(**known))
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None
@@ -88,8 +84,3 @@ def read_checkpoint(dir: Path, build: Callable[[dict], nn.Module], device: torch
 def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | None = None) -> Path:
     """A FeatureGate-family checkpoint (`write_checkpoint` with model_type "featuregate")."""
     return write_checkpoint(dir, model, MODEL_TYPE, meta)
-
-
-def load_featuregate(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
-    """A FeatureGate-family checkpoint written by `save_checkpoint`."""
-    return read_checkpoint(dir, lambda config: FeatureGateGPT(GPTConfig.from_dict(config)), device, dtype)

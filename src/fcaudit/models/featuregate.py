@@ -1,28 +1,15 @@
-"""The FeatureGate model family: a byte-level pre-LN decoder whose residual updates are scaled by a gate.
+"""The FeatureGate model family: a byte-level pre-LN decoder whose block updates are scaled by a gate,
+h[l+1, t] = h[l, t] + g[l, t] * F_l(h_l)[t] with F_l(h) = a + mlp(ln2(h + a)), a = attn(ln1(h)).
 
-    h[l+1, t] = h[l, t] + g[l, t](x) * F_l(h_l)[t],     F_l(h) = a + m,  a = attn(ln1(h)),  m = mlp(ln2(h + a))
-
-F_l is the whole block update, so one scalar per token and layer scales it. Variants (GPTConfig.variant), all
-executing every block:
-
-    dense            g = 1: no gate module and no multiplication (`block.gate is None`)
-    fixeddepth       dense with n_layer = k blocks
-    uniform          one learned coefficient sigmoid(w) shared by every layer (one tied parameter)
-    uniform-fixed    a constant g = gate_value (default 0.60)
-    uniform-matched  the same constant module, with gate_value set to a FeatureGate model's measured gate mass
-    layerstatic      one learned coefficient sigmoid(w_l) per layer
-    featuregate      a per-token controller (FeatureGate below) maps features of block l to g in (0, 1)
-
-Every gated variant's gate is the module `model.blocks[l].gate`, whose forward returns g [B, T], so an audit treats
-all variants alike. Every variant computes its attention by F.scaled_dot_product_attention in every mode, so a
-comparison of variants measures the gates: FeatureGate's controller is its only extra work. Its features are
-computed from this block's and the previous block's q, k by torch ops over tiles of query rows (never a [T, T] map).
-The head is tied to the token embedding, which gives the paper's parameter counts (paper-76m: 75.94M, paper-504m:
-504.3M; `model.n_params()`).
+Variants: dense (g = 1, no gate module), fixeddepth (dense with k blocks), uniform (one sigmoid(w) for all layers),
+layerstatic (sigmoid(w_l) per layer), uniform-fixed / uniform-matched (a constant; matched: a FeatureGate model's gate
+mass) and featuregate (a per-token controller of the block's attention features). Each gate is `blocks[l].gate`,
+returning g [B, T]; every variant runs the same attention kernel, so a comparison of variants measures the gates. The
+head is tied to the token embedding, which gives the paper's parameter counts (`model.n_params()`).
 """
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -36,21 +23,8 @@ GATE_INIT = 0.6  # learned gates start here (the paper's gate masses sit near 0.
 N_FEATURES = 4
 
 
-class ConfigFile:
-    """A model config dataclass as config.json holds it: its fields, unknown keys ignored on the way back."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
 def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> None:
-    """config.json is user-editable: the variant, integer fields >= their lower bound and heads that divide the
-    width are checked here rather than fail deep inside a forward pass."""
+    """config.json is user-editable: a bad variant, integer or head count fails here, not inside a forward pass."""
     name = type(config).__name__
     if config.variant not in variants:
         raise FcauditError(f"unknown model variant {config.variant!r}: use one of {', '.join(variants)}")
@@ -63,7 +37,7 @@ def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> N
 
 
 @dataclass
-class GPTConfig(ConfigFile):
+class GPTConfig:
     variant: str = "featuregate"
     n_layer: int = 4
     n_head: int = 4
@@ -76,15 +50,11 @@ class GPTConfig(ConfigFile):
 
     def __post_init__(self):
         check_config(self, VARIANTS, dict(n_layer=1, n_head=1, d_model=1, block_size=2, vocab_size=1, gate_hidden=1))
-        for name in ("gate_value", "norm_eps"):
+        for name, ok, want in (("norm_eps", lambda v: v > 0, "a number > 0 (e.g. 1e-5)"),
+                               ("gate_value", lambda v: 0 < v < 1, "a gate value between 0 and 1")):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to a finite number in config.json")
-        if not self.norm_eps > 0:
-            raise FcauditError(f"GPTConfig norm_eps={self.norm_eps!r} is invalid: set norm_eps > 0 (e.g. 1e-5) "
-                               "in config.json")
-        if not 0.0 < self.gate_value < 1.0:
-            raise FcauditError(f"gate_value {self.gate_value} is outside (0, 1): pass a gate value between 0 and 1")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)):
+                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to {want} in config.json")
 
     @property
     def gated(self) -> bool:
@@ -152,25 +122,18 @@ class Attention:
 
 MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
 
-# Scores held at a time, in float32 elements: 2 MiB keeps a CPU tile in cache; on a GPU one tile covers a paper-size
-# block (fewer kernel launches).
+# Scores held at a time (float32 elements): 2 MiB keeps a CPU tile in cache; a GPU tile covers a paper-size block.
 TILE_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 26}
 TILE_ROWS_CPU = (32, 64)  # query rows per CPU tile: a quarter of the window, within these bounds
 
 
-def _tiling(n_maps: int, T: int, device: torch.device) -> tuple[int, int]:
-    """(query rows, maps) per tile, from shapes and device only. Fewer rows on the CPU waste less of each tile's
-    masked diagonal square; more rows mean fewer calls."""
-    low, high = TILE_ROWS_CPU
-    rows = min(T, max(low, min(high, T // 4))) if device.type == "cpu" else T
-    return rows, max(1, min(n_maps, TILE_ELEMENTS.get(device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
-
-
 def _score_tiles(q: torch.Tensor, k: torch.Tensor):
     """(maps, query rows, masked scores [maps, rows, keys]) over the tiles of flat (q, k) [N, T, Dh]: each tile's
-    keys end at its last row (causality) and future keys hold MASKED_SCORE."""
+    keys end at its last row (causality). Fewer rows on the CPU waste less of each tile's masked diagonal square."""
     N, T, _ = q.shape
-    rows, maps = _tiling(N, T, q.device)
+    low, high = TILE_ROWS_CPU
+    rows = min(T, max(low, min(high, T // 4))) if q.device.type == "cpu" else T
+    maps = max(1, min(N, TILE_ELEMENTS.get(q.device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
     future = torch.full((rows, rows), MASKED_SCORE, device=q.device).triu(1)
     for m0 in range(0, N, maps):
         m = slice(m0, m0 + maps)
@@ -210,9 +173,8 @@ def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = Tru
 
 
 def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
-    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]. Both are >= 0 by definition;
-    clamping removes rounding noise (e.g. -1e-7 for a one-hot attention row). The entropy is 0 at t = 0 (one visible
-    key); elsewhere divided by log(t + 1) >= log 2."""
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; entropy and KL are >= 0, so
+    clamping removes only rounding noise (e.g. -1e-7 for a one-hot attention row)."""
     log_visible = torch.arange(1, lse.size(-1) + 1, device=lse.device, dtype=torch.float32).log_()
     entropy = entropy_h.mean(1).clamp_min_(0.0).div_(log_visible)  # [B, T]
     entropy[:, 0] = 0.0  # 0 / 0 there
@@ -225,22 +187,17 @@ def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
 
 @torch.no_grad()
 def gate_features(h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
-    """The four per-token features of block l, [B, T, 4], in float32 and without gradient.
+    """The four per-token features of block l, [B, T, 4], in float32 and without gradient (the controller reads the
+    block, it does not shape it). With P_l[n, t] the causal attention of head n (`att`; `prev`: block l-1's, None in
+    the first block) over scores S = q_t . k_s / sqrt(Dh), s <= t, and lse_t = logsumexp_{s <= t} S:
 
-    With S[b, n, t, s] = q_t . k_s / sqrt(Dh) for s <= t, P_l[b, n, t, :] = softmax_{s <= t}(S) the causal attention
-    of head n in block l (`att`; `prev` is block l-1's, None in the first block) and lse_t = logsumexp_{s <= t} S:
+    0. entropy       mean_n H(P_l[n, t]) / log(t + 1), in [0, 1]; 0 at t = 0 (one visible key)
+    1. kl            mean_n KL(P_l[n, t] || P_{l-1}[n, t]); 0 in the first block
+    2. log_partition mean_n [lse_t - log(t + 1)]: the log of the mean exponentiated score over the visible keys
+    3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6)
 
-    0. entropy       mean_n H(P_l[n, t]) / log(t + 1): head-averaged attention entropy normalized by the log of the
-                     number of visible keys, in [0, 1]; 0 at t = 0 (one visible key, nothing to normalize).
-    1. kl            mean_n KL(P_l[n, t] || P_{l-1}[n, t]): head-averaged KL divergence of this block's attention
-                     from the previous block's, at the same token and head index; 0 in the first block.
-    2. log_partition mean_n [lse_t - log(t + 1)]: the head-averaged log of the mean exponentiated score over the
-                     visible keys (0 when all scores are 0).
-    3. update_norm   ||F_l(h)_t|| / (||h_t|| + 1e-6): the block update's L2 norm relative to the residual stream's.
-
-    With log P_{l-1} = S' - lse_{l-1}, KL = -H - sum_s P_l S' + lse_{l-1}, and sum_s P_l S' comes from this block's
-    pass (_tile_pass). Leaves att.lse for the next gate; computes prev.lse where its gate did not run. No gradient
-    because the controller reads the block, it does not shape it: gating cannot be learned by distorting attention.
+    KL = -H - sum_s P_l S' + lse_{l-1} (log P_{l-1} = S' - lse_{l-1}), its middle term from this block's pass.
+    Leaves att.lse for the next gate; computes prev.lse where its gate did not run.
     """
     with torch.autocast(att.q.device.type, enabled=False):
         entropy_h, cross_score = _tile_pass(att, prev)
@@ -261,8 +218,7 @@ class FeatureGate(nn.Module):
         nn.init.constant_(self.out.bias, math.log(GATE_INIT / (1 - GATE_INIT)))  # start near GATE_INIT
 
     def forward(self, h, update, att: Attention, prev: Attention | None) -> torch.Tensor:
-        feats = gate_features(h, update, att, prev)  # float32 by definition
-        feats = feats.to(self.fc.weight.dtype)  # a model loaded in bf16: its MLP computes in bf16 (float32: no-op)
+        feats = gate_features(h, update, att, prev).to(self.fc.weight.dtype)  # float32; a bf16 model's MLP is bf16
         return torch.sigmoid(self.out(F.gelu(self.fc(feats)))).squeeze(-1)
 
 
@@ -315,8 +271,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's decoder around the blocks `make_blocks` returns: token and position embeddings, a final LayerNorm
-    and a head tied to the token embedding, with GPT-2's initialization."""
+    """nanoGPT's decoder, GPT-2's initialization, around the blocks `make_blocks` returns; the head is tied."""
 
     def __init__(self, config):
         super().__init__()
@@ -352,6 +307,8 @@ class GPT(nn.Module):
 
 
 class FeatureGateGPT(GPT):
+    config_class = GPTConfig
+
     def make_blocks(self) -> list[Block]:
         shared = nn.Parameter(torch.tensor(math.log(GATE_INIT / (1 - GATE_INIT))))  # uniform: one tied logit
         return [Block(self.config, self._make_gate(shared)) for _ in range(self.config.n_layer)]

@@ -1,19 +1,9 @@
 """Mixture-of-Depths (Raposo et al. 2024): a byte-level pre-LN decoder in which every other block runs on the
-top-k tokens its router picks, the rest passing by on the residual stream.
-
-    routed block l:  r = router(h)                      one score per token, [B, T]
-                     S = top-k_t(r), k = capacity * T   chosen per window (expert choice; it sees the whole window)
-                     h[t] += r[t] * F_l(h[S])[t]        for t in S; h[t] unchanged otherwise
-
-F_l is the whole block update (attention among the selected tokens, in their order, then the MLP), so a token
-that is not selected costs nothing in that block. The router's score multiplies the selected tokens' update, which
-keeps the router on the gradient path. Top-k over the window is not causal; for autoregressive use the paper
-trains a small causal predictor of "is t in the top-k" beside the model (`predictor`, trained with BCE on the
-router's choices, gradients stopped at its input). `routing="predictor"` runs the model on its choices instead.
-
-The blocks and the decoder around them are FeatureGate's Dense ones, so FLOPs and latency against Dense of the same
-shape compare the mechanism, not two kernels. The router of block l is the module `blocks[l].router`; its output
-(the scores, and which tokens were chosen) is the coefficient an audit replays.
+top-k tokens its router picks (expert choice over the window, k = capacity * T), the rest passing by on the residual
+stream: h[t] += r[t] * F_l(h[S])[t] for t in the chosen S, the router's score r keeping it on the gradient path.
+Top-k over the window is not causal, so a small causal predictor of "is t in the top-k" trains beside the model (BCE,
+input detached); `routing="predictor"` runs on its choices. The blocks and decoder are FeatureGate's Dense ones, so
+comparisons with Dense of the same shape measure the mechanism. `blocks[l].router` is the site an audit replays.
 """
 
 from __future__ import annotations
@@ -28,14 +18,14 @@ import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
 from fcaudit.models import featuregate
-from fcaudit.models.featuregate import GPT, ConfigFile, check_config
+from fcaudit.models.featuregate import GPT, check_config
 
 VARIANTS = ("mod", "dense")
 ROUTINGS = ("topk", "predictor")
 
 
 @dataclass
-class MoDConfig(ConfigFile):
+class MoDConfig:
     variant: str = "mod"
     n_layer: int = 4
     n_head: int = 4
@@ -110,8 +100,7 @@ class Router(nn.Module):
 
 def choose(mask: torch.Tensor) -> torch.Tensor:
     """The chosen positions of a [B, T] mask as ascending indices [B, k_max], padded with -1."""
-    k = int(mask.sum(-1).max().item()) if mask.numel() else 0
-    k = max(k, 1)
+    k = max(1, int(mask.sum(-1).max().item())) if mask.numel() else 1
     order = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
     keyed = torch.where(mask, order, order + mask.size(1))  # chosen positions first, in order
     index = keyed.sort(-1).values[:, :k]
@@ -129,16 +118,16 @@ class Block(featuregate.Block):
         if self.router is None:
             return h + self.update(h)[0], None
         route = self.router(h)
-        index = route.index
-        valid = index >= 0
-        safe = index.clamp_min(0)
+        safe = route.index.clamp_min(0)  # -1 pads a window with fewer chosen tokens: weight 0 below
         x = h.gather(1, safe.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # the chosen tokens, in order
-        weight = route.scores.gather(1, safe) * valid
+        weight = route.scores.gather(1, safe) * (route.index >= 0)
         delta = weight.unsqueeze(-1).to(h.dtype) * self.update(x)[0]
         return h.scatter_add(1, safe.unsqueeze(-1).expand_as(delta), delta), route
 
 
 class MoDGPT(GPT):
+    config_class = MoDConfig
+
     def make_blocks(self) -> list[Block]:
         return [Block(self.config, self.config.routed(i)) for i in range(self.config.n_layer)]
 

@@ -1,14 +1,8 @@
-"""MUDDPythia: a Pythia-style decoder with multiway dynamic dense (MUDD) cross-layer connections.
-
-A native implementation of the architecture of the public checkpoint `Caiyun-AI/MUDDPythia-1.4B`
-(spec: shared/specs/muddpythia.md), so its weights load with strict key checking and no remote code.
-
-After every block i a small MLP (the controller, `dynamic_dense[i]`) reads the block output and emits
-signed mixing coefficients dw [C_i, B, T, i+2]: for each stream c (query, key, value, residual; one
-stream after the last block) the next input is sum_j dw[c, :, :, j] * h_j over the embedding and all
-block outputs so far. FCA audits dw; `dynamic_dense[i]` is the controller site and its forward returns
-the complete dw (controller MLP output plus the static `dense_bs[i]`), so replacing that forward
-disables the controller while the rest of the model computes exactly the same thing.
+"""MUDDPythia: a Pythia-style decoder with multiway dynamic dense (MUDD) cross-layer connections, a native
+implementation of `Caiyun-AI/MUDDPythia-1.4B` (spec: shared/specs/muddpythia.md) that loads its weights strictly,
+running no remote code. After block i the controller `dynamic_dense[i]` emits signed coefficients dw [C_i, B, T, i+2]
+(static `dense_bs[i]` included) mixing the embedding and block outputs into the next block's q, k, v and residual
+streams: it is the FCA site, and replacing its forward disables the controller while the rest computes the same.
 """
 
 from __future__ import annotations
@@ -142,8 +136,6 @@ class MUDDConfig:
         return {"model_type": MODEL_TYPE, "architectures": ["MUDDPythia"], **asdict(self)}
 
 
-# ---------------------------------------------------------------------------------------------- modules
-
 class RMSNorm(nn.Module):
     """RMSNorm with scale, normalised in float32 (q_norm / k_norm over head_dim)."""
 
@@ -158,11 +150,6 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rmsnorm_noscale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The controller's input norm: no weight, computed in the model dtype."""
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-
-
 def rotary_table(block_size: int, n: int, base: float, device=None) -> torch.Tensor:
     """cos/sin [block_size, n/2, 2] computed in float32 for every position, then stored in float16."""
     inv_freq = 1.0 / (base ** (torch.arange(0, n, 2, device=device)[: n // 2].float() / n))
@@ -171,11 +158,8 @@ def rotary_table(block_size: int, n: int, base: float, device=None) -> torch.Ten
 
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate the first n = 2*table.shape[1] dims of x [B, T, H, D], NeoX "half" pairing (j with j+n/2).
-
-    The rotation runs in float32 on the float16 table; the rotated pair j is written back interleaved at
-    (2j, 2j+1), as the reference does (q and k get the same permutation, so scores are unchanged
-    mathematically, but bit-exact agreement needs the same order)."""
+    """Rotate the first n = 2*table.shape[1] dims of x [B, T, H, D], NeoX "half" pairing (j with j+n/2), in float32
+    on the float16 table; pair j is written back interleaved at (2j, 2j+1), as the reference does (bit-exactness)."""
     half = table.shape[1]
     pairs = x[..., : 2 * half].float().unflatten(-1, (2, half)).transpose(-1, -2)  # [B, T, H, n/2, (j, j+n/2)]
     cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]  # [T, 1, n/2]
@@ -251,16 +235,12 @@ class TransformerBlock(nn.Module):
             res = x[3]
             attn = self.attention(*(norm(s) for norm, s in zip(self.attention_norms, x[:3])), table)
         h = res + attn
-        if self.cfg.use_parallel_residual:
-            return h + self.feed_forward(self.ffn_norm(res))
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(res if self.cfg.use_parallel_residual else h))
 
 
 class DynamicDense(nn.Module):
-    """The controller of layer i: block output -> mixing coefficients dw [C_i, B, T, i+2].
-
-    forward(x, bias) returns the complete dw including the static part `bias` (= dense_bs[i], kept at the
-    top level of the model so the state-dict key stays `dense_bs.{i}`). This module is the FCA site."""
+    """The controller of layer i, the FCA site: block output -> the complete dw [C_i, B, T, i+2], static `bias`
+    (dense_bs[i], a top-level parameter so the state-dict key stays `dense_bs.{i}`) included."""
 
     def __init__(self, cfg: MUDDConfig, i: int):
         super().__init__()
@@ -270,7 +250,8 @@ class DynamicDense(nn.Module):
         self.w2 = nn.Linear(hidden, self.C * self.n_sources, bias=False)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        dw = self.w2(F.gelu(self.w1(rmsnorm_noscale(x, self.eps))))
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # RMSNorm without weight, model dtype
+        dw = self.w2(F.gelu(self.w1(x)))
         dw = rearrange(dw, "b t (c l) -> c b t l", c=self.C)
         return dw + bias[:, None, None, :]
 
@@ -287,9 +268,8 @@ def mix(dw: torch.Tensor, hiddens: list[torch.Tensor]) -> tuple[torch.Tensor, ..
 
 
 def mix_stacked(dw: torch.Tensor, stack: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """mix() as one batched matrix product per layer: for each token, [C, J] coefficients times its [J, D] hiddens,
-    read from stack [B, T, L+1, D] (h_0, h_1, ... filled as the layers run). Not bit-exact against mix(): the product
-    sums in its own order (in bf16 it rounds once, not after every source)."""
+    """mix() as one batched product per layer, [C, J] coefficients times each token's [J, D] hiddens from stack
+    [B, T, L+1, D]; not bit-exact against mix(), as it sums in its own order (in bf16 it rounds once)."""
     C, B, T, J = dw.shape
     w = dw.permute(1, 2, 0, 3).reshape(B * T, C, J)
     out = torch.bmm(w, stack[:, :, :J].reshape(B * T, J, -1))
@@ -297,10 +277,9 @@ def mix_stacked(dw: torch.Tensor, stack: torch.Tensor) -> tuple[torch.Tensor, ..
 
 
 class MUDDPythia(nn.Module):
-    """fast_mix: mix the streams with mix_stacked (one matrix product per layer) instead of the published-order sum
-    mix(); not bit-exact against it (tests/test_muddpythia.py states the measured agreement). A plain attribute, not
-    part of the config or the checkpoint, so it can be switched on a loaded model; capture and replay both use it,
-    so an audit's exact-replay check holds either way."""
+    """fast_mix: mix the streams by mix_stacked instead of the published-order mix() (not bit-exact against it). A
+    plain attribute, not in the config or checkpoint, so a loaded model can switch it; capture and replay both use
+    it, so an audit's exact-replay check holds either way."""
 
     def __init__(self, config: MUDDConfig, fast_mix: bool = False):
         super().__init__()
@@ -318,19 +297,16 @@ class MUDDPythia(nn.Module):
             self.apply(self._init_weights)
             self.init_dense()
 
-    # Training from scratch (byte presets): GPT-2 style init; the static mix starts as "take the latest
-    # hidden state" (a plain pre-LN residual stream) and the controller starts silent, so a random model
-    # trains like an ordinary Transformer and learns its dynamic mixing from there.
     def _init_weights(self, m: nn.Module):
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     @torch.no_grad()
     def init_dense(self):
+        """Training from scratch: the static mix starts as "take the latest hidden state" (a plain pre-LN residual
+        stream) and the controller silent, so a random model trains like a Transformer and learns to mix from there."""
         for i, (dd, bs) in enumerate(zip(self.dynamic_dense, self.dense_bs)):
             nn.init.zeros_(dd.w2.weight)
             bs.zero_()
@@ -376,8 +352,7 @@ class MUDDPythia(nn.Module):
         return self.output(self.norm(x[0]))
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
-        """HF format: config.json + model.safetensors in the model's dtype, each written atomically, weights first,
-        so a config.json never points at half-written weights."""
+        """HF format in the model's dtype, each file atomically, the weights before the config.json naming them."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
@@ -427,9 +402,8 @@ from_pretrained = MUDDPythia.from_pretrained
 MAX_POSITIONS = 2**20  # a loaded config's block_size at most: its rotary table is built whole at the first forward
 
 
-# Byte-level models for `fcaudit train --model mudd` on the embedded corpus (vocab 256, trained on the CPU).
-# Sized like the FeatureGate tiny/demo presets (same window, about the same cost per training step), so
-# `fcaudit demo` contrasts the two families at equal budget: tiny trains in seconds, demo in about a minute.
+# `fcaudit train --model mudd`: byte-level models sized like the FeatureGate tiny/demo presets (same window, about
+# the same cost per step), so `fcaudit demo` contrasts the two families at equal budget.
 BYTE_PRESETS: dict[str, MUDDConfig] = {
     "tiny": MUDDConfig(block_size=64, vocab_size=256, n_layer=3, n_head=4, dim=64, intermediate_size=256,
                        use_qk_norm=True, expand_last=True, round64=True),
