@@ -66,9 +66,7 @@ def _sample(x, name: str = "x") -> np.ndarray:
 
 def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int,
                           seed) -> ConfidenceInterval:
-    """scipy.stats.bootstrap, percentile method, vectorized."""
-    if not 0 < confidence < 1:
-        raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
+    """scipy.stats.bootstrap, percentile method, vectorized (the confidence is a Criteria's, checked there)."""
     res = stats.bootstrap(data, statistic, n_resamples=int(n_resamples), vectorized=True, paired=len(data) > 1,
                           batch=max(1, _MAX_BATCH_ELEMENTS // len(data[0])), confidence_level=confidence,
                           method="percentile", rng=np.random.default_rng(seed))  # a Generator passes through
@@ -152,10 +150,6 @@ def holm(pvalues) -> np.ndarray:
     return out
 
 
-def _retention_of_means(s, r, axis=-1):
-    return retention(np.mean(s, axis=axis), np.mean(r, axis=axis))
-
-
 def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None = None, n_resamples: int = 10000,
                         seed=0, unit: str = "checkpoint") -> Estimate:
     """Retention 1 - mean(S)/mean(R) (a fraction) with a percentile bootstrap CI, resampling the (ΔNLL(S), ΔNLL(R))
@@ -166,8 +160,6 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     of the reference's mean ΔNLL (as its penalty's) lies above `criteria.small_upper` (and 0), retention is undefined:
     nan, with the reason in `method`. A single unit has no such interval, so its retention is undefined too."""
     criteria = criteria or Criteria()
-    if unit not in ("checkpoint", "window"):
-        raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
     s, r = _sample(delta_static, "delta_static"), _sample(delta_reference, "delta_reference")
     if s.shape != r.shape:
         raise FcauditError(f"delta_static and delta_reference must pair the same {unit}s, got {s.size} and {r.size}")
@@ -183,7 +175,8 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     point = float(retention(s.mean(), r.mean()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ci = _percentile_bootstrap((s, r), _retention_of_means, confidence, n_resamples, seed)
+        ci = _percentile_bootstrap((s, r), lambda a, b, axis=-1: retention(a.mean(axis), b.mean(axis)), confidence,
+                                   n_resamples, seed)
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
