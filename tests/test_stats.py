@@ -14,8 +14,7 @@ from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import (delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means,
-                                   retention)
+from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas, retention
 from fcaudit.stats.inference import (checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap,
                                      sign_flip_test)
 from fcaudit.stats.results import WindowStatistics
@@ -93,9 +92,9 @@ def test_penalties_are_the_mean_over_examples_of_the_mean_over_randomizations():
         per_ex = [np.mean(g["nll"].to_numpy() - correct[e]) for e, g in sub.groupby("example")]
         assert means[cond] == pytest.approx(np.mean(per_ex), abs=1e-14)
     assert "Correct" not in means.index
-    wide = per_example_deltas(rec)
+    wide = mean_deltas(rec, "example")
     assert wide.shape == (5, 6)
-    rm = randomization_means(rec)
+    rm = mean_deltas(rec, "randomization")
     assert rm.loc[0, "StaticProfile"] == pytest.approx(means["StaticProfile"])
     assert rm["CrossInput"].isna().sum() == 0 and len(rm) == 3
 
@@ -274,8 +273,8 @@ def test_mc_se():
     r = np.array([0.0010, 0.0012, 0.0009, 0.0011])
     assert mc_se(r) == pytest.approx(np.std(r, ddof=1) / 2)
     assert math.isnan(mc_se([0.3]))
-    assert math.isnan(mc_se([0.3, np.nan, np.nan]))  # a deterministic column of randomization_means
-    rm = randomization_means(make_records(R=4))
+    assert math.isnan(mc_se([0.3, np.nan, np.nan]))  # a deterministic condition's column
+    rm = mean_deltas(make_records(R=4), "randomization")
     assert mc_se(rm["TokenShuffle"]) == pytest.approx(rm["TokenShuffle"].std(ddof=1) / 2)
 
 

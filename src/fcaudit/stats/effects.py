@@ -35,22 +35,11 @@ def delta_nll(records: pd.DataFrame) -> pd.DataFrame:
     return rest.assign(delta=rest["nll"].to_numpy(np.float64) - base).reset_index(drop=True)
 
 
-def _wide(records: pd.DataFrame, by: str) -> pd.DataFrame:
-    """ΔNLL (of records, or of `delta_nll`'s rows) averaged into a wide table [`by` x condition]."""
+def mean_deltas(records: pd.DataFrame, by: str) -> pd.DataFrame:
+    """ΔNLL (of records, or of `delta_nll`'s rows) averaged into a wide table [`by` x condition]: by "example", one
+    observation per window (what a window bootstrap resamples), or by "randomization", the input of `mc_se`."""
     d = records if "delta" in records.columns else delta_nll(records)
     return d.groupby([by, "condition"])["delta"].mean().unstack("condition").sort_index()
-
-
-def per_example_deltas(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [example x condition] of ΔNLL averaged over randomizations: each window is one observation, so a
-    window bootstrap resamples windows, not (window, randomization) pairs."""
-    return _wide(records, "example")
-
-
-def randomization_means(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [randomization x condition] of ΔNLL averaged over examples: the input of `mc_se` (deterministic
-    conditions have randomization 0 only)."""
-    return _wide(records, "randomization")
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed
 
 def mc_se(randomization_means) -> float:
     """Monte Carlo SE of a randomized condition: sd (ddof=1) of the R randomization means / sqrt(R); nan for R < 2.
-    nan entries are dropped, so a deterministic condition's column of `effects.randomization_means` gives nan."""
+    nan entries are dropped: a deterministic condition's column of mean_deltas(..., "randomization") gives nan."""
     r = np.asarray(randomization_means, dtype=np.float64).ravel()
     r = r[~np.isnan(r)]
     return float(np.std(r, ddof=1) / math.sqrt(r.size)) if r.size >= 2 else math.nan

@@ -15,7 +15,7 @@ import pandas as pd
 from fcaudit import protocol
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means
+from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas
 from fcaudit.stats.inference import ConfidenceInterval, Estimate, mc_se, paired_bootstrap, retention_bootstrap
 
 BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
@@ -279,13 +279,13 @@ class WindowStatistics:
     @cached_property
     def per_window(self) -> pd.DataFrame:
         """ΔNLL per window (rows) and condition (columns, registry order), averaged over randomizations."""
-        wide = per_example_deltas(self._deltas)
+        wide = mean_deltas(self._deltas, "example")
         return wide[sorted(wide.columns, key=protocol.order)]
 
     @cached_property
     def randomization_means(self) -> pd.DataFrame:
         """ΔNLL per randomization (rows) and condition, averaged over windows: the input of the MC SE."""
-        return randomization_means(self._deltas)
+        return mean_deltas(self._deltas, "randomization")
 
     @cached_property
     def active(self) -> pd.Series:
