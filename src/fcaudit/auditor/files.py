@@ -153,8 +153,7 @@ def read_json(path: str | os.PathLike, keys: tuple[str, ...] = (), require_hash:
         raise Damaged(path, "it has no recorded _sha256")
     if recorded is not None and recorded != json_sha256(obj):
         raise Damaged(path, "content hash does not match")
-    missing = [k for k in keys if k not in obj]
-    if missing:
+    if missing := [k for k in keys if k not in obj]:
         raise Damaged(path, f"lacks {missing}")
     return obj
 

@@ -152,11 +152,10 @@ class AuditResult:
 
     def __repr__(self) -> str:
         r = self.replay
-        part = ", PARTIAL" if self.partial else ""
         windows = (self.config.get("windows") or {}).get("n_eval")  # from config.json: a repr reads no records
-        return (f"AuditResult({str(self.path)!r}, {windows} windows, "
-                f"R={self.config.get('randomizations')}, replay passed={r.get('passed')} "
-                f"max|Δlogit|={r.get('max_abs_dlogit')}{part})")
+        return (f"AuditResult({str(self.path)!r}, {windows} windows, R={self.config.get('randomizations')}, "
+                f"replay passed={r.get('passed')} max|Δlogit|={r.get('max_abs_dlogit')}"
+                f"{', PARTIAL' if self.partial else ''})")
 
     @classmethod
     def load(cls, path: str | os.PathLike, allow_partial: bool = False) -> "AuditResult":
@@ -209,8 +208,7 @@ class AuditResult:
 
     @property
     def notices(self) -> tuple[str, ...]:
-        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json; () when
-        none."""
+        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json."""
         return tuple(self.replay.get("notices") or ())
 
     @property
@@ -230,10 +228,9 @@ class AuditResult:
     def variation(self) -> dict | None:
         """Coefficient variation (variation.json): does the controller vary across inputs, tokens and layers?
 
-        The paper's first question, apart from whether the model uses that spread (what the conditions test): each
-        layer's coefficient profile (`layers`: mean, sd, shape, site) and a balanced variance decomposition into
-        layer, input, token and their interactions (`decomposition`: shares of the total). None for an audit stopped
-        before its end.
+        Each layer's coefficient profile (`layers`: mean, sd, shape, site) and a balanced variance decomposition into
+        layer, input, token and their interactions (`decomposition`: shares of the total); None for an audit stopped
+        before its end. Whether the model uses that spread is what the conditions test.
 
         Examples
         --------
