@@ -1,12 +1,7 @@
-"""An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration.
-
-    .fcaudit-audit      marker, written first (fcaudit.io's rule: only a new or empty directory, or one with it)
-    .lock               exclusive fcntl lock of the process writing it (released by the OS when that process dies)
-    config.json         the configuration: a rerun with the same one resumes, another is refused
-    coeffs/  calib/     the coefficient store (a chunk per capture batch), per-batch calibration sums
-    parts/COND/rNNNN/   records of replay units as each process wrote them, merged into records/COND/rNNNN.parquet
-    profiles.safetensors  replay.json  variation.json
-"""
+"""An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration. It holds
+.fcaudit-audit (the marker, written first: fcaudit.io's rule), .lock (the writer's fcntl lock), config.json, coeffs/
+(the coefficient store), calib/ (calibration sums, reduced into profiles.safetensors), parts/COND/rNNNN/ (replay units
+as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json."""
 
 from __future__ import annotations
 
