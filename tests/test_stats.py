@@ -8,17 +8,17 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import (delta_nll, factor_effects, factorial_cells, per_example_deltas, randomization_means,
-                                   retention)
+from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas, retention
 from fcaudit.stats.inference import (checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap,
                                      sign_flip_test)
 from fcaudit.stats.results import WindowStatistics
-from fcaudit.stats.variance import coefficient_profile, variance_decomposition
+from fcaudit.stats.variance import variance_decomposition, variation
 
 
 def mean_stat(x, axis=-1):
@@ -92,27 +92,27 @@ def test_penalties_are_the_mean_over_examples_of_the_mean_over_randomizations():
         per_ex = [np.mean(g["nll"].to_numpy() - correct[e]) for e, g in sub.groupby("example")]
         assert means[cond] == pytest.approx(np.mean(per_ex), abs=1e-14)
     assert "Correct" not in means.index
-    wide = per_example_deltas(rec)
+    wide = mean_deltas(rec, "example")
     assert wide.shape == (5, 6)
-    rm = randomization_means(rec)
+    rm = mean_deltas(rec, "randomization")
     assert rm.loc[0, "StaticProfile"] == pytest.approx(means["StaticProfile"])
     assert rm["CrossInput"].isna().sum() == 0 and len(rm) == 3
 
 
 def test_factorial_cells_are_paired_by_example_and_randomization():
     rec = make_records(n_examples=4, R=3)
-    cells = factorial_cells(rec)
+    dc, cs, ds = factorial_cells(rec)
     d = delta_nll(rec).set_index(["condition", "example", "randomization"])["delta"]
     i, r = 2, 1
-    e = cells.examples[i]
-    assert cells.dc[i, r] == d[("CrossInput", e, r)]
-    assert cells.cs[i, r] == d[("TokenShuffle", e, r)]
-    assert cells.ds[i, r] == d[("CrossShuffle", e, r)]
-    assert np.all(cells.cc == 0) and cells.dc.shape == (4, 3)
+    e = sorted(rec["example"].unique())[i]  # rows in example order
+    assert dc[i, r] == d[("CrossInput", e, r)]
+    assert cs[i, r] == d[("TokenShuffle", e, r)]
+    assert ds[i, r] == d[("CrossShuffle", e, r)]
+    assert dc.shape == cs.shape == ds.shape == (4, 3)
     # by linearity, the mean of the per-pair effects equals the effects of the condition means
     m = condition_means(rec)
     whole = factor_effects(0.0, m["CrossInput"], m["TokenShuffle"], m["CrossShuffle"])
-    per_pair = cells.effects()
+    per_pair = factor_effects(0.0, dc, cs, ds)
     assert per_pair.input.shape == (4, 3)
     for k in ("input", "token", "interaction"):
         assert getattr(per_pair, k).mean() == pytest.approx(getattr(whole, k))
@@ -273,8 +273,8 @@ def test_mc_se():
     r = np.array([0.0010, 0.0012, 0.0009, 0.0011])
     assert mc_se(r) == pytest.approx(np.std(r, ddof=1) / 2)
     assert math.isnan(mc_se([0.3]))
-    assert math.isnan(mc_se([0.3, np.nan, np.nan]))  # a deterministic column of randomization_means
-    rm = randomization_means(make_records(R=4))
+    assert math.isnan(mc_se([0.3, np.nan, np.nan]))  # a deterministic condition's column
+    rm = mean_deltas(make_records(R=4), "randomization")
     assert mc_se(rm["TokenShuffle"]) == pytest.approx(rm["TokenShuffle"].std(ddof=1) / 2)
 
 
@@ -433,15 +433,31 @@ def test_variance_constant_coefficients_give_nan_with_warning():
         variance_decomposition(np.zeros((3, 4)))
 
 
-def test_coefficient_profile_per_layer_mean_and_spread():
-    x = planted_tensor()
-    prof = coefficient_profile(x)
-    assert list(prof["layer"]) == [0, 1, 2, 3, 4]
-    np.testing.assert_allclose(prof["mean"], x.mean(axis=(0, 2)))
-    np.testing.assert_allclose(prof["sd"], x.std(axis=(0, 2)))
-    np.testing.assert_allclose(prof["max"], x.max(axis=(0, 2)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        prof2 = coefficient_profile(np.stack([x, 2 * x], axis=-1), trailing_names=("stream",))
-    assert len(prof2) == 10
-    np.testing.assert_allclose(prof2[prof2["stream"] == 1]["mean"], 2 * x.mean(axis=(0, 2)))
+class ChunkStore:
+    """A coefficient store in memory: read_chunk(start) gives one [batch, token, stream, source] tensor per site."""
+
+    def __init__(self, chunks: dict[int, list[torch.Tensor]]):
+        self.chunks = chunks
+
+    def read_chunk(self, start: int) -> list[torch.Tensor]:
+        return self.chunks[start]
+
+
+def test_variation_per_layer_profiles_and_decomposition_of_a_store():
+    x = planted_tensor()  # [input 6, layer 5, token 8]: two batches of 4 and 2 windows, a scalar site per layer
+    t = torch.from_numpy(x)
+    store = ChunkStore({b: [t[b:b + 4, layer, :, None, None] for layer in range(5)] for b in (0, 4)})
+    var = variation(store, np.array([0, 4]), sites=[f"blocks.{layer}.gate" for layer in range(5)])
+    assert [l["site"] for l in var["layers"]] == [f"blocks.{layer}.gate" for layer in range(5)]
+    np.testing.assert_allclose([l["mean"] for l in var["layers"]], x.mean(axis=(0, 2)), rtol=1e-12)
+    np.testing.assert_allclose([l["sd"] for l in var["layers"]], x.std(axis=(0, 2)), rtol=1e-9)
+    assert var["decomposition"] == pytest.approx(variance_decomposition(x), abs=1e-12)
+    assert (var["windows"], var["windows_decomposed"]) == (6, 6) and "scalar" in var["decomposed"]
+    # two streams, the second twice the first: a [stream, source] mean per layer, slices pooled
+    two = ChunkStore({b: [torch.stack([c[..., 0, 0], 2 * c[..., 0, 0]], dim=-1)[..., None] for c in chunk]
+                      for b, chunk in store.chunks.items()})
+    var2 = variation(two, np.array([0, 4]))
+    assert var2["layers"][0]["shape"] == [2, 1] and "site" not in var2["layers"][0]
+    np.testing.assert_allclose(var2["layers"][3]["stream_source_mean"], [[x[:, 3].mean()], [2 * x[:, 3].mean()]])
+    assert var2["decomposition"] == pytest.approx(variance_decomposition(np.stack([x, 2 * x], -1)), abs=1e-12)
+    assert "slice" in var2["decomposed"]

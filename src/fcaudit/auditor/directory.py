@@ -1,20 +1,10 @@
-"""An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration.
-
-    .fcaudit-audit      marker, written first: fcaudit never deletes or overwrites a file in a directory without it
-                        (fcaudit.io's rule: a new or empty directory, or one with this marker; no links inside)
-    .lock               exclusive fcntl lock of the process writing it (released by the OS when that process dies)
-    config.json         the audit's configuration; a rerun with the same configuration resumes, another is refused
-    coeffs/             the coefficient store (one chunk per capture batch)
-    calib/              per-batch calibration sums, until they are reduced into profiles.safetensors
-    parts/COND/rNNNN/   records of replay units (condition, randomization, batches) as each process wrote them
-    records/COND/rNNNN.parquet   the records of (condition, randomization) over all windows
-    replay.json  variation.json
-"""
+"""An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration. It holds
+.fcaudit-audit (the marker, written first: fcaudit.io's rule), .lock (the writer's fcntl lock), config.json, coeffs/
+(the coefficient store), calib/ (calibration sums, reduced into profiles.safetensors), parts/COND/rNNNN/ (replay units
+as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,7 +36,7 @@ def identity(config: dict) -> dict:
 
 
 def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(identity(config), sort_keys=True, default=str).encode()).hexdigest()
+    return files.json_sha256(identity(config))
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -119,19 +109,18 @@ class AuditDir:
         remove_stale_temps(self.root, recursive=True)
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
-        current = files.quietly(files.read_json, self.config_path)
-        changed = ["(config.json unreadable)"]
-        if held is not None and held != digest and current is not None and current.get("config_hash") == held:
-            changed = differences(current, config)
+        current = files.quietly(files.read_json, self.config_path) or {}
+        if held not in (None, digest):
+            changed = (differences(current, config) if current.get("config_hash") == held
+                       else ["(config.json unreadable)"])
             if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
-                held = digest
-                current = {**current, "config_hash": digest}
+                held, current = digest, {**current, "config_hash": digest}
                 files.write_json(self.config_path, current)
                 files.write_json(self.root / MARKER, {**marker, "config_hash": digest})
-        if held is not None and held != digest and self.has_results():
-            raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
-                               "pass a new --out directory or delete the old one")
-        if held == digest and current is not None and current.get("config_hash") == digest:
+            elif self.has_results():
+                raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
+                                   "pass a new --out directory or delete the old one")
+        if held == digest and current.get("config_hash") == digest:
             if any(current.get("model", {}).get(k) != config["model"].get(k) for k in DESCRIPTIVE):
                 # the same checkpoint read from elsewhere (or relabelled): config.json says where it was read now
                 files.write_json(self.config_path, {**current, "model": {**current["model"], **{

@@ -1,12 +1,7 @@
-"""The files of an audit directory, each written atomically with a hash and verified when it is reused or read.
-
-Safetensors files carry one metadata key, "fcaudit" (sorted JSON of the file's own metadata and the sha256 of that
-metadata with every tensor's name, dtype, shape and bytes), so equal content gives equal bytes, and the library's own
-header check covers the rest of the file. A Parquet file's sha256, of all its bytes, is in a sidecar
-`NAME.parquet.sha256` (in `sha256sum` format) written before it. JSON files carry "_sha256" of the rest of their
-content. The engine and every reader go through `read_*`, which raise `Damaged` for a file that is unreadable,
-truncated, edited or lacks its hash: the reader then refuses it, and the next audit run recomputes it.
-"""
+"""The files of an audit directory, each written atomically with a hash that every `read_*` checks: safetensors carry
+the sha256 of their metadata and tensors in metadata key "fcaudit", a Parquet file's sha256 is in its sidecar
+`NAME.parquet.sha256` (`sha256sum` format, written first), JSON files carry "_sha256" of the rest. A file that is
+unreadable, truncated, edited or lacks its hash raises `Damaged`: readers refuse it, the next audit recomputes it."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -37,10 +32,19 @@ class Damaged(Exception):
         self.path, self.why = Path(path), why
 
 
-def _exists(path: Path) -> Path:
-    if not path.is_file():
+def _exists(path: str | os.PathLike) -> Path:
+    if not (path := Path(path)).is_file():
         raise FileNotFoundError(path)
     return path
+
+
+def _read(path: str | os.PathLike, parse: Callable[[Path], Any]) -> Any:
+    """parse(path); FileNotFoundError for a missing file, Damaged for one that does not parse."""
+    path = _exists(path)
+    try:
+        return parse(path)
+    except Exception as e:
+        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -63,26 +67,25 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], met
     return write_bytes(path, save(tensors, metadata={META_KEY: json.dumps(info, sort_keys=True)}))
 
 
+def _header(path: Path) -> dict:
+    with safe_open(path, "pt") as f:
+        return json.loads(f.metadata()[META_KEY])
+
+
+def _contents(path: Path) -> tuple[dict[str, torch.Tensor], dict, str]:
+    with safe_open(path, "pt") as f:
+        info = json.loads(f.metadata()[META_KEY])
+        return {k: f.get_tensor(k) for k in f.keys()}, info["meta"], info["sha256"]
+
+
 def tensor_meta(path: str | os.PathLike) -> dict:
     """The `meta` dict stored with `write_tensors`, from the header alone (unchecked: `read_tensors` checks it)."""
-    path = _exists(Path(path))
-    try:
-        with safe_open(path, "pt") as f:
-            return json.loads(f.metadata()[META_KEY])["meta"]
-    except Exception as e:
-        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    return _read(path, lambda p: _header(p)["meta"])
 
 
 def read_tensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of a file written by `write_tensors`, its hash checked."""
-    path = _exists(Path(path))
-    try:
-        with safe_open(path, "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            info = json.loads(f.metadata()[META_KEY])
-        meta, recorded = info["meta"], info["sha256"]
-    except Exception as e:
-        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    tensors, meta, recorded = _read(path, _contents)
     if recorded != _tensors_sha256(tensors, meta):
         raise Damaged(path, "content hash does not match")
     return tensors, meta
@@ -112,7 +115,7 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
 
 def read_frame(path: str | os.PathLike) -> pd.DataFrame:
     """A Parquet table written by `write_columns`, its bytes checked against the sidecar's sha256."""
-    path = _exists(Path(path))
+    path = _exists(path)
     try:
         recorded = sidecar(path).read_text().split()[0]
     except (OSError, UnicodeDecodeError, IndexError):
@@ -127,34 +130,30 @@ def read_frame(path: str | os.PathLike) -> pd.DataFrame:
         raise Damaged(path, f"unreadable ({type(e).__name__})") from None
 
 
-def _json_sha256(obj: dict) -> str:
+def json_sha256(obj: dict) -> str:
+    """The hash of a JSON-able object, as config.json's identity and every JSON file's "_sha256" are taken."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> Path:
     obj = {k: v for k, v in obj.items() if k != "_sha256"}
     obj = json.loads(json.dumps(finite_json(obj), default=str))  # hash what a reader will see; nan as null
-    text = json.dumps({**obj, "_sha256": _json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
+    text = json.dumps({**obj, "_sha256": json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
     return write_bytes(path, text.encode())
 
 
 def read_json(path: str | os.PathLike, keys: tuple[str, ...] = (), require_hash: bool = False) -> dict:
     """A JSON object written by `write_json`: parsed, hash checked (when recorded; `require_hash`: it must be),
     `keys` present."""
-    path = _exists(Path(path))
-    try:
-        obj = json.loads(path.read_text())
-    except Exception as e:
-        raise Damaged(path, f"unreadable ({type(e).__name__})") from None
+    obj = _read(path, lambda p: json.loads(p.read_text()))
     if not isinstance(obj, dict):
         raise Damaged(path, "not a JSON object")
     recorded = obj.pop("_sha256", None)
     if recorded is None and require_hash:
         raise Damaged(path, "it has no recorded _sha256")
-    if recorded is not None and recorded != _json_sha256(obj):
+    if recorded is not None and recorded != json_sha256(obj):
         raise Damaged(path, "content hash does not match")
-    missing = [k for k in keys if k not in obj]
-    if missing:
+    if missing := [k for k in keys if k not in obj]:
         raise Damaged(path, f"lacks {missing}")
     return obj
 

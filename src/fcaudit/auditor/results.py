@@ -1,6 +1,5 @@
-"""An audit directory read back (the one reader): records, replay report, variation, and the paper's window-level
-statistics (fcaudit.stats.results). `fcaudit summarize`, `fcaudit report` and the Python API all read audits
-through `AuditResult`."""
+"""The one reader of audit directories, `AuditResult` (the Python API, `fcaudit summarize` and `fcaudit report` use
+it): records, replay report, variation and the window-level statistics of fcaudit.stats.results."""
 
 from __future__ import annotations
 
@@ -19,10 +18,6 @@ from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
 from fcaudit.stats.results import FactorEffectsResult, PenaltiesResult, RetentionResult, WindowStatistics
 
-V1_CONDITIONS = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
-                 "StructureRemoved")  # audits written before the protocol registry (no "conditions" in config.json)
-
-
 LATER_TOKENS = "routing depends on later tokens"
 
 
@@ -38,22 +33,12 @@ def routing_lines(replay: dict) -> list[str]:
     return lines
 
 
-def _sorted(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.sort_values(["condition", "randomization", "example"], ignore_index=True,
-                        key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
-    if "active" not in df.columns:  # audits of fcaudit before records carried it
-        df["active"] = np.nan
-    # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
-    return df[list(protocol.RECORD_COLUMNS) + [c for c in df.columns if c not in protocol.RECORD_COLUMNS]]
-
-
 def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
 def _read_json(path: Path, root: Path) -> dict | None:
-    """replay.json or variation.json (the engine's, hashed), None when it is missing; a damaged one is an error that
-    says so."""
+    """replay.json or variation.json, None when it is missing; a damaged one is an error."""
     try:
         return files.read_json(path, require_hash=True)
     except FileNotFoundError:
@@ -81,14 +66,20 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
         raise _damaged(e, adir.root) from None
     if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
-    return _sorted(pd.concat(frames, ignore_index=True))
+    df = pd.concat(frames, ignore_index=True).sort_values(
+        ["condition", "randomization", "example"], ignore_index=True,
+        key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
+    if "active" not in df.columns:  # records written before they carried it
+        df["active"] = np.nan
+    # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
+    return df[list(protocol.RECORD_COLUMNS) + [c for c in df.columns if c not in protocol.RECORD_COLUMNS]]
 
 
 def missing_records(adir: AuditDir, config: dict) -> list[str]:
-    """The (condition, randomization) records files a finished audit of `config` holds that are absent or short,
-    read from their Parquet metadata only (the records themselves are read, and their hashes checked, when used)."""
+    """The (condition, randomization) records files of a finished audit of `config` that are absent or short, from
+    their Parquet metadata only (the records are read, and their hashes checked, when used)."""
     missing = []
-    for c in config.get("conditions") or V1_CONDITIONS:
+    for c in config.get("conditions", ()):
         for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1):
             path = adir.records(c, r)
             try:
@@ -105,8 +96,7 @@ class AuditResult:
     """One audit read back from its directory: records, replay check, variation and the paper's statistics.
 
     `fca.audit(...)` returns one, and `fca.AuditResult.load(dir)` reads any audit directory (`fcaudit audit`
-    writes the same). The records are read from disk (and their content hashes checked) when first used, so
-    loading an audit costs no memory that grows with its number of windows until its records are needed.
+    writes the same). The records are read (and their content hashes checked) when first used.
 
     Attributes
     ----------
@@ -114,7 +104,7 @@ class AuditResult:
         The audit directory.
     config : dict
         Its config.json: windows, randomizations, seed, conditions, labels, criteria, controller, model and
-        provenance, fixed before the audit ran.
+        provenance.
     replay : dict
         The exact replay check (replay.json): `passed`, `max_abs_dlogit`, `delta_nll`, `bit_equal`, `tolerance`.
     partial : bool
@@ -146,9 +136,8 @@ class AuditResult:
         """One row per (window, condition, randomization): the audit's raw data, which every statistic reads.
 
         Columns: `example` (the window), `condition`, `randomization`, `nll` (mean next-token NLL per predicted
-        token of the window), `tokens` (predicted tokens), `active` (mean nonzero coefficients per layer, token
-        and stream), then a codec's execution counts where it has them. Sorted by condition (registry order),
-        randomization, example.
+        token), `tokens` (predicted tokens), `active` (mean nonzero coefficients per layer, token and stream), then a
+        codec's execution counts where it has them. Sorted by condition (registry order), randomization, example.
 
         Examples
         --------
@@ -163,11 +152,10 @@ class AuditResult:
 
     def __repr__(self) -> str:
         r = self.replay
-        part = ", PARTIAL" if self.partial else ""
         windows = (self.config.get("windows") or {}).get("n_eval")  # from config.json: a repr reads no records
-        return (f"AuditResult({str(self.path)!r}, {windows} windows, "
-                f"R={self.config.get('randomizations')}, replay passed={r.get('passed')} "
-                f"max|Δlogit|={r.get('max_abs_dlogit')}{part})")
+        return (f"AuditResult({str(self.path)!r}, {windows} windows, R={self.config.get('randomizations')}, "
+                f"replay passed={r.get('passed')} max|Δlogit|={r.get('max_abs_dlogit')}"
+                f"{', PARTIAL' if self.partial else ''})")
 
     @classmethod
     def load(cls, path: str | os.PathLike, allow_partial: bool = False) -> "AuditResult":
@@ -197,33 +185,30 @@ class AuditResult:
         if not adir.config_path.is_file():
             raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
                                "`fcaudit audit`")
-        if not any((adir.root / n).exists() for n in (MARKER, "records", "records.parquet")):  # 2.x, or the first
+        if not any((adir.root / n).exists() for n in (MARKER, "records")):
             raise FcauditError(f"{adir.root} is not an audit directory (a checkpoint?): audit it first with "
                                f"`fcaudit audit {adir.root} --out DIR` and pass DIR")
         try:
             config = adir.config()
         except files.Damaged as e:
             raise _damaged(e, adir.root) from None
-        replay = _read_json(adir.replay, adir.root) or {}
-        if replay.get("passed") is False:
+        replay = _read_json(adir.replay, adir.root)
+        if (replay or {}).get("passed") is False:
             raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
                                "|Δlogit|); its interventions are not valid, see replay.json")
-        missing = missing_records(adir, config)
-        # written last, after replay.json: without it the audit was stopped before its end
-        missing += [p.name for p in (adir.replay, adir.variation) if _read_json(p, adir.root) is None]
+        # variation.json is written last: without it (or replay.json) the audit was stopped before its end
+        missing = missing_records(adir, config) + [p.name for p, obj in (
+            (adir.replay, replay), (adir.variation, _read_json(adir.variation, adir.root))) if obj is None]
         if missing and not allow_partial:
             raise FcauditError(f"{adir.root} is an unfinished audit (lacks {', '.join(missing[:3])}"
                                f"{' ...' if len(missing) > 3 else ''}); rerun the audit command with --out "
                                f"{adir.root} to finish it (or pass --allow-partial)")
-        if not missing:
-            return cls(adir.root, config, replay)
-        # an unfinished audit, asked for: read what is there
-        return cls(adir.root, config, replay, partial=True, _records=load_records(adir.root, partial=True))
+        return cls(adir.root, config, replay or {}, partial=bool(missing),
+                   _records=load_records(adir.root, partial=True) if missing else None)
 
     @property
     def notices(self) -> tuple[str, ...]:
-        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json; () when
-        none, and for audits written before replay.json kept them."""
+        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json."""
         return tuple(self.replay.get("notices") or ())
 
     @property
@@ -243,10 +228,9 @@ class AuditResult:
     def variation(self) -> dict | None:
         """Coefficient variation (variation.json): does the controller vary across inputs, tokens and layers?
 
-        The first of the paper's three questions, kept apart from functional dependence (whether the model
-        uses that spread is what the conditions test): each layer's coefficient profile (`layers`: mean, sd,
-        shape, site) and a balanced variance decomposition of the coefficients into layer, input, token and
-        their interactions (`decomposition`: shares of the total). None for an audit stopped before its end.
+        Each layer's coefficient profile (`layers`: mean, sd, shape, site) and a balanced variance decomposition into
+        layer, input, token and their interactions (`decomposition`: shares of the total); None for an audit stopped
+        before its end. Whether the model uses that spread is what the conditions test.
 
         Examples
         --------
@@ -269,8 +253,8 @@ class AuditResult:
         return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
 
     def statistics(self, confidence: float | None = None, n_resamples: int = 10000) -> WindowStatistics:
-        """The window-level statistics of this audit's records, the one object penalties, factor effects and
-        retention are computed from (`fca.summarize` reads a single checkpoint the same way).
+        """The window-level statistics of this audit's records, which penalties, factor effects and retention are
+        computed from (as `fca.summarize` reads a single checkpoint).
 
         Parameters
         ----------
@@ -291,9 +275,9 @@ class AuditResult:
     def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> PenaltiesResult:
         """The cost of each condition: mean ΔNLL vs Correct per condition (Eq. 4), with its interval over windows.
 
-        Each condition replaces the coefficients (e.g. CrossInput: another input's; StaticProfile: a fixed
-        profile from the calibration windows); its penalty is how much worse the frozen model predicts. Also the
-        Monte Carlo SE across randomizations and the mean active sources (experts) per token.
+        Each condition replaces the coefficients (e.g. CrossInput: another input's; StaticProfile: a fixed profile
+        from the calibration windows); its penalty is how much worse the frozen model predicts. Also the Monte
+        Carlo SE across randomizations and the mean active sources (experts) per token.
 
         Parameters
         ----------
@@ -321,8 +305,7 @@ class AuditResult:
         """The factorial contrasts E_input, E_token and E_interaction (Eq. 5-7), with their intervals over windows.
 
         From the paired cells CC (Correct), DC (CrossInput), CS (TokenShuffle) and DS (CrossShuffle) of each
-        window and randomization: how much the model needs each coefficient at its own input, at its own token,
-        and their interaction. Contrasts, not an additive split into mechanisms.
+        window and randomization: contrasts, not an additive split into mechanisms.
 
         Parameters
         ----------
@@ -348,10 +331,9 @@ class AuditResult:
                   n_resamples: int = 10000) -> RetentionResult:
         """How much of the input-dependent structure's value a static condition keeps (Eq. 8).
 
-        Retention(S) = 1 - ΔNLL(S) / ΔNLL(StructureRemoved), with its paired-window interval, always reported
-        beside both absolute ΔNLLs. It is undefined (statistic nan, with the reason) unless the reference's
-        interval lies above the criteria's practically-small bound: when removing all structure costs next to
-        nothing, the ratio says nothing.
+        Retention(S) = 1 - ΔNLL(S) / ΔNLL(StructureRemoved), with its paired-window interval, reported beside both
+        absolute ΔNLLs. Undefined (statistic nan, with the reason) unless the reference's interval lies above the
+        criteria's practically-small bound.
 
         Parameters
         ----------
@@ -393,9 +375,8 @@ class AuditResult:
         return [r.line() for r in self.statistics().retentions()] + self.capacity_lines()
 
     def capacity_lines(self) -> list[str]:
-        """Where a capacity router's codec counted drops (a `dropped` record column): one line with each condition's
-        mean assignments per window dropped past the experts' capacity, beside the assignments run under Correct, so
-        a static profile that overfills the experts is seen as such ([] for other controllers).
+        """A capacity router's drops (a `dropped` record column): each condition's mean assignments per window dropped
+        past the experts' capacity, beside those run under Correct, in one line ([] for other controllers).
 
         Examples
         --------

@@ -12,54 +12,34 @@ from fcaudit import protocol
 from fcaudit.errors import FcauditError
 
 CORRECT = "Correct"
-RECORD_COLUMNS = ("example", "condition", "randomization", "nll")  # the columns the statistics read
-
-
-def _check_records(records: pd.DataFrame) -> None:
-    missing = [c for c in RECORD_COLUMNS if c not in records.columns]
-    if missing:
-        raise FcauditError(f"records lack columns {missing}: pass the frame from fcaudit.auditor.results.load_records(DIR)")
-    if records.duplicated(["example", "condition", "randomization"]).any():
-        raise FcauditError("records have duplicate (example, condition, randomization) rows: rerun the audit into a fresh directory")
-    if not np.isfinite(records["nll"].to_numpy(dtype=np.float64)).all():
-        raise FcauditError("records contain non-finite NLL values: check the model's dtype (use float32) and rerun the audit")
 
 
 def delta_nll(records: pd.DataFrame) -> pd.DataFrame:
     """The non-Correct rows with `delta`: their NLL minus the Correct NLL of the same example (the paired penalty
     ΔNLL). Every example must have exactly one Correct row (randomization 0)."""
-    _check_records(records)
+    if missing := [c for c in ("example", "condition", "randomization", "nll") if c not in records.columns]:
+        raise FcauditError(f"records lack columns {missing}: pass the frame from fcaudit.auditor.results.load_records(DIR)")
+    if records.duplicated(["example", "condition", "randomization"]).any():
+        raise FcauditError("records have duplicate (example, condition, randomization) rows: rerun the audit into a fresh directory")
+    if not np.isfinite(records["nll"].to_numpy(dtype=np.float64)).all():
+        raise FcauditError("records contain non-finite NLL values: check the model's dtype (use float32) and rerun the audit")
     correct = records[records["condition"] == CORRECT]
     if correct.empty:
         raise FcauditError("records have no Correct rows: the audit must evaluate the Correct condition first")
     if (correct["randomization"] != 0).any():
         raise FcauditError("Correct rows must have randomization 0 only: rerun the audit into a fresh directory")
     rest = records[records["condition"] != CORRECT]
-    unpaired = sorted(set(rest["example"]) - set(correct["example"]))
-    if unpaired:
+    if unpaired := sorted(set(rest["example"]) - set(correct["example"])):
         raise FcauditError(f"examples {unpaired[:5]} have no Correct row: rerun the audit so every example has one")
-    base = correct.set_index("example")["nll"]
-    out = rest.copy()
-    out["delta"] = out["nll"].to_numpy(np.float64) - base.loc[out["example"]].to_numpy(np.float64)
-    return out.reset_index(drop=True)
+    base = correct.set_index("example")["nll"].loc[rest["example"]].to_numpy(np.float64)
+    return rest.assign(delta=rest["nll"].to_numpy(np.float64) - base).reset_index(drop=True)
 
 
-def _deltas(records: pd.DataFrame) -> pd.DataFrame:
-    return records if "delta" in records.columns else delta_nll(records)
-
-
-def per_example_deltas(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [example x condition] of ΔNLL (from records or `delta_nll`'s rows) averaged over randomizations:
-    each window is one observation, so a window bootstrap resamples windows, not (window, randomization) pairs."""
-    d = _deltas(records)
-    return d.groupby(["example", "condition"])["delta"].mean().unstack("condition").sort_index()
-
-
-def randomization_means(records: pd.DataFrame) -> pd.DataFrame:
-    """Wide table [randomization x condition] of ΔNLL averaged over examples: the input of `mc_se` (deterministic
-    conditions have randomization 0 only)."""
-    d = _deltas(records)
-    return d.groupby(["randomization", "condition"])["delta"].mean().unstack("condition").sort_index()
+def mean_deltas(records: pd.DataFrame, by: str) -> pd.DataFrame:
+    """ΔNLL (of records, or of `delta_nll`'s rows) averaged into a wide table [`by` x condition]: by "example", one
+    observation per window (what a window bootstrap resamples), or by "randomization", the input of `mc_se`."""
+    d = records if "delta" in records.columns else delta_nll(records)
+    return d.groupby([by, "condition"])["delta"].mean().unstack("condition").sort_index()
 
 
 @dataclass(frozen=True)
@@ -85,27 +65,12 @@ def factor_effects(cc, dc, cs, ds) -> FactorEffects:
     return FactorEffects(*(_scalar_or_array(e) for e in (e_input, e_token, e_inter)))
 
 
-@dataclass(frozen=True)
-class FactorialCells:
-    """Paired CC/DC/CS/DS ΔNLL cells, each [n_examples, R], rows in the order of `examples`."""
-
-    examples: np.ndarray
-    cc: np.ndarray
-    dc: np.ndarray
-    cs: np.ndarray
-    ds: np.ndarray
-
-    def effects(self) -> FactorEffects:
-        """Per-(example, randomization) factor effects, each [n_examples, R]."""
-        return factor_effects(self.cc, self.dc, self.cs, self.ds)
-
-
-def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCells:
-    """Build paired CC/DC/CS/DS arrays from records: CC = Correct (ΔNLL 0), DC/CS/DS = the conditions registered with
-    the roles input/token/both (CrossInput, TokenShuffle, CrossShuffle), paired by example and randomization. The
-    three must cover the same examples and the same randomizations (complete, balanced design); with
-    `complete=False` (a partial audit) only the (example, randomization) pairs all three have are used."""
-    d = _deltas(records)
+def factorial_cells(records: pd.DataFrame, complete: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The paired ΔNLL cells (DC, CS, DS), each [example (sorted), randomization], of the conditions registered with
+    the roles input/token/both (CrossInput, TokenShuffle, CrossShuffle; CC is Correct, ΔNLL 0). The three must cover
+    the same examples and randomizations (a complete, balanced design); with `complete=False` (a partial audit) only
+    the examples all three have at every randomization are used."""
+    d = records if "delta" in records.columns else delta_nll(records)
     roles = protocol.factorial()
     cells = {}
     for name in (roles["input"], roles["token"], roles["both"]):
@@ -115,7 +80,7 @@ def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCe
         cells[name] = sub.pivot(index="example", columns="randomization", values="delta").sort_index().sort_index(axis=1)
     if not complete:
         rows = sorted(set.intersection(*(set(w.dropna(how="any").index) for w in cells.values())))
-        cols = sorted(set.intersection(*(set(w.dropna(how="any", axis=0).columns) for w in cells.values())))
+        cols = sorted(set.intersection(*(set(w.columns) for w in cells.values())))
         cells = {k: w.reindex(index=rows, columns=cols) for k, w in cells.items()}
         if not rows or not cols:
             raise FcauditError("the partial records hold no (example, randomization) pair of all three factorial "
@@ -127,18 +92,13 @@ def factorial_cells(records: pd.DataFrame, complete: bool = True) -> FactorialCe
                 f"{name} does not cover the same examples and randomizations as {roles['input']}: "
                 "rerun the audit so all randomized conditions are complete"
             )
-    dc, cs, ds = (w.to_numpy(np.float64) for w in cells.values())
-    return FactorialCells(examples=ref.index.to_numpy(), cc=np.zeros_like(dc), dc=dc, cs=cs, ds=ds)
+    return tuple(w.to_numpy(np.float64) for w in cells.values())
 
 
 def retention(delta_static, delta_reference):
     """Static retention 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8), elementwise: the share of the Correct-to-R gap that S closes,
     nan where ΔNLL(R) <= 0 (no gap to retain). The formula only: `inference.retention_bootstrap` also requires the
     reference's interval above the practically-small bound. Report it beside the absolute ΔNLLs."""
-    s = np.asarray(delta_static, dtype=np.float64)
-    r = np.asarray(delta_reference, dtype=np.float64)
-    s, r = np.broadcast_arrays(s, r)
-    bad = ~(r > 0)
+    s, r = np.asarray(delta_static, dtype=np.float64), np.asarray(delta_reference, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(bad, np.nan, 1.0 - s / np.where(bad, 1.0, r))
-    return _scalar_or_array(out)
+        return _scalar_or_array(np.where(r > 0, 1.0 - s / r, np.nan))

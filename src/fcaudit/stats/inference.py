@@ -36,7 +36,6 @@ class Estimate:
     n: int = 0
     method: str = ""
     confidence_level: float = 0.95
-    standard_error: float = math.nan  # bootstrap SE (sd of the resampled statistic); nan without an interval
 
     @property
     def has_interval(self) -> bool:
@@ -47,8 +46,7 @@ class Estimate:
         low, high = self.confidence_interval
         return finite_json({"statistic": float(self.statistic), "low": float(low), "high": float(high),
                             "pvalue": self.pvalue, "n": int(self.n), "method": self.method,
-                            "confidence_level": float(self.confidence_level),
-                            "standard_error": float(self.standard_error)})
+                            "confidence_level": float(self.confidence_level)})
 
     def __str__(self) -> str:
         low, high = self.confidence_interval
@@ -66,15 +64,13 @@ def _sample(x, name: str = "x") -> np.ndarray:
     return x
 
 
-def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int, seed) -> tuple:
-    """scipy.stats.bootstrap, percentile method, vectorized; (ConfidenceInterval, bootstrap SE)."""
-    if not 0 < confidence < 1:
-        raise FcauditError(f"confidence must lie in (0, 1), got {confidence}: pass e.g. 0.95")
+def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n_resamples: int,
+                          seed) -> ConfidenceInterval:
+    """scipy.stats.bootstrap, percentile method, vectorized (the confidence is a Criteria's, checked there)."""
     res = stats.bootstrap(data, statistic, n_resamples=int(n_resamples), vectorized=True, paired=len(data) > 1,
                           batch=max(1, _MAX_BATCH_ELEMENTS // len(data[0])), confidence_level=confidence,
                           method="percentile", rng=np.random.default_rng(seed))  # a Generator passes through
-    ci = res.confidence_interval
-    return ConfidenceInterval(float(ci.low), float(ci.high)), float(res.standard_error)
+    return ConfidenceInterval(float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
 def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
@@ -82,9 +78,9 @@ def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
     if x.size < 2:
         return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), None, 1,
                         f"single {unit}: no interval", confidence)
-    ci, se = _percentile_bootstrap((x,), np.mean, confidence, n_resamples, seed)
+    ci = _percentile_bootstrap((x,), np.mean, confidence, n_resamples, seed)
     method = f"percentile bootstrap of the mean over {x.size} {unit}s ({n_resamples} resamples)"
-    return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence, se)
+    return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence)
 
 
 def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
@@ -95,21 +91,18 @@ def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed
 
 def mc_se(randomization_means) -> float:
     """Monte Carlo SE of a randomized condition: sd (ddof=1) of the R randomization means / sqrt(R); nan for R < 2.
-    nan entries are dropped, so a deterministic condition's column of `effects.randomization_means` gives nan."""
+    nan entries are dropped: a deterministic condition's column of mean_deltas(..., "randomization") gives nan."""
     r = np.asarray(randomization_means, dtype=np.float64).ravel()
     r = r[~np.isnan(r)]
-    if r.size < 2:
-        return math.nan
-    return float(np.std(r, ddof=1) / math.sqrt(r.size))
+    return float(np.std(r, ddof=1) / math.sqrt(r.size)) if r.size >= 2 else math.nan
 
 
-def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0,
-                         sign_flip: bool = True) -> Estimate:
+def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
     """Percentile bootstrap CI of the mean over independently trained checkpoints (the unit of inference), with the
-    two-sided sign-flip p-value of `sign_flip_test` unless `sign_flip` is False. One checkpoint gives no interval and
-    no p-value: one model says nothing about variation across seeds. With few, the interval is coarse: report n."""
+    two-sided p-value of `sign_flip_test`. One checkpoint gives no interval and no p-value: one model says nothing
+    about variation across seeds. With few, the interval is coarse: report n."""
     est = _mean_estimate(x, confidence, n_resamples, seed, "checkpoint")
-    if sign_flip and est.n >= 2:
+    if est.n >= 2:
         est = replace(est, pvalue=sign_flip_test(x, seed=seed),
                       method=est.method + f"; {sign_flip_kind(est.n)} two-sided sign-flip p-value")
     return est
@@ -123,15 +116,16 @@ def sign_flip_kind(n: int) -> str:
     return "exact" if n <= SIGN_FLIP_EXACT_MAX_N else "Monte Carlo"
 
 
-def sign_flip_test(x, n_resamples: int = 100_000, seed=0, exact_max_n: int = SIGN_FLIP_EXACT_MAX_N) -> float:
+def sign_flip_test(x, n_resamples: int = 100_000, seed=0) -> float:
     """Two-sided sign-flip (one-sample permutation) test of mean 0: the fraction of sign patterns whose |mean| >= the
-    observed one (ties within a relative 1e-12 count). Exact over all 2^n patterns for n <= exact_max_n (7 positive
-    values give 2/128); above, n_resamples random patterns with p = (1 + hits) / (1 + n_resamples), as scipy does."""
+    observed one (ties within a relative 1e-12 count). Exact over all 2^n patterns up to SIGN_FLIP_EXACT_MAX_N (7
+    positive values give 2/128); above, n_resamples random patterns with p = (1 + hits) / (1 + n_resamples), as scipy
+    does."""
     x = _sample(x)
     n = x.size
     observed = abs(x.sum())  # the sum orders patterns the same as the mean
     tol = 1e-12 * max(observed, np.abs(x).sum())
-    exact = n <= exact_max_n
+    exact = n <= SIGN_FLIP_EXACT_MAX_N
     if exact:  # the patterns are the bits of 0 .. 2^n - 1, 2^16 of them at a time
         total, bits, chunk = 1 << n, np.arange(n, dtype=np.int64), 1 << 16
         batches = (1.0 - 2.0 * ((np.arange(start, min(start + chunk, total), dtype=np.int64)[:, None] >> bits) & 1)
@@ -156,10 +150,6 @@ def holm(pvalues) -> np.ndarray:
     return out
 
 
-def _retention_of_means(s, r, axis=-1):
-    return retention(np.mean(s, axis=axis), np.mean(r, axis=axis))
-
-
 def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None = None, n_resamples: int = 10000,
                         seed=0, unit: str = "checkpoint") -> Estimate:
     """Retention 1 - mean(S)/mean(R) (a fraction) with a percentile bootstrap CI, resampling the (ΔNLL(S), ΔNLL(R))
@@ -170,27 +160,25 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     of the reference's mean ΔNLL (as its penalty's) lies above `criteria.small_upper` (and 0), retention is undefined:
     nan, with the reason in `method`. A single unit has no such interval, so its retention is undefined too."""
     criteria = criteria or Criteria()
-    if unit not in ("checkpoint", "window"):
-        raise FcauditError(f"unit must be 'checkpoint' or 'window', got {unit!r}")
     s, r = _sample(delta_static, "delta_static"), _sample(delta_reference, "delta_reference")
     if s.shape != r.shape:
         raise FcauditError(f"delta_static and delta_reference must pair the same {unit}s, got {s.size} and {r.size}")
     confidence, bound = criteria.confidence, max(criteria.small_upper, 0.0)
     nan = ConfidenceInterval(math.nan, math.nan)
     ref = _mean_estimate(r, confidence, n_resamples, seed, unit)
-    if not ref.has_interval:
-        return Estimate(math.nan, nan, None, int(s.size), f"a single {unit} gives the reference ΔNLL no interval", confidence)
     lo, hi = ref.confidence_interval
-    if not lo > bound:
-        return Estimate(math.nan, nan, None, int(s.size), f"the reference ΔNLL {r.mean():.3g} has "
-                        f"{100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not above the practically-small "
-                        f"bound {bound:g}", confidence)
+    if not (ref.has_interval and lo > bound):
+        why = (f"the reference ΔNLL {r.mean():.3g} has {100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not above "
+               f"the practically-small bound {bound:g}" if ref.has_interval
+               else f"a single {unit} gives the reference ΔNLL no interval")
+        return Estimate(math.nan, nan, None, int(s.size), why, confidence)
     point = float(retention(s.mean(), r.mean()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ci, se = _percentile_bootstrap((s, r), _retention_of_means, confidence, n_resamples, seed)
+        ci = _percentile_bootstrap((s, r), lambda a, b, axis=-1: retention(a.mean(axis), b.mean(axis)), confidence,
+                                   n_resamples, seed)
     level = "checkpoints" if unit == "checkpoint" else "windows (paired)"
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
         ci, method = nan, method + "; interval undefined: some resamples have a reference ΔNLL <= 0"
-    return Estimate(point, ci, None, int(s.size), method, confidence, se)
+    return Estimate(point, ci, None, int(s.size), method, confidence)

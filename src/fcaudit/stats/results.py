@@ -1,6 +1,6 @@
-"""One checkpoint's window-level statistics (`WindowStatistics`, the one path `AuditResult` and `fcaudit summarize`
-share) and their result objects in the scipy style: statistic, confidence_interval and pvalue, a repr that prints a
-table from numbers already computed (no I/O), and `to_frame()` for the DataFrame the tables are written from."""
+"""One checkpoint's window-level statistics (`WindowStatistics`, shared by `AuditResult` and `fcaudit summarize`) and
+their result objects in the scipy style: statistic, confidence_interval and pvalue, a repr that prints a table of
+numbers already computed (no I/O), and `to_frame()`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pandas as pd
 from fcaudit import protocol
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import delta_nll, factorial_cells, per_example_deltas, randomization_means
+from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas
 from fcaudit.stats.inference import ConfidenceInterval, Estimate, mc_se, paired_bootstrap, retention_bootstrap
 
 BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
@@ -51,8 +51,8 @@ class _Estimates:
 
     @property
     def pvalue(self) -> np.ndarray:
-        """nan throughout at window level: windows of one checkpoint are not independent units for a test."""
-        return np.array([math.nan if e.pvalue is None else e.pvalue for e in self.estimates], dtype=float)
+        """nan throughout: windows of one checkpoint are not independent units for a test."""
+        return np.full(len(self.estimates), math.nan)
 
     @property
     def n(self) -> np.ndarray:
@@ -64,9 +64,9 @@ class _Estimates:
 
     def __getitem__(self, name: str) -> Estimate:
         """The estimate of one quantity, by name (CrossInput, input) or display label (LayerMean, E_input)."""
-        for i, (n, label) in enumerate(zip(self.names, self.labels)):
+        for n, label, e in zip(self.names, self.labels, self.estimates):
             if name in (n, label):
-                return self.estimates[i]
+                return e
         raise KeyError(f"{name!r} is not one of {list(self.names)}")
 
     def __repr__(self) -> str:
@@ -83,10 +83,9 @@ class _Estimates:
 class PenaltiesResult(_Estimates):
     """Mean ΔNLL vs Correct per condition (Eq. 4), with paired-window bootstrap intervals and MC SE.
 
-    What `AuditResult.penalties()` returns, in the scipy style: arrays over the conditions (`statistic`,
-    `confidence_interval`, `pvalue`, `n`, `mc_se`), one `Estimate` per condition by name or label, a repr that
-    prints the table, and `to_frame()`. `pvalue` is nan throughout: windows of one checkpoint are not independent
-    units for a test (`fca.summarize` tests across checkpoints).
+    What `AuditResult.penalties()` returns: arrays over the conditions (`statistic`, `confidence_interval`, `pvalue`,
+    `n`, `mc_se`), one `Estimate` per condition by name or label, and `to_frame()`. `pvalue` is nan throughout:
+    windows of one checkpoint are not independent units for a test (`fca.summarize` tests across checkpoints).
 
     Attributes
     ----------
@@ -110,7 +109,7 @@ class PenaltiesResult(_Estimates):
     """
 
     randomizations: tuple[int, ...] = ()
-    active: np.ndarray = field(default_factory=lambda: np.array([]))  # mean active sources (experts) per token
+    active: np.ndarray = field(default_factory=lambda: np.array([]))
     _what: ClassVar[str] = "mean ΔNLL vs Correct per condition (nats per predicted token)"
 
     def to_frame(self) -> pd.DataFrame:
@@ -126,8 +125,7 @@ class FactorEffectsResult(_Estimates):
     """E_input, E_token, E_interaction (Eq. 5-7): factorial contrasts, not an additive split into mechanisms.
 
     What `AuditResult.factor_effects()` returns, shaped like `PenaltiesResult`: arrays over the three effects, one
-    `Estimate` per effect by name ("input") or label ("E_input"), a repr that prints the table, and
-    `to_frame()`.
+    `Estimate` per effect by name ("input") or label ("E_input"), and `to_frame()`.
 
     Examples
     --------
@@ -148,9 +146,8 @@ class FactorEffectsResult(_Estimates):
 
 
 def retention_value(retention: float, low: float, high: float, note: str) -> str:
-    """Retention as the terminal prints it: '98.70% [97.10%, 99.20%]', or 'undefined (why)'. A negative one says so
-    in words: the condition costs more than the reference that removes the structure, which is no degree of
-    retention (e.g. a static profile that overfills a capacity router's experts)."""
+    """Retention as the terminal prints it: '98.70% [97.10%, 99.20%]', or 'undefined (why)'. A negative one says in
+    words that the condition costs more than removing the structure, which is no degree of retention."""
     if not math.isfinite(retention):
         return f"undefined ({note})"
     worse = ", below 0: costs more than the structure-removed reference" if retention < 0 else ""
@@ -164,9 +161,8 @@ class RetentionResult:
     """Retention(S) = 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8) with its paired interval, beside both absolute ΔNLLs.
 
     What `AuditResult.retention(...)` returns. Undefined (statistic nan, the reason in `reason`) unless the
-    reference's interval lies above the practically-small bound of the audit's criteria (`bound`): below it,
-    removing all structure is itself negligible and the ratio says nothing. Read it with both ΔNLLs: a high
-    retention of a reference that costs little is little.
+    reference's interval lies above the criteria's practically-small bound (`bound`): below it, removing all
+    structure is itself negligible and the ratio says nothing.
 
     Attributes
     ----------
@@ -198,7 +194,7 @@ class RetentionResult:
     delta_static: float
     delta_reference: float
     bound: float
-    level: str  # "window" or "checkpoint": the units resampled
+    level: str
 
     @property
     def statistic(self) -> float:
@@ -251,11 +247,9 @@ class RetentionResult:
 
 def retention_of(table: pd.DataFrame, condition: str, labels: dict[str, str], criteria: Criteria, unit: str,
                  n_resamples: int = 10000) -> RetentionResult:
-    """Retention of `condition` against the structure-removed reference; `table` has one row per unit (window or
-    checkpoint) and one column per condition (those the audit ran), and the units both columns have are used."""
-    reference = protocol.structure_removed(table.columns)
-    if reference is None:
-        raise FcauditError(f"retention needs a structure-removed reference, and none of {list(table.columns)} is one")
+    """Retention of `condition` against the structure-removed reference, over the units (rows of `table`: windows or
+    checkpoints) that have both conditions' ΔNLL."""
+    reference = protocol.structure_removed(table.columns)  # the callers check that there is one
     pair = table[[condition, reference]].dropna()
     s, r = pair[condition].to_numpy(), pair[reference].to_numpy()
     est = retention_bootstrap(s, r, criteria, n_resamples, BOOT_SEED, unit)
@@ -265,12 +259,9 @@ def retention_of(table: pd.DataFrame, condition: str, labels: dict[str, str], cr
 
 @dataclass(eq=False)
 class WindowStatistics:
-    """One checkpoint's penalties, factor effects and retention with paired-window bootstrap intervals, computed
-    from its records (each window's ΔNLL averaged over randomizations is one unit). These describe stability
-    across evaluation windows, not uncertainty across trained checkpoints.
-
-    `complete=False` (a partial audit): the factor effects use the (example, randomization) pairs all three
-    factorial cells have."""
+    """One checkpoint's penalties, factor effects and retention from its records, with paired-window bootstrap
+    intervals (a window's ΔNLL averaged over randomizations is one unit): stability across evaluation windows, not
+    uncertainty across trained checkpoints. `complete=False`: a partial audit's records."""
 
     records: pd.DataFrame
     labels: dict[str, str] = field(default_factory=protocol.default_labels)
@@ -288,13 +279,13 @@ class WindowStatistics:
     @cached_property
     def per_window(self) -> pd.DataFrame:
         """ΔNLL per window (rows) and condition (columns, registry order), averaged over randomizations."""
-        wide = per_example_deltas(self._deltas)
+        wide = mean_deltas(self._deltas, "example")
         return wide[sorted(wide.columns, key=protocol.order)]
 
     @cached_property
     def randomization_means(self) -> pd.DataFrame:
         """ΔNLL per randomization (rows) and condition, averaged over windows: the input of the MC SE."""
-        return randomization_means(self._deltas)
+        return mean_deltas(self._deltas, "randomization")
 
     @cached_property
     def active(self) -> pd.Series:
@@ -319,7 +310,7 @@ class WindowStatistics:
         return all(c in self.per_window.columns for c in protocol.factorial().values())
 
     def factor_effects(self) -> FactorEffectsResult:
-        per_pair = asdict(factorial_cells(self._deltas, complete=self.complete).effects())  # [example, r]
+        per_pair = asdict(factor_effects(0.0, *factorial_cells(self._deltas, complete=self.complete)))  # [example, r]
         names = tuple(FACTOR_LABELS)
         return FactorEffectsResult(
             names, tuple(FACTOR_LABELS.values()),

@@ -6,7 +6,6 @@ import math
 import warnings
 
 import numpy as np
-import pandas as pd
 
 from fcaudit.errors import FcauditError
 
@@ -15,14 +14,12 @@ DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for t
 DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memory flat in the number of windows
 
 
-def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, float], float]:
-    """Balanced functional ANOVA of a complete array: ({"a": ss, "a:b": ss, ...} by interaction size, then axis order;
-    total ss). The effect of axes S is the mean over the other axes minus the effects of S's proper subsets, so the
-    effects are orthogonal and their sums of squares add up to the total about the grand mean."""
-    x = np.asarray(x, dtype=np.float64)
+def functional_anova(x: np.ndarray) -> tuple[dict[str, float], float]:
+    """Balanced functional ANOVA of a complete [input, layer, token] array: ({"input": ss, "input:layer": ss, ...} by
+    interaction size, then axis order; total ss). The effect of axes S is the mean over the other axes minus the
+    effects of S's proper subsets, so the effects are orthogonal and their sums of squares add up to the total about
+    the grand mean."""
     k = x.ndim
-    if len(names) != k:
-        raise FcauditError(f"need one name per axis, got {names} for an array of shape {x.shape}")
     subsets = [s for size in range(1, k + 1) for s in itertools.combinations(range(k), size)]
     grand = x.mean()
     effects: dict[tuple, np.ndarray] = {(): np.asarray(grand).reshape((1,) * k)}
@@ -35,18 +32,26 @@ def functional_anova(x: np.ndarray, names: tuple[str, ...]) -> tuple[dict[str, f
                 eff -= sub_eff  # in place: the full interaction is as big as x (no temporary per subset)
         effects[s] = eff
         # each cell of the effect is repeated over the other axes' extent
-        ss[":".join(names[a] for a in s)] = float((eff**2).sum() * np.prod([x.shape[a] for a in other]))
+        ss[":".join(AXES[a] for a in s)] = float((eff**2).sum() * np.prod([x.shape[a] for a in other]))
     del effects  # the full interaction, before the deviations below take as much again
     dev = x - grand
     total = float(np.square(dev, out=dev).sum())
     return ss, total
 
 
-def _slices(coeffs: np.ndarray):
-    """Yield (trailing index, float64 [input, present layer, token] slice, present layer indices); layers
-    absent from a slice (all nan) are dropped. Slices are cast one at a time so a memory-mapped store stays small."""
-    for idx in np.ndindex(*coeffs.shape[3:]):
-        sl = np.asarray(coeffs[(slice(None), slice(None), slice(None), *idx)], dtype=np.float64)
+def variance_decomposition(coeffs: np.ndarray) -> dict[str, float]:
+    """Fractions of the total sum of squares of coefficients [input, layer, token, *trailing], by input, layer, token
+    and their interactions (summing to 1). Trailing axes (stream, source) are not factors: each trailing slice is
+    decomposed about its own mean and the sums of squares pooled, so the fractions are of the within-slice variation.
+    A slice may be nan-padded in layers where it does not exist (MUDD sources k > layer + 1): it uses its present
+    layers only. Constant coefficients give nan fractions with a RuntimeWarning."""
+    x = np.asarray(coeffs)
+    if x.ndim < 3 or not np.issubdtype(x.dtype, np.number):
+        raise FcauditError(f"coefficients must be a numeric array with axes (input, layer, token, ...), got shape {x.shape}")
+    pooled: dict[str, float] = {}
+    total = tol = 0.0
+    for idx in np.ndindex(*x.shape[3:]):
+        sl = np.asarray(x[(slice(None), slice(None), slice(None), *idx)], dtype=np.float64)
         present = ~np.isnan(sl).all(axis=(0, 2))
         if not present.any():  # a (stream, source) that no layer has
             continue
@@ -58,67 +63,17 @@ def _slices(coeffs: np.ndarray):
             )
         if np.isinf(sl).any():
             raise FcauditError("coefficients contain inf: check the controller's output dtype and rerun the audit")
-        yield idx, sl, np.flatnonzero(present)
-
-
-def _as_array(coeffs, trailing_names: tuple[str, ...] | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
-    """The coefficients as an array, and the names of its trailing axes (default axis3, axis4, ...)."""
-    if hasattr(coeffs, "detach"):  # torch tensor (bfloat16 has no numpy dtype)
-        coeffs = coeffs.detach().cpu().float().numpy()
-    x = np.asarray(coeffs)
-    if x.ndim < 3 or not np.issubdtype(x.dtype, np.number):
-        raise FcauditError(f"coefficients must be a numeric array with axes (input, layer, token, ...), got shape {x.shape}")
-    names = tuple(trailing_names or (f"axis{i}" for i in range(3, x.ndim)))
-    if len(names) != x.ndim - 3:
-        raise FcauditError(f"trailing_names needs {x.ndim - 3} names for shape {x.shape}, got {names}")
-    return x, names
-
-
-def _constant_tol(x: np.ndarray) -> float:
-    """Total SS that is only rounding error of the grand mean (a constant array rarely gives exactly 0)."""
-    finite = x[np.isfinite(x)]
-    scale = float(np.abs(finite).max()) if finite.size else 0.0
-    return finite.size * (64 * np.finfo(np.float64).eps * scale) ** 2
-
-
-def _fractions(ss: dict[str, float], total: float, tol: float = 0.0) -> dict[str, float]:
-    if total <= tol:
-        warnings.warn("coefficients are constant (zero total variance): variance fractions are nan",
-                      RuntimeWarning, stacklevel=3)
-        return {name: float("nan") for name in ss}
-    return {name: v / total for name, v in ss.items()}
-
-
-def variance_decomposition(coeffs) -> dict[str, float]:
-    """Fractions of the total sum of squares of coefficients [input, layer, token, *trailing], by input, layer, token
-    and their interactions (summing to 1). Trailing axes (stream, source) are not factors: each trailing slice is
-    decomposed about its own mean and the sums of squares pooled, so the fractions are of the within-slice variation.
-    A slice may be nan-padded in layers where it does not exist (MUDD sources k > layer + 1): it uses its present
-    layers only. Constant coefficients give nan fractions with a RuntimeWarning."""
-    x, _ = _as_array(coeffs)
-    pooled: dict[str, float] = {}
-    total = tol = 0.0
-    for _, sl, _ in _slices(x):
-        ss, t = functional_anova(sl, AXES)
+        ss, t = functional_anova(sl)
         for name, v in ss.items():
             pooled[name] = pooled.get(name, 0.0) + v
         total += t
-        tol += _constant_tol(sl)
-    return _fractions(pooled, total, tol)
-
-
-def coefficient_profile(coeffs, trailing_names: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """Per-layer mean, sd (ddof=0), min and max of the coefficients across inputs and tokens: one row per layer, or
-    with trailing axes per (layer, *trailing) present, the trailing indices as columns."""
-    x, names = _as_array(coeffs, trailing_names)
-    rows = []
-    for idx, sl, layers in _slices(x):
-        for j, layer in enumerate(layers):
-            v = sl[:, j, :]
-            rows.append({"layer": int(layer), **dict(zip(names, idx)), "mean": float(v.mean()),
-                         "sd": float(v.std()), "min": float(v.min()), "max": float(v.max())})
-    df = pd.DataFrame(rows)
-    return df.sort_values(["layer", *names]).reset_index(drop=True)
+        # a total SS that is only rounding error of the grand mean (a constant array rarely gives exactly 0)
+        tol += sl.size * (64 * np.finfo(np.float64).eps * float(np.abs(sl).max())) ** 2
+    if total <= tol:
+        warnings.warn("coefficients are constant (zero total variance): variance fractions are nan",
+                      RuntimeWarning, stacklevel=2)
+        return {name: math.nan for name in pooled}
+    return {name: v / total for name, v in pooled.items()}
 
 
 def by_layer(coeffs: list, groups: tuple[int, ...] = ()) -> list:
