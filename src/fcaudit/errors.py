@@ -2,10 +2,8 @@
 
 
 class FcauditError(Exception):
-    """Bad input or a failed check, with a one-line message that says what to do.
-
-    Every error fcaudit raises about its input is this type (the CLI prints the message and exits with code 2),
-    so a script can tell it apart from a bug; the troubleshooting page lists the messages and their fixes.
+    """Bad input or a failed check, with a one-line message that says what to do: a script can tell it apart from a
+    bug. The CLI prints the message and exits with code 2; the troubleshooting page lists the messages.
 
     Examples
     --------
