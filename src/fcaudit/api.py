@@ -1,8 +1,5 @@
-"""One call each for what a Python audit needs besides the engine: a model from a checkpoint, and its windows.
-
-    model = fca.load("runs/fg-s0")                           # directory written by `fcaudit train`, or a hub id
-    eval_windows, calib_windows = fca.windows("embedded", n_eval=64, n_calib=64, window=128)
-"""
+"""What a Python audit needs besides the engine, one call each: a model from a checkpoint (`fca.load`) and its
+windows (`fca.windows`)."""
 
 from __future__ import annotations
 

@@ -23,12 +23,12 @@ def offline_mode() -> bool:
 
 
 @cache
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """One TCP connect to the hub; False under HF_HUB_OFFLINE=1 or without network."""
+def hub_reachable() -> bool:
+    """One TCP connect to the hub (3 s at most); False under HF_HUB_OFFLINE=1 or without network."""
     if offline_mode():
         return False
     try:
-        with socket.create_connection((HUB_HOST, 443), timeout=timeout):
+        with socket.create_connection((HUB_HOST, 443), timeout=3.0):
             return True
     except OSError:
         return False

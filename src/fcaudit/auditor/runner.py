@@ -134,8 +134,7 @@ def vocab_size(model: nn.Module) -> int | None:
 
 
 def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
-    """Token ids the model embeds, in windows no longer than its context (some models do not refuse positions they
-    were never trained on, and give the NLLs of another model)."""
+    """Token ids the model embeds, in windows no longer than its context (some models silently accept longer ones)."""
     vocab, context = vocab_size(model), families.context_length(model)
     for ids in windows:
         if context is not None and ids.shape[1] > context:
@@ -332,8 +331,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
 
 def against_out(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig,
                 planned: AuditPlan) -> str | None:
-    """For a dry run: whether the real run would resume the audit `config.out` holds or refuse it (and which fields
-    differ); None when it holds no results."""
+    """For a dry run: a note on whether the real run would resume or refuse the audit `config.out` holds, if any."""
     adir = AuditDir(config.out)
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
@@ -644,8 +642,7 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
 
 
 def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.device, world: int) -> tuple:
-    """(model, controller, (eval, calib) WindowSets, config with the model's description); a bad --out or launch
-    fails before anything is loaded."""
+    """(model, controller, (eval, calib) WindowSets, config describing the model); a bad --out or launch fails first."""
     if not config.dry_run:
         AuditDir(config.out).check(checkpoint)
         if config.world_size is not None and config.world_size != world:
