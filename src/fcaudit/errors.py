@@ -2,8 +2,10 @@
 
 
 class FcauditError(Exception):
-    """Bad input or a failed check, with a one-line message that says what to do: a script can tell it apart from a
-    bug. The CLI prints the message and exits with code 2; the troubleshooting page lists the messages.
+    """Bad input or a failed check, with a one-line message that says what to do.
+
+    Every such error fcaudit raises is this type, so a script can tell it apart from a bug; the CLI prints the
+    message and exits with code 2, and the troubleshooting page lists the messages.
 
     Examples
     --------

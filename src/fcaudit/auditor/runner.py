@@ -1,7 +1,7 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
 configuration, lock the audit directory, run the engine's work units and return the results; `audit_checkpoint` first
-loads a checkpoint and draws its windows. Finished units are verified when reused and every draw is keyed by the seed,
-so rerunning a command resumes an interrupted audit with the records of an uninterrupted one."""
+loads a checkpoint and draws its windows. Finished units are verified when reused and each draw is keyed by (seed,
+randomization, example), so rerunning a command resumes an interrupted audit with an uninterrupted one's records."""
 
 from __future__ import annotations
 
@@ -401,7 +401,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
     windows.check()
     check_ids(model, windows.ev, windows.ca)
-    # before anything is written; it also fixes each site's codec metadata, so every rank's replays decode alike
+    # probed before anything is written; the capture also fixes each site's codec metadata for every rank's replays
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
     try:
         probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
@@ -474,7 +474,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     Parameters
     ----------
     model
-        Called as `model(ids)` on int64 ids [batch, token], returning logits [batch, token, vocab] or an output of them.
+        Called as `model(ids)` on int64 ids [batch, token]; returns logits [batch, token, vocab] or an output with them.
     controller
         Its sites: `fca.Controller.from_modules(...)` or `fca.controller_for(model)`.
     eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
@@ -500,7 +500,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     config : fcaudit.AuditConfig, optional
         All the settings above in one object, instead of the keywords.
     group
-        The processes sharing the work units (default: this one); under torchrun `auditor.group_from_env(device)`.
+        The processes sharing the work units (default: this one); under torchrun, `auditor.group_from_env(device)`.
 
     Returns
     -------
