@@ -8,6 +8,8 @@
     fca.summarize([result, ...])
 """
 
+import importlib
+
 from fcaudit.errors import FcauditError
 
 __version__ = "0.1.0"
@@ -28,8 +30,6 @@ __all__ = ["FcauditError", "__version__", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fcaudit' has no attribute {name!r}")
 

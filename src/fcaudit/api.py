@@ -1,8 +1,5 @@
-"""One call each for what a Python audit needs besides the engine: a model from a checkpoint, and its windows.
-
-    model = fca.load("runs/fg-s0")                           # directory written by `fcaudit train`, or a hub id
-    eval_windows, calib_windows = fca.windows("embedded", n_eval=64, n_calib=64, window=128)
-"""
+"""What a Python audit needs besides the engine, one call each: a model from a checkpoint (`fca.load`) and its
+windows (`fca.windows`)."""
 
 from __future__ import annotations
 
@@ -23,10 +20,9 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
          offload_folder: str | os.PathLike | None = None) -> nn.Module:
     """Load a model from a checkpoint directory or a Hugging Face hub id, in eval mode.
 
-    Any registered family loads: a directory `fcaudit train` wrote (FeatureGate, MoD, MUDDPythia), or a
-    MUDDPythia or Hugging Face MoE checkpoint. What the checkpoint says about itself (variant, seed, ...) is in
-    `model.fcaudit_meta`, with the resolved directory under "checkpoint"; `fca.controller_for(model)` then gives
-    its sites.
+    Any registered family loads: a directory `fcaudit train` wrote, or a MUDDPythia or Hugging Face MoE checkpoint.
+    `model.fcaudit_meta` holds what the checkpoint says about itself (variant, seed, ...) and, under "checkpoint",
+    the resolved directory; `fca.controller_for(model)` gives its sites.
 
     Parameters
     ----------
@@ -63,8 +59,7 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
     >>> type(model).__name__, model.fcaudit_meta["checkpoint"] == run
     ('FeatureGateGPT', True)
 
-    A Hugging Face MoE from the hub, spread over the GPUs (not run here: it needs the hub, GPUs and the `hf`
-    extra):
+    A Hugging Face MoE spread over the GPUs (not run here: it needs the hub, GPUs and the `hf` extra):
 
     >>> moe = fca.load("mistralai/Mixtral-8x7B-v0.1",
     ...                dtype="bfloat16", device_map="auto")  # doctest: +SKIP
@@ -80,18 +75,16 @@ def load(path_or_id: str | os.PathLike, *, device: str = "auto", dtype: str | No
 def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int, seed: int = 0, tokenizer=None):
     """Draw evaluation and calibration windows from a corpus, as `fcaudit audit` does.
 
-    Non-overlapping windows of `window` tokens, chosen by `seed`: the evaluation windows from the corpus's test
-    split, the calibration windows (static profiles are estimated on them only) from its validation split.
+    Non-overlapping windows, the evaluation ones from the corpus's test split, the calibration ones (the only
+    ones static profiles are estimated on) from its validation split.
 
     Parameters
     ----------
     corpus
         "embedded" (byte-level text of the Python standard library's source, present wherever Python is), a
         local file or directory of text, "wikitext-103" or "openwebtext" (from the hub).
-    n_eval, n_calib
-        The numbers of evaluation and calibration windows.
-    window
-        Tokens per window.
+    n_eval, n_calib, window
+        The numbers of evaluation and calibration windows, and the tokens per window.
     seed
         Which windows are drawn.
     tokenizer : tokenizers.Tokenizer or str or None
@@ -108,8 +101,7 @@ def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int,
     >>> eval_w.ids.shape, eval_w.split, calib_w.split
     (torch.Size([4, 16]), 'test', 'validation')
 
-    A tokenized model's windows take its tokenizer (not run here: the corpus and the tokenizer come from the
-    hub):
+    A tokenized model's windows take its tokenizer (not run here: both come from the hub):
 
     >>> eval_w, calib_w = fca.windows("wikitext-103", n_eval=64, n_calib=64, window=512,
     ...                               tokenizer="EleutherAI/pythia-1.4b")  # doctest: +SKIP

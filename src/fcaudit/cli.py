@@ -116,8 +116,7 @@ def audit(
     batch_size: int = typer.Option(8, metavar="N", help="windows per forward pass"),
     device: Device = "auto",
     revision: Optional[str] = typer.Option(None, metavar="REV", help="hub revision (e.g. 3c241c8)"),
-    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32 or bfloat16 (default: the "
-                                                                     "checkpoint's)"),
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32 or bfloat16 (default: the checkpoint's)"),
     tolerance: float = typer.Option(0.0, metavar="X", help="allowed max |Δlogit| of the exact replay (0: bit-exact)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
     world_size: Optional[int] = typer.Option(None, metavar="N", help="--dry-run: forward passes per rank for this "
@@ -125,11 +124,9 @@ def audit(
     device_map: Optional[str] = typer.Option(None, metavar="MAP", help="spread a Hugging Face model over this "
                                              "machine's GPUs, CPU and disk with accelerate: auto, balanced, "
                                              "sequential or a JSON file {module: device} (instead of --device)"),
-    offload_folder: Optional[Path] = typer.Option(None, metavar="DIR", help="--device-map: where the weights it "
-                                                  "puts on disk go"),
-    family: Optional[str] = typer.Option(None, metavar="NAME", help="model family: summarize pools the checkpoints "
-                                         "of one family as training seeds (default: the checkpoint's own variant "
-                                         "and preset, else its directory name or hub id)"),
+    offload_folder: Optional[Path] = typer.Option(None, metavar="DIR", help="--device-map: where its disk weights go"),
+    family: Optional[str] = typer.Option(None, metavar="NAME", help="summarize pools one family's checkpoints as "
+                                         "seeds (default: its variant and preset, else its directory or hub id)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
     threads: Threads = None,
 ) -> None:
@@ -201,11 +198,10 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     console.print(execution_table(table))
     if note := noisy_note(table):
         console.print(note, soft_wrap=True)
-    if (Path(out) / "thresholding.csv").is_file():
-        console.print(thresholding_table(pd.read_csv(Path(out) / "thresholding.csv")))
-    if (Path(out) / "conditions.csv").is_file():
-        console.print(conditions_table(pd.read_csv(Path(out) / "conditions.csv")))
-    console.print(f"every column: {Path(out) / 'execution.csv'}", soft_wrap=True)
+    for csv, show in ((out / "thresholding.csv", thresholding_table), (out / "conditions.csv", conditions_table)):
+        if csv.is_file():
+            console.print(show(pd.read_csv(csv)))
+    console.print(f"every column: {out / 'execution.csv'}", soft_wrap=True)
 
 
 @command

@@ -1,5 +1,5 @@
-"""The settings of one audit: built by `fcaudit audit` from its flags and by `fcaudit.audit` from its keywords, checked
-once here, recorded in config.json and compared there when an audit resumes."""
+"""The settings of one audit, from `fcaudit audit`'s flags or `fcaudit.audit`'s keywords: checked once here, recorded
+in config.json and compared there when an audit resumes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ MAX_BATCH_SIZE = 4096  # --batch-size: windows per forward pass
 MAX_WORLD_SIZE = 4096  # --world-size: processes a dry run plans for
 MAX_SEED = 2**63 - 1  # --seed: int64, so numpy, pandas and Parquet keep it exact
 
-# (flag, Python keyword, lowest, highest, why the lowest) of each bounded integer setting
+# (flag, keyword, lowest, highest, why the lowest)
 _BOUNDS = {
     "n_eval": ("--eval", "n_eval", 2, MAX_WINDOWS, "CrossInput needs a derangement of at least 2 evaluation windows"),
     "n_calib": ("--calib", "n_calib", 1, MAX_WINDOWS, "static profiles need at least 1 calibration window"),
@@ -40,10 +40,8 @@ LossFn = Callable[[Any, Any], Any]
 class AuditConfig:
     """What one audit runs with; None where the inputs decide (windows given to `fca.audit`, the model's context).
 
-    `fca.audit(..., config=...)` takes one instead of its keywords; `fcaudit audit` builds one from its flags. Bounds:
-    n_eval and n_calib <= MAX_WINDOWS, window in [2, MAX_WINDOW] tokens, randomizations <= MAX_RANDOMIZATIONS,
-    batch_size <= MAX_BATCH_SIZE, world_size <= MAX_WORLD_SIZE, seed in [0, 2**63 - 1]. `flags`: name the settings by
-    their `fcaudit audit` flags in errors (the command line builds it so).
+    `fca.audit(..., config=...)` takes one instead of its keywords; `fcaudit audit` builds one from its flags, with
+    `flags=True` so that errors name the flags. Each integer is bounded by its `fcaudit.config.MAX_*`.
 
     Examples
     --------
@@ -105,15 +103,12 @@ class AuditConfig:
             raise FcauditError("--device-map spreads one model in one process: a dry run for several processes "
                                "(--world-size) plans a run that would be refused; drop one of them")
 
-    @property
-    def loss_name(self) -> str:
-        return "token_nll" if self.loss_fn is None else getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
-
     def to_json(self) -> dict:
-        """The settings config.json records (the runner adds the windows, model and controller): what a resumed
-        audit must match. The rest (where and how the model is loaded, output) does not change a record."""
+        """The settings config.json records, which a resumed audit must match (the runner adds the windows, model and
+        controller); where and how the model is loaded and the output change no record."""
+        loss = "token_nll" if self.loss_fn is None else getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
         return {"seed": self.seed, "randomizations": self.randomizations, "batch_size": self.batch_size,
-                "tolerance": self.tolerance, "criteria": self.criteria.to_dict(), "loss": self.loss_name}
+                "tolerance": self.tolerance, "criteria": self.criteria.to_dict(), "loss": loss}
 
 
 def _bounded(name: str, value, flags: bool) -> int:

@@ -1,15 +1,7 @@
-"""`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU.
-
-1. Table 1: train Dense, Uniform, UniformFixed, UniformMatched, LayerStatic, FixedDepth-k and FeatureGate
-   (several seeds for Uniform, LayerStatic and FeatureGate), a byte-level MUDD model, a byte-level Mixtral
-   (a Hugging Face transformers mixture-of-experts model) and a Mixture-of-Depths model of the same shape as Dense.
-2. FCA: audit every FeatureGate, Uniform and LayerStatic seed, the MUDD model, the MoE model and the MoD model
-   twice: through its top-k router (non-causal, as trained) and through its causal predictor ("mod-causal").
-3. Checkpoint-level summaries across seeds, execution measurements, and the report.
-
-Every step writes into its own directory under OUT and is skipped when already finished, so rerunning the same
-command resumes an interrupted demo.
-"""
+"""`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU: train Table 1's
+models (several seeds of the audited FeatureGate variants), audit them (MoD twice: its top-k router and its causal
+predictor), then summaries, execution and the report. Every step writes its own directory under OUT and is skipped
+once finished, so rerunning the command resumes."""
 
 from __future__ import annotations
 

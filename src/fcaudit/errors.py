@@ -4,8 +4,8 @@
 class FcauditError(Exception):
     """Bad input or a failed check, with a one-line message that says what to do.
 
-    Every error fcaudit raises about its input is this type (the CLI prints the message and exits with code 2),
-    so a script can tell it apart from a bug; the troubleshooting page lists the messages and their fixes.
+    Every such error fcaudit raises is this type, so a script can tell it apart from a bug; the CLI prints the
+    message and exits with code 2, and the troubleshooting page lists the messages.
 
     Examples
     --------

@@ -23,12 +23,12 @@ def offline_mode() -> bool:
 
 
 @cache
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """One TCP connect to the hub; False under HF_HUB_OFFLINE=1 or without network."""
+def hub_reachable() -> bool:
+    """One TCP connect to the hub (3 s at most); False under HF_HUB_OFFLINE=1 or without network."""
     if offline_mode():
         return False
     try:
-        with socket.create_connection((HUB_HOST, 443), timeout=timeout):
+        with socket.create_connection((HUB_HOST, 443), timeout=3.0):
             return True
     except OSError:
         return False
@@ -46,8 +46,7 @@ def snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                       local_files_only=not hub_reachable()))
     except Exception as e:  # offline, unknown repo, bad revision: all need the same fix
-        rev = f" --revision {revision}" if revision else ""
-        at = f" @ {revision}" if revision else ""
+        at, rev = (f" @ {revision}", f" --revision {revision}") if revision else ("", "")
         raise FcauditError(f"cannot fetch {repo_id}{at} from the Hugging Face hub ({type(e).__name__}); download it "
                            f"where the hub is reachable (`hf download {repo_id}{rev} --local-dir DIR`) and pass the "
                            f"local directory DIR") from None

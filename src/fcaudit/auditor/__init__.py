@@ -1,14 +1,6 @@
-"""The Frozen-Controller Audit machinery (`fcaudit.audit(...)` is `runner.audit`): work units over a coefficient store, and the one reader of audit directories.
-
-    runner.py     audit() and plan(): inputs, probe, configuration, lock, run, results
-    engine.py     the units of one process: capture + exact replay check, calibration, profiles, replays, merge
-    units.py      the work units and their schedule (any partition gives the same directory bit for bit)
-    group.py      the processes sharing one audit (torchrun ranks), one verdict per phase
-    store.py      the coefficient store (safetensors chunks, memory-mapped reads)
-    directory.py  the audit directory: layout, marker, lock, configuration
-    files.py      atomic writes with content hashes, verified reads
-    results.py    AuditResult: the one reader of an audit directory
-"""
+"""The Frozen-Controller Audit: runner (audit, plan) checks the inputs and drives the engine, which runs one process's
+work units (units) over the coefficient store (store) in a group of processes (group); directory and files keep the
+audit directory, and results (AuditResult) is its one reader."""
 
 from fcaudit.auditor.group import Group, TorchGroup, group_from_env
 from fcaudit.auditor.results import AuditResult, load_records

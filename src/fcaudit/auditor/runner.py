@@ -1,11 +1,7 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
-configuration, lock the audit directory, run the work units (auditor.engine) and return the results. For `fcaudit
-audit CHECKPOINT` it also loads the checkpoint, draws its windows and finds its controller (audit_checkpoint); one
-AuditConfig carries the settings from there to the engine.
-
-Every finished unit is written atomically and verified when reused, and randomness is keyed by (seed, randomization,
-example), so rerunning the same command resumes an interrupted audit with the records of an uninterrupted one.
-"""
+configuration, lock the audit directory, run the engine's work units and return the results; `audit_checkpoint` first
+loads a checkpoint and draws its windows. Finished units are verified when reused and each draw is keyed by (seed,
+randomization, example), so rerunning a command resumes an interrupted audit with an uninterrupted one's records."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import secrets
 import tempfile
 import time
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -102,13 +98,24 @@ class Windows:
         if e is not None and c is not None and self.ev_set.split == self.ca_set.split:
             t, e, c = ev.shape[1], np.sort(np.asarray(e)), np.asarray(c)
             # a calibration window [c, c+t) overlaps an eval window [e, e+t) iff some e lies in (c-t, c+t)
-            nxt = np.searchsorted(e, c - t + 1)
-            if np.any((nxt < len(e)) & (e[np.minimum(nxt, len(e) - 1)] < c + t)):
+            if np.any(np.searchsorted(e, c - t, side="right") < np.searchsorted(e, c + t)):
                 raise FcauditError(f"calibration windows overlap evaluation windows in split {self.ev_set.split!r}; "
                                    "take them from another split or non-overlapping ranges")
 
 
 # ---- model helpers ----------------------------------------------------------------------------------------------
+
+@contextmanager
+def evaluating(model: nn.Module):
+    """The model in eval mode under inference_mode, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
 
 def parameter_hash(model: nn.Module) -> str:
     h = hashlib.sha256()
@@ -127,8 +134,7 @@ def vocab_size(model: nn.Module) -> int | None:
 
 
 def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
-    """Token ids the model embeds, in windows no longer than its context (positions it was never trained on
-    would give NLLs of another model; some models do not refuse them)."""
+    """Token ids the model embeds, in windows no longer than its context (some models silently accept longer ones)."""
     vocab, context = vocab_size(model), families.context_length(model)
     for ids in windows:
         if context is not None and ids.shape[1] > context:
@@ -139,26 +145,20 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
                                f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
 
 
-# A layout check compares window 0 captured alone with its row of the batch. Batched and single-window forward
-# passes may round differently (a GPU picks other kernels for other batch sizes; a router may then pick another
-# expert at a near-tie): half the positions must agree, at the tolerance of the site's own precision. A layout
-# naming the axes in the wrong order moves whole rows between windows: next to no position agrees.
+# Batched and single-window passes may round differently (other kernels; a router's near-tie), so half the positions
+# must agree at the site's own precision; axes named in the wrong order move whole rows, and next to none agree.
 AGREEING_POSITIONS = 0.5
-SITE_CHECK_PASSES = 3  # forward passes of the checks run by every audit (and resume) before its units:
-# check_sites_read's two single-window ones and pre_write_checks' first batch; plan() and Schedule count the units'
-# passes only
-ROUTING_CHECK_PASSES = 2  # and for a controller with routers, the causality check's two passes of the probe batch
+# forward passes of the checks before the units (Schedule counts only the units'): check_sites_read's two and
+# pre_write_checks' first batch, and with routers the causality check's two
+SITE_CHECK_PASSES = 3
+ROUTING_CHECK_PASSES = 2
 
 
 def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
                      loss_fn: LossFn | None) -> str | None:
-    """Two single-window forward passes on window 0 that check the controller is read as the audit assumes:
-    - captured alone, its coefficients must be its row of the batch's (else an error): a layout naming a flattened
-      output's axes in the wrong order ("(token batch)") passes the exact replay check but moves coefficients
-      between windows;
-    - replaying zeros (token routers: zero scores) should change the logits. When it does not, returns a notice:
-      the coefficients have no effect, or the model does not use what its sites return (it keeps the gate's value
-      in an attribute), and every replay measures nothing. A codec that refuses all-zero coefficients skips this."""
+    """Two single-window passes on window 0. Captured alone, its coefficients must be its row of the batch's: a
+    layout with a flattened output's axes in the wrong order passes the exact replay but moves coefficients between
+    windows. Replaying zeros should change the logits; when it does not, a notice: every replay measures nothing."""
     one = first[:1]
     alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
     if first.shape[0] > 1:
@@ -167,8 +167,8 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
             if a.shape != row.shape or a.dtype != row.dtype:
                 continue  # a site whose canonical shape depends on the batch: nothing to compare
             scale = float(row.abs().amax()) if row.numel() else 0.0
+            # the precision the model computed in (a codec may widen bf16 router weights to float32)
             native = site.dtype if site.dtype is not None and site.dtype.is_floating_point else row.dtype
-            # the precision the model computed in (a codec may widen bf16 router weights to float32): bf16 ~6%
             rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
             close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
             if close.numel() and float(close.double().mean()) < AGREEING_POSITIONS:
@@ -195,10 +195,8 @@ def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tens
 
 @dataclass
 class AuditPlan:
-    """Sizes of an audit, from one 1-window forward pass: what `fca.plan` returns.
-
-    `str(plan)` is the one line `fcaudit audit --dry-run` prints; the fields are the numbers behind it (bytes,
-    forward passes in all and per rank, the canonical [token, stream, source] shape of each site)."""
+    """What `fca.plan` returns: `str(plan)` is the line `fcaudit audit --dry-run` prints, the fields the numbers
+    behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape)."""
 
     n_eval: int
     n_calib: int
@@ -206,7 +204,7 @@ class AuditPlan:
     batch_size: int
     randomizations: int
     conditions: list[str]
-    layer_shapes: list[list[int]]  # canonical [token, stream, source] per layer
+    layer_shapes: list[list[int]]
     coeff_dtype: str
     store_bytes: int
     forward_passes: int
@@ -239,8 +237,7 @@ def _size(n: float) -> str:
 
 
 class _PeakBytes(TorchDispatchMode):
-    """The bytes of the tensors that the ops run within it allocate, live at once at their peak (a tensor is live
-    until its last reference goes; a view of a live tensor adds nothing)."""
+    """The peak bytes live at once of the CPU tensors its ops allocate (a view of a live tensor adds nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -270,24 +267,16 @@ RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its 
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
          randomizations: int = 20, world_size: int = 1) -> AuditPlan:
-    """What an audit of these windows will cost, from one one-window forward pass, before running it.
+    """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
 
-    Use it to size a large audit (store on disk, forward passes, memory) and to choose `batch_size` and the
-    number of processes; `fcaudit audit --dry-run` prints the same. Peak memory counts the parameters, the plan
-    (the windows and the schedule's bookkeeping) and, per window of a batch, the activations of a one-window
-    forward pass, the capture pass's logits (kept while the exact replay check runs) and three windows of
-    coefficients.
+    Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
+    prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,
+    a one-window pass's activations, the capture's logits and three windows of coefficients.
 
     Parameters
     ----------
-    model, controller
-        As for `fca.audit`.
-    eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
-        As for `fca.audit`; the calibration windows may be None.
-    batch_size
-        Windows per forward pass.
-    randomizations
-        Draws of each randomized condition.
+    model, controller, eval_windows, calib_windows, batch_size, randomizations
+        As for `fca.audit`; `calib_windows` may be None.
     world_size
         Processes the work units are split over (torchrun ranks).
 
@@ -312,22 +301,16 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     check_ids(model, ev)
     device = placement.input_device(model)
     one, cuda = ev[:1].to(device), device.type == "cuda"
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-            # what one window's forward pass allocates beyond the parameters at its peak: from CUDA's allocator
-            # statistics on a GPU, from the tensors its ops make on the CPU
-            with nullcontext() if cuda else _PeakBytes() as counted:
-                coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
-            acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
-    finally:
-        model.train(was_training)
+    with evaluating(model):
+        capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        # one window's peak allocation beyond the parameters: CUDA's allocator statistics, or the CPU ops' tensors
+        with nullcontext() if cuda else _PeakBytes() as counted:
+            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
     check_finite(coeffs, "a 1-window forward")
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
@@ -348,8 +331,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
 
 def against_out(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig,
                 planned: AuditPlan) -> str | None:
-    """For a dry run into `config.out`: a line saying whether the real run would resume the audit it holds or refuse
-    it (another configuration, and which fields); None when it holds no audit results."""
+    """For a dry run: a note on whether the real run would resume or refuse the audit `config.out` holds, if any."""
     adir = AuditDir(config.out)
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
@@ -367,9 +349,8 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
     ev, ca = windows.ev, windows.ca
     described = {"n_eval": int(ev.shape[0]), "n_calib": int(ca.shape[0]), "window": int(ev.shape[1]),
                  "eval_sha256": tensor_sha256(ev), "calib_sha256": tensor_sha256(ca)}
-    for name, s in (("eval", windows.ev_set), ("calib", windows.ca_set)):
-        if getattr(s, "split", None) is not None:
-            described[f"{name}_split"] = s.split
+    described |= {f"{name}_split": s.split for name, s in (("eval", windows.ev_set), ("calib", windows.ca_set))
+                  if getattr(s, "split", None) is not None}
     model_desc = {**(config.model_info or {}), "class": type(model).__name__,
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
@@ -381,10 +362,9 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
 
 
 def routing_checks(model: nn.Module, controller: Controller, probe: torch.Tensor) -> dict:
-    """For a controller with routers (top-k experts, token routers): the causality check on the probe windows
-    (decisions at earlier positions that change when only the last quarter of each window does: above 0 the
-    router cannot decode autoregressively as it is) and, for token routers, why the scalar static conditions are
-    not offered. Recorded in config.json and replay.json; empty for other controllers."""
+    """For a controller with routers: the causality check (earlier decisions that change when only the last quarter
+    of each probe window does: above 0 the router cannot decode autoregressively) and, for token routers, why the
+    scalar static conditions are not offered. Empty for other controllers."""
     if not any(s.codec.top_k is not None or s.codec.routing for s in controller.sites):
         return {}
     ids = probe.to(placement.input_device(model))
@@ -407,9 +387,8 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
 
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
-    """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, the notices
-    of the checks). The probe is the first evaluation batch's capture (coefficients, logits, NLL): stage 1 uses it
-    for that batch."""
+    """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, the checks'
+    notices). The probe, the first batch's capture (coefficients, logits, NLL), is stage 1's for that batch."""
     if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
@@ -422,8 +401,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
     windows.check()
     check_ids(model, windows.ev, windows.ca)
-    # probe the first batch before anything is written: layouts, non-finite values, site coverage, the loss;
-    # it also fixes each site's codec metadata, so every replay decodes alike on every rank
+    # probed before anything is written; the capture also fixes each site's codec metadata for every rank's replays
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
     try:
         probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
@@ -450,9 +428,8 @@ SHARED_WAIT = (0.0, 0.5, 1, 2, 4, 8, 16, 30)  # seconds between looks: an NFS cl
 
 
 def _check_shared(adir: AuditDir, group: Group) -> None:
-    """Every rank must see rank 0's audit directory: a node-local path, or other paths on other ranks, would split
-    the audit's files (found only once the merge misses them). Rank 0 writes a token there; every rank reads it,
-    looking again for about a minute (a network filesystem's cache may still say the directory is empty)."""
+    """Every rank must see rank 0's audit directory (a node-local --out would split the audit's files, found only
+    when the merge misses them): each reads rank 0's token there, looking again for about a minute."""
     token = group.gather(secrets.token_hex(8))[0]  # rank 0's, on every rank
     path = adir.root / SHARED_CHECK
 
@@ -488,18 +465,16 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
           seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
           loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
           config: AuditConfig | None = None, group: Group | None = None) -> AuditResult:
-    """Run (or resume) a Frozen-Controller Audit of `model` and return its results, also written to `out`.
+    """Run (or resume) a Frozen-Controller Audit of `model`; its results are also written to `out`.
 
-    The audit runs the unmodified model once and caches every site's coefficients, checks that replaying that cache
-    reproduces the logits exactly, estimates static profiles on the calibration windows only, then replays every
-    condition the controller allows. Rerunning the same call on the same `out` resumes it; another model,
-    controller or configuration there is refused.
+    One run of the unmodified model caches every site's coefficients, replaying them must reproduce the logits
+    exactly, static profiles come from the calibration windows only, then each condition is replayed. The same
+    call on the same `out` resumes; another configuration there, bad input or a failed replay raise FcauditError.
 
     Parameters
     ----------
     model
-        The model, called as `model(ids)` on int64 token ids [batch, token]; it returns logits [batch, token, vocab]
-        (or an output whose logits `loss_fn` reads).
+        Called as `model(ids)` on int64 ids [batch, token]; returns logits [batch, token, vocab] or an output with them.
     controller
         Its sites: `fca.Controller.from_modules(...)` or `fca.controller_for(model)`.
     eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
@@ -507,44 +482,34 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     randomizations
         Draws of each randomized condition (the paper's R).
     seed
-        Seeds every draw; the same seed on the same inputs gives the same records bit for bit.
+        Seeds every draw: the same seed on the same inputs gives the same records bit for bit.
     out
         The audit directory; None writes a new temporary one.
     batch_size
         Windows per forward pass.
     tolerance
-        0 demands bit-equal replay of logits and NLL; a positive value accepts max |Δlogit| and max |ΔNLL| up to it
-        (recorded in replay.json).
+        0 demands a bit-equal replay of logits and NLL; above 0, max |Δlogit| and |ΔNLL| up to it pass.
     loss_fn
-        `loss_fn(output, ids) -> [batch]` replaces the next-token NLL; the logits are still read from the output
-        for the exact replay check.
+        `loss_fn(output, ids) -> [batch]` instead of the next-token NLL (the replay check still compares logits).
     criteria : fcaudit.Criteria or dict, optional
         The prespecified criteria, fixed in config.json before the audit runs.
     model_info
-        What config.json records about the model: its "family" is the name `fca.summarize` pools checkpoints by
-        as training seeds (default: class and size), "checkpoint" where it came from.
+        What config.json records of the model; "family" names the seeds `fca.summarize` pools (default: class, size).
     quiet
         No progress bar or summary table.
     config : fcaudit.AuditConfig, optional
-        All the settings above in one object, instead of the keywords (then leave them out).
+        All the settings above in one object, instead of the keywords.
     group
-        The processes sharing this audit (default: this process alone); under torchrun pass
-        `fcaudit.auditor.group_from_env(device)` and every rank runs its share of the work units.
+        The processes sharing the work units (default: this one); under torchrun, `auditor.group_from_env(device)`.
 
     Returns
     -------
     AuditResult
         The audit's directory read back.
 
-    Raises
-    ------
-    FcauditError
-        Bad input (one line naming the fix), or a failed exact replay check.
-
     Examples
     --------
-    A two-layer byte-level LM whose residual updates are scaled by input-dependent gates (each gate's output,
-    one coefficient per window and token, is a site), audited untrained:
+    An untrained two-layer byte-level LM whose residual updates are scaled by input-dependent gates (the sites):
 
     >>> import tempfile
     >>> class GatedLM(nn.Module):
@@ -563,8 +528,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     >>> ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
     >>> eval_w, calib_w = fca.windows("embedded", n_eval=4, n_calib=4, window=16)
     >>> out = tempfile.mkdtemp()
-    >>> result = fca.audit(model, ctrl, eval_w, calib_w,
-    ...                    randomizations=1, out=out, quiet=True)
+    >>> result = fca.audit(model, ctrl, eval_w, calib_w, randomizations=1, out=out, quiet=True)
     >>> result.replay["passed"], result.replay["max_abs_dlogit"]
     (True, 0.0)
     >>> result.penalties()  # an untrained model's numbers mean nothing: the calls are the point
@@ -582,38 +546,31 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     elif given := [k for k, v in settings.items() if v is not None and v != getattr(AuditConfig(), k)]:
         raise FcauditError(f"pass the settings in config= or as keywords, not both (got config= and {given})")
     group = group or Group()
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            # an agreed phase: bad input on any rank stops every rank with its one-line error
-            windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
-            probe, saved, notices = group.run(lambda: _prepare(model, controller, windows, config, group.world))
-            if notices and group.is_main:  # printed even when quiet: it may mean the results measure nothing
-                Console(stderr=True, highlight=False).print("\n".join(notices), soft_wrap=True)
-            if config.out is None:
-                config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
-            adir = AuditDir(config.out)
-            group.run(lambda: _check_same(group.gather(saved)))
-            try:
-                # rank 0 alone locks and configures the directory, inside an agreed phase: a lock held by another
-                # process (or a refused configuration) stops every rank with the same error instead of leaving the
-                # other ranks waiting at the next barrier
-                state = group.run(lambda: _lock_and_open(adir, saved, group), main_only=True)
-                if group.world > 1:
-                    _check_shared(adir, group)
-                engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe)
-                del probe  # the engine holds it until the first batch's capture, then lets it go
-                engine.found = notices  # replay.json keeps them (rewritten by every run: a resume says them again)
-                if state == "repaired":
-                    engine.redone.append("config.json (rewritten: the marker holds its hash)")
-                engine.run()
-            finally:
-                adir.unlock()
-    finally:
-        model.train(was_training)
-    # the engine finished: every records file is written and verified (`AuditResult.load` would read the metadata
-    # of each again, ~1% of a small audit)
+    with evaluating(model):
+        # an agreed phase: bad input on any rank stops every rank with its one-line error
+        windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
+        probe, saved, notices = group.run(lambda: _prepare(model, controller, windows, config, group.world))
+        if notices and group.is_main:  # printed even when quiet: it may mean the results measure nothing
+            Console(stderr=True, highlight=False).print("\n".join(notices), soft_wrap=True)
+        if config.out is None:
+            config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
+        adir = AuditDir(config.out)
+        group.run(lambda: _check_same(group.gather(saved)))
+        try:
+            # rank 0 alone locks and configures the directory in an agreed phase: a held lock or a refused
+            # configuration stops every rank with its error instead of leaving the others at the next barrier
+            state = group.run(lambda: _lock_and_open(adir, saved, group), main_only=True)
+            if group.world > 1:
+                _check_shared(adir, group)
+            engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe)
+            del probe  # the engine holds it until the first batch's capture, then lets it go
+            engine.found = notices  # replay.json keeps them (rewritten by every run: a resume says them again)
+            if state == "repaired":
+                engine.redone.append("config.json (rewritten: the marker holds its hash)")
+            engine.run()
+        finally:
+            adir.unlock()
+    # the engine wrote and verified every records file: AuditResult.load would read them all again
     result = AuditResult(adir.root, adir.config(), files.read_json(adir.replay))
     if not config.quiet and group.is_main:
         print_summary(result)
@@ -648,12 +605,9 @@ def print_summary(result: AuditResult, console: Console | None = None) -> None:
 # ---- a checkpoint: `fcaudit audit CHECKPOINT` ----------------------------------------------------------------------
 
 def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> AuditResult | AuditPlan:
-    """Audit a checkpoint directory or hub id on `corpus` (config.n_eval test and config.n_calib validation windows);
-    returns the AuditResult, or the AuditPlan of a dry run (printed by rank 0).
-
-    Under torchrun every rank runs this with the same arguments: each loads the model on its own device
-    (cuda:LOCAL_RANK, or the CPU) and runs its share of the audit's work units (fcaudit.auditor.group). A dry run plans
-    for config.world_size processes (default: the launcher's WORLD_SIZE, else 1); a real run checks it."""
+    """Audit a checkpoint directory or hub id on `corpus`'s test (config.n_eval) and validation (config.n_calib)
+    windows: the AuditResult, or a dry run's AuditPlan (printed by rank 0). Under torchrun every rank runs this,
+    loads the model on its own device and runs its share of the work units."""
     if config.offload_folder is not None and Path(config.offload_folder).resolve() in {
             Path(p).resolve() for p in (config.out, checkpoint) if p is not None}:
         raise FcauditError(f"--offload-folder {config.offload_folder} is the audit's --out or the checkpoint: pass a "
@@ -668,18 +622,18 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
         model, controller, (ev, ca), config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
         if not config.dry_run:
             result = audit(model, controller, ev, ca, config=config, group=group)
-            # every rank done communicating before any tears its group down: without this and close()'s collect, a
-            # rank sometimes aborted at exit ("terminate called without an active exception") after a whole audit
+            # every rank done communicating before any tears its group down, else a rank may abort at exit
             group.gather(None)
             return result
         planned = plan(model, controller, ev, ca, batch_size=config.batch_size, randomizations=config.randomizations,
                        world_size=config.world_size)
         if launched_rank() == 0:
             print(planned)
-            if note := against_out(model, controller, Windows.of(ev, ca), config, planned):
+            windows = Windows.of(ev, ca)
+            if note := against_out(model, controller, windows, config, planned):
                 print(note)
             try:  # a plan of any size is printed, but the user learns what the real run would refuse
-                Windows.of(ev, ca).check()
+                windows.check()
             except FcauditError as e:
                 print(f"note: the audit itself would stop here: {e}")
         return planned
@@ -688,8 +642,7 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
 
 
 def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.device, world: int) -> tuple:
-    """(model, controller, (eval, calib) WindowSets, config with the model's description) of a checkpoint on a
-    corpus; a bad --out or launch fails before anything is loaded."""
+    """(model, controller, (eval, calib) WindowSets, config describing the model); a bad --out or launch fails first."""
     if not config.dry_run:
         AuditDir(config.out).check(checkpoint)
         if config.world_size is not None and config.world_size != world:
