@@ -1,14 +1,7 @@
-"""From audits to the paper's evidence: per-checkpoint tables and checkpoint-level inference (`fcaudit summarize`).
-
-Two levels, never mixed (paper §4.1):
-- within one checkpoint (a family of one, stats.results.WindowStatistics): paired-window bootstrap intervals and the
-  Monte Carlo SE across randomizations. They describe stability across evaluation windows, not uncertainty across
-  training runs; such a family is labelled "window-level (one checkpoint)" everywhere, its criteria included.
-- across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
-  Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
-Audits are read through `AuditResult` (the one reader). Checkpoints pooled into one family must be independent (no
-two with the same parameters) and audited alike (windows, corpus, R, criteria). The prespecified criteria are read
-from each audit's config.json, where the engine wrote them before the audit ran.
+"""From audits to the paper's evidence (`fcaudit summarize`), at two levels never mixed (paper §4.1): across a
+family's checkpoints (training seeds are the units: bootstrap CIs, exact sign-flip tests, Holm across the three factor
+effects), or, for a family of one checkpoint, window-level intervals labelled so everywhere. Pooled checkpoints must be
+independent and audited alike; the prespecified criteria are read from each audit's config.json.
 """
 
 from __future__ import annotations
@@ -52,16 +45,12 @@ def met_word(met: bool | None) -> str:
 
 # ---- within one checkpoint ------------------------------------------------------------------------------------
 
-def _ci(est) -> tuple[float, float]:
-    lo, hi = est.confidence_interval
-    return float(lo), float(hi)
-
-
 def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
     return [{"family": family, "condition": r.condition, "label": r.label, "reference": r.reference,
              "reference_label": r.reference_label, "level": r.level, "n": r.n, "retention": float(r.statistic),
-             "ci_low": _ci(r)[0], "ci_high": _ci(r)[1], "delta_nll": r.delta_static,
-             "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note} for r in results]
+             "ci_low": float(r.confidence_interval.low), "ci_high": float(r.confidence_interval.high),
+             "delta_nll": r.delta_static, "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note}
+            for r in results]
 
 
 _COLUMNS = {
@@ -89,7 +78,7 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
 
 
-def _window_level(stats: WindowStatistics, family: str = ""):
+def _window_level(stats: WindowStatistics, family: str):
     """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit (no
     p-values: its windows are not independent units for a test)."""
     conds = stats.penalties().to_frame().assign(family=family, level="window")
@@ -106,8 +95,8 @@ def _window_level(stats: WindowStatistics, family: str = ""):
 def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
     """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
     est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
-    lo, hi = _ci(est)
-    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()), "ci_low": lo, "ci_high": hi,
+    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()),
+            "ci_low": float(est.confidence_interval.low), "ci_high": float(est.confidence_interval.high),
             "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
 
 
@@ -173,28 +162,15 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
 
 def family_of(config: dict) -> str:
     """The family an audit's checkpoint belongs to (checkpoints of one family differ only by training seed): the
-    name the audit wrote as config.json's model.family. Audits that recorded none are named by the model's
-    description (class, size). The one reader of the family name; the audit side only writes it."""
-    model = config.get("model")
-    if isinstance(model, str):
-        return model
-    if isinstance(model, dict):
-        for k in ("family", "name", "label"):
-            if model.get(k):
-                return str(model[k])
-        parts = [str(model[k]) for k in ("model_type", "variant", "class", "preset", "corpus") if model.get(k)]
-        if model.get("n_params"):
-            parts.append(f"{model['n_params'] / 1e6:.3g}M params")
-        if parts:
-            return " ".join(dict.fromkeys(parts))
-    return "model"
+    model.family the audit wrote, else the model's class and size. The one reader of the family name."""
+    model = config["model"]
+    return str(model.get("family") or f"{model['class']} {model['n_params'] / 1e6:.3g}M params")
 
 
 def _alike(config: dict) -> dict:
     """What every audit pooled into one family must share: windows, corpus, R, criteria, conditions."""
-    windows = config.get("windows") or {}
-    corpus = (config.get("model") or {}).get("corpus") or {}
-    return {"windows": windows, "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
+    corpus = config["model"].get("corpus") or {}
+    return {"windows": config.get("windows") or {}, "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
             "randomizations": config.get("randomizations"),
             "criteria": {k: v for k, v in (config.get("criteria") or {}).items() if k != "fixed_at"},
             "conditions": config.get("conditions")}
@@ -205,7 +181,7 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
     through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
     seen: dict[tuple, Path] = {}
     for a in audits:
-        if params := (a.config.get("model") or {}).get("params_sha256"):
+        if params := a.config["model"].get("params_sha256"):
             h = (params, str((a.config.get("controller") or {}).get("description")))
             if h in seen:
                 raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever "
@@ -368,12 +344,10 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)
 
-    frames: dict[str, list[pd.DataFrame]] = {k: [] for k in _COLUMNS}
-    criteria, groups = [], {}
+    tables, criteria, groups = [], [], {}
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
-        labels = members[0].labels
         stats = [a.statistics() for a in members]  # each audit's own criteria: the family's, checked above
         if len(members) == 1:
             c, f, r = _window_level(stats[0], fam)
@@ -383,17 +357,15 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
             level, note = "checkpoint", CHECKPOINT_NOTE + (FEW_NOTE.format(n=len(members), p=2 / 2 ** len(members))
                                                            if len(members) < FEW_CHECKPOINTS else "")
         partial = any(a.partial for a in members)
-        for k, df in zip(frames, (c, f, r)):
-            frames[k].append(df)
+        tables.append((c, f, r))
         criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
         groups[fam] = {"n_checkpoints": len(members), "level": level,
-                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": labels, "partial": partial,
+                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": members[0].labels, "partial": partial,
                        "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
                        # absolute: a report run from another directory finds them
                        "audits": [str(Path(a.path).resolve()) for a in members], "replay": [a.replay for a in members],
                        "variation": [v for v in (a.variation for a in members) if v is not None]}
-    summary = Summary(*(pd.concat(frames[k], ignore_index=True) if frames[k] else _frame([], k) for k in frames),
-                      criteria, groups)
+    summary = Summary(*(pd.concat(dfs, ignore_index=True) for dfs in zip(*tables)), criteria, groups)
     if out is not None:
         summary.save(out)
     return summary
