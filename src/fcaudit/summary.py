@@ -114,8 +114,7 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
         raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
                            "the same conditions")
     means = means[sorted(means.columns, key=protocol.order)]
-    pooled = pd.concat([m.records for m in members])
-    active = pooled.groupby("condition")["active"].mean() if "active" in pooled else pd.Series(dtype=float)
+    active = pd.concat([m.records for m in members]).groupby("condition")["active"].mean()
     conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
                                mc_se=_nanmean(np.array([mc_se(m.randomization_means[c]) for m in members])),
                                active=float(active.get(c, np.nan))) for c in means.columns]
@@ -135,8 +134,8 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
-def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str = "",
-             fixed_at: str | None = None, source: str = "config.json") -> list[dict]:
+def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str,
+             fixed_at: str | None, source: str) -> list[dict]:
     """The two prespecified verdicts for one family (None where the needed number does not exist)."""
     pct = f"{100 * criteria.confidence:g}%"
     out = []
@@ -145,14 +144,13 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
              f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}"),
             ("high retention", retention, "retention", "ci_low", criteria.retention_lower,
              f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%")):
-        row = table[table["condition"] == "StaticProfile"]
-        bound = float(row[side].iloc[0]) if len(row) else float("nan")
-        level = str(row["level"].iloc[0]) if len(row) else None
-        met = (bound < threshold if side == "ci_high" else bound > threshold) if math.isfinite(bound) else None
-        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}",
-                    "label": str(row["label"].iloc[0]) if len(row) else "StaticProfile", "rule": rule,
-                    "threshold": threshold, "bound": bound if math.isfinite(bound) else None,
-                    "met": None if met is None else bool(met), "level": WINDOW_LEVEL if level == "window" else level,
+        rows = table[table["condition"] == "StaticProfile"]
+        row = rows.iloc[0] if len(rows) else {side: math.nan, "label": "StaticProfile", "level": None}
+        bound, finite = float(row[side]), math.isfinite(row[side])
+        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}", "label": row["label"],
+                    "rule": rule, "threshold": threshold, "bound": bound if finite else None,
+                    "met": (bound < threshold if side == "ci_high" else bound > threshold) if finite else None,
+                    "level": WINDOW_LEVEL if row["level"] == "window" else row["level"],
                     "criteria": criteria.to_dict(), "fixed_in_advance": source == "config.json", "fixed_at": fixed_at,
                     "source": source})
     return out
@@ -170,7 +168,8 @@ def family_of(config: dict) -> str:
 def _alike(config: dict) -> dict:
     """What every audit pooled into one family must share: windows, corpus, R, criteria, conditions."""
     corpus = config["model"].get("corpus") or {}
-    return {"windows": config.get("windows") or {}, "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
+    return {"windows": config.get("windows") or {},
+            "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
             "randomizations": config.get("randomizations"),
             "criteria": {k: v for k, v in (config.get("criteria") or {}).items() if k != "fixed_at"},
             "conditions": config.get("conditions")}
@@ -360,8 +359,9 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
         tables.append((c, f, r))
         criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
         groups[fam] = {"n_checkpoints": len(members), "level": level,
-                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": members[0].labels, "partial": partial,
-                       "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
+                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": members[0].labels,
+                       "partial": partial, "confidence": crit.confidence, "criteria_source": source,
+                       "criteria_fixed_at": fixed_at,
                        # absolute: a report run from another directory finds them
                        "audits": [str(Path(a.path).resolve()) for a in members], "replay": [a.replay for a in members],
                        "variation": [v for v in (a.variation for a in members) if v is not None]}

@@ -1,8 +1,5 @@
-"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend).
-
-Every function takes the summary's tables (DataFrames) and writes one PNG atomically; nothing is computed here
-beyond placing numbers, so each figure shows exactly what the CSVs hold.
-"""
+"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend), each written atomically from the summary's tables:
+nothing is computed here beyond placing numbers, so each figure shows exactly what the CSVs hold."""
 
 from __future__ import annotations
 
@@ -61,7 +58,6 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     own linear scale (it is orders of magnitude larger)."""
     removed = conditions["condition"] == protocol.structure_removed(conditions["condition"])
     ref, main = conditions[removed], conditions[~removed].iloc[::-1]  # first condition on top
-    level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
                              gridspec_kw={"width_ratios": [3, 1.3]})
     for ax, df, ticks in zip(axes, (main, ref), (5, 3)):  # the narrow reference panel gets few ticks: no overlap
@@ -85,7 +81,7 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     if not ref.empty:
         axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
     axes[0].set_title("assignment and static interventions", fontsize=9)
-    intervals = ("CI across checkpoints" if level == "checkpoint" else
+    intervals = ("CI across checkpoints" if conditions["level"].iloc[0] == "checkpoint" else
                  "paired-window bootstrap intervals, one checkpoint")
     fig.suptitle(f"{title}: intervention penalties ({100 * confidence:g}% {intervals})")
     return _save(fig, Path(path))
@@ -97,8 +93,7 @@ def variance_figure(fractions: dict[str, dict[str, float]], path: str | Path) ->
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(models) + 3), 4.2))
     bottom = np.zeros(len(models))
     for term in VARIANCE_TERMS:
-        v = np.array([fractions[m].get(term, np.nan) for m in models], dtype=float)
-        v = np.nan_to_num(v)
+        v = np.nan_to_num(np.array([fractions[m].get(term, np.nan) for m in models], dtype=float))
         bars = ax.bar(models, v, bottom=bottom, label=term, color=_TERM_COLORS[term], width=0.6)
         for b, val, b0 in zip(bars, v, bottom):
             if val >= 0.04:  # label the big terms; small ones are in the legend and the CSV
@@ -185,13 +180,10 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="family")
     ax.set_xscale("log")
     ax.set_xlim(floor * 0.7, top)
-    labels = []
-    for c in conds:
-        specific = sorted({str(v) for v in conditions.loc[conditions["condition"] == c, "label"]})
-        name = GENERIC.get(c, c)
-        extra = [s for s in specific if s != name]
-        labels.append(name + (f"\n({' / '.join(extra)})" if extra else ""))
-    ax.set_yticks(np.arange(len(conds))[::-1], labels, fontsize=8)
+    extra = {c: sorted({str(v) for v in conditions.loc[conditions["condition"] == c, "label"]} - {GENERIC.get(c, c)})
+             for c in conds}  # the families' own names of a condition, under the generic one
+    ax.set_yticks(np.arange(len(conds))[::-1], [GENERIC.get(c, c) + (f"\n({' / '.join(extra[c])})" if extra[c] else "")
+                                                for c in conds], fontsize=8)
     ax.set_xlabel("ΔNLL vs Correct (nats/token, log scale; open markers at the edge: mean ≤ 0)")
     ax.set_title("Absolute intervention penalties across model families")
     ax.grid(axis="x", which="major", alpha=0.3)

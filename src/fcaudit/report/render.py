@@ -1,10 +1,6 @@
-"""`fcaudit report`: discover what the given directories hold and render Markdown + self-contained HTML.
-
-Inputs may be summary dirs (summary.json), audit dirs (config.json + records/), directories containing training runs
-(**/metrics.json with byte_ppl) or a table1.csv, and execution results (**/execution.json or execution.csv).
-Every number in the report is also written as CSV/JSON next to it; figures are PNG files, embedded in the HTML as
-base64 data URIs so the page is one file.
-"""
+"""`fcaudit report`: find the summaries, audits, training runs (metrics.json, table1.csv) and execution results under
+the inputs and render them as Markdown and one self-contained HTML page (figures embedded as data URIs); every number
+shown is also written as CSV/JSON beside it."""
 
 from __future__ import annotations
 
@@ -83,20 +79,6 @@ def discover(inputs: Sequence[str | Path]) -> Found:
         raise FcauditError("found no summary.json, audit directory, training metrics.json or table1.csv under "
                            f"{[str(i) for i in inputs]}; pass the directories written by fcaudit")
     return found
-
-
-# ---- variation.json ---------------------------------------------------------------------------------------------
-
-def variation_fractions(variation: dict) -> dict[str, float]:
-    """The variance-decomposition fractions in an audit's variation.json (none where the coefficients are constant)."""
-    return {k: float(v) for k, v in variation["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
-
-
-def variation_profile(variation: dict) -> pd.DataFrame:
-    """Per-layer coefficient mean/sd rows in an audit's variation.json."""
-    # scalar columns only (layer, mean, sd, site); nested per-slice lists stay in report.json
-    return pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, (int, float, str))}
-                         for row in variation["layers"]])
 
 
 # ---- document model: each block kept as Markdown and as HTML --------------------------------------------------
@@ -264,13 +246,17 @@ def _fractions(summaries: list[Summary]) -> dict[str, dict[str, float]]:
     no variance (or no variation.json) are absent."""
     fracs = {}
     for fam, g in _families(summaries):
-        if decs := [d for d in map(variation_fractions, g["variation"]) if d]:
+        decs = [{k: float(v) for k, v in var["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
+                for var in g["variation"]]
+        if decs := [d for d in decs if d]:
             fracs[fam] = pd.DataFrame(decs).mean().to_dict()
     return fracs
 
 
 def _variation_section(doc: Doc, summaries: list[Summary], fracs: dict[str, dict[str, float]]) -> None:
-    profiles = [variation_profile(v).assign(family=fam, checkpoint=i)
+    # per layer its scalar columns (layer, mean, sd, site); nested per-slice lists stay in report.json
+    profiles = [pd.DataFrame([{k: x for k, x in r.items() if isinstance(x, (int, float, str))} for r in v["layers"]])
+                .assign(family=fam, checkpoint=i)
                 for fam, g in _families(summaries) for i, v in enumerate(g["variation"])]
     if not fracs and not profiles:
         return
@@ -377,8 +363,7 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
                   + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
                      "quoting its ratio." if noisy else ""))
         if e.thresholding is not None:
-            shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct)) \
-                if "frac_below" in e.thresholding.columns else e.thresholding  # as the terminal shows it
+            shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct))  # as printed
             doc.table(_shown(shown, _THRESHOLD_COLUMNS), e.thresholding, f"{name}_thresholding",
                       _threshold_note(e.thresholding, e.settings))
         if e.conditions is not None:
@@ -435,8 +420,7 @@ def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 
 
 def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
-    """Nine columns that fit a narrow page (ten with token routers): blocks run as k/n, a noisy latency marked
-    with *."""
+    """The columns that fit a narrow page: blocks run as k/n, a noisy latency marked with *."""
     df = df.copy()
     if {"executed_blocks", "n_blocks"} <= set(df.columns):
         df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
@@ -525,9 +509,8 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
 
 
 def _remove_earlier_report(out: Path) -> None:
-    """The files an earlier report into the claimed `out` wrote (as its marker and its summary/'s record them, not as
-    report.json lists them), so that none of them stays beside this one (e.g. the tables of a family this report
-    does not cover). Nothing else is touched."""
+    """Every file an earlier report into the claimed `out` wrote (as its and its summary/'s markers record them), so
+    that none stays beside this one (e.g. a family this report does not cover); nothing else is touched."""
     summary = out / "summary"
     if (summary / COMMANDS["summary"].marker).is_file():
         confine(summary, "summary")

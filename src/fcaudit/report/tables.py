@@ -1,8 +1,5 @@
-"""The paper's tables as DataFrames, and their Markdown/HTML rendering.
-
-Table 1 (training comparison) comes from training runs' metrics.json; the FCA table (Table 2 style),
-factor effects and criteria verdicts come from a `fcaudit.summary.Summary`.
-"""
+"""The paper's tables as DataFrames (Table 1 from training runs' metrics.json; the FCA table, factor effects and
+criteria from a `fcaudit.summary.Summary`) and their Markdown/HTML rendering."""
 
 from __future__ import annotations
 
@@ -31,29 +28,21 @@ METHOD_NAMES = {
 }
 
 
-def _method(m: dict) -> str:
-    name = m.get("method") or m.get("variant") or m.get("model")
-    if not name:
-        raise FcauditError("a training metrics.json has no 'variant' or 'method' key; re-run `fcaudit train` to rewrite it")
-    return METHOD_NAMES.get(str(name).lower(), str(name))
-
-
-def _setting(m: dict) -> str:
-    parts = [str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")]
-    return " ".join(parts) if parts else "default"
-
-
 def training_table(metrics: list[dict]) -> pd.DataFrame:
     """Table 1: per (setting, method) the number of seeds, Byte-PPL mean and sd across seeds, mean gate mass."""
     if not metrics:
         raise FcauditError("no training metrics given; point the report at directories containing metrics.json")
     rows = []
     for m in metrics:
+        if not (method := m.get("method") or m.get("variant") or m.get("model")):
+            raise FcauditError("a training metrics.json has no 'variant' or 'method' key; re-run `fcaudit train` to "
+                               "rewrite it")
         if "byte_ppl" not in m:
             raise FcauditError("a training metrics.json has no 'byte_ppl'; re-run `fcaudit train` to rewrite it")
         gate = m.get("gate_mass")
-        rows.append({"setting": _setting(m), "method": _method(m), "seed": m.get("seed"),
-                     "byte_ppl": float(m["byte_ppl"]), "gate_mass": np.nan if gate is None else float(gate)})
+        setting = " ".join(str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")) or "default"
+        rows.append({"setting": setting, "method": METHOD_NAMES.get(str(method).lower(), str(method)),
+                     "seed": m.get("seed"), "byte_ppl": float(m["byte_ppl"]), "gate_mass": np.nan if gate is None else float(gate)})
     runs = pd.DataFrame(rows)
     dup = runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"])
     if dup.any():
@@ -92,8 +81,8 @@ def fmt_p(p: Any) -> str:
     return "—" if missing(p) else f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
-def fmt_interval(lo: Any, hi: Any, digits: int = 6) -> str:
-    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
+def fmt_interval(lo: Any, hi: Any) -> str:
+    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo))}, {fmt(float(hi))}]"
 
 
 def fmt_pct(x: Any, decimals: int = 2) -> str:
@@ -149,7 +138,7 @@ def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
 def criteria_display(criteria: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
-        "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
+        "Bound": fmt(c["bound"]) if c["name"] == "practically small" else fmt_pct(c["bound"]),
         "Level": "checkpoints" if c["level"] == "checkpoint" else
         WINDOW_LEVEL if c["level"] in ("window", WINDOW_LEVEL) else "—",
         "Verdict": met_word(c["met"]),

@@ -5,9 +5,6 @@ which command provides them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
 
 from fcaudit import protocol
 from fcaudit.auditor.results import LATER_TOKENS
@@ -33,8 +30,7 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
 
 
 def dependence_line(fam: dict) -> str:
-    conds = fam["conditions"].set_index("condition") if len(fam["conditions"]) else pd.DataFrame()
-    rets = fam["retention"].set_index("condition") if len(fam["retention"]) else pd.DataFrame()
+    conds, rets = fam["conditions"].set_index("condition"), fam["retention"].set_index("condition")
     parts = []
     assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
     if assignment:
@@ -64,11 +60,8 @@ def dependence_line(fam: dict) -> str:
     return line + (f" — criteria: {crit}" if crit else "")
 
 
-def _resolved(p: Any) -> str:
-    try:
-        return str(Path(p).resolve())
-    except (TypeError, OSError):
-        return str(p)
+def _resolved(p: str | None) -> str:
+    return str(Path(p).resolve()) if p else ""
 
 
 def audited_checkpoints(fam: dict) -> set[str]:
@@ -95,9 +88,8 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
     if not missing(pairs):  # token routers: blocks run on the tokens chosen
         text += (f", but the routed blocks run {fmt_pct(r['token_fraction'], 1)} of the tokens: "
                  f"{fmt_pct(pairs, 1)} of the token x block pairs run, {fmt_pct(1 - float(pairs), 1)} skipped")
-    ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
-    ratios = [(n, v) for n, v in ratios if not missing(v)]
-    if ratios:
+    if ratios := [(n, r[c]) for n, c in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))
+                  if not missing(r.get(c))]:
         text += "; " + ", ".join(f"{n} {float(v):.2f}x" for n, v in ratios) + " Dense's"
     else:
         text += "; no Dense model of the same architecture measured for ratios"
