@@ -43,8 +43,6 @@ def met_word(met: bool | None) -> str:
     return {True: "met", False: "not met"}.get(met, "not evaluable")
 
 
-# ---- within one checkpoint ------------------------------------------------------------------------------------
-
 def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
     return [{"family": family, "condition": r.condition, "label": r.label, "reference": r.reference,
              "reference_label": r.reference_label, "level": r.level, "n": r.n, "retention": float(r.statistic),
@@ -79,8 +77,7 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
 
 
 def _window_level(stats: WindowStatistics, family: str):
-    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit (no
-    p-values: its windows are not independent units for a test)."""
+    """(conditions, factors, retention) frames of one checkpoint's windows (no p-values: no units for a test)."""
     conds = stats.penalties().to_frame().assign(family=family, level="window")
     facs = pd.DataFrame()
     if stats.has_factorial:
@@ -90,19 +87,12 @@ def _window_level(stats: WindowStatistics, family: str):
             _frame(_retention_rows(stats.retentions(), family), "retention"))
 
 
-# ---- across checkpoints ---------------------------------------------------------------------------------------
-
 def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
     """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
     est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
     return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()),
             "ci_low": float(est.confidence_interval.low), "ci_high": float(est.confidence_interval.high),
             "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
-
-
-def _nanmean(x: np.ndarray) -> float:
-    """The mean of the finite values; nan, without numpy's warning, where there is none."""
-    return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
 
 
 def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
@@ -116,7 +106,7 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
     means = means[sorted(means.columns, key=protocol.order)]
     active = pd.concat([m.records for m in members]).groupby("condition")["active"].mean()
     conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
-                               mc_se=_nanmean(np.array([mc_se(m.randomization_means[c]) for m in members])),
+                               mc_se=float(pd.Series([mc_se(m.randomization_means[c]) for m in members]).mean()),
                                active=float(active.get(c, np.nan))) for c in means.columns]
     facs = []
     roles = protocol.factorial()
@@ -155,8 +145,6 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
                     "source": source})
     return out
 
-
-# ---- families of audits ---------------------------------------------------------------------------------------
 
 def family_of(config: dict) -> str:
     """The family an audit's checkpoint belongs to (checkpoints of one family differ only by training seed): the
@@ -210,17 +198,13 @@ def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str 
     return audits[0].criteria, (stamps[-1] if stamps else None), "config.json"
 
 
-# ---- the summary ----------------------------------------------------------------------------------------------
-
 @dataclass
 class Summary:
-    """Checkpoint-level (or, for n = 1, window-level) results of every model family: what `fca.summarize`
-    returns.
+    """What `fca.summarize` returns: checkpoint-level (for n = 1, window-level) results of every model family.
 
-    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row
-    per family and quantity (a `family` column), `criteria` the verdict of each family's prespecified criteria,
-    and `groups` per family its number of checkpoints, the level of its intervals and its audits;
-    `summary.family(name)` gathers one family's."""
+    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row per
+    family and quantity, `criteria` each family's verdicts, `groups` per family its checkpoints, the level of its
+    intervals and its audits; `summary.family(name)` gathers one family's."""
 
     conditions: pd.DataFrame
     factors: pd.DataFrame
@@ -290,11 +274,9 @@ class Summary:
 def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_partial: bool = False) -> Summary:
     """The paper's evidence from several audits: checkpoint-level inference per model family.
 
-    Audits are grouped by model family (config.json's `model.family`), and within a family the independently
-    trained checkpoints (training seeds) are the units: checkpoint bootstrap intervals, exact sign-flip tests with
-    Holm's correction across the three factor effects, retention intervals over checkpoints, and each family
-    judged against its prespecified criteria. A family with a single checkpoint falls back to window-level
-    intervals and says so everywhere.
+    Audits are grouped by config.json's `model.family`; within a family the training seeds are the units (bootstrap
+    intervals, exact sign-flip tests, Holm across the three factor effects), and each family is judged against its
+    prespecified criteria. A family of one checkpoint falls back to window-level intervals and says so everywhere.
 
     Parameters
     ----------

@@ -28,8 +28,6 @@ from fcaudit.summary import Summary, csv_frame, summarize
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
 
 
-# ---- discovery --------------------------------------------------------------------------------------------------
-
 @dataclass
 class Found:
     summaries: list[tuple[Path, Summary]] = field(default_factory=list)
@@ -81,10 +79,10 @@ def discover(inputs: Sequence[str | Path]) -> Found:
     return found
 
 
-# ---- document model: each block kept as Markdown and as HTML --------------------------------------------------
-
 @dataclass
 class Doc:
+    """The report being written, each block kept as Markdown and as HTML."""
+
     out: Path
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (Markdown, HTML)
     csvs: list[str] = field(default_factory=list)
@@ -159,8 +157,6 @@ def _families(summaries: list[Summary]) -> Iterator[tuple[str, dict]]:
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or "model"
 
-
-# ---- sections ---------------------------------------------------------------------------------------------------
 
 def _training_section(doc: Doc, found: Found) -> pd.DataFrame | None:
     parts = [tables.training_table(found.training)] if found.training else []
@@ -433,9 +429,8 @@ def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
     """Write the study's report: report.md, a self-contained report.html, its figures and every number as CSV/JSON.
 
-    The report answers the paper's three questions separately (coefficient variation, functional dependence,
-    execution) for whatever `inputs` hold, and states each family's criteria and the level of its intervals.
-    `fcaudit report` runs the same.
+    It answers the paper's three questions (coefficient variation, functional dependence, execution) separately
+    for whatever `inputs` hold, with each family's criteria and the level of its intervals, as `fcaudit report` does.
 
     Parameters
     ----------
@@ -481,13 +476,11 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.p("Three separate questions: coefficient variation (does the controller vary?), functional dependence "
           "(does the frozen model need each coefficient at its own input and token? — the Frozen-Controller Audit), "
           "and execution (is work actually skipped?). Each section below answers only one of them.")
-    numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs]}
     fracs = _fractions(summaries)
     executions = [_read_execution(f) for f in found.execution]
-    numbers["verdicts"] = _verdicts_section(doc, summaries, fracs, executions)
-
-    t1 = _training_section(doc, found)
-    if t1 is not None:
+    numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs],
+                               "verdicts": _verdicts_section(doc, summaries, fracs, executions)}
+    if (t1 := _training_section(doc, found)) is not None:
         numbers["table1"] = json.loads(t1.to_json(orient="records"))
     for fam, g in _families(summaries):
         _family_section(doc, fam, g)
@@ -519,8 +512,7 @@ def _remove_earlier_report(out: Path) -> None:
 
 
 def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:
-    """A family's checkpoints are pooled in one summary: the same family from two sources would give two sets of
-    statistics under one name (and one figure row each)."""
+    """A family's checkpoints are pooled in one summary: from two sources it would get two sets of statistics."""
     seen: dict[str, str] = {}
     for where, s in sources:
         for fam, _ in _families([s]):

@@ -54,9 +54,8 @@ def training_table(metrics: list[dict]) -> pd.DataFrame:
     return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
 
 
-# ---- number formatting: '—' for a missing number everywhere ---------------------------------------------------
-
 def missing(x: Any) -> bool:
+    """None or not finite: shown as '—' everywhere."""
     return x is None or not math.isfinite(float(x))
 
 
@@ -88,8 +87,6 @@ def fmt_interval(lo: Any, hi: Any) -> str:
 def fmt_pct(x: Any, decimals: int = 2) -> str:
     return "—" if missing(x) else f"{100 * float(x):.{decimals}f}%"
 
-
-# ---- display tables (strings) -----------------------------------------------------------------------------------
 
 def training_display(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
@@ -144,8 +141,6 @@ def criteria_display(criteria: list[dict]) -> pd.DataFrame:
         "Verdict": met_word(c["met"]),
     } for c in criteria])
 
-
-# ---- Markdown / HTML -------------------------------------------------------------------------------------------
 
 def _cells(row: Iterable[Any]) -> list[str]:
     return [str(v).replace("|", "\\|").replace("\n", " ") for v in row]
