@@ -193,9 +193,8 @@ def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str 
     if any(a.config.get("criteria") is None or a.criteria != audits[0].criteria for a in audits):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = sorted(t for t in (a.config["criteria"].get("fixed_at") or a.config.get("created_at") for a in audits)
-                    if t)
-    return audits[0].criteria, (stamps[-1] if stamps else None), "config.json"
+    stamps = [t for a in audits if (t := a.config["criteria"].get("fixed_at") or a.config.get("created_at"))]
+    return audits[0].criteria, max(stamps, default=None), "config.json"
 
 
 @dataclass
@@ -231,16 +230,14 @@ class Summary:
             # the audits' notices, and for routers the causality check above 0 and the token note, once per family
             lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
                                                           for line in (*(r.get("notices") or ()), *routing_lines(r)))]
-            for r in g["conditions"].itertuples():
-                p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
-                lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
-            for r in g["retention"].itertuples():
-                lines.append(f"  retention {r.label} vs {r.reference_label}: "
-                             f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
-                             f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
-            for v in g["criteria"]:
-                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): "
-                             f"{met_word(v['met'])}")
+            lines += [f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]"
+                      + ("" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)")
+                      for r in g["conditions"].itertuples()]
+            lines += [f"  retention {r.label} vs {r.reference_label}: "
+                      f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
+                      f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}" for r in g["retention"].itertuples()]
+            lines += [f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {met_word(v['met'])}"
+                      for v in g["criteria"]]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

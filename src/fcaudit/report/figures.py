@@ -115,14 +115,13 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     y = np.arange(len(df))
     pct = df[["retention", "ci_low", "ci_high"]].astype(float) * 100
     fams = list(dict.fromkeys(retention["family"]))
-    colors = [_FAMILY_COLORS[fams.index(f) % len(_FAMILY_COLORS)] for f in df["family"]]
-    for yi, x, l, h, c in zip(y, pct["retention"], *_xerr(pct, "retention"), colors):
-        ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
     ax.set_yticks(y, [f"{r.family}\n{r.label} vs {r.reference_label}" for r in df.itertuples()], fontsize=8)
     # the numbers sit in a column right of the axes, so they never collide with points or each other
     ax.text(1.02, len(df) - 0.45, "retention [interval]\nΔNLL(S) vs ΔNLL(R), n", transform=ax.get_yaxis_transform(),
             fontsize=8, va="bottom", ha="left", weight="bold")
-    for yi, r in zip(y, df.itertuples()):
+    for yi, r, x, l, h in zip(y, df.itertuples(), pct["retention"], *_xerr(pct, "retention")):
+        c = _FAMILY_COLORS[fams.index(r.family) % len(_FAMILY_COLORS)]
+        ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
         unit = "checkpoints" if r.level == "checkpoint" else "windows"
         ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
               else f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]")

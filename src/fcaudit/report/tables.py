@@ -42,14 +42,14 @@ def training_table(metrics: list[dict]) -> pd.DataFrame:
         gate = m.get("gate_mass")
         setting = " ".join(str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")) or "default"
         rows.append({"setting": setting, "method": METHOD_NAMES.get(str(method).lower(), str(method)),
-                     "seed": m.get("seed"), "byte_ppl": float(m["byte_ppl"]), "gate_mass": np.nan if gate is None else float(gate)})
+                     "seed": m.get("seed"), "byte_ppl": float(m["byte_ppl"]),
+                     "gate_mass": np.nan if gate is None else float(gate)})
     runs = pd.DataFrame(rows)
-    dup = runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"])
-    if dup.any():
+    if runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"]).any():
         raise FcauditError("two training runs share setting, method and seed; pass each run directory once")
-    g = runs.groupby(["setting", "method"], sort=False)
-    table = g.agg(n=("byte_ppl", "size"), byte_ppl_mean=("byte_ppl", "mean"), byte_ppl_sd=("byte_ppl", "std"),
-                  gate_mass=("gate_mass", "mean")).reset_index()
+    table = runs.groupby(["setting", "method"], sort=False).agg(
+        n=("byte_ppl", "size"), byte_ppl_mean=("byte_ppl", "mean"), byte_ppl_sd=("byte_ppl", "std"),
+        gate_mass=("gate_mass", "mean")).reset_index()
     # Within a setting, best (lowest) Byte-PPL first, as in the paper.
     return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
 
@@ -63,8 +63,6 @@ def fmt(x: Any, digits: int = 6) -> str:
     """A number for a table: fixed decimals."""
     if missing(x):
         return "—"
-    if isinstance(x, (int, np.integer)):
-        return str(int(x))
     x = float(x)
     if x != 0 and abs(x) < 10 ** -(digits - 2):  # tiny values keep their significant digits instead of "-0.000000"
         return f"{x:.3e}"

@@ -66,14 +66,8 @@ def _resolved(p: str | None) -> str:
 
 def audited_checkpoints(fam: dict) -> set[str]:
     """The checkpoints the family's audits ran on (from each audit's config.json)."""
-    out = set()
-    for audit in fam["audits"]:
-        cfg = Path(audit) / "config.json"
-        if cfg.is_file():
-            model = read_json(cfg).get("model")
-            if isinstance(model, dict) and model.get("checkpoint"):
-                out.add(_resolved(model["checkpoint"]))
-    return out
+    configs = [read_json(cfg) for a in fam["audits"] if (cfg := Path(a) / "config.json").is_file()]
+    return {_resolved(ckpt) for c in configs if (ckpt := c["model"].get("checkpoint"))}
 
 
 def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
