@@ -179,9 +179,7 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
 def _check_pool(family: str, members: list[AuditResult]) -> None:
     first = _alike(members[0].config)
     for a in members[1:]:
-        other = _alike(a.config)
-        diff = sorted(k for k in first if first[k] != other[k])
-        if diff:
+        if diff := sorted(k for k, v in _alike(a.config).items() if v != first[k]):
             raise FcauditError(f"family {family!r}: {members[0].path} and {a.path} were audited differently "
                                f"({', '.join(diff)}); audit every checkpoint of a family alike")
 
@@ -314,8 +312,7 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     audits = [a if isinstance(a, AuditResult) else AuditResult.load(a, allow_partial=allow_partial) for a in audit_dirs]
     if not audits:
         raise FcauditError("no audit directories given; pass one or more directories written by `fcaudit audit`")
-    paths = [Path(a.path).resolve() for a in audits]
-    if len(set(paths)) != len(paths):
+    if len({Path(a.path).resolve() for a in audits}) != len(audits):
         raise FcauditError("the same audit directory was given twice; pass each checkpoint's audit once")
     _one_audit_per_checkpoint(audits)
     by_family: dict[str, list[AuditResult]] = {}

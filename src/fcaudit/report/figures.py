@@ -44,13 +44,13 @@ def _xerr(df: pd.DataFrame, value: str = "mean") -> np.ndarray:
     return np.vstack([lo, hi])
 
 
-def _padded_limits(df: pd.DataFrame, pad: float = 0.12) -> tuple[float, float]:
+def _padded_limits(df: pd.DataFrame) -> tuple[float, float]:
     """x-limits spanning 0, the means and the interval ends, padded on both sides (a zero span gets a unit one)."""
     values = df[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
     values = np.append(values[np.isfinite(values)], 0.0)
     lo, hi = float(values.min()), float(values.max())
     span = hi - lo if hi > lo else max(abs(hi), 1e-3)
-    return lo - pad * span, hi + pad * span
+    return lo - 0.12 * span, hi + 0.12 * span
 
 
 def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
@@ -155,14 +155,10 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(conds) + 1.8))
     width = 0.7 / max(len(fams), 1)
     for i, fam in enumerate(fams):
-        sub = conditions[conditions["family"] == fam].set_index("condition")
         color = _FAMILY_COLORS[i % len(_FAMILY_COLORS)]
-        for j, c in enumerate(conds):
-            if c not in sub.index:
-                continue
-            r = sub.loc[c]
-            yy = len(conds) - 1 - j + (i - (len(fams) - 1) / 2) * width
-            m, lo, hi = float(r["mean"]), float(r["ci_low"]), float(r["ci_high"])
+        for r in conditions[conditions["family"] == fam].itertuples():
+            yy = len(conds) - 1 - conds.index(r.condition) + (i - (len(fams) - 1) / 2) * width
+            m, lo, hi = float(r.mean), float(r.ci_low), float(r.ci_high)
             if m > 0:
                 lo_d = lo if np.isfinite(lo) and lo > 0 else floor
                 hi_d = hi if np.isfinite(hi) else m

@@ -59,10 +59,8 @@ def discover(inputs: Sequence[str | Path]) -> Found:
                 found.summaries.append((f.parent, Summary.load(f.parent)))
             elif f.name == "config.json" and (f.parent / "records").exists():
                 found.audits.append(f.parent)
-            elif f.name == "metrics.json":
-                m = _read(f)
-                if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
-                    found.training.append(m)
+            elif f.name == "metrics.json" and isinstance(m := _read(f), dict) and "byte_ppl" in m:
+                found.training.append(m)  # a training run's (other metrics.json are not Table 1)
             elif f.name == "table1.csv":
                 t = _read(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
@@ -411,15 +409,14 @@ def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """The columns a reader compares, renamed, floats to 4 significant digits; the CSV keeps full precision."""
     present = [c for c in columns if c in df.columns]
     df = df[present].rename(columns=columns) if present else df
-    return df.apply(lambda col: col.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
-                                        else f"{v:.4g}" if isinstance(v, float) else v))
+    return df.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v) else f"{v:.4g}"
+                  if isinstance(v, float) else v)
 
 
 def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
     """The columns that fit a narrow page: blocks run as k/n, a noisy latency marked with *."""
-    df = df.copy()
     if {"executed_blocks", "n_blocks"} <= set(df.columns):
-        df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
+        df = df.assign(blocks_run=[f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])])
     shown = _shown(df, _EXECUTION_COLUMNS)
     if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
         shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
