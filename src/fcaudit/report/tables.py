@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -140,15 +140,11 @@ def criteria_display(criteria: list[dict]) -> pd.DataFrame:
     } for c in criteria])
 
 
-def _cells(row: Iterable[Any]) -> list[str]:
-    return [str(v).replace("|", "\\|").replace("\n", " ") for v in row]
-
-
 def to_markdown(df: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table (numbers right-aligned)."""
-    head = "| " + " | ".join(_cells(df.columns)) + " |"
+    head, *body = ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                   for row in [df.columns, *df.itertuples(index=False)]]
     align = "|" + "|".join("---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns) + "|"
-    body = ["| " + " | ".join(_cells(r)) + " |" for r in df.itertuples(index=False)]
     return "\n".join([head, align, *body])
 
 
