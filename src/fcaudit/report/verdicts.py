@@ -9,10 +9,9 @@ from pathlib import Path
 from fcaudit import protocol
 from fcaudit.auditor.results import LATER_TOKENS
 from fcaudit.io import read_json
+from fcaudit.report.figures import VARIANCE_TERMS
 from fcaudit.report.tables import fmt_g, fmt_pct, missing
 from fcaudit.summary import met_word
-
-_INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
 
 
 def variation_line(variations: list[dict], fractions: dict[str, float] | None) -> str:
@@ -22,7 +21,7 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
         return ("none: the coefficients are the same for every input, token and layer (variance 0, nothing to "
                 "decompose)")
     layer = fractions.get("layer", 0.0)
-    rest = sum(fractions.get(t, 0.0) for t in _INPUT_TOKEN_TERMS)
+    rest = sum(fractions.get(t, 0.0) for t in VARIANCE_TERMS if t != "layer")
     if rest <= 1e-12:
         return f"across layers only: layer identity explains {fmt_pct(layer, 1)} of the coefficient variance"
     return (f"layer identity explains {fmt_pct(layer, 1)} of the coefficient variance; input, token and their "
