@@ -409,8 +409,8 @@ def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """The columns a reader compares, renamed, floats to 4 significant digits; the CSV keeps full precision."""
     present = [c for c in columns if c in df.columns]
     df = df[present].rename(columns=columns) if present else df
-    return df.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v) else f"{v:.4g}"
-                  if isinstance(v, float) else v)
+    return df.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
+                  else f"{v:.4g}" if isinstance(v, float) else v)
 
 
 def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
