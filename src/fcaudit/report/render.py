@@ -351,11 +351,16 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
         if e.settings:
             doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in e.settings.items() if v not in (None, [], ""))
                   + ".")
-        noisy = "latency_noisy" in e.rows.columns and e.rows["latency_noisy"].astype(bool).any()
-        doc.table(_execution_display(e.rows), e.rows, name,
-                  f"From {e.source}; every column is in the CSV."
+        rows = e.rows  # shown with blocks run as k/n and a noisy latency marked with *
+        if {"executed_blocks", "n_blocks"} <= set(rows.columns):
+            rows = rows.assign(blocks_run=[f"{x}/{n}" for x, n in zip(rows["executed_blocks"], rows["n_blocks"])])
+        shown = _shown(rows, _EXECUTION_COLUMNS)
+        noisy = rows["latency_noisy"].astype(bool) if "latency_noisy" in rows.columns else pd.Series(False, rows.index)
+        if "ms/batch" in shown.columns:
+            shown["ms/batch"] = [f"{v}*" if n else v for v, n in zip(shown["ms/batch"], noisy)]
+        doc.table(shown, e.rows, name, f"From {e.source}; every column is in the CSV."
                   + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
-                     "quoting its ratio." if noisy else ""))
+                     "quoting its ratio." if noisy.any() else ""))
         if e.thresholding is not None:
             shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct))  # as printed
             doc.table(_shown(shown, _THRESHOLD_COLUMNS), e.thresholding, f"{name}_thresholding",
@@ -411,16 +416,6 @@ def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     df = df[present].rename(columns=columns) if present else df
     return df.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
                   else f"{v:.4g}" if isinstance(v, float) else v)
-
-
-def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
-    """The columns that fit a narrow page: blocks run as k/n, a noisy latency marked with *."""
-    if {"executed_blocks", "n_blocks"} <= set(df.columns):
-        df = df.assign(blocks_run=[f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])])
-    shown = _shown(df, _EXECUTION_COLUMNS)
-    if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
-        shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
-    return shown
 
 
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
