@@ -154,7 +154,7 @@ def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=
         files.write_columns(path / "records" / c / f"r{r:04d}.parquet",  # as the engine writes them (hashed)
                             {**{k: g[k].to_numpy() for k in g.columns}, "condition": c})
     crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
-    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"name": name, "seed": seed},
+    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"family": name, "seed": seed},
                                       "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
                                       "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
                                       "windows": {"n_eval": kw.get("n_windows", 24)}})

@@ -1,14 +1,7 @@
-"""From audits to the paper's evidence: per-checkpoint tables and checkpoint-level inference (`fcaudit summarize`).
-
-Two levels, never mixed (paper §4.1):
-- within one checkpoint (a family of one, stats.results.WindowStatistics): paired-window bootstrap intervals and the
-  Monte Carlo SE across randomizations. They describe stability across evaluation windows, not uncertainty across
-  training runs; such a family is labelled "window-level (one checkpoint)" everywhere, its criteria included.
-- across checkpoints (`summarize`, training seeds are the units): checkpoint bootstrap CIs, exact sign-flip tests,
-  Holm across the three factorial effects, retention intervals by bootstrap over checkpoints.
-Audits are read through `AuditResult` (the one reader). Checkpoints pooled into one family must be independent (no
-two with the same parameters) and audited alike (windows, corpus, R, criteria). The prespecified criteria are read
-from each audit's config.json, where the engine wrote them before the audit ran.
+"""From audits to the paper's evidence (`fcaudit summarize`), at two levels never mixed (paper §4.1): across a
+family's checkpoints (training seeds are the units: bootstrap CIs, exact sign-flip tests, Holm across the three factor
+effects), or, for a family of one checkpoint, window-level intervals labelled so everywhere. Pooled checkpoints must be
+independent and audited alike; the prespecified criteria are read from each audit's config.json.
 """
 
 from __future__ import annotations
@@ -50,18 +43,12 @@ def met_word(met: bool | None) -> str:
     return {True: "met", False: "not met"}.get(met, "not evaluable")
 
 
-# ---- within one checkpoint ------------------------------------------------------------------------------------
-
-def _ci(est) -> tuple[float, float]:
-    lo, hi = est.confidence_interval
-    return float(lo), float(hi)
-
-
 def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
     return [{"family": family, "condition": r.condition, "label": r.label, "reference": r.reference,
              "reference_label": r.reference_label, "level": r.level, "n": r.n, "retention": float(r.statistic),
-             "ci_low": _ci(r)[0], "ci_high": _ci(r)[1], "delta_nll": r.delta_static,
-             "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note} for r in results]
+             "ci_low": float(r.confidence_interval.low), "ci_high": float(r.confidence_interval.high),
+             "delta_nll": r.delta_static, "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note}
+            for r in results]
 
 
 _COLUMNS = {
@@ -89,9 +76,8 @@ def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
 
 
-def _window_level(stats: WindowStatistics, family: str = ""):
-    """(conditions, factors, retention) frames for one checkpoint: the window-level statistics of its audit (no
-    p-values: its windows are not independent units for a test)."""
+def _window_level(stats: WindowStatistics, family: str):
+    """(conditions, factors, retention) frames of one checkpoint's windows (no p-values: no units for a test)."""
     conds = stats.penalties().to_frame().assign(family=family, level="window")
     facs = pd.DataFrame()
     if stats.has_factorial:
@@ -101,19 +87,12 @@ def _window_level(stats: WindowStatistics, family: str = ""):
             _frame(_retention_rows(stats.retentions(), family), "retention"))
 
 
-# ---- across checkpoints ---------------------------------------------------------------------------------------
-
 def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
     """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
     est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
-    lo, hi = _ci(est)
-    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()), "ci_low": lo, "ci_high": hi,
+    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()),
+            "ci_low": float(est.confidence_interval.low), "ci_high": float(est.confidence_interval.high),
             "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
-
-
-def _nanmean(x: np.ndarray) -> float:
-    """The mean of the finite values; nan, without numpy's warning, where there is none."""
-    return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
 
 
 def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
@@ -125,10 +104,9 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
         raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
                            "the same conditions")
     means = means[sorted(means.columns, key=protocol.order)]
-    pooled = pd.concat([m.records for m in members])
-    active = pooled.groupby("condition")["active"].mean() if "active" in pooled else pd.Series(dtype=float)
+    active = pd.concat([m.records for m in members]).groupby("condition")["active"].mean()
     conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
-                               mc_se=_nanmean(np.array([mc_se(m.randomization_means[c]) for m in members])),
+                               mc_se=float(pd.Series([mc_se(m.randomization_means[c]) for m in members]).mean()),
                                active=float(active.get(c, np.nan))) for c in means.columns]
     facs = []
     roles = protocol.factorial()
@@ -146,8 +124,8 @@ def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, famil
     return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
 
 
-def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str = "",
-             fixed_at: str | None = None, source: str = "config.json") -> list[dict]:
+def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str,
+             fixed_at: str | None, source: str) -> list[dict]:
     """The two prespecified verdicts for one family (None where the needed number does not exist)."""
     pct = f"{100 * criteria.confidence:g}%"
     out = []
@@ -156,45 +134,30 @@ def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criter
              f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}"),
             ("high retention", retention, "retention", "ci_low", criteria.retention_lower,
              f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%")):
-        row = table[table["condition"] == "StaticProfile"]
-        bound = float(row[side].iloc[0]) if len(row) else float("nan")
-        level = str(row["level"].iloc[0]) if len(row) else None
-        met = (bound < threshold if side == "ci_high" else bound > threshold) if math.isfinite(bound) else None
-        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}",
-                    "label": str(row["label"].iloc[0]) if len(row) else "StaticProfile", "rule": rule,
-                    "threshold": threshold, "bound": bound if math.isfinite(bound) else None,
-                    "met": None if met is None else bool(met), "level": WINDOW_LEVEL if level == "window" else level,
+        rows = table[table["condition"] == "StaticProfile"]
+        row = rows.iloc[0] if len(rows) else {side: math.nan, "label": "StaticProfile", "level": None}
+        bound, finite = float(row[side]), math.isfinite(row[side])
+        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}", "label": row["label"],
+                    "rule": rule, "threshold": threshold, "bound": bound if finite else None,
+                    "met": (bound < threshold if side == "ci_high" else bound > threshold) if finite else None,
+                    "level": WINDOW_LEVEL if row["level"] == "window" else row["level"],
                     "criteria": criteria.to_dict(), "fixed_in_advance": source == "config.json", "fixed_at": fixed_at,
                     "source": source})
     return out
 
 
-# ---- families of audits ---------------------------------------------------------------------------------------
-
 def family_of(config: dict) -> str:
     """The family an audit's checkpoint belongs to (checkpoints of one family differ only by training seed): the
-    name the audit wrote as config.json's model.family. Audits that recorded none are named by the model's
-    description (class, size). The one reader of the family name; the audit side only writes it."""
-    model = config.get("model")
-    if isinstance(model, str):
-        return model
-    if isinstance(model, dict):
-        for k in ("family", "name", "label"):
-            if model.get(k):
-                return str(model[k])
-        parts = [str(model[k]) for k in ("model_type", "variant", "class", "preset", "corpus") if model.get(k)]
-        if model.get("n_params"):
-            parts.append(f"{model['n_params'] / 1e6:.3g}M params")
-        if parts:
-            return " ".join(dict.fromkeys(parts))
-    return "model"
+    model.family the audit wrote, else the model's class and size. The one reader of the family name."""
+    model = config["model"]
+    return str(model.get("family") or f"{model['class']} {model['n_params'] / 1e6:.3g}M params")
 
 
 def _alike(config: dict) -> dict:
     """What every audit pooled into one family must share: windows, corpus, R, criteria, conditions."""
-    windows = config.get("windows") or {}
-    corpus = (config.get("model") or {}).get("corpus") or {}
-    return {"windows": windows, "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
+    corpus = config["model"].get("corpus") or {}
+    return {"windows": config.get("windows") or {},
+            "corpus": corpus.get("fingerprint", corpus) if isinstance(corpus, dict) else corpus,
             "randomizations": config.get("randomizations"),
             "criteria": {k: v for k, v in (config.get("criteria") or {}).items() if k != "fixed_at"},
             "conditions": config.get("conditions")}
@@ -205,7 +168,7 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
     through another controller, e.g. MoD's top-k router and its causal predictor, it is another model)."""
     seen: dict[tuple, Path] = {}
     for a in audits:
-        if params := (a.config.get("model") or {}).get("params_sha256"):
+        if params := a.config["model"].get("params_sha256"):
             h = (params, str((a.config.get("controller") or {}).get("description")))
             if h in seen:
                 raise FcauditError(f"{seen[h]} and {a.path} audit the same checkpoint (equal parameters, whatever "
@@ -216,9 +179,7 @@ def _one_audit_per_checkpoint(audits: list[AuditResult]) -> None:
 def _check_pool(family: str, members: list[AuditResult]) -> None:
     first = _alike(members[0].config)
     for a in members[1:]:
-        other = _alike(a.config)
-        diff = sorted(k for k in first if first[k] != other[k])
-        if diff:
+        if diff := sorted(k for k, v in _alike(a.config).items() if v != first[k]):
             raise FcauditError(f"family {family!r}: {members[0].path} and {a.path} were audited differently "
                                f"({', '.join(diff)}); audit every checkpoint of a family alike")
 
@@ -230,22 +191,17 @@ def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str 
     if any(a.config.get("criteria") is None or a.criteria != audits[0].criteria for a in audits):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = sorted(t for t in (a.config["criteria"].get("fixed_at") or a.config.get("created_at") for a in audits)
-                    if t)
-    return audits[0].criteria, (stamps[-1] if stamps else None), "config.json"
+    stamps = [t for a in audits if (t := a.config["criteria"].get("fixed_at") or a.config.get("created_at"))]
+    return audits[0].criteria, max(stamps, default=None), "config.json"
 
-
-# ---- the summary ----------------------------------------------------------------------------------------------
 
 @dataclass
 class Summary:
-    """Checkpoint-level (or, for n = 1, window-level) results of every model family: what `fca.summarize`
-    returns.
+    """What `fca.summarize` returns: checkpoint-level (for n = 1, window-level) results of every model family.
 
-    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row
-    per family and quantity (a `family` column), `criteria` the verdict of each family's prespecified criteria,
-    and `groups` per family its number of checkpoints, the level of its intervals and its audits;
-    `summary.family(name)` gathers one family's."""
+    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row per
+    family and quantity, `criteria` each family's verdicts, `groups` per family its checkpoints, the level of its
+    intervals and its audits; `summary.family(name)` gathers one family's."""
 
     conditions: pd.DataFrame
     factors: pd.DataFrame
@@ -272,16 +228,14 @@ class Summary:
             # the audits' notices, and for routers the causality check above 0 and the token note, once per family
             lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
                                                           for line in (*(r.get("notices") or ()), *routing_lines(r)))]
-            for r in g["conditions"].itertuples():
-                p = "" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)"
-                lines.append(f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]{p}")
-            for r in g["retention"].itertuples():
-                lines.append(f"  retention {r.label} vs {r.reference_label}: "
-                             f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
-                             f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}")
-            for v in g["criteria"]:
-                lines.append(f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): "
-                             f"{met_word(v['met'])}")
+            lines += [f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]"
+                      + ("" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)")
+                      for r in g["conditions"].itertuples()]
+            lines += [f"  retention {r.label} vs {r.reference_label}: "
+                      f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
+                      f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}" for r in g["retention"].itertuples()]
+            lines += [f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {met_word(v['met'])}"
+                      for v in g["criteria"]]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -315,11 +269,9 @@ class Summary:
 def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_partial: bool = False) -> Summary:
     """The paper's evidence from several audits: checkpoint-level inference per model family.
 
-    Audits are grouped by model family (config.json's `model.family`), and within a family the independently
-    trained checkpoints (training seeds) are the units: checkpoint bootstrap intervals, exact sign-flip tests with
-    Holm's correction across the three factor effects, retention intervals over checkpoints, and each family
-    judged against its prespecified criteria. A family with a single checkpoint falls back to window-level
-    intervals and says so everywhere.
+    Audits are grouped by config.json's `model.family`; within a family the training seeds are the units (bootstrap
+    intervals, exact sign-flip tests, Holm across the three factor effects), and each family is judged against its
+    prespecified criteria. A family of one checkpoint falls back to window-level intervals and says so everywhere.
 
     Parameters
     ----------
@@ -360,20 +312,17 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     audits = [a if isinstance(a, AuditResult) else AuditResult.load(a, allow_partial=allow_partial) for a in audit_dirs]
     if not audits:
         raise FcauditError("no audit directories given; pass one or more directories written by `fcaudit audit`")
-    paths = [Path(a.path).resolve() for a in audits]
-    if len(set(paths)) != len(paths):
+    if len({Path(a.path).resolve() for a in audits}) != len(audits):
         raise FcauditError("the same audit directory was given twice; pass each checkpoint's audit once")
     _one_audit_per_checkpoint(audits)
     by_family: dict[str, list[AuditResult]] = {}
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)
 
-    frames: dict[str, list[pd.DataFrame]] = {k: [] for k in _COLUMNS}
-    criteria, groups = [], {}
+    tables, criteria, groups = [], [], {}
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
-        labels = members[0].labels
         stats = [a.statistics() for a in members]  # each audit's own criteria: the family's, checked above
         if len(members) == 1:
             c, f, r = _window_level(stats[0], fam)
@@ -383,17 +332,16 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
             level, note = "checkpoint", CHECKPOINT_NOTE + (FEW_NOTE.format(n=len(members), p=2 / 2 ** len(members))
                                                            if len(members) < FEW_CHECKPOINTS else "")
         partial = any(a.partial for a in members)
-        for k, df in zip(frames, (c, f, r)):
-            frames[k].append(df)
+        tables.append((c, f, r))
         criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
         groups[fam] = {"n_checkpoints": len(members), "level": level,
-                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": labels, "partial": partial,
-                       "confidence": crit.confidence, "criteria_source": source, "criteria_fixed_at": fixed_at,
+                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": members[0].labels,
+                       "partial": partial, "confidence": crit.confidence, "criteria_source": source,
+                       "criteria_fixed_at": fixed_at,
                        # absolute: a report run from another directory finds them
                        "audits": [str(Path(a.path).resolve()) for a in members], "replay": [a.replay for a in members],
                        "variation": [v for v in (a.variation for a in members) if v is not None]}
-    summary = Summary(*(pd.concat(frames[k], ignore_index=True) if frames[k] else _frame([], k) for k in frames),
-                      criteria, groups)
+    summary = Summary(*(pd.concat(dfs, ignore_index=True) for dfs in zip(*tables)), criteria, groups)
     if out is not None:
         summary.save(out)
     return summary

@@ -1,8 +1,5 @@
-"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend).
-
-Every function takes the summary's tables (DataFrames) and writes one PNG atomically; nothing is computed here
-beyond placing numbers, so each figure shows exactly what the CSVs hold.
-"""
+"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend), each written atomically from the summary's tables:
+nothing is computed here beyond placing numbers, so each figure shows exactly what the CSVs hold."""
 
 from __future__ import annotations
 
@@ -47,13 +44,13 @@ def _xerr(df: pd.DataFrame, value: str = "mean") -> np.ndarray:
     return np.vstack([lo, hi])
 
 
-def _padded_limits(df: pd.DataFrame, pad: float = 0.12) -> tuple[float, float]:
+def _padded_limits(df: pd.DataFrame) -> tuple[float, float]:
     """x-limits spanning 0, the means and the interval ends, padded on both sides (a zero span gets a unit one)."""
     values = df[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
     values = np.append(values[np.isfinite(values)], 0.0)
     lo, hi = float(values.min()), float(values.max())
     span = hi - lo if hi > lo else max(abs(hi), 1e-3)
-    return lo - pad * span, hi + pad * span
+    return lo - 0.12 * span, hi + 0.12 * span
 
 
 def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
@@ -61,7 +58,6 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     own linear scale (it is orders of magnitude larger)."""
     removed = conditions["condition"] == protocol.structure_removed(conditions["condition"])
     ref, main = conditions[removed], conditions[~removed].iloc[::-1]  # first condition on top
-    level = str(conditions["level"].iloc[0]) if len(conditions) else "checkpoint"
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
                              gridspec_kw={"width_ratios": [3, 1.3]})
     for ax, df, ticks in zip(axes, (main, ref), (5, 3)):  # the narrow reference panel gets few ticks: no overlap
@@ -85,7 +81,7 @@ def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, con
     if not ref.empty:
         axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
     axes[0].set_title("assignment and static interventions", fontsize=9)
-    intervals = ("CI across checkpoints" if level == "checkpoint" else
+    intervals = ("CI across checkpoints" if conditions["level"].iloc[0] == "checkpoint" else
                  "paired-window bootstrap intervals, one checkpoint")
     fig.suptitle(f"{title}: intervention penalties ({100 * confidence:g}% {intervals})")
     return _save(fig, Path(path))
@@ -97,8 +93,7 @@ def variance_figure(fractions: dict[str, dict[str, float]], path: str | Path) ->
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(models) + 3), 4.2))
     bottom = np.zeros(len(models))
     for term in VARIANCE_TERMS:
-        v = np.array([fractions[m].get(term, np.nan) for m in models], dtype=float)
-        v = np.nan_to_num(v)
+        v = np.nan_to_num(np.array([fractions[m].get(term, np.nan) for m in models], dtype=float))
         bars = ax.bar(models, v, bottom=bottom, label=term, color=_TERM_COLORS[term], width=0.6)
         for b, val, b0 in zip(bars, v, bottom):
             if val >= 0.04:  # label the big terms; small ones are in the legend and the CSV
@@ -120,14 +115,13 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     y = np.arange(len(df))
     pct = df[["retention", "ci_low", "ci_high"]].astype(float) * 100
     fams = list(dict.fromkeys(retention["family"]))
-    colors = [_FAMILY_COLORS[fams.index(f) % len(_FAMILY_COLORS)] for f in df["family"]]
-    for yi, x, l, h, c in zip(y, pct["retention"], *_xerr(pct, "retention"), colors):
-        ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
     ax.set_yticks(y, [f"{r.family}\n{r.label} vs {r.reference_label}" for r in df.itertuples()], fontsize=8)
     # the numbers sit in a column right of the axes, so they never collide with points or each other
     ax.text(1.02, len(df) - 0.45, "retention [interval]\nΔNLL(S) vs ΔNLL(R), n", transform=ax.get_yaxis_transform(),
             fontsize=8, va="bottom", ha="left", weight="bold")
-    for yi, r in zip(y, df.itertuples()):
+    for yi, r, x, l, h in zip(y, df.itertuples(), pct["retention"], *_xerr(pct, "retention")):
+        c = _FAMILY_COLORS[fams.index(r.family) % len(_FAMILY_COLORS)]
+        ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
         unit = "checkpoints" if r.level == "checkpoint" else "windows"
         ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
               else f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]")
@@ -161,14 +155,10 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(conds) + 1.8))
     width = 0.7 / max(len(fams), 1)
     for i, fam in enumerate(fams):
-        sub = conditions[conditions["family"] == fam].set_index("condition")
         color = _FAMILY_COLORS[i % len(_FAMILY_COLORS)]
-        for j, c in enumerate(conds):
-            if c not in sub.index:
-                continue
-            r = sub.loc[c]
-            yy = len(conds) - 1 - j + (i - (len(fams) - 1) / 2) * width
-            m, lo, hi = float(r["mean"]), float(r["ci_low"]), float(r["ci_high"])
+        for r in conditions[conditions["family"] == fam].itertuples():
+            yy = len(conds) - 1 - conds.index(r.condition) + (i - (len(fams) - 1) / 2) * width
+            m, lo, hi = float(r.mean), float(r.ci_low), float(r.ci_high)
             if m > 0:
                 lo_d = lo if np.isfinite(lo) and lo > 0 else floor
                 hi_d = hi if np.isfinite(hi) else m
@@ -185,13 +175,10 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="family")
     ax.set_xscale("log")
     ax.set_xlim(floor * 0.7, top)
-    labels = []
-    for c in conds:
-        specific = sorted({str(v) for v in conditions.loc[conditions["condition"] == c, "label"]})
-        name = GENERIC.get(c, c)
-        extra = [s for s in specific if s != name]
-        labels.append(name + (f"\n({' / '.join(extra)})" if extra else ""))
-    ax.set_yticks(np.arange(len(conds))[::-1], labels, fontsize=8)
+    extra = {c: sorted({str(v) for v in conditions.loc[conditions["condition"] == c, "label"]} - {GENERIC.get(c, c)})
+             for c in conds}  # the families' own names of a condition, under the generic one
+    ax.set_yticks(np.arange(len(conds))[::-1], [GENERIC.get(c, c) + (f"\n({' / '.join(extra[c])})" if extra[c] else "")
+                                                for c in conds], fontsize=8)
     ax.set_xlabel("ΔNLL vs Correct (nats/token, log scale; open markers at the edge: mean ≤ 0)")
     ax.set_title("Absolute intervention penalties across model families")
     ax.grid(axis="x", which="major", alpha=0.3)

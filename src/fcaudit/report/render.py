@@ -1,10 +1,6 @@
-"""`fcaudit report`: discover what the given directories hold and render Markdown + self-contained HTML.
-
-Inputs may be summary dirs (summary.json), audit dirs (config.json + records/), directories containing training runs
-(**/metrics.json with byte_ppl) or a table1.csv, and execution results (**/execution.json or execution.csv).
-Every number in the report is also written as CSV/JSON next to it; figures are PNG files, embedded in the HTML as
-base64 data URIs so the page is one file.
-"""
+"""`fcaudit report`: find the summaries, audits, training runs (metrics.json, table1.csv) and execution results under
+the inputs and render them as Markdown and one self-contained HTML page (figures embedded as data URIs); every number
+shown is also written as CSV/JSON beside it."""
 
 from __future__ import annotations
 
@@ -31,8 +27,6 @@ from fcaudit.summary import Summary, csv_frame, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
 
-
-# ---- discovery --------------------------------------------------------------------------------------------------
 
 @dataclass
 class Found:
@@ -65,10 +59,8 @@ def discover(inputs: Sequence[str | Path]) -> Found:
                 found.summaries.append((f.parent, Summary.load(f.parent)))
             elif f.name == "config.json" and (f.parent / "records").exists():
                 found.audits.append(f.parent)
-            elif f.name == "metrics.json":
-                m = _read(f)
-                if isinstance(m, dict) and "byte_ppl" in m:  # a training run (other metrics.json are not Table 1)
-                    found.training.append(m)
+            elif f.name == "metrics.json" and isinstance(m := _read(f), dict) and "byte_ppl" in m:
+                found.training.append(m)  # a training run's (other metrics.json are not Table 1)
             elif f.name == "table1.csv":
                 t = _read(f)
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
@@ -85,24 +77,10 @@ def discover(inputs: Sequence[str | Path]) -> Found:
     return found
 
 
-# ---- variation.json ---------------------------------------------------------------------------------------------
-
-def variation_fractions(variation: dict) -> dict[str, float]:
-    """The variance-decomposition fractions in an audit's variation.json (none where the coefficients are constant)."""
-    return {k: float(v) for k, v in variation["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
-
-
-def variation_profile(variation: dict) -> pd.DataFrame:
-    """Per-layer coefficient mean/sd rows in an audit's variation.json."""
-    # scalar columns only (layer, mean, sd, site); nested per-slice lists stay in report.json
-    return pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, (int, float, str))}
-                         for row in variation["layers"]])
-
-
-# ---- document model: each block kept as Markdown and as HTML --------------------------------------------------
-
 @dataclass
 class Doc:
+    """The report being written, each block kept as Markdown and as HTML."""
+
     out: Path
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (Markdown, HTML)
     csvs: list[str] = field(default_factory=list)
@@ -177,8 +155,6 @@ def _families(summaries: list[Summary]) -> Iterator[tuple[str, dict]]:
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or "model"
 
-
-# ---- sections ---------------------------------------------------------------------------------------------------
 
 def _training_section(doc: Doc, found: Found) -> pd.DataFrame | None:
     parts = [tables.training_table(found.training)] if found.training else []
@@ -264,13 +240,17 @@ def _fractions(summaries: list[Summary]) -> dict[str, dict[str, float]]:
     no variance (or no variation.json) are absent."""
     fracs = {}
     for fam, g in _families(summaries):
-        if decs := [d for d in map(variation_fractions, g["variation"]) if d]:
+        decs = [{k: float(v) for k, v in var["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
+                for var in g["variation"]]
+        if decs := [d for d in decs if d]:
             fracs[fam] = pd.DataFrame(decs).mean().to_dict()
     return fracs
 
 
 def _variation_section(doc: Doc, summaries: list[Summary], fracs: dict[str, dict[str, float]]) -> None:
-    profiles = [variation_profile(v).assign(family=fam, checkpoint=i)
+    # per layer its scalar columns (layer, mean, sd, site); nested per-slice lists stay in report.json
+    profiles = [pd.DataFrame([{k: x for k, x in r.items() if isinstance(x, (int, float, str))} for r in v["layers"]])
+                .assign(family=fam, checkpoint=i)
                 for fam, g in _families(summaries) for i, v in enumerate(g["variation"])]
     if not fracs and not profiles:
         return
@@ -371,14 +351,18 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
         if e.settings:
             doc.p("Settings: " + ", ".join(f"{k} = {v}" for k, v in e.settings.items() if v not in (None, [], ""))
                   + ".")
-        noisy = "latency_noisy" in e.rows.columns and e.rows["latency_noisy"].astype(bool).any()
-        doc.table(_execution_display(e.rows), e.rows, name,
-                  f"From {e.source}; every column is in the CSV."
+        rows = e.rows  # shown with blocks run as k/n and a noisy latency marked with *
+        if {"executed_blocks", "n_blocks"} <= set(rows.columns):
+            rows = rows.assign(blocks_run=[f"{x}/{n}" for x, n in zip(rows["executed_blocks"], rows["n_blocks"])])
+        shown = _shown(rows, _EXECUTION_COLUMNS)
+        noisy = rows["latency_noisy"].astype(bool) if "latency_noisy" in rows.columns else pd.Series(False, rows.index)
+        if "ms/batch" in shown.columns:
+            shown["ms/batch"] = [f"{v}*" if n else v for v, n in zip(shown["ms/batch"], noisy)]
+        doc.table(shown, e.rows, name, f"From {e.source}; every column is in the CSV."
                   + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
-                     "quoting its ratio." if noisy else ""))
+                     "quoting its ratio." if noisy.any() else ""))
         if e.thresholding is not None:
-            shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct)) \
-                if "frac_below" in e.thresholding.columns else e.thresholding  # as the terminal shows it
+            shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct))  # as printed
             doc.table(_shown(shown, _THRESHOLD_COLUMNS), e.thresholding, f"{name}_thresholding",
                       _threshold_note(e.thresholding, e.settings))
         if e.conditions is not None:
@@ -430,28 +414,15 @@ def _shown(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """The columns a reader compares, renamed, floats to 4 significant digits; the CSV keeps full precision."""
     present = [c for c in columns if c in df.columns]
     df = df[present].rename(columns=columns) if present else df
-    return df.apply(lambda col: col.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
-                                        else f"{v:.4g}" if isinstance(v, float) else v))
-
-
-def _execution_display(df: pd.DataFrame) -> pd.DataFrame:
-    """Nine columns that fit a narrow page (ten with token routers): blocks run as k/n, a noisy latency marked
-    with *."""
-    df = df.copy()
-    if {"executed_blocks", "n_blocks"} <= set(df.columns):
-        df["blocks_run"] = [f"{e}/{n}" for e, n in zip(df["executed_blocks"], df["n_blocks"])]
-    shown = _shown(df, _EXECUTION_COLUMNS)
-    if "latency_noisy" in df.columns and "ms/batch" in shown.columns:
-        shown["ms/batch"] = [f"{v}*" if bool(noisy) else v for v, noisy in zip(shown["ms/batch"], df["latency_noisy"])]
-    return shown
+    return df.map(lambda v: "—" if v is None or (isinstance(v, float) and v != v)
+                  else f"{v:.4g}" if isinstance(v, float) else v)
 
 
 def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: bool = False) -> Path:
     """Write the study's report: report.md, a self-contained report.html, its figures and every number as CSV/JSON.
 
-    The report answers the paper's three questions separately (coefficient variation, functional dependence,
-    execution) for whatever `inputs` hold, and states each family's criteria and the level of its intervals.
-    `fcaudit report` runs the same.
+    It answers the paper's three questions (coefficient variation, functional dependence, execution) separately
+    for whatever `inputs` hold, with each family's criteria and the level of its intervals, as `fcaudit report` does.
 
     Parameters
     ----------
@@ -497,13 +468,11 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.p("Three separate questions: coefficient variation (does the controller vary?), functional dependence "
           "(does the frozen model need each coefficient at its own input and token? — the Frozen-Controller Audit), "
           "and execution (is work actually skipped?). Each section below answers only one of them.")
-    numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs]}
     fracs = _fractions(summaries)
     executions = [_read_execution(f) for f in found.execution]
-    numbers["verdicts"] = _verdicts_section(doc, summaries, fracs, executions)
-
-    t1 = _training_section(doc, found)
-    if t1 is not None:
+    numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs],
+                               "verdicts": _verdicts_section(doc, summaries, fracs, executions)}
+    if (t1 := _training_section(doc, found)) is not None:
         numbers["table1"] = json.loads(t1.to_json(orient="records"))
     for fam, g in _families(summaries):
         _family_section(doc, fam, g)
@@ -525,9 +494,8 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
 
 
 def _remove_earlier_report(out: Path) -> None:
-    """The files an earlier report into the claimed `out` wrote (as its marker and its summary/'s record them, not as
-    report.json lists them), so that none of them stays beside this one (e.g. the tables of a family this report
-    does not cover). Nothing else is touched."""
+    """Every file an earlier report into the claimed `out` wrote (as its and its summary/'s markers record them), so
+    that none stays beside this one (e.g. a family this report does not cover); nothing else is touched."""
     summary = out / "summary"
     if (summary / COMMANDS["summary"].marker).is_file():
         confine(summary, "summary")
@@ -536,8 +504,7 @@ def _remove_earlier_report(out: Path) -> None:
 
 
 def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:
-    """A family's checkpoints are pooled in one summary: the same family from two sources would give two sets of
-    statistics under one name (and one figure row each)."""
+    """A family's checkpoints are pooled in one summary: from two sources it would get two sets of statistics."""
     seen: dict[str, str] = {}
     for where, s in sources:
         for fam, _ in _families([s]):

@@ -1,14 +1,11 @@
-"""The paper's tables as DataFrames, and their Markdown/HTML rendering.
-
-Table 1 (training comparison) comes from training runs' metrics.json; the FCA table (Table 2 style),
-factor effects and criteria verdicts come from a `fcaudit.summary.Summary`.
-"""
+"""The paper's tables as DataFrames (Table 1 from training runs' metrics.json; the FCA table, factor effects and
+criteria from a `fcaudit.summary.Summary`) and their Markdown/HTML rendering."""
 
 from __future__ import annotations
 
 import html
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -31,43 +28,34 @@ METHOD_NAMES = {
 }
 
 
-def _method(m: dict) -> str:
-    name = m.get("method") or m.get("variant") or m.get("model")
-    if not name:
-        raise FcauditError("a training metrics.json has no 'variant' or 'method' key; re-run `fcaudit train` to rewrite it")
-    return METHOD_NAMES.get(str(name).lower(), str(name))
-
-
-def _setting(m: dict) -> str:
-    parts = [str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")]
-    return " ".join(parts) if parts else "default"
-
-
 def training_table(metrics: list[dict]) -> pd.DataFrame:
     """Table 1: per (setting, method) the number of seeds, Byte-PPL mean and sd across seeds, mean gate mass."""
     if not metrics:
         raise FcauditError("no training metrics given; point the report at directories containing metrics.json")
     rows = []
     for m in metrics:
+        if not (method := m.get("method") or m.get("variant") or m.get("model")):
+            raise FcauditError("a training metrics.json has no 'variant' or 'method' key; re-run `fcaudit train` to "
+                               "rewrite it")
         if "byte_ppl" not in m:
             raise FcauditError("a training metrics.json has no 'byte_ppl'; re-run `fcaudit train` to rewrite it")
         gate = m.get("gate_mass")
-        rows.append({"setting": _setting(m), "method": _method(m), "seed": m.get("seed"),
-                     "byte_ppl": float(m["byte_ppl"]), "gate_mass": np.nan if gate is None else float(gate)})
+        setting = " ".join(str(m[k]) for k in ("corpus", "preset") if m.get(k) not in (None, "")) or "default"
+        rows.append({"setting": setting, "method": METHOD_NAMES.get(str(method).lower(), str(method)),
+                     "seed": m.get("seed"), "byte_ppl": float(m["byte_ppl"]),
+                     "gate_mass": np.nan if gate is None else float(gate)})
     runs = pd.DataFrame(rows)
-    dup = runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"])
-    if dup.any():
+    if runs.dropna(subset=["seed"]).duplicated(["setting", "method", "seed"]).any():
         raise FcauditError("two training runs share setting, method and seed; pass each run directory once")
-    g = runs.groupby(["setting", "method"], sort=False)
-    table = g.agg(n=("byte_ppl", "size"), byte_ppl_mean=("byte_ppl", "mean"), byte_ppl_sd=("byte_ppl", "std"),
-                  gate_mass=("gate_mass", "mean")).reset_index()
+    table = runs.groupby(["setting", "method"], sort=False).agg(
+        n=("byte_ppl", "size"), byte_ppl_mean=("byte_ppl", "mean"), byte_ppl_sd=("byte_ppl", "std"),
+        gate_mass=("gate_mass", "mean")).reset_index()
     # Within a setting, best (lowest) Byte-PPL first, as in the paper.
     return table.sort_values(["setting", "byte_ppl_mean"], kind="stable").reset_index(drop=True)
 
 
-# ---- number formatting: '—' for a missing number everywhere ---------------------------------------------------
-
 def missing(x: Any) -> bool:
+    """None or not finite: shown as '—' everywhere."""
     return x is None or not math.isfinite(float(x))
 
 
@@ -75,8 +63,6 @@ def fmt(x: Any, digits: int = 6) -> str:
     """A number for a table: fixed decimals."""
     if missing(x):
         return "—"
-    if isinstance(x, (int, np.integer)):
-        return str(int(x))
     x = float(x)
     if x != 0 and abs(x) < 10 ** -(digits - 2):  # tiny values keep their significant digits instead of "-0.000000"
         return f"{x:.3e}"
@@ -92,15 +78,13 @@ def fmt_p(p: Any) -> str:
     return "—" if missing(p) else f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
-def fmt_interval(lo: Any, hi: Any, digits: int = 6) -> str:
-    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo), digits)}, {fmt(float(hi), digits)}]"
+def fmt_interval(lo: Any, hi: Any) -> str:
+    return "—" if missing(lo) or missing(hi) else f"[{fmt(float(lo))}, {fmt(float(hi))}]"
 
 
 def fmt_pct(x: Any, decimals: int = 2) -> str:
     return "—" if missing(x) else f"{100 * float(x):.{decimals}f}%"
 
-
-# ---- display tables (strings) -----------------------------------------------------------------------------------
 
 def training_display(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
@@ -149,24 +133,18 @@ def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
 def criteria_display(criteria: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "Criterion": c["name"], "Rule (fixed in advance)": c["rule"],
-        "Bound": fmt(c["bound"], 6) if c["name"] == "practically small" else fmt_pct(c["bound"]),
+        "Bound": fmt(c["bound"]) if c["name"] == "practically small" else fmt_pct(c["bound"]),
         "Level": "checkpoints" if c["level"] == "checkpoint" else
         WINDOW_LEVEL if c["level"] in ("window", WINDOW_LEVEL) else "—",
         "Verdict": met_word(c["met"]),
     } for c in criteria])
 
 
-# ---- Markdown / HTML -------------------------------------------------------------------------------------------
-
-def _cells(row: Iterable[Any]) -> list[str]:
-    return [str(v).replace("|", "\\|").replace("\n", " ") for v in row]
-
-
 def to_markdown(df: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table (numbers right-aligned)."""
-    head = "| " + " | ".join(_cells(df.columns)) + " |"
+    head, *body = ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                   for row in [df.columns, *df.itertuples(index=False)]]
     align = "|" + "|".join("---:" if pd.api.types.is_numeric_dtype(df[c]) else "---" for c in df.columns) + "|"
-    body = ["| " + " | ".join(_cells(r)) + " |" for r in df.itertuples(index=False)]
     return "\n".join([head, align, *body])
 
 

@@ -5,17 +5,13 @@ which command provides them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
 
 from fcaudit import protocol
 from fcaudit.auditor.results import LATER_TOKENS
 from fcaudit.io import read_json
+from fcaudit.report.figures import VARIANCE_TERMS
 from fcaudit.report.tables import fmt_g, fmt_pct, missing
 from fcaudit.summary import met_word
-
-_INPUT_TOKEN_TERMS = ("input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
 
 
 def variation_line(variations: list[dict], fractions: dict[str, float] | None) -> str:
@@ -25,7 +21,7 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
         return ("none: the coefficients are the same for every input, token and layer (variance 0, nothing to "
                 "decompose)")
     layer = fractions.get("layer", 0.0)
-    rest = sum(fractions.get(t, 0.0) for t in _INPUT_TOKEN_TERMS)
+    rest = sum(fractions.get(t, 0.0) for t in VARIANCE_TERMS if t != "layer")
     if rest <= 1e-12:
         return f"across layers only: layer identity explains {fmt_pct(layer, 1)} of the coefficient variance"
     return (f"layer identity explains {fmt_pct(layer, 1)} of the coefficient variance; input, token and their "
@@ -33,8 +29,7 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
 
 
 def dependence_line(fam: dict) -> str:
-    conds = fam["conditions"].set_index("condition") if len(fam["conditions"]) else pd.DataFrame()
-    rets = fam["retention"].set_index("condition") if len(fam["retention"]) else pd.DataFrame()
+    conds, rets = fam["conditions"].set_index("condition"), fam["retention"].set_index("condition")
     parts = []
     assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
     if assignment:
@@ -64,23 +59,14 @@ def dependence_line(fam: dict) -> str:
     return line + (f" — criteria: {crit}" if crit else "")
 
 
-def _resolved(p: Any) -> str:
-    try:
-        return str(Path(p).resolve())
-    except (TypeError, OSError):
-        return str(p)
+def _resolved(p: str | None) -> str:
+    return str(Path(p).resolve()) if p else ""
 
 
 def audited_checkpoints(fam: dict) -> set[str]:
     """The checkpoints the family's audits ran on (from each audit's config.json)."""
-    out = set()
-    for audit in fam["audits"]:
-        cfg = Path(audit) / "config.json"
-        if cfg.is_file():
-            model = read_json(cfg).get("model")
-            if isinstance(model, dict) and model.get("checkpoint"):
-                out.add(_resolved(model["checkpoint"]))
-    return out
+    configs = [read_json(cfg) for a in fam["audits"] if (cfg := Path(a) / "config.json").is_file()]
+    return {_resolved(ckpt) for c in configs if (ckpt := c["model"].get("checkpoint"))}
 
 
 def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
@@ -95,9 +81,8 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
     if not missing(pairs):  # token routers: blocks run on the tokens chosen
         text += (f", but the routed blocks run {fmt_pct(r['token_fraction'], 1)} of the tokens: "
                  f"{fmt_pct(pairs, 1)} of the token x block pairs run, {fmt_pct(1 - float(pairs), 1)} skipped")
-    ratios = [(name, r.get(col)) for name, col in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))]
-    ratios = [(n, v) for n, v in ratios if not missing(v)]
-    if ratios:
+    if ratios := [(n, r[c]) for n, c in (("FLOPs", "flops_vs_dense"), ("latency", "latency_vs_dense"))
+                  if not missing(r.get(c))]:
         text += "; " + ", ".join(f"{n} {float(v):.2f}x" for n, v in ratios) + " Dense's"
     else:
         text += "; no Dense model of the same architecture measured for ratios"
