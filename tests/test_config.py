@@ -153,7 +153,7 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
 @pytest.mark.parametrize("n_eval, n_calib, batch, r, world", [(8, 4, 2, 3, 1), (9, 5, 2, 2, 3), (7, 1, 3, 1, 4),
                                                                (5, 6, 8, 4, 7), (3, 2, 1, 2, 16)])
 def test_passes_per_rank_are_counted_as_share_lists_them(n_eval, n_calib, batch, r, world):
-    sched = Schedule(n_eval, n_calib, batch, r, tuple(protocol.names()))
+    sched = Schedule(n_eval, n_calib, batch, r, tuple(protocol.REGISTRY))
     listed = [sum(u.passes for stage in (sched.iter_stage1(), sched.iter_stage2()) for u in share(stage, k, world))
               for k in range(world)]
     assert sched.passes_per_rank(world) == listed

@@ -441,7 +441,7 @@ class Held:
     """A protocol.ReplayContext over coefficients held in memory, with site groups."""
 
     def __init__(self, data, groups):
-        self.data, self.seed, self.groups = data, 0, groups
+        self.data, self.seed, self.info = data, 0, protocol.Controllers(groups=groups)
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]

@@ -1,25 +1,16 @@
-"""The FCA protocol (paper §3.2-3.4): every condition, the record schema and the prespecified criteria.
+"""The FCA protocol (paper §3.2-3.4): the condition registry, the record schema and the prespecified criteria.
 
-A condition is one registered `Condition`: its name, kind (the Correct reference, randomized, static), its factorial
-role (Eq. 5-7), its display label, one sentence on what it controls, and how it makes the replay coefficients of a
-batch. Everything else (the audit schedule, the forward-pass count, the statistics, the summary, the tables and the
-figures) reads this registry; adding a condition is one `register(...)` here.
-
-Coefficients are canonical per-layer tensors [batch, token, stream, source] (ragged across layers). Randomness comes
-from one seed and is keyed by what it permutes, never by batch, chunk or process: the derangement of randomization r
-from `default_rng([DERANGE, seed, r])`, the token permutations of example i from `default_rng([SHUFFLE, seed, r, i])`,
-the past resampling of example i from `default_rng([RESAMPLE, seed, r, i])`. CrossShuffle r uses the derangement of
-CrossInput r and the permutations of TokenShuffle r of the receiving example (paired sampling). Static profiles are
-functions of the calibration sums only (float64, reduced in batch order).
-
-This module imports nothing of fcaudit but its error type, so statistics and the report can read it without the
-engine.
+Everything else (schedule, statistics, summary, report) reads `REGISTRY`; adding a condition is one entry there.
+Randomness is keyed by what it permutes, never by batch or process: `default_rng([tag, seed, r, example])` (the
+derangement: `[DERANGE, seed, r]`); CrossShuffle pairs CrossInput's donor with TokenShuffle's permutations. Static
+profiles are functions of the calibration sums only. Imports nothing of fcaudit but its error type.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from itertools import accumulate
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -33,13 +24,10 @@ Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tens
 DERANGE, SHUFFLE, RESAMPLE, ROUTE_PAST, ROUTE_RANDOM = 1, 2, 3, 4, 5
 
 RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
-"""One record per (example, condition, randomization): `nll` is the mean next-token NLL per predicted token of the
-window, `tokens` the predicted tokens, `active` the mean number of nonzero coefficients per (layer, token, stream)
-along the source axis, over the controller's routers when it has any: experts run per token for top-k routers, the
-fraction of tokens chosen for token routers. Where a site's codec counts what its module really runs
-(`Codec.executed`: a capacity router drops the assignments past an expert's capacity), `active` counts what ran, and
-the codec's counts follow as extra columns (a capacity router: expert0..expert{E-1} tokens run per expert and
-`dropped` assignments, each summed over its layers)."""
+"""One record per (example, condition, randomization): `nll` is the window's mean next-token NLL per predicted token,
+`tokens` the predicted tokens, `active` the mean nonzero sources per (layer, token, stream), over the routers when
+there are any (token routers: the fraction of tokens chosen). Codecs that count what their module runs
+(`Codec.executed`, e.g. a capacity router) set `active` from what ran and add their counts as extra columns."""
 
 
 # ---- the transformations ---------------------------------------------------------------------------------------
@@ -60,8 +48,7 @@ def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows
     (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
     CrossShuffle r use the same ones."""
     positions = np.broadcast_to(np.arange(token), (rows, token))
-    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1)
-                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
+    return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1) for e in examples])
 
 
 def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
@@ -69,37 +56,28 @@ def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: in
     s <= t."""
     high = np.arange(1, token + 1)
     return np.stack([np.random.default_rng([RESAMPLE, seed, r, int(e)]).integers(0, high, size=(rows, token))
-                     for e in examples]) if len(examples) else np.zeros((0, rows, token), np.int64)
+                     for e in examples])
 
 
 def group_rows(coeffs: Coeffs, groups: Sequence[int] = ()) -> tuple[int, list[int]]:
     """The index rows one draw needs and each site's first row: one row per stream of each group (its widest site),
     groups in order; a site uses its group's first rows, so the sites of one group (one layer) move together.
     groups () = one group per site: a row per (layer, stream) in layer order."""
-    if groups and len(groups) != len(coeffs):
-        raise FcauditError(f"{len(groups)} groups for {len(coeffs)} sites; give one group per site")
-    keys = list(groups) if groups else list(range(len(coeffs)))
-    width: dict[int, int] = {}
+    keys = list(groups) or list(range(len(coeffs)))
+    width: dict[int, int] = {}  # in the order the groups first appear
     for c, g in zip(coeffs, keys):
         width[g] = max(width.get(g, 0), c.shape[2])
-    first, total = {}, 0
-    for g in dict.fromkeys(keys):
-        first[g], total = total, total + width[g]
-    return total, [first[g] for g in keys]
+    first = dict(zip(width, accumulate(width.values(), initial=0)))
+    return sum(width.values()), [first[g] for g in keys]
 
 
 def move_tokens(coeffs: Coeffs, index: np.ndarray, groups: Sequence[int] = ()) -> Coeffs:
     """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l: the source vector moves as one.
-
-    index: [batch, rows, token], stacked from `token_permutations` or `past_positions`, rows as `group_rows` says.
-    """
+    index: [batch, rows, token] (`token_permutations`, `past_positions`), rows as `group_rows` says."""
     # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
     index = torch.from_numpy(index.transpose(0, 2, 1).copy()).to(coeffs[0].device)
-    out = []
-    for c, s0 in zip(coeffs, group_rows(coeffs, groups)[1]):
-        s = c.shape[2]
-        out.append(torch.gather(c, 1, index[:, :, s0:s0 + s, None].expand(-1, -1, -1, c.shape[3])))
-    return out
+    return [torch.gather(c, 1, index[:, :, s0:s0 + c.shape[2], None].expand(-1, -1, -1, c.shape[3]))
+            for c, s0 in zip(coeffs, group_rows(coeffs, groups)[1])]
 
 
 def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
@@ -164,7 +142,7 @@ def random_routes(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Co
         new = torch.zeros_like(c)
         m = torch.from_numpy(mask).to(c.device)
         new[:, :, 0, 1] = m.to(c.dtype)
-        new[:, :, 0, 0] = torch.where(m, mean[:, None].to(c.dtype), torch.zeros((), dtype=c.dtype, device=c.device))
+        new[:, :, 0, 0] = torch.where(m, mean[:, None].to(c.dtype), 0.0)
         out.append(new)
     return out
 
@@ -183,8 +161,7 @@ def static_routes(profile: Coeffs, taken: Coeffs) -> Coeffs:
         m = rank[None, :] < k[:, None].to(rank.device)
         new = torch.zeros_like(c)
         new[:, :, 0, 1] = m.to(c.dtype)
-        new[:, :, 0, 0] = torch.where(m, p[:, :, 0, 0].to(c.dtype).expand_as(m), torch.zeros((), dtype=c.dtype,
-                                                                                        device=c.device))
+        new[:, :, 0, 0] = torch.where(m, p[:, :, 0, 0].to(c.dtype), 0.0)
         out.append(new)
     return out
 
@@ -214,11 +191,10 @@ def batch_sums(coeffs: Coeffs) -> list[torch.Tensor]:
     return [c.detach().to("cpu", torch.float64).sum(0) for c in coeffs]
 
 
-def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]], ctrl: Controllers,
-                    names: Sequence[str] | None = None) -> dict[str, list[torch.Tensor]]:
-    """Each static condition's profile (of `names`, default: those that apply to the controller) from the
-    calibration batches' (batch_sums, window count), added in batch order: equal bit for bit however the batches
-    were spread over processes."""
+def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]],
+                    ctrl: Controllers) -> dict[str, list[torch.Tensor]]:
+    """The profile of each static condition that applies to `ctrl`, from the calibration batches' (batch_sums,
+    window count) added in batch order: equal bit for bit however the batches were spread over processes."""
     sums, count = None, 0
     for part, n in parts:
         sums = list(part) if sums is None else [s + p for s, p in zip(sums, part)]
@@ -226,8 +202,7 @@ def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]], ctrl: Contr
     if sums is None:
         raise FcauditError("no calibration windows: pass at least one calibration window")
     cal = Calibration(sums, count, ctrl.top_k)
-    chosen = for_controller(ctrl) if names is None else names
-    return {c.name: c.profile(cal, ctrl) for c in conditions(chosen, kind="static")}
+    return {c.name: c.profile(cal, ctrl) for c in REGISTRY.values() if c.kind == "static" and c.applies(ctrl)}
 
 
 def global_mean(cal: Calibration) -> list[torch.Tensor]:
@@ -275,8 +250,7 @@ class ReplayContext(Protocol):
     """What a condition may use to make a batch's replay coefficients (implemented by the audit engine)."""
 
     seed: int
-    groups: tuple[int, ...]  # Controllers.groups: each site's layer, () (or absent) = one per site
-    info: "Controllers"  # the controller's description (token routers get their own versions of some conditions)
+    info: Controllers  # the controller's description: its site groups, its token routers
 
     def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
     def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
@@ -303,7 +277,6 @@ class Condition:
     name: str
     kind: str  # "reference" (Correct), "randomized" (R draws) or "static" (one deterministic replay)
     label: str  # default display label; a controller may rename StaticProfile and StructureRemoved
-    note: str  # what the condition controls for, in one sentence (printed in the report)
     make: Callable[[ReplayContext, int, np.ndarray], Coeffs]  # (context, randomization, examples) -> coefficients
     role: str | None = None  # factorial role: "input" (DC), "token" (CS), "both" (DS); None: outside Eq. 5-7
     profile: Callable[[Calibration, Controllers], list[torch.Tensor]] | None = None  # static: the profile
@@ -316,94 +289,45 @@ class Condition:
         return self.kind == "randomized"
 
 
-REGISTRY: dict[str, Condition] = {}
-
-
-def register(condition: Condition) -> Condition:
-    if condition.kind not in ("reference", "randomized", "static"):
-        raise FcauditError(f"condition kind {condition.kind!r}: use reference, randomized or static")
-    REGISTRY[condition.name] = condition
-    return condition
-
-
-def _groups(ctx: ReplayContext) -> tuple[int, ...]:
-    """The context's site groups; a context that names none has one group per site."""
-    return getattr(ctx, "groups", ())
-
-
-def _tokens(ctx: ReplayContext) -> bool:
-    """Whether the context's controller routes tokens (a context that describes none does not)."""
-    return bool(getattr(getattr(ctx, "info", None), "tokens", False))
-
-
 def _static(name: str) -> Callable:
     return lambda ctx, r, examples: ctx.static(name, len(examples))
 
 
-register(Condition(
-    "Correct", "reference", "Correct", "each input's own cached coefficients at their own tokens (exact replay)",
-    lambda ctx, r, ex: ctx.take(ex)))
-register(Condition(
-    "CrossInput", "randomized", "Cross-input",
-    "a global derangement of inputs: coefficient multiset and coordinates kept, the source input changed",
-    lambda ctx, r, ex: ctx.take(ctx.derangement(r)[ex]), role="input"))
-register(Condition(
-    "TokenShuffle", "randomized", "Token-shuffle",
-    "positions permuted independently per layer and stream: values kept, token alignment broken",
-    lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, _groups(ctx)), role="token"))
-register(Condition(
-    "CrossShuffle", "randomized", "Cross+shuffle",
-    "the paired CrossInput donor and TokenShuffle permutations together",
-    lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, _groups(ctx)),
-    role="both"))
-register(Condition(
-    "TokenResamplePast", "randomized", "Token-resample-past",
-    "position t takes the coefficient of a random position s <= t of the same input, so unlike TokenShuffle no "
-    "coefficient computed from later tokens moves to an earlier position (the causal control of TokenShuffle)",
-    lambda ctx, r, ex: (routes_past(ctx.take(ex), ex, ctx.seed, r) if _tokens(ctx)
-                        else resample_past(ctx.take(ex), ex, ctx.seed, r, _groups(ctx)))))
-register(Condition(
-    "LayerPositionMean", "static", "Layer×PositionMean",
-    "calibration mean per layer, position, stream and source: content removed, stable position patterns kept",
-    _static("LayerPositionMean"), profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True,
-    applies=lambda ctrl: not ctrl.tokens))
-register(Condition(
-    "StaticProfile", "static", "StaticProfile",
-    "calibration mean per layer, stream and source: one static profile for every input and token",
-    _static("StaticProfile"), profile=lambda cal, ctrl: cal.layer_mean(), retained=True,
-    applies=lambda ctrl: not ctrl.tokens))
-register(Condition(
-    "StaticTopK", "static", "StaticTopK",
-    "the top-k experts of the static mean with its mass (token routers: each window's k tokens at the positions "
-    "the calibration windows chose most often): static routing that keeps the budget",
-    lambda ctx, r, ex: (static_routes(ctx.static("StaticTopK", len(ex)), ctx.take(ex)) if _tokens(ctx)
-                        else ctx.static("StaticTopK", len(ex))),
-    profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True,
-    applies=lambda ctrl: ctrl.tokens or any(k is not None for k in ctrl.top_k)))
-register(Condition(
-    "StructureRemoved", "static", "StructureRemoved",
-    "the model-specific reference that removes the structure of interest (Eq. 8's R)",
-    _static("StructureRemoved"), profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True,
-    applies=lambda ctrl: not ctrl.tokens))
-register(Condition(
-    "RandomRoute", "randomized", "RandomRoute",
-    "token routers' reference: a uniformly random set of as many tokens per window and layer as the router chose, "
-    "each weighted by the window's mean chosen score",
-    lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True,
-    applies=lambda ctrl: ctrl.tokens))
+def _no_tokens(ctrl: Controllers) -> bool:
+    return not ctrl.tokens
+
+
+# in paper order; what each controls for: docs/concepts.md
+REGISTRY: dict[str, Condition] = {c.name: c for c in (
+    Condition("Correct", "reference", "Correct", lambda ctx, r, ex: ctx.take(ex)),
+    Condition("CrossInput", "randomized", "Cross-input", lambda ctx, r, ex: ctx.take(ctx.derangement(r)[ex]),
+              role="input"),
+    Condition("TokenShuffle", "randomized", "Token-shuffle",
+              lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, ctx.info.groups), role="token"),
+    Condition("CrossShuffle", "randomized", "Cross+shuffle",  # the paired CrossInput donor and TokenShuffle draws
+              lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, ctx.info.groups),
+              role="both"),
+    Condition("TokenResamplePast", "randomized", "Token-resample-past",  # the causal control of TokenShuffle
+              lambda ctx, r, ex: (routes_past(ctx.take(ex), ex, ctx.seed, r) if ctx.info.tokens
+                                  else resample_past(ctx.take(ex), ex, ctx.seed, r, ctx.info.groups))),
+    Condition("LayerPositionMean", "static", "Layer×PositionMean", _static("LayerPositionMean"),
+              profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True, applies=_no_tokens),
+    Condition("StaticProfile", "static", "StaticProfile", _static("StaticProfile"),
+              profile=lambda cal, ctrl: cal.layer_mean(), retained=True, applies=_no_tokens),
+    Condition("StaticTopK", "static", "StaticTopK",
+              lambda ctx, r, ex: (static_routes(ctx.static("StaticTopK", len(ex)), ctx.take(ex)) if ctx.info.tokens
+                                  else ctx.static("StaticTopK", len(ex))),
+              profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True,
+              applies=lambda ctrl: ctrl.tokens or any(k is not None for k in ctrl.top_k)),
+    Condition("StructureRemoved", "static", "StructureRemoved", _static("StructureRemoved"),
+              profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True, applies=_no_tokens),
+    Condition("RandomRoute", "randomized", "RandomRoute",  # token routers' structure-removed reference
+              lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True,
+              applies=lambda ctrl: ctrl.tokens),
+)}
 
 TOKEN_NOTE = ("token routing: LayerPositionMean, StaticProfile and GlobalMean are not offered (the mean of a 0/1 "
               "choice is no set of k tokens); StaticTopK and RandomRoute keep each window's budget")
-
-
-def conditions(names: Sequence[str] | None = None, *, kind: str | None = None) -> list[Condition]:
-    """Registered conditions in registry (paper) order, optionally only those named and/or of one kind."""
-    chosen = [c for c in REGISTRY.values() if names is None or c.name in names]
-    return [c for c in chosen if kind is None or c.kind == kind]
-
-
-def names(kind: str | None = None) -> list[str]:
-    return [c.name for c in conditions(kind=kind)]
 
 
 def for_controller(ctrl: Controllers) -> list[str]:
@@ -420,11 +344,10 @@ def retained() -> list[str]:
     return [c.name for c in REGISTRY.values() if c.retained]
 
 
-def structure_removed(run: Iterable[str] | None = None) -> str | None:
-    """Eq. 8's reference R: the structure-removed condition among the conditions `run` (StructureRemoved, or
-    RandomRoute for token routers); None when none of them is one. Without `run`: the first registered."""
-    ran = None if run is None else set(run)
-    return next((c.name for c in REGISTRY.values() if c.structure_removed and (ran is None or c.name in ran)), None)
+def structure_removed(run: Iterable[str]) -> str | None:
+    """Eq. 8's reference R among the conditions `run` (StructureRemoved, or RandomRoute for token routers), if any."""
+    ran = set(run)
+    return next((c.name for c in REGISTRY.values() if c.structure_removed and c.name in ran), None)
 
 
 def default_labels() -> dict[str, str]:

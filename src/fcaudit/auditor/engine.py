@@ -1,10 +1,8 @@
 """Algorithm 1 as work units: capture + exact replay check, calibration, profiles, replays, and the final merge.
 
-`Engine` runs one process's share of the units (audit.units) in an audit directory that audit.runner has already
-validated, configured and locked. Every unit's output is verified when it is reused and recomputed when damaged;
-randomness is keyed by (seed, randomization, example), so any partition of the units over processes, and any resume,
-gives the same files bit for bit. A `Group` says which share this process runs and carries a failure on any rank to
-all of them (fcaudit.auditor.group; one process: a trivial group).
+`Engine` runs one process's share of the units (its `Group`'s) in an audit directory the runner has configured and
+locked. A unit's output is verified when reused and recomputed when damaged; randomness is keyed by (seed, r, example),
+so any partition of the units over processes, and any resume, gives the same files bit for bit.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ RESIDENT_FRACTION = 0.25  # on a GPU the whole store is held there when it takes
 
 
 def keeps_store_on(device: torch.device, nbytes: int) -> bool:
-    """Whether stage 2 holds the whole coefficient store (`nbytes`) on `device`: a GPU with RESIDENT_FRACTION of its
-    free memory to spare. Replays then gather their coefficients there, with no host copy per batch; on the CPU the
-    store stays in its files, so memory does not grow with the windows."""
+    """Whether stage 2 holds the whole store (`nbytes`) on `device`: a GPU with room to spare, so replays gather there
+    with no host copy per batch; on the CPU the store stays in its files, so memory stays flat with the windows."""
     return device.type == "cuda" and nbytes <= RESIDENT_FRACTION * torch.cuda.mem_get_info(device)[0]
 
 
@@ -75,11 +72,9 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
 
 def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset(),
            ran: dict[int, torch.Tensor] | None = None, groups: tuple[int, ...] = ()) -> torch.Tensor:
-    """Per window: mean over sites (all, or `sites`) of the mean number of nonzero sources per (token, stream) [B],
-    float64. For top-k routers (`sites` = the routers): the experts run per token; for token routers (`tokens`):
-    the fraction of tokens chosen (what runs the routed block), not the nonzero (score, chosen) entries. `ran`: per
-    site, the sources its module really ran summed over (token, stream) [B], in place of the nonzero count (see
-    `executed`)."""
+    """Per window [B] float64: the mean over sites (all, or `sites`: the routers) of the mean nonzero sources per
+    (token, stream); for token routers (`tokens`) the fraction of tokens chosen. `ran`: per site, the sources its
+    module really ran summed over (token, stream), in place of the nonzero count (`executed`)."""
     ran = ran or {}
     order = list(sites or range(len(coeffs)))
     chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
@@ -101,9 +96,8 @@ def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int
 
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: frozenset[int],
              names: tuple[str, ...], groups: tuple[int, ...] = ()) -> torch.Tensor:
-    """`active` for a controller whose codecs count what their modules run (`Codec.executed`; a capacity router
-    drops what exceeds its capacity): [B, 1 + len(names)] float64, `active` from what ran, then each count of
-    `names` summed over the sites that report it."""
+    """[B, 1 + len(names)] float64 for codecs that count what their modules run (`Codec.executed`): `active` from what
+    ran, then each count of `names` summed over the sites that report it."""
     out = torch.zeros(coeffs[0].shape[0], 1 + len(names), dtype=torch.float64, device=coeffs[0].device)
     ran = {}
     for i, (c, codec) in enumerate(zip(coeffs, codecs)):
@@ -117,8 +111,7 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: 
 
 
 def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in float32, one window at a time: no float32 copies of whole batches of logits (for a 50k
-    vocabulary at 8 x 2048 tokens each copy would be 3.3 GB)."""
+    """max |a - b| in float32, one window at a time: no float32 copy of a whole batch's logits."""
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
@@ -140,11 +133,12 @@ class Engine:
         locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites')."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
-        self.info = controller.info  # protocol.ReplayContext: token routers get their own conditions
+        self.info = controller.info  # protocol.ReplayContext: site groups, token routers
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
+        self.paths = [s.path for s in controller.sites]
         self.group = group
         self.device = placement.input_device(model)
         self.B = config.batch_size
@@ -156,22 +150,19 @@ class Engine:
         self._done: dict[tuple[str, int], set[int] | bool] = {}  # `_recorded`
         self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
         self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
-        self.groups = controller.info.groups  # the ReplayContext's: merged sites of one layer move together
         # extra record columns: what codecs that count their execution report (empty for most controllers)
         self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
         self.found: tuple[str, ...] = ()  # the runner's pre-write notices, for replay.json
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
-        # the first evaluation batch's capture (coefficients, logits, NLL) from the audit's probe: that batch's stage 1
-        # uses it instead of running the same forward pass again
-        self._first = first
+        self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
     # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------
-    def _verified(self, path: Path, read: Callable[[], object]) -> bool:
+    def _verified(self, path: Path, read: Callable[[Path], object] = files.read_tensors) -> bool:
         try:
-            read()
+            read(path)
             return True
         except FileNotFoundError:
             return False
@@ -183,52 +174,42 @@ class Engine:
     def _recorded(self, condition: str, r: int) -> set[int] | bool:
         """True when the records file of (condition, r) verifies, else the evaluation windows in its verified part
         files (cached: a fresh audit lists each (condition, r) once, not per unit)."""
-        key = (condition, r)
+        key, n = (condition, r), self.ev.shape[0]
         if key not in self._done:
-            path, n = self.dir.records(condition, r), self.ev.shape[0]
 
-            def whole() -> None:
+            def whole(path: Path) -> None:
                 frame = files.read_frame(path)
                 if len(frame) != n or list(frame["example"]) != list(range(n)):
                     raise files.Damaged(path, "does not hold one row per evaluation window")
 
-            if self._verified(path, whole):
+            if self._verified(self.dir.records(condition, r), whole):
                 self._done[key] = True
             else:
                 found: set[int] = set()
                 for part in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
-                    self._verified(part, lambda p=part: found.update(files.read_tensors(p)[0]["example"].tolist()))
+                    self._verified(part, lambda p: found.update(files.read_tensors(p)[0]["example"].tolist()))
                 self._done[key] = found
         return self._done[key]
 
     def done(self, unit: Unit) -> bool:
         if unit.kind == "calibrate":
-            path = self.dir.calib_part(unit.start)
-            return self.profiles_done() or self._verified(path, lambda: files.read_tensors(path))
-        if unit.kind == "capture" and not self._verified(self.store.chunk_path(unit.start),
-                                                         lambda: self.store.verify(unit.start)):
+            return self._verified(self.dir.profiles) or self._verified(self.dir.calib_part(unit.start))
+        if unit.kind == "capture" and not self._verified(self.store.chunk_path(unit.start)):
             return False
         recorded = self._recorded(unit.condition, unit.r)  # capture units record Correct r0
-        return recorded is True or (bool(recorded) and
-                                    set(range(unit.start, min(unit.start + self.B, self.ev.shape[0]))) <= recorded)
-
-    def profiles_done(self) -> bool:
-        return self._verified(self.dir.profiles, lambda: files.read_tensors(self.dir.profiles))
+        return recorded is True or set(range(unit.start, min(unit.start + self.B, self.ev.shape[0]))) <= recorded
 
     # ---- the run -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         """Stage 1, profiles, stage 2, merge; a failure on any rank stops every rank with its one-line error."""
         rank, world, sched = self.group.rank, self.group.world, self.schedule
-        stage1 = lambda: share(sched.iter_stage1(), rank, world)  # noqa: E731  (generated, never held)
-        stage2 = lambda: share(sched.iter_stage2(), rank, world)  # noqa: E731
-        total = sum(u.passes for u in stage1()) + sum(u.passes for u in stage2())
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), console=self.console, disable=self.console.quiet) as progress:
-            task = progress.add_task("audit (forward passes)", total=total)
+            task = progress.add_task("audit (forward passes)", total=sched.passes_per_rank(world)[rank])
             # a quiet audit takes no progress lock per forward pass
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
             try:
-                self.group.run(lambda: self._stage1(stage1(), step))
+                self.group.run(lambda: self._stage1(share(sched.iter_stage1(), rank, world), step))
             except RankError as e:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
@@ -236,7 +217,7 @@ class Engine:
                     files.write_json(self.dir.replay, self._failed_replay)
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
-            self.group.run(lambda: self._stage2(stage2(), step))
+            self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
         self.group.run(self._finalize, main_only=True)
         redone = [f for rank in self.group.gather(self.redone) for f in rank]  # damaged files found by any rank
         if redone:
@@ -264,7 +245,7 @@ class Engine:
         last = start + ids.shape[0] - 1
         coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
                                                                             self.loss_fn)
-        check_finite(coeffs, f"evaluation windows {start}..{last}", [s.path for s in self.controller.sites])
+        check_finite(coeffs, f"evaluation windows {start}..{last}", self.paths)
         routers = self.routers
         with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
@@ -291,9 +272,9 @@ class Engine:
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
         if not self.counts:
-            return active(coeffs, self.routers, self.tokens, groups=self.groups)
+            return active(coeffs, self.routers, self.tokens, groups=self.info.groups)
         return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts,
-                        self.groups)
+                        self.info.groups)
 
     def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
         """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
@@ -303,28 +284,28 @@ class Engine:
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
         coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
-        check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}",
-                     [s.path for s in self.controller.sites])
+        check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}", self.paths)
         sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
         files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
 
     def _reduce_profiles(self) -> None:
         """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
-        if self.profiles_done():
+        if self._verified(self.dir.profiles):
             return
         parts = (files.read_tensors(self.dir.calib_part(start)) for start in self.schedule.calib_starts)
         sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
-        profiles = protocol.static_profiles(sums, self.controller.info, self.schedule.conditions)
+        profiles = protocol.static_profiles(sums, self.info)
         files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
                             {"count": int(self.ca.shape[0]), "conditions": list(profiles)})
         remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: Iterable[Unit], step) -> None:
-        """Replays. On a GPU the store is held there for the stage when it fits (`keeps_store_on`): no host gather,
-        pinning or copy per batch."""
-        self._load_profiles()
-        if keeps_store_on(self.device, self.store.row_bytes(int(self.starts[0])) * self.ev.shape[0]):
+        """Replays, with the static profiles and, where it fits a GPU (`keeps_store_on`), the whole store there."""
+        profiles, _ = files.read_tensors(self.dir.profiles)
+        self._static = {name: [profiles[f"{name}.{l}"].to(dt).to(self.device) for l, dt in enumerate(self.dtypes)]
+                        for name in self.schedule.conditions if protocol.REGISTRY[name].kind == "static"}
+        if keeps_store_on(self.device, self.store.row_bytes(0) * self.ev.shape[0]):
             self.store.load(self.starts, self.ev.shape[0], self.device)
         try:
             self._replays(units, step)
@@ -333,9 +314,8 @@ class Engine:
 
     def _replays(self, units: Iterable[Unit], step) -> None:
         """The pending replays of each randomization r, batch by batch: a batch's conditions run one after the other
-        and read its rows (and its donors' rows) once (`take`); read per condition instead, the peak memory grew with
-        the windows. Each (condition, r) keeps its NLLs and active counts in arrays over the windows (no small tensors
-        left between the forward passes) until r ends, then writes them as one records file (`_write_run`)."""
+        and read its rows (and its donors') once (`take`), so peak memory stays flat with the windows. Each (condition,
+        r) keeps its NLLs and active counts in arrays over the windows until r ends, then writes them (`_write_run`)."""
         ev, n = self.ev.to(self.device), self.ev.shape[0]  # once, not per batch (on the CPU the same tensor)
         order = {c: i for i, c in enumerate(protocol.REGISTRY)}
         active_shape = (n, 1 + len(self.counts)) if self.counts else (n,)  # see `_active`
@@ -382,13 +362,6 @@ class Engine:
         files.write_columns(self.dir.records(condition, r),
                             {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts})
 
-    def _load_profiles(self) -> None:
-        tensors, _ = files.read_tensors(self.dir.profiles)
-        for name in self.schedule.conditions:
-            if protocol.REGISTRY[name].kind == "static":
-                self._static[name] = [tensors[f"{name}.{l}"].to(dt).to(self.device)
-                                      for l, dt in enumerate(self.dtypes)]
-
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
         """The rows of `examples`, read once per batch of stage 2 (its own rows, its donors' rows)."""
@@ -412,38 +385,33 @@ class Engine:
     def _merge_parts(self, condition: str, r: int) -> None:
         """The part files of (condition, r) into its records file, each window's row put in its place as the parts
         are read (no list of them: memory stays that of the records)."""
-        n = self.ev.shape[0]
-        nll = act = None
-        seen, count = np.zeros(n, dtype=bool), 0
+        n, nll, act = self.ev.shape[0], None, None
+        times = np.zeros(n, dtype=np.int64)  # how often each window was found
+        uncovered = FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
+                                 "the audit command to recompute them")
         for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
             part = {k: t.numpy() for k, t in files.read_tensors(path)[0].items()}
             example = part["example"]
             if len(example) and (example.min() < 0 or example.max() >= n):
-                count = -1
-                break
+                raise uncovered
             if nll is None:
                 nll = np.empty(n, part["nll"].dtype)
                 act = np.empty((n, *part["active"].shape[1:]), part["active"].dtype)
-            nll[example], act[example], seen[example] = part["nll"], part["active"], True
-            count += len(example)
-        if nll is None or count != n or not seen.all():
-            raise FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
-                               "the audit command to recompute them")
+            nll[example], act[example] = part["nll"], part["active"]
+            np.add.at(times, example, 1)
+        if nll is None or not (times == 1).all():
+            raise uncovered
         self._write_records(condition, r, nll, act)
         remove_tree(self.dir.parts(condition, r))
 
     def _replay_summary(self) -> dict:
-        """replay.json: the exact replay check over all capture batches, from their chunks' headers one at a time."""
-        dlogit = dnll = flips = None
-        bit_equal = True
-        for start in self.starts:
-            m = self.store.metadata(int(start))
-            dlogit = m["max_abs_dlogit"] if dlogit is None else max(dlogit, m["max_abs_dlogit"])
-            dnll = m["delta_nll"] if dnll is None else max(dnll, m["delta_nll"])
-            bit_equal = bit_equal and m["bit_equal"]
-            if m.get("route_flips") is not None:
-                flips = (flips or 0) + m["route_flips"]
-        return {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": bit_equal, "route_flips": flips,
+        """replay.json: the exact replay check over all capture batches, from their chunks' headers."""
+        checks = [(m["max_abs_dlogit"], m["delta_nll"], m["bit_equal"], m.get("route_flips"))
+                  for m in map(self.store.metadata, self.starts.tolist())]
+        dlogit, dnll, bit_equal, flips = zip(*checks)
+        flips = [f for f in flips if f is not None]
+        return {"max_abs_dlogit": max(dlogit), "delta_nll": max(dnll), "bit_equal": all(bit_equal),
+                "route_flips": sum(flips) if flips else None,
                 "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0]),
                 **(self.dir.config().get("routing") or {}),  # the runner's causality check, token note
                 **({"notices": list(self.found)} if self.found else {})}
@@ -454,9 +422,8 @@ class Engine:
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged
-        self._verified(self.dir.replay, lambda: files.read_json(self.dir.replay, require_hash=True))
+        self._verified(self.dir.replay, lambda p: files.read_json(p, require_hash=True))
         files.write_json(self.dir.replay, self._replay_summary())
-        read = lambda: files.read_json(self.dir.variation, ("layers", "decomposition"), require_hash=True)  # noqa: E731
-        if not self._verified(self.dir.variation, read):
-            files.write_json(self.dir.variation, variation(self.store, self.starts,
-                                                           [s.path for s in self.controller.sites], self.groups))
+        if not self._verified(self.dir.variation, lambda p: files.read_json(p, ("layers", "decomposition"),
+                                                                            require_hash=True)):
+            files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.groups))

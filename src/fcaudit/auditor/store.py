@@ -1,11 +1,8 @@
-"""The coefficient store: every captured coefficient of the evaluation windows, on disk (Eq. 2's A_i).
+"""The coefficient store (Eq. 2's A_i): one safetensors chunk per capture batch, written atomically with a content hash.
 
-One safetensors file per capture batch (`chunk_{start:07d}.safetensors`). Each example's canonical coefficients of all
-layers are flattened into one row, one 2-D tensor [n, features] per dtype (`coeffs.float32`, `coeffs.bfloat16`, ...),
-so reading the coefficients of any set of examples costs one read per run of consecutive rows, not one per layer.
-Chunks are written atomically with a content hash (audit.files), so a killed run leaves only whole chunks. A read
-takes just the rows it asks for from the file (`_read`), and nothing stays loaded, so memory does not grow with the
-windows. A store that fits a GPU can be held there whole (`load`, the engine decides), so reads gather on the device.
+Each window's layers are flattened into one row per dtype (`coeffs.float32`, ...), so any set of windows costs one read
+per run of consecutive rows. A read takes only the rows asked for and nothing stays loaded, so memory stays flat with
+the windows; a store that fits a GPU can be held there whole (`load`).
 """
 
 from __future__ import annotations
@@ -13,18 +10,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from fcaudit.auditor.files import Damaged, read_tensors, tensor_meta, write_tensors
+from fcaudit.auditor.files import Damaged, tensor_meta, write_tensors
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Coeffs
-
-_CHUNK = re.compile(r"^chunk_(\d+)\.safetensors$")
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -48,8 +42,7 @@ class CoefficientStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._layout: list[dict] | None = None  # per layer: dtype, offset into its dtype's row, shape [T, S, K]
-        self._slices: list[tuple[str, int, int, tuple[int, ...]]] | None = None
+        self._slices: list[tuple[str, int, int, tuple[int, ...]]] = []  # per layer: dtype, its columns lo:hi, shape
         self._width: dict[str, int] = {}  # features per row of each dtype, in the order of the layers
         self._offsets: dict[int, tuple[int, list[int]]] = {}  # per chunk read: `_where`
         self._resident: dict[str, torch.Tensor] | None = None  # `load`: every row, in window order, per dtype
@@ -70,19 +63,9 @@ class CoefficientStore:
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
-    def starts(self) -> list[int]:
-        if not self.path.exists():
-            return []
-        return sorted(int(m.group(1)) for p in self.path.iterdir() if (m := _CHUNK.match(p.name)))
-
-    def verify(self, start: int) -> dict:
-        """Read the whole chunk and check its content hashes (audit.files.Damaged if it fails); returns its meta."""
-        return read_tensors(self.chunk_path(start))[1]
-
     def _read(self, runs: list[list[int]]) -> dict[str, torch.Tensor]:
         """Rows lo:hi of chunk `start` for each (start, lo, hi) of `runs`, one after the other, per dtype, read from
-        the file (safetensors' own readers keep some bytes per call, and an audit reads hundreds of thousands of
-        times)."""
+        the file (safetensors' own readers keep some bytes per call, and an audit reads very many times)."""
         total = sum(hi - lo for _, lo, hi in runs)
         out = {d: torch.empty(total, n, dtype=getattr(torch, d)) for d, n in self._width.items()}
         views = [t.view(torch.uint8).numpy() for t in out.values()]  # numpy has no bfloat16; bytes it has
@@ -121,28 +104,27 @@ class CoefficientStore:
 
     def row_bytes(self, start: int) -> int:
         """Bytes of one window's coefficients, all layers."""
-        return sum(math.prod(s["shape"]) * getattr(torch, s["dtype"]).itemsize for s in self.layout(start))
+        self._layout(start)
+        return sum(n * getattr(torch, d).itemsize for d, n in self._width.items())
 
-    def layout(self, start: int) -> list[dict]:
-        if self._layout is None:
-            self._layout = self.metadata(start)["layers"]
-            # (dtype, first column, last column + 1, shape) per layer: how `_split` cuts a row
+    def _layout(self, start: int) -> None:
+        """How `_split` cuts a row into layers, from chunk `start`'s header, once."""
+        if not self._slices:
             self._slices = [(s["dtype"], s["offset"], s["offset"] + math.prod(s["shape"]), tuple(s["shape"]))
-                            for s in self._layout]
+                            for s in self.metadata(start)["layers"]]
             self._width = {d: hi for d, _, hi, _ in self._slices}  # each dtype's row: its last layer's end
-        return self._layout
 
     def _split(self, rows: dict[str, torch.Tensor]) -> Coeffs:
         return [rows[d][:, lo:hi].reshape(-1, *shape) for d, lo, hi, shape in self._slices]
 
     def read_chunk(self, start: int) -> Coeffs:
-        self.layout(start)
+        self._layout(start)
         return self._split({k.removeprefix("coeffs."): t for k, t in load_file(self.chunk_path(start)).items()})
 
     def load(self, chunk_starts: np.ndarray, windows: int, device: torch.device) -> None:
         """Hold the rows of all `windows` on `device`, one [windows, features] tensor per dtype in window order (each
         chunk read once, straight into its rows); `take` then gathers there. `unload` lets them go."""
-        self.layout(int(chunk_starts[0]))
+        self._layout(int(chunk_starts[0]))
         rows: dict[str, torch.Tensor] = {}
         for start in chunk_starts:
             for k, t in load_file(self.chunk_path(int(start))).items():
@@ -161,13 +143,9 @@ class CoefficientStore:
         return None if self._resident is None else next(iter(self._resident.values())).device
 
     def take(self, examples: np.ndarray, chunk_starts: np.ndarray) -> Coeffs:
-        """Coefficients of the given example indices (any order, repeats allowed), per layer. They may be views of
-        the store held on a device (`load`): callers never modify them in place (transformations gather, site codecs
-        decode into copies).
-
-        `chunk_starts` is the sorted array of chunk start indices. A run of consecutive rows inside one chunk is one
-        read.
-        """
+        """Coefficients of the given example indices (any order, repeats allowed), per layer; `chunk_starts`: the
+        sorted chunk starts. They may be views of the store held on a device (`load`): callers never modify them in
+        place (transformations gather, site codecs decode into copies)."""
         examples = np.asarray(examples, dtype=np.int64)
         if self._resident is not None:
             if bool((np.diff(examples) == 1).all()):
@@ -175,7 +153,7 @@ class CoefficientStore:
                 return self._split({d: t[lo:hi] for d, t in self._resident.items()})
             index = torch.from_numpy(examples).to(self.device)
             return self._split({d: t.index_select(0, index) for d, t in self._resident.items()})
-        self.layout(int(chunk_starts[0]))
+        self._layout(int(chunk_starts[0]))
         runs: list[list[int]] = []  # [chunk start, first row, last row + 1]: a batch's own rows are one run
         chunks = chunk_starts[np.searchsorted(chunk_starts, examples, side="right") - 1]
         for e, c in zip(examples.tolist(), chunks.tolist()):

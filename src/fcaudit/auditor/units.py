@@ -1,11 +1,6 @@
-"""Work units of an audit (Algorithm 1 cut into independent pieces).
-
-    capture(b)          stage 1 on evaluation batch b: cache its coefficients, record Correct, check exact replay
-    calibrate(b)        calibration batch b: float64 sums of its coefficients (reduced into profiles in batch order)
-    replay(c, r, b)     stage 2: replay condition c, randomization r, on evaluation batch b; record its NLL
-
-Each unit's result is a pure function of (seed, window indices) written to its own file, so any executor (one process,
-or the ranks of `torchrun`) can run any partition of the units and the audit directory ends the same bit for bit.
+"""Work units of an audit: capture(b) (stage 1 on evaluation batch b, its Correct records, the exact replay check),
+calibrate(b) (float64 sums of calibration batch b) and replay(c, r, b) (stage 2). Each unit's result is a pure function
+of (seed, window indices) in its own file, so any partition of the units over processes ends the same bit for bit.
 """
 
 from __future__ import annotations
@@ -59,7 +54,7 @@ class Schedule:
         return static + randomized
 
     def iter_stage2(self) -> Iterator[Unit]:
-        """Generated on demand: an audit's unit list is never held in memory (it grows with the windows)."""
+        """Generated on demand: the unit list, which grows with the windows, is never held."""
         return (Unit("replay", b, c, r) for c, r in self.replay_keys() for b in self.eval_starts)
 
     def record_keys(self) -> list[tuple[str, int]]:
@@ -82,7 +77,7 @@ class Schedule:
         def of(n: int, rank: int) -> int:  # how many of n units are `rank`'s: every world-th one from index `rank`
             return max(0, -(-(n - rank) // world))
 
-        # stage 1: the captures (2 passes each), then the calibration batches (1 each)
+        # stage 1: the captures (2 passes each: counted in both terms), then the calibration batches (1 each)
         return [of(ne, k) + of(ne + nc, k) + of(replays, k) for k in range(world)]
 
 
