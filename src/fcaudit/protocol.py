@@ -71,33 +71,32 @@ def group_rows(coeffs: Coeffs, groups: Sequence[int] = ()) -> tuple[int, list[in
     return sum(width.values()), [first[g] for g in keys]
 
 
-def move_tokens(coeffs: Coeffs, index: np.ndarray, groups: Sequence[int] = ()) -> Coeffs:
-    """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l: the source vector moves as one.
-    index: [batch, rows, token] (`token_permutations`, `past_positions`), rows as `group_rows` says."""
+def _move_tokens(coeffs: Coeffs, draw: Callable[..., np.ndarray], examples: np.ndarray, seed: int, r: int,
+                 groups: Sequence[int]) -> Coeffs:
+    """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l (the source vector moves as one), with
+    index = draw(examples, seed, r, token, rows) [batch, rows, token], rows as `group_rows` says."""
+    rows, first = group_rows(coeffs, groups)
+    index = draw(examples, seed, r, coeffs[0].shape[1], rows)
     # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
     index = torch.from_numpy(index.transpose(0, 2, 1).copy()).to(coeffs[0].device)
     return [torch.gather(c, 1, index[:, :, s0:s0 + c.shape[2], None].expand(-1, -1, -1, c.shape[3]))
-            for c, s0 in zip(coeffs, group_rows(coeffs, groups)[1])]
+            for c, s0 in zip(coeffs, first)]
 
 
 def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
     """TokenShuffle r of the receiving `examples`: independent permutations per example, layer (group) and stream."""
-    token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
-    return move_tokens(coeffs, token_permutations(examples, seed, r, token, rows), groups)
+    return _move_tokens(coeffs, token_permutations, examples, seed, r, groups)
 
 
 def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
     """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example (the
     same s for every site of a group)."""
-    token, rows = coeffs[0].shape[1], group_rows(coeffs, groups)[0]
-    return move_tokens(coeffs, past_positions(examples, seed, r, token, rows), groups)
+    return _move_tokens(coeffs, past_positions, examples, seed, r, groups)
 
 
 # ---- token routing: every transformation keeps each window's budget k per layer ---------------------------------
-# A token-routing site's canonical tensor is [batch, token, 1, 2]: the router's score and whether the token was
-# chosen (0/1). The model runs a routed block on the chosen tokens only, so a condition must move whole chosen sets:
-# the (score, chosen) pair of a token moves as one, and the number of chosen tokens per window and layer (the budget
-# the router was given) never changes.
+# A token router's canonical tensor is [batch, token, 1, 2]: its score and whether the token was chosen (0/1). The
+# routed block runs on the chosen tokens only, so a (score, chosen) pair moves as one and k never changes.
 
 def chosen(c: torch.Tensor) -> torch.Tensor:
     """[batch, token] bool: the chosen tokens of one token-routing site's canonical tensor."""
@@ -170,10 +169,8 @@ def static_routes(profile: Coeffs, taken: Coeffs) -> Coeffs:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Float64 sums of the calibration coefficients over windows, per layer [token, stream, source], and the count.
-
-    The sums are accumulated batch by batch in batch order, so they are equal bit for bit however the calibration
-    batches were distributed over processes."""
+    """Float64 sums of the calibration coefficients over windows, per layer [token, stream, source], and the count
+    (added in batch order: equal bit for bit however the batches were spread over processes)."""
 
     sums: list[torch.Tensor]
     count: int
@@ -373,9 +370,8 @@ class Criteria:
     """The two prespecified criteria of §4.1, fixed before the audit runs: is a static profile's cost practically
     small, and is its retention high?
 
-    An audit writes its criteria into config.json before it replays anything, so a reader can check that the
-    thresholds were not chosen after seeing the results; `fca.summarize` and the report judge each family
-    against them, at checkpoint level where there are several checkpoints.
+    An audit writes them into config.json before it replays anything (so they were not chosen after the results);
+    `fca.summarize` and the report judge each family against them, at checkpoint level where there are several.
 
     Parameters
     ----------

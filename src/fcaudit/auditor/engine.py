@@ -81,17 +81,13 @@ def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int
     # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
     # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
     counts = [ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double() for i, c in zip(order, chosen)]
-    if not groups:
-        return torch.stack([n / (c.shape[1] * c.shape[2]) for n, c in zip(counts, chosen)]).mean(0)
     # merged sites of one layer (Controller.merge) count once, as stats.variance.by_layer sees the layer: their
     # sources side by side, over the group's widest stream axis
-    keys = [groups[i] for i in order]
-    layers = []
-    for g in dict.fromkeys(keys):
-        members = [j for j, k in enumerate(keys) if k == g]
-        streams = max(chosen[j].shape[2] for j in members)
-        layers.append(sum(counts[j] for j in members) / (chosen[members[0]].shape[1] * streams))
-    return torch.stack(layers).mean(0)
+    layers: dict[int, list[int]] = {}  # each group's sites, in order
+    for j, i in enumerate(order):
+        layers.setdefault(groups[i] if groups else i, []).append(j)
+    return torch.stack([sum(counts[j] for j in js) / (chosen[js[0]].shape[1] * max(chosen[j].shape[2] for j in js))
+                        for js in layers.values()]).mean(0)
 
 
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: frozenset[int],
@@ -108,11 +104,6 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: 
                 out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
     out[:, 0] = active(coeffs, sites, tokens, ran, groups)
     return out
-
-
-def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in float32, one window at a time: no float32 copy of a whole batch's logits."""
-    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
 def route_flips(live: dict[int, torch.Tensor], cached: Coeffs, tokens: frozenset[int] = frozenset()) -> int:
@@ -253,7 +244,9 @@ class Engine:
             if routers else None
         exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
         finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
-        dlogit = max_abs_difference(logits_r, logits) if finite else float("nan")
+        dlogit = float("nan")
+        if finite:  # one window at a time: no float32 copy of a whole batch's logits
+            dlogit = max(float((x.float() - y.float()).abs().max()) for x, y in zip(logits_r, logits))
         dnll = float((nll_r - nll).abs().max().cpu())
         passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol)) and not flips
         stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
@@ -339,9 +332,8 @@ class Engine:
                 self._write_run(key, *run)
 
     def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
-        """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled. A run that holds every
-        window (one process, nothing resumed) is its final records file at once; any other run is a part file that
-        the final merge orders."""
+        """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled: its records file when it
+        holds every window (one process, nothing resumed), else a part file for the final merge."""
         if sum(r.stop - r.start for r in ranges) == self.ev.shape[0]:
             self._write_records(*key, nll, act)
             self._done[key] = True

@@ -53,13 +53,12 @@ class CoefficientStore:
     def write(self, start: int, coeffs: Coeffs, metadata: dict | None = None) -> Path:
         """Write the coefficients of windows start..start+n atomically (the chunk is whole or absent)."""
         check_finite(coeffs, f"windows from {start}")
-        layout, groups, offsets = [], {}, {}
+        layout, groups = [], {}
         for c in coeffs:
             name = str(c.dtype).removeprefix("torch.")
-            flat = c.detach().to("cpu").reshape(c.shape[0], -1)
-            layout.append({"dtype": name, "offset": offsets.get(name, 0), "shape": list(c.shape[1:])})
-            offsets[name] = offsets.get(name, 0) + flat.shape[1]
-            groups.setdefault(name, []).append(flat)
+            group = groups.setdefault(name, [])
+            layout.append({"dtype": name, "offset": sum(f.shape[1] for f in group), "shape": list(c.shape[1:])})
+            group.append(c.detach().to("cpu").reshape(c.shape[0], -1))
         tensors = {f"coeffs.{k}": torch.cat(v, dim=1) for k, v in groups.items()}
         return write_tensors(self.chunk_path(start), tensors, {"layers": layout, **(metadata or {})})
 
