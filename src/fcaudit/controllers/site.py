@@ -1,11 +1,8 @@
 """Controller sites: where a layer's coefficients appear in an unmodified model, and how to read and replace them.
 
-A site is a place plus a **codec** (`encode(output) -> canonical [batch, token, stream, source]`, `decode(canonical,
-meta[, inputs])`). The place is a matched module's method (`forward` unless `method=`), its N-th call in one forward
-pass (`call=N`), or the result of the N-th call of a torch function made while that method runs (`op=`, watched by a
-TorchFunctionMode). Capture wraps the method for one pass and encodes each site's output; replay makes the site's
-result the decoded coefficients without running its computation, and restores the method on exit. Both run within
-the controller's `context`. The engine sees only canonical tensors, never a model class.
+A site is a module's method (or a torch function called while it runs, watched by a TorchFunctionMode) plus a codec
+to and from canonical [batch, token, stream, source]. Capture and replay wrap the method for one pass, so the engine
+sees only canonical tensors, never a model class.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ class Codec:
     """How one site's output maps to canonical coefficients [batch, token, stream, source] and back.
 
     Subclass it for a site whose output is not one tensor (a tuple, a dataclass, a router's indices and weights);
-    a single tensor takes a `Layout` (`layout="batch token"`). `encode` returns a fresh canonical tensor, never a
-    view the model could modify in place; `decode` rebuilds the output from (possibly transformed) coefficients,
-    for any batch size. Set `top_k` on a top-k router's codec so that the audit offers StaticTopK.
+    a single tensor takes a `Layout` (`layout="batch token"`). Set `top_k` on a top-k router's codec so that the
+    audit offers StaticTopK.
 
     Examples
     --------
@@ -66,14 +62,13 @@ class Codec:
     It is passed as `fca.Controller.from_modules(model, "gates.*", codec=GateAndLoss())`.
     """
 
-    top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
-    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
+    top_k: int | None = None  # a top-k router's experts per token
+    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on
     counts: tuple[str, ...] = ()  # names of the counts `executed` reports: extra columns of the audit's records
 
     def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a module that does not run exactly the support of its coefficients (a capacity router drops what
-        exceeds its capacity): per window the sources it runs, summed over (token, stream) [B], and its `counts`
-        [B, len(counts)], float64. None (the default): it runs the nonzero coefficients."""
+        """Per window, for a module that does not run exactly its nonzero coefficients (a capacity router drops its
+        excess): the sources it runs [B] and its `counts` [B, len(counts)], float64. None: the nonzero ones run."""
         return None
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
@@ -85,9 +80,8 @@ class Codec:
         return {}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
-        """The site's output rebuilt from (possibly transformed) canonical coefficients, for any batch size. A codec
-        may take a third argument, `inputs` (a `Call`: the site's live args and kwargs at replay time), when the
-        output is built from what the site receives (e.g. tokens gathered at the replayed indices)."""
+        """The site's output rebuilt from (possibly transformed) canonical coefficients, for any batch size. A third
+        argument `inputs` (a `Call` of the site's live args) is passed to a codec that takes one."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -497,9 +491,8 @@ class Controller:
     """The controller sites of a model: where each layer's coefficients appear, and how to read and replace them.
 
     An audit captures every site's output on the unmodified model, then replays transformed coefficients in its
-    place; the model's code is never changed. Build one with `from_modules` (a module's output is the
-    coefficients), `from_ops` (a tensor computed inside a module's method) or `merge` (several kinds of sites);
-    `fca.controller_for(model)` gives a registered family's.
+    place. Build one with `from_modules` (a module's output), `from_ops` (a tensor computed inside a module's method)
+    or `merge` (several kinds of sites); `fca.controller_for(model)` gives a registered family's.
 
     Attributes
     ----------
@@ -510,11 +503,9 @@ class Controller:
     reference : str
         What StructureRemoved puts in place of the coefficients: "global_mean" or "source_uniform_mean".
     groups : tuple of int
-        Each site's layer: sites of one group move together under the randomized conditions; () is one layer
-        per site.
+        Each site's layer: sites of one group move together under the randomized conditions; () is one per site.
     context : callable
-        A factory of the context manager every capture and replay pass runs within (default: none), for a model
-        whose output path can share work with its controller.
+        A factory of the context manager every capture and replay pass runs within (default: none).
 
     Examples
     --------
@@ -541,7 +532,7 @@ class Controller:
     reference: str = "global_mean"  # or "source_uniform_mean" (protocol.REFERENCES)
     reference_name: str = "GlobalMean"
     description: str = ""
-    context: Callable[[], AbstractContextManager] = nullcontext  # what every capture and replay pass runs within
+    context: Callable[[], AbstractContextManager] = nullcontext
     groups: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -563,8 +554,7 @@ class Controller:
                      reference_name: str | None = None,
                      context: Callable[[], AbstractContextManager] | None = None,
                      routing: str | None = None) -> "Controller":
-        """A controller whose sites are the outputs of the modules that match `pattern`: the usual way to describe
-        one's own model.
+        """A controller whose sites are the outputs of the modules that match `pattern`.
 
         Parameters
         ----------
@@ -581,17 +571,15 @@ class Controller:
             Read the `call`-th call (0-based) of a module called several times in one forward pass; default: a
             module called exactly once.
         method
-            The method whose output is read (default forward; another one works when the parent calls it
-            directly).
+            The method whose output is read (default forward; another works when the parent calls it directly).
         static_name, reference, reference_name
             The StaticProfile condition's label, the structure-removed reference ("global_mean" or
             "source_uniform_mean") and its label.
         context
-            A context manager factory every capture and replay pass runs within (see `Controller.context`); its
-            name joins the description, so an audit made under another one is not resumed with this one.
+            See `Controller.context`; its name joins the description, so an audit made under another context is not
+            resumed with this one.
         routing
-            "tokens": each site chooses the tokens a block runs on (a token router; `TokenRoute` unless `codec`
-            is given).
+            "tokens": each site chooses the tokens a block runs on (`TokenRoute` unless `codec` is given).
 
         Examples
         --------
