@@ -92,9 +92,8 @@ class Codec:
 class Layout(Codec):
     """An einops layout of a single-tensor site output: the default codec.
 
-    Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams,
-    and one source axis (an expert, a source layer; a merged group "(a b)" is one source axis). A missing stream
-    or source axis becomes a unit axis. `Controller.from_modules(..., layout="...")` parses the string for you.
+    Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams, and
+    one source axis (an expert, a source layer, or a merged group "(a b)"); a missing one becomes a unit axis.
 
     Examples
     --------
@@ -115,12 +114,11 @@ class Layout(Codec):
 
     @classmethod
     def parse(cls, pattern: str) -> "Layout":
-        """Axes are names, merged groups "(a b)" and unit axes "1" or "()"; a group of names other than batch, token
-        and stream is one source axis (read as one merged axis)."""
+        """Axes are names, merged groups "(a b)" and unit axes "1" or "()"."""
         if re.sub(r"\([^()]*\)|[^\s()]+|\s", "", pattern):
             raise FcauditError(f"layout {pattern!r} has unbalanced or nested parentheses; write axes, merged groups "
                                "'(a b)' and unit axes '1' or '()', e.g. 'batch token (view layer)'")
-        names = [n for n in pattern.replace("(", " ").replace(")", " ").split() if n != "1"]
+        names = [n for n in re.findall(r"[^\s()]+", pattern) if n != "1"]
         if len(set(names)) != len(names):
             raise FcauditError(f"layout {pattern!r} repeats an axis name; name each axis once, e.g. 'batch token'")
         if "batch" not in names or "token" not in names:
@@ -140,7 +138,7 @@ class Layout(Codec):
 
     @cached_property
     def canonical(self) -> str:
-        stream = "stream" if "stream" in self.pattern.replace("(", " ").replace(")", " ").split() else "1"
+        stream = "stream" if "stream" in re.findall(r"[^\s()]+", self.pattern) else "1"
         return f"batch token {stream} {self.source or '1'}"
 
     @property
@@ -178,8 +176,7 @@ class Layout(Codec):
 
 
 class Call(NamedTuple):
-    """A site's live call at replay time, as a codec's `decode(canonical, meta, inputs)` receives it: the args and
-    kwargs of the method (or of the op, for an op site) and the module."""
+    """A site's live call (of the method, or of the op for an op site), as `decode(canonical, meta, inputs)` gets it."""
 
     args: tuple
     kwargs: dict
@@ -202,19 +199,18 @@ def op_name(func: Callable) -> str:
 
 @dataclass
 class Site:
-    """The coefficient tensor of one target layer: a module's method output (`forward` unless `method` names
-    another; its `call`-th call in one forward pass, else its only one) or the result of the `call`-th call of the
-    torch function `op` while that method runs, with the codec that reads it."""
+    """The coefficient tensor of one target layer: the output of a module's method, or the result of the torch
+    function `op` while that method runs (its `call`-th call in one forward pass, else its only one), and its codec."""
 
     path: str
     module: nn.Module = field(repr=False)
-    codec: Codec = field(default=None)
-    call: int | None = None  # which call in one forward pass (0-based); None: exactly one
+    codec: Codec = None
+    call: int | None = None
     method: str = "forward"
-    op: str | None = None  # a torch function inside the method (op_name): its result is the site
-    meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
-    device: torch.device | None = field(default=None, repr=False)  # where that output was (the site's device)
-    dtype: torch.dtype | None = field(default=None, repr=False)  # its precision (a codec may widen it, e.g. bf16)
+    op: str | None = None  # an op_name
+    meta: dict | None = field(default=None, repr=False)  # codec metadata of the last remembered output
+    device: torch.device | None = field(default=None, repr=False)  # that output's device
+    dtype: torch.dtype | None = field(default=None, repr=False)  # its floating dtype (a codec may widen it)
 
     @property
     def name(self) -> str:
@@ -226,10 +222,7 @@ class Site:
     @cached_property
     def reads_inputs(self) -> bool:
         """Whether the codec's decode takes the live call (a third positional parameter)."""
-        try:
-            kinds = [p.kind for p in inspect.signature(self.codec.decode).parameters.values()]
-        except (TypeError, ValueError):
-            return False
+        kinds = [p.kind for p in inspect.signature(self.codec.decode).parameters.values()]
         P = inspect.Parameter
         return sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds) >= 3 or P.VAR_POSITIONAL in kinds
 
@@ -246,13 +239,11 @@ class Site:
     def remember(self, out) -> None:
         """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
-        first, floats = _first_tensor(out), _first_tensor(out, floating=True)
-        self.device = first.device if first is not None else None
-        self.dtype = floats.dtype if floats is not None else None
+        self.device = getattr(_first_tensor(out), "device", None)
+        self.dtype = getattr(_first_tensor(out, floating=True), "dtype", None)
 
     def decode(self, c: torch.Tensor, inputs: Call | None = None):
-        """The site's output from canonical coefficients, on the device its captured output was on (a model spread
-        over devices by a device_map computes each layer on its own); `inputs` reach a codec that reads them."""
+        """The site's output from canonical coefficients, on its captured output's device (a device_map's layer)."""
         c = c.to(self.device) if self.device is not None else c
         return self.codec.decode(c, self.meta, inputs) if self.reads_inputs else self.codec.decode(c, self.meta)
 
@@ -279,16 +270,15 @@ def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
                 None)
 
 
-# ---- token routers (controllers.routing holds the capacity codec and the causality check) -----------------------
+# ---- token routers (controllers.routing holds the capacity router) -----------------------------------------------
 
 def chosen_index(mask: torch.Tensor) -> torch.Tensor:
     """The chosen positions of a [B, T] bool mask, ascending, as [B, k_max] int64, padded with -1 where a window
     chose fewer (at least one column)."""
     T = mask.size(1)
-    k = max(1, int(mask.sum(-1).max().item()) if mask.numel() else 1)
-    order = torch.arange(T, device=mask.device).expand_as(mask)
-    index = torch.where(mask, order, order + T).sort(-1).values[:, :k]
-    return torch.where(index < T, index, torch.full_like(index, -1))
+    k = max(1, int(mask.sum(-1).max()) if mask.numel() else 1)
+    index = torch.where(mask, torch.arange(T, device=mask.device), T).sort(-1).values[:, :k]
+    return torch.where(index < T, index, -1)
 
 
 class TokenRoute(Codec):
@@ -327,11 +317,11 @@ def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None 
     marked as a token router."""
     if isinstance(layout, Codec) and codec is None:
         codec, layout = layout, None
-    if routing is None:
-        if codec is not None or isinstance(layout, str):
-            return codec if codec is not None else Layout.parse(layout)
+    if routing is None and codec is None and not isinstance(layout, str):
         raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
                            "codec=... for a tuple or other structured output")
+    if routing is None:
+        return codec if codec is not None else Layout.parse(layout)
     if routing != "tokens":
         raise FcauditError(f"routing={routing!r}: the one routing fcaudit knows is 'tokens' (a router choosing the "
                            "tokens a block runs on); drop routing= for any other site")
@@ -345,7 +335,7 @@ def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None 
     if codec.routing is None:
         try:
             codec.routing = "tokens"
-        except (AttributeError, TypeError):  # a frozen dataclass
+        except AttributeError:  # a frozen dataclass
             raise FcauditError(f"codec {codec.describe()} cannot be marked as a token router: give its class "
                                "routing = 'tokens'") from None
     return codec
@@ -358,28 +348,22 @@ def _shape_of(x) -> str:
 # ---- one forward pass: each (module, method) that holds sites wrapped once ----------------------------------------
 
 class _Pass:
-    """The sites of one capture pass, or of a replay pass (`native`: each site's decoded output, None where the codec
-    decodes from the live call). Calls are counted per pass, so `call=N` means the N-th call of that forward pass."""
+    """The sites of one forward pass: captured, or replayed by `replayed(i, call)` (then not computed). Calls are
+    counted per pass, so `call=N` means the N-th call of that forward pass."""
 
     def __init__(self, sites: Sequence[Site], batch: int = 0, token: int = 0, remember: bool = False,
-                 raw: list | None = None, native: Sequence | None = None, coeffs: Coeffs | None = None,
-                 recording: Callable[[], list | None] = lambda: None):
+                 raw: list | None = None, replayed: Callable[[int, Call], Any] | None = None):
         self.sites, self.batch, self.token, self.remember, self.raw = sites, batch, token, remember, raw
-        self.native, self.coeffs, self.recording = native, coeffs, recording
-        self.found: list = [None] * len(sites)  # capture: site i's canonical output; replay: whether it ran
+        self.replayed = replayed
+        self.found: list = [None] * len(sites)  # site i's canonical output
         self.method_calls: dict[tuple[int, str], int] = {}
         self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op, with its shapes
 
     def call(self, chosen: list[int], inputs: Call, compute: Callable[[], Any], seen: Callable[[], str]) -> Any:
-        """One call of a site's method or op: replayed (not computed), or computed and kept by the sites `chosen`
-        (capture encodes it once: a second one of a site without `call` is refused)."""
-        if chosen and self.coeffs is not None:
-            i = chosen[0]
-            recorded = self.recording()
-            if recorded is not None:
-                recorded[i] = (inputs.args, inputs.kwargs)
-            self.found[i] = True
-            return self.native[i] if self.native[i] is not None else self.sites[i].decode(self.coeffs[i], inputs)
+        """One call of a site's method or op: replayed, or computed and encoded by the sites `chosen` (a second call
+        of a site without `call` is refused)."""
+        if chosen and self.replayed is not None:
+            return self.replayed(chosen[0], inputs)
         out = compute()
         for i in chosen:
             site = self.sites[i]
@@ -453,35 +437,31 @@ def _patched(run: _Pass) -> Iterator[None]:
     saved = []
     try:
         for (_, method), (module, sites) in points.items():
-            saved.append((module, method, module.__dict__.get(method, _ABSENT)))
+            saved.append((module, method, module.__dict__.get(method)))  # a method, or None (the class's)
             setattr(module, method, _wrapper(run, module, method, getattr(module, method), sites))
         yield
     finally:
         for module, method, original in reversed(saved):
             module.__dict__.pop(method, None)
-            if original is not _ABSENT:
+            if original is not None:
                 module.__dict__[method] = original
 
 
-_ABSENT = object()
-
-
-def _missing(run: _Pass) -> str | None:
-    """A line for the first call or op site that did not run in a finished capture pass (what it saw instead)."""
+def _check_ran(run: _Pass) -> None:
+    """Refuses, naming what it saw instead, the first call or op site that did not run in a finished capture pass."""
     for i, s in enumerate(run.sites):
         if run.found[i] is not None or (s.call is None and s.op is None and s.method == "forward"):
             continue  # a plain module site: the engine's own check names it
         where, ran = f"{s.path}.{s.method}", run.method_calls.get((id(s.module), s.method), 0)
         calls = run.op_calls.get((id(s.module), s.method, s.op), [])
         if not ran:
-            return f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls"
+            raise FcauditError(f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls")
         if s.op is not None and not calls:
-            return (f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it makes "
-                    "(e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
+            raise FcauditError(f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it "
+                               "makes (e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
         n, saw = (ran, f"ran {ran} time(s) in one forward pass") if s.op is None else \
             (len(calls), f"made {len(calls)} call(s) of {s.op!r} ({'; '.join(calls)})")
-        return f"site {s.name!r}: {where} {saw}, so call={s.call} does not exist; pass call=0..{n - 1}"
-    return None
+        raise FcauditError(f"site {s.name!r}: {where} {saw}, so call={s.call} does not exist; pass call=0..{n - 1}")
 
 
 # ---- the controller ----------------------------------------------------------------------------------------------
@@ -731,29 +711,23 @@ class Controller:
         return out | ({"groups": list(self.groups)} if self.groups else {})
 
     @contextmanager
-    def _capture(self, run: _Pass) -> Iterator[None]:
-        with _patched(run), self.context():
-            yield
-        problem = _missing(run)
-        if problem is not None:
-            raise FcauditError(problem)
-
-    @contextmanager
     def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
         """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
 
         With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
         takes it once, from a probe of the first batch, so every replay decodes alike)."""
         run = _Pass(self.sites, batch, token, remember)
-        with self._capture(run):
+        with _patched(run), self.context():
             yield run.found
+        _check_ran(run)
 
     @contextmanager
     def outputs(self, batch: int, token: int) -> Iterator[list[tuple[Any, Call] | None]]:
         """Each site's raw output and call (args, kwargs, module) in one forward pass, for the pre-write checks."""
         run = _Pass(self.sites, batch, token, raw=[None] * len(self.sites))
-        with self._capture(run):
+        with _patched(run), self.context():
             yield run.raw
+        _check_ran(run)
 
     @contextmanager
     def replay(self, coeffs: Coeffs) -> Iterator[None]:
@@ -767,10 +741,14 @@ class Controller:
         blank = next((s for s in self.sites if s.meta is None), None)
         if blank is not None:
             raise FcauditError(f"site {blank.name!r} has no captured output to replay into; capture a batch first")
-        # decoded in advance, unless the codec reads the live call; recording_inputs may be entered after this
-        native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]
-        run = _Pass(self.sites, native=native, coeffs=coeffs, recording=lambda: self._recording)
-        with _patched(run), self.context():
+        native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]  # decoded in advance
+
+        def replayed(i: int, inputs: Call) -> Any:
+            if self._recording is not None:  # read at each call: recording_inputs may be entered after this
+                self._recording[i] = (inputs.args, inputs.kwargs)
+            return native[i] if native[i] is not None else self.sites[i].decode(coeffs[i], inputs)
+
+        with _patched(_Pass(self.sites, replayed=replayed)), self.context():
             yield
 
     @contextmanager
