@@ -108,8 +108,7 @@ def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token
     got, want = dict(leaves(site.decode(site.encode(output, batch, token), call))), dict(leaves(output))
     if list(got) != list(want):
         return f"the structure ({sorted(got)} instead of {list(want)})"
-    differ = {p: _differs(want[p], got[p]) for p in want if p not in skip}
-    differ = {p: how for p, how in differ.items() if how is not None}
+    differ = {p: how for p in want if p not in skip and (how := _differs(want[p], got[p])) is not None}
     if not differ:
         return None
     slots = getattr(site.codec, "slots", None)

@@ -18,13 +18,13 @@ def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
     return c[..., 1:] > 0.5 if tokens else c != 0
 
 
-def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int, seed: int = 0) -> int:
+def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int) -> int:
     """How many routing decisions at earlier positions change when the last quarter of each window (at least one
     token; one rarely crosses the k-th score) changes to seeded random tokens: above 0, a decision depends on later
     tokens (top-k over the window does), so the router cannot decode autoregressively."""
     span = max(1, ids.shape[1] // 4)
     changed = ids.clone()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
     runs = []
     for x in (ids, changed):
@@ -76,11 +76,13 @@ class CapacityRoute(Codec):
     a slot holds at most one token under every condition, and `executed` counts what ran and what was dropped. A
     router with another slot rule is refused."""
 
-    def __init__(self, num_experts: int, capacity: int, top_k: int = 2, name: str = "capacity router"):
+    name = "capacity router"
+
+    def __init__(self, num_experts: int, capacity: int, top_k: int = 2):
         if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:
-            raise FcauditError(f"{name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at least "
+            raise FcauditError(f"{self.name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at least "
                                "one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
-        self.num_experts, self.capacity, self.top_k, self.name = int(num_experts), int(capacity), int(top_k), name
+        self.num_experts, self.capacity, self.top_k = int(num_experts), int(capacity), int(top_k)
         self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:

@@ -543,10 +543,8 @@ class Controller:
         pattern
             A glob over module paths, in model order: `*` matches within one dotted component ("blocks.*.gate"
             does not match "blocks.0.mlp.gate"); a pattern containing `**` matches across components.
-        layout
-            The einops layout of a single-tensor output (see `Layout`), e.g. "batch token".
-        codec
-            Instead of `layout`, for any other output (see `Codec`).
+        layout, codec
+            The einops layout of a single-tensor output (see `Layout`), e.g. "batch token", or else a `Codec`.
         call
             Read the `call`-th call (0-based) of a module called several times in one forward pass; default: a
             module called exactly once.
@@ -576,26 +574,21 @@ class Controller:
                  codec: Codec | None = None, method: str = "forward", call: int | None = None,
                  static_name: str = "StaticProfile", reference: str = "global_mean", reference_name: str | None = None,
                  context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
-        """A controller whose sites are tensors computed inside modules: the result of a torch function call.
+        """A controller whose sites are the results of a torch function called inside modules.
 
         For coefficients that no submodule returns (`torch.sigmoid(h @ self.w)` in a forward). Replay substitutes
         the op's result, and the op is not computed.
 
         Parameters
         ----------
-        model, pattern
-            As for `from_modules`: the modules whose `method` runs the op.
+        model, pattern, layout, codec, static_name, reference, reference_name, context
+            As for `from_modules`; `pattern` matches the modules whose `method` runs the op.
         op
             The torch function's name: "matmul" (or "@"), "sigmoid", "softmax", "tanh", "einsum", ... (`x @ w`,
             `torch.matmul` and `Tensor.matmul` are all "matmul").
-        layout, codec
-            How to read the op's result, as for `from_modules`.
-        method
-            The method during which the op is watched (default forward).
-        call
-            The `call`-th call of `op` while that method runs; default: its only one.
-        static_name, reference, reference_name, context
-            As for `from_modules`.
+        method, call
+            The method during which the op is watched (default forward), and which call of `op` while it runs is
+            the site (0-based; default: its only one).
 
         Examples
         --------
@@ -712,10 +705,8 @@ class Controller:
 
     @contextmanager
     def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
-        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
-
-        With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
-        takes it once, from a probe of the first batch, so every replay decodes alike)."""
+        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids; with
+        `remember` each site also keeps this output's codec metadata, which later replays decode with."""
         run = _Pass(self.sites, batch, token, remember)
         with _patched(run), self.context():
             yield run.found
@@ -731,11 +722,8 @@ class Controller:
 
     @contextmanager
     def replay(self, coeffs: Coeffs) -> Iterator[None]:
-        """Within the context each site's result is its decoded canonical coefficients.
-
-        The site's own computation (the controller: the method, or the op) does not run. Each original method is
-        restored on exit, also when the body raises.
-        """
+        """Within the context each site's result is its decoded coefficients: the site's own computation (its method
+        or op) does not run. The model is restored on exit, also when the body raises."""
         if len(coeffs) != len(self.sites):
             raise FcauditError(f"replay got {len(coeffs)} coefficient tensors for {len(self.sites)} sites")
         blank = next((s for s in self.sites if s.meta is None), None)
@@ -771,11 +759,9 @@ class Controller:
             site, call = self.sites[i], inputs[i]
             if call is None:
                 raise FcauditError(f"site {site.name!r} did not run in the recorded pass")
-            if site.op is None:
-                fn = getattr(site.module, site.method)
-            else:
-                fn = next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
-                if fn is None:
-                    raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
+            fn = getattr(site.module, site.method) if site.op is None else \
+                next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
+            if fn is None:
+                raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
             out[i] = site.encode(fn(*call[0], **call[1]), batch, token)
         return out
