@@ -272,15 +272,6 @@ def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
 
 # ---- token routers (controllers.routing holds the capacity router) -----------------------------------------------
 
-def chosen_index(mask: torch.Tensor) -> torch.Tensor:
-    """The chosen positions of a [B, T] bool mask, ascending, as [B, k_max] int64, padded with -1 where a window
-    chose fewer (at least one column)."""
-    T = mask.size(1)
-    k = max(1, int(mask.sum(-1).max()) if mask.numel() else 1)
-    index = torch.where(mask, torch.arange(T, device=mask.device), T).sort(-1).values[:, :k]
-    return torch.where(index < T, index, -1)
-
-
 class TokenRoute(Codec):
     """A router whose output is (scores [B, T], index [B, k]): a tuple or a namedtuple of those two fields (more
     fields are refused: a codec that reads the site's inputs is needed to rebuild them)."""
@@ -305,7 +296,10 @@ class TokenRoute(Codec):
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
         scores = canonical[:, :, 0, 0].to(meta["dtype"]).contiguous()
-        index = chosen_index(canonical[:, :, 0, 1] > 0.5)
+        chosen, T = canonical[:, :, 0, 1] > 0.5, canonical.shape[1]
+        k = max(1, int(chosen.sum(-1).max()) if chosen.numel() else 1)
+        index = torch.where(chosen, torch.arange(T, device=chosen.device), T).sort(-1).values[:, :k]
+        index = torch.where(index < T, index, -1)  # the chosen positions, ascending, padded with -1 where fewer
         return meta["type"](scores, index) if meta["type"] is not tuple else (scores, index)
 
     def describe(self) -> str:
@@ -680,9 +674,8 @@ class Controller:
             if s.call is None and any(k[:3] == key[:3] and k != key for k in seen):
                 raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
                                    "call=N to both")
-        keys = [group(s) if group is not None else id(s.module) for s in sites]
-        order = {k: g for g, k in enumerate(dict.fromkeys(keys))}
-        groups = tuple(order[k] for k in keys)
+        order: dict[Hashable, int] = {}  # each key's group: its rank of first appearance
+        groups = tuple(order.setdefault(group(s) if group is not None else id(s.module), len(order)) for s in sites)
         return cls(sites, first.static_name, first.reference, first.reference_name,
                    " + ".join(c.description for c in controllers), first.context,
                    groups if len(set(groups)) < len(groups) else ())
