@@ -80,8 +80,8 @@ class CapacityRoute(Codec):
 
     def __init__(self, num_experts: int, capacity: int, top_k: int = 2):
         if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:
-            raise FcauditError(f"{self.name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at least "
-                               "one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
+            raise FcauditError(f"{self.name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at "
+                               "least one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
         self.num_experts, self.capacity, self.top_k = int(num_experts), int(capacity), int(top_k)
         self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
 
