@@ -40,19 +40,6 @@ def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, voc
     return flips
 
 
-def _split_dispatch(output: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    sequence = isinstance(output, (tuple, list))
-    if not (sequence and len(output) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
-            and output[0].shape == output[1].shape):
-        got = f"({', '.join(map(_shape_of, output))})" if sequence else type(output).__name__
-        raise FcauditError(f"{where} returned {got}, not (dispatch, combine) of shape [batch, token, expert, slot]; "
-                           "point the pattern at the router module that returns them")
-    if not output[1].is_floating_point():
-        raise FcauditError(f"{where}: combine weights of dtype {output[1].dtype} are not floating point; the second "
-                           "output must be the combine weights")
-    return output[0], output[1]
-
-
 def slots(c: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's slot rule on canonical combine vectors c [batch, token, 1, E]: (kept, slot), both [batch, token,
     E]. Each assignment (a nonzero weight) takes its expert's next slot in sequence order, kept below the capacity."""
@@ -86,7 +73,16 @@ class CapacityRoute(Codec):
         self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
-        dispatch, combine = _split_dispatch(output, self.name)
+        sequence = isinstance(output, (tuple, list))
+        if not (sequence and len(output) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
+                and output[0].shape == output[1].shape):
+            got = f"({', '.join(map(_shape_of, output))})" if sequence else type(output).__name__
+            raise FcauditError(f"{self.name} returned {got}, not (dispatch, combine) of shape [batch, token, expert, "
+                               "slot]; point the pattern at the router module that returns them")
+        dispatch, combine = output
+        if not combine.is_floating_point():
+            raise FcauditError(f"{self.name}: combine weights of dtype {combine.dtype} are not floating point; the "
+                               "second output must be the combine weights")
         if tuple(combine.shape) != (batch, token, self.num_experts, self.capacity):
             raise FcauditError(f"{self.name} returned dispatch/combine of shape {list(combine.shape)}, not "
                                f"[{batch}, {token}, {self.num_experts}, {self.capacity}]; pass "
