@@ -1,8 +1,5 @@
-"""Controller adapters: which modules emit a model's coefficients, and how to read them (site codecs).
-
-A model's own adapter is found by its family (fcaudit.families.controller_for); any other model is described with
-`Controller.from_modules`.
-"""
+"""Controller adapters: which modules emit a model's coefficients, and how to read them (site codecs); a family's
+own is `fcaudit.families.controller_for`."""
 
 from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.controllers.site import Codec, Controller, Layout, Site, TokenRoute

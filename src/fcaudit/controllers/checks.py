@@ -1,12 +1,8 @@
 """Checks before anything is written: what passes the exact replay check and still is not a controller audit.
 
-`pre_write_checks` runs them on one more forward pass of the first evaluation batch and returns `Finding`s: a
-refusal (the audit stops with that one line) or a notice (printed with the results). Route flips are counted by the
-engine's exact replay check of every batch, which fails closed on any.
-- two Correct passes of the first batch differ: the eval forward is not deterministic (a router that samples);
-- decode(encode(output)) differs from the captured output: the codec does not rebuild what the site returned;
-- a site whose source axis has the model's hidden width and whose output, or a value carried on from it, a later
-  module takes as input: a hidden state, not a coefficient.
+On one more Correct pass of the first evaluation batch: a refusal when the eval forward is not deterministic or a
+codec does not rebuild its site's output, a notice when a site looks like a hidden state (route flips are counted by
+the engine's exact replay check).
 """
 
 from __future__ import annotations
@@ -31,27 +27,15 @@ class Finding:
     refusal: bool
 
 
-@dataclass
-class Observation:
-    """One Correct forward pass of the first batch: its logits, each site's canonical coefficients, raw output and
-    call, and the watched sites whose output, or a value carried on from it, a later module took as its input."""
-
-    logits: torch.Tensor
-    coeffs: list[torch.Tensor]
-    outputs: list[tuple[Any, Call]]
-    feeds: set[int]
-
-
 SUMS = {"add", "add_", "sub", "sub_"}  # op_name of `x + h`, `x += h`, `x - h`, `1 - h`
 
 
 class _Flow(TorchFunctionMode):
-    """Follows the outputs of the `watch`ed sites through one forward pass to the inputs of later modules.
+    """Follows the outputs of the `watch`ed sites through one forward pass to the inputs of later modules (`feeds`).
 
-    A tensor carries a site's output when it is that output, or the result of a torch function of a tensor that
-    carries it with as many elements (a view, an elementwise op) whose other tensor arguments are smaller (a scalar,
-    a per-channel scale) or, for a sum, of any size (the residual stream plus the output). A product with a tensor
-    as large stops it: that is a coefficient acting on activations (a GRU's `z * h`), not an activation."""
+    A tensor carries a site's output when it is that output, or the result of a torch function of a carrier with as
+    many elements (a view, an elementwise op) whose other tensors are smaller (a per-channel scale) or, for a sum, of
+    any size (the residual stream). A product with a tensor as large stops it: a coefficient acting on activations."""
 
     def __init__(self, outputs: list, watch: Sequence[int]):
         super().__init__()
@@ -87,29 +71,15 @@ class _Flow(TorchFunctionMode):
             self.carriers = {k: (t, s - self.feeds) for k, (t, s) in self.carriers.items() if s - self.feeds}
 
 
-def observe(model: nn.Module, controller: Controller, first: torch.Tensor, watch: Sequence[int] = ()) -> Observation:
-    """Run the first batch once more, keeping what the checks read; the outputs of sites `watch` are followed to the
-    modules they feed (`_Flow`)."""
-    with controller.outputs(*first.shape) as raws, ExitStack() as watching:
-        flow = _Flow(raws, watch)
-        if watch:
-            watching.enter_context(flow)
-            watching.callback(nn.modules.module.register_module_forward_pre_hook(flow.consumer).remove)
-        logits = logits_of(model(first))
-    coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
-    return Observation(logits, coeffs, list(raws), flow.feeds)
-
-
-def check_deterministic(controller: Controller, seen: Observation, probe: tuple) -> Finding | None:
-    """Refused when a second Correct pass of the first batch gives other logits or coefficients than the probe
-    (`probe` = (coefficients, logits, ...) of the audit's capture of that batch)."""
-    coeffs, logits = probe[0], probe[1]
-    if not torch.equal(seen.logits, logits):
-        diff = float((seen.logits.double() - logits.double()).abs().max())
+def check_deterministic(controller: Controller, logits: torch.Tensor, coeffs: list[torch.Tensor],
+                        probe: tuple) -> Finding | None:
+    """Refused when a second Correct pass of the first batch gives other logits or coefficients than the probe."""
+    if not torch.equal(logits, probe[1]):
+        diff = float((logits.double() - probe[1].double()).abs().max())
         where = f"the logits (max |Δlogit| = {diff:.3g})"
     else:
-        site = next((s for s, a, b in zip(controller.sites, seen.coeffs, coeffs)
-                     if not torch.equal(a, b.to(a.device))), None)
+        site = next((s for s, a, b in zip(controller.sites, coeffs, probe[0]) if not torch.equal(a, b.to(a.device))),
+                    None)
         if site is None:
             return None
         where = f"the coefficients of site {site.name!r}"
@@ -131,16 +101,14 @@ def _differs(a: Any, b: Any) -> str | None:
 
 
 def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token: int) -> str | None:
-    """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. Leaves the
-    codec declares placeholders (outputs the model never reads, e.g. router logits) are skipped; when a router
-    codec's `slots` (its weights and index leaves) differ and nothing else does, rows that hold the same (index,
-    weight) pairs in another order are reported as "slot order" (see check_round_trip)."""
+    """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. The codec's
+    `placeholders` (leaves the model never reads) are skipped; when only its `slots` (weight and index leaves)
+    differ, rows holding the same (index, weight) pairs in another order are reported as "slot order"."""
     skip = set(getattr(site.codec, "placeholders", ()))
     got, want = dict(leaves(site.decode(site.encode(output, batch, token), call))), dict(leaves(output))
     if list(got) != list(want):
         return f"the structure ({sorted(got)} instead of {list(want)})"
-    differ = {p: _differs(want[p], got[p]) for p in want if p not in skip}
-    differ = {p: how for p, how in differ.items() if how is not None}
+    differ = {p: how for p in want if p not in skip and (how := _differs(want[p], got[p])) is not None}
     if not differ:
         return None
     slots = getattr(site.codec, "slots", None)
@@ -155,12 +123,11 @@ def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token
     return f"leaf {first or '(the output)'}: {differ[first]}"
 
 
-def check_round_trip(controller: Controller, seen: Observation, first: torch.Tensor) -> Finding | None:
-    """Refused when a site's codec does not give back the captured output on the first batch; a notice when a
-    router's rebuilt slots differ only in order (ties the captured top-k ordered its own way): an eager experts loop
-    sums per expert, so its result does not depend on slot order except in rounding on some machines."""
+def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], first: torch.Tensor) -> Finding | None:
+    """Refused when a site's codec does not give back the captured output; a notice when a router's rebuilt slots
+    differ only in order (ties): an experts loop sums per expert, so only rounding could depend on it."""
     notice = None
-    for site, (out, call) in zip(controller.sites, seen.outputs):
+    for site, (out, call) in zip(controller.sites, outputs):
         how = round_trip_difference(site, out, call, *first.shape)
         if how is not None and how.startswith("slot order"):
             notice = notice or Finding(f"note: site {site.name!r}: decode(encode(output)) of codec "
@@ -184,10 +151,9 @@ def hidden_width(model: nn.Module) -> int | None:
     return int(emb.embedding_dim) if isinstance(emb, nn.Embedding) else None
 
 
-def hidden_state_notice(controller: Controller, seen: Observation, width: int | None) -> Finding | None:
-    """A notice when a site watched for its source axis of the model's hidden width feeds a later module (the next
-    block, the final norm; `_Flow`): an activation, not coefficients that act on one."""
-    hidden = [s.name for i, s in enumerate(controller.sites) if i in seen.feeds]
+def hidden_state_notice(controller: Controller, feeds: set[int], width: int | None) -> Finding | None:
+    """A notice when a site of the model's hidden width feeds a later module (`_Flow`): an activation."""
+    hidden = [s.name for i, s in enumerate(controller.sites) if i in feeds]
     if not hidden:
         return None
     more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
@@ -199,9 +165,17 @@ def hidden_state_notice(controller: Controller, seen: Observation, width: int | 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
     """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's
-    (coefficients, logits, nll) of that batch, captured with `remember` (so each site's codec metadata is set)."""
+    (coefficients, logits, nll) of that batch, captured with `remember` (so each site's codec metadata is set). Only
+    the sites of hidden width are followed to the modules they feed."""
     width = hidden_width(model)
-    seen = observe(model, controller, first, [i for i, c in enumerate(probe[0]) if c.shape[-1] == width])
-    found = [check_deterministic(controller, seen, probe), check_round_trip(controller, seen, first),
-             hidden_state_notice(controller, seen, width)]
+    watch = [i for i, c in enumerate(probe[0]) if c.shape[-1] == width]
+    with controller.outputs(*first.shape) as raws, ExitStack() as watching:
+        flow = _Flow(raws, watch)
+        if watch:
+            watching.enter_context(flow)
+            watching.callback(nn.modules.module.register_module_forward_pre_hook(flow.consumer).remove)
+        logits = logits_of(model(first))
+    coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
+    found = [check_deterministic(controller, logits, coeffs, probe), check_round_trip(controller, raws, first),
+             hidden_state_notice(controller, flow.feeds, width)]
     return sorted((f for f in found if f is not None), key=lambda f: not f.refusal)

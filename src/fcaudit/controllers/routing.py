@@ -1,9 +1,5 @@
-"""Routers: sites whose coefficients say which tokens a block runs on, or which experts a token runs.
-
-A token router's canonical tensor (TokenRoute, in controllers.site) is [batch, token, 1, 2]: each token's score and
-whether it was chosen; the protocol's token-routing conditions keep the number chosen per window and layer. A
-capacity router's (CapacityRoute, below) is each token's combine vector over the experts; decode rebuilds the slots
-by the router's own rule.
+"""Routers: sites whose coefficients say which tokens a block runs on (TokenRoute, in controllers.site: each token's
+score and whether it was chosen) or which experts a token runs (CapacityRoute: each token's combine vector).
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fcaudit.controllers.site import Codec
+from fcaudit.controllers.site import Codec, _shape_of
 from fcaudit.errors import FcauditError
 
 
@@ -22,14 +18,13 @@ def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
     return c[..., 1:] > 0.5 if tokens else c != 0
 
 
-def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int, seed: int = 0) -> int:
-    """How many routing decisions at earlier positions change when only the last quarter of each window (at least
-    its last token) changes to seeded random tokens: above 0, a decision at t depends on later tokens (top-k over the
-    window does), so the router cannot decode autoregressively. A span, since one token rarely crosses the k-th
-    score."""
+def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int) -> int:
+    """How many routing decisions at earlier positions change when the last quarter of each window (at least one
+    token; one rarely crosses the k-th score) changes to seeded random tokens: above 0, a decision depends on later
+    tokens (top-k over the window does), so the router cannot decode autoregressively."""
     span = max(1, ids.shape[1] // 4)
     changed = ids.clone()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
     runs = []
     for x in (ids, changed):
@@ -45,34 +40,9 @@ def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, voc
     return flips
 
 
-# ---- capacity dispatch ------------------------------------------------------------------------------------------
-# GShard / Switch style: each token goes to its top-k experts, an expert takes at most `capacity` tokens per window
-# (the first ones in sequence order), and the router returns (dispatch, combine), both [batch, token, expert, slot].
-# The coefficient is each token's combine vector [batch, token, 1, E], not the (expert, slot) weights, which a
-# condition could move so that two tokens share a slot. Decode rebuilds the slots by the router's rule (a cumulative
-# sum over the window's tokens per expert; past the capacity is dropped), so under every condition a slot holds at
-# most one token; `executed` counts what ran and what was dropped (the records' expert0.. and dropped columns). Under
-# Correct the router has already dropped its excess, so replay is exact; a router with another slot rule is refused.
-
-def _split_dispatch(output: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(output, (tuple, list)) and len(output) == 2
-            and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
-            and output[0].shape == output[1].shape):
-        got = type(output).__name__ if not isinstance(output, (tuple, list)) else \
-            "(" + ", ".join(f"Tensor{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                            for t in output) + ")"
-        raise FcauditError(f"{where} returned {got}, not (dispatch, combine) of shape [batch, token, expert, slot]; "
-                           "point the pattern at the router module that returns them")
-    if not output[1].is_floating_point():
-        raise FcauditError(f"{where}: combine weights of dtype {output[1].dtype} are not floating point; the second "
-                           "output must be the combine weights")
-    return output[0], output[1]
-
-
 def slots(c: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's slot rule on canonical combine vectors c [batch, token, 1, E]: (kept, slot), both [batch, token,
-    E]. Each assignment (a nonzero weight) gets the next slot of its expert in sequence order within its window; it
-    is kept while that slot is below the capacity."""
+    E]. Each assignment (a nonzero weight) takes its expert's next slot in sequence order, kept below the capacity."""
     assigned = c[:, :, 0, :] != 0
     slot = assigned.long().cumsum(1) - 1
     return assigned & (slot < capacity), slot
@@ -85,18 +55,34 @@ def placed(c: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 class CapacityRoute(Codec):
-    """A capacity router's (dispatch, combine) [batch, token, E, capacity] <-> each token's combine vector
-    [batch, token, 1, E]; decode rebuilds the slots by the router's rule (`slots`)."""
+    """A GShard / Switch capacity router's (dispatch, combine) [batch, token, E, capacity] <-> each token's combine
+    vector [batch, token, 1, E].
 
-    def __init__(self, num_experts: int, capacity: int, top_k: int = 2, name: str = "capacity router"):
+    Each token goes to its top-k experts, and an expert takes the first `capacity` of them per window. The slots are
+    not the coefficient (a condition could move two tokens into one): decode rebuilds them by that rule (`slots`), so
+    a slot holds at most one token under every condition, and `executed` counts what ran and what was dropped. A
+    router with another slot rule is refused."""
+
+    name = "capacity router"
+
+    def __init__(self, num_experts: int, capacity: int, top_k: int = 2):
         if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:
-            raise FcauditError(f"{name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at least "
-                               "one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
-        self.num_experts, self.capacity, self.top_k, self.name = int(num_experts), int(capacity), int(top_k), name
+            raise FcauditError(f"{self.name}: num_experts={num_experts}, capacity={capacity}, top_k={top_k}: give at "
+                               "least one expert, a capacity of at least 1 and 1 <= top_k <= num_experts")
+        self.num_experts, self.capacity, self.top_k = int(num_experts), int(capacity), int(top_k)
         self.counts = tuple(f"expert{e}" for e in range(self.num_experts)) + ("dropped",)
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
-        dispatch, combine = _split_dispatch(output, self.name)
+        sequence = isinstance(output, (tuple, list))
+        if not (sequence and len(output) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
+                and output[0].shape == output[1].shape):
+            got = f"({', '.join(map(_shape_of, output))})" if sequence else type(output).__name__
+            raise FcauditError(f"{self.name} returned {got}, not (dispatch, combine) of shape [batch, token, expert, "
+                               "slot]; point the pattern at the router module that returns them")
+        dispatch, combine = output
+        if not combine.is_floating_point():
+            raise FcauditError(f"{self.name}: combine weights of dtype {combine.dtype} are not floating point; the "
+                               "second output must be the combine weights")
         if tuple(combine.shape) != (batch, token, self.num_experts, self.capacity):
             raise FcauditError(f"{self.name} returned dispatch/combine of shape {list(combine.shape)}, not "
                                f"[{batch}, {token}, {self.num_experts}, {self.capacity}]; pass "
@@ -118,10 +104,8 @@ class CapacityRoute(Codec):
             raise FcauditError(f"{self.name}: coefficients of shape {list(canonical.shape)} are not "
                                f"[batch, token, 1, {self.num_experts}]")
         where = placed(canonical, self.capacity)
-        weights = canonical[:, :, 0, :, None].to(meta["combine_dtype"])
-        combine = torch.where(where, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
-        dispatch = where.to(meta["dispatch_dtype"])
-        out = (dispatch, combine)
+        combine = torch.where(where, canonical[:, :, 0, :, None].to(meta["combine_dtype"]), 0.0)
+        out = (where.to(meta["dispatch_dtype"]), combine)
         return list(out) if meta["type"] is list else out
 
     def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

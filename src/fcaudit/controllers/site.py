@@ -1,11 +1,8 @@
 """Controller sites: where a layer's coefficients appear in an unmodified model, and how to read and replace them.
 
-A site is a place plus a **codec** (`encode(output) -> canonical [batch, token, stream, source]`, `decode(canonical,
-meta[, inputs])`). The place is a matched module's method (`forward` unless `method=`), its N-th call in one forward
-pass (`call=N`), or the result of the N-th call of a torch function made while that method runs (`op=`, watched by a
-TorchFunctionMode). Capture wraps the method for one pass and encodes each site's output; replay makes the site's
-result the decoded coefficients without running its computation, and restores the method on exit. Both run within
-the controller's `context`. The engine sees only canonical tensors, never a model class.
+A site is a module's method (or a torch function called while it runs, watched by a TorchFunctionMode) plus a codec
+to and from canonical [batch, token, stream, source]. Capture and replay wrap the method for one pass, so the engine
+sees only canonical tensors, never a model class.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ class Codec:
     """How one site's output maps to canonical coefficients [batch, token, stream, source] and back.
 
     Subclass it for a site whose output is not one tensor (a tuple, a dataclass, a router's indices and weights);
-    a single tensor takes a `Layout` (`layout="batch token"`). `encode` returns a fresh canonical tensor, never a
-    view the model could modify in place; `decode` rebuilds the output from (possibly transformed) coefficients,
-    for any batch size. Set `top_k` on a top-k router's codec so that the audit offers StaticTopK.
+    a single tensor takes a `Layout` (`layout="batch token"`). Set `top_k` on a top-k router's codec so that the
+    audit offers StaticTopK.
 
     Examples
     --------
@@ -66,14 +62,13 @@ class Codec:
     It is passed as `fca.Controller.from_modules(model, "gates.*", codec=GateAndLoss())`.
     """
 
-    top_k: int | None = None  # a top-k router's experts per token (the protocol then offers StaticTopK)
-    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on (controllers.routing)
+    top_k: int | None = None  # a top-k router's experts per token
+    routing: str | None = None  # "tokens": the site chooses which tokens a block runs on
     counts: tuple[str, ...] = ()  # names of the counts `executed` reports: extra columns of the audit's records
 
     def executed(self, canonical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a module that does not run exactly the support of its coefficients (a capacity router drops what
-        exceeds its capacity): per window the sources it runs, summed over (token, stream) [B], and its `counts`
-        [B, len(counts)], float64. None (the default): it runs the nonzero coefficients."""
+        """Per window, for a module that does not run exactly its nonzero coefficients (a capacity router drops its
+        excess): the sources it runs [B] and its `counts` [B, len(counts)], float64. None: the nonzero ones run."""
         return None
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
@@ -85,9 +80,8 @@ class Codec:
         return {}
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
-        """The site's output rebuilt from (possibly transformed) canonical coefficients, for any batch size. A codec
-        may take a third argument, `inputs` (a `Call`: the site's live args and kwargs at replay time), when the
-        output is built from what the site receives (e.g. tokens gathered at the replayed indices)."""
+        """The site's output rebuilt from (possibly transformed) canonical coefficients, for any batch size. A third
+        argument `inputs` (a `Call` of the site's live args) is passed to a codec that takes one."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -98,9 +92,8 @@ class Codec:
 class Layout(Codec):
     """An einops layout of a single-tensor site output: the default codec.
 
-    Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams,
-    and one source axis (an expert, a source layer; a merged group "(a b)" is one source axis). A missing stream
-    or source axis becomes a unit axis. `Controller.from_modules(..., layout="...")` parses the string for you.
+    Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams, and
+    one source axis (an expert, a source layer, or a merged group "(a b)"); a missing one becomes a unit axis.
 
     Examples
     --------
@@ -121,12 +114,11 @@ class Layout(Codec):
 
     @classmethod
     def parse(cls, pattern: str) -> "Layout":
-        """Axes are names, merged groups "(a b)" and unit axes "1" or "()"; a group of names other than batch, token
-        and stream is one source axis (read as one merged axis)."""
+        """Axes are names, merged groups "(a b)" and unit axes "1" or "()"."""
         if re.sub(r"\([^()]*\)|[^\s()]+|\s", "", pattern):
             raise FcauditError(f"layout {pattern!r} has unbalanced or nested parentheses; write axes, merged groups "
                                "'(a b)' and unit axes '1' or '()', e.g. 'batch token (view layer)'")
-        names = [n for n in pattern.replace("(", " ").replace(")", " ").split() if n != "1"]
+        names = [n for n in re.findall(r"[^\s()]+", pattern) if n != "1"]
         if len(set(names)) != len(names):
             raise FcauditError(f"layout {pattern!r} repeats an axis name; name each axis once, e.g. 'batch token'")
         if "batch" not in names or "token" not in names:
@@ -146,7 +138,7 @@ class Layout(Codec):
 
     @cached_property
     def canonical(self) -> str:
-        stream = "stream" if "stream" in self.pattern.replace("(", " ").replace(")", " ").split() else "1"
+        stream = "stream" if "stream" in re.findall(r"[^\s()]+", self.pattern) else "1"
         return f"batch token {stream} {self.source or '1'}"
 
     @property
@@ -184,8 +176,7 @@ class Layout(Codec):
 
 
 class Call(NamedTuple):
-    """A site's live call at replay time, as a codec's `decode(canonical, meta, inputs)` receives it: the args and
-    kwargs of the method (or of the op, for an op site) and the module."""
+    """A site's live call (of the method, or of the op for an op site), as `decode(canonical, meta, inputs)` gets it."""
 
     args: tuple
     kwargs: dict
@@ -208,19 +199,18 @@ def op_name(func: Callable) -> str:
 
 @dataclass
 class Site:
-    """The coefficient tensor of one target layer: a module's method output (`forward` unless `method` names
-    another; its `call`-th call in one forward pass, else its only one) or the result of the `call`-th call of the
-    torch function `op` while that method runs, with the codec that reads it."""
+    """The coefficient tensor of one target layer: the output of a module's method, or the result of the torch
+    function `op` while that method runs (its `call`-th call in one forward pass, else its only one), and its codec."""
 
     path: str
     module: nn.Module = field(repr=False)
-    codec: Codec = field(default=None)
-    call: int | None = None  # which call in one forward pass (0-based); None: exactly one
+    codec: Codec = None
+    call: int | None = None
     method: str = "forward"
-    op: str | None = None  # a torch function inside the method (op_name): its result is the site
-    meta: dict | None = field(default=None, repr=False)  # codec metadata of the last captured output
-    device: torch.device | None = field(default=None, repr=False)  # where that output was (the site's device)
-    dtype: torch.dtype | None = field(default=None, repr=False)  # its precision (a codec may widen it, e.g. bf16)
+    op: str | None = None  # an op_name
+    meta: dict | None = field(default=None, repr=False)  # codec metadata of the last remembered output
+    device: torch.device | None = field(default=None, repr=False)  # that output's device
+    dtype: torch.dtype | None = field(default=None, repr=False)  # its floating dtype (a codec may widen it)
 
     @property
     def name(self) -> str:
@@ -232,10 +222,7 @@ class Site:
     @cached_property
     def reads_inputs(self) -> bool:
         """Whether the codec's decode takes the live call (a third positional parameter)."""
-        try:
-            kinds = [p.kind for p in inspect.signature(self.codec.decode).parameters.values()]
-        except (TypeError, ValueError):
-            return False
+        kinds = [p.kind for p in inspect.signature(self.codec.decode).parameters.values()]
         P = inspect.Parameter
         return sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds) >= 3 or P.VAR_POSITIONAL in kinds
 
@@ -252,13 +239,11 @@ class Site:
     def remember(self, out) -> None:
         """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
-        first, floats = _first_tensor(out), _first_tensor(out, floating=True)
-        self.device = first.device if first is not None else None
-        self.dtype = floats.dtype if floats is not None else None
+        self.device = getattr(_first_tensor(out), "device", None)
+        self.dtype = getattr(_first_tensor(out, floating=True), "dtype", None)
 
     def decode(self, c: torch.Tensor, inputs: Call | None = None):
-        """The site's output from canonical coefficients, on the device its captured output was on (a model spread
-        over devices by a device_map computes each layer on its own); `inputs` reach a codec that reads them."""
+        """The site's output from canonical coefficients, on its captured output's device (a device_map's layer)."""
         c = c.to(self.device) if self.device is not None else c
         return self.codec.decode(c, self.meta, inputs) if self.reads_inputs else self.codec.decode(c, self.meta)
 
@@ -285,17 +270,7 @@ def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
                 None)
 
 
-# ---- token routers (controllers.routing holds the capacity codec and the causality check) -----------------------
-
-def chosen_index(mask: torch.Tensor) -> torch.Tensor:
-    """The chosen positions of a [B, T] bool mask, ascending, as [B, k_max] int64, padded with -1 where a window
-    chose fewer (at least one column)."""
-    T = mask.size(1)
-    k = max(1, int(mask.sum(-1).max().item()) if mask.numel() else 1)
-    order = torch.arange(T, device=mask.device).expand_as(mask)
-    index = torch.where(mask, order, order + T).sort(-1).values[:, :k]
-    return torch.where(index < T, index, torch.full_like(index, -1))
-
+# ---- token routers (controllers.routing holds the capacity router) -----------------------------------------------
 
 class TokenRoute(Codec):
     """A router whose output is (scores [B, T], index [B, k]): a tuple or a namedtuple of those two fields (more
@@ -321,7 +296,10 @@ class TokenRoute(Codec):
 
     def decode(self, canonical: torch.Tensor, meta: dict) -> Any:
         scores = canonical[:, :, 0, 0].to(meta["dtype"]).contiguous()
-        index = chosen_index(canonical[:, :, 0, 1] > 0.5)
+        chosen, T = canonical[:, :, 0, 1] > 0.5, canonical.shape[1]
+        k = max(1, int(chosen.sum(-1).max()) if chosen.numel() else 1)
+        index = torch.where(chosen, torch.arange(T, device=chosen.device), T).sort(-1).values[:, :k]
+        index = torch.where(index < T, index, -1)  # the chosen positions, ascending, padded with -1 where fewer
         return meta["type"](scores, index) if meta["type"] is not tuple else (scores, index)
 
     def describe(self) -> str:
@@ -333,11 +311,11 @@ def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None 
     marked as a token router."""
     if isinstance(layout, Codec) and codec is None:
         codec, layout = layout, None
-    if routing is None:
-        if codec is not None or isinstance(layout, str):
-            return codec if codec is not None else Layout.parse(layout)
+    if routing is None and codec is None and not isinstance(layout, str):
         raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
                            "codec=... for a tuple or other structured output")
+    if routing is None:
+        return codec if codec is not None else Layout.parse(layout)
     if routing != "tokens":
         raise FcauditError(f"routing={routing!r}: the one routing fcaudit knows is 'tokens' (a router choosing the "
                            "tokens a block runs on); drop routing= for any other site")
@@ -351,7 +329,7 @@ def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None 
     if codec.routing is None:
         try:
             codec.routing = "tokens"
-        except (AttributeError, TypeError):  # a frozen dataclass
+        except AttributeError:  # a frozen dataclass
             raise FcauditError(f"codec {codec.describe()} cannot be marked as a token router: give its class "
                                "routing = 'tokens'") from None
     return codec
@@ -364,28 +342,22 @@ def _shape_of(x) -> str:
 # ---- one forward pass: each (module, method) that holds sites wrapped once ----------------------------------------
 
 class _Pass:
-    """The sites of one capture pass, or of a replay pass (`native`: each site's decoded output, None where the codec
-    decodes from the live call). Calls are counted per pass, so `call=N` means the N-th call of that forward pass."""
+    """The sites of one forward pass: captured, or replayed by `replayed(i, call)` (then not computed). Calls are
+    counted per pass, so `call=N` means the N-th call of that forward pass."""
 
     def __init__(self, sites: Sequence[Site], batch: int = 0, token: int = 0, remember: bool = False,
-                 raw: list | None = None, native: Sequence | None = None, coeffs: Coeffs | None = None,
-                 recording: Callable[[], list | None] = lambda: None):
+                 raw: list | None = None, replayed: Callable[[int, Call], Any] | None = None):
         self.sites, self.batch, self.token, self.remember, self.raw = sites, batch, token, remember, raw
-        self.native, self.coeffs, self.recording = native, coeffs, recording
-        self.found: list = [None] * len(sites)  # capture: site i's canonical output; replay: whether it ran
+        self.replayed = replayed
+        self.found: list = [None] * len(sites)  # site i's canonical output
         self.method_calls: dict[tuple[int, str], int] = {}
         self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op, with its shapes
 
     def call(self, chosen: list[int], inputs: Call, compute: Callable[[], Any], seen: Callable[[], str]) -> Any:
-        """One call of a site's method or op: replayed (not computed), or computed and kept by the sites `chosen`
-        (capture encodes it once: a second one of a site without `call` is refused)."""
-        if chosen and self.coeffs is not None:
-            i = chosen[0]
-            recorded = self.recording()
-            if recorded is not None:
-                recorded[i] = (inputs.args, inputs.kwargs)
-            self.found[i] = True
-            return self.native[i] if self.native[i] is not None else self.sites[i].decode(self.coeffs[i], inputs)
+        """One call of a site's method or op: replayed, or computed and encoded by the sites `chosen` (a second call
+        of a site without `call` is refused)."""
+        if chosen and self.replayed is not None:
+            return self.replayed(chosen[0], inputs)
         out = compute()
         for i in chosen:
             site = self.sites[i]
@@ -459,35 +431,31 @@ def _patched(run: _Pass) -> Iterator[None]:
     saved = []
     try:
         for (_, method), (module, sites) in points.items():
-            saved.append((module, method, module.__dict__.get(method, _ABSENT)))
+            saved.append((module, method, module.__dict__.get(method)))  # a method, or None (the class's)
             setattr(module, method, _wrapper(run, module, method, getattr(module, method), sites))
         yield
     finally:
         for module, method, original in reversed(saved):
             module.__dict__.pop(method, None)
-            if original is not _ABSENT:
+            if original is not None:
                 module.__dict__[method] = original
 
 
-_ABSENT = object()
-
-
-def _missing(run: _Pass) -> str | None:
-    """A line for the first call or op site that did not run in a finished capture pass (what it saw instead)."""
+def _check_ran(run: _Pass) -> None:
+    """Refuses, naming what it saw instead, the first call or op site that did not run in a finished capture pass."""
     for i, s in enumerate(run.sites):
         if run.found[i] is not None or (s.call is None and s.op is None and s.method == "forward"):
             continue  # a plain module site: the engine's own check names it
         where, ran = f"{s.path}.{s.method}", run.method_calls.get((id(s.module), s.method), 0)
         calls = run.op_calls.get((id(s.module), s.method, s.op), [])
         if not ran:
-            return f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls"
+            raise FcauditError(f"site {s.name!r}: {where} did not run in a forward pass; pick a method the model calls")
         if s.op is not None and not calls:
-            return (f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it makes "
-                    "(e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
+            raise FcauditError(f"site {s.name!r}: {where} made no call of {s.op!r} in one forward pass; name an op it "
+                               "makes (e.g. 'matmul' for @, 'sigmoid', 'softmax', 'einsum')")
         n, saw = (ran, f"ran {ran} time(s) in one forward pass") if s.op is None else \
             (len(calls), f"made {len(calls)} call(s) of {s.op!r} ({'; '.join(calls)})")
-        return f"site {s.name!r}: {where} {saw}, so call={s.call} does not exist; pass call=0..{n - 1}"
-    return None
+        raise FcauditError(f"site {s.name!r}: {where} {saw}, so call={s.call} does not exist; pass call=0..{n - 1}")
 
 
 # ---- the controller ----------------------------------------------------------------------------------------------
@@ -497,9 +465,8 @@ class Controller:
     """The controller sites of a model: where each layer's coefficients appear, and how to read and replace them.
 
     An audit captures every site's output on the unmodified model, then replays transformed coefficients in its
-    place; the model's code is never changed. Build one with `from_modules` (a module's output is the
-    coefficients), `from_ops` (a tensor computed inside a module's method) or `merge` (several kinds of sites);
-    `fca.controller_for(model)` gives a registered family's.
+    place. Build one with `from_modules` (a module's output), `from_ops` (a tensor computed inside a module's method)
+    or `merge` (several kinds of sites); `fca.controller_for(model)` gives a registered family's.
 
     Attributes
     ----------
@@ -510,11 +477,9 @@ class Controller:
     reference : str
         What StructureRemoved puts in place of the coefficients: "global_mean" or "source_uniform_mean".
     groups : tuple of int
-        Each site's layer: sites of one group move together under the randomized conditions; () is one layer
-        per site.
+        Each site's layer: sites of one group move together under the randomized conditions; () is one per site.
     context : callable
-        A factory of the context manager every capture and replay pass runs within (default: none), for a model
-        whose output path can share work with its controller.
+        A factory of the context manager every capture and replay pass runs within (default: none).
 
     Examples
     --------
@@ -541,7 +506,7 @@ class Controller:
     reference: str = "global_mean"  # or "source_uniform_mean" (protocol.REFERENCES)
     reference_name: str = "GlobalMean"
     description: str = ""
-    context: Callable[[], AbstractContextManager] = nullcontext  # what every capture and replay pass runs within
+    context: Callable[[], AbstractContextManager] = nullcontext
     groups: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -563,8 +528,7 @@ class Controller:
                      reference_name: str | None = None,
                      context: Callable[[], AbstractContextManager] | None = None,
                      routing: str | None = None) -> "Controller":
-        """A controller whose sites are the outputs of the modules that match `pattern`: the usual way to describe
-        one's own model.
+        """A controller whose sites are the outputs of the modules that match `pattern`.
 
         Parameters
         ----------
@@ -573,25 +537,21 @@ class Controller:
         pattern
             A glob over module paths, in model order: `*` matches within one dotted component ("blocks.*.gate"
             does not match "blocks.0.mlp.gate"); a pattern containing `**` matches across components.
-        layout
-            The einops layout of a single-tensor output (see `Layout`), e.g. "batch token".
-        codec
-            Instead of `layout`, for any other output (see `Codec`).
+        layout, codec
+            The einops layout of a single-tensor output (see `Layout`), e.g. "batch token", or else a `Codec`.
         call
             Read the `call`-th call (0-based) of a module called several times in one forward pass; default: a
             module called exactly once.
         method
-            The method whose output is read (default forward; another one works when the parent calls it
-            directly).
+            The method whose output is read (default forward; another works when the parent calls it directly).
         static_name, reference, reference_name
             The StaticProfile condition's label, the structure-removed reference ("global_mean" or
             "source_uniform_mean") and its label.
         context
-            A context manager factory every capture and replay pass runs within (see `Controller.context`); its
-            name joins the description, so an audit made under another one is not resumed with this one.
+            See `Controller.context`; its name joins the description, so an audit made under another context is not
+            resumed with this one.
         routing
-            "tokens": each site chooses the tokens a block runs on (a token router; `TokenRoute` unless `codec`
-            is given).
+            "tokens": each site chooses the tokens a block runs on (`TokenRoute` unless `codec` is given).
 
         Examples
         --------
@@ -608,26 +568,21 @@ class Controller:
                  codec: Codec | None = None, method: str = "forward", call: int | None = None,
                  static_name: str = "StaticProfile", reference: str = "global_mean", reference_name: str | None = None,
                  context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
-        """A controller whose sites are tensors computed inside modules: the result of a torch function call.
+        """A controller whose sites are the results of a torch function called inside modules.
 
         For coefficients that no submodule returns (`torch.sigmoid(h @ self.w)` in a forward). Replay substitutes
         the op's result, and the op is not computed.
 
         Parameters
         ----------
-        model, pattern
-            As for `from_modules`: the modules whose `method` runs the op.
+        model, pattern, layout, codec, static_name, reference, reference_name, context
+            As for `from_modules`; `pattern` matches the modules whose `method` runs the op.
         op
             The torch function's name: "matmul" (or "@"), "sigmoid", "softmax", "tanh", "einsum", ... (`x @ w`,
             `torch.matmul` and `Tensor.matmul` are all "matmul").
-        layout, codec
-            How to read the op's result, as for `from_modules`.
-        method
-            The method during which the op is watched (default forward).
-        call
-            The `call`-th call of `op` while that method runs; default: its only one.
-        static_name, reference, reference_name, context
-            As for `from_modules`.
+        method, call
+            The method during which the op is watched (default forward), and which call of `op` while it runs is
+            the site (0-based; default: its only one).
 
         Examples
         --------
@@ -719,9 +674,8 @@ class Controller:
             if s.call is None and any(k[:3] == key[:3] and k != key for k in seen):
                 raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
                                    "call=N to both")
-        keys = [group(s) if group is not None else id(s.module) for s in sites]
-        order = {k: g for g, k in enumerate(dict.fromkeys(keys))}
-        groups = tuple(order[k] for k in keys)
+        order: dict[Hashable, int] = {}  # each key's group: its rank of first appearance
+        groups = tuple(order.setdefault(group(s) if group is not None else id(s.module), len(order)) for s in sites)
         return cls(sites, first.static_name, first.reference, first.reference_name,
                    " + ".join(c.description for c in controllers), first.context,
                    groups if len(set(groups)) < len(groups) else ())
@@ -743,46 +697,39 @@ class Controller:
         return out | ({"groups": list(self.groups)} if self.groups else {})
 
     @contextmanager
-    def _capture(self, run: _Pass) -> Iterator[None]:
-        with _patched(run), self.context():
-            yield
-        problem = _missing(run)
-        if problem is not None:
-            raise FcauditError(problem)
-
-    @contextmanager
     def capture(self, batch: int, token: int, remember: bool = True) -> Iterator[list[torch.Tensor | None]]:
-        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids.
-
-        With `remember` each site also keeps the codec metadata of this output for later replays (the audit engine
-        takes it once, from a probe of the first batch, so every replay decodes alike)."""
+        """Record each site's output (canonical, detached) during one forward pass of `batch` x `token` ids; with
+        `remember` each site also keeps this output's codec metadata, which later replays decode with."""
         run = _Pass(self.sites, batch, token, remember)
-        with self._capture(run):
+        with _patched(run), self.context():
             yield run.found
+        _check_ran(run)
 
     @contextmanager
     def outputs(self, batch: int, token: int) -> Iterator[list[tuple[Any, Call] | None]]:
         """Each site's raw output and call (args, kwargs, module) in one forward pass, for the pre-write checks."""
         run = _Pass(self.sites, batch, token, raw=[None] * len(self.sites))
-        with self._capture(run):
+        with _patched(run), self.context():
             yield run.raw
+        _check_ran(run)
 
     @contextmanager
     def replay(self, coeffs: Coeffs) -> Iterator[None]:
-        """Within the context each site's result is its decoded canonical coefficients.
-
-        The site's own computation (the controller: the method, or the op) does not run. Each original method is
-        restored on exit, also when the body raises.
-        """
+        """Within the context each site's result is its decoded coefficients: the site's own computation (its method
+        or op) does not run. The model is restored on exit, also when the body raises."""
         if len(coeffs) != len(self.sites):
             raise FcauditError(f"replay got {len(coeffs)} coefficient tensors for {len(self.sites)} sites")
         blank = next((s for s in self.sites if s.meta is None), None)
         if blank is not None:
             raise FcauditError(f"site {blank.name!r} has no captured output to replay into; capture a batch first")
-        # decoded in advance, unless the codec reads the live call; recording_inputs may be entered after this
-        native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]
-        run = _Pass(self.sites, native=native, coeffs=coeffs, recording=lambda: self._recording)
-        with _patched(run), self.context():
+        native = [None if s.reads_inputs else s.decode(c) for s, c in zip(self.sites, coeffs)]  # decoded in advance
+
+        def replayed(i: int, inputs: Call) -> Any:
+            if self._recording is not None:  # read at each call: recording_inputs may be entered after this
+                self._recording[i] = (inputs.args, inputs.kwargs)
+            return native[i] if native[i] is not None else self.sites[i].decode(coeffs[i], inputs)
+
+        with _patched(_Pass(self.sites, replayed=replayed)), self.context():
             yield
 
     @contextmanager
@@ -805,11 +752,9 @@ class Controller:
             site, call = self.sites[i], inputs[i]
             if call is None:
                 raise FcauditError(f"site {site.name!r} did not run in the recorded pass")
-            if site.op is None:
-                fn = getattr(site.module, site.method)
-            else:
-                fn = next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
-                if fn is None:
-                    raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
+            fn = getattr(site.module, site.method) if site.op is None else \
+                next((getattr(m, site.op) for m in (torch.Tensor, torch, F) if hasattr(m, site.op)), None)
+            if fn is None:
+                raise FcauditError(f"site {site.name!r}: no torch function {site.op!r} to recompute it with")
             out[i] = site.encode(fn(*call[0], **call[1]), batch, token)
         return out
