@@ -395,8 +395,9 @@ def test_merge_groups_by_module_or_an_explicit_key_and_refuses_a_site_twice():
     with pytest.raises(FcauditError, match="is in two of the merged controllers"):
         fca.Controller.merge(alpha, alpha)
     every = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream")
-    with pytest.raises(FcauditError, match="takes every call and another merged site one of them; pass call=N"):
-        fca.Controller.merge(alpha, every)
+    for pair in ((alpha, every), (every, alpha)):  # in either order
+        with pytest.raises(FcauditError, match="takes every call and another merged site one of them; pass call=N"):
+            fca.Controller.merge(*pair)
     assert "groups" in fca.Controller.merge(alpha, beta).describe() and "groups" not in alpha.describe()
 
 

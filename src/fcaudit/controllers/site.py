@@ -671,7 +671,8 @@ class Controller:
             if key in seen:
                 raise FcauditError(f"site {s.name!r} is in two of the merged controllers; give each site once")
             seen.add(key)
-            if s.call is None and any(k[:3] == key[:3] and k != key for k in seen):
+        for s in sites:  # in either order: a site on every call beside one on a single call of the same place
+            if s.call is None and sum(k[:3] == (id(s.module), s.method, s.op) for k in seen) > 1:
                 raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
                                    "call=N to both")
         order: dict[Hashable, int] = {}  # each key's group: its rank of first appearance
