@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fcaudit.controllers.site import Call, Controller, Site, _first_tensor, leaves, op_name
+from fcaudit.controllers.site import Call, Controller, Site, first_tensor, leaves, op_name
 from fcaudit.loss import logits_of
 
 
@@ -46,7 +46,7 @@ class _Flow(TorchFunctionMode):
         """The sites `t` carries that no module took yet."""
         for i in [i for i in self.pending if self.outputs[i] is not None]:  # a site that ran since the last look
             self.pending.discard(i)
-            out = _first_tensor(self.outputs[i][0])
+            out = first_tensor(self.outputs[i][0])
             if out is not None:
                 self.carriers[id(out)] = (out, frozenset({i}))
         held = self.carriers.get(id(t))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fcaudit.controllers.site import Codec, _shape_of
+from fcaudit.controllers.site import Codec, shape_of
 from fcaudit.errors import FcauditError
 
 
@@ -76,7 +76,7 @@ class CapacityRoute(Codec):
         sequence = isinstance(output, (tuple, list))
         if not (sequence and len(output) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in output)
                 and output[0].shape == output[1].shape):
-            got = f"({', '.join(map(_shape_of, output))})" if sequence else type(output).__name__
+            got = f"({', '.join(map(shape_of, output))})" if sequence else type(output).__name__
             raise FcauditError(f"{self.name} returned {got}, not (dispatch, combine) of shape [batch, token, expert, "
                                "slot]; point the pattern at the router module that returns them")
         dispatch, combine = output

@@ -239,8 +239,8 @@ class Site:
     def remember(self, out) -> None:
         """Keep what decoding needs (memory order, dtypes, device) from one captured output; replays decode with it."""
         self.meta = self.codec.meta(out)
-        self.device = getattr(_first_tensor(out), "device", None)
-        self.dtype = getattr(_first_tensor(out, floating=True), "dtype", None)
+        self.device = getattr(first_tensor(out), "device", None)
+        self.dtype = getattr(first_tensor(out, floating=True), "dtype", None)
 
     def decode(self, c: torch.Tensor, inputs: Call | None = None):
         """The site's output from canonical coefficients, on its captured output's device (a device_map's layer)."""
@@ -264,7 +264,7 @@ def leaves(x: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, x
 
 
-def _first_tensor(out, floating: bool = False) -> torch.Tensor | None:
+def first_tensor(out, floating: bool = False) -> torch.Tensor | None:
     """The first tensor (floating-point, with `floating`) among the leaves of a module output."""
     return next((t for _, t in leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or not floating)),
                 None)
@@ -335,7 +335,7 @@ def _codec(layout: str | Codec | None, codec: Codec | None, routing: str | None 
     return codec
 
 
-def _shape_of(x) -> str:
+def shape_of(x) -> str:
     return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
@@ -388,11 +388,11 @@ class _OpMode(TorchFunctionMode):
             return func(*args, **kwargs)
         calls = self.run.op_calls.setdefault((*self.key, name), [])
         n = len(calls)
-        calls.append(f"#{n} {name}({', '.join(_shape_of(a) for a in args)})")  # for the one-line errors
+        calls.append(f"#{n} {name}({', '.join(shape_of(a) for a in args)})")  # for the one-line errors
 
         def compute():
             out = func(*args, **kwargs)
-            calls[n] += f" -> {_shape_of(out)}"
+            calls[n] += f" -> {shape_of(out)}"
             return out
 
         chosen = [i for i in self.sites if self.run.sites[i].op == name and self.run.sites[i].call in (None, n)]
