@@ -18,8 +18,10 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.controllers.site import Layout, op_name
+from fcaudit.controllers import Layout
+from fcaudit.controllers.sites import op_name
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import Description
 
 V, D, T, S = 32, 16, 8, 2
 
@@ -141,7 +143,7 @@ def test_replaying_one_call_leaves_the_modules_other_call_computed():
     with torch.inference_mode():
         with beta.capture(2, T) as found:
             ref = model(ids)
-        with beta.replay([torch.zeros_like(c) for c in found]):
+        with beta.replay([torch.zeros_like(c) for c in found], found.decoding):
             zeroed = model(ids)
         with beta.replay(found):
             same = model(ids)
@@ -442,7 +444,7 @@ class Held:
     """A protocol.ReplayContext over coefficients held in memory, with site groups."""
 
     def __init__(self, data, groups):
-        self.data, self.seed, self.info = data, 0, protocol.Controllers(groups=groups)
+        self.data, self.seed, self.info = data, 0, Description(("vector_gate",) * len(data), groups=groups)
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
@@ -635,9 +637,9 @@ def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, exp
     ctrl = controller(model)
     first = windows(2, 0)
     with torch.inference_mode():
-        found = pre_write_checks(model, ctrl, first, capture_batch(model, ctrl, first, None, remember=True))
-    if expected is None:
-        assert found == []
+        found = pre_write_checks(model, ctrl, first, capture_batch(model, ctrl, first, None, decoding=True), V)
+    if expected is None:  # a router's causality check is all it says
+        assert [(f.check, f.data["flips"]) for f in found] == ([("later_tokens", 0)] if ctrl.info.routers else [])
         return
     kind, line = expected
     assert len(found) >= 1 and found[0].refusal == (kind == "refusal")
@@ -654,7 +656,9 @@ def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_
     if kind is None:  # a controller: an exact replay (no route flips) and nothing to say
         result = audit(model, controller(model), tmp_path)
         assert_exact(result)
-        assert result.notices == () and not result.replay.get("route_flips")
+        assert [f["check"] for f in result.replay["findings"]] == (["later_tokens"] if result.replay["route_flips"]
+                                                                   is not None else [])
+        assert not result.replay.get("route_flips")
     elif kind == "refusal":
         with pytest.raises(FcauditError, match=line):
             audit(model, controller(model), tmp_path)
@@ -673,6 +677,7 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
     """PhiMoE's sparsemixer puts the argmax expert first, with both weights often 1.0: decode takes the slot order
     from the router's logits on its live input, so decode(encode(x)) is x, index order included."""
     transformers = pytest.importorskip("transformers")
+    from fcaudit.controllers import Decoding
     from fcaudit.controllers.checks import round_trip_difference
 
     torch.manual_seed(0)
@@ -687,11 +692,11 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
         with ctrl.outputs(2, 16) as raws:
             model(ids)
         for site, (out, call) in zip(ctrl.sites, raws):
-            site.remember(out)
-            assert site.meta["slot_order"] == "logits"
+            decoding = Decoding.of(site.codec, out)
+            assert decoding.meta["slot_order"] == "logits"
             # in weight order (without the live call): the same experts and weights, other slots
-            assert round_trip_difference(site, out, None, 2, 16).startswith("slot order (")
-            assert round_trip_difference(site, out, call, 2, 16) is None
+            assert round_trip_difference(site, out, None, decoding, 2, 16).startswith("slot order (")
+            assert round_trip_difference(site, out, call, decoding, 2, 16) is None
 
 
 # ---- the pre-write notices kept with the results; `active` of merged layers --------------------------------------
@@ -726,7 +731,7 @@ def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report
 def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_path):
     model = hc_model()
     result = audit(model, hc_controller(model), tmp_path)
-    assert result.notices == () and "notices" not in result.replay
+    assert result.notices == () and result.replay["findings"] == []
     # alpha's S+1 sources and beta's one, all nonzero (tanh): S+2 per (token, stream) of one layer, where a mean over
     # the four sites would say (S+1+1)/2
     correct = result.records[result.records.condition == "Correct"]
@@ -734,8 +739,11 @@ def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_pa
 
 
 def test_active_counts_a_merged_layer_once_as_its_sources_side_by_side():
-    from fcaudit.auditor.engine import active
     from fcaudit.stats.variance import by_layer
+
+    def active(coeffs, routers=(), groups=()):
+        return Description(tuple("expert_router" if i in routers else "vector_gate" for i in range(len(coeffs))),
+                           groups=groups).active(coeffs)
 
     a = torch.ones(2, T, 2, 3)
     a[0, :, :, 0] = 0  # window 0: 2 of 3 sources per (token, stream), window 1: 3
@@ -747,7 +755,7 @@ def test_active_counts_a_merged_layer_once_as_its_sources_side_by_side():
     assert torch.equal(active([a, b, c]), active([a, b, c], groups=()))
     grouped = active([a, b, c], groups=(0, 0, 1))
     assert grouped.tolist() == [(3 + 2) / 2, (3 + 4) / 2]
-    layers = by_layer([a, b, c], (0, 0, 1))  # what variation.json calls the layers
+    layers = by_layer([a, b, c], Description(("vector_gate",) * 3, groups=(0, 0, 1)).layers)  # variation.json's
     assert torch.equal(grouped, torch.stack([l.bool().reshape(2, -1).sum(1).double() / (l.shape[1] * l.shape[2])
                                              for l in layers]).mean(0))
     # a site with fewer streams: the layer's other streams hold none of its sources

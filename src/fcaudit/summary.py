@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit import protocol
-from fcaudit.auditor.results import AuditResult, routing_lines
+from fcaudit.auditor.results import AuditResult, notice_lines, routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
@@ -227,7 +227,7 @@ class Summary:
                          + ("  [PARTIAL]" if g["partial"] else ""))
             # the audits' notices, and for routers the causality check above 0 and the token note, once per family
             lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
-                                                          for line in (*(r.get("notices") or ()), *routing_lines(r)))]
+                                                          for line in (*notice_lines(r), *routing_lines(r)))]
             lines += [f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]"
                       + ("" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)")
                       for r in g["conditions"].itertuples()]

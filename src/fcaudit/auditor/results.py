@@ -33,6 +33,18 @@ def routing_lines(replay: dict) -> list[str]:
     return lines
 
 
+def notice_lines(replay: dict) -> list[str]:
+    """The pre-write checks' notices: replay.json's findings (an audit of an older version: its "notices")."""
+    return [f["line"] for f in replay["findings"] if not f["refusal"]] if "findings" in replay else \
+        list(replay.get("notices") or ())
+
+
+def later_flips(replay: dict) -> int | None:
+    """The causality check's count of earlier routing decisions that changed with later tokens (None: not run)."""
+    return next((f["data"]["flips"] for f in replay.get("findings") or () if f["check"] == "later_tokens"),
+                replay.get("later_token_flips"))
+
+
 def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
@@ -209,7 +221,7 @@ class AuditResult:
     @property
     def notices(self) -> tuple[str, ...]:
         """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json."""
-        return tuple(self.replay.get("notices") or ())
+        return tuple(notice_lines(self.replay))
 
     @property
     def labels(self) -> dict[str, str]:

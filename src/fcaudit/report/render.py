@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fcaudit.auditor.results import routing_lines
+from fcaudit.auditor.results import later_flips, notice_lines, routing_lines
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
                         write_json, write_text)
@@ -192,7 +192,7 @@ def _replay_line(replays: list[dict]) -> str:
     passed = sum(bool(r.get("passed")) for r in replays)
     worst = max(np.nan if r.get("max_abs_dlogit") is None else float(r["max_abs_dlogit"]) for r in replays)
     routing = list(dict.fromkeys(line for r in replays for line in routing_lines(r)))
-    if any(r.get("later_token_flips") == 0 for r in replays):
+    if any(later_flips(r) == 0 for r in replays):
         routing.insert(0, "Causality check: no routing decision at an earlier position changed when the last quarter "
                           "of the probe windows did.")
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
@@ -206,7 +206,7 @@ def _family_section(doc: Doc, fam: str, g: dict):
     doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g["partial"] else ""))
     doc.p(f"**{n} checkpoint(s).** {g['note']}")
     doc.p(_replay_line(g["replay"]))
-    for notice in dict.fromkeys(line for r in g["replay"] for line in r.get("notices") or ()):
+    for notice in dict.fromkeys(line for r in g["replay"] for line in notice_lines(r)):
         doc.p(notice)
     doc.h(3, "Intervention penalties (Table 2 style)")
     doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fcaudit import protocol
-from fcaudit.auditor.results import LATER_TOKENS
+from fcaudit.auditor.results import LATER_TOKENS, later_flips
 from fcaudit.io import read_json
 from fcaudit.report.figures import VARIANCE_TERMS
 from fcaudit.report.tables import fmt_g, fmt_pct, missing
@@ -51,7 +51,7 @@ def dependence_line(fam: dict) -> str:
             text += f", retention {value}{ci}"
         parts.append(text)
     crit = "; ".join(f"{c['name']}: {met_word(c['met'])}" for c in fam["criteria"])
-    flips = [r["later_token_flips"] for r in fam["replay"] if r.get("later_token_flips")]
+    flips = [later_flips(r) for r in fam["replay"] if later_flips(r)]
     if flips:
         parts.append(f"{LATER_TOKENS} ({', '.join(map(str, flips))} decisions at earlier positions changed with the "
                      "last quarter of the probe windows: the Correct baseline uses future tokens)")
