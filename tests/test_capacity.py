@@ -14,8 +14,8 @@ from torch import nn
 import fcaudit as fca
 from fcaudit import protocol
 from fcaudit.auditor.engine import executed
-from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.controllers import Codec
+from fcaudit.controllers.routing import CapacityRoute
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import Description
 from fcaudit.loss import token_nll

@@ -17,8 +17,8 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.auditor import CoefficientStore, audit, plan
 from fcaudit.auditor import files
-from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
+from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.families import Family, controller_for, register
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import Description

@@ -72,7 +72,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 )}
 
 
-def kind(name: str) -> Kind:
+def lookup(name: str) -> Kind:
     if name not in KINDS:
         raise FcauditError(f"unknown kind {name!r}; use one of {', '.join(KINDS)}")
     return KINDS[name]
@@ -99,7 +99,7 @@ class Description:
 
     def __post_init__(self):
         n = len(self.kinds)
-        of = [kind(k) for k in self.kinds]
+        of = [lookup(k) for k in self.kinds]
         references = tuple(self.references) or tuple(k.reference for k in of)
         for name, values in (("references", references), ("groups", self.groups), ("top_k", self.top_k)):
             if values and len(values) != n:

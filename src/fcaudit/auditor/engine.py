@@ -30,8 +30,8 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
 from fcaudit.errors import FcauditError
 from fcaudit.io import remove_tree
-from fcaudit.loss import logits_of, token_nll
 from fcaudit.kinds import Description
+from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 from fcaudit.stats.variance import variation
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Layout
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import KINDS, kind as kind_of
+from fcaudit.kinds import KINDS, lookup
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -121,7 +121,7 @@ class Site:
     group: int | None = None
 
     def __post_init__(self):
-        kind = kind_of(self.kind if self.kind is not None else infer_kind(self.codec, self.reference)).name
+        kind = lookup(self.kind if self.kind is not None else infer_kind(self.codec, self.reference)).name
         reference = self.reference if self.reference is not None else KINDS[kind].reference
         if reference not in KINDS[kind].references:
             raise FcauditError(f"site {self.name!r}: a {kind} takes the reference "
