@@ -108,6 +108,16 @@ def test_kind_token_router_declares_a_users_codec_a_token_router_without_changin
         fca.Controller.from_modules(model, "layers.*.router", codec=TokenRoute(), kind="scalar_gate")
 
 
+def test_a_token_router_merged_with_a_gate_is_refused_naming_the_conditions_they_do_not_share():
+    model = Routed()
+    routers = fca.Controller.from_modules(model, "layers.*.router", kind="token_router")
+    gates = fca.Controller.from_modules(model, "layers.*.light.1", "batch token hidden")
+    with pytest.raises(FcauditError, match=r"a token_router and a vector_gate cannot be audited together \(the "
+                                           r"vector_gate's LayerPositionMean, StaticProfile, StructureRemoved mean "
+                                           r"nothing for the other\); give each kind its own controller"):
+        fca.Controller.merge(routers, gates)
+
+
 class ChoiceOnlyLayer(RoutedLayer):
     """The heavy branch runs on the router's tokens and ignores their scores (a hard choice)."""
 

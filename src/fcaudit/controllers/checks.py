@@ -23,7 +23,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.flow import Flow, batch_token_axes
-from fcaudit.controllers.sites import Call, Site, leaves
+from fcaudit.controllers.sites import Call, Decoding, Site, leaves
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import chosen
 from fcaudit.loss import logits_of
@@ -91,7 +91,7 @@ def other_choices(c: torch.Tensor) -> torch.Tensor:
 
 
 def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, alone: list, logits: torch.Tensor,
-                 decoding) -> Finding | None:
+                 decoding: Sequence[Decoding]) -> Finding | None:
     """A notice when replaying zeros for every coefficient (for a token router: no scores and another set of as many
     tokens, so that its choices are tested too) leaves window 0's logits unchanged: every replay measures nothing."""
     info = controller.info
@@ -146,7 +146,8 @@ def _differs(a: Any, b: Any) -> str | None:
     return None
 
 
-def round_trip_difference(site: Site, output: Any, call: Call | None, decoding, batch: int, token: int) -> str | None:
+def round_trip_difference(site: Site, output: Any, call: Call | None, decoding: Decoding, batch: int,
+                          token: int) -> str | None:
     """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. The codec's
     `placeholders` are skipped; when only its `unordered` (weights, index) leaves differ, rows holding the same
     (index, weight) pairs in another order are reported as "slot order"."""
@@ -170,7 +171,7 @@ def round_trip_difference(site: Site, output: Any, call: Call | None, decoding, 
 
 
 def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], first: torch.Tensor,
-                     decoding) -> Finding | None:
+                     decoding: Sequence[Decoding]) -> Finding | None:
     """Refused when a site's codec does not give back the captured output; a notice when a router's rebuilt slots
     differ only in order (ties): an experts loop sums per expert, so only rounding could depend on it."""
     notice = None
@@ -206,7 +207,7 @@ def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tens
 
 
 def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs: Sequence[torch.Tensor],
-                decoding, examples: int) -> Finding | None:
+                decoding: Sequence[Decoding], examples: int) -> Finding | None:
     """Refused, with the count, when a codec whose output gives each (expert, slot) one token places several tokens
     in one once coefficients move between tokens (a TokenResamplePast draw, the batch's mean per position)."""
     info = controller.info

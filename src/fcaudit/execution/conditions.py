@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -16,7 +17,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
-from fcaudit.controllers.sites import path_matches
+from fcaudit.controllers.sites import Decoding, path_matches
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies
 from fcaudit.families import Family
@@ -51,7 +52,8 @@ class Replaying(nn.Module):
     """`model` with its controller replaying fixed coefficients on every forward (for timing a static condition):
     `coeffs` with the `decoding` of a capture (default: theirs, when a capture returned them)."""
 
-    def __init__(self, model: nn.Module, controller: Controller, coeffs: Coeffs, decoding=None):
+    def __init__(self, model: nn.Module, controller: Controller, coeffs: Coeffs,
+                 decoding: Sequence[Decoding] | None = None):
         super().__init__()
         self.model, self.controller, self.coeffs = model, controller, coeffs
         self.decoding = decoding if decoding is not None else coeffs.decoding
