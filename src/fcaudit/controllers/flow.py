@@ -27,7 +27,7 @@ SHAPED = {"reshape_as", "view_as", "expand_as", "type_as"}  # the other argument
 JOINED = {"cat", "concat", "concatenate", "stack", "hstack", "vstack"}
 CONTRACTIONS = {"matmul", "mm", "bmm", "linear", "einsum", "tensordot", "bilinear", "inner"}
 COMPARISONS = {"gt", "lt", "ge", "le", "greater", "less", "greater_equal", "less_equal"}
-ALONG = {"topk": 2, "kthvalue": 2, "sort": 1, "argsort": 1, "msort": None, "argmax": 1, "argmin": 1}  # dim's place
+ALONG = {"topk": 2, "kthvalue": 2, "sort": 1, "argsort": 1, "argmax": 1, "argmin": 1}  # where each takes its dim
 RANKS = COMPARISONS | set(ALONG)
 
 
@@ -47,14 +47,13 @@ def decided(name: str, args: tuple, kwargs: dict, out: Any, token: int) -> torch
     if name in COMPARISONS:
         return out if isinstance(out, torch.Tensor) and out.shape == x.shape else None
     at = ALONG[name]
-    default = {"msort": 0, "argmax": None, "argmin": None}.get(name, -1)
-    dim = kwargs.get("dim", args[at] if at is not None and len(args) > at else default)
+    dim = kwargs.get("dim", args[at] if len(args) > at else (None if name in ("argmax", "argmin") else -1))
     if not isinstance(dim, int):
         return None
     dim %= x.dim()
     index = out if isinstance(out, torch.Tensor) else getattr(out, "indices", None)
-    if index is None or name == "msort":
-        return None if index is None else index
+    if index is None:
+        return None
     if index.dim() < x.dim():
         index = index.unsqueeze(dim)
     if dim != token:
