@@ -109,12 +109,12 @@ class Description:
             raise FcauditError(f"a {odd[0].name} takes the reference {' or '.join(odd[0].references)}, not "
                                f"{odd[1]!r}")
         distinct = {k.name: k for k in of}.values()
-        apart = next(((a, b) for a in distinct for b in distinct if set(b.conditions) - set(a.conditions) - set(a.follows)),
-                     None)
-        if apart is not None:
-            raise FcauditError(f"a {apart[0].name} and a {apart[1].name} cannot be audited together (the "
-                               f"{apart[1].name}'s {', '.join(sorted(set(apart[1].conditions) - set(apart[0].conditions)))} "
-                               "mean nothing for the other); give each kind its own controller")
+        for a in distinct:  # every condition some site offers, each other site offers or follows
+            for b in distinct:
+                if extra := sorted(set(b.conditions) - set(a.conditions) - set(a.follows)):
+                    raise FcauditError(f"a {a.name} and a {b.name} cannot be audited together (the {b.name}'s "
+                                       f"{', '.join(extra)} mean nothing for the other); give each kind its own "
+                                       "controller")
         object.__setattr__(self, "kinds", tuple(self.kinds))
         object.__setattr__(self, "references", references)
         object.__setattr__(self, "groups", tuple(self.groups) or tuple(range(n)))

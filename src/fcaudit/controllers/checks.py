@@ -102,7 +102,8 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
                 return None
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
-    k = {s.name: int(chosen(a).sum()) for s, kd, a in zip(controller.sites, info.of, alone) if kd.name == "token_router"}
+    k = {s.name: int(chosen(a).sum()) for s, kind, a in zip(controller.sites, info.of, alone)
+         if kind.name == "token_router"}
     if k and all(n in (0, one.shape[1]) for n in k.values()):
         which = "no token" if not any(k.values()) else "every token"
         return Finding("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
@@ -341,9 +342,10 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
         logits = logits_of(model(first))
     coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
     decoding = probe[0].decoding
-    found = [check_deterministic(controller, logits, coeffs, probe), check_round_trip(controller, raws, first, decoding),
-             check_slots(controller, raws, coeffs, decoding, first.shape[0]), hidden_state_notice(controller, flow, width),
-             ranked_notice(controller, flow)]
+    found = [check_deterministic(controller, logits, coeffs, probe),
+             check_round_trip(controller, raws, first, decoding),
+             check_slots(controller, raws, coeffs, decoding, first.shape[0]),
+             hidden_state_notice(controller, flow, width), ranked_notice(controller, flow)]
     return sorted((f for f in found if f is not None), key=lambda f: not f.refusal), sorted(flow.ranked)
 
 

@@ -121,7 +121,8 @@ class Layout(Codec):
         if len(set(names)) != len(names):
             raise FcauditError(f"layout {pattern!r} repeats an axis name; name each axis once, e.g. 'batch token'")
         if "batch" not in names or "token" not in names:
-            raise FcauditError(f"layout {pattern!r} must name a 'batch' and a 'token' axis, e.g. '(batch token) expert'")
+            raise FcauditError(f"layout {pattern!r} must name a 'batch' and a 'token' axis, e.g. "
+                               "'(batch token) expert'")
         roles = {"batch", "token", "stream"}
         axes = [(a, set(a.strip("()").split())) for a in re.findall(AXES, pattern)]
         extra = [a for a, parts in axes if a not in ("1", "()") and not parts & roles]

@@ -184,8 +184,8 @@ class Controller:
         if not isinstance(method, str) or not method:
             raise FcauditError(f"method must be a method's name such as 'forward' or 'prepare', got {method!r}")
         matched = [(name, m) for name, m in model.named_modules() if name and path_matches(name, pattern)]
-        shared = [name for name, _ in model.named_modules(remove_duplicate=False) if name and path_matches(name, pattern)
-                  and name not in dict(matched)]
+        shared = [name for name, _ in model.named_modules(remove_duplicate=False)
+                  if name and path_matches(name, pattern) and name not in dict(matched)]
         if shared:  # named_modules lists a module once, under its first path: one module computing several layers
             raise FcauditError(f"pattern {pattern!r} matches {shared[0]!r}, a module that is also at another path: "
                                "fcaudit audits one module per layer (each replayed with its own coefficients); give "

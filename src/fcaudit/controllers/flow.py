@@ -59,8 +59,9 @@ def decided(name: str, args: tuple, kwargs: dict, out: Any, token: int) -> torch
     if dim != token:
         return index
     if name in ("sort", "argsort"):  # each position's rank
-        ranks = torch.arange(index.shape[dim], device=index.device).view([-1 if d == dim else 1 for d in range(x.dim())])
-        return torch.empty_like(index).scatter_(dim, index, ranks.expand_as(index))
+        ranks = torch.arange(index.shape[dim], device=index.device)
+        ranks = ranks.view([-1 if d == dim else 1 for d in range(x.dim())]).expand_as(index)
+        return torch.empty_like(index).scatter_(dim, index, ranks)
     return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(dim, index, True)  # the picked tokens
 
 
