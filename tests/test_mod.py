@@ -86,9 +86,9 @@ def test_the_causality_check_flags_top_k_over_the_window_and_clears_the_causal_p
     model = tiny_mod()
     ids = windows[0].ids
     with torch.inference_mode():
-        assert check_causality(model, controller(model), ids, 256).data["flips"] > 0  # top-k sees the last token
+        assert check_causality(model, controller(model), ids, 256).data["later_token_flips"] > 0  # top-k: later
         causal(model)
-        assert check_causality(model, controller(model), ids, 256).data["flips"] == 0
+        assert check_causality(model, controller(model), ids, 256).data["later_token_flips"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,8 @@ def test_retention_is_against_random_route_and_the_routing_checks_are_recorded(a
     assert (ret.condition, ret.reference) == ("StaticTopK", "RandomRoute")
     assert any(line.startswith("retention StaticTopK vs RandomRoute") for line in audited.retention_lines())
     found = findings(audited)
-    assert found["later_tokens"]["data"]["flips"] > 0 and found["conditions"]["line"] == TOKEN_NOTE  # top-k
-    assert found["later_tokens"]["line"] in audited.notices and TOKEN_NOTE in audited.notices
+    assert found["causality"]["data"]["later_token_flips"] > 0 and found["token routing"]["line"] == TOKEN_NOTE  # top-k
+    assert found["causality"]["line"] in audited.notices and TOKEN_NOTE in audited.notices
     assert "routing" not in audited.config  # a measurement, not part of the configuration
     assert audited.config["controller"]["static"] == "StaticTopK"
 
@@ -124,7 +124,8 @@ def test_retention_is_against_random_route_and_the_routing_checks_are_recorded(a
 def test_the_causal_predictor_is_recorded_as_causal(tmp_path, windows):
     model = causal(tiny_mod())
     result = fca.audit(model, controller(model), *windows, randomizations=1, seed=0, out=tmp_path / "a", quiet=True)
-    assert findings(result)["later_tokens"]["data"]["flips"] == 0
+    assert findings(result)["causality"] == {"check": "causality", "refusal": False, "line": "",
+                                             "data": {"later_token_flips": 0, "windows": 6}}
 
 
 def test_the_cli_and_the_report_say_routing_depends_on_later_tokens(tmp_path):

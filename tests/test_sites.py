@@ -740,8 +740,9 @@ def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, exp
     first = windows(2, 0)
     with torch.inference_mode():
         found = pre_write_checks(model, ctrl, first, capture_batch(model, ctrl, first, None, decoding=True), V)
-    if expected is None:  # a router's causality check is all it says
-        assert [(f.check, f.data["flips"]) for f in found] == ([("later_tokens", 0)] if ctrl.info.routers else [])
+    if expected is None:  # a router's causality check (with nothing to say) is all it finds
+        assert [(f.check, f.line, f.data["later_token_flips"]) for f in found] == \
+            ([("causality", "", 0)] if ctrl.info.routers else [])
         return
     kind, line = expected
     assert len(found) >= 1 and found[0].refusal == (kind == "refusal")
@@ -758,9 +759,9 @@ def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_
     if kind is None:  # a controller: an exact replay (no route flips) and nothing to say
         result = audit(model, controller(model), tmp_path)
         assert_exact(result)
-        assert [f["check"] for f in result.replay["findings"]] == (["later_tokens"] if result.replay["route_flips"]
+        assert result.notices == () and not result.replay.get("route_flips")
+        assert [f["check"] for f in result.replay["findings"]] == (["causality"] if result.replay["route_flips"]
                                                                    is not None else [])
-        assert not result.replay.get("route_flips")
     elif kind == "refusal":
         with pytest.raises(FcauditError, match=line) as refused:
             audit(model, controller(model), tmp_path)
@@ -783,8 +784,9 @@ def test_the_causality_check_follows_the_choices_the_model_makes_from_a_site(how
     threshold on a causal score does not: the check compares what the ranking chose, not the scores."""
     model = ranking_model(RANKINGS[how])()
     result = audit(model, fca.Controller.from_modules(model, "blocks.*.router", "batch token 1"), tmp_path)
-    (found,) = [f for f in result.replay["findings"] if f["check"] == "later_tokens"]
-    assert (found["data"]["flips"] > 0) == later and found["line"] in result.notices
+    (found,) = [f for f in result.replay["findings"] if f["check"] == "causality"]
+    assert (found["data"]["later_token_flips"] > 0) == later
+    assert found["line"] in result.notices if later else found["line"] == ""
 
 
 def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():

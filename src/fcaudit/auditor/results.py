@@ -35,13 +35,13 @@ def routing_lines(replay: dict) -> list[str]:
 
 def notice_lines(replay: dict) -> list[str]:
     """The pre-write checks' notices: replay.json's findings (an audit of an older version: its "notices")."""
-    return [f["line"] for f in replay["findings"] if not f["refusal"]] if "findings" in replay else \
+    return [f["line"] for f in replay["findings"] if f["line"] and not f["refusal"]] if "findings" in replay else \
         list(replay.get("notices") or ())
 
 
 def later_flips(replay: dict) -> int | None:
     """The causality check's count of earlier routing decisions that changed with later tokens (None: not run)."""
-    return next((f["data"]["flips"] for f in replay.get("findings") or () if f["check"] == "later_tokens"),
+    return next((f["data"]["later_token_flips"] for f in replay.get("findings") or () if f["check"] == "causality"),
                 replay.get("later_token_flips"))
 
 

@@ -486,8 +486,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         # an agreed phase: bad input on any rank stops every rank with its one-line error
         windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
         probe, saved, findings = group.run(lambda: _prepare(model, controller, windows, config, group.world))
-        if findings and group.is_main:  # printed even when quiet: it may mean the results measure nothing
-            Console(stderr=True, highlight=False).print("\n".join(f.line for f in findings), soft_wrap=True)
+        if (lines := [f.line for f in findings if f.line]) and group.is_main:  # even when quiet: it may mean the
+            Console(stderr=True, highlight=False).print("\n".join(lines), soft_wrap=True)  # results measure nothing
         if config.out is None:
             config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
         adir = AuditDir(config.out)

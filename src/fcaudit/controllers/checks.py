@@ -41,7 +41,8 @@ LATER_TOKENS = "routing depends on later tokens"
 @dataclass(frozen=True)
 class Finding:
     """One pre-write check's result for the user: a refusal (the audit raises FcauditError(line)) or a notice (kept
-    in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able)."""
+    in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able); a
+    check that measured but has nothing to say (no decision depends on later tokens) has the line ""."""
 
     check: str
     line: str
@@ -320,13 +321,9 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
         flips += int(sum((a[:, :-span] != b[:, :-span]).reshape(a.shape[0], a.shape[1] - span, -1).any(-1).sum()
                          for a, b in pairs if a.shape == b.shape))
     windows = int(ids.shape[0])
-    data = {"flips": flips, "windows": windows}
-    if flips:
-        return Finding("later_tokens", f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed "
-                       f"{flips} routing decisions at earlier positions (fine for training; this router cannot decode "
-                       "autoregressively as it is)", data=data)
-    return Finding("later_tokens", f"causality check: changing only the last quarter of {windows} windows changed no "
-                   "routing decision at an earlier position", data=data)
+    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
+            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
+    return Finding("causality", line, data={"later_token_flips": flips, "windows": windows})
 
 
 # ---- all of them --------------------------------------------------------------------------------------------------
@@ -368,4 +365,4 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
                           check_causality(model, controller, first, vocab, ranked)) if f is not None]
-    return found + [Finding("conditions", note) for note in controller.info.notes]
+    return found + [Finding("token routing", note) for note in controller.info.notes]
