@@ -51,7 +51,6 @@ class Decoder(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.config = getattr(model, "config", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return decode(self.model, ids)[0]

@@ -133,7 +133,7 @@ class Decoding:
     position: int = 0
 
     def advance(self, ids: torch.Tensor) -> int:
-        """The position of the one token per row in `ids` [B, 1], and the next one after it."""
+        """The position of this call's tokens (ids [B, 1]: one per sequence); the state moves on to the next."""
         if ids.dim() != 2 or ids.shape[1] != 1:
             raise FcauditError(f"decoding takes one token per sequence and call, got ids of shape {tuple(ids.shape)}: "
                                "pass ids[:, t:t+1]")
