@@ -173,7 +173,8 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
                                                                            "smallest block_size, at most 2048)"),
               thresholds: List[float] = typer.Option([], "--threshold", metavar="TAU",
                                                      help="post-training gate threshold (repeatable)"),
-              corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL"),
+              corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL and the "
+                                                                          "decoded text window"),
               threshold_windows: int = typer.Option(32, metavar="N", help="test windows for thresholding"),
               min_run_time: float = typer.Option(1.0, metavar="SECONDS", help="seconds of timing per model"),
               threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch CPU threads "
