@@ -25,7 +25,7 @@ def test_readme_code_runs(tmp_path, monkeypatch):
     """The quick start and the CLI lines run as written, in a fresh directory."""
     scope = run_page(README, tmp_path, monkeypatch)
     result = scope["result"]
-    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0
+    assert result.replay.passed and result.replay.max_abs_dlogit == 0
     assert (tmp_path / "audits" / "my-lm" / "replay.json").is_file()
     assert set(result.penalties().names) >= {"CrossInput", "TokenShuffle", "StaticProfile", "StructureRemoved"}
     assert (tmp_path / "report" / "report.html").is_file()

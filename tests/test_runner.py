@@ -44,7 +44,7 @@ def test_audit_and_plan_run_in_eval_mode_and_leave_the_mode_as_it_was(tmp_path):
     model, ctrl = model_and_controller()
     model.train()
     result = fca.audit(model, ctrl, ids(4, 0), ids(2, 1), randomizations=1, out=tmp_path / "a", quiet=True)
-    assert result.replay["passed"] and result.replay["bit_equal"]  # dropout off: the replay is exact
+    assert result.replay.passed and result.replay.bit_equal  # dropout off: the replay is exact
     assert model.training and model.drop.training
     fca.plan(model, ctrl, ids(4, 0), ids(2, 1), randomizations=1)
     assert model.training
@@ -67,4 +67,4 @@ def test_calibration_windows_overlapping_evaluation_windows_of_their_split_are_r
             fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True)
         assert not out.exists()
     else:
-        assert fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True).replay["passed"]
+        assert fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True).replay.passed
