@@ -9,7 +9,7 @@ files (summary.json, the CSV tables) are written from them and read back into th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -70,26 +70,28 @@ class SavedStatistics:
 
     key: tuple[float, int]  # the (confidence, n_resamples) they were computed at
     labels: dict[str, str]
-    saved: tuple[PenaltiesResult, FactorEffectsResult | None, tuple[RetentionResult, ...]]
+    pen: PenaltiesResult
+    fx: FactorEffectsResult | None  # None: its audits lack the factorial conditions
+    rets: tuple[RetentionResult, ...]
 
     def penalties(self) -> PenaltiesResult:
-        return self.saved[0]
+        return self.pen
 
     @property
     def has_factorial(self) -> bool:
-        return self.saved[1] is not None
+        return self.fx is not None
 
     def factor_effects(self) -> FactorEffectsResult:
-        if self.saved[1] is None:
+        if self.fx is None:
             raise FcauditError("this summary holds no factor effects: its audits lack the randomized conditions")
-        return self.saved[1]
+        return self.fx
 
     def retention(self, condition: str) -> RetentionResult:
-        cond = retained_name(condition, self.saved[0].names, self.labels)
-        return next(r for r in self.saved[2] if r.condition == cond)
+        cond = retained_name(condition, self.pen.names, self.labels)
+        return next(r for r in self.rets if r.condition == cond)
 
     def retentions(self) -> list[RetentionResult]:
-        return list(self.saved[2])
+        return list(self.rets)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -172,7 +174,7 @@ class FamilyResult(Results):
         if self.n_checkpoints == 1:
             return self.audits[0].statistics(confidence, n_resamples)
         return CheckpointStatistics(tuple(a.statistics(confidence, n_resamples) for a in self.audits),
-                                    Criteria(self.criteria.small_upper, self.criteria.retention_lower, confidence),
+                                    replace(self.criteria, confidence=confidence),
                                     n_resamples, self.name)
 
     def verdicts(self) -> list[dict]:
@@ -312,7 +314,7 @@ class Summary(Mapping):
             tables = {k: _frame(d[k], k) for k in _COLUMNS}
             names = dict.fromkeys([*tables["conditions"]["family"], *d["groups"]])
             return cls([_saved_family(name, d["groups"][name], tables, d["criteria"]) for name in names])
-        except (ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
                                f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
 
@@ -332,7 +334,7 @@ def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdi
                         tuple(group.get("audits", [])),
                         tuple(Replay.from_json(r) for r in group.get("replay", []) if isinstance(r, dict)),
                         tuple(group.get("variation", [])),
-                        saved=SavedStatistics((confidence, 10000), labels, (pen, fx, rets)))
+                        saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
 
 
 def family_of(config: dict) -> str:

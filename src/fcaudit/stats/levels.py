@@ -53,8 +53,43 @@ def _nan(n: int) -> np.ndarray:
     return np.full(n, math.nan)
 
 
+class _Level:
+    """What both levels share, from their table of ΔNLL per unit (rows: windows or checkpoints) and condition."""
+
+    level: ClassVar[str]
+    labels: dict[str, str]
+    criteria: Criteria
+    n_resamples: int
+
+    @property
+    def units(self) -> pd.DataFrame:
+        raise NotImplementedError
+
+    @property
+    def has_factorial(self) -> bool:
+        return all(c in self.units.columns for c in protocol.factorial().values())
+
+    @cached_property
+    def _retentions(self) -> dict[str, RetentionResult]:
+        return {}
+
+    def retention(self, condition: str) -> RetentionResult:
+        """`condition`: a retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its label."""
+        cond = retained_name(condition, self.units.columns, self.labels)
+        if cond not in self._retentions:
+            self._retentions[cond] = retention_of(self.units, cond, self.labels, self.criteria, self.level,
+                                                  self.n_resamples)
+        return self._retentions[cond]
+
+    def retentions(self) -> list[RetentionResult]:
+        """Retention of every retained static condition in the records (none without the reference)."""
+        if protocol.structure_removed(self.units.columns) is None:
+            return []
+        return [self.retention(c) for c in protocol.retained() if c in self.units.columns]
+
+
 @dataclass(eq=False)
-class WindowStatistics:
+class WindowStatistics(_Level):
     """One checkpoint's penalties, factor effects and retention from its records, with paired-window bootstrap
     intervals (a window's ΔNLL averaged over randomizations is one unit): stability across evaluation windows, not
     uncertainty across trained checkpoints. Each is computed once. `complete=False`: a partial audit's records."""
@@ -106,8 +141,8 @@ class WindowStatistics:
             np.array([float(self.active.get(c, math.nan)) for c in names], dtype=float))
 
     @property
-    def has_factorial(self) -> bool:
-        return all(c in self.per_window.columns for c in protocol.factorial().values())
+    def units(self) -> pd.DataFrame:
+        return self.per_window
 
     @cached_property
     def factor_pairs(self) -> dict[str, np.ndarray]:
@@ -129,27 +164,10 @@ class WindowStatistics:
             tuple(self._bootstrap(self.factor_pairs[k].mean(axis=1)) for k in names), self.factor_mc_se(),
             _nan(3), self.level, _nan(3))
 
-    @cached_property
-    def _retentions(self) -> dict[str, RetentionResult]:
-        return {}
-
-    def retention(self, condition: str) -> RetentionResult:
-        """`condition`: a retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its label."""
-        cond = retained_name(condition, self.per_window.columns, self.labels)
-        if cond not in self._retentions:
-            self._retentions[cond] = retention_of(self.per_window, cond, self.labels, self.criteria, "window",
-                                                  self.n_resamples)
-        return self._retentions[cond]
-
-    def retentions(self) -> list[RetentionResult]:
-        """Retention of every retained static condition in the records (none without the reference)."""
-        if protocol.structure_removed(self.per_window.columns) is None:
-            return []
-        return [self.retention(c) for c in protocol.retained() if c in self.per_window.columns]
 
 
 @dataclass(eq=False)
-class CheckpointStatistics:
+class CheckpointStatistics(_Level):
     """A family's penalties, factor effects and retention across its checkpoints: each checkpoint's mean ΔNLL is one
     unit (percentile bootstrap intervals, two-sided sign-flip p-values, Holm across the three factor effects); the
     MC SE is the mean within-checkpoint one. Each is computed once."""
@@ -163,6 +181,10 @@ class CheckpointStatistics:
     @property
     def labels(self) -> dict[str, str]:
         return self.members[0].labels
+
+    @property
+    def units(self) -> pd.DataFrame:
+        return self.per_checkpoint
 
     @cached_property
     def per_checkpoint(self) -> pd.DataFrame:
@@ -194,10 +216,6 @@ class CheckpointStatistics:
             np.array([(means[c].to_numpy() > 0).sum() for c in names], dtype=float), self.level,
             np.array([float(active.get(c, np.nan)) for c in names], dtype=float))
 
-    @property
-    def has_factorial(self) -> bool:
-        return all(c in self.per_checkpoint.columns for c in protocol.factorial().values())
-
     def factor_effects(self) -> FactorEffectsResult:
         return self._factor_effects
 
@@ -213,19 +231,3 @@ class CheckpointStatistics:
             pd.DataFrame([m.factor_mc_se() for m in self.members]).mean().to_numpy(dtype=float),
             np.array([(x > 0).sum() for x in per], dtype=float), self.level,
             holm([e.pvalue for e in estimates]))  # Holm across the three effects
-
-    @cached_property
-    def _retentions(self) -> dict[str, RetentionResult]:
-        return {}
-
-    def retention(self, condition: str) -> RetentionResult:
-        cond = retained_name(condition, self.per_checkpoint.columns, self.labels)
-        if cond not in self._retentions:
-            self._retentions[cond] = retention_of(self.per_checkpoint, cond, self.labels, self.criteria, "checkpoint",
-                                                  self.n_resamples)
-        return self._retentions[cond]
-
-    def retentions(self) -> list[RetentionResult]:
-        if protocol.structure_removed(self.per_checkpoint.columns) is None:
-            return []
-        return [self.retention(c) for c in protocol.retained() if c in self.per_checkpoint.columns]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Iterable, Iterator
 
 import numpy as np
@@ -137,22 +137,14 @@ class Estimates(Mapping):
         f = frame.set_index(cls._index) if cls._index in frame.columns else frame
         estimates = tuple(Estimate(float(r.statistic), ConfidenceInterval(float(r.ci_low), float(r.ci_high)),
                                    float(r.pvalue), int(r.n), "", confidence) for r in f.itertuples())
-        extra = {k: f[k].to_numpy(dtype=float) for k in cls._columns()}
+        own = {k.name: f[k.name].to_numpy(dtype=float) for k in fields(cls)[len(fields(Estimates)):]}
         return cls(tuple(f.index), tuple(f["label"]), estimates, f["mc_se"].to_numpy(dtype=float),
-                   f["n_positive"].to_numpy(dtype=float), level, **extra)
-
-    @classmethod
-    def _columns(cls) -> tuple[str, ...]:
-        return ()
+                   f["n_positive"].to_numpy(dtype=float), level, **own)
 
     def _title(self) -> str:
-        pct = f"{100 * self.confidence_level:g}%"
-        if self.level == "checkpoint":
-            units = "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
-            how = f"{pct} bootstrap intervals over {units} checkpoints, two-sided sign-flip p-values"
-        else:
-            windows = "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
-            how = f"{pct} paired-window bootstrap intervals over {windows} windows"
+        pct, units = f"{100 * self.confidence_level:g}%", "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
+        how = (f"{pct} bootstrap intervals over {units} checkpoints, two-sided sign-flip p-values"
+               if self.level == "checkpoint" else f"{pct} paired-window bootstrap intervals over {units} windows")
         return f"{type(self).__name__}: {self._what}, {how}"
 
     def _cells(self) -> tuple[list[str], list[list[str]]]:
@@ -220,10 +212,6 @@ class PenaltiesResult(Estimates):
     def _extra(self) -> dict[str, np.ndarray]:
         return {"n_positive": self.n_positive, "active": self.active}
 
-    @classmethod
-    def _columns(cls) -> tuple[str, ...]:
-        return ("active",)
-
     def plot(self, ax=None, *, reference_ax=None):
         """Figure 2: each condition's mean ΔNLL with its interval; the structure-removed reference on its own
         linear scale, on `reference_ax` (default: a panel beside `ax`, or a new figure of both).
@@ -260,10 +248,6 @@ class FactorEffectsResult(Estimates):
 
     def _extra(self) -> dict[str, np.ndarray]:
         return {"pvalue_holm": self.pvalue_holm, "n_positive": self.n_positive}
-
-    @classmethod
-    def _columns(cls) -> tuple[str, ...]:
-        return ("pvalue_holm",)
 
     def plot(self, ax=None):
         """The three effects with their intervals on one axis.
@@ -410,22 +394,22 @@ def judge(penalties: PenaltiesResult, retention: RetentionResult | None, criteri
     """The two prespecified verdicts on the controller's own static condition `static`: is its ΔNLL practically
     small (its interval's upper bound below the criteria's bound), and is its retention high (the lower bound above
     the criteria's)? `met` is None where the needed bound does not exist."""
-    pct = f"{100 * criteria.confidence:g}%"
-    label = penalties.labels[penalties.names.index(static)] if static in penalties.names else static
-    upper = penalties[static].confidence_interval.high if static in penalties.names else math.nan
-    lower = retention.confidence_interval.low if retention is not None else math.nan
+    pct, ran = f"{100 * criteria.confidence:g}%", static in penalties.names
+    label = penalties.labels[penalties.names.index(static)] if ran else static
     out = []
-    for name, quantity, bound, level, threshold, rule, met in (
-            ("practically small", "ΔNLL", upper, penalties.level if static in penalties.names else None,
-             criteria.small_upper, f"upper {pct} bound of the {static} ΔNLL < {criteria.small_upper:g}",
-             lambda b: b < criteria.small_upper),
-            ("high retention", "retention", lower, retention.level if retention is not None else None,
-             criteria.retention_lower, f"lower {pct} bound of the {static} retention > "
-             f"{100 * criteria.retention_lower:g}%", lambda b: b > criteria.retention_lower)):
+    for name, quantity, bound, level, threshold, shown, above in (
+            ("practically small", "ΔNLL", penalties[static].confidence_interval.high if ran else math.nan,
+             penalties.level if ran else None, criteria.small_upper, f"{criteria.small_upper:g}", False),
+            ("high retention", "retention", retention.confidence_interval.low if retention else math.nan,
+             retention.level if retention else None, criteria.retention_lower,
+             f"{100 * criteria.retention_lower:g}%", True)):
         finite = math.isfinite(bound)
-        out.append({"name": name, "quantity": f"{static} {quantity}", "label": label, "rule": rule,
+        out.append({"name": name, "quantity": f"{static} {quantity}", "label": label,
+                    "rule": f"{'lower' if above else 'upper'} {pct} bound of the {static} {quantity} "
+                            f"{'>' if above else '<'} {shown}",
                     "threshold": threshold, "bound": float(bound) if finite else None,
-                    "met": met(bound) if finite else None, "level": WINDOW_LEVEL if level == "window" else level})
+                    "met": (bound > threshold if above else bound < threshold) if finite else None,
+                    "level": WINDOW_LEVEL if level == "window" else level})
     return out
 
 
