@@ -17,7 +17,7 @@ def test_readme_is_short_and_its_quick_start_fits_in_20_lines():
     assert len(code.splitlines()) <= 20
     assert "class " in code and "nn.Module" in code, "the quick start defines its own model"
     assert "fca.load" not in code and "fcaudit train" not in code, "no checkpoint, no training run"
-    for needed in ("make demo", "make test", "pip install -e .", "pip install 'fcaudit[hf]'", "the full demo took"):
+    for needed in ("make demo", "make test", "pip install -e .", "pip install -e '.[hf]'", "the full demo took"):
         assert needed in text
 
 
