@@ -51,7 +51,8 @@ def test_one_checkpoint_recovers_planted_values_at_window_level(tmp_path):
     assert conds.loc["CrossInput", "mc_se"] == pytest.approx(rmeans.std(ddof=1) / np.sqrt(5), rel=1e-9)
     assert np.isnan(conds.loc["StaticProfile", "mc_se"])  # deterministic: no MC error
     f = g.factor_effects()
-    assert f["input"].statistic == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"] - MUDD["TokenShuffle"]))
+    assert f["input"].statistic == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"]
+                                                        - MUDD["TokenShuffle"]))
     assert f["interaction"].statistic == pytest.approx(MUDD["CrossShuffle"] - MUDD["CrossInput"] - MUDD["TokenShuffle"])
     assert conds["pvalue"].isna().all()  # the windows of one checkpoint are no units for a test
     assert "windows" in g.note
@@ -245,7 +246,8 @@ def test_summary_json_keeps_full_precision_absolute_audit_paths_and_no_nan(fg7, 
     text = (tmp_path / "summary" / "summary.json").read_text()
     saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
     csv = pd.read_csv(tmp_path / "summary" / "conditions.csv")
-    assert [r["statistic"] for r in saved["conditions"]] == csv["statistic"].tolist() == s.conditions["statistic"].tolist()
+    assert ([r["statistic"] for r in saved["conditions"]] == csv["statistic"].tolist()
+            == s.conditions["statistic"].tolist())
     assert saved["groups"]["FeatureGate tiny"]["audits"] == [str(p.resolve()) for p in fg7]
     assert any(r["mc_se"] is None for r in saved["conditions"])  # static conditions: no Monte Carlo error
     monkeypatch.chdir("/")  # the audits are covered by the summary however the report is run

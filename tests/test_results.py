@@ -10,7 +10,6 @@ import matplotlib
 matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-import pytest  # noqa: E402
 
 import fcaudit as fca  # noqa: E402
 from fcaudit import protocol  # noqa: E402
@@ -43,9 +42,9 @@ def test_findings_are_read_from_replay_json_and_from_the_keys_written_before_the
     assert new.replay.passed and new.replay.route_flips == 0 and new.replay.windows == 24
     assert new.replay.later_token_flips == 5 and new.replay.finding("hidden state").data == {"site": "blocks.0"}
     assert new.notices == (LATER, "note: blocks.0 looks like a hidden state")  # the router's line is a notice too
-    old = fca.AuditResult.load(with_replay(write_audit(tmp_path / "old", ROUTED, labels=ROUTED_LABELS, name="Old", R=1), {
-        **EXACT, "notices": ["note: a notice"], "later_token_flips": 7, "causality_windows": 8,
-        "routing_note": protocol.TOKEN_NOTE}))
+    old = write_audit(tmp_path / "old", ROUTED, labels=ROUTED_LABELS, name="Old", R=1)
+    old = fca.AuditResult.load(with_replay(old, {**EXACT, "notices": ["note: a notice"], "later_token_flips": 7,
+                                                 "causality_windows": 8, "routing_note": protocol.TOKEN_NOTE}))
     assert [f.check for f in old.replay.findings] == ["", "causality", "token routing"]
     assert old.replay.later_token_flips == 7 and old.notices[0] == "note: a notice"
     assert old.notices[1].startswith("routing depends on later tokens: changing only the last quarter of 8 windows "
@@ -63,7 +62,8 @@ def test_findings_are_read_from_replay_json_and_from_the_keys_written_before_the
     build_report([tmp_path / "new"], tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text().split("\n\n")
     replay = next(i for i, p in enumerate(md) if p.startswith("Exact replay"))
-    assert "Routing depends on later tokens" in md[replay] and md[replay + 1] == "note: blocks.0 looks like a hidden state"
+    assert "Routing depends on later tokens" in md[replay]
+    assert md[replay + 1] == "note: blocks.0 looks like a hidden state"
 
 
 def test_retention_and_the_criteria_follow_the_controllers_own_static_condition(tmp_path):

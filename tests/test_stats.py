@@ -245,7 +245,8 @@ def test_results_are_mappings_from_name_to_estimate_with_one_vocabulary():
     vocabulary = ["label", "statistic", "ci_low", "ci_high", "pvalue", "n"]
     for frame in (pen.to_frame(), fx.to_frame(), ret.to_frame()):
         assert list(frame.columns[:6]) == vocabulary and frame["pvalue"].isna().all()
-    assert ret.to_frame().index.tolist() == ["StaticProfile"] and ret.to_frame()["reference"].iloc[0] == "StructureRemoved"
+    assert ret.to_frame().index.tolist() == ["StaticProfile"]
+    assert ret.to_frame()["reference"].iloc[0] == "StructureRemoved"
     back = type(pen).from_frame(pen.to_frame(), pen.level, pen.confidence_level)  # a summary's JSON read back
     pd.testing.assert_frame_equal(back.to_frame(), pen.to_frame())
     assert "LayerMean" in repr(pen) and "p" not in repr(pen).splitlines()[1].split()  # no test, no p column

@@ -46,7 +46,8 @@ _COLUMNS = {
 }
 # summaries written before the one vocabulary: their columns under today's names
 _RENAMED = {"conditions": {"mean": "statistic"}, "factors": {"mean": "statistic"},
-            "retention": {"retention": "statistic", "delta_nll": "delta_static", "reference_delta_nll": "delta_reference"}}
+            "retention": {"retention": "statistic", "delta_nll": "delta_static",
+                          "reference_delta_nll": "delta_reference"}}
 _TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
 COUNTS = ("n", "n_positive")  # counts, nan where undefined: float columns in pandas
 

@@ -55,7 +55,8 @@ class Finding:
 
     @classmethod
     def from_json(cls, d: dict) -> "Finding":
-        return cls(str(d.get("check") or ""), bool(d.get("refusal")), str(d.get("line") or ""), dict(d.get("data") or {}))
+        return cls(str(d.get("check") or ""), bool(d.get("refusal")), str(d.get("line") or ""),
+                   dict(d.get("data") or {}))
 
 
 def _legacy_findings(replay: dict, config: dict) -> list[Finding]:

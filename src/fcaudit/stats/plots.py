@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def error_bars(statistic, low, high) -> np.ndarray:
     """Asymmetric error-bar lengths [2, n]; a missing interval draws no bar (0 length) instead of a fake one."""
     statistic, low, high = (np.asarray(v, dtype=float) for v in (statistic, low, high))
-    return np.vstack([np.clip(np.nan_to_num(statistic - low), 0, None), np.clip(np.nan_to_num(high - statistic), 0, None)])
+    return np.vstack([np.clip(np.nan_to_num(statistic - low), 0, None),
+                      np.clip(np.nan_to_num(high - statistic), 0, None)])
 
 
 def _limits(values: np.ndarray) -> tuple[float, float]:
