@@ -85,6 +85,9 @@ def test_retention_and_the_criteria_follow_the_controllers_own_static_condition(
     declared = fca.AuditResult.load(gate)
     assert declared.static == "LayerPositionMean" and declared.retention().condition == "LayerPositionMean"
     assert declared.verdicts()[0]["rule"] == "upper 95% bound of the LayerPositionMean ΔNLL < 0.002"
+    summarize([declared], tmp_path / "summary")
+    back = Summary.load(tmp_path / "summary")["Gate"]  # summary.json keeps it: no guess when read back
+    assert back.static == "LayerPositionMean" and back.verdicts() == summarize([declared])["Gate"].verdicts()
 
 
 def test_a_summary_written_before_one_vocabulary_is_read_with_todays_names(tmp_path):

@@ -196,10 +196,10 @@ class FamilyResult(Results):
                 for k, v in parts.items()}
 
     def group(self) -> dict:
-        """summary.json's entry of the family: checkpoints, level, note, labels, criteria's source, audits, replay
-        checks and variation."""
+        """summary.json's entry of the family: checkpoints, level, note, labels, its static condition, criteria's
+        source, audits, replay checks and variation."""
         return {"n_checkpoints": self.n_checkpoints, "level": self.level, "note": self.note, "labels": self.labels,
-                "partial": self.partial, "confidence": self.criteria.confidence,
+                "static": self.static, "partial": self.partial, "confidence": self.criteria.confidence,
                 "criteria_source": self.criteria_source, "criteria_fixed_at": self.criteria_fixed_at,
                 "audits": list(self.audit_dirs), "replay": [r.to_dict() for r in self.replays],
                 "variation": list(self.variation)}
@@ -331,7 +331,8 @@ def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdi
     rets = tuple(RetentionResult.from_row(r, level, confidence) for r in rows["retention"].to_dict("records"))
     labels = dict(group.get("labels") or {})
     return FamilyResult(name, int(group["n_checkpoints"]), criteria, group.get("criteria_source", "config.json"),
-                        group.get("criteria_fixed_at"), labels, own_static(pen.names), bool(group.get("partial")),
+                        group.get("criteria_fixed_at"), labels, group.get("static") or own_static(pen.names),
+                        bool(group.get("partial")),
                         tuple(group.get("audits", [])),
                         tuple(Replay.from_json(r) for r in group.get("replay", []) if isinstance(r, dict)),
                         tuple(group.get("variation", [])),
