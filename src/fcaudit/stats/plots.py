@@ -68,18 +68,21 @@ def penalties(result, ax: "Axes | None" = None, reference_ax: "Axes | None" = No
     reference = protocol.structure_removed(result.names)
     main = [i for i, name in enumerate(result.names) if name != reference]
     ref = [i for i, name in enumerate(result.names) if name == reference]
+    appended = ax is not None and reference_ax is None and bool(ref)
     if ax is None:
         import matplotlib.pyplot as plt
 
         _, (ax, reference_ax) = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
                                              gridspec_kw={"width_ratios": [3, 1.3]})
-    elif reference_ax is None and ref:
+    elif appended:
         from mpl_toolkits.axes_grid1 import make_axes_locatable
 
-        reference_ax = make_axes_locatable(ax).append_axes("right", size="43%", pad=0.5)
+        reference_ax = make_axes_locatable(ax).append_axes("right", size="43%", pad=0.3)
     panel(ax, result, main, 5, PENALTY_AXIS)
     if reference_ax is not None:
         panel(reference_ax, result, ref, 3, PENALTY_AXIS)  # few ticks on the narrow panel: no overlap
+        if appended:  # its label on the far side, clear of the conditions' panel
+            reference_ax.yaxis.tick_right()
         if ref:
             reference_ax.set_title("structure-removed reference\n(own linear scale)", fontsize=9)
     ax.set_title("assignment and static interventions", fontsize=9)
