@@ -33,7 +33,7 @@ def test_mod_audits_with_an_exact_replay_and_its_token_conditions(tmp_path, wind
     if routing == "predictor":
         causal(model)
     result = fca.audit(model, controller(model), *windows, randomizations=2, seed=0, out=tmp_path / "a", quiet=True)
-    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
+    assert result.replay.passed and result.replay.max_abs_dlogit == 0.0
     ran = set(result.records["condition"])
     assert {"StaticTopK", "RandomRoute", "TokenResamplePast"} <= ran
     assert not ran & {"StaticProfile", "LayerPositionMean", "StructureRemoved"}  # degenerate for sets
@@ -102,7 +102,7 @@ def test_active_is_the_fraction_of_tokens_chosen_under_every_condition(audited):
     capacity = config_for("tiny", "mod").capacity  # 16 of 64 tokens: exact
     active = audited.records.groupby("condition")["active"]
     assert (active.min() == capacity).all() and (active.max() == capacity).all(), active.describe()
-    assert audited.replay["route_flips"] == 0  # token routers are routers: the live router agrees with the cache
+    assert audited.replay.route_flips == 0  # token routers are routers: the live router agrees with the cache
 
 
 def test_retention_is_against_random_route_and_the_routing_checks_are_recorded(audited):
@@ -110,14 +110,15 @@ def test_retention_is_against_random_route_and_the_routing_checks_are_recorded(a
     assert (ret.condition, ret.reference) == ("StaticTopK", "RandomRoute")
     assert any(line.startswith("retention StaticTopK vs RandomRoute") for line in audited.retention_lines())
     rep = audited.replay
-    assert rep["later_token_flips"] > 0 and rep["routing_note"] == protocol.TOKEN_NOTE  # top-k sees later tokens
-    assert audited.config["routing"]["later_token_flips"] == rep["later_token_flips"]  # fixed before the audit ran
+    assert rep.later_token_flips > 0 and protocol.TOKEN_NOTE in audited.notices  # top-k sees later tokens
+    assert any(line.startswith("routing depends on later tokens") for line in audited.notices)
+    assert audited.config["routing"]["later_token_flips"] == rep.later_token_flips  # fixed before the audit ran
 
 
 def test_the_causal_predictor_is_recorded_as_causal(tmp_path, windows):
     model = causal(tiny_mod())
     result = fca.audit(model, controller(model), *windows, randomizations=1, seed=0, out=tmp_path / "a", quiet=True)
-    assert result.replay["later_token_flips"] == 0
+    assert result.replay.later_token_flips == 0
 
 
 def test_the_cli_and_the_report_say_routing_depends_on_later_tokens(tmp_path):

@@ -64,8 +64,8 @@ def test_a_user_built_token_router_audits_with_an_exact_replay_and_its_budget(tm
     ev, ca = fca.windows("embedded", n_eval=6, n_calib=6, window=32)
     result = fca.audit(model, ctrl, ev, ca, randomizations=2, seed=0, out=tmp_path / "a", quiet=True)
     rep = result.replay
-    assert rep["passed"] and rep["bit_equal"] and rep["max_abs_dlogit"] == 0.0 and rep["route_flips"] == 0
-    assert rep["later_token_flips"] > 0  # top-k over the window sees later tokens
+    assert rep.passed and rep.bit_equal and rep.max_abs_dlogit == 0.0 and rep.route_flips == 0
+    assert rep.later_token_flips > 0  # top-k over the window sees later tokens
     assert set(result.records["condition"]) == set(protocol.for_controller(ctrl.info))
     assert (result.records["active"] == 8 / 32).all()  # k tokens of 32 run the heavy branch, under every condition
     with torch.inference_mode(), ctrl.capture(*ev.ids.shape) as found:
