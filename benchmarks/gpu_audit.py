@@ -161,7 +161,7 @@ def run_case(name: str, model, T: int, args, device: torch.device) -> dict:
         sync(device)
         row["audit_s"] = time.perf_counter() - t0
     passes = calls[0]
-    row["replay_passed"] = bool(result.replay["passed"])
+    row["replay_passed"] = bool(result.replay.passed)
     row["audit_peak_mib"] = peak_mib(device)
     batches = [eval_ids[i:i + B].to(device) for i in range(0, args.n_eval, B)]
     with torch.inference_mode():  # the same number of forward passes, nothing else

@@ -82,7 +82,7 @@ def audit(family: str) -> str:
     pads = sorted({getattr(s.codec, "pad", "none (scores)") for s in routers})
     sites = f"{len(ctrl.sites)} site" + "s" * (len(ctrl.sites) != 1)
     return (f"audited: {sites} ({router}), padding {'/'.join(pads)}, exact replay "
-            f"{res.replay['bit_equal']}, route flips {res.replay['route_flips']}")
+            f"{res.replay.bit_equal}, route flips {res.replay.route_flips}")
 
 
 def main() -> None:

@@ -42,13 +42,13 @@ def train(family: str, corpus, args) -> torch.nn.Module:
 def audit(model, ev, ca, out: Path, args) -> dict:
     res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=args.randomizations, seed=args.seed,
                     out=out, batch_size=8, quiet=True)
-    pen = res.penalties().to_frame().set_index("condition")
-    return {"replay": res.replay, "labels": res.labels,
-            "penalties": {c: {"mean": float(r["mean"]), "ci": [float(r["ci_low"]), float(r["ci_high"])],
+    pen = res.penalties().to_frame()
+    return {"replay": res.replay.to_dict(), "labels": res.labels,
+            "penalties": {c: {"mean": float(r["statistic"]), "ci": [float(r["ci_low"]), float(r["ci_high"])],
                               "mc_se": None if np.isnan(r["mc_se"]) else float(r["mc_se"]),
                               "experts_per_token": float(r["active"])} for c, r in pen.iterrows()},
             "correct_experts_per_token": float(res.records[res.records.condition == "Correct"].active.mean()),
-            "factor_effects": res.factor_effects().to_frame()["mean"].to_dict()}
+            "factor_effects": res.factor_effects().to_frame()["statistic"].to_dict()}
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
         res = audit(model, ev, ca, out / family, args)
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
         res["replay_bf16"] = fca.audit(bf16, fca.controller_for(bf16), ev[:8], ca[:8], randomizations=1,
-                                       out=out / f"{family}-bf16", batch_size=8, quiet=True).replay
+                                       out=out / f"{family}-bf16", batch_size=8, quiet=True).replay.to_dict()
         res.update(controller=fca.controller_for(model).description, train_seconds=round(t_train, 1),
                    audit_seconds=round(time.perf_counter() - t0 - t_train, 1))
         report["families"][family] = res

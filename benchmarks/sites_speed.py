@@ -99,7 +99,7 @@ def audit_once(model, ctrl, ev, ca, batch: int, R: int) -> torch.Tensor:
         t0 = clock()
         result = fca.audit(model, ctrl, ev, ca, randomizations=R, out=out, batch_size=batch, quiet=True)
         took = clock() - t0
-    assert result.replay["bit_equal"], result.replay
+    assert result.replay.bit_equal, result.replay
     return took
 
 

@@ -2,8 +2,8 @@
 
 - `<!-- cli-reference -->` becomes the Markdown of every `fcaudit` command, from the Typer app itself (typer's own
   docs generator, run in process: no PATH lookup of a `typer` executable).
-- `<!-- api-reference -->` becomes one mkdocstrings block per name of `fcaudit.__all__`, at the module where that
-  name is defined now, plus the result types the public functions return.
+- `<!-- api-reference -->` becomes one mkdocstrings block per name of `fcaudit.__all__` (the result objects among
+  them), at the module where that name is defined now, plus the plan `fca.plan` returns.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import inspect
 
 CLI = "<!-- cli-reference -->"
 API = "<!-- api-reference -->"
-RETURNED = ("fcaudit.auditor.results.AuditResult", "fcaudit.stats.results.PenaltiesResult",
-            "fcaudit.stats.results.FactorEffectsResult", "fcaudit.stats.results.RetentionResult",
-            "fcaudit.summary.Summary", "fcaudit.auditor.runner.AuditPlan")
+RETURNED = ("fcaudit.auditor.runner.AuditPlan",)
+# classes whose page lists the methods they share with others (AuditResult's and FamilyResult's from Results)
+INHERITED = ("fcaudit.auditor.results.AuditResult", "fcaudit.summary.FamilyResult")
 
 
 def cli_markdown() -> str:
@@ -43,7 +43,8 @@ def api_markdown() -> str:
 
     paths = [p for p in (defined_at(n) for n in fcaudit.__all__ if n != "__version__") if p]
     paths += [p for p in RETURNED if p not in paths]
-    return "\n\n".join(f"::: {p}\n    options:\n      heading_level: 2" for p in paths) + "\n"
+    return "\n\n".join(f"::: {p}\n    options:\n      heading_level: 2"
+                       + ("\n      inherited_members: true" if p in INHERITED else "") for p in paths) + "\n"
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

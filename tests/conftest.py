@@ -119,6 +119,19 @@ class Leaky(ToyGated):
         return logits + 1e-3 * self.blocks[0].gate.calls  # 0 when the gate's forward was replaced
 
 
+def tiny_early_exit(seed: int = 0, threshold: float = 0.5):
+    """An untrained three-block early-exit model whose exit classifiers are spread so that tokens leave at every
+    depth (an untrained classifier says about 1/2 everywhere)."""
+    from fcaudit.models.early_exit import EarlyExitConfig, EarlyExitGPT
+
+    torch.manual_seed(seed)
+    model = EarlyExitGPT(EarlyExitConfig(n_layer=3, n_head=2, d_model=32, block_size=64, exit_threshold=threshold))
+    for block in model.blocks:
+        if block.exit is not None:
+            nn.init.normal_(block.exit.score.weight, std=0.5)
+    return model.eval()
+
+
 # ---- synthetic audit directories (planted penalties) -----------------------------------------------------------
 
 RANDOMIZED = ("CrossInput", "TokenShuffle", "CrossShuffle")

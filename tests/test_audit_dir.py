@@ -118,7 +118,7 @@ def test_a_kill_during_the_first_write_resumes(tmp_path):
     (out / ".lock").write_text("pid 1")
     (out / ".config.json.abc123.tmp").write_text('{"half')  # what a kill inside the first atomic write leaves
     res = toys.run(model, toys.gated(model), out)
-    assert res.replay["passed"] and not list(out.rglob("*.tmp"))
+    assert res.replay.passed and not list(out.rglob("*.tmp"))
     (out / "config.json").unlink()  # killed after the marker, before the config: the same command resumes
     again = toys.run(model, toys.gated(model), out)
     pd.testing.assert_frame_equal(again.records, res.records, check_exact=True)
@@ -312,7 +312,7 @@ def test_an_unfinished_audit_is_refused_unless_asked_for(tmp_path):
     part = AuditResult.load(out, allow_partial=True)
     assert part.partial and "PARTIAL" in repr(part)
     summary = summarize([part])
-    assert "[PARTIAL]" in str(summary) and next(iter(summary.groups.values()))["partial"]
+    assert "[PARTIAL]" in str(summary) and next(iter(summary.values())).partial
     result = CliRunner().invoke(app, ["summarize", str(out), "--out", str(tmp_path / "s")])
     assert result.exit_code == 2 and "unfinished audit" in result.output and not (tmp_path / "s").exists()
     result = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "r")])
@@ -368,15 +368,15 @@ def test_a_gate_scale_invariant_model_has_undefined_retention(tmp_path, capsys):
         warnings.simplefilter("error", RuntimeWarning)
         res = audit(model, Controller.from_modules(model, "gate", "batch token"), toys.windows(16, 0),
                     toys.windows(8, 1), randomizations=2, out=tmp_path / "a", batch_size=8, quiet=False)
-        pen = res.penalties().to_frame().set_index("condition")
-        assert pen["mean"].abs().max() < 1e-5  # rounding only
+        pen = res.penalties().to_frame()
+        assert pen["statistic"].abs().max() < 1e-5  # rounding only
         ret = res.retention()
         s = summarize([res])
     assert np.isnan(ret.statistic) and "not above the practically-small bound" in ret.reason
-    assert np.isnan(s.retention["retention"]).all() and (s.retention["note"] != "").all()
+    assert np.isnan(s.retention["statistic"]).all() and (s.retention["note"] != "").all()
     out = capsys.readouterr().out
     assert "retention StaticProfile vs GlobalMean: undefined" in out and "ΔNLL" in out
-    assert "undefined" in str(s) and not any(c["met"] for c in s.criteria if c["name"] == "high retention")
+    assert "undefined" in str(s) and not any(c["met"] for c in s.verdicts if c["name"] == "high retention")
 
 
 # ---- what a resume compares ----------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def test_audit_of_a_capacity_moe(tmp_path):
         res = fca.audit(model, ctrl, ev, ca, randomizations=2, out=tmp_path, batch_size=3, quiet=True)
     finally:
         runs.remove()
-    assert res.replay["passed"] and res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    assert res.replay.passed and res.replay.bit_equal and res.replay.route_flips == 0
     assert runs.seen.shared_slots == 0  # no slot held two tokens in any pass of the audit, under any condition
     rec = res.records
     counted = [f"expert{e}" for e in range(E)]

@@ -136,7 +136,7 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
                     out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)
     [config] = seen
     assert (config.randomizations, config.seed, config.batch_size, config.tolerance) == (2, 5, 3, 0.5)
-    assert config.out == tmp_path / "a" and res.config["batch_size"] == 3 and res.replay["tolerance"] == 0.5
+    assert config.out == tmp_path / "a" and res.config["batch_size"] == 3 and res.replay.tolerance == 0.5
     # the same settings in one AuditConfig: the same audit (it resumes: nothing recomputed), the object passed whole
     records = {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")}
     given = AuditConfig(randomizations=2, seed=5, out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)

@@ -117,22 +117,23 @@ def test_benchmarks_page_is_the_table_make_bench_writes(tmp_path):
 
 def documented() -> list:
     """The objects whose docstrings are the API reference: the names of `fcaudit.__all__` (a module's member of that
-    name where a name is a module), and the result objects that AuditResult's statistics return."""
+    name where a name is a module), and the methods AuditResult and FamilyResult share (`Results`)."""
     import fcaudit as fca
-    from fcaudit.stats.results import FactorEffectsResult, PenaltiesResult, RetentionResult
+    from fcaudit.stats.results import Results
 
     objects = []
     for name in sorted(set(fca.__all__) - {"__version__"}):
         obj = getattr(fca, name)
         objects.append(getattr(obj, name, obj) if isinstance(obj, type(fca)) else obj)
-    return objects + [PenaltiesResult, FactorEffectsResult, RetentionResult]
+    return objects + [Results]
 
 
 # Examples that continue another name's (as the reference page says in each): they use what that one built. The
 # audit's example builds the model, windows and `result` the results' examples read; load's trains the checkpoint
 # controller_for reads; Family's builds the family register registers.
 CONTINUES = {name: "audit" for name in ("AuditResult", "plan", "summarize", "build_report", "PenaltiesResult",
-                                        "FactorEffectsResult", "RetentionResult")}
+                                        "FactorEffectsResult", "RetentionResult", "Replay", "Finding", "Results",
+                                        "FamilyResult", "Summary")}
 CONTINUES |= {"controller_for": "load", "register": "Family"}
 
 

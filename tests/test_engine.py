@@ -137,7 +137,7 @@ class ToyMudd(nn.Module):
 
 
 def randomized_means(result):
-    d = result.penalties().to_frame().set_index("condition")["mean"]
+    d = result.penalties().to_frame()["statistic"]
     return d
 
 
@@ -537,7 +537,7 @@ def test_static_controller_gives_exact_zero(tmp_path):
     model = ToyGated(static=True)
     res = run(model, gated(model), tmp_path / "a")
     warnings.simplefilter("ignore", RuntimeWarning)  # some windows gain from GlobalMean: undefined retention CI
-    assert res.replay["passed"] and res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0
+    assert res.replay.passed and res.replay.bit_equal and res.replay.max_abs_dlogit == 0.0
     m = randomized_means(res)
     assert m["CrossInput"] == 0.0 and m["TokenShuffle"] == 0.0 and m["CrossShuffle"] == 0.0
     assert m["TokenResamplePast"] == 0.0
@@ -547,7 +547,7 @@ def test_static_controller_gives_exact_zero(tmp_path):
     assert (res.records["active"] == 1.0).all()  # one nonzero gate per (layer, token)
     ret = res.retention("LayerMean")  # GlobalMean helps some windows of this random model: no clear gap
     assert np.isnan(ret.statistic) and "not above the practically-small bound" in ret.reason and ret.delta_reference > 0
-    assert (res.factor_effects().to_frame()["mean"] == 0.0).all()
+    assert (res.factor_effects().to_frame()["statistic"] == 0.0).all()
     var = res.variation
     assert len(var["layers"]) == 3 and var["layers"][0]["sd"] == 0.0
 
@@ -559,7 +559,7 @@ def test_real_featuregate_layerstatic_and_uniform_exact_zero(tmp_path):
         ca = torch.randint(0, 256, (3, T), generator=torch.Generator().manual_seed(1))
         res = audit(model, controller_for(model), ev, ca, randomizations=2, out=tmp_path / variant, batch_size=3, quiet=True)
         m = randomized_means(res)
-        assert res.replay["bit_equal"]
+        assert res.replay.bit_equal
         assert m["CrossInput"] == 0.0 and m["TokenShuffle"] == 0.0 and m["CrossShuffle"] == 0.0
         assert res.config["labels"]["StaticProfile"] == "LayerMean"
 
@@ -570,7 +570,7 @@ def test_planted_dependence_detected_and_constant_twin_zero(tmp_path):
     ctrl = Controller.from_modules(model, "gate", "batch token")
     res = audit(model, ctrl, ev, ca, randomizations=3, out=tmp_path / "p", batch_size=8, quiet=True)
     m = randomized_means(res)
-    assert res.replay["bit_equal"]
+    assert res.replay.bit_equal
     assert m["CrossInput"] > 1.0 and m["TokenShuffle"] > 1.0 and m["CrossShuffle"] > 1.0 and m["StaticProfile"] > 0.1
     assert m["TokenResamplePast"] > 1.0
     twin = Planted(constant=True)
@@ -583,7 +583,7 @@ def test_moe_through_from_modules_alone(tmp_path):
     model = ToyMoE()
     ctrl = Controller.from_modules(model, "layers.*.router", "(batch token) expert", reference="SourceUniformMean")
     res = run(model, ctrl, tmp_path / "moe", R=2)
-    assert res.replay["passed"] and res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0
+    assert res.replay.passed and res.replay.bit_equal and res.replay.max_abs_dlogit == 0.0
     m = randomized_means(res)
     assert m["CrossInput"] != 0.0 and m["StructureRemoved"] != 0.0
     assert res.config["labels"]["StructureRemoved"] == "SourceUniformMean"
@@ -597,7 +597,7 @@ def test_ragged_multi_stream_sites(tmp_path):
                                    static_name="StaticMixMean", reference="SourceUniformMean")
     res = run(model, ctrl, tmp_path / "mudd", R=2)
     warnings.simplefilter("ignore", RuntimeWarning)  # untrained: SourceUniformMean may not hurt, retention undefined
-    assert res.replay["bit_equal"]
+    assert res.replay.bit_equal
     assert [l["shape"] for l in res.variation["layers"]] == [[2, 2], [2, 3], [1, 4]]
     assert abs(sum(res.variation["decomposition"].values()) - 1) < 1e-9 and "slice" in res.variation["decomposed"]
     m = randomized_means(res)
@@ -696,7 +696,7 @@ def test_records_independent_of_batch_size(tmp_path):
     model = ToyGated()
     a = run(model, gated(model), tmp_path / "a", batch_size=4)
     b = run(model, gated(model), tmp_path / "b", batch_size=3)
-    assert (a.penalties().to_frame().set_index("condition")["mean"].abs() > 1e-4).sum() >= 5  # the conditions do move NLL
+    assert (a.penalties().to_frame()["statistic"].abs() > 1e-4).sum() >= 5  # the conditions do move NLL
     # equal up to the rounding of batched kernels and of the calibration sums' order
     pd.testing.assert_frame_equal(a.records, b.records, check_exact=False, rtol=1e-5, atol=1e-7)
 
@@ -722,7 +722,7 @@ def test_bad_inputs_leave_nothing(tmp_path):
     with pytest.raises(FcauditError, match="overlap"):
         audit(model, ctrl, ev, ca, out=out, quiet=True)
     ok = WindowSet(windows(4, 1), np.array([705, 1100, 1200, 1300]), "validation")
-    assert audit(model, ctrl, ev, ok, randomizations=1, out=tmp_path / "ok", quiet=True).replay["passed"]
+    assert audit(model, ctrl, ev, ok, randomizations=1, out=tmp_path / "ok", quiet=True).replay.passed
     moe = ToyMoE()
     with pytest.raises(FcauditError, match="does not fit layout"):
         audit(moe, Controller.from_modules(moe, "layers.*.router", "batch token"), windows(4, 0), windows(2, 1),
@@ -758,7 +758,7 @@ def test_failed_exact_replay_stops_audit(tmp_path):
     assert report["passed"] is False and report["max_abs_dlogit"] > 0
     assert not list((tmp_path / "leak").rglob("*.parquet")) and not list((tmp_path / "leak").rglob("*.safetensors"))
     res = run(model, gated(model), tmp_path / "leak", tolerance=1e-2)  # same directory: nothing there to mix
-    assert res.replay["tolerance"] == 1e-2 and res.replay["passed"] and not res.replay["bit_equal"]
+    assert res.replay.tolerance == 1e-2 and res.replay.passed and not res.replay.bit_equal
     assert "replay passed=True" in repr(res)
 
 
@@ -946,7 +946,7 @@ def test_a_layout_naming_a_flattened_outputs_axes_in_the_wrong_order_is_refused(
     with pytest.raises(FcauditError, match=r"'\(token batch\) source' names the output's axes"):
         run(model, wrong, tmp_path / "a")
     right = run(model, Controller.from_modules(model, "blocks.*.gate", layout="(batch token) source"), tmp_path / "b")
-    assert right.replay["bit_equal"]
+    assert right.replay.bit_equal
 
 
 @pytest.mark.parametrize("wrap", [lambda x: {"logits": x}, lambda x: (x, None)], ids=["dict", "tuple"])
@@ -998,4 +998,4 @@ def test_a_model_whose_gated_branches_output_zero_audits_with_the_notice(tmp_pat
             b.mlp[-1].weight.zero_(), b.mlp[-1].bias.zero_()
     result = run(model, gated(model), tmp_path / "a")
     assert "leaves the logits unchanged" in capsys.readouterr().err
-    assert result.replay["bit_equal"] and (result.penalties().to_frame()["mean"] == 0).all()
+    assert result.replay.bit_equal and (result.penalties().to_frame()["statistic"] == 0).all()

@@ -278,10 +278,10 @@ def test_llama4_audit_with_a_zero_router_gives_exactly_zero_for_assignments(tmp_
                 p.zero_()
     res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
                     out=tmp_path, batch_size=3, quiet=True)
-    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
-    pen = res.penalties().to_frame().set_index("condition")
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+    pen = res.penalties().to_frame()
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
-        assert pen.loc[c, "mean"] == 0.0, c
+        assert pen.loc[c, "statistic"] == 0.0, c
     assert (res.records[res.records.condition == "Correct"].active == K).all() and pen.loc["StaticTopK", "active"] == K
 
 
@@ -412,10 +412,10 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     assert ctrl.static_name == "StaticMixMean" and ctrl.describe()["static"] == "StaticTopK"
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=2, out=tmp_path, batch_size=3,
                     quiet=True)
-    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
-    pen = res.penalties().to_frame().set_index("condition")
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+    pen = res.penalties().to_frame()
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
-        assert pen.loc[c, "mean"] == 0.0, c
+        assert pen.loc[c, "statistic"] == 0.0, c
     correct = res.records[res.records.condition == "Correct"]
     assert (correct.active == K).all() and pen.loc["StaticTopK", "active"] == K  # every token: the same K experts
     assert res.labels["StaticProfile"] == "StaticMixMean"
@@ -432,9 +432,9 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
     model.to(dtype)
     res = fca.audit(model, fca.controller_for(model), _windows(6), _windows(4, seed=1), randomizations=2,
                     out=tmp_path, batch_size=3, quiet=True)
-    assert res.replay["bit_equal"] and res.replay["max_abs_dlogit"] == 0.0 and res.replay["route_flips"] == 0
-    pen = res.penalties().to_frame().set_index("condition")
-    assert abs(pen.loc["CrossInput", "mean"]) > 1e-3 and abs(pen.loc["TokenShuffle", "mean"]) > 1e-3  # untrained: any sign
+    assert res.replay.bit_equal and res.replay.max_abs_dlogit == 0.0 and res.replay.route_flips == 0
+    pen = res.penalties().to_frame()
+    assert abs(pen.loc["CrossInput", "statistic"]) > 1e-3 and abs(pen.loc["TokenShuffle", "statistic"]) > 1e-3  # any sign
     assert pen.loc["CrossInput", "active"] == K and pen.loc["StaticTopK", "active"] == K
     assert pen.loc["StaticProfile", "active"] > K  # a dense static mixture runs every expert with a nonzero mean
 
@@ -463,8 +463,8 @@ def test_a_briefly_trained_moe_depends_on_its_routing(family, tmp_path):
     ev = make_windows(corpus.test, 16, 64, 0, "test")
     ca = make_windows(corpus.validation, 16, 64, 0, "validation")
     res = fca.audit(model, fca.controller_for(model), ev, ca, randomizations=2, out=tmp_path, quiet=True)
-    pen = res.penalties().to_frame().set_index("condition")["mean"]
-    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    pen = res.penalties().to_frame()["statistic"]
+    assert res.replay.bit_equal and res.replay.route_flips == 0
     assert pen["CrossInput"] > 0.01 and pen["TokenShuffle"] > 0.01
 
 
@@ -480,7 +480,7 @@ def test_from_modules_with_a_codec_audits_tuple_routers(tmp_path):
     ctrl = fca.Controller.from_modules(model, "model.layers.*.mlp.gate", codec=TopKRouterCodec(num_experts=E, top_k=K))
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path / "codec",
                     batch_size=3, quiet=True)
-    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    assert res.replay.bit_equal and res.replay.route_flips == 0
     assert "StaticTopK" in set(res.records.condition)
 
 
@@ -528,7 +528,7 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
     assert torch.equal(forward_logits(model, ids), forward_logits(full.language_model, ids))  # its weights, all
     res = fca.audit(model, fca.controller_for(model), _windows(4), _windows(2, seed=1), randomizations=1,
                     out=tmp_path / "audit", batch_size=2, quiet=True)
-    assert res.replay["bit_equal"] and res.replay["route_flips"] == 0
+    assert res.replay.bit_equal and res.replay.route_flips == 0
 
 
 def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_class(monkeypatch):
@@ -607,7 +607,7 @@ def test_a_model_with_a_layer_offloaded_to_disk_audits_to_the_records_of_the_mod
     results = [fca.audit(m, fca.controller_for(m), _windows(6), _windows(4, seed=1), randomizations=2,
                          out=tmp_path / name, batch_size=4, quiet=True)
                for name, m in (("placed", placed), ("whole", whole))]
-    assert results[0].replay["bit_equal"] and results[0].replay["route_flips"] == 0
+    assert results[0].replay.bit_equal and results[0].replay.route_flips == 0
     a, b = (r.records.sort_values(["condition", "randomization", "example"]).reset_index(drop=True) for r in results)
     assert len(a) == 6 * (1 + 4 * 2 + 4) and a.equals(b)
     assert results[0].config["model"]["params_sha256"] == results[1].config["model"]["params_sha256"]

@@ -447,7 +447,7 @@ def test_audit_of_a_tiny_mudd_replays_exactly(tmp_path, dtype):
     ev, ca = ids(4, 16, seed=10), ids(4, 16, seed=11)
     result = audit(model, controller_for(model), ev, ca, randomizations=2, seed=0, out=tmp_path, batch_size=2,
                    quiet=True)
-    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
+    assert result.replay.passed and result.replay.max_abs_dlogit == 0.0
     assert AuditResult.load(tmp_path).labels["StructureRemoved"] == "SourceUniformMean"
     recs = result.records
     assert set(recs.condition) == {"Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
@@ -522,7 +522,7 @@ def test_fast_mix_logits_agree_and_its_audit_replays_exactly(tmp_path, dtype):
         del dd.forward
     result = audit(model, controller_for(model), ids(4, 16, seed=10), ids(4, 16, seed=11), randomizations=1,
                    seed=0, out=tmp_path, batch_size=2, quiet=True)
-    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0.0
+    assert result.replay.passed and result.replay.max_abs_dlogit == 0.0
 
 
 def test_fast_mix_is_off_by_default_and_refuses_gradients():

@@ -17,7 +17,7 @@ def test_readme_is_short_and_its_quick_start_fits_in_20_lines():
     assert len(code.splitlines()) <= 20
     assert "class " in code and "nn.Module" in code, "the quick start defines its own model"
     assert "fca.load" not in code and "fcaudit train" not in code, "no checkpoint, no training run"
-    for needed in ("make demo", "make test", "pip install -e .", "pip install 'fcaudit[hf]'", "the full demo took"):
+    for needed in ("make demo", "make test", "pip install -e .", "pip install -e '.[hf]'", "the full demo took"):
         assert needed in text
 
 
@@ -25,7 +25,7 @@ def test_readme_code_runs(tmp_path, monkeypatch):
     """The quick start and the CLI lines run as written, in a fresh directory."""
     scope = run_page(README, tmp_path, monkeypatch)
     result = scope["result"]
-    assert result.replay["passed"] and result.replay["max_abs_dlogit"] == 0
+    assert result.replay.passed and result.replay.max_abs_dlogit == 0
     assert (tmp_path / "audits" / "my-lm" / "replay.json").is_file()
     assert set(result.penalties().names) >= {"CrossInput", "TokenShuffle", "StaticProfile", "StructureRemoved"}
     assert (tmp_path / "report" / "report.html").is_file()

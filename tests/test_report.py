@@ -33,15 +33,16 @@ def fg7(tmp_path):
 
 def test_one_checkpoint_recovers_planted_values_at_window_level(tmp_path):
     audit = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS, n_windows=30, R=5)
-    g = summarize([audit]).family("MUDDPythia")
-    conds, rets = g["conditions"].set_index("condition"), g["retention"].set_index("condition")
+    g = summarize([audit])["MUDDPythia"]
+    conds, rets = g.penalties().to_frame(), g.frames()["retention"].set_index("condition")
     for c, v in MUDD.items():
-        assert conds.loc[c, "mean"] == pytest.approx(v, abs=1e-12)
+        assert conds.loc[c, "statistic"] == pytest.approx(v, abs=1e-12)
         assert conds.loc[c, "ci_low"] <= v <= conds.loc[c, "ci_high"]
-    assert conds.loc["StaticProfile", "label"] == "StaticMixMean" and (conds["level"] == "window").all()
+    assert conds.loc["StaticProfile", "label"] == "StaticMixMean" and g.level == g.penalties().level == "window"
     # paper: MUDDPythia retentions 73.33% and 86.27% against SourceUniformMean
-    assert rets.loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
-    assert rets.loc["LayerPositionMean", "retention"] == pytest.approx(0.8627, abs=5e-5)
+    assert rets.loc["StaticProfile", "statistic"] == pytest.approx(0.7333, abs=5e-5)
+    assert g.retention("LayerPositionMean").statistic == pytest.approx(0.8627, abs=5e-5)
+    assert g.penalties() is g.audits[0].penalties()  # one checkpoint: its audit's statistics, computed once
     # MC SE: sd of the randomization means / sqrt(R), computed independently from the records written
     rec = make_records(MUDD, n_windows=30, R=5)
     ci = rec[rec["condition"] == "CrossInput"].merge(rec[rec["condition"] == "Correct"][["example", "nll"]],
@@ -49,25 +50,26 @@ def test_one_checkpoint_recovers_planted_values_at_window_level(tmp_path):
     rmeans = (ci["nll"] - ci["nll_c"]).groupby(ci["randomization"]).mean()
     assert conds.loc["CrossInput", "mc_se"] == pytest.approx(rmeans.std(ddof=1) / np.sqrt(5), rel=1e-9)
     assert np.isnan(conds.loc["StaticProfile", "mc_se"])  # deterministic: no MC error
-    f = g["factors"].set_index("effect")
-    assert f.loc["input", "mean"] == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"] - MUDD["TokenShuffle"]))
-    assert f.loc["interaction", "mean"] == pytest.approx(MUDD["CrossShuffle"] - MUDD["CrossInput"] - MUDD["TokenShuffle"])
+    f = g.factor_effects()
+    assert f["input"].statistic == pytest.approx(0.5 * (MUDD["CrossInput"] + MUDD["CrossShuffle"]
+                                                        - MUDD["TokenShuffle"]))
+    assert f["interaction"].statistic == pytest.approx(MUDD["CrossShuffle"] - MUDD["CrossInput"] - MUDD["TokenShuffle"])
     assert conds["pvalue"].isna().all()  # the windows of one checkpoint are no units for a test
-    assert "windows" in g["note"]
+    assert "windows" in g.note
 
 
 def test_summarize_seven_checkpoints(fg7, tmp_path):
     s = summarize(fg7, tmp_path / "summary")
     c = s.conditions.set_index("condition")
     for cond, v in FG.items():  # per-checkpoint multipliers average to 1: the planted means come back
-        assert c.loc[cond, "mean"] == pytest.approx(v, rel=1e-9)
+        assert c.loc[cond, "statistic"] == pytest.approx(v, rel=1e-9)
     assert (c["pvalue"] == 2 / 128).all()  # all 7 checkpoints positive: exact two-sided sign flip
     assert (c["n_positive"] == 7).all() and (c["level"] == "checkpoint").all()
     assert c.loc["StaticProfile", "label"] == "LayerMean"
-    f = s.factors.set_index("effect")
-    assert f.loc["input", "mean"] == pytest.approx(0.000466, abs=2e-6)
-    assert f.loc["token", "mean"] == pytest.approx(0.001421, abs=1e-6)
-    assert f.loc["interaction", "mean"] == pytest.approx(-0.000968, abs=1e-6)
+    f = s["FeatureGate tiny"].factor_effects()
+    assert f["input"].statistic == pytest.approx(0.000466, abs=2e-6)
+    assert f["token"].statistic == pytest.approx(0.001421, abs=1e-6)
+    assert f["interaction"].statistic == pytest.approx(-0.000968, abs=1e-6)
     # checkpoint bootstrap = scipy's percentile bootstrap of the checkpoint means
     x = np.array([_seed_penalties(FG, k, 7)["TokenShuffle"] for k in range(7)])
     ref = stats.bootstrap((x,), np.mean, n_resamples=10000, method="percentile", rng=np.random.default_rng(0))
@@ -76,9 +78,9 @@ def test_summarize_seven_checkpoints(fg7, tmp_path):
     expected = multipletests(s.factors["pvalue"].to_numpy(), method="holm")[1]
     np.testing.assert_allclose(s.factors["pvalue_holm"].to_numpy(), expected)
     r = s.retention.set_index("condition")
-    assert r.loc["StaticProfile", "retention"] == pytest.approx(0.9870, abs=1e-6)
+    assert r.loc["StaticProfile", "statistic"] == pytest.approx(0.9870, abs=1e-6)
     assert r.loc["StaticProfile", "ci_low"] <= 0.9870 <= r.loc["StaticProfile", "ci_high"]
-    verdicts = {v["name"]: v for v in s.criteria}
+    verdicts = {v["name"]: v for v in s.verdicts}
     assert verdicts["practically small"]["met"] and verdicts["high retention"]["met"]
     assert verdicts["high retention"]["fixed_in_advance"] and verdicts["high retention"]["fixed_at"].startswith("2026")
     for name in ("summary.json", "conditions.csv", "factors.csv", "retention.csv", "criteria.json"):
@@ -86,8 +88,15 @@ def test_summarize_seven_checkpoints(fg7, tmp_path):
     with open(tmp_path / "summary" / "conditions.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["n_positive"] for r in rows} == {"7"} and {r["n"] for r in rows} == {"7"}  # counts: 7, not 7.0
-    back = Summary.load(tmp_path / "summary")
-    pd.testing.assert_frame_equal(back.conditions, s.conditions, check_dtype=False)
+    back = Summary.load(tmp_path / "summary")  # the same result objects, read back
+    for kind in ("conditions", "factors", "retention"):
+        pd.testing.assert_frame_equal(getattr(back, kind), getattr(s, kind))
+    assert back.verdicts == s.verdicts and str(back) == str(s)
+    fam = back["FeatureGate tiny"]
+    assert fam.retention().statistic == s["FeatureGate tiny"].retention().statistic and fam.static == "StaticProfile"
+    with pytest.raises(FcauditError, match="read from summary.json"):
+        fam.penalties(confidence=0.9)
+    assert s["FeatureGate tiny"].penalties(confidence=0.9)["CrossInput"].confidence_level == 0.9
     assert not list((tmp_path / "summary").glob(".*.tmp"))
 
 
@@ -96,7 +105,7 @@ def test_summarize_small_n_and_mixed_signs(tmp_path, n):
     pen = [dict(FG, CrossInput=v) for v in np.r_[[-1e-4], np.full(n - 1, 2e-3)]]
     dirs = [write_audit(tmp_path / f"a{k}", pen[k], seed=k) for k in range(n)]
     c = summarize(dirs).conditions.set_index("condition")
-    assert c.loc["CrossInput", "mean"] == pytest.approx(np.mean([p["CrossInput"] for p in pen]), rel=1e-9)
+    assert c.loc["CrossInput", "statistic"] == pytest.approx(np.mean([p["CrossInput"] for p in pen]), rel=1e-9)
     assert c.loc["CrossInput", "n_positive"] == n - 1
     assert c.loc["CrossInput", "pvalue"] > 2 / 2**n  # one negative checkpoint: not the most extreme pattern
 
@@ -105,7 +114,7 @@ def test_criteria_verdicts_flip_when_thresholds_move(tmp_path):
     def verdicts(**crit):
         dirs = [write_audit(tmp_path / f"{len(crit)}{sorted(crit.items())}{k}".replace(" ", ""),
                             _seed_penalties(FG, k, 4), seed=k, criteria=crit) for k in range(4)]
-        return {v["name"]: v["met"] for v in summarize(dirs).criteria}
+        return {v["name"]: v["met"] for v in summarize(dirs).verdicts}
 
     assert verdicts() == {"practically small": True, "high retention": True}
     assert verdicts(small_upper=0.001) == {"practically small": False, "high retention": True}
@@ -115,12 +124,12 @@ def test_criteria_verdicts_flip_when_thresholds_move(tmp_path):
 def test_families_grouped_and_single_checkpoint_falls_back(fg7, tmp_path):
     mudd = write_audit(tmp_path / "mudd", MUDD, name="MUDDPythia", labels=MUDD_LABELS)
     s = summarize([*fg7, mudd])
-    assert s.groups["FeatureGate tiny"]["n_checkpoints"] == 7
-    g = s.family("MUDDPythia")
-    assert g["level"] == "window" and "windows" in g["note"]
-    assert (g["conditions"]["level"] == "window").all() and g["conditions"]["pvalue"].isna().all()
-    assert g["retention"].set_index("condition").loc["StaticProfile", "retention"] == pytest.approx(0.7333, abs=5e-5)
-    assert {v["met"] for v in g["criteria"]} == {False}  # 1.98 nats is not small; 73% retention is not high
+    assert list(s) == ["FeatureGate tiny", "MUDDPythia"] and s["FeatureGate tiny"].n_checkpoints == 7
+    g = s["MUDDPythia"]
+    assert g.level == "window" and "windows" in g.note
+    assert (g.frames()["conditions"]["level"] == "window").all() and np.isnan(g.penalties().pvalue).all()
+    assert g.retention().statistic == pytest.approx(0.7333, abs=5e-5)
+    assert {v["met"] for v in g.verdicts()} == {False}  # 1.98 nats is not small; 73% retention is not high
 
 
 def test_summarize_rejects_bad_input(fg7, tmp_path):
@@ -181,7 +190,7 @@ def test_report_renders(fg7, tmp_path):
     assert {"table1.csv", "fca_featuregate-tiny.csv", "factors_featuregate-tiny.csv", "criteria_featuregate-tiny.csv",
             "fca_muddpythia.csv", "variance_decomposition.csv"} <= {p.name for p in out.glob("*.csv")}
     fca = pd.read_csv(out / "fca_featuregate-tiny.csv").set_index("condition")
-    assert fca.loc["StaticProfile", "mean"] == pytest.approx(FG["StaticProfile"], rel=1e-9)
+    assert fca.loc["StaticProfile", "statistic"] == pytest.approx(FG["StaticProfile"], rel=1e-9)
     assert "fixed in advance" in md and "## Execution" not in md  # no execution data given: no section
     assert "LayerMean" in md and "StaticMixMean" in md and "0.001287" in md
     numbers = json.loads((out / "report.json").read_text())
@@ -196,7 +205,7 @@ def test_report_rejects_empty_input(tmp_path):
 
 def test_fca_display_marks_missing_values():
     conds = pd.DataFrame([{"family": "m", "condition": "StaticProfile", "label": "LayerMean", "level": "window",
-                           "n": 10, "mean": 0.1, "ci_low": np.nan, "ci_high": np.nan, "pvalue": np.nan,
+                           "n": 10, "statistic": 0.1, "ci_low": np.nan, "ci_high": np.nan, "pvalue": np.nan,
                            "n_positive": np.nan, "mc_se": np.nan}])
     row = fca_display(conds, conds.iloc[:0].assign(retention=[], reference_label=[])).iloc[0]
     assert row["95% interval"] == "—" and row["MC SE"] == "—" and row["Retention"] == "—"
@@ -224,7 +233,7 @@ def test_criteria_missing_from_config_are_flagged(tmp_path):
     del cfg["criteria"]
     write_json(d / "config.json", cfg)
     s = summarize([d])
-    assert not any(v["fixed_in_advance"] for v in s.criteria)
+    assert not any(v["fixed_in_advance"] for v in s.verdicts)
     build_report([d], tmp_path / "r")
     assert "not prespecified" in (tmp_path / "r" / "report.md").read_text()
 
@@ -237,7 +246,8 @@ def test_summary_json_keeps_full_precision_absolute_audit_paths_and_no_nan(fg7, 
     text = (tmp_path / "summary" / "summary.json").read_text()
     saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
     csv = pd.read_csv(tmp_path / "summary" / "conditions.csv")
-    assert [r["mean"] for r in saved["conditions"]] == csv["mean"].tolist() == s.conditions["mean"].tolist()
+    assert ([r["statistic"] for r in saved["conditions"]] == csv["statistic"].tolist()
+            == s.conditions["statistic"].tolist())
     assert saved["groups"]["FeatureGate tiny"]["audits"] == [str(p.resolve()) for p in fg7]
     assert any(r["mc_se"] is None for r in saved["conditions"])  # static conditions: no Monte Carlo error
     monkeypatch.chdir("/")  # the audits are covered by the summary however the report is run
@@ -290,9 +300,9 @@ def test_a_report_rewritten_into_its_directory_leaves_none_of_the_earlier_report
 
 def test_a_family_of_few_checkpoints_says_how_coarse_its_intervals_are(fg7, tmp_path):
     few, many = summarize(fg7[:2]), summarize(fg7[2:])
-    assert "With 2 checkpoints the intervals are coarse" in few.groups["FeatureGate tiny"]["note"]
-    assert "below 0.5" in few.groups["FeatureGate tiny"]["note"]
-    assert "coarse" not in many.groups["FeatureGate tiny"]["note"]
+    assert "With 2 checkpoints the intervals are coarse" in few["FeatureGate tiny"].note
+    assert "below 0.5" in few["FeatureGate tiny"].note
+    assert "coarse" not in many["FeatureGate tiny"].note
 
 
 def test_retention_is_undefined_on_a_negligible_reference_gap_everywhere_it_appears(tmp_path, monkeypatch):
@@ -320,16 +330,17 @@ def test_retention_is_undefined_on_a_negligible_reference_gap_everywhere_it_appe
     s = summarize([small, *tiny, mudd])
     r = s.retention.set_index(["family", "condition"])
     for fam in ("Small", "Tiny"):
-        assert np.isnan(r.loc[(fam, "StaticProfile"), "retention"]) and r.loc[(fam, "StaticProfile"), "bound"] == 0.002
+        assert np.isnan(r.loc[(fam, "StaticProfile"), "statistic"]) and r.loc[(fam, "StaticProfile"), "bound"] == 0.002
         assert "not above the practically-small bound" in r.loc[(fam, "StaticProfile"), "note"]
     assert r.loc[("Tiny", "StaticProfile"), "level"] == "checkpoint"
     assert s.conditions.set_index(["family", "condition"]).loc[("Tiny", "StructureRemoved"), "ci_low"] > 0
-    assert r.loc[("MUDDPythia", "StaticProfile"), "retention"] == pytest.approx(0.7333, abs=5e-5)
-    high = {v["family"]: v["met"] for v in s.criteria if v["name"] == "high retention"}
+    assert r.loc[("MUDDPythia", "StaticProfile"), "statistic"] == pytest.approx(0.7333, abs=5e-5)
+    high = {v["family"]: v["met"] for v in s.verdicts if v["name"] == "high retention"}
     assert high == {"Small": None, "Tiny": None, "MUDDPythia": False}  # not evaluable, not met
     assert "retention LayerMean vs GlobalMean: undefined (the reference ΔNLL" in str(s)
 
-    cell = fca_display(s.family("Small")["conditions"], s.family("Small")["retention"]).set_index("Condition")
+    small_frames = s["Small"].frames()
+    cell = fca_display(small_frames["conditions"], small_frames["retention"]).set_index("Condition")
     assert cell.loc["LayerMean", "Retention"] == "undefined (ΔNLL(R) interval not above 0.002)"
 
     texts = []
@@ -359,5 +370,5 @@ def test_result_objects_print_without_the_audit_directory(fg7, tmp_path):
         shutil.rmtree(d)
     assert "LayerMean" in repr(pen) and "E_input" in repr(fe) and "retention LayerMean vs GlobalMean: " in repr(ret)
     assert "24 windows" in repr(fresh)  # its records were never read, and cannot be now
-    assert pen.to_frame().set_index("condition").loc["StaticProfile", "mean"] == pytest.approx(FG["StaticProfile"] * 0.8)
-    assert ret.to_frame()["retention"].iloc[0] == pytest.approx(0.9870, abs=1e-6)
+    assert pen.to_frame().loc["StaticProfile", "statistic"] == pytest.approx(FG["StaticProfile"] * 0.8)
+    assert ret.to_frame()["statistic"].iloc[0] == pytest.approx(0.9870, abs=1e-6)

@@ -44,7 +44,7 @@ def test_audit_and_plan_run_in_eval_mode_and_leave_the_mode_as_it_was(tmp_path):
     model, ctrl = model_and_controller()
     model.train()
     result = fca.audit(model, ctrl, ids(4, 0), ids(2, 1), randomizations=1, out=tmp_path / "a", quiet=True)
-    assert result.replay["passed"] and result.replay["bit_equal"]  # dropout off: the replay is exact
+    assert result.replay.passed and result.replay.bit_equal  # dropout off: the replay is exact
     assert model.training and model.drop.training
     fca.plan(model, ctrl, ids(4, 0), ids(2, 1), randomizations=1)
     assert model.training
@@ -67,4 +67,25 @@ def test_calibration_windows_overlapping_evaluation_windows_of_their_split_are_r
             fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True)
         assert not out.exists()
     else:
-        assert fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True).replay["passed"]
+        assert fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, quiet=True).replay.passed
+
+
+def test_the_printout_is_the_results_str_and_results_compare_by_identity(tmp_path, capsys):
+    model, ctrl = model_and_controller()
+    result = fca.audit(model.eval(), ctrl, ids(4, 0), ids(2, 1), randomizations=2, out=tmp_path / "a")
+    out = capsys.readouterr().out
+    assert out.endswith(str(result) + "\n")  # `fcaudit audit` prints the same
+    lines = str(result).splitlines()
+    assert lines[0] == "exact replay: passed=True bit_equal=True max|Δlogit|=0 ΔNLL=0"
+    assert lines[1] == f"FCA penalties ({result.path})" and lines[2].startswith("PenaltiesResult: mean ΔNLL")
+    assert lines[3].split()[:4] == ["condition", "ΔNLL", "95%", "interval"] and lines[4].split()[0] == "Cross-input"
+    assert [line.split(":")[0] for line in lines[-4:]] == [
+        "retention Layer×PositionMean vs GlobalMean", "retention StaticProfile vs GlobalMean",
+        "criterion 'practically small' (upper 95% bound of the StaticProfile ΔNLL < 0.002; window-level (one "
+        "checkpoint))", "criterion 'high retention' (lower 95% bound of the StaticProfile retention > 95%; "
+        "window-level (one checkpoint))"]
+    again = fca.AuditResult.load(result.path)
+    assert again.records.shape == result.records.shape  # both have their records loaded: == compares identity
+    assert result == result and result != again and result.replay != again.replay
+    assert result.penalties() is result.penalties() and result.penalties() is not again.penalties()
+    assert result.penalties(confidence=0.9)["CrossInput"].confidence_level == 0.9

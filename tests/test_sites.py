@@ -41,7 +41,7 @@ def audit(model, ctrl, tmp_path, name="audit", **kw):
 
 
 def assert_exact(result):
-    assert result.replay["bit_equal"] and result.replay["max_abs_dlogit"] == 0 and result.replay["passed"]
+    assert result.replay.bit_equal and result.replay.max_abs_dlogit == 0 and result.replay.passed
 
 
 class LM(nn.Module):
@@ -132,7 +132,7 @@ def test_a_module_called_twice_is_refused_naming_call_and_each_call_audits_exact
     result = audit(model, ctrl, tmp_path)
     assert_exact(result)
     assert "forward" not in model.blocks[0].hc_attn.act.__dict__  # restored: the model's code is untouched
-    d = result.penalties().to_frame().set_index("condition")["mean"]
+    d = result.penalties().to_frame()["statistic"]
     assert d["CrossInput"] != 0 and d["TokenShuffle"] != 0
 
 
@@ -300,7 +300,7 @@ def test_the_python_cell_equals_the_fused_one_and_its_gates_audit_exactly(tmp_pa
     model = gru_model()
     result = audit(model, gru_gates(model), tmp_path)
     assert_exact(result)
-    assert result.penalties().to_frame().set_index("condition")["mean"]["TokenShuffle"] != 0
+    assert result.penalties().to_frame()["statistic"]["TokenShuffle"] != 0
 
 
 # ---- 4. a router returning a namedtuple whose routed tokens are gathered from its input ---------------------------
@@ -362,7 +362,7 @@ def test_a_codec_reads_the_sites_live_inputs_to_rebuild_a_namedtuple(tmp_path):
     ctrl = fca.Controller.from_modules(model, "blocks.*.router", codec=RoutedCodec())
     result = audit(model, ctrl, tmp_path)
     assert_exact(result)
-    assert result.penalties().to_frame().set_index("condition")["mean"]["TokenShuffle"] != 0
+    assert result.penalties().to_frame()["statistic"]["TokenShuffle"] != 0
 
 
 def test_two_argument_codecs_keep_working_and_get_no_inputs():
@@ -431,8 +431,8 @@ def test_a_merged_mixture_and_gate_keep_their_own_references(tmp_path):
     for l in (0, 1):
         want = calib[l].double().mean((0, 1)).mean(-1, keepdim=True).expand(S, S + 1)
         torch.testing.assert_close(profiles[f"StructureRemoved.{l}"], want)
-    pen = result.penalties().to_frame().set_index("condition")["mean"]
-    assert pen["StructureRemoved"] != pen["StaticProfile"]
+    pen = result.penalties()
+    assert pen["StructureRemoved"].statistic != pen["StaticProfile"].statistic
 
 
 # ---- layouts: merged axes and unit axes ---------------------------------------------------------------------------
@@ -759,9 +759,9 @@ def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_
     if kind is None:  # a controller: an exact replay (no route flips) and nothing to say
         result = audit(model, controller(model), tmp_path)
         assert_exact(result)
-        assert result.notices == () and not result.replay.get("route_flips")
-        assert [f["check"] for f in result.replay["findings"]] == (["causality"] if result.replay["route_flips"]
-                                                                   is not None else [])
+        assert result.notices == () and not result.replay.route_flips
+        assert [f.check for f in result.replay.findings] == (["causality"] if result.replay.route_flips is not None
+                                                             else [])
     elif kind == "refusal":
         with pytest.raises(FcauditError, match=line) as refused:
             audit(model, controller(model), tmp_path)
@@ -784,9 +784,9 @@ def test_the_causality_check_follows_the_choices_the_model_makes_from_a_site(how
     threshold on a causal score does not: the check compares what the ranking chose, not the scores."""
     model = ranking_model(RANKINGS[how])()
     result = audit(model, fca.Controller.from_modules(model, "blocks.*.router", "batch token 1"), tmp_path)
-    (found,) = [f for f in result.replay["findings"] if f["check"] == "causality"]
-    assert (found["data"]["later_token_flips"] > 0) == later
-    assert found["line"] in result.notices if later else found["line"] == ""
+    found = result.replay.finding("causality")
+    assert (found.data["later_token_flips"] > 0) == later
+    assert found.line in result.notices if later else found.line == ""
 
 
 def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
@@ -848,11 +848,6 @@ def test_a_codec_says_which_leaves_are_sets_and_ties_in_another_order_pass_with_
 # ---- the pre-write notices kept with the results; `active` of merged layers --------------------------------------
 
 def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report(tmp_path, capsys):
-    from io import StringIO
-
-    from rich.console import Console
-
-    from fcaudit.auditor import print_summary
     from fcaudit.report.render import build_report
 
     model = residual_model()
@@ -860,9 +855,7 @@ def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report
     assert_exact(result)
     assert len(result.notices) == 1 and "hidden state" in result.notices[0]
     assert fca.AuditResult.load(tmp_path / "audit").notices == result.notices
-    text = StringIO()
-    print_summary(result, Console(file=text, width=400))
-    lines = text.getvalue().splitlines()
+    lines = str(result).splitlines()  # what `fcaudit audit` prints
     assert lines[0].startswith("exact replay:") and "hidden state" in lines[1]
     build_report([tmp_path / "audit"], tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text().split("\n\n")
@@ -877,7 +870,7 @@ def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report
 def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_path):
     model = hc_model()
     result = audit(model, hc_controller(model), tmp_path)
-    assert result.notices == () and result.replay["findings"] == []
+    assert result.notices == () and result.replay.findings == ()
     # alpha's S+1 sources and beta's one, all nonzero (tanh): S+2 per (token, stream) of one layer, where a mean over
     # the four sites would say (S+1+1)/2
     correct = result.records[result.records.condition == "Correct"]

@@ -17,7 +17,7 @@ from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas, retention
 from fcaudit.stats.inference import (checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap,
                                      sign_flip_test)
-from fcaudit.stats.results import WindowStatistics
+from fcaudit.stats.levels import CheckpointStatistics, WindowStatistics
 from fcaudit.stats.variance import variance_decomposition, variation
 
 
@@ -191,8 +191,8 @@ def test_window_statistics_match_scipy_and_hand_formulas():
         return ci.low, ci.high
 
     pen = ws.penalties()
-    assert list(pen.names) == ["CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean", "StaticProfile",
-                               "StructureRemoved"]
+    assert list(pen) == list(pen.names) == ["CrossInput", "TokenShuffle", "CrossShuffle", "LayerPositionMean",
+                                            "StaticProfile", "StructureRemoved"]
     for i, c in enumerate(pen.names):
         assert pen.statistic[i] == pytest.approx(per_window[c].mean(), abs=1e-14)
         assert (pen.confidence_interval.low[i], pen.confidence_interval.high[i]) == pytest.approx(
@@ -202,9 +202,10 @@ def test_window_statistics_match_scipy_and_hand_formulas():
     assert pen.mc_se[1] == pytest.approx(rmeans.std(ddof=1) / 2, rel=1e-12) and np.isnan(pen.mc_se[4])
     assert np.isnan(pen.pvalue).all() and (pen.n == 30).all() and pen.confidence_level == 0.95
     frame = pen.to_frame()
-    assert list(frame.columns) == ["condition", "label", "n", "mean", "ci_low", "ci_high", "mc_se", "randomizations",
+    assert frame.index.name == "condition" and frame.index.tolist() == list(pen.names)
+    assert list(frame.columns) == ["label", "statistic", "ci_low", "ci_high", "pvalue", "n", "mc_se", "n_positive",
                                    "active"]
-    assert frame["randomizations"].tolist() == [4, 4, 4, 1, 1, 1]
+    assert frame["pvalue"].isna().all() and frame["n_positive"].isna().all()  # windows are no units for a test
 
     fe = ws.factor_effects()
     dc, cs, ds = (per_window[c] for c in ("CrossInput", "TokenShuffle", "CrossShuffle"))
@@ -213,18 +214,67 @@ def test_window_statistics_match_scipy_and_hand_formulas():
         assert fe.statistic[i] == pytest.approx(hand[k].mean(), abs=1e-14)
         assert (fe.confidence_interval.low[i], fe.confidence_interval.high[i]) == pytest.approx(
             scipy_ci(hand[k].to_numpy()), rel=1e-9)
-    assert list(fe.to_frame().index) == ["input", "token", "interaction"] and fe["E_token"] == fe["token"]
+    assert list(fe.to_frame().index) == ["input", "token", "interaction"] and fe["E_token"] is fe["token"]
+    assert list(fe.to_frame().columns[:7]) == ["label", "statistic", "ci_low", "ci_high", "pvalue", "n", "mc_se"]
+    pairs = {k: v.mean(axis=0) for k, v in ws.factor_pairs.items()}  # per randomization: the MC SE's input
+    assert fe.mc_se[0] == pytest.approx(np.std(pairs["input"], ddof=1) / 2, rel=1e-12)
 
     ret = ws.retention("StaticProfile")
     s, r = per_window["StaticProfile"].to_numpy(), per_window["StructureRemoved"].to_numpy()
     assert ret.defined and ret.statistic == pytest.approx(1 - s.mean() / r.mean(), rel=1e-12)
     assert tuple(ret.confidence_interval) == pytest.approx(
         scipy_ci(s, r, stat=lambda a, b, axis=-1: 1 - a.mean(axis=axis) / b.mean(axis=axis)), rel=1e-12)
-    assert ret.pvalue is None and ret.reason == "" and ret.bound == 0.002
+    assert math.isnan(ret.pvalue) and ret.reason == "" and ret.bound == 0.002
     assert [x.condition for x in ws.retentions()] == ["LayerPositionMean", "StaticProfile"]
     with pytest.raises(FcauditError, match="retention is defined for the static conditions"):
         ws.retention("CrossInput")
     assert "Token-shuffle" in repr(pen) and "E_interaction" in repr(fe) and "StaticProfile vs StructureRemoved" in repr(ret)
+
+
+def test_results_are_mappings_from_name_to_estimate_with_one_vocabulary():
+    ws = WindowStatistics(make_records(n_examples=6, R=2), labels={"StaticProfile": "LayerMean"}, n_resamples=200)
+    pen, fx, ret = ws.penalties(), ws.factor_effects(), ws.retention("LayerMean")
+    assert "StaticProfile" in pen and "LayerMean" in pen and "Nowhere" not in pen and len(pen) == 6
+    assert list(pen) == list(pen.names) and dict(pen)["StaticProfile"] is pen["LayerMean"]
+    assert dict(fx).keys() == {"input", "token", "interaction"} and len(fx) == 3
+    with pytest.raises(KeyError, match="'Nowhere' is not one of"):
+        pen["Nowhere"]
+    # identity, not value: no elementwise comparison of arrays, nothing raises
+    assert pen == pen and pen != fx and ret == ret and len({pen, fx, ret}) == 3
+    assert ws.penalties() is pen and ws.retention("StaticProfile") is ret  # computed once
+    vocabulary = ["label", "statistic", "ci_low", "ci_high", "pvalue", "n"]
+    for frame in (pen.to_frame(), fx.to_frame(), ret.to_frame()):
+        assert list(frame.columns[:6]) == vocabulary and frame["pvalue"].isna().all()
+    assert ret.to_frame().index.tolist() == ["StaticProfile"]
+    assert ret.to_frame()["reference"].iloc[0] == "StructureRemoved"
+    back = type(pen).from_frame(pen.to_frame(), pen.level, pen.confidence_level)  # a summary's JSON read back
+    pd.testing.assert_frame_equal(back.to_frame(), pen.to_frame())
+    assert "LayerMean" in repr(pen) and "p" not in repr(pen).splitlines()[1].split()  # no test, no p column
+
+
+def test_checkpoint_statistics_match_scipy_statsmodels_and_hand_formulas():
+    """Seven checkpoints (window-level members): each checkpoint's mean ΔNLL is one unit of a percentile bootstrap
+    (scipy), an exact sign-flip test (scipy's permutation test) and, for the factor effects, Holm (statsmodels)."""
+    members = tuple(WindowStatistics(make_records(n_examples=5, R=3, seed=k), n_resamples=100) for k in range(7))
+    cs = CheckpointStatistics(members, Criteria(), n_resamples=3000)
+    means = pd.DataFrame([m.per_window.mean() for m in members])
+    pen = cs.penalties()
+    assert pen.level == "checkpoint" and (pen.n == 7).all() and (pen.n_positive == 7).all()
+    x = means["TokenShuffle"].to_numpy()
+    ref = stats.bootstrap((x,), mean_stat, n_resamples=3000, vectorized=True, method="percentile",
+                          rng=np.random.default_rng(0)).confidence_interval
+    assert tuple(pen["TokenShuffle"].confidence_interval) == pytest.approx((ref.low, ref.high), rel=1e-12)
+    assert pen["TokenShuffle"].pvalue == pytest.approx(_scipy_sign_flip(x, 10**6)) == 2 / 128
+    assert pen.mc_se[1] == pytest.approx(np.mean([mc_se(m.randomization_means["TokenShuffle"]) for m in members]))
+    fx = cs.factor_effects()
+    dc, ts, ds = (means[c].to_numpy() for c in ("CrossInput", "TokenShuffle", "CrossShuffle"))
+    assert fx["interaction"].statistic == pytest.approx(np.mean(ds - dc - ts), abs=1e-14)
+    np.testing.assert_allclose(fx.pvalue_holm, multipletests(fx.pvalue, method="holm")[1])
+    np.testing.assert_allclose(fx.mc_se, np.mean([m.factor_mc_se() for m in members], axis=0))
+    ret = cs.retention("StaticProfile")
+    s_, r_ = means["StaticProfile"].to_numpy(), means["StructureRemoved"].to_numpy()
+    assert ret.level == "checkpoint" and ret.statistic == pytest.approx(1 - s_.mean() / r_.mean())
+    assert [r.condition for r in cs.retentions()] == ["LayerPositionMean", "StaticProfile"]
 
 
 # ---------------------------------------------------------------- inference
@@ -238,7 +288,7 @@ def test_paired_bootstrap_matches_scipy_bootstrap():
     assert est.statistic == pytest.approx(x.mean())
     assert est.confidence_interval.low == pytest.approx(ref.confidence_interval.low, rel=1e-12)
     assert est.confidence_interval.high == pytest.approx(ref.confidence_interval.high, rel=1e-12)
-    assert est.n == 200 and est.pvalue is None and est.confidence_level == 0.9
+    assert est.n == 200 and math.isnan(est.pvalue) and est.confidence_level == 0.9
     # and it is a sensible interval: it brackets the mean, its width ~ 2 * 1.645 * SE of the mean
     se = x.std(ddof=1) / math.sqrt(x.size)
     assert est.confidence_interval.low < x.mean() < est.confidence_interval.high
@@ -253,7 +303,7 @@ def test_checkpoint_bootstrap_matches_scipy_and_carries_sign_flip_p():
     assert tuple(est.confidence_interval) == pytest.approx(tuple(ref.confidence_interval), rel=1e-12)
     assert est.pvalue == 2 / 128
     one = checkpoint_bootstrap([0.5])
-    assert one.statistic == 0.5 and one.n == 1 and one.pvalue is None
+    assert one.statistic == 0.5 and one.n == 1 and math.isnan(one.pvalue)
     assert math.isnan(one.confidence_interval.low) and math.isnan(one.confidence_interval.high)
     assert "no interval" in str(one)
 
@@ -265,8 +315,9 @@ def test_estimate_prints_and_serialises():
     assert repr(est).startswith("Estimate(statistic=2.0")
     low, high = est.confidence_interval
     assert low <= 2.0 <= high
-    d = json.loads(json.dumps(checkpoint_bootstrap([1.0]).to_dict()))
-    assert d["low"] is None and d["statistic"] == 1.0
+    d = json.loads(json.dumps(checkpoint_bootstrap([1.0]).to_dict(), allow_nan=False))
+    assert d["ci_low"] is None and d["pvalue"] is None and d["statistic"] == 1.0 and d["n"] == 1
+    assert "p=" not in str(checkpoint_bootstrap([1.0]))  # no test: no p-value printed
 
 
 def test_mc_se():

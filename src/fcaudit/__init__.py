@@ -5,7 +5,8 @@
     eval_windows, calib_windows = fca.windows("embedded", n_eval=64, n_calib=64, window=128)
     ctrl = fca.controller_for(model)  # or fca.Controller.from_modules(model, "blocks.*.gate", layout="batch token")
     result = fca.audit(model, ctrl, eval_windows, calib_windows, randomizations=20, seed=0, out="audit-dir")
-    fca.summarize([result, ...])
+    result.penalties()["CrossInput"], result.factor_effects(), result.retention()  # Estimates, Mappings
+    fca.summarize([result, ...])  # family -> the same results, across checkpoints
 """
 
 import importlib
@@ -23,6 +24,11 @@ _LAZY = {
     "AuditResult": "fcaudit.auditor", "plan": "fcaudit.auditor", "audit": "fcaudit.auditor",
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol", "AuditConfig": "fcaudit.config",
     "build_report": "fcaudit.report.render",
+    # the result objects: one audit's, a summary's, and what both return
+    "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.auditor.results",
+    "Summary": "fcaudit.summary", "FamilyResult": "fcaudit.summary",
+    "PenaltiesResult": "fcaudit.stats.results", "FactorEffectsResult": "fcaudit.stats.results",
+    "RetentionResult": "fcaudit.stats.results", "Estimate": "fcaudit.stats.inference",
 }
 
 __all__ = ["FcauditError", "__version__", *_LAZY]

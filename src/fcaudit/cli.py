@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Frozen-Controller Auditing: variation, functional dependence and execution of dynamic networks.")
 
 MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth), "
-               "mudd, moe (a byte-level Mixtral; needs fcaudit[hf]) or mod (Mixture-of-Depths)")
+               "mudd, moe (a byte-level Mixtral; needs fcaudit[hf]), mod (Mixture-of-Depths) or early-exit")
 # options that several commands share
 Corpus = Annotated[str, typer.Option(metavar="NAME", help="embedded, a local text file or directory, wikitext-103 or "
                                                            "openwebtext")]
@@ -173,7 +173,8 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
                                                                            "smallest block_size, at most 2048)"),
               thresholds: List[float] = typer.Option([], "--threshold", metavar="TAU",
                                                      help="post-training gate threshold (repeatable)"),
-              corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL"),
+              corpus: str = typer.Option("embedded", metavar="NAME", help="corpus for the thresholding NLL and the "
+                                                                          "decoded text window"),
               threshold_windows: int = typer.Option(32, metavar="N", help="test windows for thresholding"),
               min_run_time: float = typer.Option(1.0, metavar="SECONDS", help="seconds of timing per model"),
               threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="torch CPU threads "
@@ -189,13 +190,15 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     from rich.console import Console
 
     from fcaudit.execution import ExecutionConfig, measure_execution
-    from fcaudit.execution.display import conditions_table, execution_table, noisy_note, thresholding_table
+    from fcaudit.execution.display import (conditions_table, decoding_table, execution_table, noisy_note,
+                                           thresholding_table)
 
     table = measure_execution(ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window,
                                               device=device, min_run_time=min_run_time, thresholds=thresholds,
                                               corpus=corpus, threshold_windows=threshold_windows, threads=threads))
     console = Console(highlight=False)
     console.print(execution_table(table))
+    console.print(decoding_table(table))
     if note := noisy_note(table):
         console.print(note, soft_wrap=True)
     for csv, show in ((out / "thresholding.csv", thresholding_table), (out / "conditions.csv", conditions_table)):

@@ -1,30 +1,27 @@
 """From audits to the paper's evidence (`fcaudit summarize`), at two levels never mixed (paper §4.1): across a
 family's checkpoints (training seeds are the units: bootstrap CIs, exact sign-flip tests, Holm across the three factor
 effects), or, for a family of one checkpoint, window-level intervals labelled so everywhere. Pooled checkpoints must be
-independent and audited alike; the prespecified criteria are read from each audit's config.json.
+independent and audited alike; the prespecified criteria are read from each audit's config.json. Each family is a
+`FamilyResult`, with the same `penalties()`, `factor_effects()` and `retention()` as an `AuditResult`; the summary's
+files (summary.json, the CSV tables) are written from them and read back into them.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-import numpy as np
 import pandas as pd
 
-from fcaudit import protocol
-from fcaudit.auditor.results import AuditResult, notice_lines, routing_lines
+from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.errors import FcauditError
 from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import factor_effects
-from fcaudit.stats.inference import checkpoint_bootstrap, holm, mc_se
-from fcaudit.stats.results import (BOOT_SEED, FACTOR_LABELS as FACTORS, RetentionResult, WindowStatistics, retention_of,
-                                   retention_value)
-
-WINDOW_LEVEL = "window-level (one checkpoint)"
+from fcaudit.stats.levels import CheckpointStatistics, retained_name
+from fcaudit.stats.results import (WINDOW_LEVEL, FactorEffectsResult, PenaltiesResult, Results, RetentionResult,
+                                   own_static)
 
 WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap intervals; they describe stability across "
                "evaluation windows (and MC SE the randomization error) for this checkpoint, not uncertainty across "
@@ -37,28 +34,20 @@ FEW_NOTE = (" With {n} checkpoints the intervals are coarse (with 2, the range o
             "below {p:.3g}: read the criteria with that in mind.")
 PARTIAL_NOTE = "PARTIAL: at least one audit of this family is unfinished; its numbers cover only finished units."
 
-
-def met_word(met: bool | None) -> str:
-    """A criterion's verdict in words (None: the number it needs does not exist)."""
-    return {True: "met", False: "not met"}.get(met, "not evaluable")
-
-
-def _retention_rows(results: list[RetentionResult], family: str) -> list[dict]:
-    return [{"family": family, "condition": r.condition, "label": r.label, "reference": r.reference,
-             "reference_label": r.reference_label, "level": r.level, "n": r.n, "retention": float(r.statistic),
-             "ci_low": float(r.confidence_interval.low), "ci_high": float(r.confidence_interval.high),
-             "delta_nll": r.delta_static, "reference_delta_nll": r.delta_reference, "bound": r.bound, "note": r.note}
-            for r in results]
-
-
+# The summary's tables (summary.json, conditions.csv, factors.csv, retention.csv): the family, then the result
+# objects' `to_frame()` columns, then the level of the intervals and what else the table needs.
 _COLUMNS = {
-    "conditions": ["family", "condition", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "n_positive",
-                   "mc_se", "active"],
-    "factors": ["family", "effect", "label", "level", "n", "mean", "ci_low", "ci_high", "pvalue", "pvalue_holm",
-                "n_positive"],
-    "retention": ["family", "condition", "label", "reference", "reference_label", "level", "n", "retention", "ci_low",
-                  "ci_high", "delta_nll", "reference_delta_nll", "bound", "note"],
+    "conditions": ["family", "condition", "label", "statistic", "ci_low", "ci_high", "pvalue", "n", "mc_se", "level",
+                   "n_positive", "active"],
+    "factors": ["family", "effect", "label", "statistic", "ci_low", "ci_high", "pvalue", "n", "mc_se", "level",
+                "pvalue_holm", "n_positive"],
+    "retention": ["family", "condition", "label", "statistic", "ci_low", "ci_high", "pvalue", "n", "level",
+                  "reference", "reference_label", "delta_static", "delta_reference", "bound", "note"],
 }
+# summaries written before the one vocabulary: their columns under today's names
+_RENAMED = {"conditions": {"mean": "statistic"}, "factors": {"mean": "statistic"},
+            "retention": {"retention": "statistic", "delta_nll": "delta_static",
+                          "reference_delta_nll": "delta_reference"}}
 _TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
 COUNTS = ("n", "n_positive")  # counts, nan where undefined: float columns in pandas
 
@@ -68,82 +57,286 @@ def csv_frame(df: pd.DataFrame) -> pd.DataFrame:
     return df.astype({c: "Int64" for c in COUNTS if c in df.columns})
 
 
-def _frame(rows: list[dict], kind: str) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=_COLUMNS[kind])
+def _frame(rows: list[dict] | pd.DataFrame, kind: str) -> pd.DataFrame:
+    df = pd.DataFrame(rows).rename(columns=_RENAMED[kind]).reindex(columns=_COLUMNS[kind])
     if "note" in df.columns:
         df["note"] = df["note"].fillna("").astype(str)
     # numbers stay numeric even when a column is all missing (JSON null) after a round trip
     return df.astype({c: "float64" for c in df.columns if c not in _TEXT and c != "n"})
 
 
-def _window_level(stats: WindowStatistics, family: str):
-    """(conditions, factors, retention) frames of one checkpoint's windows (no p-values: no units for a test)."""
-    conds = stats.penalties().to_frame().assign(family=family, level="window")
-    facs = pd.DataFrame()
-    if stats.has_factorial:
-        fe = stats.factor_effects().to_frame().reset_index()
-        facs = fe.assign(family=family, label=fe["effect"].map(FACTORS), level="window")
-    return (_frame(conds.to_dict("records"), "conditions"), _frame(facs.to_dict("records"), "factors"),
-            _frame(_retention_rows(stats.retentions(), family), "retention"))
+@dataclass(eq=False)
+class SavedStatistics:
+    """A family's statistics as its summary.json holds them: read back, with no records to compute others from."""
+
+    key: tuple[float, int]  # the (confidence, n_resamples) they were computed at
+    labels: dict[str, str]
+    pen: PenaltiesResult
+    fx: FactorEffectsResult | None  # None: its audits lack the factorial conditions
+    rets: tuple[RetentionResult, ...]
+
+    def penalties(self) -> PenaltiesResult:
+        return self.pen
+
+    @property
+    def has_factorial(self) -> bool:
+        return self.fx is not None
+
+    def factor_effects(self) -> FactorEffectsResult:
+        if self.fx is None:
+            raise FcauditError("this summary holds no factor effects: its audits lack the randomized conditions")
+        return self.fx
+
+    def retention(self, condition: str) -> RetentionResult:
+        cond = retained_name(condition, self.pen.names, self.labels)
+        return next(r for r in self.rets if r.condition == cond)
+
+    def retentions(self) -> list[RetentionResult]:
+        return list(self.rets)
 
 
-def _over_checkpoints(x: np.ndarray, confidence: float, **row) -> dict:
-    """A table row of checkpoint-level inference on one value per checkpoint: bootstrap CI, exact sign-flip p."""
-    est = checkpoint_bootstrap(x, confidence=confidence, seed=BOOT_SEED)
-    return {**row, "level": "checkpoint", "n": len(x), "mean": float(x.mean()),
-            "ci_low": float(est.confidence_interval.low), "ci_high": float(est.confidence_interval.high),
-            "pvalue": float(est.pvalue), "n_positive": int((x > 0).sum())}
+@dataclass(frozen=True, eq=False, repr=False)
+class FamilyResult(Results):
+    """One model family of a summary: its checkpoints' results at checkpoint level (window level for one), with the
+    same `penalties()`, `factor_effects()`, `retention()` and `verdicts()` as an `AuditResult`.
+
+    Across checkpoints the penalties and factor effects carry two-sided sign-flip p-values (`pvalue`), the count
+    of positive checkpoints (`n_positive`) and, for the three factor effects, Holm-adjusted p-values
+    (`pvalue_holm`). `str()` is the family's part of the `fcaudit summarize` printout.
+
+    Attributes
+    ----------
+    name : str
+        The family (config.json's model.family).
+    n_checkpoints : int
+        Its audits, one per independently trained checkpoint.
+    criteria : Criteria
+        The prespecified criteria its audits fixed (the defaults where none did: `criteria_source` says so).
+    static : str
+        The controller's own static condition, which `retention()` and the criteria judge.
+    audit_dirs, replays, variation : tuple
+        Its audits' directories, replay checks and coefficient variation.
+    audits : tuple of AuditResult
+        The audits themselves (none for a summary read back from summary.json, whose statistics are those written).
+
+    Examples
+    --------
+    With `result` from `fca.audit`'s example, a family of one checkpoint (window-level intervals):
+
+    >>> fam = next(iter(fca.summarize([result]).values()))
+    >>> fam.level, fam.n_checkpoints, fam.static
+    ('window', 1, 'StaticProfile')
+    >>> fam.penalties() is result.penalties()  # one checkpoint: its audit's statistics
+    True
+    >>> fam.verdicts()[0]["name"], fam.verdicts()[0]["fixed_in_advance"]
+    ('practically small', True)
+    """
+
+    name: str
+    n_checkpoints: int
+    criteria: Criteria
+    criteria_source: str
+    criteria_fixed_at: str | None
+    labels: dict[str, str]
+    static: str
+    partial: bool
+    audit_dirs: tuple[str, ...]
+    replays: tuple[Replay, ...]
+    variation: tuple[dict, ...]
+    audits: tuple[AuditResult, ...] = ()
+    saved: SavedStatistics | None = None
+    _statistics: dict = field(default_factory=dict, init=False)
+
+    @property
+    def level(self) -> str:
+        """The units of its intervals: "checkpoint", or "window" for a family of one checkpoint."""
+        return "checkpoint" if self.n_checkpoints > 1 else "window"
+
+    @property
+    def note(self) -> str:
+        """What its intervals describe, as the report says it."""
+        n = self.n_checkpoints
+        note = WINDOW_NOTE if n == 1 else CHECKPOINT_NOTE + (FEW_NOTE.format(n=n, p=2 / 2 ** n)
+                                                             if n < FEW_CHECKPOINTS else "")
+        return (PARTIAL_NOTE + " " if self.partial else "") + note
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """Its audits' notices, each once."""
+        return tuple(dict.fromkeys(line for r in self.replays for line in r.notices))
+
+    def _compute(self, confidence: float, n_resamples: int):
+        if self.saved is not None:
+            if (confidence, n_resamples) != self.saved.key:
+                raise FcauditError(f"family {self.name!r} was read from summary.json, whose statistics are at "
+                                   f"confidence {self.saved.key[0]:g} with {self.saved.key[1]} resamples; summarize "
+                                   "its audits again for others")
+            return self.saved
+        if self.n_checkpoints == 1:
+            return self.audits[0].statistics(confidence, n_resamples)
+        return CheckpointStatistics(tuple(a.statistics(confidence, n_resamples) for a in self.audits),
+                                    replace(self.criteria, confidence=confidence),
+                                    n_resamples, self.name)
+
+    def verdicts(self) -> list[dict]:
+        """The criteria's two verdicts (see `AuditResult.verdicts`), with the family and where its criteria come
+        from: criteria.json's rows."""
+        return [{"family": self.name, **v, "criteria": self.criteria.to_dict(),
+                 "fixed_in_advance": self.criteria_source == "config.json", "fixed_at": self.criteria_fixed_at,
+                 "source": self.criteria_source} for v in super().verdicts()]
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        """Its rows of the summary's tables (conditions, factors, retention): a family column, the result objects'
+        `to_frame()` columns, then the level of the intervals."""
+        stats = self.statistics()
+        parts = {"conditions": [stats.penalties().to_frame()],
+                 "factors": [stats.factor_effects().to_frame()] if stats.has_factorial else [],
+                 "retention": [r.to_frame() for r in stats.retentions()]}
+        return {k: _frame(pd.concat(v).reset_index().assign(family=self.name, level=self.level) if v else [], k)
+                for k, v in parts.items()}
+
+    def group(self) -> dict:
+        """summary.json's entry of the family: checkpoints, level, note, labels, its static condition, criteria's
+        source, audits, replay checks and variation."""
+        return {"n_checkpoints": self.n_checkpoints, "level": self.level, "note": self.note, "labels": self.labels,
+                "static": self.static, "partial": self.partial, "confidence": self.criteria.confidence,
+                "criteria_source": self.criteria_source, "criteria_fixed_at": self.criteria_fixed_at,
+                "audits": list(self.audit_dirs), "replay": [r.to_dict() for r in self.replays],
+                "variation": list(self.variation)}
+
+    def _heading(self) -> list[str]:
+        level = "checkpoint-level" if self.level == "checkpoint" else WINDOW_LEVEL
+        return [f"{self.name}: {self.n_checkpoints} checkpoint(s), {level} intervals"
+                + ("  [PARTIAL]" if self.partial else "")]
+
+    def __str__(self) -> str:
+        pen, lines = self._body()
+        return "\n".join([*self._heading(), *(f"  {line}" for line in (*self.notices, *repr(pen).split("\n"),
+                                                                       *lines))])
+
+    def __repr__(self) -> str:
+        return (f"FamilyResult({self.name!r}, {self.n_checkpoints} checkpoint(s), {self.level}-level intervals"
+                f"{', PARTIAL' if self.partial else ''})")
 
 
-def _checkpoint_level(members: list[WindowStatistics], criteria: Criteria, family: str):
-    """(conditions, factors, retention) frames of one family's checkpoints: each checkpoint's mean ΔNLL is one unit."""
-    labels, confidence = members[0].labels, criteria.confidence
-    means = pd.DataFrame([m.per_window.mean() for m in members]).reset_index(drop=True)  # checkpoints x conditions
-    if means.isna().any().any():
-        missing = means.columns[means.isna().any()].tolist()
-        raise FcauditError(f"family {family!r}: some audits lack conditions {missing}; audit every checkpoint with "
-                           "the same conditions")
-    means = means[sorted(means.columns, key=protocol.order)]
-    active = pd.concat([m.records for m in members]).groupby("condition")["active"].mean()
-    conds = [_over_checkpoints(means[c].to_numpy(), confidence, family=family, condition=c, label=labels.get(c, c),
-                               mc_se=float(pd.Series([mc_se(m.randomization_means[c]) for m in members]).mean()),
-                               active=float(active.get(c, np.nan))) for c in means.columns]
-    facs = []
-    roles = protocol.factorial()
-    if all(c in means.columns for c in roles.values()):
-        dc, cs, ds = (means[roles[k]].to_numpy() for k in ("input", "token", "both"))
-        fe = factor_effects(np.zeros_like(dc), dc, cs, ds)
-        facs = [_over_checkpoints(np.asarray(getattr(fe, k), dtype=float), confidence, family=family, effect=k,
-                                  label=name) for k, name in FACTORS.items()]
-        for f, p in zip(facs, holm([f["pvalue"] for f in facs])):  # Holm across the three effects
-            f["pvalue_holm"] = float(p)
-    rets = []
-    if protocol.structure_removed(means.columns) is not None:
-        rets = _retention_rows([retention_of(means, c, labels, criteria, "checkpoint") for c in protocol.retained()
-                                if c in means.columns], family)
-    return _frame(conds, "conditions"), _frame(facs, "factors"), _frame(rets, "retention")
+class Summary(Mapping):
+    """What `fca.summarize` returns: a Mapping from model family to its `FamilyResult`, checkpoint level (for one
+    checkpoint, window level).
+
+    `str(summary)` is what `fcaudit summarize` prints; `save(DIR)` writes summary.json, the CSV tables and
+    criteria.json (which `fcaudit report` reads back with `Summary.load`). `conditions`, `factors` and `retention`
+    are those tables (one row per family and quantity), `verdicts` each family's criteria verdicts.
+
+    Examples
+    --------
+    With `result` from `fca.audit`'s example:
+
+    >>> summary = fca.summarize([result])
+    >>> list(summary)
+    ['GatedLM ... params']
+    >>> summary.conditions[["family", "condition", "n"]].head(1)
+      family   condition  n
+    0 GatedLM... CrossInput  4
+    """
+
+    def __init__(self, families: Sequence[FamilyResult]):
+        self._families = {f.name: f for f in families}
+
+    def __getitem__(self, name: str) -> FamilyResult:
+        return self._families[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._families)
+
+    def __len__(self) -> int:
+        return len(self._families)
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return f"Summary({', '.join(map(repr, self.values()))})"
+
+    def __str__(self) -> str:
+        return "\n".join(str(f) for f in self.values())
+
+    def _repr_html_(self) -> str:
+        return "".join(f._repr_html_() for f in self.values())
+
+    def _table(self, kind: str) -> pd.DataFrame:
+        return _frame(pd.concat([f.frames()[kind] for f in self.values()], ignore_index=True) if self else [], kind)
+
+    @property
+    def conditions(self) -> pd.DataFrame:
+        """conditions.csv: every family's penalties (`FamilyResult.frames()`)."""
+        return self._table("conditions")
+
+    @property
+    def factors(self) -> pd.DataFrame:
+        """factors.csv: every family's factor effects."""
+        return self._table("factors")
+
+    @property
+    def retention(self) -> pd.DataFrame:
+        """retention.csv: every family's retention of each retained static condition."""
+        return self._table("retention")
+
+    @property
+    def verdicts(self) -> list[dict]:
+        """criteria.json: every family's two verdicts."""
+        return [v for f in self.values() for v in f.verdicts()]
+
+    def to_dict(self) -> dict:
+        # full precision (to_json rounds to 10 digits), nan as None
+        tables = {k: finite_json(self._table(k).to_dict(orient="records")) for k in _COLUMNS}
+        return {"groups": {name: f.group() for name, f in self.items()}, **tables, "criteria": self.verdicts}
+
+    def save(self, out: str | Path) -> Path:
+        """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's
+        rule (new, empty, or an earlier summary's)."""
+        out = claim_out(out, "summary")
+        data = self.to_dict()
+        write_json(out / "summary.json", data)
+        for name in _COLUMNS:
+            atomic_write(out / f"{name}.csv", lambda p, df=self._table(name): csv_frame(df).to_csv(p, index=False))
+        write_json(out / "criteria.json", data["criteria"])
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Summary":
+        """A summary directory read back: each family's statistics as its summary.json holds them."""
+        path = Path(path)
+        if not (path / "summary.json").is_file():
+            raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
+        try:
+            d = read_json(path / "summary.json")
+            tables = {k: _frame(d[k], k) for k in _COLUMNS}
+            names = dict.fromkeys([*tables["conditions"]["family"], *d["groups"]])
+            return cls([_saved_family(name, d["groups"][name], tables, d["criteria"]) for name in names])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
+                               f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
 
 
-def verdicts(conditions: pd.DataFrame, retention: pd.DataFrame, criteria: Criteria, *, family: str,
-             fixed_at: str | None, source: str) -> list[dict]:
-    """The two prespecified verdicts for one family (None where the needed number does not exist)."""
-    pct = f"{100 * criteria.confidence:g}%"
-    out = []
-    for name, table, quantity, side, threshold, rule in (
-            ("practically small", conditions, "ΔNLL", "ci_high", criteria.small_upper,
-             f"upper {pct} bound of the StaticProfile ΔNLL < {criteria.small_upper:g}"),
-            ("high retention", retention, "retention", "ci_low", criteria.retention_lower,
-             f"lower {pct} bound of the StaticProfile retention > {100 * criteria.retention_lower:g}%")):
-        rows = table[table["condition"] == "StaticProfile"]
-        row = rows.iloc[0] if len(rows) else {side: math.nan, "label": "StaticProfile", "level": None}
-        bound, finite = float(row[side]), math.isfinite(row[side])
-        out.append({"family": family, "name": name, "quantity": f"StaticProfile {quantity}", "label": row["label"],
-                    "rule": rule, "threshold": threshold, "bound": bound if finite else None,
-                    "met": (bound < threshold if side == "ci_high" else bound > threshold) if finite else None,
-                    "level": WINDOW_LEVEL if row["level"] == "window" else row["level"],
-                    "criteria": criteria.to_dict(), "fixed_in_advance": source == "config.json", "fixed_at": fixed_at,
-                    "source": source})
-    return out
+def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdicts: list[dict]) -> FamilyResult:
+    """A family as summary.json holds it (its group entry, its rows of the tables, its verdicts' criteria)."""
+    level, confidence = group["level"], float(group.get("confidence", 0.95))
+    rows = {k: t[t["family"] == name] for k, t in tables.items()}
+    criteria = next((Criteria.from_dict(v["criteria"]) for v in verdicts if v.get("family") == name),
+                    Criteria(confidence=confidence))
+    pen = PenaltiesResult.from_frame(rows["conditions"], level, confidence)
+    fx = FactorEffectsResult.from_frame(rows["factors"], level, confidence) if len(rows["factors"]) else None
+    rets = tuple(RetentionResult.from_row(r, level, confidence) for r in rows["retention"].to_dict("records"))
+    labels = dict(group.get("labels") or {})
+    return FamilyResult(name, int(group["n_checkpoints"]), criteria, group.get("criteria_source", "config.json"),
+                        group.get("criteria_fixed_at"), labels, group.get("static") or own_static(pen.names),
+                        bool(group.get("partial")),
+                        tuple(group.get("audits", [])),
+                        tuple(Replay.from_json(r) for r in group.get("replay", []) if isinstance(r, dict)),
+                        tuple(group.get("variation", [])),
+                        saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
 
 
 def family_of(config: dict) -> str:
@@ -195,77 +388,6 @@ def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str 
     return audits[0].criteria, max(stamps, default=None), "config.json"
 
 
-@dataclass
-class Summary:
-    """What `fca.summarize` returns: checkpoint-level (for n = 1, window-level) results of every model family.
-
-    `str(summary)` is the table `fcaudit summarize` prints. `conditions`, `factors` and `retention` hold one row per
-    family and quantity, `criteria` each family's verdicts, `groups` per family its checkpoints, the level of its
-    intervals and its audits; `summary.family(name)` gathers one family's."""
-
-    conditions: pd.DataFrame
-    factors: pd.DataFrame
-    retention: pd.DataFrame
-    criteria: list[dict]
-    groups: dict[str, dict]  # family -> n_checkpoints, level, note, labels, audits, variation, partial
-
-    def family(self, name: str) -> dict:
-        """One family's rows of each table and its group entries; "replay" holds the replay records that exist."""
-        g = {"audits": [], "variation": [], "partial": False, "confidence": 0.95, **self.groups[name]}
-        return {"conditions": self.conditions[self.conditions["family"] == name],
-                "factors": self.factors[self.factors["family"] == name],
-                "retention": self.retention[self.retention["family"] == name],
-                "criteria": [c for c in self.criteria if c["family"] == name], **g,
-                "replay": [r for r in g.get("replay", []) if isinstance(r, dict)]}
-
-    def __str__(self) -> str:
-        lines = []
-        for fam in self.groups:
-            g = self.family(fam)
-            level = "checkpoint-level" if g["level"] == "checkpoint" else WINDOW_LEVEL
-            lines.append(f"{fam}: {g['n_checkpoints']} checkpoint(s), {level} intervals"
-                         + ("  [PARTIAL]" if g["partial"] else ""))
-            # the audits' notices, and for routers the causality check above 0 and the token note, once per family
-            lines += [f"  {line}" for line in dict.fromkeys(line for r in g["replay"]
-                                                          for line in (*notice_lines(r), *routing_lines(r)))]
-            lines += [f"  {r.label:<22} ΔNLL {r.mean:+.6g} [{r.ci_low:+.6g}, {r.ci_high:+.6g}]"
-                      + ("" if pd.isna(r.pvalue) else f"  p={r.pvalue:.4g} ({int(r.n_positive)}/{int(r.n)} > 0)")
-                      for r in g["conditions"].itertuples()]
-            lines += [f"  retention {r.label} vs {r.reference_label}: "
-                      f"{retention_value(r.retention, r.ci_low, r.ci_high, r.note)}; "
-                      f"ΔNLL {r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}" for r in g["retention"].itertuples()]
-            lines += [f"  criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {met_word(v['met'])}"
-                      for v in g["criteria"]]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        # full precision (to_json rounds to 10 digits), nan as None
-        tables = {k: finite_json(getattr(self, k).to_dict(orient="records")) for k in _COLUMNS}
-        return {"groups": self.groups, **tables, "criteria": self.criteria}
-
-    def save(self, out: str | Path) -> Path:
-        """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's
-        rule (new, empty, or an earlier summary's)."""
-        out = claim_out(out, "summary")
-        write_json(out / "summary.json", self.to_dict())
-        for name in _COLUMNS:
-            atomic_write(out / f"{name}.csv", lambda p, df=getattr(self, name): csv_frame(df).to_csv(p, index=False))
-        write_json(out / "criteria.json", self.criteria)
-        return out
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Summary":
-        path = Path(path)
-        if not (path / "summary.json").is_file():
-            raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
-        try:
-            d = read_json(path / "summary.json")
-            return cls(*(_frame(d[k], k) for k in _COLUMNS), d["criteria"], d["groups"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
-                               f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
-
-
 def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_partial: bool = False) -> Summary:
     """The paper's evidence from several audits: checkpoint-level inference per model family.
 
@@ -287,8 +409,9 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     Returns
     -------
     Summary
-        Its `str()` is the table `fcaudit summarize` prints; `.conditions`, `.factors` and `.retention` are
-        DataFrames with a `family` column.
+        A Mapping from family to its `FamilyResult` (`penalties()`, `factor_effects()`, `retention()`, as an
+        `AuditResult` has them); its `str()` is what `fcaudit summarize` prints; `.conditions`, `.factors` and
+        `.retention` are the tables of all families.
 
     Examples
     --------
@@ -301,13 +424,15 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     >>> summary = fca.summarize([result, other])
     >>> print(summary)
     GatedLM ... params: 2 checkpoint(s), checkpoint-level intervals
-      Cross-input            ΔNLL ...  p=... (.../2 > 0)
+      PenaltiesResult: mean ΔNLL vs Correct per condition (nats per predicted token), 95% bootstrap intervals ...
+        condition ...  p  > 0 ...
+        Cross-input ...
       ...
       retention StaticProfile vs GlobalMean: ...
       criterion 'practically small' (upper 95% bound of the StaticProfile ΔNLL < 0.002; checkpoint): ...
-    >>> summary.conditions[["family", "condition", "n"]].head(1)
-      family   condition  n
-    0 GatedLM... CrossInput  2
+    >>> fam = summary[list(summary)[0]]  # the family's FamilyResult
+    >>> fam.penalties()["CrossInput"].n, fam.retention().level
+    (2, 'checkpoint')
     """
     audits = [a if isinstance(a, AuditResult) else AuditResult.load(a, allow_partial=allow_partial) for a in audit_dirs]
     if not audits:
@@ -319,29 +444,19 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
     for a in audits:
         by_family.setdefault(family_of(a.config), []).append(a)
 
-    tables, criteria, groups = [], [], {}
+    families = []
     for fam, members in by_family.items():
         crit, fixed_at, source = _criteria_of(members, fam)
         _check_pool(fam, members)
-        stats = [a.statistics() for a in members]  # each audit's own criteria: the family's, checked above
-        if len(members) == 1:
-            c, f, r = _window_level(stats[0], fam)
-            level, note = "window", WINDOW_NOTE
-        else:
-            c, f, r = _checkpoint_level(stats, crit, fam)
-            level, note = "checkpoint", CHECKPOINT_NOTE + (FEW_NOTE.format(n=len(members), p=2 / 2 ** len(members))
-                                                           if len(members) < FEW_CHECKPOINTS else "")
-        partial = any(a.partial for a in members)
-        tables.append((c, f, r))
-        criteria += verdicts(c, r, crit, family=fam, fixed_at=fixed_at, source=source)
-        groups[fam] = {"n_checkpoints": len(members), "level": level,
-                       "note": (PARTIAL_NOTE + " " if partial else "") + note, "labels": members[0].labels,
-                       "partial": partial, "confidence": crit.confidence, "criteria_source": source,
-                       "criteria_fixed_at": fixed_at,
-                       # absolute: a report run from another directory finds them
-                       "audits": [str(Path(a.path).resolve()) for a in members], "replay": [a.replay for a in members],
-                       "variation": [v for v in (a.variation for a in members) if v is not None]}
-    summary = Summary(*(pd.concat(dfs, ignore_index=True) for dfs in zip(*tables)), criteria, groups)
+        families.append(FamilyResult(
+            fam, len(members), crit, source, fixed_at, members[0].labels, members[0].static,
+            any(a.partial for a in members),
+            tuple(str(Path(a.path).resolve()) for a in members),  # absolute: a report run from elsewhere finds them
+            tuple(a.replay for a in members), tuple(v for v in (a.variation for a in members) if v is not None),
+            audits=tuple(members)))
+    summary = Summary(families)
+    for f in families:  # computed now: what does not pool (e.g. an audit lacking a condition) fails here
+        f.frames()
     if out is not None:
         summary.save(out)
     return summary

@@ -4,9 +4,9 @@ audit directory, and results (AuditResult) is its one reader."""
 
 from fcaudit.auditor.group import Group, TorchGroup, group_from_env
 from fcaudit.auditor.results import AuditResult, load_records
-from fcaudit.auditor.runner import AuditPlan, audit, plan, print_summary
+from fcaudit.auditor.runner import AuditPlan, audit, plan
 from fcaudit.auditor.store import CoefficientStore
 
 __all__ = ["AuditPlan", "AuditResult", "CoefficientStore", "Group", "TorchGroup", "audit", "group_from_env",
-           "load_records", "plan", "print_summary"]
+           "load_records", "plan"]
 

@@ -1,11 +1,13 @@
 """The one reader of audit directories, `AuditResult` (the Python API, `fcaudit summarize` and `fcaudit report` use
-it): records, replay report, variation and the window-level statistics of fcaudit.stats.results."""
+it): records, the replay check and the pre-write checks' findings (`Replay`), variation and the window-level
+statistics, as the result objects of fcaudit.stats.results."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -16,33 +18,157 @@ from fcaudit.auditor import files
 from fcaudit.auditor.directory import MARKER, AuditDir
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.results import FactorEffectsResult, PenaltiesResult, RetentionResult, WindowStatistics
+from fcaudit.stats.levels import WindowStatistics
+from fcaudit.stats.results import Results, own_static
 
 LATER_TOKENS = "routing depends on later tokens"
+CAUSALITY, TOKEN_ROUTING = "causality", "token routing"  # the router checks' findings (Finding.check)
 
 
-def routing_lines(replay: dict) -> list[str]:
-    """What the CLI and the report say about routers: the causality check's count above 0, the token note."""
-    lines = []
-    if (flips := replay.get("later_token_flips")):
-        lines.append(f"{LATER_TOKENS}: changing only the last quarter of {replay.get('causality_windows')} windows "
-                     f"changed {flips} routing decisions at earlier positions (fine for training; this router "
-                     "cannot decode autoregressively as it is)")
-    if replay.get("routing_note"):
-        lines.append(replay["routing_note"])
-    return lines
+@dataclass(frozen=True, eq=False)
+class Finding:
+    """One pre-write check's finding, as replay.json keeps it: a refusal (the audit stopped) or a notice, its line
+    for the user and its data.
+
+    Attributes
+    ----------
+    check : str
+        The check: e.g. "causality" (a router's decisions against later tokens, data `later_token_flips` and
+        `windows`), "token routing"; "" for a notice of an audit written before findings named their check.
+    refusal : bool
+        Whether it stopped the audit.
+    line : str
+        What the CLI, the result and the report say ("" for a check that found nothing to say).
+    data : dict
+        What the check measured.
+
+    Examples
+    --------
+    >>> result.replay.finding("causality") is None  # a gate controller: no router, no causality check
+    True
+    """
+
+    check: str
+    refusal: bool
+    line: str
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Finding":
+        return cls(str(d.get("check") or ""), bool(d.get("refusal")), str(d.get("line") or ""),
+                   dict(d.get("data") or {}))
 
 
-def notice_lines(replay: dict) -> list[str]:
-    """The pre-write checks' notices: replay.json's findings (an audit of an older version: its "notices")."""
-    return [f["line"] for f in replay["findings"] if f["line"] and not f["refusal"]] if "findings" in replay else \
-        list(replay.get("notices") or ())
+def _legacy_findings(replay: dict, config: dict) -> list[Finding]:
+    """The findings of an audit written before replay.json kept them: its notices, then the router checks that
+    replay.json (or config.json's "routing") kept as keys."""
+    old = {**(config.get("routing") or {}), **replay}
+    out = [Finding("", False, line) for line in old.get("notices") or ()]
+    if "later_token_flips" in old:
+        flips, windows = old["later_token_flips"], old.get("causality_windows")
+        line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing "
+                "decisions at earlier positions (fine for training; this router cannot decode autoregressively as "
+                "it is)") if flips else ""
+        out.append(Finding(CAUSALITY, False, line, {"later_token_flips": flips, "windows": windows}))
+    if old.get("routing_note"):
+        out.append(Finding(TOKEN_ROUTING, False, old["routing_note"]))
+    return out
 
 
-def later_flips(replay: dict) -> int | None:
-    """The causality check's count of earlier routing decisions that changed with later tokens (None: not run)."""
-    return next((f["data"]["later_token_flips"] for f in replay.get("findings") or () if f["check"] == "causality"),
-                replay.get("later_token_flips"))
+def _g(x: Any) -> str:
+    return "None" if x is None else f"{x:.3g}"
+
+
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """The exact replay check (replay.json) and the pre-write checks' findings: is every intervention valid?
+
+    With the default tolerance 0, `passed` needs bit-equal logits and NLL (`max_abs_dlogit` and `delta_nll` 0) and,
+    for routers, no route flip. `AuditResult.load` refuses an audit whose replay failed.
+
+    Attributes
+    ----------
+    passed, bit_equal : bool
+        The check passed; the replay was bit-equal (None where not recorded).
+    max_abs_dlogit, delta_nll : float
+        The largest |Δlogit| and |ΔNLL| over every capture batch.
+    route_flips : int or None
+        Routers: decisions that differ between the live router and the cache (None for other controllers).
+    tolerance : float
+        The allowed max |Δlogit| (0: bit-exact).
+    windows : int or tuple of int
+        The windows checked (a failed check: the first and last window of the failing batch).
+    findings : tuple of Finding
+        The pre-write checks' findings (refusals and notices, with their data).
+    record : dict
+        replay.json as written.
+
+    Examples
+    --------
+    >>> result.replay
+    Replay(passed=True, bit_equal=True, max|Δlogit|=0, ΔNLL=0, 4 windows, ...)
+    >>> result.replay.passed, result.replay.max_abs_dlogit, result.replay.notices
+    (True, 0.0, ())
+    """
+
+    passed: bool | None
+    bit_equal: bool | None
+    max_abs_dlogit: float | None
+    delta_nll: float | None
+    route_flips: int | None
+    tolerance: float | None
+    windows: int | tuple[int, int] | None
+    findings: tuple[Finding, ...]
+    record: dict = field(repr=False)
+
+    @classmethod
+    def from_json(cls, replay: dict, config: dict | None = None) -> "Replay":
+        """replay.json's content; for an audit written before it kept "findings", they come from its older keys
+        (notices, later_token_flips, causality_windows, routing_note, and config.json's "routing")."""
+        found = replay.get("findings")
+        findings = ([Finding.from_json(f) for f in found] if found is not None
+                    else _legacy_findings(replay, config or {}))
+        windows = replay.get("windows")
+        return cls(replay.get("passed"), replay.get("bit_equal"), replay.get("max_abs_dlogit"), replay.get("delta_nll"),
+                   replay.get("route_flips"), replay.get("tolerance"),
+                   tuple(windows) if isinstance(windows, list) else windows, tuple(findings), dict(replay))
+
+    def to_dict(self) -> dict:
+        """replay.json's content, as written."""
+        return dict(self.record)
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """The lines of the findings that are notices (a router's later-token dependence among them)."""
+        return tuple(f.line for f in self.findings if f.line and not f.refusal)
+
+    def finding(self, check: str) -> Finding | None:
+        """The finding of one check (e.g. "causality"), None where the audit has none."""
+        return next((f for f in self.findings if f.check == check), None)
+
+    @property
+    def later_token_flips(self) -> int | None:
+        """The causality check's count: routing decisions at earlier positions that changed when only the last
+        quarter of the probe windows did (None: no router, or not checked)."""
+        found = self.finding(CAUSALITY)
+        return None if found is None else found.data.get("later_token_flips")
+
+    def line(self) -> str:
+        """One line, as the CLI prints it first."""
+        flips = "" if self.route_flips is None else f" route flips={self.route_flips}"
+        return (f"exact replay: passed={self.passed} bit_equal={self.bit_equal} max|Δlogit|={_g(self.max_abs_dlogit)} "
+                f"ΔNLL={_g(self.delta_nll)}{flips}")
+
+    def __repr__(self) -> str:
+        flips = "" if self.route_flips is None else f", route flips={self.route_flips}"
+        windows = f"{self.windows} windows" if isinstance(self.windows, int) else f"windows {self.windows}"
+        return (f"Replay(passed={self.passed}, bit_equal={self.bit_equal}, max|Δlogit|={_g(self.max_abs_dlogit)}, "
+                f"ΔNLL={_g(self.delta_nll)}{flips}, {windows}, {len(self.findings)} finding(s))")
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return "".join(f"<p>{html.escape(line)}</p>" for line in (self.line(), *self.notices))
 
 
 def _damaged(e: files.Damaged, root: Path) -> FcauditError:
@@ -103,12 +229,13 @@ def missing_records(adir: AuditDir, config: dict) -> list[str]:
     return missing
 
 
-@dataclass(repr=False)
-class AuditResult:
+@dataclass(repr=False, eq=False)
+class AuditResult(Results):
     """One audit read back from its directory: records, replay check, variation and the paper's statistics.
 
     `fca.audit(...)` returns one, and `fca.AuditResult.load(dir)` reads any audit directory (`fcaudit audit`
-    writes the same). The records are read (and their content hashes checked) when first used.
+    writes the same). The records are read (and their content hashes checked) when first used; each statistic is
+    computed once. `str(result)` is what `fcaudit audit` prints, and a notebook shows it as a table.
 
     Attributes
     ----------
@@ -117,8 +244,8 @@ class AuditResult:
     config : dict
         Its config.json: windows, randomizations, seed, conditions, labels, criteria, controller, model and
         provenance.
-    replay : dict
-        The exact replay check (replay.json): `passed`, `max_abs_dlogit`, `delta_nll`, `bit_equal`, `tolerance`.
+    replay : Replay
+        The exact replay check and the pre-write checks' findings (replay.json).
     partial : bool
         True for an unfinished audit loaded with `allow_partial=True`; every summary of it then says so.
 
@@ -129,19 +256,28 @@ class AuditResult:
     >>> result = fca.AuditResult.load(out)
     >>> result
     AuditResult('...', 4 windows, R=1, replay passed=True max|Δlogit|=0.0)
-    >>> result.penalties().to_frame()[["label", "mean", "ci_low", "ci_high"]]
-                   label  mean  ci_low  ci_high
-    0        Cross-input  ...
-    6         GlobalMean  ...
+    >>> result.penalties().to_frame()[["label", "statistic", "ci_low", "ci_high"]]
+                                   label  statistic  ci_low  ci_high
+    condition
+    CrossInput               Cross-input  ...
+    StructureRemoved          GlobalMean  ...
+    >>> print(result)
+    exact replay: passed=True bit_equal=True max|Δlogit|=0 ΔNLL=0
+    FCA penalties (...)
+    PenaltiesResult: mean ΔNLL vs Correct per condition (nats per predicted token), 95% paired-window ...
+      condition ...
+    ...
+    criterion 'high retention' (lower 95% bound of the StaticProfile retention > 95%; ...): ...
 
     The examples of its methods, and of the result objects they return, use this `result`.
     """
 
     path: Path
     config: dict
-    replay: dict
+    replay: Replay
     partial: bool = False
     _records: pd.DataFrame | None = None
+    _statistics: dict = field(default_factory=dict, init=False)
 
     @property
     def records(self) -> pd.DataFrame:
@@ -163,11 +299,16 @@ class AuditResult:
         return self._records
 
     def __repr__(self) -> str:
-        r = self.replay
         windows = (self.config.get("windows") or {}).get("n_eval")  # from config.json: a repr reads no records
         return (f"AuditResult({str(self.path)!r}, {windows} windows, R={self.config.get('randomizations')}, "
-                f"replay passed={r.get('passed')} max|Δlogit|={r.get('max_abs_dlogit')}"
+                f"replay passed={self.replay.passed} max|Δlogit|={self.replay.max_abs_dlogit}"
                 f"{', PARTIAL' if self.partial else ''})")
+
+    def _heading(self) -> list[str]:
+        return [self.replay.line()]
+
+    def _caption(self) -> list[str]:
+        return [f"FCA penalties ({self.path})" + (" [PARTIAL]" if self.partial else "")]
 
     @classmethod
     def load(cls, path: str | os.PathLike, allow_partial: bool = False) -> "AuditResult":
@@ -190,7 +331,7 @@ class AuditResult:
         Examples
         --------
         >>> again = fca.AuditResult.load(result.path)
-        >>> again.replay["passed"], again.partial
+        >>> again.replay.passed, again.partial
         (True, False)
         """
         adir = AuditDir(path)
@@ -215,13 +356,33 @@ class AuditResult:
             raise FcauditError(f"{adir.root} is an unfinished audit (lacks {', '.join(missing[:3])}"
                                f"{' ...' if len(missing) > 3 else ''}); rerun the audit command with --out "
                                f"{adir.root} to finish it (or pass --allow-partial)")
-        return cls(adir.root, config, replay or {}, partial=bool(missing),
+        return cls(adir.root, config, Replay.from_json(replay or {}, config), partial=bool(missing),
                    _records=load_records(adir.root, partial=True) if missing else None)
 
     @property
     def notices(self) -> tuple[str, ...]:
-        """The pre-write checks' notices (e.g. a site that looks like a hidden state), from replay.json."""
-        return tuple(notice_lines(self.replay))
+        """Every notice of the pre-write checks (e.g. a site that looks like a hidden state, a router whose decisions
+        depend on later tokens), from replay.json.
+
+        Examples
+        --------
+        >>> result.notices  # a plain gate controller: nothing to say
+        ()
+        """
+        return self.replay.notices
+
+    @property
+    def static(self) -> str:
+        """The controller's own static condition, which `retention()` defaults to and the criteria judge:
+        config.json's controller.static, or for audits written before it said, StaticTopK where the audit ran it (a
+        router), else StaticProfile.
+
+        Examples
+        --------
+        >>> result.static
+        'StaticProfile'
+        """
+        return own_static(self.config.get("conditions") or (), (self.config.get("controller") or {}).get("static"))
 
     @property
     def labels(self) -> dict[str, str]:
@@ -264,127 +425,16 @@ class AuditResult:
         """
         return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
 
-    def statistics(self, confidence: float | None = None, n_resamples: int = 10000) -> WindowStatistics:
-        """The window-level statistics of this audit's records, which penalties, factor effects and retention are
-        computed from (as `fca.summarize` reads a single checkpoint).
-
-        Parameters
-        ----------
-        confidence
-            The intervals' level; None takes the criteria's.
-        n_resamples
-            Bootstrap resamples of the windows.
-
-        Examples
-        --------
-        >>> stats = result.statistics()
-        >>> stats.per_window.shape  # ΔNLL per window (rows) and condition (columns)
-        (4, ...)
-        """
-        crit = self.criteria if confidence is None else replace(self.criteria, confidence=confidence)
-        return WindowStatistics(self.records, self.labels, crit, complete=not self.partial, n_resamples=n_resamples)
-
-    def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> PenaltiesResult:
-        """The cost of each condition: mean ΔNLL vs Correct per condition (Eq. 4), with its interval over windows.
-
-        Each condition replaces the coefficients (e.g. CrossInput: another input's; StaticProfile: a fixed profile
-        from the calibration windows); its penalty is how much worse the frozen model predicts. Also the Monte
-        Carlo SE across randomizations and the mean active sources (experts) per token.
-
-        Parameters
-        ----------
-        confidence
-            The intervals' level; None takes the audit's criteria's.
-        n_resamples
-            Bootstrap resamples of the windows.
-
-        Returns
-        -------
-        PenaltiesResult
-            Prints a table; `.statistic`, `.confidence_interval`, `pen["CrossInput"]`, `.to_frame()`.
-
-        Examples
-        --------
-        >>> pen = result.penalties()
-        >>> pen.to_frame()[["condition", "mean", "ci_low", "ci_high"]].columns.tolist()
-        ['condition', 'mean', 'ci_low', 'ci_high']
-        >>> pen["StaticProfile"].n  # windows the interval is over
-        4
-        """
-        return self.statistics(confidence, n_resamples).penalties()
-
-    def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> FactorEffectsResult:
-        """The factorial contrasts E_input, E_token and E_interaction (Eq. 5-7), with their intervals over windows.
-
-        From the paired cells CC (Correct), DC (CrossInput), CS (TokenShuffle) and DS (CrossShuffle) of each
-        window and randomization: contrasts, not an additive split into mechanisms.
-
-        Parameters
-        ----------
-        confidence
-            The intervals' level; None takes the audit's criteria's.
-        n_resamples
-            Bootstrap resamples of the windows.
-
-        Returns
-        -------
-        FactorEffectsResult
-            Prints a table; `fx["E_input"]`, `.statistic`, `.confidence_interval`, `.to_frame()`.
-
-        Examples
-        --------
-        >>> fx = result.factor_effects()
-        >>> fx.to_frame().index.tolist()
-        ['input', 'token', 'interaction']
-        """
-        return self.statistics(confidence, n_resamples).factor_effects()
-
-    def retention(self, name: str = "StaticProfile", confidence: float | None = None,
-                  n_resamples: int = 10000) -> RetentionResult:
-        """How much of the input-dependent structure's value a static condition keeps (Eq. 8).
-
-        Retention(S) = 1 - ΔNLL(S) / ΔNLL(StructureRemoved), with its paired-window interval, reported beside both
-        absolute ΔNLLs. Undefined (statistic nan, with the reason) unless the reference's interval lies above the
-        criteria's practically-small bound.
-
-        Parameters
-        ----------
-        name
-            A retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its display label (e.g.
-            LayerMean).
-        confidence
-            The interval's level; None takes the audit's criteria's.
-        n_resamples
-            Bootstrap resamples of the windows.
-
-        Returns
-        -------
-        RetentionResult
-            `.statistic`, `.confidence_interval`, `.defined`, `.reason`, `.line()`, `.to_frame()`.
-
-        Examples
-        --------
-        >>> ret = result.retention("StaticProfile")
-        >>> ret.reference_label, ret.n
-        ('GlobalMean', 4)
-        >>> ret.line()
-        'retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...'
-        """
-        return self.statistics(confidence, n_resamples).retention(name)
+    def _compute(self, confidence: float, n_resamples: int) -> WindowStatistics:
+        return WindowStatistics(self.records, self.labels, replace(self.criteria, confidence=confidence),
+                                complete=not self.partial, n_resamples=n_resamples)
 
     def retention_lines(self) -> list[str]:
         """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined).
 
         What `fcaudit audit` prints under its table; a capacity router's audit adds its drops.
-
-        Examples
-        --------
-        >>> for line in result.retention_lines():
-        ...     print(line)
-        retention Layer×PositionMean vs GlobalMean: ...
-        retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...
         """
-        return [r.line() for r in self.statistics().retentions()] + self.capacity_lines()
+        return super().retention_lines() + self.capacity_lines()
 
     def capacity_lines(self) -> list[str]:
         """A capacity router's drops (a `dropped` record column): each condition's mean assignments per window dropped

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -30,7 +29,7 @@ from fcaudit.auditor.engine import Engine, LossFn, capture_batch, keeps_store_on
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
                                  rank_device)
-from fcaudit.auditor.results import AuditResult, routing_lines
+from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.store import all_finite, check_finite
 from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig
@@ -465,10 +464,11 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     >>> eval_w, calib_w = fca.windows("embedded", n_eval=4, n_calib=4, window=16)
     >>> out = tempfile.mkdtemp()
     >>> result = fca.audit(model, ctrl, eval_w, calib_w, randomizations=1, out=out, quiet=True)
-    >>> result.replay["passed"], result.replay["max_abs_dlogit"]
+    >>> result.replay.passed, result.replay.max_abs_dlogit
     (True, 0.0)
     >>> result.penalties()  # an untrained model's numbers mean nothing: the calls are the point
     PenaltiesResult: mean ΔNLL vs Correct per condition ..., 95% paired-window bootstrap intervals over 4 windows
+      condition ...ΔNLL...interval...
       Cross-input ...
       StaticProfile ...
       GlobalMean ...
@@ -507,35 +507,11 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         finally:
             adir.unlock()
     # the engine wrote and verified every records file: AuditResult.load would read them all again
-    result = AuditResult(adir.root, adir.config(), files.read_json(adir.replay))
+    written = adir.config()
+    result = AuditResult(adir.root, written, Replay.from_json(files.read_json(adir.replay), written))
     if not config.quiet and group.is_main:
-        print_summary(result)
+        print(result)
     return result
-
-
-def print_summary(result: AuditResult, console: Console | None = None) -> None:
-    """Mean ΔNLL per condition (rich table), with the replay check on top and retention (or why it is undefined)."""
-    console = console or Console()
-    rep = result.replay
-    flips = "" if rep.get("route_flips") is None else f" route flips={rep['route_flips']}"
-    console.print(f"exact replay: passed={rep['passed']} bit_equal={rep.get('bit_equal')} "
-                  f"max|Δlogit|={rep['max_abs_dlogit']:.3g} ΔNLL={rep['delta_nll']:.3g}{flips}", markup=False)
-    for line in (*result.notices, *routing_lines(rep)):
-        console.print(line, markup=False, highlight=False)
-    table = Table(title=f"FCA penalties ({result.path})" + (" [PARTIAL]" if result.partial else ""))
-    # per token: experts run (top-k routers) or the fraction of tokens chosen (token routers)
-    tokens = rep.get("routing_note") or "token_router" in (result.config.get("controller") or {}).get("kinds", ())
-    active = "tokens run" if tokens else "experts" if rep.get("route_flips") is not None else "active"
-    table.add_column("condition", overflow="fold")
-    for col in ("mean ΔNLL", f"{100 * result.criteria.confidence:g}% CI", "MC SE", active):
-        table.add_column(col, justify="right", no_wrap=True)
-    for _, row in result.penalties().to_frame().iterrows():
-        table.add_row(row["label"], f"{row['mean']:.6f}", f"[{row['ci_low']:.6f}, {row['ci_high']:.6f}]",
-                      "" if not np.isfinite(row["mc_se"]) else f"{row['mc_se']:.2g}",
-                      "" if not np.isfinite(row["active"]) else f"{row['active']:.3g}")
-    console.print(table)
-    for line in result.retention_lines():
-        console.print(line, markup=False, highlight=False)
 
 
 # ---- a checkpoint: `fcaudit audit CHECKPOINT` ----------------------------------------------------------------------

@@ -41,11 +41,37 @@ def execution_table(df: pd.DataFrame) -> Table:
     return t
 
 
+def _layers_run(fraction: float) -> str:
+    """The share of (layer, token) pairs that ran, as a verdict where nothing was skipped."""
+    return "no layer skipped" if fraction == 1.0 else _num(fraction, "{:.1%}")
+
+
+def decoding_table(df: pd.DataFrame) -> Table:
+    """One row per model decoding a text window token by token with a KV cache: the (layer, token) pairs that ran,
+    FLOPs per token and time per token vs Dense, and how far the decoded logits are from the window's forward (the
+    same logits up to float rounding)."""
+    rows = df.to_dict(orient="records")
+    notes = {str(r["model"]): note for r in rows if isinstance(note := r.get("decode_note"), str) and note}
+    t = _table("Decoding with a KV cache (one sequence, token by token)", ("Model", "Layer x token\npairs run"),
+               ("FLOPs\nvs Dense", "ms/token\nmedian", "Latency\nvs Dense", "|Δlogit|\nmax"),
+               caption="\n".join(f"{name}: {note}" for name, note in notes.items()) or None, caption_justify="left")
+    for r in rows:
+        if str(r["model"]) in notes:
+            t.add_row(str(r["model"]), "not decodable", "—", "—", "—", "—")
+            continue
+        t.add_row(str(r["model"]), _layers_run(r["executed_layer_fraction"]), _ratio(r.get("decode_flops_vs_dense")),
+                  _num(r["decode_ms_per_token"], "{:.3g}") + ("*" if r.get("decode_noisy") else ""),
+                  _ratio(r.get("decode_latency_vs_dense")), _num(r["decode_max_abs_dlogit"], "{:.1e}"))
+    return t
+
+
 def noisy_note(df: pd.DataFrame) -> str | None:
-    """A line naming the models whose latency spread (max - min over repetitions) exceeds the median."""
-    if "latency_noisy" not in df or not df["latency_noisy"].any():
+    """A line naming the models whose latency spread (max - min over repetitions) exceeds the median, scoring or
+    decoding."""
+    noisy = [df[c].fillna(False).astype(bool) for c in ("latency_noisy", "decode_noisy") if c in df]
+    if not noisy or not any(n.any() for n in noisy):
         return None
-    names = ", ".join(map(str, df.loc[df["latency_noisy"].astype(bool), "model"]))
+    names = ", ".join(map(str, df.loc[pd.concat(noisy, axis=1).any(axis=1), "model"]))
     return (f"* {names}: latency spread over repetitions (max - min) exceeds the median, the machine's load changed "
             "while timing; rerun with --threads 1 on a quieter machine before quoting these ratios")
 

@@ -92,22 +92,27 @@ def latencies(models: Sequence[nn.Module], batch_size: int = 8, window: int | No
         dev = torch.device(device) if device is not None else input_device(model)
         model = model.to(dev).eval()
         w = window or context_length(model) or 128
-        runs.append((model, random_ids(model, batch_size, w, dev, timing.seed), dev))
+        runs.append((model, random_ids(model, batch_size, w, dev, timing.seed)))
+    return timed(runs, timing)
+
+
+def timed(runs: Sequence[tuple[nn.Module, torch.Tensor]], timing: Timing = Timing()) -> list[Latency]:
+    """The wall time of each model(ids) of `runs` (model, ids), on ids' device, timed round-robin as `latencies`."""
     forwards = []
-    for model, ids, _ in runs:
+    for model, ids in runs:
         if timing.warmup:
             _seconds(model, ids, timing.warmup)
         forwards.append(max(1, math.ceil(timing.min_run_time / timing.repetitions / _seconds(model, ids, 1))))
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(timing.repetitions):
-        for t, (model, ids, _), n in zip(times, runs, forwards):
+        for t, (model, ids), n in zip(times, runs, forwards):
             t.append(_seconds(model, ids, n))
     out = []
-    for (_, ids, dev), t, n in zip(runs, times, forwards):
+    for (_, ids), t, n in zip(runs, times, forwards):
         ms = np.asarray(t) * 1e3
         q1, median, q3 = np.percentile(ms, [25, 50, 75])
         out.append(Latency(ms_per_batch=float(median), iqr_ms=float(q3 - q1), min_ms=float(ms.min()),
-                           max_ms=float(ms.max()), tokens_per_s=ids.numel() / (median / 1e3), batch_size=batch_size,
-                           window=ids.shape[1], device=str(dev), threads=torch.get_num_threads(),
+                           max_ms=float(ms.max()), tokens_per_s=ids.numel() / (median / 1e3), batch_size=ids.shape[0],
+                           window=ids.shape[1], device=str(ids.device), threads=torch.get_num_threads(),
                            measurements=len(t), forwards=n))
     return out

@@ -1,7 +1,9 @@
 """Question 3 of the paper (section 4.5): does the mechanism actually skip work? Variation and functional dependence
 say nothing about execution, so this measures what really runs (block forwards, FLOPs, latency) for a list of
 checkpoints, with ratios to a Dense model of the same architecture. A soft gate (FeatureGate, Uniform, LayerStatic)
-scales a block's update but never removes the block: such models run every block and pay for their controller."""
+scales a block's update but never removes the block: such models run every block and pay for their controller. Each
+model is measured scoring windows and, where it can, decoding a text window token by token with a KV cache (decode.py),
+where per-token early exit saves work."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from fcaudit.controllers.sites import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
+from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
@@ -147,7 +150,8 @@ def _block_size(checkpoint: Path) -> int:
 
 
 DENSE_RATIOS = {"latency_vs_dense": "latency_ms", "throughput_vs_dense": "tokens_per_s",
-                "flops_vs_dense": "flops_per_token", "executed_vs_dense": "executed_blocks"}
+                "flops_vs_dense": "flops_per_token", "executed_vs_dense": "executed_blocks",
+                "decode_flops_vs_dense": "decode_flops_per_token", "decode_latency_vs_dense": "decode_ms_per_token"}
 
 
 def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -183,6 +187,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     claim_out(out, "execution results")
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
+                "decoding": f"{DECODE_BATCH} test window(s) of the corpus, token by token with a KV cache",
                 "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
@@ -208,6 +213,9 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     def windows(split: str) -> torch.Tensor:
         return data.all_windows(getattr(data.load_corpus(cfg.corpus), split), window, limit=cfg.threshold_windows)
 
+    def text() -> torch.Tensor:  # what decoding reads: text, where exits decide as they would in use
+        return windows("test")[:DECODE_BATCH].to(dev)
+
     console = Console(stderr=True, quiet=not cfg.progress)
     labels = [families.label(model) for model, _ in loaded]
     # checkpoints of one label (seeds, a model and its copy) are told apart by their directory names
@@ -222,6 +230,7 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
         count = executed_blocks(model, ids)  # what does not depend on the machine's load, then what does
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
                    n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
+        row.update(decoding_columns(model, text()))
         family, controller = families.for_model(model), _controller(model)
         if family is not None and family.execution is not None:
             row.update(family.execution(model, ids))
@@ -238,10 +247,23 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                           .assign(checkpoint=given, model=label))
         elif cfg.thresholds:
             console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
-    console.print(f"latency: {len(rows)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
-    for row, lat in zip(rows, latencies([m for m, _ in loaded], cfg.batch_size, window, dev, cfg.timing)):
-        row.update(lat.columns())
+    _time(cfg, rows, [m for m, _ in loaded], window, text(), console)
     return rows, sweeps, conditions
+
+
+def _time(cfg: ExecutionConfig, rows: list[dict], models: list[nn.Module], window: int, text: torch.Tensor,
+          console: Console) -> None:
+    """Into the rows: every model's latency scoring batches of `window` tokens, then that of the models that decode,
+    decoding `text` (on its device); each round-robin over the models."""
+    console.print(f"latency: {len(rows)} model(s) round-robin, about {cfg.min_run_time:g} s each", highlight=False)
+    for row, lat in zip(rows, latencies(models, cfg.batch_size, window, text.device, cfg.timing)):
+        row.update(lat.columns())
+    decoders = [(row, model) for row, model in zip(rows, models) if not row["decode_note"]]
+    if decoders:
+        console.print(f"decoding: {len(decoders)} model(s) round-robin, about {cfg.min_run_time:g} s each",
+                      highlight=False)
+    for (row, _), lat in zip(decoders, decode_latencies([m for _, m in decoders], text, cfg.timing)):
+        row.update(lat)
 
 
 def _controller(model: nn.Module):

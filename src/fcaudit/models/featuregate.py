@@ -6,6 +6,10 @@ layerstatic (sigmoid(w_l) per layer), uniform-fixed / uniform-matched (a constan
 mass) and featuregate (a per-token controller of the block's attention features). Each gate is `blocks[l].gate`,
 returning g [B, T]; every variant runs the same attention kernel, so a comparison of variants measures the gates. The
 head is tied to the token embedding, which gives the paper's parameter counts (`model.n_params()`).
+
+Decoding: `model.start_decoding(batch)` gives a KV cache, and `model(ids[:, t:t+1], cache=state)` the logits of the next
+position, equal to the full-sequence forward's up to float rounding (one query row instead of the whole window). The
+decoders of MoD and early exit reuse these blocks and this cache.
 """
 
 import math
@@ -81,6 +85,69 @@ def config_for(preset: str, variant: str, *, gate_value: float = 0.6, fixed_dept
     return cfg
 
 
+class KVCache:
+    """One block's keys and values of the tokens decoded so far, [B, H, window, Dh], allocated once. Rows fill
+    unequally where a block runs on some tokens only (MoD's routed blocks): `length` per row, masked on reading."""
+
+    def __init__(self, cfg, batch: int, window: int, like: torch.Tensor):
+        shape = (batch, cfg.n_head, window, cfg.d_model // cfg.n_head)
+        self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
+        self.length = torch.zeros(batch, dtype=torch.long, device=like.device)
+        self.longest, self.ragged = 0, False
+        self.ran = 0  # (token, block) pairs whose update this block computed: the rows that attended
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Keys and values [n, H, 1, Dh] of the batch rows `rows` (None: every row)."""
+        if rows is None and not self.ragged:
+            self.k[:, :, self.longest], self.v[:, :, self.longest] = k[:, :, 0], v[:, :, 0]
+            self.length += 1
+            self.longest += 1
+            return
+        rows = torch.arange(self.k.size(0), device=self.k.device) if rows is None else rows
+        at = self.length[rows]
+        self.k[rows, :, at], self.v[rows, :, at] = k[:, :, 0], v[:, :, 0]
+        self.length[rows] += 1
+        self.longest = int(self.length.max())
+        self.ragged = bool((self.length != self.longest).any())
+
+    def read(self, rows: torch.Tensor | None = None):
+        """(keys, values, mask) of the batch rows `rows` (None: every row): [n, H, longest, Dh] each, and where rows
+        hold fewer keys, which of them are real ([n, 1, 1, longest], else None)."""
+        k, v = self.k[:, :, :self.longest], self.v[:, :, :self.longest]
+        length = self.length
+        if rows is not None:
+            k, v, length = k[rows], v[rows], length[rows]
+        self.ran += k.size(0)
+        if not self.ragged:
+            return k, v, None
+        return k, v, (torch.arange(self.longest, device=k.device) < length[:, None])[:, None, None, :]
+
+
+@dataclass(eq=False)
+class Decoding:
+    """The state of token-by-token decoding of one batch (`GPT.start_decoding`): every block's KV cache and the
+    position of the next token."""
+
+    caches: list[KVCache]
+    window: int
+    position: int = 0
+
+    def advance(self, ids: torch.Tensor) -> int:
+        """The position of this call's tokens (ids [B, 1]: one per sequence); the state moves on to the next."""
+        if ids.dim() != 2 or ids.shape[1] != 1:
+            raise FcauditError(f"decoding takes one token per sequence and call, got ids of shape {tuple(ids.shape)}: "
+                               "pass ids[:, t:t+1]")
+        if self.position >= self.window:
+            raise FcauditError(f"this decoding holds {self.window} tokens and all are decoded: start_decoding again "
+                               "with a longer window")
+        self.position += 1
+        return self.position - 1
+
+    def executed(self) -> list[int]:
+        """(token, block) pairs each block computed so far."""
+        return [c.ran for c in self.caches]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -88,10 +155,31 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention output [B, T, D] and the per-head queries and keys [B, H, T, Dh] (for the gate)."""
+    def forward(self, x: torch.Tensor, kv: KVCache | None = None, rows: torch.Tensor | None = None,
+                run: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention output [B, T, D] and the per-head queries and keys [B, H, T, Dh] (for the gate). Decoding
+        (`kv`, T = 1): the keys and values of x (the batch rows `rows`; None: all) enter the cache, and the rows `run`
+        of x (None: all) attend over their cached keys: [n, 1, D] and [n, H, 1, Dh], [n, H, cached, Dh]."""
+        if kv is not None:
+            self.remember(x, kv, rows)
+            who = rows if run is None else run if rows is None else rows[run]
+            return self.attend(x if run is None else x[run], kv, who)
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k
+
+    def remember(self, x: torch.Tensor, kv: KVCache, rows: torch.Tensor | None = None) -> None:
+        """Only the keys and values of x [n, 1, D] into the cache: what a token skipping this block still gives the
+        tokens after it."""
+        d = x.size(-1)
+        k, v = rearrange(F.linear(x, self.qkv.weight[d:]), "b t (two h d) -> two b h t d", two=2, h=self.n_head)
+        kv.append(k, v, rows)
+
+    def attend(self, x: torch.Tensor, kv: KVCache, rows: torch.Tensor | None = None):
+        """The batch rows `rows` (x [n, 1, D]: theirs) attend over the keys cached for them."""
+        q = rearrange(F.linear(x, self.qkv.weight[: x.size(-1)]), "b t (h d) -> b h t d", h=self.n_head)
+        k, v, mask = kv.read(rows)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(rearrange(y, "b h t d -> b t (h d)")), q, k
 
 
@@ -107,17 +195,22 @@ class MLP(nn.Module):
 
 @dataclass(eq=False)
 class Attention:
-    """One block's causal attention as the gates read it, made per forward pass: its queries and keys [B, H, T, Dh]
-    and, once a gate has computed it, the lse [B, H, T] (logsumexp of the causal scores), which the next gate reuses."""
+    """One block's causal attention as the gates read it, made per forward pass: its queries [B, H, T, Dh] and keys
+    [B, H, past + T, Dh] (decoding: the cached keys before the query too) and, once a gate has computed it, the lse
+    [B, H, T] (logsumexp of the causal scores), which the next gate reuses."""
 
     q: torch.Tensor
     k: torch.Tensor
     lse: torch.Tensor | None = None
 
+    @property
+    def past(self) -> int:
+        """Keys before the first query: 0 in a window's forward, the cached tokens when decoding."""
+        return self.k.size(2) - self.q.size(2)
+
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 q / sqrt(Dh) and k, [B*H, T, Dh]: the operands of the tiled products."""
-        B, H, T, Dh = self.q.shape
-        return (self.q.float() * Dh ** -0.5).reshape(B * H, T, Dh), self.k.float().reshape(B * H, T, Dh)
+        """float32 q / sqrt(Dh) and k, [B*H, T, Dh] and [B*H, past + T, Dh]: the operands of the tiled products."""
+        return (self.q.float() * self.q.size(-1) ** -0.5).flatten(0, 1), self.k.float().flatten(0, 1)
 
 
 MASKED_SCORE = -1e30  # future keys: finite, so P = 0 there and P * score = 0 (never 0 * -inf = nan)
@@ -128,9 +221,11 @@ TILE_ROWS_CPU = (32, 64)  # query rows per CPU tile: a quarter of the window, wi
 
 
 def _score_tiles(q: torch.Tensor, k: torch.Tensor):
-    """(maps, query rows, masked scores [maps, rows, keys]) over the tiles of flat (q, k) [N, T, Dh]: each tile's
-    keys end at its last row (causality). Fewer rows on the CPU waste less of each tile's masked diagonal square."""
+    """(maps, query rows, masked scores [maps, rows, keys]) over the tiles of flat q [N, T, Dh] and k [N, past + T,
+    Dh]: query row i is position past + i, each tile's keys end at its last row (causality). Fewer rows on the CPU
+    waste less of each tile's masked diagonal square."""
     N, T, _ = q.shape
+    past = k.size(1) - T
     low, high = TILE_ROWS_CPU
     rows = min(T, max(low, min(high, T // 4))) if q.device.type == "cpu" else T
     maps = max(1, min(N, TILE_ELEMENTS.get(q.device.type, TILE_ELEMENTS["cpu"]) // (rows * T)))
@@ -139,8 +234,8 @@ def _score_tiles(q: torch.Tensor, k: torch.Tensor):
         m = slice(m0, m0 + maps)
         for t0 in range(0, T, rows):
             t = slice(t0, min(T, t0 + rows))
-            x = torch.bmm(q[m, t], k[m, : t.stop].transpose(1, 2))
-            x[:, :, t0:].add_(future[: x.size(1), : x.size(1)])  # the tile's own diagonal square holds the future
+            x = torch.bmm(q[m, t], k[m, : past + t.stop].transpose(1, 2))
+            x[:, :, past + t0:].add_(future[: x.size(1), : x.size(1)])  # the tile's own diagonal square: the future
             yield m, t, x
 
 
@@ -151,6 +246,7 @@ def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = Tru
     H = log_z - sum_s P x: sums of terms the size of log P, which do not cancel."""
     B, H, T, _ = att.q.shape
     q, k = att.flat()
+    past = att.past
     lse = q.new_empty(B * H, T, 1)
     entropy = q.new_empty(B * H, T) if stats else None
     cross_score = q.new_empty(B * H, T) if stats and cross is not None else None
@@ -164,7 +260,7 @@ def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = Tru
         if not stats:
             continue
         if cross_score is not None:
-            cross_score[m, t] = torch.bmm(p, ck[m, : t.stop]).mul_(cq[m, t]).sum(-1)
+            cross_score[m, t] = torch.bmm(p, ck[m, : past + t.stop]).mul_(cq[m, t]).sum(-1)
         entropy[m, t] = log_z.squeeze(-1) - x.mul_(p).sum(-1)
     att.lse = lse.view(B, H, T)
     if not stats:
@@ -172,12 +268,14 @@ def _tile_pass(att: Attention, cross: Attention | None = None, stats: bool = Tru
     return entropy.view(B, H, T), None if cross_score is None else cross_score.view(B, H, T)
 
 
-def _finish(entropy_h, kl_h, lse, h, update) -> torch.Tensor:
-    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T]; entropy and KL are >= 0, so
-    clamping removes only rounding noise (e.g. -1e-7 for a one-hot attention row)."""
-    log_visible = torch.arange(1, lse.size(-1) + 1, device=lse.device, dtype=torch.float32).log_()
+def _finish(entropy_h, kl_h, lse, h, update, past: int = 0) -> torch.Tensor:
+    """[B, T, 4] from per-head entropy, KL (None in the first block) and lse [B, H, T] of the queries at positions
+    past..past + T - 1; entropy and KL are >= 0, so clamping removes only rounding noise (e.g. -1e-7 for a one-hot
+    attention row)."""
+    log_visible = torch.arange(past + 1, past + lse.size(-1) + 1, device=lse.device, dtype=torch.float32).log_()
     entropy = entropy_h.mean(1).clamp_min_(0.0).div_(log_visible)  # [B, T]
-    entropy[:, 0] = 0.0  # 0 / 0 there
+    if past == 0:
+        entropy[:, 0] = 0.0  # 0 / 0 there
     kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min_(0.0)
     log_partition = (lse - log_visible).mean(1)
     update_norm = torch.linalg.vector_norm(update.float(), dim=-1).div_(
@@ -202,10 +300,10 @@ def gate_features(h, update, att: Attention, prev: Attention | None) -> torch.Te
     with torch.autocast(att.q.device.type, enabled=False):
         entropy_h, cross_score = _tile_pass(att, prev)
         if prev is None:
-            return _finish(entropy_h, None, att.lse, h, update)
+            return _finish(entropy_h, None, att.lse, h, update, att.past)
         if prev.lse is None:
             _tile_pass(prev, stats=False)
-        return _finish(entropy_h, -entropy_h - (cross_score - prev.lse), att.lse, h, update)
+        return _finish(entropy_h, -entropy_h - (cross_score - prev.lse), att.lse, h, update, att.past)
 
 
 class FeatureGate(nn.Module):
@@ -256,14 +354,18 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.gate = gate
 
-    def update(self, h: torch.Tensor) -> tuple[torch.Tensor, Attention]:
-        """F(h) = a + mlp(ln2(h + a)) with a = attn(ln1(h)), and the Attention it ran (for the gates)."""
-        a, q, k = self.attn(self.ln1(h))
+    def update(self, h: torch.Tensor, kv: KVCache | None = None, rows: torch.Tensor | None = None,
+               run: torch.Tensor | None = None) -> tuple[torch.Tensor, Attention]:
+        """F(h) = a + mlp(ln2(h + a)) with a = attn(ln1(h)), and the Attention it ran (for the gates). Decoding: h
+        holds the batch rows `rows` (None: all), all of which enter the cache; F is computed for the rows `run` of h."""
+        a, q, k = self.attn(self.ln1(h), kv, rows, run)
+        h = h if run is None else h[run]
         return a + self.mlp(self.ln2(h + a)), Attention(q, k)
 
-    def forward(self, h: torch.Tensor, prev: Attention | None) -> tuple[torch.Tensor, torch.Tensor | None, Attention]:
+    def forward(self, h: torch.Tensor, prev: Attention | None,
+                kv: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Attention]:
         """The new residual stream, this block's gate [B, T] (None if ungated) and its Attention (for the next gate)."""
-        update, att = self.update(h)
+        update, att = self.update(h, kv)
         if self.gate is None:
             return h + update, None, att
         g = self.gate(h, update, att, prev)
@@ -299,11 +401,25 @@ class GPT(nn.Module):
         """Unique parameters (the tied head counted once), as the paper counts them."""
         return sum(p.numel() for p in self.parameters())
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, cache: Decoding | None = None) -> torch.Tensor:
         T = ids.shape[1]
         if T > self.config.block_size:
             raise FcauditError(f"window of {T} tokens exceeds block_size {self.config.block_size}: use shorter windows")
-        return self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+        start = 0 if cache is None else cache.advance(ids)
+        return self.wte(ids) + self.wpe(torch.arange(start, start + T, device=ids.device))
+
+    def start_decoding(self, batch: int, window: int | None = None) -> Decoding:
+        """An empty KV cache for decoding `batch` sequences of up to `window` tokens (default: block_size), one token
+        per call: `model(ids[:, t:t+1], cache=state)`."""
+        window = self.config.block_size if window is None else window
+        if not 1 <= window <= self.config.block_size:
+            raise FcauditError(f"decoding window {window} is outside 1..block_size {self.config.block_size}: pass a "
+                               "shorter window")
+        return Decoding([KVCache(self.config, batch, window, self.wte.weight) for _ in self.blocks], window)
+
+    def caches(self, cache: Decoding | None) -> list[KVCache | None]:
+        """Each block's KV cache of a decoding state (None for each block when scoring a window)."""
+        return [None] * len(self.blocks) if cache is None else cache.caches
 
 
 class FeatureGateGPT(GPT):
@@ -325,12 +441,13 @@ class FeatureGateGPT(GPT):
             return ConstantGate(self.config.gate_value)
         return FeatureGate(self.config)
 
-    def forward(self, ids: torch.Tensor, *, return_gates: bool = False):
-        """Logits [B, T, V]; with return_gates also the gates [L, B, T] (None for dense / fixeddepth)."""
-        h = self.embed(ids)
+    def forward(self, ids: torch.Tensor, *, return_gates: bool = False, cache: Decoding | None = None):
+        """Logits [B, T, V]; with return_gates also the gates [L, B, T] (None for dense / fixeddepth). With `cache`
+        (start_decoding), ids [B, 1] is the next token of each sequence."""
+        h = self.embed(ids, cache)
         prev, gates = None, []
-        for block in self.blocks:
-            h, g, prev = block(h, prev)
+        for block, kv in zip(self.blocks, self.caches(cache)):
+            h, g, prev = block(h, prev, kv)
             gates.append(g)
         logits = self.lm_head(self.ln_f(h))
         if not return_gates:

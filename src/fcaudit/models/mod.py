@@ -4,6 +4,8 @@ stream: h[t] += r[t] * F_l(h[S])[t] for t in the chosen S, the router's score r 
 Top-k over the window is not causal, so a small causal predictor of "is t in the top-k" trains beside the model (BCE,
 input detached); `routing="predictor"` runs on its choices. The blocks and decoder are FeatureGate's Dense ones, so
 comparisons with Dense of the same shape measure the mechanism. `blocks[l].router` is the site an audit replays.
+Decoding token by token (FeatureGate's KV cache) needs the causal predictor: a routed block's cache holds the tokens it
+chose, so a token attends to the chosen tokens before it, as in the window's forward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from fcaudit.errors import FcauditError
 from fcaudit.models import featuregate
-from fcaudit.models.featuregate import GPT, check_config
+from fcaudit.models.featuregate import GPT, Decoding, KVCache, check_config
 
 VARIANTS = ("mod", "dense")
 ROUTINGS = ("topk", "predictor")
@@ -114,15 +116,26 @@ class Block(featuregate.Block):
         super().__init__(cfg, gate=None)
         self.router = Router(cfg) if routed else None
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, Route | None]:
+    def forward(self, h: torch.Tensor, kv: KVCache | None = None) -> tuple[torch.Tensor, Route | None]:
         if self.router is None:
-            return h + self.update(h)[0], None
+            return h + self.update(h, kv)[0], None
         route = self.router(h)
+        if kv is not None:
+            return self.step(h, route, kv), route
         safe = route.index.clamp_min(0)  # -1 pads a window with fewer chosen tokens: weight 0 below
         x = h.gather(1, safe.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # the chosen tokens, in order
         weight = route.scores.gather(1, safe) * (route.index >= 0)
         delta = weight.unsqueeze(-1).to(h.dtype) * self.update(x)[0]
         return h.scatter_add(1, safe.unsqueeze(-1).expand_as(delta), delta), route
+
+    def step(self, h: torch.Tensor, route: Route, kv: KVCache) -> torch.Tensor:
+        """One decoding step (h [B, 1, D]): the rows whose token the router chose run the block; only their keys and
+        values enter its cache."""
+        rows = (route.index[:, 0] >= 0).nonzero().squeeze(-1)
+        if not len(rows):
+            return h
+        delta = route.scores[rows].unsqueeze(-1).to(h.dtype) * self.update(h[rows], kv, rows)[0]
+        return h.index_add(0, rows, delta)
 
 
 class MoDGPT(GPT):
@@ -131,13 +144,20 @@ class MoDGPT(GPT):
     def make_blocks(self) -> list[Block]:
         return [Block(self.config, self.config.routed(i)) for i in range(self.config.n_layer)]
 
-    def forward(self, ids: torch.Tensor, *, return_aux: bool = False):
-        """Logits [B, T, V]; with return_aux also the causal predictors' mean BCE loss (0 without routed blocks)."""
-        h = self.embed(ids)
+    def start_decoding(self, batch: int, window: int | None = None) -> Decoding:
+        if self.config.routing == "topk" and any(b.router is not None for b in self.blocks):
+            raise FcauditError("MoD routing 'topk' chooses among the whole window's tokens, which decoding has not "
+                               "seen yet: decode with its causal predictor (fcaudit.families.mod.causal)")
+        return super().start_decoding(batch, window)
+
+    def forward(self, ids: torch.Tensor, *, return_aux: bool = False, cache: Decoding | None = None):
+        """Logits [B, T, V]; with return_aux also the causal predictors' mean BCE loss (0 without routed blocks). With
+        `cache` (start_decoding), ids [B, 1] is the next token of each sequence."""
+        h = self.embed(ids, cache)
         aux = []
-        for block in self.blocks:
+        for block, kv in zip(self.blocks, self.caches(cache)):
             before = h
-            h, route = block(h)
+            h, route = block(h, kv)
             if return_aux and route is not None:
                 aux.append(block.router.predictor_loss(before, route))
         logits = self.lm_head(self.ln_f(h))

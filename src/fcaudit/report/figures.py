@@ -1,5 +1,6 @@
-"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend), each written atomically from the summary's tables:
-nothing is computed here beyond placing numbers, so each figure shows exactly what the CSVs hold."""
+"""The paper's figures 2-5 as PNG files (matplotlib, Agg backend), each written atomically from a summary's result
+objects and tables: nothing is computed here beyond placing numbers, so each figure shows exactly what the CSVs
+hold. Figure 2 is the penalties' own `.plot()`."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from fcaudit import protocol  # noqa: E402
 from fcaudit.io import atomic_write  # noqa: E402
 from fcaudit.report.tables import retention_undefined  # noqa: E402
+from fcaudit.stats.plots import error_bars  # noqa: E402
+from fcaudit.stats.results import PenaltiesResult  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.dpi": 110})
 
@@ -27,9 +29,6 @@ _FAMILY_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564
 GENERIC = {k: v for k, v in protocol.default_labels().items() if k != "Correct"}  # registry order
 
 
-_PLAIN = matplotlib.ticker.FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.3g}")
-
-
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=130, bbox_inches="tight"))
@@ -37,53 +36,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _xerr(df: pd.DataFrame, value: str = "mean") -> np.ndarray:
-    """Asymmetric error-bar lengths; missing intervals draw no bar (0 length) instead of a fake one."""
-    lo = (df[value] - df["ci_low"]).fillna(0).clip(lower=0).to_numpy()
-    hi = (df["ci_high"] - df[value]).fillna(0).clip(lower=0).to_numpy()
-    return np.vstack([lo, hi])
-
-
-def _padded_limits(df: pd.DataFrame) -> tuple[float, float]:
-    """x-limits spanning 0, the means and the interval ends, padded on both sides (a zero span gets a unit one)."""
-    values = df[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
-    values = np.append(values[np.isfinite(values)], 0.0)
-    lo, hi = float(values.min()), float(values.max())
-    span = hi - lo if hi > lo else max(abs(hi), 1e-3)
-    return lo - 0.12 * span, hi + 0.12 * span
-
-
-def penalties_figure(conditions: pd.DataFrame, path: str | Path, title: str, confidence: float = 0.95) -> Path:
-    """Figure 2: mean ΔNLL per condition with intervals; the structure-removed reference on its own panel with its
-    own linear scale (it is orders of magnitude larger)."""
-    removed = conditions["condition"] == protocol.structure_removed(conditions["condition"])
-    ref, main = conditions[removed], conditions[~removed].iloc[::-1]  # first condition on top
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * max(len(main), 3) + 1.6),
-                             gridspec_kw={"width_ratios": [3, 1.3]})
-    for ax, df, ticks in zip(axes, (main, ref), (5, 3)):  # the narrow reference panel gets few ticks: no overlap
-        if df.empty:
-            ax.set_axis_off()
-            continue
-        ax.set_xlim(*_padded_limits(df))  # room on both sides: points and caps at an extreme are never cut off
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(ticks))
-        y = np.arange(len(df))
-        ax.errorbar(df["mean"], y, xerr=_xerr(df), fmt="o", color="#1f77b4", ecolor="#555555", capsize=4)
-        ax.set_yticks(y, df["label"])
-        ax.axvline(0, color="#999999", lw=0.8, ls="--")
-        ax.set_xlabel("ΔNLL vs Correct (nats/token)")
-        ax.xaxis.set_major_formatter(_PLAIN)  # no offset text: it would collide with the axis label
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_ylim(-0.6, len(df) - 0.2)  # room for the "k/n > 0" note above the top point
-        for yi, r in zip(y, df.itertuples()):
-            if pd.notna(r.n_positive):
-                ax.annotate(f"{int(r.n_positive)}/{int(r.n)} > 0", (r.mean, yi), textcoords="offset points",
-                            xytext=(0, 7), ha="center", fontsize=8, color="#444444")
-    if not ref.empty:
-        axes[1].set_title("structure-removed reference\n(own linear scale)", fontsize=9)
-    axes[0].set_title("assignment and static interventions", fontsize=9)
-    intervals = ("CI across checkpoints" if conditions["level"].iloc[0] == "checkpoint" else
+def penalties_figure(penalties: PenaltiesResult, path: str | Path, title: str) -> Path:
+    """Figure 2: `penalties.plot()` (mean ΔNLL per condition with intervals; the structure-removed reference on its
+    own panel with its own linear scale: it is orders of magnitude larger), titled and written."""
+    fig = penalties.plot().figure
+    intervals = ("CI across checkpoints" if penalties.level == "checkpoint" else
                  "paired-window bootstrap intervals, one checkpoint")
-    fig.suptitle(f"{title}: intervention penalties ({100 * confidence:g}% {intervals})")
+    fig.suptitle(f"{title}: intervention penalties ({100 * penalties.confidence_level:g}% {intervals})")
     return _save(fig, Path(path))
 
 
@@ -113,20 +72,20 @@ def retention_figure(retention: pd.DataFrame, path: str | Path) -> Path:
     df = retention.iloc[::-1]
     fig, ax = plt.subplots(figsize=(10, 0.6 * max(len(df), 2) + 1.6))
     y = np.arange(len(df))
-    pct = df[["retention", "ci_low", "ci_high"]].astype(float) * 100
+    pct = df[["statistic", "ci_low", "ci_high"]].astype(float) * 100
     fams = list(dict.fromkeys(retention["family"]))
     ax.set_yticks(y, [f"{r.family}\n{r.label} vs {r.reference_label}" for r in df.itertuples()], fontsize=8)
     # the numbers sit in a column right of the axes, so they never collide with points or each other
     ax.text(1.02, len(df) - 0.45, "retention [interval]\nΔNLL(S) vs ΔNLL(R), n", transform=ax.get_yaxis_transform(),
             fontsize=8, va="bottom", ha="left", weight="bold")
-    for yi, r, x, l, h in zip(y, df.itertuples(), pct["retention"], *_xerr(pct, "retention")):
+    for yi, r, x, l, h in zip(y, df.itertuples(), pct["statistic"], *error_bars(*pct.to_numpy().T)):
         c = _FAMILY_COLORS[fams.index(r.family) % len(_FAMILY_COLORS)]
         ax.errorbar([x], [yi], xerr=[[l], [h]], fmt="o", color=c, ecolor=c, capsize=4)
         unit = "checkpoints" if r.level == "checkpoint" else "windows"
         ci = ("" if not (np.isfinite(r.ci_low) and np.isfinite(r.ci_high))
               else f" [{100 * r.ci_low:.2f}%, {100 * r.ci_high:.2f}%]")
-        ret = f"{100 * r.retention:.2f}%" if np.isfinite(r.retention) else retention_undefined(r)
-        ax.text(1.02, yi, f"{ret}{ci}\n{r.delta_nll:.4g} vs {r.reference_delta_nll:.4g}, "
+        ret = f"{100 * r.statistic:.2f}%" if np.isfinite(r.statistic) else retention_undefined(r)
+        ax.text(1.02, yi, f"{ret}{ci}\n{r.delta_static:.4g} vs {r.delta_reference:.4g}, "
                 f"n={int(r.n)} {unit}", transform=ax.get_yaxis_transform(), fontsize=8, va="center", ha="left")
     finite = pct.to_numpy()[np.isfinite(pct.to_numpy())]
     if finite.size:
@@ -148,7 +107,7 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
     fams = list(dict.fromkeys(conditions["family"]))
     conds = [c for c in GENERIC if c in set(conditions["condition"])]
     conds += sorted(set(conditions["condition"]) - set(conds))
-    pos = conditions[["mean", "ci_low", "ci_high"]].to_numpy(dtype=float)
+    pos = conditions[["statistic", "ci_low", "ci_high"]].to_numpy(dtype=float)
     pos = pos[np.isfinite(pos) & (pos > 0)]
     floor = 10 ** math.floor(math.log10(pos.min()) - 1) if pos.size else 1e-6
     top = 10 ** math.ceil(math.log10(pos.max()) + 0.3) if pos.size else 1.0
@@ -158,7 +117,7 @@ def log_penalties_figure(conditions: pd.DataFrame, path: str | Path) -> Path:
         color = _FAMILY_COLORS[i % len(_FAMILY_COLORS)]
         for r in conditions[conditions["family"] == fam].itertuples():
             yy = len(conds) - 1 - conds.index(r.condition) + (i - (len(fams) - 1) / 2) * width
-            m, lo, hi = float(r.mean), float(r.ci_low), float(r.ci_high)
+            m, lo, hi = float(r.statistic), float(r.ci_low), float(r.ci_high)
             if m > 0:
                 lo_d = lo if np.isfinite(lo) and lo > 0 else floor
                 hi_d = hi if np.isfinite(hi) else m

@@ -16,14 +16,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fcaudit.auditor.results import later_flips, notice_lines, routing_lines
+from fcaudit.auditor.results import CAUSALITY, TOKEN_ROUTING, Replay
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
                         write_json, write_text)
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
-from fcaudit.summary import Summary, csv_frame, summarize
+from fcaudit.summary import FamilyResult, Summary, csv_frame, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
 
@@ -69,7 +69,7 @@ def discover(inputs: Sequence[str | Path]) -> Found:
             elif f.name == "execution.json" or (f.name == "execution.csv" and not (f.parent / "execution.json").is_file()):
                 found.execution.append(f)  # execution.json holds the csv's rows plus settings: read it alone
     # audits already covered by a summary given alongside them are not summarized twice
-    covered = {Path(a).resolve() for _, s in found.summaries for g in s.groups.values() for a in g.get("audits", [])}
+    covered = {Path(a).resolve() for _, s in found.summaries for fam in s.values() for a in fam.audit_dirs}
     found.audits = sorted({a.resolve() for a in found.audits} - covered)
     if not (found.summaries or found.audits or found.training or found.table1 or found.execution):
         raise FcauditError("found no summary.json, audit directory, training metrics.json or table1.csv under "
@@ -145,11 +145,10 @@ def _inline(text: str) -> str:
     return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
 
 
-def _families(summaries: list[Summary]) -> Iterator[tuple[str, dict]]:
-    """(name, Summary.family(name)) in the order the families were summarized (summary.json sorts its groups)."""
+def _families(summaries: list[Summary]) -> Iterator[tuple[str, FamilyResult]]:
+    """(name, FamilyResult) in the order the families were summarized."""
     for s in summaries:
-        for fam in dict.fromkeys([*s.conditions["family"], *s.groups]):
-            yield fam, s.family(fam)
+        yield from s.items()
 
 
 def _slug(name: str) -> str:
@@ -174,25 +173,28 @@ def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, execution
     rows = [r for e in executions for r in e.rows.to_dict(orient="records")]
     out = []
     for fam, g in _families(summaries):
-        lines = {"variation": verdicts.variation_line(g["variation"], fracs.get(fam)),
+        lines = {"variation": verdicts.variation_line(g.variation, fracs.get(fam)),
                  "functional dependence": verdicts.dependence_line(g),
                  "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
         if not out:
             doc.h(2, "Verdicts: the three questions per model family")
-        doc.p(f"**{fam}** ({g['n_checkpoints']} checkpoint(s), {g['level']}-level intervals)"
-              + (" **[PARTIAL: from unfinished audits]**" if g["partial"] else ""))
+        doc.p(f"**{fam}** ({g.n_checkpoints} checkpoint(s), {g.level}-level intervals)"
+              + (" **[PARTIAL: from unfinished audits]**" if g.partial else ""))
         doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
         out.append({"family": fam, **lines})
     return out
 
 
-def _replay_line(replays: list[dict]) -> str:
+ROUTER_CHECKS = (CAUSALITY, TOKEN_ROUTING)  # said with the replay check; every other notice has its own paragraph
+
+
+def _replay_line(replays: tuple[Replay, ...]) -> str:
     if not replays:
         return "Exact replay: no replay record found in the audit directories."
-    passed = sum(bool(r.get("passed")) for r in replays)
-    worst = max(np.nan if r.get("max_abs_dlogit") is None else float(r["max_abs_dlogit"]) for r in replays)
-    routing = list(dict.fromkeys(line for r in replays for line in routing_lines(r)))
-    if any(later_flips(r) == 0 for r in replays):
+    passed = sum(bool(r.passed) for r in replays)
+    worst = max(np.nan if r.max_abs_dlogit is None else float(r.max_abs_dlogit) for r in replays)
+    routing = list(dict.fromkeys(f.line for r in replays for f in r.findings if f.check in ROUTER_CHECKS and f.line))
+    if any(r.later_token_flips == 0 for r in replays):
         routing.insert(0, "Causality check: no routing decision at an earlier position changed when the last quarter "
                           "of the probe windows did.")
     return (f"Exact replay (controller disabled, cached coefficients replayed unchanged): passed for {passed}/"
@@ -200,13 +202,15 @@ def _replay_line(replays: list[dict]) -> str:
             + "".join(f" {line[0].upper()}{line[1:]}{'' if line.endswith('.') else '.'}" for line in routing))
 
 
-def _family_section(doc: Doc, fam: str, g: dict):
-    slug, n, crit = _slug(fam), g["n_checkpoints"], g["criteria"]
-    conds, facs, rets = g["conditions"], g["factors"], g["retention"]
-    doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g["partial"] else ""))
-    doc.p(f"**{n} checkpoint(s).** {g['note']}")
-    doc.p(_replay_line(g["replay"]))
-    for notice in dict.fromkeys(line for r in g["replay"] for line in notice_lines(r)):
+def _family_section(doc: Doc, fam: str, g: FamilyResult):
+    slug, n, crit = _slug(fam), g.n_checkpoints, g.verdicts()
+    frames = g.frames()
+    conds, facs, rets = frames["conditions"], frames["factors"], frames["retention"]
+    doc.h(2, f"Functional dependence (FCA): {fam}" + (" [PARTIAL]" if g.partial else ""))
+    doc.p(f"**{n} checkpoint(s).** {g.note}")
+    doc.p(_replay_line(g.replays))
+    for notice in dict.fromkeys(f.line for r in g.replays for f in r.findings
+                                if f.check not in ROUTER_CHECKS and f.line and not f.refusal):
         doc.p(notice)
     doc.h(3, "Intervention penalties (Table 2 style)")
     doc.table(tables.fca_display(conds, rets), conds, f"fca_{slug}",
@@ -219,7 +223,7 @@ def _family_section(doc: Doc, fam: str, g: dict):
     if len(facs):
         doc.h(3, "Factor effects (Eq. 5-7)")
         holm_note = (f"p-values: {sign_flip_kind(n)} two-sided sign-flip tests over checkpoints, Holm-adjusted "
-                     "across the three effects." if g["level"] == "checkpoint" else
+                     "across the three effects." if g.level == "checkpoint" else
                      "No p-values: with one checkpoint there are no independent units for a test.")
         doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
                   "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
@@ -230,7 +234,7 @@ def _family_section(doc: Doc, fam: str, g: dict):
     else:
         doc.p("**The audit configuration holds no criteria: the default thresholds below were applied after the "
               "fact and are not prespecified.**")
-    if g["level"] == "window":
+    if g.level == "window":
         doc.p("The bounds are window-level (one checkpoint), not checkpoint-level intervals.")
     doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
 
@@ -241,7 +245,7 @@ def _fractions(summaries: list[Summary]) -> dict[str, dict[str, float]]:
     fracs = {}
     for fam, g in _families(summaries):
         decs = [{k: float(v) for k, v in var["decomposition"].items() if k in figures.VARIANCE_TERMS and v is not None}
-                for var in g["variation"]]
+                for var in g.variation]
         if decs := [d for d in decs if d]:
             fracs[fam] = pd.DataFrame(decs).mean().to_dict()
     return fracs
@@ -251,7 +255,7 @@ def _variation_section(doc: Doc, summaries: list[Summary], fracs: dict[str, dict
     # per layer its scalar columns (layer, mean, sd, site); nested per-slice lists stay in report.json
     profiles = [pd.DataFrame([{k: x for k, x in r.items() if isinstance(x, (int, float, str))} for r in v["layers"]])
                 .assign(family=fam, checkpoint=i)
-                for fam, g in _families(summaries) for i, v in enumerate(g["variation"])]
+                for fam, g in _families(summaries) for i, v in enumerate(g.variation)]
     if not fracs and not profiles:
         return
     doc.h(2, "Coefficient variation (question 1)")
@@ -281,13 +285,12 @@ def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> None:
         return
     doc.h(2, "Figures")
     for fam, g in _families(summaries):
-        if not g["conditions"].empty:
-            doc.img(figures.penalties_figure(g["conditions"], doc.out / f"fig2_penalties_{_slug(fam)}.png", fam,
-                                             g["confidence"]),
+        if len(pen := g.penalties()):
+            doc.img(figures.penalties_figure(pen, doc.out / f"fig2_penalties_{_slug(fam)}.png", fam),
                     f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed reference "
                     "on its own linear scale.")
     if fracs:
-        missing = [f"{fam} ({verdicts.variation_line(g['variation'], None)})"
+        missing = [f"{fam} ({verdicts.variation_line(g.variation, None)})"
                    for fam, g in _families(summaries) if fam not in fracs]
         doc.img(figures.variance_figure(fracs, doc.out / "fig3_variance.png"),
                 "Figure 3: variance decomposition of the controller coefficients per model."

@@ -1,5 +1,5 @@
 """The paper's tables as DataFrames (Table 1 from training runs' metrics.json; the FCA table, factor effects and
-criteria from a `fcaudit.summary.Summary`) and their Markdown/HTML rendering."""
+criteria from a `fcaudit.summary.Summary`'s tables) and their Markdown/HTML rendering."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from fcaudit.errors import FcauditError
-from fcaudit.summary import WINDOW_LEVEL, met_word
+from fcaudit.stats.results import WINDOW_LEVEL, met_word
 
 # Display names of the training variants (Table 1 "Method" column).
 METHOD_NAMES = {
@@ -99,7 +99,7 @@ def fca_display(conditions: pd.DataFrame, retention: pd.DataFrame) -> pd.DataFra
     """Paper Table 2 style: condition, mean ΔNLL, interval, MC SE, retention (with its interval)."""
     ret = {r.condition: r for r in retention.itertuples()}
     return pd.DataFrame([{
-        "Condition": r.label, "Mean ΔNLL": fmt(r.mean), "95% interval": fmt_interval(r.ci_low, r.ci_high),
+        "Condition": r.label, "Mean ΔNLL": fmt(r.statistic), "95% interval": fmt_interval(r.ci_low, r.ci_high),
         "MC SE": fmt(r.mc_se), "Positive": "—" if pd.isna(r.n_positive) else f"{int(r.n_positive)}/{int(r.n)}",
         "p (sign-flip)": fmt_p(r.pvalue), "Retention": _retention_cell(ret.get(r.condition)),
     } for r in conditions.itertuples()])
@@ -117,14 +117,14 @@ def retention_undefined(rt) -> str:
 def _retention_cell(rt) -> str:
     if rt is None:
         return "—"
-    if pd.isna(rt.retention):  # Eq. 8 needs the reference's interval above the practically-small bound
+    if pd.isna(rt.statistic):  # Eq. 8 needs the reference's interval above the practically-small bound
         return retention_undefined(rt)
-    return f"{fmt_pct(rt.retention)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]"
+    return f"{fmt_pct(rt.statistic)} [{fmt_pct(rt.ci_low)}, {fmt_pct(rt.ci_high)}]"
 
 
 def factors_display(factors: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
-        "Effect": factors["label"], "Estimate": [fmt(x) for x in factors["mean"]],
+        "Effect": factors["label"], "Estimate": [fmt(x) for x in factors["statistic"]],
         "95% interval": [fmt_interval(a, b) for a, b in zip(factors["ci_low"], factors["ci_high"])],
         "p (raw)": [fmt_p(p) for p in factors["pvalue"]], "p (Holm)": [fmt_p(p) for p in factors["pvalue_holm"]],
     })

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from fcaudit import protocol
-from fcaudit.auditor.results import LATER_TOKENS, later_flips
+from fcaudit.auditor.results import LATER_TOKENS
 from fcaudit.io import read_json
 from fcaudit.report.figures import VARIANCE_TERMS
 from fcaudit.report.tables import fmt_g, fmt_pct, missing
-from fcaudit.summary import met_word
+from fcaudit.stats.results import met_word
+from fcaudit.summary import FamilyResult
 
 
 def variation_line(variations: list[dict], fractions: dict[str, float] | None) -> str:
@@ -28,30 +29,30 @@ def variation_line(variations: list[dict], fractions: dict[str, float] | None) -
             f"interactions {fmt_pct(rest, 1)} (balanced ANOVA, descriptive)")
 
 
-def dependence_line(fam: dict) -> str:
-    conds, rets = fam["conditions"].set_index("condition"), fam["retention"].set_index("condition")
+def dependence_line(fam: FamilyResult) -> str:
+    pen = fam.penalties()
+    labels = dict(zip(pen.names, pen.labels))
     parts = []
-    assignment = [c for c in ("CrossInput", "TokenShuffle") if c in conds.index]
+    assignment = [c for c in ("CrossInput", "TokenShuffle") if c in pen]
     if assignment:
-        parts.append(", ".join(f"{conds.loc[c, 'label']} ΔNLL {fmt_g(conds.loc[c, 'mean'])}" for c in assignment))
-    # the static profile (token routers: StaticTopK, the static condition they are offered) against Eq. 8's R
-    static = next((c for c in ("StaticProfile", "StaticTopK") if c in conds.index), None)
-    reference = protocol.structure_removed(conds.index)
-    if static is not None:
-        s = conds.loc[static]
-        text = f"{s['label']} {fmt_g(s['mean'])} [{fmt_g(s['ci_low'])}, {fmt_g(s['ci_high'])}]"
+        parts.append(", ".join(f"{labels.get(c, c)} ΔNLL {fmt_g(pen[c].statistic)}" for c in assignment))
+    # the controller's own static condition (routers: StaticTopK) against Eq. 8's R
+    reference = protocol.structure_removed(pen.names)
+    if fam.static in pen.names:
+        s = pen[fam.static]
+        text = (f"{labels.get(fam.static, fam.static)} {fmt_g(s.statistic)} [{fmt_g(s.confidence_interval.low)}, "
+                f"{fmt_g(s.confidence_interval.high)}]")
         if reference is not None:
-            text += f" vs {conds.loc[reference, 'label']} {fmt_g(conds.loc[reference, 'mean'])}"
-        if static in rets.index:
-            r = rets.loc[static]
-            value = (f"undefined ({r['note'] or 'no clear gap to retain'})" if missing(r["retention"])
-                     else fmt_pct(r["retention"], 1))
-            ci = "" if missing(r["ci_low"]) or missing(r["ci_high"]) else \
-                f" [{fmt_pct(r['ci_low'], 1)}, {fmt_pct(r['ci_high'], 1)}]"
+            text += f" vs {labels.get(reference, reference)} {fmt_g(pen[reference].statistic)}"
+        if (r := {r.condition: r for r in fam.statistics().retentions()}.get(fam.static)) is not None:
+            value = (f"undefined ({r.note or 'no clear gap to retain'})" if missing(r.statistic)
+                     else fmt_pct(r.statistic, 1))
+            low, high = r.confidence_interval
+            ci = "" if missing(low) or missing(high) else f" [{fmt_pct(low, 1)}, {fmt_pct(high, 1)}]"
             text += f", retention {value}{ci}"
         parts.append(text)
-    crit = "; ".join(f"{c['name']}: {met_word(c['met'])}" for c in fam["criteria"])
-    flips = [later_flips(r) for r in fam["replay"] if later_flips(r)]
+    crit = "; ".join(f"{c['name']}: {met_word(c['met'])}" for c in fam.verdicts())
+    flips = [r.later_token_flips for r in fam.replays if r.later_token_flips]
     if flips:
         parts.append(f"{LATER_TOKENS} ({', '.join(map(str, flips))} decisions at earlier positions changed with the "
                      "last quarter of the probe windows: the Correct baseline uses future tokens)")
@@ -63,9 +64,9 @@ def _resolved(p: str | None) -> str:
     return str(Path(p).resolve()) if p else ""
 
 
-def audited_checkpoints(fam: dict) -> set[str]:
+def audited_checkpoints(fam: FamilyResult) -> set[str]:
     """The checkpoints the family's audits ran on (from each audit's config.json)."""
-    configs = [read_json(cfg) for a in fam["audits"] if (cfg := Path(a) / "config.json").is_file()]
+    configs = [read_json(cfg) for a in fam.audit_dirs if (cfg := Path(a) / "config.json").is_file()]
     return {_resolved(ckpt) for c in configs if (ckpt := c["model"].get("checkpoint"))}
 
 

@@ -28,11 +28,24 @@ class ConfidenceInterval(NamedTuple):
 
 @dataclass(frozen=True)
 class Estimate:
-    """A point estimate with its interval, like scipy.stats result objects (prints usefully, converts to JSON)."""
+    """A point estimate with its interval, like scipy.stats result objects (prints usefully, converts to JSON).
+
+    Its fields are the columns of every result table: `statistic`, `confidence_interval.low` / `.high` (`ci_low`,
+    `ci_high`), `pvalue` (nan where there is no test) and `n` (the units resampled).
+
+    Examples
+    --------
+    >>> from fcaudit.stats.inference import checkpoint_bootstrap
+    >>> est = checkpoint_bootstrap([0.5, 0.7, 0.6, 0.8, 0.9], n_resamples=1000)
+    >>> est.statistic, est.n, est.pvalue
+    (0.7, 5, 0.0625)
+    >>> sorted(est.to_dict())
+    ['ci_high', 'ci_low', 'confidence_level', 'method', 'n', 'pvalue', 'statistic']
+    """
 
     statistic: float
     confidence_interval: ConfidenceInterval
-    pvalue: float | None = None
+    pvalue: float = math.nan
     n: int = 0
     method: str = ""
     confidence_level: float = 0.95
@@ -42,16 +55,16 @@ class Estimate:
         return bool(np.isfinite(self.confidence_interval.low) and np.isfinite(self.confidence_interval.high))
 
     def to_dict(self) -> dict:
-        """JSON-ready; nan becomes None."""
+        """JSON-ready, with the result tables' names; nan becomes None."""
         low, high = self.confidence_interval
-        return finite_json({"statistic": float(self.statistic), "low": float(low), "high": float(high),
-                            "pvalue": self.pvalue, "n": int(self.n), "method": self.method,
+        return finite_json({"statistic": float(self.statistic), "ci_low": float(low), "ci_high": float(high),
+                            "pvalue": float(self.pvalue), "n": int(self.n), "method": self.method,
                             "confidence_level": float(self.confidence_level)})
 
     def __str__(self) -> str:
         low, high = self.confidence_interval
         ci = f"[{low:.6g}, {high:.6g}] {self.confidence_level:.0%} CI" if self.has_interval else "no interval"
-        p = "" if self.pvalue is None else f", p={self.pvalue:.4g}"
+        p = f", p={self.pvalue:.4g}" if math.isfinite(self.pvalue) else ""
         return f"{self.statistic:.6g} {ci} (n={self.n}{p}; {self.method})"
 
 
@@ -76,11 +89,11 @@ def _percentile_bootstrap(data: tuple, statistic: Callable, confidence: float, n
 def _mean_estimate(x, confidence, n_resamples, seed, unit: str) -> Estimate:
     x = _sample(x)
     if x.size < 2:
-        return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), None, 1,
+        return Estimate(float(x.mean()), ConfidenceInterval(math.nan, math.nan), math.nan, 1,
                         f"single {unit}: no interval", confidence)
     ci = _percentile_bootstrap((x,), np.mean, confidence, n_resamples, seed)
     method = f"percentile bootstrap of the mean over {x.size} {unit}s ({n_resamples} resamples)"
-    return Estimate(float(x.mean()), ci, None, int(x.size), method, confidence)
+    return Estimate(float(x.mean()), ci, math.nan, int(x.size), method, confidence)
 
 
 def paired_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
@@ -171,7 +184,7 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
         why = (f"the reference ΔNLL {r.mean():.3g} has {100 * confidence:g}% interval [{lo:.3g}, {hi:.3g}], not above "
                f"the practically-small bound {bound:g}" if ref.has_interval
                else f"a single {unit} gives the reference ΔNLL no interval")
-        return Estimate(math.nan, nan, None, int(s.size), why, confidence)
+        return Estimate(math.nan, nan, math.nan, int(s.size), why, confidence)
     point = float(retention(s.mean(), r.mean()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -181,4 +194,4 @@ def retention_bootstrap(delta_static, delta_reference, criteria: Criteria | None
     method = f"percentile bootstrap of the retention of means over {s.size} {level} ({n_resamples} resamples)"
     if not (np.isfinite(ci.low) and np.isfinite(ci.high)):  # a resample with mean reference <= 0
         ci, method = nan, method + "; interval undefined: some resamples have a reference ΔNLL <= 0"
-    return Estimate(point, ci, None, int(s.size), method, confidence)
+    return Estimate(point, ci, math.nan, int(s.size), method, confidence)

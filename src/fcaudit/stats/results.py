@@ -1,44 +1,99 @@
-"""One checkpoint's window-level statistics (`WindowStatistics`, shared by `AuditResult` and `fcaudit summarize`) and
-their result objects in the scipy style: statistic, confidence_interval and pvalue, a repr that prints a table of
-numbers already computed (no I/O), and `to_frame()`."""
+"""The result objects, one vocabulary from one audit to a family of checkpoints: per-condition results are Mappings
+from name to `Estimate` (scipy's style: `statistic`, `confidence_interval`, `pvalue`, `n`), whose `to_frame()` has
+the columns `label, statistic, ci_low, ci_high, pvalue, n` (then `mc_se` and what the table adds); they print a
+table of numbers already computed (no I/O), show themselves in notebooks and plot. `Results` is what one audit and
+a summary's family share: `penalties()`, `factor_effects()`, `retention()` and the prespecified criteria's verdicts,
+each computed once per (confidence, resamples) from the window-level (`WindowStatistics`) or checkpoint-level
+(`CheckpointStatistics`, fcaudit.stats.levels) statistics."""
 
 from __future__ import annotations
 
+import html
 import math
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
-from typing import ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
 
-from fcaudit import protocol
-from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
-from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas
-from fcaudit.stats.inference import ConfidenceInterval, Estimate, mc_se, paired_bootstrap, retention_bootstrap
-
-BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
+from fcaudit.stats import plots
+from fcaudit.stats.inference import ConfidenceInterval, Estimate
 FACTOR_LABELS = {"input": "E_input", "token": "E_token", "interaction": "E_interaction"}
+VOCABULARY = ("label", "statistic", "ci_low", "ci_high", "pvalue", "n")  # every result table's first columns
+WINDOW_LEVEL = "window-level (one checkpoint)"
 
+
+# ---- display -----------------------------------------------------------------------------------------------------
 
 def _signed(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:+.4g}"
 
 
-def _interval(ci: ConfidenceInterval) -> str:
-    return (f"[{_signed(ci.low)}, {_signed(ci.high)}]" if math.isfinite(ci.low) and math.isfinite(ci.high)
-            else "no interval")
+def _interval(low: float, high: float) -> str:
+    return f"[{_signed(low)}, {_signed(high)}]" if math.isfinite(low) and math.isfinite(high) else "no interval"
 
+
+def _blank(x: float, spec: str) -> str:
+    return "" if not math.isfinite(x) else format(x, spec)
+
+
+def text_table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Columns padded to their widest cell: the first left-aligned (a name), the others right-aligned (numbers)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [(indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            .rstrip() for r in [header, *rows]]
+
+
+def html_table(header: list[str], rows: list[list[str]], caption: str = "") -> str:
+    cap = f"<caption style='text-align:left'>{html.escape(caption)}</caption>" if caption else ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in header)
+    body = "".join("<tr>" + "".join(f"<td{'' if i == 0 else ' style=text-align:right'}>{html.escape(c)}</td>"
+                                    for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def html_lines(lines: Iterable[str]) -> str:
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return f"<ul>{items}</ul>" if items else ""
+
+
+# ---- per-quantity results ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, repr=False, eq=False)
-class _Estimates:
-    """Estimates of named quantities in order: scipy-style arrays over them, and one `Estimate` per name."""
+class Estimates(Mapping):
+    """Estimates of named quantities in order: a Mapping from name to `Estimate` (a display label works in `[...]`
+    too), scipy-style arrays over them (`statistic`, `confidence_interval`, `pvalue`, `n`), `to_frame()`, `plot()`.
+
+    Results compare by identity; `dict(result)` gives the name -> Estimate pairs."""
 
     names: tuple[str, ...]
     labels: tuple[str, ...]
     estimates: tuple[Estimate, ...]
     mc_se: np.ndarray  # Monte Carlo SE across randomizations; nan where there is none
+    n_positive: np.ndarray  # checkpoints with a value above 0 (checkpoint level); nan at window level
+    level: str  # the units resampled: "window" (one audit) or "checkpoint" (a summary's family)
+
+    _index: ClassVar[str] = "name"
+    _what: ClassVar[str] = ""
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __getitem__(self, name: str) -> Estimate:
+        """The estimate of one quantity, by name (CrossInput, input) or display label (LayerMean, E_input)."""
+        for key in (self.names, self.labels):
+            if name in key:
+                return self.estimates[key.index(name)]
+        raise KeyError(f"{name!r} is not one of {list(self.names)}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
     @property
     def statistic(self) -> np.ndarray:
@@ -51,8 +106,9 @@ class _Estimates:
 
     @property
     def pvalue(self) -> np.ndarray:
-        """nan throughout: windows of one checkpoint are not independent units for a test."""
-        return np.full(len(self.estimates), math.nan)
+        """Two-sided sign-flip p-values over checkpoints; nan at window level (windows of one checkpoint are not
+        independent units for a test)."""
+        return np.array([e.pvalue for e in self.estimates], dtype=float)
 
     @property
     def n(self) -> np.ndarray:
@@ -62,87 +118,145 @@ class _Estimates:
     def confidence_level(self) -> float:
         return self.estimates[0].confidence_level if self.estimates else math.nan
 
-    def __getitem__(self, name: str) -> Estimate:
-        """The estimate of one quantity, by name (CrossInput, input) or display label (LayerMean, E_input)."""
-        for n, label, e in zip(self.names, self.labels, self.estimates):
-            if name in (n, label):
-                return e
-        raise KeyError(f"{name!r} is not one of {list(self.names)}")
+    def _extra(self) -> dict[str, np.ndarray]:
+        """The columns after mc_se that this result's table adds."""
+        return {}
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per quantity, indexed by name: label, statistic, ci_low, ci_high, pvalue, n, mc_se, then the
+        columns of this result (see its class)."""
+        low, high = self.confidence_interval
+        return pd.DataFrame({"label": list(self.labels), "statistic": self.statistic, "ci_low": low, "ci_high": high,
+                             "pvalue": self.pvalue, "n": self.n, "mc_se": self.mc_se, **self._extra()},
+                            index=pd.Index(list(self.names), name=self._index))
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame, level: str, confidence: float) -> "Estimates":
+        """The result `to_frame()` wrote (indexed by name, or with the name as a column), e.g. read back from a
+        summary's JSON (there without the estimates' `method`)."""
+        f = frame.set_index(cls._index) if cls._index in frame.columns else frame
+        estimates = tuple(Estimate(float(r.statistic), ConfidenceInterval(float(r.ci_low), float(r.ci_high)),
+                                   float(r.pvalue), int(r.n), "", confidence) for r in f.itertuples())
+        own = {k.name: f[k.name].to_numpy(dtype=float) for k in fields(cls)[len(fields(Estimates)):]}
+        return cls(tuple(f.index), tuple(f["label"]), estimates, f["mc_se"].to_numpy(dtype=float),
+                   f["n_positive"].to_numpy(dtype=float), level, **own)
+
+    def _title(self) -> str:
+        pct, units = f"{100 * self.confidence_level:g}%", "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
+        how = (f"{pct} bootstrap intervals over {units} checkpoints, two-sided sign-flip p-values"
+               if self.level == "checkpoint" else f"{pct} paired-window bootstrap intervals over {units} windows")
+        return f"{type(self).__name__}: {self._what}, {how}"
+
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        """The table's header and rows, as the repr and the notebook show them (columns without values left out)."""
+        low, high = self.confidence_interval
+        extra = self._extra()
+        cols = {self._index: list(self.labels), "ΔNLL": [_signed(x) for x in self.statistic],
+                f"{100 * self.confidence_level:g}% interval": [_interval(a, b) for a, b in zip(low, high)],
+                "p": [_blank(x, ".4g") for x in self.pvalue],
+                "p (Holm)": [_blank(x, ".4g") for x in extra.get("pvalue_holm", ())],
+                "> 0": ["" if not math.isfinite(k) else f"{int(k)}/{n}" for k, n in zip(self.n_positive, self.n)],
+                "MC SE": [_blank(x, ".2g") for x in self.mc_se],
+                "active": [_blank(x, ".3g") for x in extra.get("active", ())]}
+        cols = {k: v for k, v in cols.items() if k == self._index or any(v)}
+        return list(cols), [list(r) for r in zip(*cols.values())]
 
     def __repr__(self) -> str:
-        windows = "/".join(map(str, sorted(set(self.n.tolist())))) or "0"
-        width = max((len(label) for label in self.labels), default=0)
-        return "\n".join([f"{type(self).__name__}: {self._what}, {100 * self.confidence_level:g}% paired-window "
-                          f"bootstrap intervals over {windows} windows",
-                          *[(f"  {label:<{width}}  {_signed(e.statistic):>11} {_interval(e.confidence_interval):<26}"
-                             + ("" if not math.isfinite(se) else f"  MC SE {se:.2g}")).rstrip()
-                            for label, e, se in zip(self.labels, self.estimates, self.mc_se)]])
+        header, rows = self._cells()
+        return "\n".join([self._title(), *text_table(header, rows)])
+
+    def _repr_html_(self) -> str:
+        return html_table(*self._cells(), caption=self._title())
 
 
 @dataclass(frozen=True, repr=False, eq=False)
-class PenaltiesResult(_Estimates):
-    """Mean ΔNLL vs Correct per condition (Eq. 4), with paired-window bootstrap intervals and MC SE.
+class PenaltiesResult(Estimates):
+    """Mean ΔNLL vs Correct per condition (Eq. 4), with intervals, Monte Carlo SE and the active sources.
 
-    What `AuditResult.penalties()` returns: arrays over the conditions (`statistic`, `confidence_interval`, `pvalue`,
-    `n`, `mc_se`), one `Estimate` per condition by name or label, and `to_frame()`. `pvalue` is nan throughout:
-    windows of one checkpoint are not independent units for a test (`fca.summarize` tests across checkpoints).
+    What `penalties()` returns, for one audit (paired-window bootstrap intervals) and for a summary's family
+    (percentile bootstrap intervals over checkpoints, two-sided sign-flip p-values and the count of positive
+    checkpoints). A Mapping from condition name to `Estimate` (a label works in `[...]`), with arrays over the
+    conditions and `to_frame()`: label, statistic, ci_low, ci_high, pvalue, n, mc_se, n_positive, active.
 
     Attributes
     ----------
     names, labels : tuple of str
         The conditions, in registry order, and their display labels.
     mc_se : numpy.ndarray
-        Monte Carlo SE across randomizations (nan for a condition that is not randomized).
-    randomizations : tuple of int
-        Randomizations each condition's mean is over.
+        Monte Carlo SE across randomizations (nan for a condition that is not randomized); across checkpoints the
+        mean within-checkpoint one.
+    n_positive : numpy.ndarray
+        Checkpoints with a positive mean ΔNLL (nan at window level).
     active : numpy.ndarray
-        Mean active sources (experts) per token under each condition.
+        Mean active sources (experts; token routers: the fraction of tokens chosen) per token of each condition.
+    level : str
+        "window" or "checkpoint".
 
     Examples
     --------
     >>> pen = result.penalties()
-    >>> low, high = pen.confidence_interval  # arrays over pen.names
-    >>> pen.names[:2], low.shape == pen.statistic.shape
-    (('CrossInput', 'TokenShuffle'), True)
-    >>> pen["CrossInput"].confidence_level
-    0.95
+    >>> list(pen)[:2], "StaticProfile" in pen, len(pen)
+    (['CrossInput', 'TokenShuffle'], True, 7)
+    >>> low, high = pen.confidence_interval  # arrays over the conditions
+    >>> pen["CrossInput"].confidence_level, low.shape == pen.statistic.shape
+    (0.95, True)
+    >>> pen.to_frame().columns.tolist()
+    ['label', 'statistic', 'ci_low', 'ci_high', 'pvalue', 'n', 'mc_se', 'n_positive', 'active']
+    >>> ax = pen.plot()  # Figure 2: points with intervals, the reference on its own scale
     """
 
-    randomizations: tuple[int, ...] = ()
-    active: np.ndarray = field(default_factory=lambda: np.array([]))
+    active: np.ndarray
+    _index: ClassVar[str] = "condition"
     _what: ClassVar[str] = "mean ΔNLL vs Correct per condition (nats per predicted token)"
 
-    def to_frame(self) -> pd.DataFrame:
-        """One row per condition: label, n, mean, ci_low, ci_high, mc_se, randomizations, active."""
-        low, high = self.confidence_interval
-        return pd.DataFrame({"condition": list(self.names), "label": list(self.labels), "n": self.n,
-                             "mean": self.statistic, "ci_low": low, "ci_high": high, "mc_se": self.mc_se,
-                             "randomizations": np.array(self.randomizations, dtype=np.int64), "active": self.active})
+    def _extra(self) -> dict[str, np.ndarray]:
+        return {"n_positive": self.n_positive, "active": self.active}
+
+    def plot(self, ax=None, *, reference_ax=None):
+        """Figure 2: each condition's mean ΔNLL with its interval; the structure-removed reference on its own
+        linear scale, on `reference_ax` (default: a panel beside `ax`, or a new figure of both).
+
+        Returns
+        -------
+        matplotlib.axes.Axes
+            The conditions' panel.
+        """
+        return plots.penalties(self, ax, reference_ax)
 
 
 @dataclass(frozen=True, repr=False, eq=False)
-class FactorEffectsResult(_Estimates):
+class FactorEffectsResult(Estimates):
     """E_input, E_token, E_interaction (Eq. 5-7): factorial contrasts, not an additive split into mechanisms.
 
-    What `AuditResult.factor_effects()` returns, shaped like `PenaltiesResult`: arrays over the three effects, one
-    `Estimate` per effect by name ("input") or label ("E_input"), and `to_frame()`.
+    What `factor_effects()` returns, shaped like `PenaltiesResult`: a Mapping from effect ("input", "token",
+    "interaction"; or its label "E_input", ...) to `Estimate`, and `to_frame()`: label, statistic, ci_low, ci_high,
+    pvalue, n, mc_se, pvalue_holm (Holm across the three effects, checkpoint level), n_positive.
 
     Examples
     --------
     >>> fx = result.factor_effects()
-    >>> fx.labels
-    ('E_input', 'E_token', 'E_interaction')
+    >>> list(fx), fx.labels
+    (['input', 'token', 'interaction'], ('E_input', 'E_token', 'E_interaction'))
     >>> fx["E_input"].n  # windows its interval is over
     4
+    >>> ax = fx.plot()
     """
 
+    pvalue_holm: np.ndarray
+    _index: ClassVar[str] = "effect"
     _what: ClassVar[str] = "factor effects (ΔNLL, paired CC/DC/CS/DS cells)"
 
-    def to_frame(self) -> pd.DataFrame:
-        """One row per effect (index input, token, interaction): mean, ci_low, ci_high, mc_se, n."""
-        low, high = self.confidence_interval
-        return pd.DataFrame({"effect": list(self.names), "mean": self.statistic, "ci_low": low, "ci_high": high,
-                             "mc_se": self.mc_se, "n": self.n}).set_index("effect")
+    def _extra(self) -> dict[str, np.ndarray]:
+        return {"pvalue_holm": self.pvalue_holm, "n_positive": self.n_positive}
+
+    def plot(self, ax=None):
+        """The three effects with their intervals on one axis.
+
+        Returns
+        -------
+        matplotlib.axes.Axes
+        """
+        return plots.effects(self, ax)
 
 
 def retention_value(retention: float, low: float, high: float, note: str) -> str:
@@ -160,9 +274,10 @@ def retention_value(retention: float, low: float, high: float, note: str) -> str
 class RetentionResult:
     """Retention(S) = 1 - ΔNLL(S)/ΔNLL(R) (Eq. 8) with its paired interval, beside both absolute ΔNLLs.
 
-    What `AuditResult.retention(...)` returns. Undefined (statistic nan, the reason in `reason`) unless the
-    reference's interval lies above the criteria's practically-small bound (`bound`): below it, removing all
-    structure is itself negligible and the ratio says nothing.
+    What `retention(...)` returns. Undefined (statistic nan, the reason in `reason`) unless the reference's interval
+    lies above the criteria's practically-small bound (`bound`): below it, removing all structure is itself
+    negligible and the ratio says nothing. `to_frame()`: label, statistic, ci_low, ci_high, pvalue (nan: retention is
+    not tested), n, reference, reference_label, delta_static, delta_reference, bound, note.
 
     Attributes
     ----------
@@ -179,9 +294,9 @@ class RetentionResult:
 
     Examples
     --------
-    >>> ret = result.retention("StaticProfile")
-    >>> ret.level, ret.bound
-    ('window', 0.002)
+    >>> ret = result.retention()  # the controller's own static condition
+    >>> ret.condition, ret.level, ret.bound
+    ('StaticProfile', 'window', 0.002)
     >>> ret.defined or ret.reason != ""  # a number, or the reason there is none
     True
     """
@@ -205,8 +320,8 @@ class RetentionResult:
         return self.estimate.confidence_interval
 
     @property
-    def pvalue(self) -> None:
-        return None  # retention is reported with its interval, not tested
+    def pvalue(self) -> float:
+        return math.nan  # retention is reported with its interval, not tested
 
     @property
     def n(self) -> int:
@@ -236,101 +351,252 @@ class RetentionResult:
     def __repr__(self) -> str:
         return f"RetentionResult({self.line()}; n={self.n} {self.level}s)"
 
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(repr(self))}</p>"
+
     def to_frame(self) -> pd.DataFrame:
-        """One row: retention, its interval, both ΔNLLs, the reference, n and the note column of the tables."""
+        """One row, indexed by the condition: the result tables' columns, then the reference, both ΔNLLs, the bound
+        and the note."""
         low, high = self.confidence_interval
-        return pd.DataFrame([{"condition": self.condition, "label": self.label, "retention": self.statistic,
-                              "ci_low": low, "ci_high": high, "delta_static": self.delta_static,
-                              "delta_reference": self.delta_reference, "reference": self.reference_label,
-                              "n": self.n, "note": self.note}])
+        return pd.DataFrame([{"label": self.label, "statistic": self.statistic, "ci_low": low, "ci_high": high,
+                              "pvalue": self.pvalue, "n": self.n, "reference": self.reference,
+                              "reference_label": self.reference_label, "delta_static": self.delta_static,
+                              "delta_reference": self.delta_reference, "bound": self.bound, "note": self.note}],
+                            index=pd.Index([self.condition], name="condition"))
+
+    @classmethod
+    def from_row(cls, row: Mapping, level: str, confidence: float) -> "RetentionResult":
+        """A row of `to_frame()` (with its condition), e.g. read back from a summary's JSON."""
+        est = Estimate(float(row["statistic"]), ConfidenceInterval(float(row["ci_low"]), float(row["ci_high"])),
+                       math.nan, int(row["n"]), str(row["note"] or ""), confidence)
+        return cls(row["condition"], row["label"], row["reference"], row["reference_label"], est,
+                   float(row["delta_static"]), float(row["delta_reference"]), float(row["bound"]), level)
 
 
-def retention_of(table: pd.DataFrame, condition: str, labels: dict[str, str], criteria: Criteria, unit: str,
-                 n_resamples: int = 10000) -> RetentionResult:
-    """Retention of `condition` against the structure-removed reference, over the units (rows of `table`: windows or
-    checkpoints) that have both conditions' ΔNLL."""
-    reference = protocol.structure_removed(table.columns)  # the callers check that there is one
-    pair = table[[condition, reference]].dropna()
-    s, r = pair[condition].to_numpy(), pair[reference].to_numpy()
-    est = retention_bootstrap(s, r, criteria, n_resamples, BOOT_SEED, unit)
-    return RetentionResult(condition, labels.get(condition, condition), reference, labels.get(reference, reference),
-                           est, float(s.mean()), float(r.mean()), max(float(criteria.small_upper), 0.0), unit)
+def own_static(conditions: Iterable[str], declared: str | None = None) -> str:
+    """The controller's own static condition, which `retention()` and the criteria judge: the one its audit declares
+    (config.json's controller.static), else, for audits written before it did, StaticTopK where it ran (it is offered
+    to routers only), else StaticProfile."""
+    if declared:
+        return declared
+    return "StaticTopK" if "StaticTopK" in set(conditions) else "StaticProfile"
 
 
-@dataclass(eq=False)
-class WindowStatistics:
-    """One checkpoint's penalties, factor effects and retention from its records, with paired-window bootstrap
-    intervals (a window's ΔNLL averaged over randomizations is one unit): stability across evaluation windows, not
-    uncertainty across trained checkpoints. `complete=False`: a partial audit's records."""
+# ---- the prespecified criteria ---------------------------------------------------------------------------------
 
-    records: pd.DataFrame
-    labels: dict[str, str] = field(default_factory=protocol.default_labels)
-    criteria: Criteria = field(default_factory=Criteria)
-    complete: bool = True
-    n_resamples: int = 10000
+def met_word(met: bool | None) -> str:
+    """A criterion's verdict in words (None: the number it needs does not exist)."""
+    return {True: "met", False: "not met"}.get(met, "not evaluable")
 
-    @cached_property
-    def _deltas(self) -> pd.DataFrame:
-        d = delta_nll(self.records)
-        if d.empty:
-            raise FcauditError("the audit records hold no intervention conditions; rerun `fcaudit audit` to complete it")
-        return d
 
-    @cached_property
-    def per_window(self) -> pd.DataFrame:
-        """ΔNLL per window (rows) and condition (columns, registry order), averaged over randomizations."""
-        wide = mean_deltas(self._deltas, "example")
-        return wide[sorted(wide.columns, key=protocol.order)]
+def judge(penalties: PenaltiesResult, retention: RetentionResult | None, criteria: Criteria,
+          static: str) -> list[dict]:
+    """The two prespecified verdicts on the controller's own static condition `static`: is its ΔNLL practically
+    small (its interval's upper bound below the criteria's bound), and is its retention high (the lower bound above
+    the criteria's)? `met` is None where the needed bound does not exist."""
+    pct, ran = f"{100 * criteria.confidence:g}%", static in penalties.names
+    label = penalties.labels[penalties.names.index(static)] if ran else static
+    out = []
+    for name, quantity, bound, level, threshold, shown, above in (
+            ("practically small", "ΔNLL", penalties[static].confidence_interval.high if ran else math.nan,
+             penalties.level if ran else None, criteria.small_upper, f"{criteria.small_upper:g}", False),
+            ("high retention", "retention", retention.confidence_interval.low if retention else math.nan,
+             retention.level if retention else None, criteria.retention_lower,
+             f"{100 * criteria.retention_lower:g}%", True)):
+        finite = math.isfinite(bound)
+        out.append({"name": name, "quantity": f"{static} {quantity}", "label": label,
+                    "rule": f"{'lower' if above else 'upper'} {pct} bound of the {static} {quantity} "
+                            f"{'>' if above else '<'} {shown}",
+                    "threshold": threshold, "bound": float(bound) if finite else None,
+                    "met": (bound > threshold if above else bound < threshold) if finite else None,
+                    "level": WINDOW_LEVEL if level == "window" else level})
+    return out
 
-    @cached_property
-    def randomization_means(self) -> pd.DataFrame:
-        """ΔNLL per randomization (rows) and condition, averaged over windows: the input of the MC SE."""
-        return mean_deltas(self._deltas, "randomization")
 
-    @cached_property
-    def active(self) -> pd.Series:
-        """Mean active sources (experts) per token of each condition; empty for records from before the column."""
-        return (self.records.groupby("condition")["active"].mean() if "active" in self.records
-                else pd.Series(dtype=float))
+def verdict_line(v: dict) -> str:
+    return f"criterion '{v['name']}' ({v['rule']}; {v['level'] or 'no interval'}): {met_word(v['met'])}"
 
-    def _bootstrap(self, x) -> Estimate:
-        return paired_bootstrap(x, confidence=self.criteria.confidence, n_resamples=self.n_resamples, seed=BOOT_SEED)
 
-    def penalties(self) -> PenaltiesResult:
-        rand, names = self.randomization_means, tuple(self.per_window.columns)
-        return PenaltiesResult(
-            names, tuple(self.labels.get(c, c) for c in names),
-            tuple(self._bootstrap(self.per_window[c].dropna().to_numpy()) for c in names),
-            np.array([mc_se(rand[c]) for c in names], dtype=float),
-            tuple(int(rand[c].notna().sum()) for c in names),
-            np.array([float(self.active.get(c, math.nan)) for c in names], dtype=float))
+# ---- what an audit and a family of audits share ----------------------------------------------------------------
 
-    @property
-    def has_factorial(self) -> bool:
-        return all(c in self.per_window.columns for c in protocol.factorial().values())
+class Results:
+    """The statistics of one audit (`AuditResult`) or of one family of audits (a summary's `FamilyResult`), under the
+    same names: `penalties()`, `factor_effects()`, `retention()`, the criteria's `verdicts()`, a printout
+    (`str()`) and a notebook display. Each is computed once per (confidence, resamples).
 
-    def factor_effects(self) -> FactorEffectsResult:
-        per_pair = asdict(factor_effects(0.0, *factorial_cells(self._deltas, complete=self.complete)))  # [example, r]
-        names = tuple(FACTOR_LABELS)
-        return FactorEffectsResult(
-            names, tuple(FACTOR_LABELS.values()),
-            tuple(self._bootstrap(per_pair[k].mean(axis=1)) for k in names),
-            np.array([mc_se(per_pair[k].mean(axis=0)) for k in names], dtype=float))
+    A subclass provides `criteria`, `labels`, `static` (its controller's own static condition), `notices`,
+    `_heading()` (its first lines) and `_compute(confidence, n_resamples)` (its statistics)."""
 
-    def retention(self, condition: str) -> RetentionResult:
-        """`condition`: a retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its label."""
-        by_label = {v: k for k, v in self.labels.items()}
-        cond = by_label.get(condition, condition)
-        have = [c for c in protocol.retained() if c in self.per_window.columns]
-        reference = protocol.structure_removed(self.per_window.columns)
-        if cond not in have or reference is None:
-            named = ", ".join(f"{c} ({self.labels.get(c, c)})" for c in have) or "none in these records"
-            raise FcauditError(f"retention is defined for the static conditions {named} against "
-                               f"{reference or 'a structure-removed reference'}, not {condition!r}")
-        return retention_of(self.per_window, cond, self.labels, self.criteria, "window", self.n_resamples)
+    criteria: Criteria
+    labels: dict[str, str]
+    static: str
+    notices: tuple[str, ...]
+    _statistics: dict
 
-    def retentions(self) -> list[RetentionResult]:
-        """Retention of every retained static condition in the records (none without the reference)."""
-        if protocol.structure_removed(self.per_window.columns) is None:
-            return []
-        return [self.retention(c) for c in protocol.retained() if c in self.per_window.columns]
+    def _compute(self, confidence: float, n_resamples: int) -> Any:
+        raise NotImplementedError
+
+    def _heading(self) -> list[str]:
+        raise NotImplementedError
+
+    def _caption(self) -> list[str]:
+        """Lines between the notices and the penalties' table."""
+        return []
+
+    def statistics(self, confidence: float | None = None, n_resamples: int = 10000):
+        """The statistics that penalties, factor effects and retention are computed from, once per (confidence,
+        n_resamples): `WindowStatistics` for one checkpoint (ΔNLL per window in `.per_window`),
+        `CheckpointStatistics` for several (`.per_checkpoint`).
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the criteria's.
+        n_resamples
+            Bootstrap resamples of the units (windows or checkpoints).
+
+        Examples
+        --------
+        >>> stats = result.statistics()
+        >>> stats.per_window.shape  # ΔNLL per window (rows) and condition (columns)
+        (4, 7)
+        >>> result.statistics() is stats  # computed once
+        True
+        """
+        key = (self.criteria.confidence if confidence is None else float(confidence), int(n_resamples))
+        if key not in self._statistics:
+            self._statistics[key] = self._compute(*key)
+        return self._statistics[key]
+
+    def penalties(self, confidence: float | None = None, n_resamples: int = 10000) -> PenaltiesResult:
+        """The cost of each condition: mean ΔNLL vs Correct per condition (Eq. 4), with its interval.
+
+        Each condition replaces the coefficients (e.g. CrossInput: another input's; StaticProfile: a fixed profile
+        from the calibration windows); its penalty is how much worse the frozen model predicts. Also the Monte
+        Carlo SE across randomizations and the mean active sources (experts) per token; across checkpoints the
+        sign-flip p-values and the count of positive checkpoints.
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the criteria's.
+        n_resamples
+            Bootstrap resamples of the units (windows or checkpoints).
+
+        Returns
+        -------
+        PenaltiesResult
+            A Mapping condition -> Estimate; prints a table; `.statistic`, `.confidence_interval`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> pen = result.penalties()
+        >>> pen.to_frame()[["label", "statistic", "ci_low", "ci_high"]].columns.tolist()
+        ['label', 'statistic', 'ci_low', 'ci_high']
+        >>> pen["StaticProfile"].n  # windows the interval is over
+        4
+        >>> result.penalties() is pen  # computed once
+        True
+        """
+        return self.statistics(confidence, n_resamples).penalties()
+
+    def factor_effects(self, confidence: float | None = None, n_resamples: int = 10000) -> FactorEffectsResult:
+        """The factorial contrasts E_input, E_token and E_interaction (Eq. 5-7), with their intervals.
+
+        From the paired cells CC (Correct), DC (CrossInput), CS (TokenShuffle) and DS (CrossShuffle) of each
+        window and randomization: contrasts, not an additive split into mechanisms. Across checkpoints their
+        p-values are Holm-adjusted as a family of three.
+
+        Parameters
+        ----------
+        confidence
+            The intervals' level; None takes the criteria's.
+        n_resamples
+            Bootstrap resamples of the units (windows or checkpoints).
+
+        Returns
+        -------
+        FactorEffectsResult
+            A Mapping effect -> Estimate; `fx["E_input"]`, `.statistic`, `.confidence_interval`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> fx = result.factor_effects()
+        >>> fx.to_frame().index.tolist()
+        ['input', 'token', 'interaction']
+        """
+        return self.statistics(confidence, n_resamples).factor_effects()
+
+    def retention(self, name: str | None = None, confidence: float | None = None,
+                  n_resamples: int = 10000) -> RetentionResult:
+        """How much of the input-dependent structure's value a static condition keeps (Eq. 8).
+
+        Retention(S) = 1 - ΔNLL(S) / ΔNLL(StructureRemoved), with its interval, reported beside both absolute
+        ΔNLLs. Undefined (statistic nan, with the reason) unless the reference's interval lies above the criteria's
+        practically-small bound.
+
+        Parameters
+        ----------
+        name
+            A retained static condition (StaticProfile, LayerPositionMean, StaticTopK) or its display label (e.g.
+            LayerMean); None: the controller's own static condition (`static`: StaticTopK for routers, else
+            StaticProfile), the one the criteria judge.
+        confidence
+            The interval's level; None takes the criteria's.
+        n_resamples
+            Bootstrap resamples of the units (windows or checkpoints).
+
+        Returns
+        -------
+        RetentionResult
+            `.statistic`, `.confidence_interval`, `.defined`, `.reason`, `.line()`, `.to_frame()`.
+
+        Examples
+        --------
+        >>> ret = result.retention()
+        >>> ret.condition, ret.reference_label, ret.n
+        ('StaticProfile', 'GlobalMean', 4)
+        >>> ret.line()
+        'retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...'
+        """
+        return self.statistics(confidence, n_resamples).retention(self.static if name is None else name)
+
+    def retention_lines(self) -> list[str]:
+        """One line per retained condition: retention, its interval and the two absolute ΔNLLs (or why undefined).
+
+        Examples
+        --------
+        >>> for line in result.retention_lines():
+        ...     print(line)
+        retention Layer×PositionMean vs GlobalMean: ...
+        retention StaticProfile vs GlobalMean: ...; ΔNLL ... vs ...
+        """
+        return [r.line() for r in self.statistics().retentions()]
+
+    def verdicts(self) -> list[dict]:
+        """The prespecified criteria's two verdicts on the controller's own static condition (`static`): is its ΔNLL
+        practically small, is its retention high? Each names its rule, the bound it judged and `met` (None: not
+        evaluable, the bound does not exist).
+
+        Examples
+        --------
+        >>> [(v["name"], v["quantity"]) for v in result.verdicts()]
+        [('practically small', 'StaticProfile ΔNLL'), ('high retention', 'StaticProfile retention')]
+        """
+        stats = self.statistics()
+        has = {r.condition: r for r in stats.retentions()}
+        return judge(stats.penalties(), has.get(self.static), self.criteria, self.static)
+
+    def _body(self) -> tuple[PenaltiesResult, list[str]]:
+        """The penalties and the lines under them: retention, then the criteria's verdicts."""
+        return self.penalties(), self.retention_lines() + [verdict_line(v) for v in self.verdicts()]
+
+    def __str__(self) -> str:
+        pen, lines = self._body()
+        return "\n".join([*self._heading(), *self.notices, *self._caption(), repr(pen), *lines])
+
+    def _repr_html_(self) -> str:
+        pen, lines = self._body()
+        head = "".join(f"<p>{html.escape(line)}</p>" for line in [*self._heading(), *self.notices, *self._caption()])
+        return f"<div>{head}{pen._repr_html_()}{html_lines(lines)}</div>"
+

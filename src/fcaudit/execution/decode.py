@@ -1,0 +1,78 @@
+"""Token-by-token decoding with a KV cache, where per-token early exit saves work (scoring a window computes every
+position at every block). A model decodes if it has `start_decoding(batch, window)` and takes
+`model(ids[:, t:t+1], cache=state)`: fcaudit's Dense, FeatureGate and its variants, MoD routing by its causal
+predictor, and early exit, all on FeatureGate's blocks and cache, so their ratios measure the mechanisms.
+
+Decoding runs on text (an exit rule decides differently on random bytes), one sequence, as one user's generation
+(batch rows decoded in lockstep would run a block while any of them still needs it), teacher-forced: the logits equal
+the window's forward up to float rounding, which every row reports (`decode_max_abs_dlogit`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fcaudit.errors import FcauditError
+from fcaudit.execution.flops import flops
+from fcaudit.execution.latency import Timing, timed
+from fcaudit.loss import logits_of
+
+DECODE_BATCH = 1  # sequences decoded at once
+COLUMNS = ("executed_layer_fraction", "decode_flops_per_token", "decode_max_abs_dlogit", "decode_ms_per_token",
+           "decode_ms_iqr_per_token")
+
+
+def not_decodable(model: nn.Module) -> str | None:
+    """Why `model` has no KV-cache decoding in fcaudit, or None when it has."""
+    start = getattr(model, "start_decoding", None)
+    if start is None:
+        return f"{type(model).__name__} has no KV-cache decoding path in fcaudit (scoring only)"
+    try:
+        start(1, 1)
+    except FcauditError as e:
+        return str(e)
+    return None
+
+
+@torch.inference_mode()
+def decode(model: nn.Module, ids: torch.Tensor):
+    """(logits [B, T, V], the decoding state) of decoding ids [B, T] token by token with the model's KV cache, token t
+    being ids[:, t]; the state's `executed()` counts the (token, block) pairs each block computed."""
+    state = model.start_decoding(ids.shape[0], ids.shape[1])
+    return torch.cat([logits_of(model(ids[:, t:t + 1], cache=state)) for t in range(ids.shape[1])], dim=1), state
+
+
+class Decoder(nn.Module):
+    """`model` scoring ids by decoding them, for the FLOP counter and the timer (which call forward(ids))."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return decode(self.model, ids)[0]
+
+
+def decoding_columns(model: nn.Module, ids: torch.Tensor) -> dict:
+    """What decoding ids [B, T] runs (its timing columns NaN until decode_latencies): the fraction of (block, token)
+    pairs computed (`executed_layer_fraction`: 1.0 where every block runs), FLOPs per token, and the largest |logit
+    difference| from the window's forward. NaN, with `decode_note` saying why, for a model that cannot decode."""
+    untimed = {**dict.fromkeys(COLUMNS, math.nan), "decode_noisy": False}
+    if (reason := not_decodable(model)) is not None:
+        return {**untimed, "decode_note": reason}
+    logits, state = decode(model, ids)
+    with torch.inference_mode():
+        full = logits_of(model(ids))
+    return {**untimed, "executed_layer_fraction": sum(state.executed()) / (len(state.caches) * ids.numel()),
+            "decode_flops_per_token": flops(Decoder(model), ids),
+            "decode_max_abs_dlogit": float((logits.float() - full.float()).abs().max()), "decode_note": ""}
+
+
+def decode_latencies(models: list[nn.Module], ids: torch.Tensor, timing: Timing) -> list[dict]:
+    """Each model's wall time per decoded token (median and IQR over repetitions) on ids, timed round-robin."""
+    T = ids.shape[1]
+    return [{"decode_ms_per_token": lat.ms_per_batch / T, "decode_ms_iqr_per_token": lat.iqr_ms / T,
+             "decode_noisy": lat.noisy} for lat in timed([(Decoder(m), ids) for m in models], timing)]

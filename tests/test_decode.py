@@ -1,0 +1,117 @@
+"""Token-by-token decoding with a KV cache: the logits of every family that decodes equal the window's forward, and
+`fcaudit execution` measures decoding beside scoring against Dense."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_early_exit
+from rich.console import Console
+
+from fcaudit.errors import FcauditError
+from fcaudit.execution import ExecutionConfig, measure_execution
+from fcaudit.execution.decode import decode, not_decodable
+from fcaudit.execution.display import decoding_table
+from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
+from fcaudit.models.mod import MoDGPT
+from fcaudit.models.mod import config_for as mod_config
+
+# Decoding computes one query row against the cache where the window's forward computes all rows at once: other
+# kernel shapes, so float32 sums in another order (differences of about 1e-7 on these models), never other decisions.
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+
+
+def tiny_gpt(variant: str, **kw) -> FeatureGateGPT:
+    torch.manual_seed(0)
+    shape = dict(n_layer=3, n_head=2, d_model=32, block_size=64, gate_hidden=8)
+    return FeatureGateGPT(GPTConfig(variant=variant, **{**shape, **kw})).eval()
+
+
+def tiny_mod(routing: str = "predictor") -> MoDGPT:
+    torch.manual_seed(0)
+    model = MoDGPT(mod_config("tiny", "mod")).eval()
+    model.config.routing = routing
+    for block in model.blocks:  # an untrained predictor chooses no token: make it choose some, unequally per row
+        if block.router is not None:
+            for layer in (block.router.predictor[0], block.router.predictor[2]):
+                torch.nn.init.normal_(layer.weight, std=3.0)
+                torch.nn.init.zeros_(layer.bias)
+    return model
+
+
+MODELS = {"dense": lambda: tiny_gpt("dense"), "featuregate": lambda: tiny_gpt("featuregate"),
+          "uniform": lambda: tiny_gpt("uniform"), "fixeddepth": lambda: tiny_gpt("fixeddepth", n_layer=2),
+          "mod-causal": tiny_mod, "early-exit": tiny_early_exit}
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_with_the_kv_cache_gives_the_windows_logits(name, ids):
+    model = MODELS[name]()
+    logits, state = decode(model, ids)
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), **TOLERANCE)
+    executed = state.executed()
+    if name == "mod-causal":  # a routed block ran for the tokens its predictor chose, unequally per row
+        assert executed[0] == ids.numel() > executed[1] > 0
+    elif name == "early-exit":  # the same exits as the window's forward
+        with torch.inference_mode():
+            _, ran = model(ids, return_executed=True)
+        assert executed == ran.sum((1, 2)).tolist() and executed[2] < executed[0] == ids.numel()
+    else:
+        assert executed == [ids.numel()] * len(model.blocks)
+
+
+def test_featuregate_decodes_its_gates_as_the_window_computes_them(ids):
+    model = tiny_gpt("featuregate")
+    state = model.start_decoding(*ids.shape)
+    with torch.inference_mode():
+        steps = torch.cat([model(ids[:, t:t + 1], cache=state, return_gates=True)[1] for t in range(ids.shape[1])], 2)
+        torch.testing.assert_close(steps, model(ids, return_gates=True)[1], **TOLERANCE)
+
+
+def test_what_cannot_decode_says_why():
+    assert "causal predictor" in not_decodable(tiny_mod("topk"))  # top-k over the window is not causal
+    assert "no KV-cache decoding path" in not_decodable(torch.nn.Linear(2, 2))
+    assert not_decodable(tiny_gpt("dense")) is None
+    model = tiny_gpt("dense")
+    state = model.start_decoding(1, 2)
+    with pytest.raises(FcauditError, match="one token per sequence"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=state)
+    for _ in range(2):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=state)
+    with pytest.raises(FcauditError, match="start_decoding again"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=state)
+
+
+def test_execution_measures_decoding_against_dense(tmp_path):
+    from fcaudit.families.early_exit import MODEL_TYPE
+    from fcaudit.families.mod import save as save_mod
+    from fcaudit.models.checkpoint import save_checkpoint, write_checkpoint
+
+    save_checkpoint(tmp_path / "dense", tiny_gpt("dense"), {})
+    write_checkpoint(tmp_path / "ee", tiny_early_exit(), MODEL_TYPE, {})
+    save_mod(tiny_mod("topk"), tmp_path / "mod", {})
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(f"line {i}: the quick brown fox jumps over the lazy dog\n".encode() for i in range(300)))
+    df = measure_execution(ExecutionConfig([tmp_path / n for n in ("dense", "ee", "mod")], tmp_path / "x",
+                                           batch_size=2, window=32, min_run_time=0.01, corpus=str(corpus),
+                                           progress=False)).set_index("model")
+    dense, ee, mod = df.loc["dense"], df.loc["early-exit"], df.loc["mod"]
+    assert dense["executed_layer_fraction"] == 1.0 and dense["decode_flops_vs_dense"] == 1.0
+    assert 0 < ee["executed_layer_fraction"] < 1 and ee["decode_flops_vs_dense"] < 1 <= ee["flops_vs_dense"]
+    assert ee["executed_blocks"] == ee["n_blocks"]  # scoring a window runs every block
+    assert ee["decode_ms_per_token"] > 0 and math.isfinite(ee["decode_latency_vs_dense"])
+    assert dense["decode_max_abs_dlogit"] < 1e-5 and ee["decode_max_abs_dlogit"] < 1e-5
+    assert "causal predictor" in mod["decode_note"] and math.isnan(mod["executed_layer_fraction"])
+    assert pd.read_csv(tmp_path / "x" / "execution.csv")["decode_latency_vs_dense"].notna().sum() == 2
+
+    console = Console(width=100, record=True)
+    console.print(decoding_table(df.reset_index()))
+    text = console.export_text()
+    assert "no layer skipped" in text and "not decodable" in text and "causal predictor" in text
