@@ -180,12 +180,12 @@ def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], fi
     for site, (out, call), d in zip(controller.sites, outputs, decoding):
         how = round_trip_difference(site, out, call, d, *first.shape)
         if how is not None and how.startswith("slot order"):
-            notice = notice or Finding("round_trip", f"note: site {site.name!r}: decode(encode(output)) of codec "
+            notice = notice or Finding("round trip", f"note: site {site.name!r}: decode(encode(output)) of codec "
                                        f"{site.codec.describe()!r} gives the captured output in another {how}; the "
                                        "exact replay check shows whether the model's output depends on it",
                                        data={"site": site.name, "how": how})
         elif how is not None:
-            return Finding("round_trip", f"site {site.name!r}: decode(encode(output)) of codec "
+            return Finding("round trip", f"site {site.name!r}: decode(encode(output)) of codec "
                            f"{site.codec.describe()!r} differs from the captured output at {how}; fix the codec so "
                            "that it rebuilds what the site returned (replays would feed the model something else)",
                            True, {"site": site.name, "how": how})
@@ -261,13 +261,13 @@ def hidden_state_notice(controller: Controller, flow: Flow, width: int | None) -
     fed = [s.name for i, s in enumerate(controller.sites) if i in flow.feeds]
     contracted = [s.name for i, s in enumerate(controller.sites) if i in flow.contracted and i not in flow.feeds]
     if fed:
-        return Finding("hidden_state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
+        return Finding("hidden state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
                        f"source axis has the model's hidden width {width} and a later module takes its output as "
                        "input; the conditions would move activations, not a controller's coefficients: point the "
                        "pattern at the module or op that computes the coefficients (a gate, a mixture, a router)",
                        data={"sites": fed, "width": width})
     if contracted:
-        return Finding("hidden_state", f"note: site {_some(contracted)} looks like hidden-width features, not "
+        return Finding("hidden state", f"note: site {_some(contracted)} looks like hidden-width features, not "
                        f"coefficients: its source axis has the model's hidden width {width} and an op (a matmul, a "
                        "linear map) contracts it; the static conditions would average features: point the pattern "
                        "at what that op computes (e.g. from_ops(..., 'sigmoid') for the gate it feeds)",
