@@ -42,12 +42,21 @@ LATER_TOKENS = "routing depends on later tokens"
 class Finding:
     """One pre-write check's result for the user: a refusal (the audit raises FcauditError(line)) or a notice (kept
     in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able); a
-    check that measured but has nothing to say (no decision depends on later tokens) has the line ""."""
+    check that measured but has nothing to say (no decision depends on later tokens) has the line "". The fields are
+    those replay.json's reader (`fcaudit.auditor.results`) reads back."""
 
     check: str
+    refusal: bool
     line: str
-    refusal: bool = False
     data: dict = field(default_factory=dict)
+
+    @classmethod
+    def notice(cls, check: str, line: str, data: dict | None = None) -> "Finding":
+        return cls(check, False, line, data or {})
+
+    @classmethod
+    def refused(cls, check: str, line: str, data: dict | None = None) -> "Finding":
+        return cls(check, True, line, data or {})
 
     def to_json(self) -> dict:
         return {"check": self.check, "refusal": self.refusal, "line": self.line, "data": self.data}
@@ -72,11 +81,11 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
         close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
         agree = float(close.double().mean()) if close.numel() else 1.0
         if agree < AGREEING_POSITIONS:
-            return Finding("layout", f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
+            return Finding.refused("layout", f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
                            f"of the batch ({agree:.0%} of positions agree): check the layout "
                            f"{site.codec.describe()!r} names the output's axes in their order (e.g. '(batch token) "
                            "expert' for a [batch*token, expert] output); if the routing depends on the other windows "
-                           "of a batch (capacity limits), use batch size 1", True, {"site": site.name, "agree": agree})
+                           "of a batch (capacity limits), use batch size 1", {"site": site.name, "agree": agree})
     return None
 
 
@@ -107,14 +116,14 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
          if kind.name == "token_router"}
     if k and all(n in (0, one.shape[1]) for n in k.values()):
         which = "no token" if not any(k.values()) else "every token"
-        return Finding("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
+        return Finding.notice("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
                        "for their choices, and replaying zeros for their scores leaves the logits unchanged: on "
-                       "windows like it the interventions below measure nothing", data={"chosen": k})
-    return Finding("effect", "note: replaying zeros for every coefficient" + (" and another set of as many tokens for "
+                       "windows like it the interventions below measure nothing", {"chosen": k})
+    return Finding.notice("effect", "note: replaying zeros for every coefficient" + (" and another set of as many tokens for "
                    "each token router" if k else "") + " leaves the logits unchanged: the coefficients have no effect "
                    "on this model, or it does not use what its sites return (e.g. it keeps the gate's value in an "
                    "attribute), and then the interventions below measure nothing: point the pattern at the modules "
-                   "whose output the model consumes", data={"chosen": k})
+                   "whose output the model consumes", {"chosen": k})
 
 
 # ---- one more pass of the first batch -----------------------------------------------------------------------------
@@ -131,9 +140,9 @@ def check_deterministic(controller: Controller, logits: torch.Tensor, coeffs: li
         if site is None:
             return None
         where, data = f"the coefficients of site {site.name!r}", {"site": site.name}
-    return Finding("deterministic", f"two Correct passes of the first evaluation batch differ in {where}: the model is "
+    return Finding.refused("deterministic", f"two Correct passes of the first evaluation batch differ in {where}: the model is "
                    "not deterministic in eval mode (e.g. a router that samples, or noise left on outside training); "
-                   "make its eval forward deterministic before auditing", True, data)
+                   "make its eval forward deterministic before auditing", data)
 
 
 def _differs(a: Any, b: Any) -> str | None:
@@ -180,15 +189,15 @@ def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], fi
     for site, (out, call), d in zip(controller.sites, outputs, decoding):
         how = round_trip_difference(site, out, call, d, *first.shape)
         if how is not None and how.startswith("slot order"):
-            notice = notice or Finding("round trip", f"note: site {site.name!r}: decode(encode(output)) of codec "
+            notice = notice or Finding.notice("round trip", f"note: site {site.name!r}: decode(encode(output)) of codec "
                                        f"{site.codec.describe()!r} gives the captured output in another {how}; the "
                                        "exact replay check shows whether the model's output depends on it",
-                                       data={"site": site.name, "how": how})
+                                       {"site": site.name, "how": how})
         elif how is not None:
-            return Finding("round trip", f"site {site.name!r}: decode(encode(output)) of codec "
+            return Finding.refused("round trip", f"site {site.name!r}: decode(encode(output)) of codec "
                            f"{site.codec.describe()!r} differs from the captured output at {how}; fix the codec so "
                            "that it rebuilds what the site returned (replays would feed the model something else)",
-                           True, {"site": site.name, "how": how})
+                           {"site": site.name, "how": how})
     return notice
 
 
@@ -231,12 +240,12 @@ def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs:
                 if isinstance(got, torch.Tensor) and got.numel() == cells[path].numel():
                     held = (got.detach().double().reshape(cells[path].shape) != 0).sum(1)
                     if (n := int((held > 1).sum())) > 0:
-                        return Finding("slots", f"site {site.name!r}: codec {site.codec.describe()!r} puts two or more "
+                        return Finding.refused("slots", f"site {site.name!r}: codec {site.codec.describe()!r} puts two or more "
                                        f"tokens in one slot once coefficients move between tokens: under {condition} "
                                        f"{n} cells of leaf {path or '(the output)'} hold several tokens, which the "
                                        "model's own router never does; rebuild the slots in decode from the moved "
                                        "coefficients by the router's rule (as fcaudit.controllers.CapacityRoute does)",
-                                       True, {"site": site.name, "condition": condition, "cells": n})
+                                       {"site": site.name, "condition": condition, "cells": n})
     return None
 
 
@@ -261,17 +270,17 @@ def hidden_state_notice(controller: Controller, flow: Flow, width: int | None) -
     fed = [s.name for i, s in enumerate(controller.sites) if i in flow.feeds]
     contracted = [s.name for i, s in enumerate(controller.sites) if i in flow.contracted and i not in flow.feeds]
     if fed:
-        return Finding("hidden state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
+        return Finding.notice("hidden state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
                        f"source axis has the model's hidden width {width} and a later module takes its output as "
                        "input; the conditions would move activations, not a controller's coefficients: point the "
                        "pattern at the module or op that computes the coefficients (a gate, a mixture, a router)",
-                       data={"sites": fed, "width": width})
+                       {"sites": fed, "width": width})
     if contracted:
-        return Finding("hidden state", f"note: site {_some(contracted)} looks like hidden-width features, not "
+        return Finding.notice("hidden state", f"note: site {_some(contracted)} looks like hidden-width features, not "
                        f"coefficients: its source axis has the model's hidden width {width} and an op (a matmul, a "
                        "linear map) contracts it; the static conditions would average features: point the pattern "
                        "at what that op computes (e.g. from_ops(..., 'sigmoid') for the gate it feeds)",
-                       data={"sites": contracted, "width": width})
+                       {"sites": contracted, "width": width})
     return None
 
 
@@ -282,11 +291,11 @@ def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
         return None
     names = [controller.sites[i].name for i in sorted(flow.ranked)]
     ops = sorted(set(flow.ranked.values()))
-    return Finding("ranked", f"note: the model ranks or thresholds the values of site {_some(names)} "
+    return Finding.notice("ranked", f"note: the model ranks or thresholds the values of site {_some(names)} "
                    f"({', '.join(ops)}): read as a gate, a static condition gives every token one score and the "
                    "ranking then picks by ties; declare the routing: kind='token_router' for scores that choose "
                    "tokens (Controller.from_modules(..., kind='token_router') with a codec of (score, chosen)), or a "
-                   "codec with top_k for scores that choose experts", data={"sites": names, "ops": ops})
+                   "codec with top_k for scores that choose experts", {"sites": names, "ops": ops})
 
 
 # ---- the causality check -------------------------------------------------------------------------------------------
@@ -323,7 +332,7 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
     windows = int(ids.shape[0])
     line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
             "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
-    return Finding("causality", line, data={"later_token_flips": flips, "windows": windows})
+    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
 
 
 # ---- all of them --------------------------------------------------------------------------------------------------
@@ -365,4 +374,4 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
                           check_causality(model, controller, first, vocab, ranked)) if f is not None]
-    return found + [Finding("token routing", note) for note in controller.info.notes]
+    return found + [Finding.notice("token routing", note) for note in controller.info.notes]
