@@ -119,22 +119,22 @@ def bare_loop(model, ctrl, ev, ca, batch: int, R: int, replays: list[float] | No
     with torch.inference_mode():
         with ctrl.capture(batch, ev.shape[1]) as found:
             model(ev[:batch])
-        coeffs = list(found)
+        coeffs, decoding = list(found), found.decoding
         t0 = clock()
-        with ctrl.capture(1, ev.shape[1]):  # the site checks (runner.check_sites_read): window 0 captured alone,
+        with ctrl.capture(1, ev.shape[1]):  # the site checks (controllers.checks): window 0 captured alone,
             nll(ev[:1])
-        with timed(replays), ctrl.replay([torch.zeros_like(c[:1]) for c in coeffs]):  # then replayed with zeros
+        with timed(replays), ctrl.replay([torch.zeros_like(c[:1]) for c in coeffs], decoding):  # then replayed
             nll(ev[:1])
         for u in sched.iter_stage1():
             ids = (ev if u.kind == "capture" else ca)[u.start:u.start + batch]
             with ctrl.capture(*ids.shape):  # the audit's capture pass: within the controller's context, as a replay
                 nll(ids)
             if u.kind == "capture":
-                with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+                with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs], decoding):
                     nll(ids)
         for u in sched.iter_stage2():
             ids = ev[u.start:u.start + batch]
-            with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs]):
+            with timed(replays), ctrl.replay([c[: ids.shape[0]] for c in coeffs], decoding):
                 nll(ids)
         return clock() - t0
 
@@ -157,12 +157,13 @@ def timed_parts() -> Iterator[Counter]:
     reads within making coefficients), so the parts add up."""
     from fcaudit.auditor import engine, runner
     from fcaudit.auditor.results import AuditResult
-    from fcaudit.controllers.site import Site
+    from fcaudit.controllers.sites import Site
+    from fcaudit.kinds import Description
 
     spent: Counter = Counter()
     steps = [(engine, "forward_nll", "forward passes and NLLs"), (engine.Engine, "take", "reading the store"),
              (engine.Engine, "_write_run", "records files"), (Site, "decode", "decoding into each replay"),
-             (engine, "active", "counting active sources"),
+             (Description, "active", "counting active sources"),
              (engine.Engine, "_capture", "stage 1's checks and writes"),
              (engine.Engine, "_calibrate", "stage 1's checks and writes")]
     steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
@@ -232,8 +233,9 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
     pass and NLL, and the capture passes with their NLLs (a timer around each). `replays` gets each replay's
     seconds."""
     from fcaudit.auditor import engine
+    from fcaudit.controllers import Controller
 
-    inner, replay, spent, depth = engine.forward_nll, ctrl.replay, [0.0], [0]
+    inner, replay, spent, depth = engine.forward_nll, Controller.replay, [0.0], [0]
 
     def forward(*args, **kwargs):
         t0 = time.perf_counter()
@@ -244,11 +246,11 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
                 spent[0] += time.perf_counter() - t0
 
     @contextmanager
-    def timed_replay(coeffs):
+    def timed_replay(self, *args, **kwargs):
         t0 = time.perf_counter()
         depth[0] += 1
         try:
-            with replay(coeffs):
+            with replay(self, *args, **kwargs):
                 yield
         finally:
             depth[0] -= 1
@@ -257,12 +259,11 @@ def audit_split(model, ctrl, ev, ca, batch: int, R: int,
             if replays is not None:
                 replays.append(took)
 
-    engine.forward_nll, ctrl.replay = forward, timed_replay
+    engine.forward_nll, Controller.replay = forward, timed_replay  # the controller is frozen: its class's method
     try:
         return audit_once(model, ctrl, ev, ca, batch, R), spent[0]
     finally:
-        engine.forward_nll = inner
-        del ctrl.replay  # the class's method again
+        engine.forward_nll, Controller.replay = inner, replay
 
 
 def main() -> None:

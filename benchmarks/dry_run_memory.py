@@ -46,7 +46,7 @@ def main() -> None:
             f.write("5")
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        coeffs, _, _ = capture_batch(model, ctrl, ids, None, remember=True)
+        coeffs, _, _ = capture_batch(model, ctrl, ids, None, decoding=True)
         with ctrl.replay(coeffs):
             forward_nll(model, ids, None)
         peak = _status("VmHWM") - base

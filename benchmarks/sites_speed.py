@@ -108,7 +108,7 @@ def hot_path(model, ctrl, ids: torch.Tensor, n: int) -> float:
     with torch.inference_mode():
         with ctrl.capture(*ids.shape) as found:
             model(ids)
-        coeffs, ratios = list(found), []
+        coeffs, ratios = found, []
         for i in range(n):
             times = {}
             for kind in (("replay", "plain") if i % 2 == 0 else ("plain", "replay")):

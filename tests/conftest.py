@@ -102,8 +102,7 @@ def windows(n, seed):
 
 
 def gated(model):
-    return Controller.from_modules(model, "blocks.*.gate", layout="batch token", static_name="LayerMean",
-                                   reference_name="GlobalMean")
+    return Controller.from_modules(model, "blocks.*.gate", layout="batch token", static_name="LayerMean")
 
 
 def run(model, ctrl, out, n_eval=8, n_calib=4, R=3, **kw):

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 import fcaudit as fca
 from fcaudit.auditor import AuditResult, audit
-from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.cli import app
 from fcaudit.controllers import Controller
+from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
 from fcaudit.families import load_model

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fcaudit.auditor.runner import ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

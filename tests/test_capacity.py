@@ -13,10 +13,11 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.auditor.engine import active, executed
+from fcaudit.auditor.engine import executed
+from fcaudit.controllers import Codec
 from fcaudit.controllers.routing import CapacityRoute
-from fcaudit.controllers.site import Codec
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import Description
 from fcaudit.loss import token_nll
 from fcaudit.stats.results import retention_value
 
@@ -99,8 +100,7 @@ def windows(n: int, seed: int) -> torch.Tensor:
 
 
 def controller(model: nn.Module, codec: Codec | None = None) -> fca.Controller:
-    return fca.Controller.from_modules(model, "layers.*.moe.router", codec=codec or CapacityRoute(E, C),
-                                       reference="source_uniform_mean", reference_name="ExpertUniformMean")
+    return fca.Controller.from_modules(model, "layers.*.moe.router", codec=codec or CapacityRoute(E, C))
 
 
 class Dispatches:
@@ -201,11 +201,20 @@ def test_token_resample_past_puts_two_tokens_in_one_slot_only_when_slots_are_the
     try:
         for r in range(4):
             moved = protocol.resample_past(list(found), np.arange(8), 0, r)
-            with torch.no_grad(), ctrl.replay(moved):
+            with torch.no_grad(), ctrl.replay(moved, found.decoding):
                 model(ids)
     finally:
         seen.remove()
     assert (seen.shared_slots > 0) == naive
+
+
+def test_an_audit_through_a_codec_whose_slots_collide_is_refused_with_the_count(tmp_path):
+    model = tiny()
+    with pytest.raises(FcauditError, match=r"puts two or more tokens in one slot .*under TokenResamplePast [1-9]\d* "
+                                           r"cells of leaf \[0\] hold several tokens"):
+        fca.audit(model, controller(model, naive_slots()), windows(4, 0), windows(2, 1), randomizations=1,
+                  out=tmp_path / "a", batch_size=2, quiet=True)
+    assert not (tmp_path / "a").exists()
 
 
 # ---- whole audits ---------------------------------------------------------------------------------------------------
@@ -271,8 +280,8 @@ def test_audit_of_a_capacity_moe(tmp_path):
 def test_executed_equals_active_for_codecs_that_do_not_count():
     coeffs = [torch.tensor([[[[0.5, 0.0, 0.5]]], [[[1.0, 0.0, 0.0]]]]), torch.ones(2, 1, 1, 1)]
     plain = [Codec(), Codec()]
-    assert torch.equal(executed(coeffs, plain, [0], frozenset(), ())[:, 0], active(coeffs, [0]))
-    assert torch.equal(executed(coeffs, plain, [], frozenset(), ())[:, 0], active(coeffs))
+    for info in (Description(("expert_router", "scalar_gate")), Description(("vector_gate", "scalar_gate"))):
+        assert torch.equal(executed(coeffs, plain, info, ())[:, 0], info.active(coeffs))
 
 
 def test_summary_lines_show_drops_and_a_negative_retention(tmp_path):

@@ -126,9 +126,9 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
     seen = []
     real = engine.Engine.__init__
 
-    def spy(self, model, controller, windows, config, group, first):
+    def spy(self, model, controller, windows, config, group, first, findings=()):
         seen.append(config)
-        real(self, model, controller, windows, config, group, first)
+        real(self, model, controller, windows, config, group, first, findings)
 
     monkeypatch.setattr(engine.Engine, "__init__", spy)
     model = tiny()

@@ -41,8 +41,9 @@ def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
             moe = load_records(a)
             assert set(moe[moe.condition == "StaticTopK"].active) == {2.0}  # sparse static routing, top-2
         if a.name.startswith("mod"):
-            assert replay["route_flips"] == 0 and replay["routing_note"]
-            assert (replay["later_token_flips"] > 0) == (a.name == "mod-s0")  # top-k sees later tokens
+            found = {f["check"]: f for f in replay["findings"]}
+            assert replay["route_flips"] == 0 and found["token routing"]["line"]
+            assert (found["causality"]["data"]["later_token_flips"] > 0) == (a.name == "mod-s0")  # top-k: later
         if a.name == "mod-s0":
             assert set(load_records(a).active) == {0.25}  # the tiny preset's capacity, under every condition
         if a.name.startswith(("uniform", "layerstatic")):

@@ -56,9 +56,9 @@ def test_a_non_monotone_mask_is_obeyed_as_exit_at_its_first_true(ids):
     first[:, ::2] = True  # even positions exit after block 0
     second = ~first  # ... and "re-enter" at block 1: ignored, they have left; odd positions exit there
     ctrl = exit_sites(model)
-    with torch.inference_mode(), ctrl.capture(B, T):  # replay decodes into the outputs' captured form
+    with torch.inference_mode(), ctrl.capture(B, T) as found:  # replay decodes into the outputs' captured form
         model(ids)
-    with torch.inference_mode(), ctrl.replay([first, second]):
+    with torch.inference_mode(), ctrl.replay([first, second], found.decoding):
         logits, ran = model(ids, return_executed=True)
     assert ran[1].tolist() == (~first[:, :, 0, 0]).tolist() and not ran[2].any()
     assert not torch.equal(logits, full)

@@ -17,10 +17,11 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.auditor import CoefficientStore, audit, plan
 from fcaudit.auditor import files
-from fcaudit.auditor.runner import SITE_CHECK_PASSES
 from fcaudit.controllers import Controller, Layout
+from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.families import Family, controller_for, register
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import Description
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.protocol import derangement, resample_past, shuffle_tokens
 from conftest import Block, Gate, Leaky, T, ToyGated, V, gated, run, windows
@@ -180,7 +181,7 @@ def test_replay_disables_controller_and_restores_model():
     assert torch.equal(out, ref)
     assert [b.gate.calls for b in model.blocks] == calls  # the controller did not run
     assert all("forward" not in b.gate.__dict__ for b in model.blocks)
-    with pytest.raises(RuntimeError, match="boom"), ctrl.replay([torch.zeros_like(c) for c in found]):
+    with pytest.raises(RuntimeError, match="boom"), ctrl.replay([torch.zeros_like(c) for c in found], found.decoding):
         raise RuntimeError("boom")
     assert all("forward" not in b.gate.__dict__ for b in model.blocks)
     with torch.no_grad():
@@ -307,7 +308,7 @@ def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
     from fcaudit.auditor import engine as engine_module
 
     model = ToyMudd()
-    ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="source_uniform_mean")
+    ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="SourceUniformMean")
     files_read, load = [], CoefficientStore.load
     base = run(model, ctrl, tmp_path / "files", R=2)
     monkeypatch.setattr(engine_module, "keeps_store_on", lambda device, nbytes: True)
@@ -459,7 +460,7 @@ class Context:
 
     def __init__(self, data, seed, statics=None):
         self.data, self.seed, self.statics = data, seed, statics or {}
-        self.info = protocol.Controllers()  # no token routers
+        self.info = Description(("vector_gate",) * len(data))  # no token routers
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
@@ -526,8 +527,8 @@ def test_static_top_k_keeps_the_k_largest_mean_weights_with_the_mean_mass():
     cal = protocol.Calibration([mean * 7], 7, (2,))
     top = protocol.static_top_k(cal)[0]
     assert torch.allclose(top, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7, 0.0]], dtype=torch.float64))
-    assert protocol.for_controller(protocol.Controllers(top_k=(2,))).count("StaticTopK") == 1
-    assert "StaticTopK" not in protocol.for_controller(protocol.Controllers(top_k=(None,)))
+    assert protocol.for_controller(Description(("expert_router",), top_k=(2,))).count("StaticTopK") == 1
+    assert "StaticTopK" not in protocol.for_controller(Description(("source_mixture",)))
 
 
 # ---- audits -----------------------------------------------------------------------------------------------------
@@ -580,7 +581,7 @@ def test_planted_dependence_detected_and_constant_twin_zero(tmp_path):
 
 def test_moe_through_from_modules_alone(tmp_path):
     model = ToyMoE()
-    ctrl = Controller.from_modules(model, "layers.*.router", "(batch token) expert", reference="source_uniform_mean")
+    ctrl = Controller.from_modules(model, "layers.*.router", "(batch token) expert", reference="SourceUniformMean")
     res = run(model, ctrl, tmp_path / "moe", R=2)
     assert res.replay.passed and res.replay.bit_equal and res.replay.max_abs_dlogit == 0.0
     m = randomized_means(res)
@@ -593,7 +594,7 @@ def test_moe_through_from_modules_alone(tmp_path):
 def test_ragged_multi_stream_sites(tmp_path):
     model = ToyMudd()
     ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source",
-                                   static_name="StaticMixMean", reference="source_uniform_mean")
+                                   static_name="StaticMixMean", reference="SourceUniformMean")
     res = run(model, ctrl, tmp_path / "mudd", R=2)
     warnings.simplefilter("ignore", RuntimeWarning)  # untrained: SourceUniformMean may not hurt, retention undefined
     assert res.replay.bit_equal
@@ -866,8 +867,6 @@ def test_all_finite_finds_nan_and_inf_and_no_overflow_of_large_values(dtype):
 def test_active_counts_nonzero_sources_as_count_nonzero_does():
     """Per window, the mean over sites of the nonzero sources per (token, stream): nan counts, -0.0 does not; the
     same bits for float32, bf16, strided and expanded (static-profile) coefficients, and over the routers only."""
-    from fcaudit.auditor.engine import active
-
     g = torch.Generator().manual_seed(0)
     a = torch.randn(5, 7, 3, 4, generator=g)
     a[a.abs() < 0.7] = 0.0
@@ -877,11 +876,13 @@ def test_active_counts_nonzero_sources_as_count_nonzero_does():
     d = torch.randn(5, 4, 7, 3, generator=g).relu().permute(0, 2, 3, 1)  # strided
     want = lambda t: np.count_nonzero(t.float().numpy().reshape(t.shape[0], -1), 1) / (t.shape[1] * t.shape[2])
     coeffs = [a, b, c, d]
-    assert torch.equal(active(coeffs), torch.from_numpy(np.mean([want(t) for t in coeffs], 0)))
-    assert torch.equal(active(coeffs, [1, 3]), torch.from_numpy((want(b) + want(d)) / 2))
+    gates = Description(("vector_gate",) * 4)
+    assert torch.equal(gates.active(coeffs), torch.from_numpy(np.mean([want(t) for t in coeffs], 0)))
+    routers = Description(("vector_gate", "expert_router", "vector_gate", "expert_router"))  # routers are counted
+    assert torch.equal(routers.active(coeffs), torch.from_numpy((want(b) + want(d)) / 2))
     signed = torch.full((1, 2, 1, 3), -0.0)
     signed[0, 1, 0, 2] = float("nan")
-    assert active([signed]).tolist() == [0.5]  # -0.0 is zero, nan is not: 1 source over 2 tokens
+    assert Description(("vector_gate",)).active([signed]).tolist() == [0.5]
 
 
 # ---- controllers the audit would misread: caught before anything is written ------------------------------------

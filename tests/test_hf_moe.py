@@ -12,7 +12,7 @@ import transformers  # noqa: E402  (a test dependency: fcaudit[test] includes fc
 from fcaudit.errors import FcauditError  # noqa: E402
 from fcaudit.families.hf_moe import TopKRouterCodec, ensure_eager_experts, load_hf_moe, moe_controller, require_transformers  # noqa: E402
 from fcaudit.families.hf_moe.discover import SUPPORTED_EXAMPLES  # noqa: E402
-from fcaudit.controllers import Controller  # noqa: E402
+from fcaudit.controllers import Captured, Controller, Decoding  # noqa: E402
 from fcaudit.families.hf_moe.execution import expert_execution  # noqa: E402
 from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe  # noqa: E402
 from fcaudit.loss import token_nll  # noqa: E402
@@ -20,9 +20,15 @@ from fcaudit.loss import token_nll  # noqa: E402
 E, K = 8, 2
 
 
-class Captured:
-    def __init__(self, coefficients, logits):
+class Run:
+    """A capture pass: its coefficients (what `Controller.capture` returned) and logits."""
+
+    def __init__(self, coefficients: Captured, logits):
         self.coefficients, self.logits = coefficients, logits
+
+    def like(self, coefficients) -> Captured:
+        """Other coefficients, decoded as this pass's are."""
+        return Captured(coefficients, self.coefficients.decoding)
 
 
 def routers_of(ctrl: Controller) -> list:
@@ -38,14 +44,14 @@ def forward_logits(model, ids):
         return model(input_ids=ids, use_cache=False).logits
 
 
-def capture(model, ctrl: Controller, ids) -> Captured:
+def capture(model, ctrl: Controller, ids) -> Run:
     with ctrl.capture(*ids.shape) as found:
         logits = forward_logits(model, ids)
-    return Captured(list(found), logits)
+    return Run(found, logits)
 
 
-def replay_logits(model, ctrl: Controller, ids, coefficients):
-    with ctrl.replay(list(coefficients)):
+def replay_logits(model, ctrl: Controller, ids, coefficients: Captured):
+    with ctrl.replay(coefficients):
         return forward_logits(model, ids)
 
 
@@ -162,7 +168,7 @@ def test_gpt_oss_experts_get_repeat_padding_and_run_variable_support_within_roun
     ids = ids_for()
     cap = capture(model, ctrl, ids)
     assert torch.equal(replay_logits(model, ctrl, ids, cap.coefficients), cap.logits)  # Correct: no padding
-    narrow = [c.clone() for c in cap.coefficients]
+    narrow = cap.like([c.clone() for c in cap.coefficients])
     for c in narrow:  # every other token keeps only its top expert
         top = c.argmax(-1, keepdim=True)
         c[:, ::2] = torch.zeros_like(c[:, ::2]).scatter(-1, top[:, ::2], c[:, ::2].gather(-1, top[:, ::2]))
@@ -196,8 +202,8 @@ def test_uniform_router_gives_exactly_zero_penalty_under_derangement_and_token_s
     nll = token_nll(cap.logits, ids)
     g = torch.Generator().manual_seed(1)
     derangement = torch.roll(torch.arange(4), 1)
-    cross = [c[derangement] for c in cap.coefficients]
-    shuffle = [c[:, torch.randperm(12, generator=g)] for c in cap.coefficients]
+    cross = cap.like([c[derangement] for c in cap.coefficients])
+    shuffle = cap.like([c[:, torch.randperm(12, generator=g)] for c in cap.coefficients])
     for coeffs in (cross, shuffle):
         assert torch.equal(token_nll(replay_logits(model, ctrl, ids, coeffs), ids), nll)
 
@@ -208,7 +214,7 @@ def test_replaying_other_experts_changes_the_logits(family):
     ctrl = moe_controller(model)
     ids = ids_for()
     cap = capture(model, ctrl, ids)
-    other = [c.roll(1, dims=-1) if kind(s) == "router" else c for s, c in zip(ctrl.sites, cap.coefficients)]
+    other = cap.like([c.roll(1, dims=-1) if kind(s) == "router" else c for s, c in zip(ctrl.sites, cap.coefficients)])
     replayed = replay_logits(model, ctrl, ids, other)
     assert (replayed - cap.logits).abs().max() > 0
 
@@ -221,7 +227,7 @@ def test_qwen2_shared_expert_gate_is_a_scalar_site_that_matters():
     ids = ids_for()
     cap = capture(model, ctrl, ids)
     assert cap.coefficients[1].shape == (4, 12, 1, 1)
-    changed = [c + 3.0 if kind(s) == "shared_gate" else c for s, c in zip(ctrl.sites, cap.coefficients)]
+    changed = cap.like([c + 3.0 if kind(s) == "shared_gate" else c for s, c in zip(ctrl.sites, cap.coefficients)])
     assert not torch.equal(replay_logits(model, ctrl, ids, changed), cap.logits)
 
 
@@ -233,8 +239,8 @@ def test_controller_labels_and_switch_from_grouped_mm_to_eager():
     model.set_experts_implementation("grouped_mm")
     ctrl = moe_controller(model)
     assert model.config._experts_implementation == "eager"
-    assert (ctrl.static_name, ctrl.reference, ctrl.reference_name) == \
-        ("StaticMixMean", "source_uniform_mean", "ExpertUniformMean")
+    assert ctrl.static_name == "StaticMixMean" and ctrl.labels["StructureRemoved"] == "ExpertUniformMean"
+    assert {(s.kind, s.reference) for s in ctrl.sites} == {("expert_router", "ExpertUniformMean")}
     ids = ids_for()
     cap = capture(model, ctrl, ids)
     model.set_experts_implementation("grouped_mm")  # the sentinel is unsafe there: the codec refuses
@@ -252,7 +258,7 @@ def test_llama4_score_router_replays_bit_exact_and_its_experts_all_run(dtype):
     cap = capture(model, ctrl, ids)
     for c in cap.coefficients:
         assert c.shape == (4, 12, 1, E) and ((c != 0).sum(-1) == K).all() and ((c >= 0) & (c <= 1)).all()  # sigmoid
-    other = [c.roll(1, dims=-1) for c in cap.coefficients]
+    other = cap.like([c.roll(1, dims=-1) for c in cap.coefficients])
     assert (replay_logits(model, ctrl, ids, other) - cap.logits).abs().max() > 0
     with torch.no_grad():  # the router really does not run
         for s in routers_of(ctrl):
@@ -340,7 +346,7 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
             if s is routers_of(ctrl)[0]:
                 m[..., 0] = 0
         static.append(m)
-    dense = expert_execution(model, ids, ctrl, static)
+    dense = expert_execution(model, ids, ctrl, cap.like(static))
     assert (dense.experts_per_token[0] == E - 1).all() and (dense.experts_per_token[1] == E).all()
     per_pair = dense.dense_flops[1] // (4 * 12 * E)
     assert dense.expert_flops == [4 * 12 * (E - 1) * per_pair, 4 * 12 * E * per_pair]  # measured == counted
@@ -403,7 +409,7 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     model = tiny_moe(family, experts=E, top_k=K)
     zero_routers(model)  # every token routed alike (and every shared gate alike)
     ctrl = fca.controller_for(model)  # the family registry recognizes the routers by structure
-    assert ctrl.reference_name == "ExpertUniformMean" and ctrl.static_name == "StaticMixMean"
+    assert ctrl.static_name == "StaticMixMean" and ctrl.describe()["static"] == "StaticTopK"
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=2, out=tmp_path, batch_size=3,
                     quiet=True)
     assert res.replay.bit_equal and res.replay.route_flips == 0
@@ -412,7 +418,9 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
         assert pen.loc[c, "statistic"] == 0.0, c
     correct = res.records[res.records.condition == "Correct"]
     assert (correct.active == K).all() and pen.loc["StaticTopK", "active"] == K  # every token: the same K experts
-    assert res.labels["StaticProfile"] == "StaticMixMean" and res.labels["StructureRemoved"] == "ExpertUniformMean"
+    assert res.labels["StaticProfile"] == "StaticMixMean"
+    assert res.labels["StructureRemoved"] == ("ExpertUniformMean + GlobalMean" if family == "qwen2_moe"  # its gates
+                                              else "ExpertUniformMean")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -469,8 +477,7 @@ def test_from_modules_with_a_codec_audits_tuple_routers(tmp_path):
     with pytest.raises(FcauditError, match="give the site a codec"):  # a layout cannot read a tuple
         fca.audit(model, fca.Controller.from_modules(model, "model.layers.*.mlp.gate", layout="(batch token) expert"),
                   _windows(4), _windows(2, seed=1), randomizations=1, out=tmp_path / "layout", quiet=True)
-    ctrl = fca.Controller.from_modules(model, "model.layers.*.mlp.gate", codec=TopKRouterCodec(num_experts=E, top_k=K),
-                                       reference="source_uniform_mean")
+    ctrl = fca.Controller.from_modules(model, "model.layers.*.mlp.gate", codec=TopKRouterCodec(num_experts=E, top_k=K))
     res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path / "codec",
                     batch_size=3, quiet=True)
     assert res.replay.bit_equal and res.replay.route_flips == 0
@@ -662,13 +669,14 @@ def test_variation_names_each_layers_site_where_the_first_block_is_dense(tmp_pat
     assert [l["site"] for l in layers] == [s.path for s in ctrl.sites] and layers[0]["site"].startswith("model.layers.1.")
 
 
-def test_a_site_remembers_its_outputs_precision_which_the_store_may_widen():
+def test_a_capture_keeps_its_outputs_precision_which_the_store_may_widen():
     """A bf16 router's weights are stored as float32 (codecs.canonical_dtype); the layout check's tolerance is the
-    precision the model computed in, which the site keeps from its captured output."""
+    precision the model computed in, which the capture returns with the coefficients (nothing on the site)."""
     model = tiny_moe("mixtral", experts=E, top_k=K, dtype=torch.bfloat16)
     ctrl = moe_controller(model)
     coeffs = capture(model, ctrl, ids_for()).coefficients
-    assert coeffs[0].dtype == torch.float32 and ctrl.sites[0].dtype == torch.bfloat16
+    assert coeffs[0].dtype == torch.float32 and coeffs.decoding[0].dtype == torch.bfloat16
+    assert isinstance(coeffs.decoding[0], Decoding) and "dtype" not in vars(ctrl.sites[0])
 
 
 def test_execution_under_static_conditions_replays_the_audits_profiles(tmp_path):

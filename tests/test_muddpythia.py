@@ -328,7 +328,7 @@ def test_adapter_capture_and_replay_through_the_engine(dtype):
     ctrl = controller_for(model)
     assert [s.path for s in ctrl.sites] == ["dynamic_dense.0", "dynamic_dense.1", "dynamic_dense.2"]
     assert ctrl.labels == {"StaticProfile": "StaticMixMean", "StructureRemoved": "SourceUniformMean"}
-    assert ctrl.reference == "source_uniform_mean"
+    assert [(s.kind, s.reference) for s in ctrl.sites] == [("source_mixture", "SourceUniformMean")] * 3
     x = ids()
     with torch.no_grad(), ctrl.capture(2, 24) as found:
         want = model(x)
@@ -357,7 +357,7 @@ def test_mudd_profiles_and_token_shuffle_on_ragged_coefficients():
     static, lpm = cal.layer_mean(), cal.layer_position_mean()
     assert [tuple(p.shape) for p in static] == [(4, 2), (4, 3), (1, 4)]
     assert [tuple(p.shape) for p in lpm] == [(24, 4, 2), (24, 4, 3), (24, 1, 4)]
-    for static, removed in zip(static, protocol.REFERENCES[ctrl.reference](cal)):
+    for static, removed in zip(static, protocol.reference_profiles(cal, ctrl.info)):
         torch.testing.assert_close(removed.sum(-1), static.sum(-1))  # signed sum per (layer, stream) kept
         assert torch.allclose(removed, removed[:, :1].expand_as(removed))  # uniform over sources
     coeffs = [c.clone() for c in found]

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 import fcaudit as fca  # noqa: E402
-from fcaudit import protocol  # noqa: E402
+from fcaudit.kinds import TOKEN_NOTE  # noqa: E402
 from fcaudit.auditor import files  # noqa: E402
 from fcaudit.io import write_json  # noqa: E402
 from fcaudit.report import build_report  # noqa: E402
@@ -44,12 +44,12 @@ def test_findings_are_read_from_replay_json_and_from_the_keys_written_before_the
     assert new.notices == (LATER, "note: blocks.0 looks like a hidden state")  # the router's line is a notice too
     old = write_audit(tmp_path / "old", ROUTED, labels=ROUTED_LABELS, name="Old", R=1)
     old = fca.AuditResult.load(with_replay(old, {**EXACT, "notices": ["note: a notice"], "later_token_flips": 7,
-                                                 "causality_windows": 8, "routing_note": protocol.TOKEN_NOTE}))
+                                                 "causality_windows": 8, "routing_note": TOKEN_NOTE}))
     assert [f.check for f in old.replay.findings] == ["", "causality", "token routing"]
     assert old.replay.later_token_flips == 7 and old.notices[0] == "note: a notice"
     assert old.notices[1].startswith("routing depends on later tokens: changing only the last quarter of 8 windows "
-                                     "changed 7") and old.notices[2] == protocol.TOKEN_NOTE
-    assert old.replay.to_dict()["routing_note"] == protocol.TOKEN_NOTE  # written back as it was read
+                                     "changed 7") and old.notices[2] == TOKEN_NOTE
+    assert old.replay.to_dict()["routing_note"] == TOKEN_NOTE  # written back as it was read
     # older still: the causality check in config.json's "routing", none of it in replay.json; no flips: no notice
     older = write_audit(tmp_path / "older", ROUTED, labels=ROUTED_LABELS, name="Older", R=1)
     cfg = json.loads((older / "config.json").read_text())

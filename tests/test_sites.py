@@ -18,8 +18,10 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.controllers.site import Layout, op_name
+from fcaudit.controllers import Layout
+from fcaudit.controllers.sites import op_name
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import Description
 
 V, D, T, S = 32, 16, 8, 2
 
@@ -141,7 +143,7 @@ def test_replaying_one_call_leaves_the_modules_other_call_computed():
     with torch.inference_mode():
         with beta.capture(2, T) as found:
             ref = model(ids)
-        with beta.replay([torch.zeros_like(c) for c in found]):
+        with beta.replay([torch.zeros_like(c) for c in found], found.decoding):
             zeroed = model(ids)
         with beta.replay(found):
             same = model(ids)
@@ -401,10 +403,44 @@ def test_merge_groups_by_module_or_an_explicit_key_and_refuses_a_site_twice():
     assert "groups" in fca.Controller.merge(alpha, beta).describe() and "groups" not in alpha.describe()
 
 
+def test_a_merged_mixture_and_gate_keep_their_own_references(tmp_path):
+    """Merged, alpha (a mixture over the branch input and the streams) keeps SourceUniformMean and beta (a gate per
+    stream) its GlobalMean, the mean over the gate sites' coefficients: the gate's StructureRemoved is no copy of its
+    StaticProfile, as it was with one SourceUniformMean for every site."""
+    from safetensors.torch import load_file
+
+    model = hc_model()
+    alpha = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream source", call=0,
+                                        kind="source_mixture")
+    beta = fca.Controller.from_modules(model, "blocks.*.hc_attn.act", "batch token () stream", call=1)
+    ctrl = fca.Controller.merge(alpha, beta)
+    assert [(s.kind, s.reference) for s in ctrl.sites] == [("source_mixture", "SourceUniformMean")] * 2 + \
+        [("vector_gate", "GlobalMean")] * 2
+    assert ctrl.labels["StructureRemoved"] == "SourceUniformMean + GlobalMean" and ctrl.describe()["static"] == \
+        "StaticProfile"
+    result = audit(model, ctrl, tmp_path)
+    assert_exact(result)
+    profiles = load_file(str(tmp_path / "audit" / "profiles.safetensors"))
+    with torch.inference_mode(), ctrl.capture(2, T) as calib:
+        model(windows(2, 1))  # the audit's calibration windows
+    gates = torch.cat([c.double().flatten() for c in calib[2:]])
+    for l in (2, 3):
+        removed, static = profiles[f"StructureRemoved.{l}"], profiles[f"StaticProfile.{l}"]
+        torch.testing.assert_close(removed, torch.full_like(removed, float(gates.mean())))
+        assert not torch.allclose(removed, static)
+    for l in (0, 1):
+        want = calib[l].double().mean((0, 1)).mean(-1, keepdim=True).expand(S, S + 1)
+        torch.testing.assert_close(profiles[f"StructureRemoved.{l}"], want)
+    pen = result.penalties()
+    assert pen["StructureRemoved"].statistic != pen["StaticProfile"].statistic
+
+
 # ---- layouts: merged axes and unit axes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pattern,shape,canonical", [
     ("batch token (view layer)", (2, 5, 12), (2, 5, 1, 12)),
+    ("batch token (view layer)", (2, 5, 3, 4), (2, 5, 1, 12)),  # the group's axes side by side
+    ("stream batch token (a b)", (3, 2, 5, 2, 2), (2, 5, 3, 4)),
     ("batch token () stream source", (2, 5, 1, 3, 4), (2, 5, 3, 4)),
     ("batch token 1 stream", (2, 5, 1, 3), (2, 5, 3, 1)),
     ("(batch token) 1", (10, 1), (2, 5, 1, 1)),
@@ -418,9 +454,21 @@ def test_layouts_with_merged_and_unit_axes_round_trip(pattern, shape, canonical)
 
 
 def test_a_layout_with_two_unmerged_source_axes_is_refused_with_the_advice_that_works():
-    with pytest.raises(FcauditError, match=r"more than one source-like axis \['view', 'layer'\]; merge them"):
+    """The refusal's advice reads the output it was given: a merged group takes its axes side by side, as well as
+    one axis holding both."""
+    with pytest.raises(FcauditError, match=r"more than one source-like axis \['view', 'layer'\]; merge them with "
+                                           r"parentheses, e.g. 'batch token \(view layer\)'"):
         Layout.parse("batch token view layer")
-    Layout.parse("batch token (view layer)")  # the advice, taken
+    lay = Layout.parse("batch token (view layer)")  # the advice, taken
+    apart = torch.randn(2, 3, 5, 4).permute(0, 2, 1, 3)  # [batch, token, view, layer], not contiguous
+    c = lay.encode(apart, 2, 5)
+    assert c.shape == (2, 5, 1, 12) and torch.equal(c[:, :, 0], apart.reshape(2, 5, 12))
+    back = lay.decode(c, lay.meta(apart))
+    assert torch.equal(back, apart) and back.stride() == apart.stride()
+    joined = apart.reshape(2, 5, 12)
+    assert torch.equal(lay.decode(lay.encode(joined, 2, 5), lay.meta(joined)), joined)
+    with pytest.raises(FcauditError, match="does not fit layout 'batch token \\(view layer\\)'"):
+        lay.encode(torch.randn(2, 5, 2, 3, 2), 2, 5)
 
 
 def test_op_names_cover_operator_forms():
@@ -442,7 +490,7 @@ class Held:
     """A protocol.ReplayContext over coefficients held in memory, with site groups."""
 
     def __init__(self, data, groups):
-        self.data, self.seed, self.info = data, 0, protocol.Controllers(groups=groups)
+        self.data, self.seed, self.info = data, 0, Description(("vector_gate",) * len(data), groups=groups)
 
     def take(self, examples):
         return [d[torch.from_numpy(np.asarray(examples))] for d in self.data]
@@ -548,6 +596,7 @@ class Carried(nn.Module):
     def __init__(self, carry):
         super().__init__()
         self.mix, self.scale, self.carry = nn.Linear(D, D), nn.Parameter(torch.full((D,), 0.5)), carry
+        self.fold, self.proj = nn.Linear(2 * D, D), nn.Linear(D, D)
 
     def forward(self, x):
         return self.carry(self, x, self.mix(causal_mean(x)))
@@ -558,7 +607,54 @@ CARRIES = {  # a hidden state however it is carried on: each one a notice
     "x + (h + 0)": lambda block, x, h: x + (h + 0),
     "x + h reshaped": lambda block, x, h: x + h.reshape(-1, D).reshape(x.shape),
     "x + h * scale": lambda block, x, h: x + h * block.scale,
+    # GRU-style code views its cell's output back; gated and joined states; a module taking it by keyword
+    "x + h.reshape_as(x)": lambda block, x, h: x + h.reshape(-1, D).reshape_as(x),
+    "x + h.view_as(x)": lambda block, x, h: x + h.view(-1, D).view_as(x),
+    "x + h.expand_as(x)": lambda block, x, h: x + h.expand_as(x),
+    "x + where(x > 0, h, 0)": lambda block, x, h: x + torch.where(x > 0, h, 0.0),
+    "fold(cat([x, h]))": lambda block, x, h: x + block.fold(torch.cat([x, h], -1)),
+    "fold(stack([x, h]))": lambda block, x, h: x + block.fold(torch.stack([x, h], -1).flatten(-2)),
+    "proj(input=h)": lambda block, x, h: x + block.proj(input=h),
 }
+
+
+class FeatureGate(nn.Module):
+    """A gate computed from hidden-width features that only an op consumes: sigmoid(norm(x) @ w)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.w, self.mlp = nn.LayerNorm(D), nn.Parameter(torch.randn(D, 1) * 0.5), mlp()
+
+    def forward(self, x):
+        return x + torch.sigmoid(self.norm(x) @ self.w) * self.mlp(causal_mean(x))
+
+
+RANKINGS = {  # what the parent makes of its router's scores [batch, token]: each one a choice of tokens
+    "topk": lambda s: s.topk(3, dim=-1).indices,
+    "sort": lambda s: s.sort(-1, descending=True).indices[:, :3],
+    "argmax": lambda s: s.argmax(-1, keepdim=True),
+    "comparison": lambda s: torch.where(s > 0, torch.arange(s.shape[1]), 0),  # a threshold (index 0 otherwise)
+}
+
+
+class RankingBlock(nn.Module):
+    """A Mixture-of-Depths block: a linear router scores each token and the parent runs the tokens its ranking
+    picks; read with a plain layout, the scores pass for a gate."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.router, self.mlp, self.rank = nn.Linear(D, 1), mlp(), rank
+
+    def forward(self, h):
+        h = h + causal_mean(h)
+        scores = self.router(h).squeeze(-1)
+        at = self.rank(scores)[..., None].expand(-1, -1, D)
+        weight = torch.sigmoid(scores.gather(1, at[..., 0]))[..., None]
+        return h.scatter_add(1, at, self.mlp(h.gather(1, at)) * weight)
+
+
+def ranking_model(rank) -> Callable[[], LM]:
+    return lambda: LM([RankingBlock(rank), RankingBlock(rank)], seed=7).eval()
 
 
 def carried_model(carry) -> Callable[[], LM]:
@@ -597,7 +693,7 @@ SILENT = [  # (what, model, controller, expected refusal or notice; None: nothin
      ("refusal", "two Correct passes of the first evaluation batch differ in the logits .*not deterministic in eval")),
     ("route flips with bit-equal logits", seeded_moe,
      lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=TopOne()),
-     ("refusal", r"route flips = [1-9]\d*")),
+     ("refusal", r"route flips = [1-9]\d* .*recomputed .*it samples, or its noise is reseeded")),
     ("a codec whose decode(encode(x)) is not x", routed_model,
      lambda m: fca.Controller.from_modules(m, "blocks.*.router", codec=UnsortedCodec()),
      ("refusal", r"site 'blocks.0.router': decode\(encode\(output\)\) of codec 'UnsortedCodec' differs from the "
@@ -612,6 +708,14 @@ SILENT = [  # (what, model, controller, expected refusal or notice; None: nothin
        lambda m: fca.Controller.from_modules(m, "blocks.*.mix", "batch token hidden"),
        ("notice", r"site 'blocks.0.mix' \(and 1 more\) looks like a hidden state, not a coefficient: .*hidden width 16"))
       for how, carry in CARRIES.items()),
+    ("hidden-width features only an op consumes", lambda: LM([FeatureGate(), FeatureGate()], seed=6).eval(),
+     lambda m: fca.Controller.from_modules(m, "blocks.*.norm", "batch token hidden"),
+     ("notice", r"site 'blocks.0.norm' \(and 1 more\) looks like hidden-width features, not coefficients: .*an op")),
+    *((f"router scores the model ranks by {how}, read as a gate", ranking_model(rank),
+       lambda m: fca.Controller.from_modules(m, "blocks.*.router", "batch token 1"),
+       ("notice", r"the model ranks or thresholds the values of site 'blocks.0.router' \(and 1 more\) \((topk|sort|"
+                  r"argmax|gt)\): .*declare the routing: kind='token_router'"))
+      for how, rank in RANKINGS.items()),
     ("a GRU cell's gates (coefficients of hidden width)", gru_model, gru_gates, None),
     ("a per-channel gate (coefficients of hidden width)", lambda: LM([ChannelGate(), ChannelGate()], seed=6).eval(),
      lambda m: fca.Controller.from_ops(m, "blocks.*", "sigmoid", "batch token channel"), None),
@@ -635,9 +739,10 @@ def test_the_silent_cases_get_a_refusal_or_a_notice(what, build, controller, exp
     ctrl = controller(model)
     first = windows(2, 0)
     with torch.inference_mode():
-        found = pre_write_checks(model, ctrl, first, capture_batch(model, ctrl, first, None, remember=True))
-    if expected is None:
-        assert found == []
+        found = pre_write_checks(model, ctrl, first, capture_batch(model, ctrl, first, None, decoding=True), V)
+    if expected is None:  # a router's causality check (with nothing to say) is all it finds
+        assert [(f.check, f.line, f.data["later_token_flips"]) for f in found] == \
+            ([("causality", "", 0)] if ctrl.info.routers else [])
         return
     kind, line = expected
     assert len(found) >= 1 and found[0].refusal == (kind == "refusal")
@@ -655,10 +760,14 @@ def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_
         result = audit(model, controller(model), tmp_path)
         assert_exact(result)
         assert result.notices == () and not result.replay.route_flips
+        assert [f.check for f in result.replay.findings] == (["causality"] if result.replay.route_flips is not None
+                                                             else [])
     elif kind == "refusal":
-        with pytest.raises(FcauditError, match=line):
+        with pytest.raises(FcauditError, match=line) as refused:
             audit(model, controller(model), tmp_path)
+        assert type(refused.value) is FcauditError  # one process: the error itself, never a RankError
         if what.startswith("route flips"):  # the exact replay check of a batch fails closed: its report, no records
+            assert "tolerance" not in str(refused.value)  # a tolerance cannot help a router that routes otherwise
             report = json.loads((tmp_path / "audit" / "replay.json").read_text())
             assert not report["passed"] and report["route_flips"] > 0 and report["max_abs_dlogit"] == 0
             assert not list((tmp_path / "audit").rglob("*.parquet"))
@@ -669,10 +778,22 @@ def test_an_audit_refuses_the_silent_cases_with_nothing_written_or_prints_their_
         assert re.search(line, capsys.readouterr().err.replace("\n", " "))
 
 
+@pytest.mark.parametrize("how,later", [("topk", True), ("sort", True), ("argmax", True), ("comparison", False)])
+def test_the_causality_check_follows_the_choices_the_model_makes_from_a_site(how, later, tmp_path):
+    """A ranking over the window (top-k, sort, argmax) decides from later tokens though each score is causal; a
+    threshold on a causal score does not: the check compares what the ranking chose, not the scores."""
+    model = ranking_model(RANKINGS[how])()
+    result = audit(model, fca.Controller.from_modules(model, "blocks.*.router", "batch token 1"), tmp_path)
+    found = result.replay.finding("causality")
+    assert (found.data["later_token_flips"] > 0) == later
+    assert found.line in result.notices if later else found.line == ""
+
+
 def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
     """PhiMoE's sparsemixer puts the argmax expert first, with both weights often 1.0: decode takes the slot order
     from the router's logits on its live input, so decode(encode(x)) is x, index order included."""
     transformers = pytest.importorskip("transformers")
+    from fcaudit.controllers import Decoding
     from fcaudit.controllers.checks import round_trip_difference
 
     torch.manual_seed(0)
@@ -687,11 +808,41 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
         with ctrl.outputs(2, 16) as raws:
             model(ids)
         for site, (out, call) in zip(ctrl.sites, raws):
-            site.remember(out)
-            assert site.meta["slot_order"] == "logits"
+            decoding = Decoding.of(site.codec, out)
+            assert decoding.meta["slot_order"] == "logits"
             # in weight order (without the live call): the same experts and weights, other slots
-            assert round_trip_difference(site, out, None, 2, 16).startswith("slot order (")
-            assert round_trip_difference(site, out, call, 2, 16) is None
+            assert round_trip_difference(site, out, None, decoding, 2, 16).startswith("slot order (")
+            assert round_trip_difference(site, out, call, decoding, 2, 16) is None
+
+
+class SortedPairs(fca.Codec):
+    """A top-2 router's (weights [N, 2], index [N, 2]) <-> its combine vector over 4 experts; decode lists tied
+    experts lowest first, where the router may list them in another order."""
+
+    top_k = 2
+
+    def encode(self, output, batch, token):
+        weights, index = output
+        return torch.zeros(batch * token, 4).scatter_add(1, index, weights).reshape(batch, token, 1, 4)
+
+    def decode(self, canonical, meta):
+        top = canonical.reshape(-1, 4).sort(dim=1, descending=True, stable=True)
+        return top.values[:, :2].contiguous(), top.indices[:, :2].contiguous()
+
+
+@pytest.mark.parametrize("unordered", [True, False])
+def test_a_codec_says_which_leaves_are_sets_and_ties_in_another_order_pass_with_a_notice(unordered):
+    from fcaudit.controllers import Decoding, Site
+    from fcaudit.controllers.checks import round_trip_difference
+
+    codec = SortedPairs()
+    if unordered:
+        codec.unordered = ("[0]", "[1]")  # the (weights, index) leaves: compared as sets of pairs
+    site = Site("router", nn.Linear(2, 2), codec)
+    tied = (torch.full((6, 2), 0.5), torch.tensor([[3, 1], [2, 0], [1, 0], [3, 2], [0, 1], [2, 3]]))
+    how = round_trip_difference(site, tied, None, Decoding.of(codec, tied), 2, 3)
+    assert how == "slot order (4 of 6 rows hold their experts and weights in another order)" if unordered else \
+        how == "leaf [1]: other values (8 of 12 elements)"
 
 
 # ---- the pre-write notices kept with the results; `active` of merged layers --------------------------------------
@@ -719,7 +870,7 @@ def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report
 def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_path):
     model = hc_model()
     result = audit(model, hc_controller(model), tmp_path)
-    assert result.notices == () and result.replay.notices == ()
+    assert result.notices == () and result.replay.findings == ()
     # alpha's S+1 sources and beta's one, all nonzero (tanh): S+2 per (token, stream) of one layer, where a mean over
     # the four sites would say (S+1+1)/2
     correct = result.records[result.records.condition == "Correct"]
@@ -727,8 +878,11 @@ def test_an_audit_without_notices_has_none_and_counts_a_merged_layer_once(tmp_pa
 
 
 def test_active_counts_a_merged_layer_once_as_its_sources_side_by_side():
-    from fcaudit.auditor.engine import active
     from fcaudit.stats.variance import by_layer
+
+    def active(coeffs, routers=(), groups=()):
+        return Description(tuple("expert_router" if i in routers else "vector_gate" for i in range(len(coeffs))),
+                           groups=groups).active(coeffs)
 
     a = torch.ones(2, T, 2, 3)
     a[0, :, :, 0] = 0  # window 0: 2 of 3 sources per (token, stream), window 1: 3
@@ -740,7 +894,7 @@ def test_active_counts_a_merged_layer_once_as_its_sources_side_by_side():
     assert torch.equal(active([a, b, c]), active([a, b, c], groups=()))
     grouped = active([a, b, c], groups=(0, 0, 1))
     assert grouped.tolist() == [(3 + 2) / 2, (3 + 4) / 2]
-    layers = by_layer([a, b, c], (0, 0, 1))  # what variation.json calls the layers
+    layers = by_layer([a, b, c], Description(("vector_gate",) * 3, groups=(0, 0, 1)).layers)  # variation.json's
     assert torch.equal(grouped, torch.stack([l.bool().reshape(2, -1).sum(1).double() / (l.shape[1] * l.shape[2])
                                              for l in layers]).mean(0))
     # a site with fewer streams: the layer's other streams hold none of its sources

@@ -3,7 +3,8 @@
 Everything else (schedule, statistics, summary, report) reads `REGISTRY`; adding a condition is one entry there.
 Randomness is keyed by what it permutes, never by batch or process: `default_rng([tag, seed, r, example])` (the
 derangement: `[DERANGE, seed, r]`); CrossShuffle pairs CrossInput's donor with TokenShuffle's permutations. Static
-profiles are functions of the calibration sums only. Imports nothing of fcaudit but its error type.
+profiles are functions of the calibration sums only. A condition applies to a controller when one of its sites' kinds
+offers it (fcaudit.kinds); the per-site rules (a site's reference, a token router's budget) come from its kind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import Description, chosen
 
 Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
 
@@ -45,8 +47,7 @@ def derangement(n: int, seed: int, r: int) -> np.ndarray:
 
 def token_permutations(examples: np.ndarray, seed: int, r: int, token: int, rows: int) -> np.ndarray:
     """An int array [examples, rows, token]: per example an independent permutation of positions per row, one row per
-    (layer, stream) in layer order (per (group, stream) for merged sites: `group_rows`). TokenShuffle r and
-    CrossShuffle r use the same ones."""
+    (layer, stream) in layer order (`group_rows`). TokenShuffle r and CrossShuffle r use the same ones."""
     positions = np.broadcast_to(np.arange(token), (rows, token))
     return np.stack([np.random.default_rng([SHUFFLE, seed, r, int(e)]).permuted(positions, axis=1) for e in examples])
 
@@ -59,23 +60,24 @@ def past_positions(examples: np.ndarray, seed: int, r: int, token: int, rows: in
                      for e in examples])
 
 
-def group_rows(coeffs: Coeffs, groups: Sequence[int] = ()) -> tuple[int, list[int]]:
-    """The index rows one draw needs and each site's first row: one row per stream of each group (its widest site),
-    groups in order; a site uses its group's first rows, so the sites of one group (one layer) move together.
-    groups () = one group per site: a row per (layer, stream) in layer order."""
-    keys = list(groups) or list(range(len(coeffs)))
-    width: dict[int, int] = {}  # in the order the groups first appear
-    for c, g in zip(coeffs, keys):
-        width[g] = max(width.get(g, 0), c.shape[2])
-    first = dict(zip(width, accumulate(width.values(), initial=0)))
-    return sum(width.values()), [first[g] for g in keys]
+def group_rows(coeffs: Coeffs, layers: Sequence[Sequence[int]] | None = None) -> tuple[int, list[int]]:
+    """The index rows one draw needs and each site's first row: one row per stream of each layer (its widest site),
+    layers in order (`Description.layers`; None: one per site); a site uses its layer's first rows, so the sites of
+    one layer move together."""
+    layers = layers if layers is not None else [(i,) for i in range(len(coeffs))]
+    width = [max(coeffs[i].shape[2] for i in sites) for sites in layers]
+    first = [0] * len(coeffs)
+    for sites, row in zip(layers, accumulate(width, initial=0)):
+        for i in sites:
+            first[i] = row
+    return sum(width), first
 
 
 def _move_tokens(coeffs: Coeffs, draw: Callable[..., np.ndarray], examples: np.ndarray, seed: int, r: int,
-                 groups: Sequence[int]) -> Coeffs:
+                 layers: Sequence[Sequence[int]] | None) -> Coeffs:
     """new[b, t, s, :] = old[b, index[b, row(l, s), t], s, :] for every layer l (the source vector moves as one), with
     index = draw(examples, seed, r, token, rows) [batch, rows, token], rows as `group_rows` says."""
-    rows, first = group_rows(coeffs, groups)
+    rows, first = group_rows(coeffs, layers)
     index = draw(examples, seed, r, coeffs[0].shape[1], rows)
     # one host-to-device copy of the whole index, in the [batch, token, row] order gather wants
     index = torch.from_numpy(index.transpose(0, 2, 1).copy()).to(coeffs[0].device)
@@ -83,25 +85,23 @@ def _move_tokens(coeffs: Coeffs, draw: Callable[..., np.ndarray], examples: np.n
             for c, s0 in zip(coeffs, first)]
 
 
-def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
-    """TokenShuffle r of the receiving `examples`: independent permutations per example, layer (group) and stream."""
-    return _move_tokens(coeffs, token_permutations, examples, seed, r, groups)
+def shuffle_tokens(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int,
+                   layers: Sequence[Sequence[int]] | None = None) -> Coeffs:
+    """TokenShuffle r of the receiving `examples`: independent permutations per example, layer and stream."""
+    return _move_tokens(coeffs, token_permutations, examples, seed, r, layers)
 
 
-def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int, groups: Sequence[int] = ()) -> Coeffs:
+def resample_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int,
+                  layers: Sequence[Sequence[int]] | None = None) -> Coeffs:
     """TokenResamplePast r: position t takes the coefficient of a uniform position s <= t of the same example (the
-    same s for every site of a group)."""
-    return _move_tokens(coeffs, past_positions, examples, seed, r, groups)
+    same s for every site of a layer)."""
+    return _move_tokens(coeffs, past_positions, examples, seed, r, layers)
 
 
 # ---- token routing: every transformation keeps each window's budget k per layer ---------------------------------
 # A token router's canonical tensor is [batch, token, 1, 2]: its score and whether the token was chosen (0/1). The
-# routed block runs on the chosen tokens only, so a (score, chosen) pair moves as one and k never changes.
-
-def chosen(c: torch.Tensor) -> torch.Tensor:
-    """[batch, token] bool: the chosen tokens of one token-routing site's canonical tensor."""
-    return c[:, :, 0, 1] > 0.5
-
+# routed block runs on the chosen tokens only (fcaudit.kinds.chosen), so a (score, chosen) pair moves as one and k
+# never changes.
 
 def routes_past(coeffs: Coeffs, examples: np.ndarray, seed: int, r: int) -> Coeffs:
     """TokenResamplePast for token routers: each chosen position s moves, with its score, to a uniformly drawn free
@@ -176,6 +176,10 @@ class Calibration:
     count: int
     top_k: tuple[int | None, ...]  # per site: experts per token of a top-k router, else None
 
+    def of(self, sites: Sequence[int]) -> "Calibration":
+        """The calibration of some sites only."""
+        return Calibration([self.sums[i] for i in sites], self.count, tuple(self.top_k[i] for i in sites))
+
     def layer_position_mean(self) -> list[torch.Tensor]:
         return [s / self.count for s in self.sums]
 
@@ -189,7 +193,7 @@ def batch_sums(coeffs: Coeffs) -> list[torch.Tensor]:
 
 
 def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]],
-                    ctrl: Controllers) -> dict[str, list[torch.Tensor]]:
+                    ctrl: Description) -> dict[str, list[torch.Tensor]]:
     """The profile of each static condition that applies to `ctrl`, from the calibration batches' (batch_sums,
     window count) added in batch order: equal bit for bit however the batches were spread over processes."""
     sums, count = None, 0
@@ -199,11 +203,12 @@ def static_profiles(parts: Iterable[tuple[list[torch.Tensor], int]],
     if sums is None:
         raise FcauditError("no calibration windows: pass at least one calibration window")
     cal = Calibration(sums, count, ctrl.top_k)
-    return {c.name: c.profile(cal, ctrl) for c in REGISTRY.values() if c.kind == "static" and c.applies(ctrl)}
+    return {c.name: c.profile(cal, ctrl) for c in REGISTRY.values() if c.kind == "static" and c.name in ctrl.conditions}
 
 
 def global_mean(cal: Calibration) -> list[torch.Tensor]:
-    """Mass-matched GlobalMean: one scalar for every coefficient of every layer."""
+    """Mass-matched GlobalMean: one scalar for every coefficient of every layer (of the sites it is the reference
+    of)."""
     total = sum(float(s.sum()) for s in cal.sums)
     n = sum(s.numel() for s in cal.sums) * cal.count
     return [torch.full_like(p, total / n) for p in cal.layer_mean()]
@@ -215,8 +220,19 @@ def source_uniform_mean(cal: Calibration) -> list[torch.Tensor]:
     return [p.mean(1, keepdim=True).expand_as(p).clone() for p in cal.layer_mean()]
 
 
-REFERENCES: dict[str, Callable[[Calibration], list[torch.Tensor]]] = {
-    "global_mean": global_mean, "source_uniform_mean": source_uniform_mean}
+REFERENCES: dict[str, Callable[[Calibration], list[torch.Tensor]]] = {  # kinds.STATIC_REFERENCES
+    "GlobalMean": global_mean, "SourceUniformMean": source_uniform_mean, "ExpertUniformMean": source_uniform_mean}
+
+
+def reference_profiles(cal: Calibration, ctrl: Description) -> list[torch.Tensor]:
+    """StructureRemoved: each site's own reference, computed over the sites that share it (a merged gate's GlobalMean
+    beside its layer's mixture's SourceUniformMean)."""
+    out: list[torch.Tensor] = [None] * len(cal.sums)
+    for ref in dict.fromkeys(ctrl.references):
+        sites = [i for i, r in enumerate(ctrl.references) if r == ref]
+        for i, p in zip(sites, REFERENCES[ref](cal.of(sites))):
+            out[i] = p
+    return out
 
 
 def static_top_k(cal: Calibration) -> list[torch.Tensor]:
@@ -247,26 +263,11 @@ class ReplayContext(Protocol):
     """What a condition may use to make a batch's replay coefficients (implemented by the audit engine)."""
 
     seed: int
-    info: Controllers  # the controller's description: its site groups, its token routers
+    info: Description  # the controller as the conditions see it: its sites' kinds, references and layers
 
     def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
     def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
     def static(self, condition: str, batch: int) -> Coeffs: ...  # a static profile, expanded to a batch
-
-
-@dataclass(frozen=True)
-class Controllers:
-    """What a condition may need to know about a controller: the reference it uses, its sites' top-k, and each
-    site's group (sites of one layer: the randomized conditions move them together); () = one group per site."""
-
-    reference: str = "global_mean"
-    top_k: tuple[int | None, ...] = ()
-    groups: tuple[int, ...] = ()
-    routing: tuple[str | None, ...] = ()  # per site: "tokens" for a router that picks the tokens a block runs on
-
-    @property
-    def tokens(self) -> bool:
-        return any(r == "tokens" for r in self.routing)
 
 
 @dataclass(frozen=True)
@@ -276,10 +277,9 @@ class Condition:
     label: str  # default display label; a controller may rename StaticProfile and StructureRemoved
     make: Callable[[ReplayContext, int, np.ndarray], Coeffs]  # (context, randomization, examples) -> coefficients
     role: str | None = None  # factorial role: "input" (DC), "token" (CS), "both" (DS); None: outside Eq. 5-7
-    profile: Callable[[Calibration, Controllers], list[torch.Tensor]] | None = None  # static: the profile
+    profile: Callable[[Calibration, Description], list[torch.Tensor]] | None = None  # static: the profile
     retained: bool = False  # retention (Eq. 8) is reported for it against the structure-removed reference
     structure_removed: bool = False  # the reference R of Eq. 8
-    applies: Callable[[Controllers], bool] = lambda ctrl: True
 
     @property
     def randomized(self) -> bool:
@@ -290,46 +290,37 @@ def _static(name: str) -> Callable:
     return lambda ctx, r, examples: ctx.static(name, len(examples))
 
 
-def _no_tokens(ctrl: Controllers) -> bool:
-    return not ctrl.tokens
-
-
-# in paper order; what each controls for: docs/concepts.md
+# in paper order; what each controls for: docs/concepts.md; which kinds offer each: fcaudit.kinds
 REGISTRY: dict[str, Condition] = {c.name: c for c in (
     Condition("Correct", "reference", "Correct", lambda ctx, r, ex: ctx.take(ex)),
     Condition("CrossInput", "randomized", "Cross-input", lambda ctx, r, ex: ctx.take(ctx.derangement(r)[ex]),
               role="input"),
     Condition("TokenShuffle", "randomized", "Token-shuffle",
-              lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, ctx.info.groups), role="token"),
+              lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, ctx.info.layers), role="token"),
     Condition("CrossShuffle", "randomized", "Cross+shuffle",  # the paired CrossInput donor and TokenShuffle draws
-              lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, ctx.info.groups),
+              lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, ctx.info.layers),
               role="both"),
     Condition("TokenResamplePast", "randomized", "Token-resample-past",  # the causal control of TokenShuffle
               lambda ctx, r, ex: (routes_past(ctx.take(ex), ex, ctx.seed, r) if ctx.info.tokens
-                                  else resample_past(ctx.take(ex), ex, ctx.seed, r, ctx.info.groups))),
+                                  else resample_past(ctx.take(ex), ex, ctx.seed, r, ctx.info.layers))),
     Condition("LayerPositionMean", "static", "Layer×PositionMean", _static("LayerPositionMean"),
-              profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True, applies=_no_tokens),
+              profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True),
     Condition("StaticProfile", "static", "StaticProfile", _static("StaticProfile"),
-              profile=lambda cal, ctrl: cal.layer_mean(), retained=True, applies=_no_tokens),
+              profile=lambda cal, ctrl: cal.layer_mean(), retained=True),
     Condition("StaticTopK", "static", "StaticTopK",
               lambda ctx, r, ex: (static_routes(ctx.static("StaticTopK", len(ex)), ctx.take(ex)) if ctx.info.tokens
                                   else ctx.static("StaticTopK", len(ex))),
-              profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True,
-              applies=lambda ctrl: ctrl.tokens or any(k is not None for k in ctrl.top_k)),
+              profile=lambda cal, ctrl: cal.layer_position_mean() if ctrl.tokens else static_top_k(cal), retained=True),
     Condition("StructureRemoved", "static", "StructureRemoved", _static("StructureRemoved"),
-              profile=lambda cal, ctrl: REFERENCES[ctrl.reference](cal), structure_removed=True, applies=_no_tokens),
+              profile=reference_profiles, structure_removed=True),
     Condition("RandomRoute", "randomized", "RandomRoute",  # token routers' structure-removed reference
-              lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True,
-              applies=lambda ctrl: ctrl.tokens),
+              lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True),
 )}
 
-TOKEN_NOTE = ("token routing: LayerPositionMean, StaticProfile and GlobalMean are not offered (the mean of a 0/1 "
-              "choice is no set of k tokens); StaticTopK and RandomRoute keep each window's budget")
 
-
-def for_controller(ctrl: Controllers) -> list[str]:
-    """The conditions an audit of this controller runs."""
-    return [c.name for c in REGISTRY.values() if c.applies(ctrl)]
+def for_controller(ctrl: Description) -> list[str]:
+    """The conditions an audit of this controller runs: those its sites' kinds offer, in registry order."""
+    return [c.name for c in REGISTRY.values() if c.name in ctrl.conditions]
 
 
 def factorial() -> dict[str, str]:

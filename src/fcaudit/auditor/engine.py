@@ -7,7 +7,6 @@ so any partition of the units over processes, and any resume, gives the same fil
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -21,14 +20,17 @@ from torch import nn
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
-from fcaudit.auditor.group import Group, RankError
+from fcaudit.auditor.group import Group
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
-from fcaudit.controllers.routing import decisions
-from fcaudit.controllers.site import Codec, Controller
+from fcaudit.controllers.checks import Finding
+from fcaudit.controllers.codecs import Codec
+from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.patching import Captured
 from fcaudit.errors import FcauditError
 from fcaudit.io import remove_tree
+from fcaudit.kinds import Description
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
 from fcaudit.stats.variance import variation
@@ -60,38 +62,19 @@ def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> 
 
 
 def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
-                  remember: bool = False) -> tuple[Coeffs, torch.Tensor, torch.Tensor]:
-    """Stage 1 on one batch: the coefficients of every site, the logits and the NLL of the unperturbed model."""
-    with controller.capture(ids.shape[0], ids.shape[1], remember=remember) as found:
+                  decoding: bool = False) -> tuple[Captured, torch.Tensor, torch.Tensor]:
+    """Stage 1 on one batch: the coefficients of every site (with what a replay needs to decode them, if asked), the
+    logits and the NLL of the unperturbed model."""
+    with controller.capture(ids.shape[0], ids.shape[1], decoding=decoding) as found:
         logits, nll = forward_nll(model, ids, loss_fn)
     missing = [s.path for s, c in zip(controller.sites, found) if c is None]
     if missing:
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass; pick modules the model calls")
-    return [c.to(ids.device) for c in found], logits, nll  # one device, also for sites on others (a device_map)
+    # one device, also for sites on others (a device_map)
+    return Captured([c.to(ids.device) for c in found], found.decoding), logits, nll
 
 
-def active(coeffs: Coeffs, sites: list[int] | None = None, tokens: frozenset[int] = frozenset(),
-           ran: dict[int, torch.Tensor] | None = None, groups: tuple[int, ...] = ()) -> torch.Tensor:
-    """Per window [B] float64: the mean over sites (all, or `sites`: the routers) of the mean nonzero sources per
-    (token, stream); for token routers (`tokens`) the fraction of tokens chosen. `ran`: per site, the sources its
-    module really ran summed over (token, stream), in place of the nonzero count (`executed`)."""
-    ran = ran or {}
-    order = list(sites or range(len(coeffs)))
-    chosen = [coeffs[i][..., 1:] > 0.5 if i in tokens else coeffs[i] for i in order]
-    # nonzero count of each window / (token x stream): the mean over (token, stream) of the per-source counts, equal
-    # bit for bit (integer sums are exact in float64); c.bool() is what count_nonzero counts (nan yes, -0.0 no)
-    counts = [ran[i] if i in ran else c.bool().reshape(c.shape[0], -1).sum(1).double() for i, c in zip(order, chosen)]
-    # merged sites of one layer (Controller.merge) count once, as stats.variance.by_layer sees the layer: their
-    # sources side by side, over the group's widest stream axis
-    layers: dict[int, list[int]] = {}  # each group's sites, in order
-    for j, i in enumerate(order):
-        layers.setdefault(groups[i] if groups else i, []).append(j)
-    return torch.stack([sum(counts[j] for j in js) / (chosen[js[0]].shape[1] * max(chosen[j].shape[2] for j in js))
-                        for js in layers.values()]).mean(0)
-
-
-def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: frozenset[int],
-             names: tuple[str, ...], groups: tuple[int, ...] = ()) -> torch.Tensor:
+def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: tuple[str, ...]) -> torch.Tensor:
     """[B, 1 + len(names)] float64 for codecs that count what their modules run (`Codec.executed`): `active` from what
     ran, then each count of `names` summed over the sites that report it."""
     out = torch.zeros(coeffs[0].shape[0], 1 + len(names), dtype=torch.float64, device=coeffs[0].device)
@@ -102,15 +85,8 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], sites: list[int], tokens: 
             ran[i] = counted[0].to(out.device)
             for j, name in enumerate(codec.counts):
                 out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
-    out[:, 0] = active(coeffs, sites, tokens, ran, groups)
+    out[:, 0] = info.active(coeffs, ran)
     return out
-
-
-def route_flips(live: dict[int, torch.Tensor], cached: Coeffs, tokens: frozenset[int] = frozenset()) -> int:
-    """(window, token, layer, stream) cells whose routing decisions (the selected sources, or for token routers
-    whether the token was chosen) differ between the live router on the replayed trajectory and the cache."""
-    return int(sum((decisions(l.to(cached[i].device), i in tokens) != decisions(cached[i], i in tokens)).any(-1).sum()
-                   for i, l in live.items()))
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -119,16 +95,19 @@ class Engine:
     """One process's share of an audit. `ev`, `ca`: window ids [N, T] on the CPU."""
 
     def __init__(self, model: nn.Module, controller: Controller, windows: tuple[torch.Tensor, torch.Tensor],
-                 config: AuditConfig, group: Group, first: tuple[Coeffs, torch.Tensor, torch.Tensor]):
+                 config: AuditConfig, group: Group, first: tuple[Captured, torch.Tensor, torch.Tensor],
+                 findings: Sequence[Finding] = ()):
         """`windows`: the (evaluation, calibration) ids; `config.out`: the audit directory, already configured and
-        locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites')."""
+        locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites', its
+        decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
-        self.info = controller.info  # protocol.ReplayContext: site groups, token routers
+        self.info = controller.info  # protocol.ReplayContext: the sites' kinds, references and layers
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
         self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
+        self.decoding = first[0].decoding
         self.paths = [s.path for s in controller.sites]
         self.group = group
         self.device = placement.input_device(model)
@@ -139,12 +118,10 @@ class Engine:
         self._taken: tuple[int, dict[bytes, Coeffs]] = (-1, {})  # stage 2's current batch: the rows read for it
         self._static: dict[str, Coeffs] = {}
         self._done: dict[tuple[str, int], set[int] | bool] = {}  # `_recorded`
-        self.routers = [i for i, s in enumerate(controller.sites) if s.codec.top_k is not None or s.codec.routing]
-        self.tokens = frozenset(i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens")
         # extra record columns: what codecs that count their execution report (empty for most controllers)
         self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
-        self.found: tuple[str, ...] = ()  # the runner's pre-write notices, for replay.json
+        self.findings = tuple(findings)
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
@@ -201,10 +178,10 @@ class Engine:
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
             try:
                 self.group.run(lambda: self._stage1(share(sched.iter_stage1(), rank, world), step))
-            except RankError as e:
+            except FcauditError as e:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
-                if self._failed_replay is not None and e.rank == self.group.rank:
+                if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
                     files.write_json(self.dir.replay, self._failed_replay)
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
@@ -237,11 +214,11 @@ class Engine:
         coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
                                                                             self.loss_fn)
         check_finite(coeffs, f"evaluation windows {start}..{last}", self.paths)
-        routers = self.routers
-        with self.controller.replay(coeffs), (self.controller.recording_inputs() if routers else nullcontext()) as inputs:
+        routers, calls = self.info.routers, [None] * len(coeffs)
+        with self.controller.replay(coeffs, self.decoding, calls if routers else None):
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
-        flips = route_flips(self.controller.recompute(inputs, *ids.shape, routers), coeffs, self.tokens) \
-            if routers else None
+        flips = sum(self.info.changed(i, c, coeffs[i]) for i, c in
+                    self.controller.recompute(calls, *ids.shape, routers).items()) if routers else None
         exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
         finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
         dlogit = float("nan")
@@ -255,6 +232,12 @@ class Engine:
             if not finite:
                 raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "
                                    "or its dtype (e.g. load in float32) before auditing")
+            if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
+                raise FcauditError(f"exact replay failed on windows {start}..{last}: route flips = {flips} (max "
+                                   f"|Δlogit| = {dlogit:.3g}): the router, recomputed on the replayed trajectory, "
+                                   "chooses otherwise than the cache, so its routing is not a function of its inputs "
+                                   "(it samples, or its noise is reseeded between calls): make its eval routing "
+                                   "deterministic (no sampling, no noise outside training) before auditing")
             flip = f", route flips = {flips}" if flips is not None else ""
             raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
@@ -265,9 +248,8 @@ class Engine:
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
         if not self.counts:
-            return active(coeffs, self.routers, self.tokens, groups=self.info.groups)
-        return executed(coeffs, [s.codec for s in self.controller.sites], self.routers, self.tokens, self.counts,
-                        self.info.groups)
+            return self.info.active(coeffs)
+        return executed(coeffs, [s.codec for s in self.controller.sites], self.info, self.counts)
 
     def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
         """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
@@ -322,7 +304,7 @@ class Engine:
                     coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
                     ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
                     act[rows] = self._active(coeffs).cpu().numpy()
-                    with self.controller.replay(coeffs):
+                    with self.controller.replay(coeffs, self.decoding):
                         # the NLL alone: the logits go now, not during the next forward
                         nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
                     ranges.append(rows)
@@ -405,8 +387,7 @@ class Engine:
         return {"max_abs_dlogit": max(dlogit), "delta_nll": max(dnll), "bit_equal": all(bit_equal),
                 "route_flips": sum(flips) if flips else None,
                 "passed": True, "tolerance": self.tol, "windows": int(self.ev.shape[0]),
-                **(self.dir.config().get("routing") or {}),  # the runner's causality check, token note
-                **({"notices": list(self.found)} if self.found else {})}
+                "findings": [f.to_json() for f in self.findings]}
 
     def _finalize(self) -> None:
         for condition, r in self.schedule.record_keys():
@@ -418,4 +399,4 @@ class Engine:
         files.write_json(self.dir.replay, self._replay_summary())
         if not self._verified(self.dir.variation, lambda p: files.read_json(p, ("layers", "decomposition"),
                                                                             require_hash=True)):
-            files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.groups))
+            files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.layers))

@@ -44,13 +44,18 @@ class Group:
 
     def run(self, phase: Callable[[], T], main_only: bool = False) -> T | None:
         """Run `phase` (on rank 0 only if `main_only`), agree on the outcome with every rank, and return its result
-        (None where skipped). An FcauditError on any rank is raised on every rank; any other exception is re-raised
-        with its traceback on its own rank and stops the others with a one-line error naming it."""
+        (None where skipped). An FcauditError on any rank is raised on every rank (a RankError; one process raises
+        the error itself); any other exception is re-raised with its traceback on its own rank and stops the others
+        with a one-line error naming it."""
         error, crash, result = None, None, None
         try:
             if self.is_main or not main_only:
                 result = phase()
         except FcauditError as e:
+            if self.world == 1:  # nothing to agree on: the error itself, not a RankError
+                if self.on_failure is not None:
+                    self.on_failure()
+                raise
             error = str(e)
         except Exception as e:
             if self.world == 1:

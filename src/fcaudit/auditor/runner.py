@@ -34,12 +34,10 @@ from fcaudit.auditor.store import all_finite, check_finite
 from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.checks import pre_write_checks
-from fcaudit.controllers.routing import later_token_flips
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.controller import Controller
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import Locked, read_json, write_text
-from fcaudit.loss import logits_of
 from fcaudit.tokens import load_tokenizer
 
 
@@ -142,52 +140,6 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
             raise FcauditError(f"token ids range over [{int(ids.min())}, {int(ids.max())}] but the model embeds ids "
                                f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
-
-
-# Batched and single-window passes may round differently (other kernels; a router's near-tie), so half the positions
-# must agree at the site's own precision; axes named in the wrong order move whole rows, and next to none agree.
-AGREEING_POSITIONS = 0.5
-# forward passes of the checks before the units (Schedule counts only the units'): check_sites_read's two and
-# pre_write_checks' first batch, and with routers the causality check's two
-SITE_CHECK_PASSES = 3
-ROUTING_CHECK_PASSES = 2
-
-
-def check_sites_read(model: nn.Module, controller: Controller, first: torch.Tensor, coeffs: list[torch.Tensor],
-                     loss_fn: LossFn | None) -> str | None:
-    """Two single-window passes on window 0. Captured alone, its coefficients must be its row of the batch's: a
-    layout with a flattened output's axes in the wrong order passes the exact replay but moves coefficients between
-    windows. Replaying zeros should change the logits; when it does not, a notice: every replay measures nothing."""
-    one = first[:1]
-    alone, logits_alone, _ = capture_batch(model, controller, one, loss_fn)
-    if first.shape[0] > 1:
-        for site, a, c in zip(controller.sites, alone, coeffs):
-            row = c[:1].to(a.device)
-            if a.shape != row.shape or a.dtype != row.dtype:
-                continue  # a site whose canonical shape depends on the batch: nothing to compare
-            scale = float(row.abs().amax()) if row.numel() else 0.0
-            # the precision the model computed in (a codec may widen bf16 router weights to float32)
-            native = site.dtype if site.dtype is not None and site.dtype.is_floating_point else row.dtype
-            rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
-            close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
-            if close.numel() and float(close.double().mean()) < AGREEING_POSITIONS:
-                raise FcauditError(f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
-                                   f"of the batch ({float(close.double().mean()):.0%} of positions agree): check the "
-                                   f"layout {site.codec.describe()!r} names the output's axes in their order (e.g. "
-                                   "'(batch token) expert' for a [batch*token, expert] output); if the routing "
-                                   "depends on the other windows of a batch (capacity limits), use batch size 1")
-    try:
-        # token routers keep their choices (a block on no token is no k-set) and lose their scores
-        with controller.replay([a * a.new_tensor([0.0, 1.0]) if s.codec.routing == "tokens" else torch.zeros_like(a)
-                                for s, a in zip(controller.sites, alone)]):
-            if not torch.equal(logits_of(model(one)), logits_alone):
-                return None
-    except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
-        return None
-    return ("note: replaying zeros for every coefficient leaves the logits unchanged: the coefficients have no effect "
-            "on this model, or it does not use what its sites return (e.g. it keeps the gate's value in an "
-            "attribute), and then the interventions below measure nothing: point the pattern at the modules whose "
-            "output the model consumes")
 
 
 # ---- plan -------------------------------------------------------------------------------------------------------
@@ -354,24 +306,9 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
-    routing = routing_checks(model, controller, ev[:config.batch_size])
     return {"format": 2, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
             "windows": described, "model": model_desc, "controller": controller.describe(),
-            "labels": controller.labels, **({"routing": routing} if routing else {})}
-
-
-def routing_checks(model: nn.Module, controller: Controller, probe: torch.Tensor) -> dict:
-    """For a controller with routers: the causality check (earlier decisions that change when only the last quarter
-    of each probe window does: above 0 the router cannot decode autoregressively) and, for token routers, why the
-    scalar static conditions are not offered. Empty for other controllers."""
-    if not any(s.codec.top_k is not None or s.codec.routing for s in controller.sites):
-        return {}
-    ids = probe.to(placement.input_device(model))
-    vocab = vocab_size(model) or int(ids.max()) + 1
-    out = {"later_token_flips": later_token_flips(model, controller, ids, vocab), "causality_windows": int(ids.shape[0])}
-    if controller.info.tokens:
-        out["routing_note"] = protocol.TOKEN_NOTE
-    return out
+            "labels": controller.labels}
 
 
 def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
@@ -387,7 +324,8 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
     """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, the checks'
-    notices). The probe, the first batch's capture (coefficients, logits, NLL), is stage 1's for that batch."""
+    findings: notices only, a refusal is raised). The probe, the first batch's capture (coefficients with their
+    decoding, logits, NLL), is stage 1's for that batch."""
     if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
@@ -400,10 +338,10 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
                            "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
     windows.check()
     check_ids(model, windows.ev, windows.ca)
-    # probed before anything is written; the capture also fixes each site's codec metadata for every rank's replays
+    # probed before anything is written; the capture also holds what every replay of this rank decodes with
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
     try:
-        probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
+        probe = capture_batch(model, controller, first, config.loss_fn, decoding=True)
     except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
         raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
                            f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
@@ -414,12 +352,10 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
-    findings = pre_write_checks(model, controller, first, probe)  # refusals first: they name the cause
-    if findings and findings[0].refusal:
+    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
+    if findings and findings[0].refusal:  # refusals first: they name the cause
         raise FcauditError(findings[0].line)
-    notices = [check_sites_read(model, controller, first, coeffs, config.loss_fn), *(f.line for f in findings)]
-    return (probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")),
-            tuple(n for n in notices if n))
+    return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), findings
 
 
 SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
@@ -549,9 +485,9 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     with evaluating(model):
         # an agreed phase: bad input on any rank stops every rank with its one-line error
         windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
-        probe, saved, notices = group.run(lambda: _prepare(model, controller, windows, config, group.world))
-        if notices and group.is_main:  # printed even when quiet: it may mean the results measure nothing
-            Console(stderr=True, highlight=False).print("\n".join(notices), soft_wrap=True)
+        probe, saved, findings = group.run(lambda: _prepare(model, controller, windows, config, group.world))
+        if (lines := [f.line for f in findings if f.line]) and group.is_main:  # even when quiet: it may mean the
+            Console(stderr=True, highlight=False).print("\n".join(lines), soft_wrap=True)  # results measure nothing
         if config.out is None:
             config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
         adir = AuditDir(config.out)
@@ -562,9 +498,9 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             state = group.run(lambda: _lock_and_open(adir, saved, group), main_only=True)
             if group.world > 1:
                 _check_shared(adir, group)
-            engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe)
+            # replay.json keeps the findings (rewritten by every run: a resume says them again)
+            engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe, findings)
             del probe  # the engine holds it until the first batch's capture, then lets it go
-            engine.found = notices  # replay.json keeps them (rewritten by every run: a resume says them again)
             if state == "repaired":
                 engine.redone.append("config.json (rewritten: the marker holds its hash)")
             engine.run()

@@ -1,91 +1,148 @@
-"""Checks before anything is written: what passes the exact replay check and still is not a controller audit.
+"""Checks before anything is written: what passes the exact replay check and still is not a controller audit. Each
+returns a `Finding`, a refusal (the audit stops with its line) or a notice (kept in replay.json and said with the
+results), with its data.
 
-On one more Correct pass of the first evaluation batch: a refusal when the eval forward is not deterministic or a
-codec does not rebuild its site's output, a notice when a site looks like a hidden state (route flips are counted by
-the engine's exact replay check).
+On one more Correct pass of the first evaluation batch: refused when the eval forward is not deterministic, a codec
+does not rebuild its site's output, or it puts two tokens in one slot once coefficients move; a notice when a site
+looks like a hidden state or hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
+its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
+what removes every coefficient's effect changes nothing. For routers and ranked sites, on two more passes: the
+causality check (does a decision at t depend on tokens after t?). Route flips are counted by the engine's exact
+replay check.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from fcaudit.controllers.site import Call, Controller, Site, first_tensor, leaves, op_name
+from fcaudit import protocol
+from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.flow import Flow, batch_token_axes
+from fcaudit.controllers.sites import Call, Decoding, Site, leaves
+from fcaudit.errors import FcauditError
+from fcaudit.kinds import chosen
 from fcaudit.loss import logits_of
+
+# Batched and single-window passes may round differently (other kernels; a router's near-tie), so half the positions
+# must agree at the site's own precision; axes named in the wrong order move whole rows, and next to none agree.
+AGREEING_POSITIONS = 0.5
+# forward passes of the checks before the units (Schedule counts only the units'): window 0 alone and replayed, one
+# more pass of the first batch, and for routers (and sites the model ranks) the causality check's two
+SITE_CHECK_PASSES = 3
+ROUTING_CHECK_PASSES = 2
+LATER_TOKENS = "routing depends on later tokens"
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One line for the user: a refusal (raise FcauditError(line)) or a notice (print it with the results)."""
+    """One pre-write check's result for the user: a refusal (the audit raises FcauditError(line)) or a notice (kept
+    in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able); a
+    check that measured but has nothing to say (no decision depends on later tokens) has the line "". The fields are
+    those replay.json's reader (`fcaudit.auditor.results`) reads back."""
 
-    line: str
+    check: str
     refusal: bool
+    line: str
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def notice(cls, check: str, line: str, data: dict | None = None) -> "Finding":
+        return cls(check, False, line, data or {})
+
+    @classmethod
+    def refused(cls, check: str, line: str, data: dict | None = None) -> "Finding":
+        return cls(check, True, line, data or {})
+
+    def to_json(self) -> dict:
+        return {"check": self.check, "refusal": self.refusal, "line": self.line, "data": self.data}
 
 
-SUMS = {"add", "add_", "sub", "sub_"}  # op_name of `x + h`, `x += h`, `x - h`, `1 - h`
+# ---- window 0 alone ----------------------------------------------------------------------------------------------
+
+def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: tuple) -> Finding | None:
+    """Refused when window 0's coefficients captured alone are not its row of the batch's: a layout with a flattened
+    output's axes in the wrong order passes the exact replay but moves coefficients between windows."""
+    coeffs = probe[0]
+    if coeffs[0].shape[0] < 2:
+        return None
+    for site, a, c, d in zip(controller.sites, alone, coeffs, coeffs.decoding):
+        row = c[:1].to(a.device)
+        if a.shape != row.shape or a.dtype != row.dtype:
+            continue  # a site whose canonical shape depends on the batch: nothing to compare
+        scale = float(row.abs().amax()) if row.numel() else 0.0
+        # the precision the model computed in (a codec may widen bf16 router weights to float32)
+        native = d.dtype if d.dtype is not None and d.dtype.is_floating_point else row.dtype
+        rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
+        close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+        agree = float(close.double().mean()) if close.numel() else 1.0
+        if agree < AGREEING_POSITIONS:
+            return Finding.refused("layout", f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
+                           f"of the batch ({agree:.0%} of positions agree): check the layout "
+                           f"{site.codec.describe()!r} names the output's axes in their order (e.g. '(batch token) "
+                           "expert' for a [batch*token, expert] output); if the routing depends on the other windows "
+                           "of a batch (capacity limits), use batch size 1", {"site": site.name, "agree": agree})
+    return None
 
 
-class _Flow(TorchFunctionMode):
-    """Follows the outputs of the `watch`ed sites through one forward pass to the inputs of later modules (`feeds`).
+def other_choices(c: torch.Tensor) -> torch.Tensor:
+    """A token router's canonical coefficients with no scores and, per window, another set of as many tokens: the
+    first k of its unchosen positions, then of its chosen ones (a different set wherever 0 < k < T)."""
+    picked = chosen(c)
+    order = torch.argsort(picked.to(torch.int8), dim=1, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(c.shape[1], device=c.device).expand_as(order))
+    out = torch.zeros_like(c)
+    out[:, :, 0, 1] = (rank < picked.sum(1, keepdim=True)).to(c.dtype)
+    return out
 
-    A tensor carries a site's output when it is that output, or the result of a torch function of a carrier with as
-    many elements (a view, an elementwise op) whose other tensors are smaller (a per-channel scale) or, for a sum, of
-    any size (the residual stream). A product with a tensor as large stops it: a coefficient acting on activations."""
 
-    def __init__(self, outputs: list, watch: Sequence[int]):
-        super().__init__()
-        self.outputs, self.pending, self.feeds = outputs, set(watch), set()
-        self.carriers: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}  # id -> (the tensor, its sites)
+def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, alone: list, logits: torch.Tensor,
+                 decoding: Sequence[Decoding]) -> Finding | None:
+    """A notice when replaying zeros for every coefficient (for a token router: no scores and another set of as many
+    tokens, so that its choices are tested too) leaves window 0's logits unchanged: every replay measures nothing."""
+    info = controller.info
+    nulls = [other_choices(a) if k.name == "token_router" else torch.zeros_like(a) for k, a in zip(info.of, alone)]
+    try:
+        with controller.replay(nulls, decoding):
+            if not torch.equal(logits_of(model(one)), logits):
+                return None
+    except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
+        return None
+    k = {s.name: int(chosen(a).sum()) for s, kind, a in zip(controller.sites, info.of, alone)
+         if kind.name == "token_router"}
+    if k and all(n in (0, one.shape[1]) for n in k.values()):
+        which = "no token" if not any(k.values()) else "every token"
+        return Finding.notice("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
+                       "for their choices, and replaying zeros for their scores leaves the logits unchanged: on "
+                       "windows like it the interventions below measure nothing", {"chosen": k})
+    return Finding.notice("effect", "note: replaying zeros for every coefficient" + (" and another set of as many tokens for "
+                   "each token router" if k else "") + " leaves the logits unchanged: the coefficients have no effect "
+                   "on this model, or it does not use what its sites return (e.g. it keeps the gate's value in an "
+                   "attribute), and then the interventions below measure nothing: point the pattern at the modules "
+                   "whose output the model consumes", {"chosen": k})
 
-    def sites_of(self, t: Any) -> frozenset[int]:
-        """The sites `t` carries that no module took yet."""
-        for i in [i for i in self.pending if self.outputs[i] is not None]:  # a site that ran since the last look
-            self.pending.discard(i)
-            out = first_tensor(self.outputs[i][0])
-            if out is not None:
-                self.carriers[id(out)] = (out, frozenset({i}))
-        held = self.carriers.get(id(t))
-        return held[1] - self.feeds if held is not None and held[0] is t else frozenset()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            tensors = [t for _, t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            carrying = {id(t): self.sites_of(t) for t in tensors if t.numel() == out.numel()}
-            sites = frozenset().union(*carrying.values())
-            if sites and (op_name(func) in SUMS or all(t.numel() < out.numel() for t in tensors
-                                                         if not carrying.get(id(t)))):
-                self.carriers[id(out)] = (out, sites | self.sites_of(out))
-        return out
-
-    def consumer(self, module: nn.Module, args: tuple) -> None:
-        """A module's forward pre-hook: the sites its inputs carry feed it."""
-        fed = frozenset().union(*(self.sites_of(t) for _, t in leaves(args)))
-        if fed:
-            self.feeds |= fed
-            self.carriers = {k: (t, s - self.feeds) for k, (t, s) in self.carriers.items() if s - self.feeds}
-
+# ---- one more pass of the first batch -----------------------------------------------------------------------------
 
 def check_deterministic(controller: Controller, logits: torch.Tensor, coeffs: list[torch.Tensor],
                         probe: tuple) -> Finding | None:
     """Refused when a second Correct pass of the first batch gives other logits or coefficients than the probe."""
     if not torch.equal(logits, probe[1]):
         diff = float((logits.double() - probe[1].double()).abs().max())
-        where = f"the logits (max |Δlogit| = {diff:.3g})"
+        where, data = f"the logits (max |Δlogit| = {diff:.3g})", {"max_abs_dlogit": diff}
     else:
         site = next((s for s, a, b in zip(controller.sites, coeffs, probe[0]) if not torch.equal(a, b.to(a.device))),
                     None)
         if site is None:
             return None
-        where = f"the coefficients of site {site.name!r}"
-    return Finding(f"two Correct passes of the first evaluation batch differ in {where}: the model is not "
-                   "deterministic in eval mode (e.g. a router that samples, or noise left on outside training); make "
-                   "its eval forward deterministic before auditing", True)
+        where, data = f"the coefficients of site {site.name!r}", {"site": site.name}
+    return Finding.refused("deterministic", f"two Correct passes of the first evaluation batch differ in {where}: the model is "
+                   "not deterministic in eval mode (e.g. a router that samples, or noise left on outside training); "
+                   "make its eval forward deterministic before auditing", data)
 
 
 def _differs(a: Any, b: Any) -> str | None:
@@ -100,20 +157,21 @@ def _differs(a: Any, b: Any) -> str | None:
     return None
 
 
-def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token: int) -> str | None:
+def round_trip_difference(site: Site, output: Any, call: Call | None, decoding: Decoding, batch: int,
+                          token: int) -> str | None:
     """Where decode(encode(output)) differs from `output`: the first differing leaf and how, or None. The codec's
-    `placeholders` (leaves the model never reads) are skipped; when only its `slots` (weight and index leaves)
-    differ, rows holding the same (index, weight) pairs in another order are reported as "slot order"."""
-    skip = set(getattr(site.codec, "placeholders", ()))
-    got, want = dict(leaves(site.decode(site.encode(output, batch, token), call))), dict(leaves(output))
+    `placeholders` are skipped; when only its `unordered` (weights, index) leaves differ, rows holding the same
+    (index, weight) pairs in another order are reported as "slot order"."""
+    skip = set(site.codec.placeholders)
+    got, want = dict(leaves(site.decode(site.encode(output, batch, token), decoding, call))), dict(leaves(output))
     if list(got) != list(want):
         return f"the structure ({sorted(got)} instead of {list(want)})"
     differ = {p: how for p in want if p not in skip and (how := _differs(want[p], got[p])) is not None}
     if not differ:
         return None
-    slots = getattr(site.codec, "slots", None)
-    if slots and set(differ) <= set(slots):
-        (w, i), (w2, i2) = ([d[p].to(want[p].device) for p in slots] for d in (want, got))
+    pair = site.codec.unordered
+    if len(pair) == 2 and set(differ) <= set(pair):
+        (w, i), (w2, i2) = ([d[p].to(want[p].device) for p in pair] for d in (want, got))
         if (w.shape, w.dtype, i.shape, i.dtype) == (w2.shape, w2.dtype, i2.shape, i2.dtype):
             a, b = i.sort(1), i2.sort(1)
             if torch.equal(a.values, b.values) and torch.equal(w.gather(1, a.indices), w2.gather(1, b.indices)):
@@ -123,21 +181,72 @@ def round_trip_difference(site: Site, output: Any, call: Call, batch: int, token
     return f"leaf {first or '(the output)'}: {differ[first]}"
 
 
-def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], first: torch.Tensor) -> Finding | None:
+def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], first: torch.Tensor,
+                     decoding: Sequence[Decoding]) -> Finding | None:
     """Refused when a site's codec does not give back the captured output; a notice when a router's rebuilt slots
     differ only in order (ties): an experts loop sums per expert, so only rounding could depend on it."""
     notice = None
-    for site, (out, call) in zip(controller.sites, outputs):
-        how = round_trip_difference(site, out, call, *first.shape)
+    for site, (out, call), d in zip(controller.sites, outputs, decoding):
+        how = round_trip_difference(site, out, call, d, *first.shape)
         if how is not None and how.startswith("slot order"):
-            notice = notice or Finding(f"note: site {site.name!r}: decode(encode(output)) of codec "
+            notice = notice or Finding.notice("round trip", f"note: site {site.name!r}: decode(encode(output)) of codec "
                                        f"{site.codec.describe()!r} gives the captured output in another {how}; the "
-                                       "exact replay check shows whether the model's output depends on it", False)
+                                       "exact replay check shows whether the model's output depends on it",
+                                       {"site": site.name, "how": how})
         elif how is not None:
-            return Finding(f"site {site.name!r}: decode(encode(output)) of codec {site.codec.describe()!r} differs "
-                           f"from the captured output at {how}; fix the codec so that it rebuilds what the site "
-                           "returned (replays would feed the model something else)", True)
+            return Finding.refused("round trip", f"site {site.name!r}: decode(encode(output)) of codec "
+                           f"{site.codec.describe()!r} differs from the captured output at {how}; fix the codec so "
+                           "that it rebuilds what the site returned (replays would feed the model something else)",
+                           {"site": site.name, "how": how})
     return notice
+
+
+def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tensor]:
+    """The leaves of a site output that give each (window, cell) at most one token, as [batch, token, cells] 0/1
+    masks: a dispatch mask's (expert, slot) cells. Gates, weights and indices are not such leaves."""
+    out = {}
+    for path, t in leaves(output):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.numel() == 0:
+            continue
+        if not ((t.shape[:2] == (batch, token) and t.dim() >= 4) or t.shape[0] == batch * token):
+            continue  # a token's cells on two axes of their own, (expert, slot)
+        cells = t.reshape(batch, token, -1)
+        values = cells.detach().double()
+        if values.shape[2] > 1 and ((values == 0) | (values == 1)).all() and values.sum(1).max() == 1:
+            out[path] = values
+    return out
+
+
+def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs: Sequence[torch.Tensor],
+                decoding: Sequence[Decoding], examples: int) -> Finding | None:
+    """Refused, with the count, when a codec whose output gives each (expert, slot) one token places several tokens
+    in one once coefficients move between tokens (a TokenResamplePast draw, the batch's mean per position)."""
+    info = controller.info
+    for i, (site, (out, call)) in enumerate(zip(controller.sites, outputs)):
+        batch, token = coeffs[i].shape[:2]
+        cells = one_token_cells(out, batch, token)
+        if not cells or info.of[i].name == "token_router":  # a token router's conditions keep a set of tokens
+            continue
+        c = coeffs[i]
+        moved = {"TokenResamplePast": protocol.resample_past([c], np.arange(examples), 0, 0)[0],
+                 "LayerPositionMean": c.double().mean(0, keepdim=True).to(c.dtype).expand_as(c)}
+        for condition, m in moved.items():
+            try:
+                rebuilt = dict(leaves(site.decode(m, decoding[i], call)))
+            except (FcauditError, ValueError, IndexError, RuntimeError):
+                continue
+            for path in cells:
+                got = rebuilt.get(path)
+                if isinstance(got, torch.Tensor) and got.numel() == cells[path].numel():
+                    held = (got.detach().double().reshape(cells[path].shape) != 0).sum(1)
+                    if (n := int((held > 1).sum())) > 0:
+                        return Finding.refused("slots", f"site {site.name!r}: codec {site.codec.describe()!r} puts two or more "
+                                       f"tokens in one slot once coefficients move between tokens: under {condition} "
+                                       f"{n} cells of leaf {path or '(the output)'} hold several tokens, which the "
+                                       "model's own router never does; rebuild the slots in decode from the moved "
+                                       "coefficients by the router's rule (as fcaudit.controllers.CapacityRoute does)",
+                                       {"site": site.name, "condition": condition, "cells": n})
+    return None
 
 
 def hidden_width(model: nn.Module) -> int | None:
@@ -151,31 +260,118 @@ def hidden_width(model: nn.Module) -> int | None:
     return int(emb.embedding_dim) if isinstance(emb, nn.Embedding) else None
 
 
-def hidden_state_notice(controller: Controller, feeds: set[int], width: int | None) -> Finding | None:
-    """A notice when a site of the model's hidden width feeds a later module (`_Flow`): an activation."""
-    hidden = [s.name for i, s in enumerate(controller.sites) if i in feeds]
-    if not hidden:
+def _some(names: list[str]) -> str:
+    return f"{names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
+def hidden_state_notice(controller: Controller, flow: Flow, width: int | None) -> Finding | None:
+    """A notice when a site of the model's hidden width feeds a later module (an activation) or an op contracts it
+    over its width (`norm(h) @ w`: features): the conditions would move activations, not coefficients."""
+    fed = [s.name for i, s in enumerate(controller.sites) if i in flow.feeds]
+    contracted = [s.name for i, s in enumerate(controller.sites) if i in flow.contracted and i not in flow.feeds]
+    if fed:
+        return Finding.notice("hidden state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
+                       f"source axis has the model's hidden width {width} and a later module takes its output as "
+                       "input; the conditions would move activations, not a controller's coefficients: point the "
+                       "pattern at the module or op that computes the coefficients (a gate, a mixture, a router)",
+                       {"sites": fed, "width": width})
+    if contracted:
+        return Finding.notice("hidden state", f"note: site {_some(contracted)} looks like hidden-width features, not "
+                       f"coefficients: its source axis has the model's hidden width {width} and an op (a matmul, a "
+                       "linear map) contracts it; the static conditions would average features: point the pattern "
+                       "at what that op computes (e.g. from_ops(..., 'sigmoid') for the gate it feeds)",
+                       {"sites": contracted, "width": width})
+    return None
+
+
+def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
+    """A notice when the model ranks or thresholds a site read as a soft coefficient: its routing is the decision,
+    so declare it (a static score gives every token one value, and the model's ranking then picks by ties)."""
+    if not flow.ranked:
         return None
-    more = f" (and {len(hidden) - 1} more)" if len(hidden) > 1 else ""
-    return Finding(f"note: site {hidden[0]!r}{more} looks like a hidden state, not a coefficient: its source axis has "
-                   f"the model's hidden width {width} and a later module takes its output as input; the conditions "
-                   "would move activations, not a controller's coefficients: point the pattern at the module or op "
-                   "that computes the coefficients (a gate, a mixture, a router)", False)
+    names = [controller.sites[i].name for i in sorted(flow.ranked)]
+    ops = sorted(set(flow.ranked.values()))
+    return Finding.notice("ranked", f"note: the model ranks or thresholds the values of site {_some(names)} "
+                   f"({', '.join(ops)}): read as a gate, a static condition gives every token one score and the "
+                   "ranking then picks by ties; declare the routing: kind='token_router' for scores that choose "
+                   "tokens (Controller.from_modules(..., kind='token_router') with a codec of (score, chosen)), or a "
+                   "codec with top_k for scores that choose experts", {"sites": names, "ops": ops})
 
 
-def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> list[Finding]:
-    """The checks on one more pass of the first evaluation batch, refusals first; `probe` = the audit's
-    (coefficients, logits, nll) of that batch, captured with `remember` (so each site's codec metadata is set). Only
-    the sites of hidden width are followed to the modules they feed."""
-    width = hidden_width(model)
+# ---- the causality check -------------------------------------------------------------------------------------------
+
+def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor, vocab: int,
+                    ranked: Sequence[int] = ()) -> Finding | None:
+    """How many decisions at earlier positions change when the last quarter of each window (at least one token; one
+    rarely crosses the k-th score) changes to seeded random tokens: a router's own (its selected sources, its chosen
+    tokens), and what the model's rankings of `ranked` sites decided (their values, where the ranking cannot be
+    read). Above 0 a decision depends on later tokens (top-k over the window does): the router cannot decode
+    autoregressively. None for a controller without routers or ranked sites."""
+    info = controller.info
+    if not info.routers and not ranked:
+        return None
+    span = max(1, ids.shape[1] // 4)
+    changed = ids.clone()
+    gen = torch.Generator().manual_seed(0)
+    changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
+    runs = []
+    for x in (ids, changed):
+        with controller.outputs(*x.shape) as raws, (flow := Flow(raws, (), ranked, {
+                i: a for i in ranked if (a := batch_token_axes(controller.sites[i])) is not None})).following(model):
+            model(x)
+        coeffs = {i: controller.sites[i].encode(raws[i][0], *x.shape) for i in (*info.routers, *ranked)}
+        runs.append((coeffs, flow.decisions))
+    (before, made), (after, remade) = runs
+    flips = sum(info.changed(i, before[i][:, :-span], after[i][:, :-span]) for i in info.routers)
+    for i in ranked:
+        pairs = list(zip(made.get(i, []), remade.get(i, [])))
+        if not pairs:  # the ranking's dims cannot be read: whether the values it ranks changed
+            pairs = [(before[i], after[i])]
+        flips += int(sum((a[:, :-span] != b[:, :-span]).reshape(a.shape[0], a.shape[1] - span, -1).any(-1).sum()
+                         for a, b in pairs if a.shape == b.shape))
+    windows = int(ids.shape[0])
+    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
+            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
+    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
+
+
+# ---- all of them --------------------------------------------------------------------------------------------------
+
+def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Tensor,
+                       probe: tuple) -> tuple[list[Finding], list[int]]:
+    """The checks on one more pass of the first batch (refusals first), and the sites the model ranks. Only the sites
+    of hidden width are followed to the modules they feed; only soft coefficients to the ops that rank them."""
+    width, info = hidden_width(model), controller.info
     watch = [i for i, c in enumerate(probe[0]) if c.shape[-1] == width]
-    with controller.outputs(*first.shape) as raws, ExitStack() as watching:
-        flow = _Flow(raws, watch)
-        if watch:
-            watching.enter_context(flow)
-            watching.callback(nn.modules.module.register_module_forward_pre_hook(flow.consumer).remove)
+    rank = [i for i, k in enumerate(info.of) if not k.router]
+    with controller.outputs(*first.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
         logits = logits_of(model(first))
     coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
-    found = [check_deterministic(controller, logits, coeffs, probe), check_round_trip(controller, raws, first),
-             hidden_state_notice(controller, flow.feeds, width)]
-    return sorted((f for f in found if f is not None), key=lambda f: not f.refusal)
+    decoding = probe[0].decoding
+    found = [check_deterministic(controller, logits, coeffs, probe),
+             check_round_trip(controller, raws, first, decoding),
+             check_slots(controller, raws, coeffs, decoding, first.shape[0]),
+             hidden_state_notice(controller, flow, width), ranked_notice(controller, flow)]
+    return sorted((f for f in found if f is not None), key=lambda f: not f.refusal), sorted(flow.ranked)
+
+
+def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
+                     vocab: int) -> list[Finding]:
+    """Every check before anything is written, on the first evaluation batch `first` and `probe`, its capture
+    (coefficients with their decoding, logits, nll); stops at the first refusal (it comes first). `vocab`: the ids the
+    causality check may draw."""
+    found, ranked = first_batch_checks(model, controller, first, probe)
+    if found and found[0].refusal:
+        return found
+    one = first[:1]
+    with controller.capture(*one.shape, decoding=False) as alone:
+        logits = logits_of(model(one))
+    if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
+        raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
+                           "model calls on every input")
+    layout = check_layout(controller, alone, probe)
+    if layout is not None:
+        return [layout, *found]
+    found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
+                          check_causality(model, controller, first, vocab, ranked)) if f is not None]
+    return found + [Finding.notice("token routing", note) for note in controller.info.notes]

@@ -1,5 +1,6 @@
-"""Routers: sites whose coefficients say which tokens a block runs on (TokenRoute, in controllers.site: each token's
-score and whether it was chosen) or which experts a token runs (CapacityRoute: each token's combine vector).
+"""Capacity routers (GShard / Switch): each token's combine vector as the coefficient, the expert slots rebuilt from
+it by the router's own rule, so that no condition can put two tokens in one slot. (A token router's codec, TokenRoute,
+is in controllers.codecs.)
 """
 
 from __future__ import annotations
@@ -8,36 +9,9 @@ from typing import Any
 
 import torch
 
-from fcaudit.controllers.site import Codec, shape_of
+from fcaudit.controllers.codecs import Codec
+from fcaudit.controllers.sites import shape_of
 from fcaudit.errors import FcauditError
-
-
-def decisions(c: torch.Tensor, tokens: bool) -> torch.Tensor:
-    """A router's discrete decisions in one canonical tensor, [batch, token, stream, *]: which tokens were chosen
-    (a token router) or which sources are nonzero (an expert router)."""
-    return c[..., 1:] > 0.5 if tokens else c != 0
-
-
-def later_token_flips(model: torch.nn.Module, controller, ids: torch.Tensor, vocab: int) -> int:
-    """How many routing decisions at earlier positions change when the last quarter of each window (at least one
-    token; one rarely crosses the k-th score) changes to seeded random tokens: above 0, a decision depends on later
-    tokens (top-k over the window does), so the router cannot decode autoregressively."""
-    span = max(1, ids.shape[1] // 4)
-    changed = ids.clone()
-    gen = torch.Generator().manual_seed(0)
-    changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
-    runs = []
-    for x in (ids, changed):
-        with torch.inference_mode(), controller.capture(*x.shape, remember=False) as found:
-            model(x)
-        runs.append(found)
-    flips = 0
-    for i, site in enumerate(controller.sites):
-        tokens = site.codec.routing == "tokens"
-        if tokens or site.codec.top_k is not None:
-            before, after = (decisions(run[i][:, :-span], tokens) for run in runs)
-            flips += int((before != after).any(-1).sum())
-    return flips
 
 
 def slots(c: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +38,7 @@ class CapacityRoute(Codec):
     router with another slot rule is refused."""
 
     name = "capacity router"
+    kind = "capacity_router"
 
     def __init__(self, num_experts: int, capacity: int, top_k: int = 2):
         if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:

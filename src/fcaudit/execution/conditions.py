@@ -1,12 +1,13 @@
 """Execution of routed models under the audit's conditions. For a top-k router (an MoE runs k of E experts per token)
 a static profile is a shortcut only if it stays sparse: StaticMixMean runs every expert with a nonzero mean, StaticTopK
-keeps k. A token router (routing="tokens": Mixture-of-Depths) is counted in token x block pairs; its conditions have
+keeps k. A token router (kind "token_router": Mixture-of-Depths) is counted in token x block pairs; its conditions have
 equal budgets, so their FLOPs are equal and latency says whether the assignment alone changes wall time."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -14,50 +15,56 @@ import torch
 from torch import nn
 
 from fcaudit import protocol
-from fcaudit.controllers.site import Controller, path_matches
+from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.patching import Captured
+from fcaudit.controllers.sites import Decoding, path_matches
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies
 from fcaudit.families import Family
+from fcaudit.kinds import chosen
 from fcaudit.protocol import Coeffs
 
 ROUTED = ("Correct", "StaticTopK", "RandomRoute")  # a token router's conditions, in this order (equal budgets)
 
 
-def captured(model: nn.Module, ids: torch.Tensor, controller: Controller) -> Coeffs:
-    """The canonical coefficients of the live model's forward on ids (the sites keep what replays decode with)."""
+def captured(model: nn.Module, ids: torch.Tensor, controller: Controller) -> Captured:
+    """The canonical coefficients of the live model's forward on ids, with what replays decode them with."""
     with torch.inference_mode(), controller.capture(*ids.shape) as found:
         model(ids)
-    return list(found)
+    return found
 
 
 def static_coefficients(model: nn.Module, controller: Controller, calib: torch.Tensor, batch: int,
-                        batch_size: int = 8) -> dict[str, Coeffs]:
+                        batch_size: int = 8) -> dict[str, Captured]:
     """The replay coefficients of every static condition for a [batch, T] input, from calibration windows [N, T]
-    (the audit's profiles: fcaudit.protocol.static_profiles)."""
-    parts, dtypes = [], None
+    (the audit's profiles: fcaudit.protocol.static_profiles), each with what replays decode them with."""
+    parts, found = [], None
     for ids in calib.split(batch_size):
         found = captured(model, ids, controller)
         parts.append((protocol.batch_sums(found), ids.shape[0]))
-        dtypes = [c.dtype for c in found]
     token = calib.shape[1]
-    return {name: [protocol.expand(p.to(dt), batch, token) for p, dt in zip(profile, dtypes)]
+    return {name: Captured([protocol.expand(p.to(c.dtype), batch, token) for p, c in zip(profile, found)],
+                           found.decoding)
             for name, profile in protocol.static_profiles(parts, controller.info).items()}
 
 
 class Replaying(nn.Module):
-    """`model` with its controller replaying fixed coefficients on every forward (for timing a static condition)."""
+    """`model` with its controller replaying fixed coefficients on every forward (for timing a static condition):
+    `coeffs` with the `decoding` of a capture (default: theirs, when a capture returned them)."""
 
-    def __init__(self, model: nn.Module, controller: Controller, coeffs: Coeffs):
+    def __init__(self, model: nn.Module, controller: Controller, coeffs: Coeffs,
+                 decoding: Sequence[Decoding] | None = None):
         super().__init__()
         self.model, self.controller, self.coeffs = model, controller, coeffs
+        self.decoding = decoding if decoding is not None else coeffs.decoding
         self.config = getattr(model, "config", None)
 
     def forward(self, ids: torch.Tensor):
-        with self.controller.replay(self.coeffs):
+        with self.controller.replay(self.coeffs, self.decoding):
             return self.model(ids)
 
 
-def _statics(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor) -> dict[str, Coeffs]:
+def _statics(model: nn.Module, controller: Controller, calib: torch.Tensor, ids: torch.Tensor) -> dict[str, Captured]:
     """The static conditions for the batch `ids`, profiled on the calibration windows cut to its length."""
     batch, window = ids.shape
     return static_coefficients(model, controller, calib[:, :window].to(ids.device), batch, batch)
@@ -88,7 +95,7 @@ def condition_execution(model: nn.Module, family: Family, calib: torch.Tensor, i
 
 
 def token_sites(controller: Controller) -> list[int]:
-    return [i for i, s in enumerate(controller.sites) if s.codec.routing == "tokens"]
+    return [i for i, s in enumerate(controller.sites) if s.kind == "token_router"]
 
 
 def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> dict:
@@ -96,7 +103,7 @@ def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> 
     its mean over the routed blocks (`token_fraction`, the capacity) and over all (`token_block_fraction`)."""
     routed = {}
     for i in token_sites(controller):
-        frac = float(protocol.chosen(coeffs[i]).double().mean())
+        frac = float(chosen(coeffs[i]).double().mean())
         block = next((b for b in blocks if path_matches(controller.sites[i].path, b + ".**")), None)
         routed.setdefault(block, []).append(frac)
     per_block = [float(np.mean(routed[b])) if b in routed else 1.0 for b in blocks]
@@ -115,7 +122,7 @@ def token_conditions(model: nn.Module, controller: Controller, calib: torch.Tens
     profile = _statics(model, controller, calib, ids)["StaticTopK"]
     made = {"Correct": correct, "StaticTopK": protocol.static_routes(profile, correct),
             "RandomRoute": protocol.random_routes(correct, np.arange(ids.shape[0]), 0, 0)}
-    runs = [Replaying(model, controller, made[name]) for name in ROUTED]
+    runs = [Replaying(model, controller, made[name], correct.decoding) for name in ROUTED]
     rows = [{"condition": name, "label": labels.get(name, name) + (" (replayed)" if name == "Correct" else ""),
              **token_columns(made[name], controller, blocks), "flops_per_token": flops(run, ids)}
             for name, run in zip(ROUTED, runs)]

@@ -18,7 +18,7 @@ from rich.console import Console
 from torch import nn
 
 from fcaudit import data, families
-from fcaudit.controllers.site import path_matches
+from fcaudit.controllers.sites import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites

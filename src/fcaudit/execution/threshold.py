@@ -13,7 +13,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Controller, Layout
+from fcaudit.controllers.codecs import Layout
+from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import controller_for
 from fcaudit.loss import logits_of, token_nll
@@ -65,7 +66,7 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
         plain_sum += plain.double().sum().item()
         gates = torch.stack([c.reshape(B, T) for c in found])  # [L, B, T]
         for i, tau in enumerate(taus):
-            with controller.replay([c.masked_fill(c < tau, 0.0) for c in found]):
+            with controller.replay([c.masked_fill(c < tau, 0.0) for c in found], found.decoding):
                 nll_sum[i] += token_nll(logits_of(model(batch)), batch).double().sum().item()
             mask = gates < tau
             below[i] += int(mask.sum())

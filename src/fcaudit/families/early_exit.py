@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint

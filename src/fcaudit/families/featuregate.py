@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
@@ -22,8 +22,7 @@ def controller(model: FeatureGateGPT) -> Controller:
     if not model.config.gated:
         raise FcauditError(f"model variant {model.config.variant!r} has no gate modules ({PATTERN}) to audit; "
                            "audit a gated variant (featuregate, uniform, layerstatic)")
-    return Controller.from_modules(model, PATTERN, layout="batch token", static_name="LayerMean",
-                                   reference="global_mean", reference_name="GlobalMean")
+    return Controller.from_modules(model, PATTERN, layout="batch token", static_name="LayerMean")
 
 
 def label(model: FeatureGateGPT) -> str:

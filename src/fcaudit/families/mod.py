@@ -6,12 +6,14 @@ config's `routing` says: the top-k over the window (as trained) or the causal pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Controller, TokenRoute
+from fcaudit.controllers.codecs import TokenRoute
+from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.loss import token_nll
@@ -25,12 +27,10 @@ PATTERN = "blocks.*.router"
 def controller(model: MoDGPT) -> Controller:
     if not any(b.router is not None for b in model.blocks):
         raise FcauditError("this MoD model has no routed block to audit (variant dense): audit variant mod")
-    ctrl = Controller.from_modules(model, PATTERN, codec=TokenRoute(), static_name="StaticTopK",
-                                   reference_name="RandomRoute")
+    ctrl = Controller.from_modules(model, PATTERN, codec=TokenRoute())
     # the top-k router and the causal predictor are two controllers of one checkpoint (audits and summaries tell
     # them apart by the description)
-    ctrl.description += f":routing={model.config.routing}"
-    return ctrl
+    return replace(ctrl, description=f"{ctrl.description}:routing={model.config.routing}")
 
 
 def causal(model: MoDGPT) -> MoDGPT:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.controller import Controller
 from fcaudit.families import Family, register
 from fcaudit.io import read_json
 from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from_pretrained
@@ -21,8 +21,7 @@ from fcaudit.models.muddpythia import BYTE_PRESETS, MODEL_TYPE, MUDDPythia, from
 
 def controller(model: MUDDPythia) -> Controller:
     return Controller.from_modules(model, "dynamic_dense.*", layout="stream batch token source",
-                                   static_name="StaticMixMean", reference="source_uniform_mean",
-                                   reference_name="SourceUniformMean")
+                                   kind="source_mixture", static_name="StaticMixMean")
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:

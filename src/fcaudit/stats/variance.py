@@ -4,6 +4,7 @@ says how much of the spread is layer vs input vs token (paper Figure 3), not whe
 import itertools
 import math
 import warnings
+from typing import Sequence
 
 import numpy as np
 
@@ -76,14 +77,14 @@ def variance_decomposition(coeffs: np.ndarray) -> dict[str, float]:
     return {name: v / total for name, v in pooled.items()}
 
 
-def by_layer(coeffs: list, groups: tuple[int, ...] = ()) -> list:
-    """The sites of one group (Controller.merge: sites of one layer) as one layer: their coefficients side by side on
-    the source axis, streams padded with zeros to the group's widest."""
-    if not groups:
+def by_layer(coeffs: list, layers: Sequence[Sequence[int]] | None = None) -> list:
+    """The sites of each layer (`fcaudit.kinds.Description.layers`; None: one per site) as one: their coefficients
+    side by side on the source axis, streams padded with zeros to the layer's widest."""
+    if layers is None or len(layers) == len(coeffs):
         return coeffs
     out = []
-    for g in dict.fromkeys(groups):
-        parts = [c for c, k in zip(coeffs, groups) if k == g]
+    for sites in layers:
+        parts = [coeffs[i] for i in sites]
         layer = parts[0].new_zeros(*parts[0].shape[:2], max(c.shape[2] for c in parts), sum(c.shape[3] for c in parts))
         at = 0
         for c in parts:
@@ -93,15 +94,16 @@ def by_layer(coeffs: list, groups: tuple[int, ...] = ()) -> list:
     return out
 
 
-def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups: tuple[int, ...] = ()) -> dict:
+def variation(store, starts: np.ndarray, sites: list[str] | None = None,
+              layers: Sequence[Sequence[int]] | None = None) -> dict:
     """An audit's variation.json: per-layer mean/sd of the evaluation coefficients and the balanced variance
     decomposition. `store`: the audit's coefficient store (`read_chunk(start)` gives one [batch, token, stream,
     source] tensor per site); `starts`: its batches' first windows. `sites`: each site's module path (a layer is a
-    site: an MoE whose first block is dense has its layer 0 in model.layers.1); `groups`: each site's layer where
-    merged sites share one (then counted once, `by_layer`)."""
-    if groups and sites:
-        sites = [" + ".join(dict.fromkeys(s for s, k in zip(sites, groups) if k == g)) for g in dict.fromkeys(groups)]
-    first = by_layer(store.read_chunk(int(starts[0])), groups)
+    site: an MoE whose first block is dense has its layer 0 in model.layers.1); `layers`: the sites of each layer
+    where merged sites share one (then counted once, `by_layer`)."""
+    if layers is not None and sites:
+        sites = [" + ".join(dict.fromkeys(sites[i] for i in layer)) for layer in layers]
+    first = by_layer(store.read_chunk(int(starts[0])), layers)
     shapes, token = [tuple(c.shape[2:]) for c in first], first[0].shape[1]  # [stream, source] of each layer
     scalar = all(sh == (1, 1) for sh in shapes)
     s_max, k_max = max(sh[0] for sh in shapes), max(sh[1] for sh in shapes)
@@ -111,7 +113,7 @@ def variation(store, starts: np.ndarray, sites: list[str] | None = None, groups:
     arr = np.full((n_used, len(shapes), token, s_max, k_max), np.nan)  # the first windows, for the decomposition
     totals, count = None, 0  # per layer: sums and sums of squares over (input, token), [stream, source] each
     for b0 in starts:
-        chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), groups)]
+        chunk = [c.double() for c in by_layer(store.read_chunk(int(b0)), layers)]
         part = [(c.sum(dim=(0, 1)), (c * c).sum(dim=(0, 1))) for c in chunk]
         totals = part if totals is None else [(a + s, b + q) for (a, b), (s, q) in zip(totals, part)]
         count += chunk[0].shape[0] * chunk[0].shape[1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fcaudit.controllers.site import Codec
+from fcaudit.controllers.codecs import Codec
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
 
@@ -86,8 +86,9 @@ def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
+    kind = "expert_router"
     placeholders = ("[0]",)  # the router logits: rebuilt as a placeholder the forward pass does not read
-    slots = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
+    unordered = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
 
     def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
                  experts_path: str | None = None, pad: str = "sentinel"):
@@ -154,6 +155,7 @@ class ScoreRouterCodec(Codec):
     """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
     top-k logits, 0 elsewhere), unpadded: a score of 0 is a zero input to that expert, which runs all the same."""
 
+    kind = "expert_router"
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 
     def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):
@@ -182,6 +184,8 @@ class ScoreRouterCodec(Codec):
 class SharedGateCodec(Codec):
     """A Linear(hidden, 1) gate's output [N, 1] (pre-sigmoid: the block applies the sigmoid after the site) <->
     canonical [batch, token, 1, 1]."""
+
+    kind = "scalar_gate"
 
     def __init__(self, name: str = "shared_expert_gate"):
         self.name = name

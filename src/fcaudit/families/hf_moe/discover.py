@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from fcaudit import placement
-from fcaudit.controllers.site import Codec, Controller, Site
+from fcaudit.controllers.codecs import Codec
+from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output, split_score_output)
@@ -250,8 +252,7 @@ def moe_controller(model: nn.Module) -> Controller:
     gates = len(sites) - len(cands)
     desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
             f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
-    return Controller(sites, static_name="StaticMixMean", reference="source_uniform_mean",
-                      reference_name="ExpertUniformMean", description=desc)
+    return Controller(tuple(sites), static_name="StaticMixMean", description=desc)
 
 
 def is_moe(model: nn.Module) -> bool:

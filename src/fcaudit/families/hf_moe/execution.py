@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fcaudit.controllers.site import Controller
+from fcaudit.controllers.controller import Controller
 from fcaudit.families.hf_moe.discover import moe_controller
 
 
@@ -45,9 +45,9 @@ def _flops_per_pair(experts: nn.Module, computing: int) -> int:
 def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller | None = None,
                      coefficients: Sequence[torch.Tensor] | None = None) -> ExpertExecution:
     """Experts run per token and layer, and expert FLOPs, for ids [batch, token] on the unmodified model or, with
-    `coefficients` (canonical, one per site of `controller`), with those coefficients replayed."""
+    `coefficients` (canonical, one per site of `controller`, as a capture returns them), with those replayed."""
     controller = controller or moe_controller(model)
-    routers = [s.codec for s in controller.sites if s.codec.top_k is not None]
+    routers = [controller.sites[i].codec for i in controller.info.routers]
     experts = [(c.experts_path, m, computing_experts(m, c.num_experts))
                for c in routers for m in [model.get_submodule(c.experts_path)]]
     B, T = ids.shape
@@ -67,7 +67,7 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
 
     handles = [m.register_forward_pre_hook(lambda _, a, k, p=p, E=E: count(p, E, a, k), with_kwargs=True)
                for p, m, E in experts]
-    replay = controller.replay(list(coefficients)) if coefficients is not None else contextlib.nullcontext()
+    replay = controller.replay(coefficients) if coefficients is not None else contextlib.nullcontext()
     try:
         with torch.inference_mode(), replay, FlopCounterMode(display=False) as counter:
             model(input_ids=ids, use_cache=False)
