@@ -376,4 +376,5 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
                           check_causality(model, controller, first, vocab, ranked)) if f is not None]
-    return found + [Finding.notice("token routing", note) for note in controller.info.notes]
+    check = "depth" if controller.info.depth else "token routing"  # the kinds' note: why conditions are not offered
+    return found + [Finding.notice(check, note) for note in controller.info.notes]
