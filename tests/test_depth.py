@@ -1,4 +1,5 @@
-"""Depth controllers (exit depth, halting weights, skip masks): exact replay on every depth kind, every condition
+"""Depth controllers (exit depth, halting weights, skip masks per token and per window): exact replay on every depth
+kind, every condition
 keeps each window's budget of executed (layer, token) pairs (a test per kind), exits stay monotone, a planted toy
 tells position from content, and the causality check reads depth decisions."""
 
@@ -11,6 +12,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import depth, protocol
+from fcaudit.controllers import Decisions
 from fcaudit.errors import FcauditError
 
 B, T = 8, 16
@@ -96,7 +98,8 @@ def cases():
     return {"exit_depth": (ee, fca.controller_for(ee)),
             "halting": (act, fca.Controller.from_modules(act, "halt", layout="batch token step", kind="halting")),
             "skip_mask": (skip, fca.Controller.from_modules(skip, "routers.*", kind="skip_mask")),
-            "block_skip": (block, fca.Controller.from_modules(block, "routers.*", kind="block_skip"))}
+            "skip_window": (block, fca.Controller.from_modules(block, "routers.*", codec=Decisions(window=True),
+                                                              kind="skip_mask"))}
 
 
 CASES = cases()
@@ -120,7 +123,7 @@ def test_replay_is_exact_and_the_depth_rule_does_not_run(kind):
         for h in hooks:
             h.remove()
     assert torch.equal(live, replayed) and not calls
-    assert ctrl.info.depth == kind and ctrl.info.static == "StaticDepth"
+    assert ctrl.info.depth == kind.replace("skip_window", "skip_mask") and ctrl.info.static == "StaticDepth"
     fraction = ctrl.info.active(found)
     assert 0 < float(fraction.mean()) < 1, "the toy should skip some (layer, token) pairs and run others"
 
@@ -150,12 +153,13 @@ def captured(model, ctrl, ids):
     return found
 
 
-@pytest.mark.parametrize("kind", CASES)
-def test_every_condition_keeps_each_windows_budget_exactly(kind):
-    model, ctrl = CASES[kind]
+@pytest.mark.parametrize("case", CASES)
+def test_every_condition_keeps_each_windows_budget_exactly(case):
+    model, ctrl = CASES[case]
     coeffs, calib = captured(model, ctrl, windows()), captured(model, ctrl, windows(seed=1))
     ctx, examples = Context(ctrl, coeffs, calib), np.arange(B)
-    budget = depth.units(kind, coeffs)
+    kind, window = ctrl.info.depth, ctrl.info.window
+    budget = depth.units(kind, coeffs, window)
     conditions = protocol.for_controller(ctrl.info)
     assert conditions == ["Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
                           "StaticDepth", ctrl.info.references[0]]
@@ -165,7 +169,7 @@ def test_every_condition_keeps_each_windows_budget_exactly(kind):
             out = protocol.REGISTRY[name].make(ctx, r, examples)
             assert [c.shape for c in out] == [c.shape for c in coeffs] and [c.dtype for c in out] == \
                 [c.dtype for c in coeffs]
-            assert np.array_equal(depth.units(kind, out), budget), (name, r)
+            assert np.array_equal(depth.units(kind, out, window), budget), (name, r)
             assert torch.equal(ctrl.info.active(out), ctrl.info.active(coeffs)), (name, r)
             moved += sum(not torch.equal(a, b) for a, b in zip(out, coeffs))
             if kind == "exit_depth":  # monotone: a token that exited after block l has exited after every later one
@@ -173,7 +177,7 @@ def test_every_condition_keeps_each_windows_budget_exactly(kind):
             if kind == "halting":  # a distribution over steps, its mass kept
                 w = torch.cat(out, -1)
                 assert (w >= 0).all() and torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5), (name, r)
-            if kind == "block_skip":  # one decision per window, for all its tokens
+            if window:  # one decision per window, for all its tokens
                 assert all((c == c[:, :1]).all() for c in out), (name, r)
     assert moved, "the conditions should change the decisions"
 
@@ -280,12 +284,12 @@ def test_the_causality_check_reads_depth_decisions(tmp_path):
     """The early-exit family's exits read each token's own state (causal attention): decodable. A block skipped per
     window from its mean state reads every token of it."""
     flips = {}
-    for kind in ("exit_depth", "block_skip"):
+    for kind in ("exit_depth", "skip_window"):
         model, ctrl = CASES[kind]
         result = fca.audit(model, ctrl, windows(), windows(seed=1), randomizations=1, out=tmp_path / kind, quiet=True)
         flips[kind] = result.replay.later_token_flips
         assert result.replay.bit_equal and result.replay.route_flips == 0
-    assert flips["exit_depth"] == 0 and flips["block_skip"] > 0
+    assert flips["exit_depth"] == 0 and flips["skip_window"] > 0
 
 
 def test_a_depth_kind_is_its_controllers_only_kind_and_takes_its_own_codec():
@@ -297,6 +301,6 @@ def test_a_depth_kind_is_its_controllers_only_kind_and_takes_its_own_codec():
         fca.Controller.from_modules(model, "routers.*", layout="batch token", kind="skip_mask")
     with pytest.raises(FcauditError, match=r"Decisions\(window=True\)"):
         ids = windows()
-        block = fca.Controller.from_modules(CASES["block_skip"][0], "routers.*", kind="skip_mask")
+        block = fca.Controller.from_modules(CASES["skip_window"][0], "routers.*", kind="skip_mask")
         with torch.inference_mode(), block.capture(*ids.shape):
-            CASES["block_skip"][0](ids)
+            CASES["skip_window"][0](ids)

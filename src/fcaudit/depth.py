@@ -8,10 +8,11 @@ A depth controller's sites, in order, hold one kind (fcaudit.kinds):
 - halting: per token a distribution over steps (the sites' sources side by side, [batch, token, 1, steps] each),
   the weights ACT or PonderNet mix the step states by; its depth is 1 + its last step of nonzero weight;
 - skip_mask: one site per skippable block, [batch, token, 1, 1] 1.0 where the block runs for the token (not
-  monotone); block_skip: the same decided once per window (equal over its tokens).
+  monotone).
+Decisions made once per window (`window`: a sequence's halt, a block skipped for a whole input) are equal over its
+tokens; the operations then read token 0 and give every token its result.
 
-The budget is counted in units: a layer of one token (exit_depth, halting, skip_mask), or a layer of the whole
-window (block_skip). `fit` changes as few units as the budget difference, one at a time at random, and
+The budget is counted in units: a layer of one token, or of the whole window where decisions are per window. `fit` changes as few units as the budget difference, one at a time at random, and
 `profile_units` rounds a profile to a budget: both exact, so every condition keeps each window's budget exactly.
 Imports nothing of fcaudit but its error type.
 """
@@ -26,8 +27,7 @@ import torch
 from fcaudit.errors import FcauditError
 
 STEPS = ("exit_depth", "halting")  # a token's decision is a depth
-CELLS = ("skip_mask", "block_skip")  # a run/skip decision per (layer, token) or per (layer, window)
-KINDS = STEPS + CELLS
+KINDS = STEPS + ("skip_mask",)  # skip_mask: a run/skip decision per (layer, token)
 
 Coeffs = Sequence[torch.Tensor]
 
@@ -44,8 +44,18 @@ def canonical(kind: str, coeffs: Coeffs) -> list[torch.Tensor]:
     return out
 
 
+def first(coeffs: Coeffs) -> list[torch.Tensor]:
+    """Per-window decisions as one token: token 0 of each window (all its tokens hold the same)."""
+    return [c[:, :1] for c in coeffs]
+
+
+def spread(coeffs: Coeffs, token: int) -> list[torch.Tensor]:
+    """One token's decisions given to all `token` tokens of its window."""
+    return [c.expand(-1, token, -1, -1).contiguous() for c in coeffs]
+
+
 def top(kind: str, coeffs: Coeffs) -> int:
-    """The most units a token (block_skip: a window) can execute: blocks, steps or skippable blocks."""
+    """The most units a token can execute: blocks, steps or skippable blocks."""
     if kind == "exit_depth":
         return len(coeffs) + 1
     if kind == "halting":
@@ -63,23 +73,21 @@ def depths(kind: str, coeffs: Coeffs) -> torch.Tensor:
 
 
 def cells(kind: str, coeffs: Coeffs) -> torch.Tensor:
-    """[batch, layer, unit] bool: which (layer, token) cells run (skip_mask), or (layer, window) with one unit
-    (block_skip: its token 0 stands for all)."""
-    run = torch.stack([c[:, :, 0, 0].to(coeffs[0].device) > 0.5 for c in coeffs], 1)
-    return run[:, :, :1] if kind == "block_skip" else run
+    """[batch, layer, token] bool: which (layer, token) cells run (skip_mask)."""
+    return torch.stack([c[:, :, 0, 0].to(coeffs[0].device) > 0.5 for c in coeffs], 1)
 
 
-def units(kind: str, coeffs: Coeffs) -> np.ndarray:
+def units(kind: str, coeffs: Coeffs, window: bool = False) -> np.ndarray:
     """Each window's budget in its units, int64 [batch]."""
+    coeffs = first(coeffs) if window else coeffs
     per = depths(kind, coeffs) if kind in STEPS else cells(kind, coeffs)
     return per.reshape(per.shape[0], -1).sum(1).cpu().numpy()
 
 
-def executed(kind: str, coeffs: Coeffs) -> torch.Tensor:
+def executed(kind: str, coeffs: Coeffs, window: bool = False) -> torch.Tensor:
     """Per window [batch] float64: the fraction of its (layer, token) pairs that run, of the pairs it could run."""
-    per = depths(kind, coeffs) if kind in STEPS else cells(kind, coeffs)
-    ran = per.reshape(per.shape[0], -1).sum(1).double()
-    return ran / (top(kind, coeffs) * (1 if kind == "block_skip" else coeffs[0].shape[1]))
+    coeffs = first(coeffs) if window else coeffs
+    return torch.from_numpy(units(kind, coeffs)).double() / (top(kind, coeffs) * coeffs[0].shape[1])
 
 
 # ---- budgets ----------------------------------------------------------------------------------------------------
@@ -154,16 +162,28 @@ def with_depths(kind: str, like: Coeffs, d: np.ndarray, weights: np.ndarray | No
     return _sites(like, torch.from_numpy(out)[:, :, None, :])
 
 
-def with_cells(kind: str, like: Coeffs, run: np.ndarray) -> list[torch.Tensor]:
-    """Coefficients from run cells [batch, layer, unit] (block_skip: one unit, for every token)."""
-    T = like[0].shape[1]
+def with_cells(like: Coeffs, run: np.ndarray) -> list[torch.Tensor]:
+    """Coefficients from run cells [batch, layer, token]."""
     run = torch.from_numpy(run)
-    return [(run[:, l] if run.shape[2] == T else run[:, l, :1].expand(-1, T))[:, :, None, None].to(c.dtype)
-            .to(c.device).contiguous() for l, c in enumerate(like)]
+    return [run[:, l, :, None, None].to(c.dtype).to(c.device) for l, c in enumerate(like)]
+
+
+def per_window(op):
+    """`op(kind, ..., taken, ...)` on per-window decisions (`window=True`): on token 0 of every coefficient
+    tensor it takes, its result given to every token."""
+    def run(kind: str, *args, window: bool = False):
+        if not window:
+            return op(kind, *args)
+        tensors = [isinstance(a, list) and bool(a) and isinstance(a[0], torch.Tensor) for a in args]
+        T = args[tensors.index(True)][0].shape[1]
+        return spread(op(kind, *(first(a) if t else a for a, t in zip(args, tensors))), T)
+    run.__doc__, run.__name__ = op.__doc__, op.__name__
+    return run
 
 
 # ---- the operations of the conditions --------------------------------------------------------------------------
 
+@per_window
 def fit(kind: str, coeffs: Coeffs, targets: np.ndarray, rngs: Sequence[np.random.Generator]) -> list[torch.Tensor]:
     """Each window's decisions moved by as few units as its budget differs from `targets` (its receiving window's
     own), at random units: a token's depth one layer deeper or shallower, a cell run or skipped."""
@@ -173,9 +193,10 @@ def fit(kind: str, coeffs: Coeffs, targets: np.ndarray, rngs: Sequence[np.random
         return with_depths(kind, coeffs, new)
     run = cells(kind, coeffs).cpu().numpy().astype(np.int64)
     new = np.stack([fit_units(row.ravel(), t, 0, 1, rng).reshape(row.shape) for row, t, rng in zip(run, targets, rngs)])
-    return with_cells(kind, coeffs, new.astype(bool))
+    return with_cells(coeffs, new.astype(bool))
 
 
+@per_window
 def static(kind: str, profile: Coeffs, taken: Coeffs) -> list[torch.Tensor]:
     """StaticDepth: each window's own budget laid out as the calibration windows' profile says (`profile`: the
     layer x position means, expanded to the batch): each position's mean depth (exit_depth), each position's mean
@@ -191,11 +212,11 @@ def static(kind: str, profile: Coeffs, taken: Coeffs) -> list[torch.Tensor]:
         d = np.stack([profile_units(step.numpy(), t, 1, w.shape[1]) for t in targets])
         return with_depths(kind, taken, d, np.broadcast_to(w.numpy(), (len(targets), *w.shape)))
     often = torch.stack([p[0, :, 0, 0].double().cpu() for p in profile])  # [layer, token]
-    often = often[:, :1] if kind == "block_skip" else often
     run = np.stack([profile_units(often.numpy().ravel(), t, 0, 1).reshape(often.shape) for t in targets])
-    return with_cells(kind, taken, run.astype(bool))
+    return with_cells(taken, run.astype(bool))
 
 
+@per_window
 def random(kind: str, profile: Coeffs, taken: Coeffs, rngs: Sequence[np.random.Generator]) -> list[torch.Tensor]:
     """The structure-removed reference (RandomExit, RandomHalt, RandomSkip): decisions drawn independently per token
     from the calibration windows' distribution pooled over positions, then fitted to each window's own budget
@@ -213,6 +234,5 @@ def random(kind: str, profile: Coeffs, taken: Coeffs, rngs: Sequence[np.random.G
         start = with_depths(kind, taken, drawn, weights)
         return fit(kind, start, targets, rngs)
     rate = np.array([float(p[0, :, 0, 0].double().mean()) for p in profile])  # each layer's pooled run rate
-    U = 1 if kind == "block_skip" else T
-    run = np.stack([rng.random((len(rate), U)) < rate[:, None] for rng in rngs])
-    return fit(kind, with_cells(kind, taken, run), targets, rngs)
+    run = np.stack([rng.random((len(rate), T)) < rate[:, None] for rng in rngs])
+    return fit(kind, with_cells(taken, run), targets, rngs)

@@ -85,8 +85,6 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          decisions=_nonzero, note=DEPTH_NOTE, depth=True),
     Kind("skip_mask", DEPTH + ("RandomSkip",), "RandomSkip", ("RandomSkip",), static="StaticDepth",
          decisions=_decided, note=DEPTH_NOTE, depth=True),
-    Kind("block_skip", DEPTH + ("RandomSkip",), "RandomSkip", ("RandomSkip",), static="StaticDepth",
-         decisions=_decided, note=DEPTH_NOTE, depth=True),
 )}
 
 
@@ -100,7 +98,8 @@ def lookup(name: str) -> Kind:
 class Description:
     """A controller as the audit sees it: per site its kind (a KINDS name), its reference and its group (sites of one
     group are one layer: the randomized conditions move them together); () = each kind's reference, one group per
-    site. `top_k`: per site, a top-k router's experts per token, else None.
+    site. `top_k`: per site, a top-k router's experts per token, else None; `windows`: per site, whether its decisions
+    are made once per window (a depth site's codec says so), else () (per token).
 
     Examples
     --------
@@ -114,12 +113,14 @@ class Description:
     references: tuple[str, ...] = ()
     groups: tuple[int, ...] = ()
     top_k: tuple[int | None, ...] = ()
+    windows: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.kinds)
         of = [lookup(k) for k in self.kinds]
         references = tuple(self.references) or tuple(k.reference for k in of)
-        for name, values in (("references", references), ("groups", self.groups), ("top_k", self.top_k)):
+        for name, values in (("references", references), ("groups", self.groups), ("top_k", self.top_k),
+                             ("windows", self.windows)):
             if values and len(values) != n:
                 raise FcauditError(f"{len(values)} {name} for {n} sites; give one per site")
         odd = next(((k, r) for k, r in zip(of, references) if r not in k.references), None)
@@ -141,6 +142,10 @@ class Description:
         object.__setattr__(self, "references", references)
         object.__setattr__(self, "groups", tuple(self.groups) or tuple(range(n)))
         object.__setattr__(self, "top_k", tuple(self.top_k) or (None,) * n)
+        object.__setattr__(self, "windows", tuple(self.windows) or (False,) * n)
+        if self.of[0].depth and len(set(self.windows)) > 1:
+            raise FcauditError("decisions made once per window and once per token cannot share a depth controller; "
+                               "give each its own controller")
 
     @cached_property
     def of(self) -> tuple[Kind, ...]:
@@ -176,6 +181,11 @@ class Description:
     def depth(self) -> str | None:
         """The depth kind of a depth controller (fcaudit.depth), else None."""
         return self.kinds[0] if self.of[0].depth else None
+
+    @property
+    def window(self) -> bool:
+        """Whether a depth controller decides once per window (every token of a window goes as deep)."""
+        return bool(self.depth) and self.windows[0]
 
     def canonical(self, coeffs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Captured coefficients as the model obeys them: exit decisions kept from a token's first exit on
@@ -218,7 +228,7 @@ class Description:
         `ran`: per site, the sources its module really ran summed over (token, stream) (`Codec.executed`). A depth
         controller: the fraction of the (layer, token) pairs it could run that run (`fcaudit.depth.executed`)."""
         if self.depth:
-            return depths.executed(self.depth, coeffs)
+            return depths.executed(self.depth, coeffs, self.window)
         ran = ran or {}
         counted = set(self.routers or range(len(coeffs)))
         cells = {i: self.decisions(i, coeffs[i]) if self.of[i].router else coeffs[i] for i in sorted(counted)}

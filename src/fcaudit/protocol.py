@@ -180,8 +180,9 @@ def kept(ctx: "ReplayContext", coeffs: Coeffs, r: int, examples: np.ndarray, tag
     draws keyed by the condition's `tag`; any other controller's as they are."""
     if not ctx.info.depth:
         return coeffs
-    own = depth.units(ctx.info.depth, ctx.take(examples))
-    return depth.fit(ctx.info.depth, coeffs, own, _rngs(tag, ctx.seed, r, examples))
+    info = ctx.info
+    own = depth.units(info.depth, ctx.take(examples), info.window)
+    return depth.fit(info.depth, coeffs, own, _rngs(tag, ctx.seed, r, examples), window=info.window)
 
 
 def cross_input(ctx: "ReplayContext", r: int, examples: np.ndarray) -> Coeffs:
@@ -192,7 +193,8 @@ def cross_input(ctx: "ReplayContext", r: int, examples: np.ndarray) -> Coeffs:
 def random_depth(ctx: "ReplayContext", r: int, examples: np.ndarray) -> Coeffs:
     """A depth controller's structure-removed reference r (fcaudit.depth.random), from the StaticDepth profile."""
     rngs = [np.random.default_rng([DEPTH_RANDOM, ctx.seed, r, int(e)]) for e in examples]
-    return depth.random(ctx.info.depth, ctx.static("StaticDepth", len(examples)), ctx.take(examples), rngs)
+    return depth.random(ctx.info.depth, ctx.static("StaticDepth", len(examples)), ctx.take(examples), rngs,
+                        window=ctx.info.window)
 
 
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
@@ -346,7 +348,8 @@ REGISTRY: dict[str, Condition] = {c.name: c for c in (
     Condition("RandomRoute", "randomized", "RandomRoute",  # token routers' structure-removed reference
               lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True),
     Condition("StaticDepth", "static", "StaticDepth",  # depth: each window's budget laid out by the calibration profile
-              lambda ctx, r, ex: depth.static(ctx.info.depth, ctx.static("StaticDepth", len(ex)), ctx.take(ex)),
+              lambda ctx, r, ex: depth.static(ctx.info.depth, ctx.static("StaticDepth", len(ex)), ctx.take(ex),
+                                              window=ctx.info.window),
               profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True),
     # the depth kinds' structure-removed references: exit depths, halting distributions, run cells at random
     *(Condition(name, "randomized", name, random_depth, structure_removed=True)

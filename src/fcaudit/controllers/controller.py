@@ -88,7 +88,8 @@ class Controller:
     def info(self) -> Description:
         """The controller as the protocol, the engine, the statistics and execution see it (fcaudit.kinds)."""
         return Description(tuple(s.kind for s in self.sites), tuple(s.reference for s in self.sites),
-                           tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites))
+                           tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites),
+                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites))
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -115,9 +116,9 @@ class Controller:
             What the coefficients are (fcaudit.kinds.KINDS): "scalar_gate", "vector_gate", "source_mixture",
             "expert_router", "capacity_router" or "token_router" (each site chooses the tokens a block runs on; a
             `TokenRoute` codec unless `codec` is given), or a depth kind: "exit_depth" (one site per block but the
-            last, True where the token exits after it), "skip_mask" (per block, True where it runs for the token),
-            "block_skip" (the same, one decision per window), all read by `Decisions` unless `codec` is given, or
-            "halting" (per token a distribution over steps, with a layout). Default: the codec's kind, "expert_router" for a codec with
+            last, True where the token exits after it) or "skip_mask" (per block, True where it runs for the token),
+            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window),
+            or "halting" (per token a distribution over steps, with a layout). Default: the codec's kind, "expert_router" for a codec with
             `top_k`, "source_mixture" for a source reference, else a gate.
         reference
             The structure-removed reference: "GlobalMean" (a gate's, the mass-matched mean), "SourceUniformMean" (a
@@ -345,9 +346,7 @@ class Controller:
 # the kinds whose sites take their own codec, not a layout: what the coefficient is, and the codec
 OWN_CODECS = {"token_router": ("(score, chosen) per token", "TokenRoute reads a (scores, index) output", TokenRoute),
               "exit_depth": ("a decision per token", "Decisions reads a [batch, token] output", Decisions),
-              "skip_mask": ("a decision per token", "Decisions reads a [batch, token] output", Decisions),
-              "block_skip": ("a decision per window", "Decisions(window=True) reads a [batch] output",
-                             partial(Decisions, window=True))}
+              "skip_mask": ("a decision per token", "Decisions reads a [batch, token] output", Decisions)}
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None, kind: str | None) -> Codec:
