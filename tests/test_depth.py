@@ -304,3 +304,38 @@ def test_a_depth_kind_is_its_controllers_only_kind_and_takes_its_own_codec():
         block = fca.Controller.from_modules(CASES["skip_window"][0], "routers.*", kind="skip_mask")
         with torch.inference_mode(), block.capture(*ids.shape):
             CASES["skip_window"][0](ids)
+
+
+# ---- a third-party PonderNet, as written ----------------------------------------------------------------------
+
+def test_a_third_party_pondernet_is_refused_for_its_sampled_halt_and_audited_when_seeded_per_pass(tmp_path):
+    """ponder-transformer (PyPI) halts each sequence by sampling from its PonderNet distribution in eval mode. Its
+    halting decisions are the `<=` of a uniform draw and the halting probability in its forward: one site per step
+    but the last (the last step always ends it)."""
+    from contextlib import contextmanager
+
+    ponder_transformer = pytest.importorskip("ponder_transformer")  # the test extra installs it
+    torch.manual_seed(0)
+    ponder = ponder_transformer.PonderTransformer(num_tokens=64, dim=16, max_seq_len=T, dim_head=8, heads=2,
+                                                  ponder_epsilon=0.55).eval()  # 2 steps: one halting decision
+    net = nn.Sequential(ponder)  # a module path for the decisions made in its own forward
+
+    def halts(context=None):
+        return fca.Controller.from_ops(net, "0", "le", codec=Decisions(window=True), kind="exit_depth", call=0,
+                                       context=context)
+
+    with pytest.raises(FcauditError, match="not deterministic in eval mode"):
+        fca.audit(net, halts(), windows(), windows(seed=1), randomizations=1, out=tmp_path / "a", quiet=True)
+
+    @contextmanager
+    def seeded():  # every pass draws the same uniforms: the sampled halt becomes a fixed threshold
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            yield
+
+    result = fca.audit(net, halts(seeded), windows(), windows(seed=1), randomizations=1, out=tmp_path / "b",
+                       quiet=True)
+    assert result.replay.bit_equal and result.replay.later_token_flips > 0  # a sequence's halt reads all its tokens
+    assert 0 < result.records.active.mean() < 1  # some sequences halt after the first step
+    assert any("its ΔNLL is 0 by construction" in f.line for f in result.replay.findings)
+    assert (result.penalties().to_frame()["statistic"] == 0).all()

@@ -376,5 +376,11 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
                           check_causality(model, controller, first, vocab, ranked)) if f is not None]
-    check = "depth" if controller.info.depth else "token routing"  # the kinds' note: why conditions are not offered
-    return found + [Finding.notice(check, note) for note in controller.info.notes]
+    info = controller.info
+    check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
+    found += [Finding.notice(check, note) for note in info.notes]
+    if info.window and info.depth != "skip_mask":
+        found.append(Finding.notice("depth", "note: the depth is decided once per window, so a window's depth is its "
+                                    "budget, which every condition keeps: each condition replays every window's own "
+                                    "depth and its ΔNLL is 0 by construction, not a finding about the controller"))
+    return found
