@@ -32,7 +32,7 @@ def test_table1_has_every_method(demo):
 @pytest.mark.slow
 def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
     audits = sorted((demo / "audit").iterdir())
-    assert len(audits) == 3 * QUICK.seeds + 4  # + mudd, moe, mod (top-k) and mod-causal (its predictor)
+    assert len(audits) == 3 * QUICK.seeds + 5  # + mudd, moe, mod (top-k), mod-causal (its predictor), early-exit
     for a in audits:
         replay = json.loads((a / "replay.json").read_text())
         assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
@@ -46,6 +46,10 @@ def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
             assert (found["causality"]["data"]["later_token_flips"] > 0) == (a.name == "mod-s0")  # top-k: later
         if a.name == "mod-s0":
             assert set(load_records(a).active) == {0.25}  # the tiny preset's capacity, under every condition
+        if a.name == "early-exit-s0":  # its exits replayed, and every condition keeps each window's budget
+            records = load_records(a)
+            assert replay["route_flips"] == 0 and records.groupby("example").active.nunique().eq(1).all()
+            assert 0 < records.active.mean() < 1
         if a.name.startswith(("uniform", "layerstatic")):
             d = delta_nll(load_records(a))
             assert (d[d.condition.isin(["CrossInput", "TokenShuffle", "CrossShuffle"])]["delta"] == 0.0).all()
@@ -68,8 +72,12 @@ def test_report_and_execution(demo):
     mod = by_model.loc["mod"]
     assert mod["token_fraction"] == 0.25 and mod["flops_vs_dense"] < 1 and mod["latency_vs_dense"] > 0
     assert (conditions[conditions["model"] == "mod"]["token_fraction"] == 0.25).all()
+    early, dense = by_model.loc["early-exit"], by_model.loc["dense"]
+    assert early["executed_layer_fraction"] < 1 and early["decode_flops_vs_dense"] < 1
+    assert dense["executed_layer_fraction"] == 1
     headline = (demo / "report" / "report.md").read_text().split("## Training")[0]
-    assert "**mod tiny**" in headline and "**mod-causal tiny**" in headline
+    assert "**mod tiny**" in headline and "**mod-causal tiny**" in headline and "**early-exit tiny**" in headline
+    assert "decoding: no layer skipped" in headline and "of the (layer, token) pairs run" in headline
     assert "routing depends on later tokens" in headline and "token x block pairs run" in headline
 
 
@@ -93,6 +101,6 @@ def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch
     methods = set(pd.read_csv(tmp_path / "table1.csv")["method"])
     assert {"Dense", "FeatureGate", "MUDD", "MoE (Mixtral)", "MoD (Mixture-of-Depths)"} <= methods
     audits = sorted(a.name for a in (tmp_path / "audit").iterdir())
-    assert len(audits) == 3 + 4
+    assert len(audits) == 3 + 5
     assert all(json.loads((tmp_path / "audit" / a / "replay.json").read_text())["passed"] for a in audits)
     assert (tmp_path / "report" / "report.html").is_file() and (tmp_path / "execution" / "execution.csv").is_file()

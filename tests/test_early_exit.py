@@ -93,7 +93,7 @@ def test_a_bad_exit_threshold_is_one_line():
         EarlyExitConfig(exit_threshold=1.5)
 
 
-def test_the_family_trains_saves_loads_and_says_its_controller_is_not_built(tmp_path):
+def test_the_family_trains_saves_loads_and_its_controller_is_the_exit_depth(tmp_path):
     from fcaudit.train import TrainConfig, train
 
     result = train(TrainConfig(model="early-exit", preset="tiny", steps=4, eval_interval=4, batch_size=4,
@@ -101,5 +101,5 @@ def test_the_family_trains_saves_loads_and_says_its_controller_is_not_built(tmp_
     model = fca.load(tmp_path / "r")
     assert type(model).__name__ == "EarlyExitGPT" and model.fcaudit_meta["variant"] == "early-exit"
     assert 0 < result.gate_mass <= 1  # the fraction of (block, token) pairs that ran on the test windows
-    with pytest.raises(FcauditError, match="depth controller"):
-        fca.controller_for(model)
+    ctrl = fca.controller_for(model)
+    assert [s.name for s in ctrl.sites] == ["blocks.0.exit"] and ctrl.info.depth == "exit_depth"

@@ -1,6 +1,6 @@
 """`fcaudit demo`: the paper's study end to end on the embedded corpus, small enough for a laptop CPU: train Table 1's
-models (several seeds of the audited FeatureGate variants), audit them (MoD twice: its top-k router and its causal
-predictor), then summaries, execution and the report. Every step writes its own directory under OUT and is skipped
+models (several seeds of the audited FeatureGate variants) and an early-exit model, audit them (MoD twice: its top-k
+router and its causal predictor), then summaries, execution and the report. Every step writes its own directory under OUT and is skipped
 once finished, so rerunning the command resumes."""
 
 from __future__ import annotations
@@ -43,16 +43,17 @@ class DemoPlan:
     randomizations: int
     batch_size: int
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.6, 0.7)  # post-training gate thresholding (execution)
+    exit_steps: int | None = None  # the early-exit model's (None: `steps`): its exit classifiers need them to exit
     min_run_time: float = 1.0  # seconds of latency timing per model (execution)
 
 
 FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, moe_steps=240, fixed_depth=2,
                 n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
 QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30, fixed_depth=1,
-                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5)
+                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5, exit_steps=120)
 
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
-AUDITED = MULTI_SEED + ("mudd", "moe", "mod")
+AUDITED = MULTI_SEED + ("mudd", "moe", "mod", "early-exit")
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
@@ -72,12 +73,13 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
 
     # 1. training (Table 1); uniform-matched comes after the FeatureGate seeds it is matched to
     runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [
-        (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod")]
+        (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
     for i, (model, seed) in enumerate(runs, 1):
         run_dir = out / "train" / f"{model}-s{seed}"
         console.print(f"[bold]train[/bold] {i}/{len(runs)}: {model} seed {seed}")
         mudd = model == "mudd"
-        steps = {"mudd": plan.mudd_steps, "moe": plan.moe_steps}.get(model, plan.steps)
+        steps = {"mudd": plan.mudd_steps, "moe": plan.moe_steps, "early-exit": plan.exit_steps or plan.steps}.get(
+            model, plan.steps)
         cfg = TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed, out=str(run_dir),
                           device=device, steps=steps, window=plan.window if mudd else None,
                           fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
@@ -110,7 +112,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     summary = summarize(audits, out=out / "summary")
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
     ckpts = [out / "train" / f"{m}-s0"
-             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod")]
+             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
     measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
                                       device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
                                       threshold_windows=plan.n_eval, progress=False))

@@ -3,8 +3,9 @@ condition and structure-removed reference, and, for a router, which cells of its
 decisions. `Description` is a controller as the protocol, the engine, the statistics and execution see it: each
 site's kind, reference and group; it answers which sites form a layer, which are routers, and the per-layer counts.
 
-A new kind (depth: exit layers, halting weights, skip masks) is one more entry in KINDS, with its conditions
-registered in fcaudit.protocol. Imports nothing of fcaudit but its error type.
+A new kind is one more entry in KINDS, with its conditions registered in fcaudit.protocol. The depth kinds (exit
+depth, halting weights, skip masks: fcaudit.depth) have their own conditions, which keep each window's budget of
+executed (layer, token) pairs. Imports nothing of fcaudit but its error type and fcaudit.depth.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from fcaudit import depth as depths
 from fcaudit.errors import FcauditError
 
 RANDOMIZED = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast")  # every kind's
@@ -22,6 +24,9 @@ PAPER = RANDOMIZED + ("LayerPositionMean", "StaticProfile", "StructureRemoved") 
 STATIC_REFERENCES = ("GlobalMean", "SourceUniformMean", "ExpertUniformMean")  # the rules of fcaudit.protocol
 TOKEN_NOTE = ("token routing: LayerPositionMean, StaticProfile and GlobalMean are not offered (the mean of a 0/1 "
               "choice is no set of k tokens); StaticTopK and RandomRoute keep each window's budget")
+DEPTH = RANDOMIZED + ("StaticDepth",)  # every depth kind's, each with its structure-removed reference
+DEPTH_NOTE = ("depth: LayerPositionMean, StaticProfile and GlobalMean are not offered (the mean of exits or of run/skip "
+              "choices is no depth); every condition keeps each window's budget of executed (layer, token) pairs")
 
 
 def chosen(c: torch.Tensor) -> torch.Tensor:
@@ -35,6 +40,10 @@ def _chosen_cells(c: torch.Tensor) -> torch.Tensor:
 
 def _nonzero(c: torch.Tensor) -> torch.Tensor:
     return c != 0
+
+
+def _decided(c: torch.Tensor) -> torch.Tensor:
+    return c > 0.5
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Kind:
     decisions: Callable[[torch.Tensor], torch.Tensor] | None = None
     follows: tuple[str, ...] = ()
     note: str | None = None  # said with the results: why conditions are not offered
+    depth: bool = False  # decides how deep tokens go (fcaudit.depth): its sites form their controller alone
 
     @property
     def router(self) -> bool:
@@ -69,6 +79,12 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("capacity_router", PAPER + ("StaticTopK",), "ExpertUniformMean", static="StaticTopK", decisions=_nonzero),
     Kind("token_router", RANDOMIZED + ("StaticTopK", "RandomRoute"), "RandomRoute", ("RandomRoute",),
          static="StaticTopK", decisions=_chosen_cells, note=TOKEN_NOTE),
+    Kind("exit_depth", DEPTH + ("RandomExit",), "RandomExit", ("RandomExit",), static="StaticDepth",
+         decisions=_decided, note=DEPTH_NOTE, depth=True),
+    Kind("halting", DEPTH + ("RandomHalt",), "RandomHalt", ("RandomHalt",), static="StaticDepth",
+         decisions=_nonzero, note=DEPTH_NOTE, depth=True),
+    Kind("skip_mask", DEPTH + ("RandomSkip",), "RandomSkip", ("RandomSkip",), static="StaticDepth",
+         decisions=_decided, note=DEPTH_NOTE, depth=True),
 )}
 
 
@@ -82,7 +98,8 @@ def lookup(name: str) -> Kind:
 class Description:
     """A controller as the audit sees it: per site its kind (a KINDS name), its reference and its group (sites of one
     group are one layer: the randomized conditions move them together); () = each kind's reference, one group per
-    site. `top_k`: per site, a top-k router's experts per token, else None.
+    site. `top_k`: per site, a top-k router's experts per token, else None; `windows`: per site, whether its decisions
+    are made once per window (a depth site's codec says so), else () (per token).
 
     Examples
     --------
@@ -96,12 +113,14 @@ class Description:
     references: tuple[str, ...] = ()
     groups: tuple[int, ...] = ()
     top_k: tuple[int | None, ...] = ()
+    windows: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.kinds)
         of = [lookup(k) for k in self.kinds]
         references = tuple(self.references) or tuple(k.reference for k in of)
-        for name, values in (("references", references), ("groups", self.groups), ("top_k", self.top_k)):
+        for name, values in (("references", references), ("groups", self.groups), ("top_k", self.top_k),
+                             ("windows", self.windows)):
             if values and len(values) != n:
                 raise FcauditError(f"{len(values)} {name} for {n} sites; give one per site")
         odd = next(((k, r) for k, r in zip(of, references) if r not in k.references), None)
@@ -109,6 +128,10 @@ class Description:
             raise FcauditError(f"a {odd[0].name} takes the reference {' or '.join(odd[0].references)}, not "
                                f"{odd[1]!r}")
         distinct = {k.name: k for k in of}.values()
+        if len(distinct) > 1 and (deep := next((k for k in distinct if k.depth), None)) is not None:
+            other = next(k for k in distinct if k is not deep)
+            raise FcauditError(f"a {deep.name} and a {other.name} cannot be audited together (a depth controller's "
+                               "conditions keep one budget over all its sites); give each kind its own controller")
         for a in distinct:  # every condition some site offers, each other site offers or follows
             for b in distinct:
                 if extra := sorted(set(b.conditions) - set(a.conditions) - set(a.follows)):
@@ -119,6 +142,10 @@ class Description:
         object.__setattr__(self, "references", references)
         object.__setattr__(self, "groups", tuple(self.groups) or tuple(range(n)))
         object.__setattr__(self, "top_k", tuple(self.top_k) or (None,) * n)
+        object.__setattr__(self, "windows", tuple(self.windows) or (False,) * n)
+        if self.of[0].depth and len(set(self.windows)) > 1:
+            raise FcauditError("decisions made once per window and once per token cannot share a depth controller; "
+                               "give each its own controller")
 
     @cached_property
     def of(self) -> tuple[Kind, ...]:
@@ -141,8 +168,29 @@ class Description:
 
     @cached_property
     def routers(self) -> tuple[int, ...]:
-        """The sites whose coefficients are discrete decisions (expert, capacity and token routers)."""
+        """The sites whose coefficients are discrete decisions (expert, capacity and token routers, depth)."""
         return tuple(i for i, k in enumerate(self.of) if k.router)
+
+    @cached_property
+    def draws(self) -> tuple[tuple[int, ...], ...]:
+        """The sites each randomized draw moves together: each layer's (`layers`); a depth controller's all at once,
+        so that a token's whole depth moves as one."""
+        return (tuple(range(len(self.kinds))),) if self.depth else self.layers
+
+    @property
+    def depth(self) -> str | None:
+        """The depth kind of a depth controller (fcaudit.depth), else None."""
+        return self.kinds[0] if self.of[0].depth else None
+
+    @property
+    def window(self) -> bool:
+        """Whether a depth controller decides once per window (every token of a window goes as deep)."""
+        return bool(self.depth) and self.windows[0]
+
+    def canonical(self, coeffs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Captured coefficients as the model obeys them: exit decisions kept from a token's first exit on
+        (`fcaudit.depth.canonical`); every other kind as it is."""
+        return depths.canonical(self.depth, coeffs) if self.depth else list(coeffs)
 
     @property
     def tokens(self) -> bool:
@@ -156,7 +204,8 @@ class Description:
 
     @property
     def static(self) -> str:
-        """The controller's own static condition: its routers' (StaticTopK) where it has any, else StaticProfile."""
+        """The controller's own static condition: its routers' (StaticTopK; depth: StaticDepth) where it has any, else
+        StaticProfile."""
         return next((k.static for k in self.of if k.router), self.of[0].static)
 
     @property
@@ -176,7 +225,10 @@ class Description:
         """Per window [B] float64: the mean over layers of the routers (of all sites without routers) of the active
         cells per (token, stream): nonzero coefficients, or a router's decisions (a token router: the fraction of
         tokens chosen). A merged layer counts once, its sites' sources side by side over its widest stream axis.
-        `ran`: per site, the sources its module really ran summed over (token, stream) (`Codec.executed`)."""
+        `ran`: per site, the sources its module really ran summed over (token, stream) (`Codec.executed`). A depth
+        controller: the fraction of the (layer, token) pairs it could run that run (`fcaudit.depth.executed`)."""
+        if self.depth:
+            return depths.executed(self.depth, coeffs, self.window)
         ran = ran or {}
         counted = set(self.routers or range(len(coeffs)))
         cells = {i: self.decisions(i, coeffs[i]) if self.of[i].router else coeffs[i] for i in sorted(counted)}

@@ -4,7 +4,8 @@ Everything else (schedule, statistics, summary, report) reads `REGISTRY`; adding
 Randomness is keyed by what it permutes, never by batch or process: `default_rng([tag, seed, r, example])` (the
 derangement: `[DERANGE, seed, r]`); CrossShuffle pairs CrossInput's donor with TokenShuffle's permutations. Static
 profiles are functions of the calibration sums only. A condition applies to a controller when one of its sites' kinds
-offers it (fcaudit.kinds); the per-site rules (a site's reference, a token router's budget) come from its kind.
+offers it (fcaudit.kinds); the per-site rules (a site's reference, a token router's budget) come from its kind. A
+depth controller's conditions move a token's whole depth as one and keep each window's budget (fcaudit.depth).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from typing import Callable, Iterable, Protocol, Sequence
 import numpy as np
 import torch
 
+from fcaudit import depth
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import Description, chosen
 
 Coeffs = list[torch.Tensor]  # one canonical [batch, token, stream, source] tensor per site (target layer)
 
 # distinct leading tags: numpy pads short seed entropy with zeros, so [seed, r] would equal [seed, r, 0]
-DERANGE, SHUFFLE, RESAMPLE, ROUTE_PAST, ROUTE_RANDOM = 1, 2, 3, 4, 5
+DERANGE, SHUFFLE, RESAMPLE, ROUTE_PAST, ROUTE_RANDOM, DEPTH_FIT, DEPTH_RANDOM = 1, 2, 3, 4, 5, 6, 7
 
 RECORD_COLUMNS = ("example", "condition", "randomization", "nll", "tokens", "active")
 """One record per (example, condition, randomization): `nll` is the window's mean next-token NLL per predicted token,
@@ -165,6 +167,36 @@ def static_routes(profile: Coeffs, taken: Coeffs) -> Coeffs:
     return out
 
 
+# ---- depth: every transformation keeps each window's budget of executed (layer, token) pairs --------------------
+# The randomized conditions move a token's whole depth as one (`Description.draws`); where a window receives other
+# decisions than its own (CrossInput, TokenResamplePast) they are fitted to its own budget (fcaudit.depth.fit).
+
+def _rngs(tag: int, seed: int, r: int, examples: np.ndarray) -> list[np.random.Generator]:
+    return [np.random.default_rng([DEPTH_FIT, tag, seed, r, int(e)]) for e in examples]
+
+
+def kept(ctx: "ReplayContext", coeffs: Coeffs, r: int, examples: np.ndarray, tag: int) -> Coeffs:
+    """Depth: `coeffs` fitted to the budgets of the receiving windows `examples` (their own captured ones), with
+    draws keyed by the condition's `tag`; any other controller's as they are."""
+    if not ctx.info.depth:
+        return coeffs
+    info = ctx.info
+    own = depth.units(info.depth, ctx.take(examples), info.window)
+    return depth.fit(info.depth, coeffs, own, _rngs(tag, ctx.seed, r, examples), window=info.window)
+
+
+def cross_input(ctx: "ReplayContext", r: int, examples: np.ndarray) -> Coeffs:
+    """CrossInput r: each window gets its donor's whole tensor (depth: fitted to its own budget)."""
+    return kept(ctx, ctx.take(ctx.derangement(r)[examples]), r, examples, DERANGE)
+
+
+def random_depth(ctx: "ReplayContext", r: int, examples: np.ndarray) -> Coeffs:
+    """A depth controller's structure-removed reference r (fcaudit.depth.random), from the StaticDepth profile."""
+    rngs = [np.random.default_rng([DEPTH_RANDOM, ctx.seed, r, int(e)]) for e in examples]
+    return depth.random(ctx.info.depth, ctx.static("StaticDepth", len(examples)), ctx.take(examples), rngs,
+                        window=ctx.info.window)
+
+
 # ---- static profiles from the calibration sums -----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -293,16 +325,16 @@ def _static(name: str) -> Callable:
 # in paper order; what each controls for: docs/concepts.md; which kinds offer each: fcaudit.kinds
 REGISTRY: dict[str, Condition] = {c.name: c for c in (
     Condition("Correct", "reference", "Correct", lambda ctx, r, ex: ctx.take(ex)),
-    Condition("CrossInput", "randomized", "Cross-input", lambda ctx, r, ex: ctx.take(ctx.derangement(r)[ex]),
-              role="input"),
+    Condition("CrossInput", "randomized", "Cross-input", cross_input, role="input"),
     Condition("TokenShuffle", "randomized", "Token-shuffle",
-              lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, ctx.info.layers), role="token"),
+              lambda ctx, r, ex: shuffle_tokens(ctx.take(ex), ex, ctx.seed, r, ctx.info.draws), role="token"),
     Condition("CrossShuffle", "randomized", "Cross+shuffle",  # the paired CrossInput donor and TokenShuffle draws
-              lambda ctx, r, ex: shuffle_tokens(ctx.take(ctx.derangement(r)[ex]), ex, ctx.seed, r, ctx.info.layers),
+              lambda ctx, r, ex: shuffle_tokens(cross_input(ctx, r, ex), ex, ctx.seed, r, ctx.info.draws),
               role="both"),
     Condition("TokenResamplePast", "randomized", "Token-resample-past",  # the causal control of TokenShuffle
               lambda ctx, r, ex: (routes_past(ctx.take(ex), ex, ctx.seed, r) if ctx.info.tokens
-                                  else resample_past(ctx.take(ex), ex, ctx.seed, r, ctx.info.layers))),
+                                  else kept(ctx, resample_past(ctx.take(ex), ex, ctx.seed, r, ctx.info.draws), r, ex,
+                                            RESAMPLE))),
     Condition("LayerPositionMean", "static", "Layer×PositionMean", _static("LayerPositionMean"),
               profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True),
     Condition("StaticProfile", "static", "StaticProfile", _static("StaticProfile"),
@@ -315,6 +347,13 @@ REGISTRY: dict[str, Condition] = {c.name: c for c in (
               profile=reference_profiles, structure_removed=True),
     Condition("RandomRoute", "randomized", "RandomRoute",  # token routers' structure-removed reference
               lambda ctx, r, ex: random_routes(ctx.take(ex), ex, ctx.seed, r), structure_removed=True),
+    Condition("StaticDepth", "static", "StaticDepth",  # depth: each window's budget laid out by the calibration profile
+              lambda ctx, r, ex: depth.static(ctx.info.depth, ctx.static("StaticDepth", len(ex)), ctx.take(ex),
+                                              window=ctx.info.window),
+              profile=lambda cal, ctrl: cal.layer_position_mean(), retained=True),
+    # the depth kinds' structure-removed references: exit depths, halting distributions, run cells at random
+    *(Condition(name, "randomized", name, random_depth, structure_removed=True)
+      for name in ("RandomExit", "RandomHalt", "RandomSkip")),
 )}
 
 
@@ -333,7 +372,8 @@ def retained() -> list[str]:
 
 
 def structure_removed(run: Iterable[str]) -> str | None:
-    """Eq. 8's reference R among the conditions `run` (StructureRemoved, or RandomRoute for token routers), if any."""
+    """Eq. 8's reference R among the conditions `run` (StructureRemoved; RandomRoute for token routers; RandomExit,
+    RandomHalt or RandomSkip for depth), if any."""
     ran = set(run)
     return next((c.name for c in REGISTRY.values() if c.structure_removed and c.name in ran), None)
 

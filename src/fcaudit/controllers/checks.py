@@ -320,6 +320,8 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
                 i: a for i in ranked if (a := batch_token_axes(controller.sites[i])) is not None})).following(model):
             model(x)
         coeffs = {i: controller.sites[i].encode(raws[i][0], *x.shape) for i in (*info.routers, *ranked)}
+        if info.depth:  # a depth controller's sites are all routers: its exits as the model obeys them
+            coeffs = dict(enumerate(info.canonical([coeffs[i] for i in range(len(controller.sites))])))
         runs.append((coeffs, flow.decisions))
     (before, made), (after, remade) = runs
     flips = sum(info.changed(i, before[i][:, :-span], after[i][:, :-span]) for i in info.routers)
@@ -346,7 +348,7 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
     rank = [i for i, k in enumerate(info.of) if not k.router]
     with controller.outputs(*first.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
         logits = logits_of(model(first))
-    coeffs = [s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)]
+    coeffs = info.canonical([s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)])
     decoding = probe[0].decoding
     found = [check_deterministic(controller, logits, coeffs, probe),
              check_round_trip(controller, raws, first, decoding),
@@ -374,4 +376,11 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
                           check_causality(model, controller, first, vocab, ranked)) if f is not None]
-    return found + [Finding.notice("token routing", note) for note in controller.info.notes]
+    info = controller.info
+    check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
+    found += [Finding.notice(check, note) for note in info.notes]
+    if info.window and info.depth != "skip_mask":
+        found.append(Finding.notice("depth", "note: the depth is decided once per window, so a window's depth is its "
+                                    "budget, which every condition keeps: each condition replays every window's own "
+                                    "depth and its ΔNLL is 0 by construction, not a finding about the controller"))
+    return found

@@ -231,3 +231,49 @@ class TokenRoute(Codec):
 
     def describe(self) -> str:
         return "token router: (scores [batch token], chosen index [batch k])"
+
+
+class Decisions(Codec):
+    """Run or exit decisions: one per token (a [batch, token] output, bool or 0/1), or with `window=True` one per
+    window (a [batch] or [batch, 1] output, for every token of the window) <-> canonical 0.0/1.0 [batch, token, 1, 1].
+    Decoded in the output's dtype and shape, so that a model testing `if decision` or `done | decision` sees what it
+    returned. The default codec of exit depths and skip masks (fcaudit.kinds).
+
+    Examples
+    --------
+    >>> from fcaudit.controllers import Decisions
+    >>> codec = Decisions()
+    >>> c = codec.encode(torch.tensor([[True, False, True]]), batch=1, token=3)
+    >>> c[0, :, 0, 0]
+    tensor([1., 0., 1.])
+    >>> codec.decode(c, codec.meta(torch.zeros(1, 3, dtype=torch.bool)))
+    tensor([[ True, False,  True]])
+    """
+
+    def __init__(self, window: bool = False):
+        self.window = bool(window)
+
+    def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
+        want = "[batch] or [batch, 1]" if self.window else "[batch, token]"
+        if not isinstance(output, torch.Tensor):
+            raise FcauditError(f"a decision site returned {type(output).__name__}, not a tensor {want}")
+        fits = (output.numel() == batch and output.shape[:1] == (batch,)) if self.window else \
+            tuple(output.shape) == (batch, token)
+        if not fits:
+            raise FcauditError(f"decisions of shape {tuple(output.shape)} are not {want} for batch={batch}, "
+                               f"token={token}" + ("" if self.window else "; one decision per window takes "
+                                                                          "Decisions(window=True)"))
+        values = output.detach().reshape(batch, -1)
+        if not ((values == 0) | (values == 1)).all():
+            raise FcauditError("decisions must be bool or 0/1; a site of soft weights (halting) takes a layout")
+        return values.float().expand(batch, token)[:, :, None, None].contiguous()
+
+    def meta(self, output: Any) -> dict:
+        return {"dtype": output.dtype, "shape": tuple(output.shape[1:])}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> torch.Tensor:
+        run = canonical[:, :1, 0, 0] if self.window else canonical[:, :, 0, 0]
+        return (run > 0.5).to(meta["dtype"]).reshape(canonical.shape[0], *meta["shape"]).contiguous()
+
+    def describe(self) -> str:
+        return "decisions: one per window ([batch])" if self.window else "decisions: one per token ([batch token])"

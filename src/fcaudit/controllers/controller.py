@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
-from fcaudit.controllers.codecs import Codec, Layout, TokenRoute
+from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
 from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
@@ -88,7 +88,8 @@ class Controller:
     def info(self) -> Description:
         """The controller as the protocol, the engine, the statistics and execution see it (fcaudit.kinds)."""
         return Description(tuple(s.kind for s in self.sites), tuple(s.reference for s in self.sites),
-                           tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites))
+                           tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites),
+                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites))
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -114,12 +115,16 @@ class Controller:
         kind
             What the coefficients are (fcaudit.kinds.KINDS): "scalar_gate", "vector_gate", "source_mixture",
             "expert_router", "capacity_router" or "token_router" (each site chooses the tokens a block runs on; a
-            `TokenRoute` codec unless `codec` is given). Default: the codec's kind, "expert_router" for a codec with
+            `TokenRoute` codec unless `codec` is given), or a depth kind: "exit_depth" (one site per block but the
+            last, True where the token exits after it) or "skip_mask" (per block, True where it runs for the token),
+            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window),
+            or "halting" (per token a distribution over steps, with a layout). Default: the codec's kind, "expert_router" for a codec with
             `top_k`, "source_mixture" for a source reference, else a gate.
         reference
             The structure-removed reference: "GlobalMean" (a gate's, the mass-matched mean), "SourceUniformMean" (a
             mixture's: each source the mean over sources), "ExpertUniformMean" (the same rule over experts) or
-            "RandomRoute" (a token router's); default: its kind's.
+            "RandomRoute" (a token router's), "RandomExit", "RandomHalt" or "RandomSkip" (a depth kind's); default:
+            its kind's.
         static_name
             The StaticProfile condition's label (e.g. "LayerMean").
         call, method
@@ -289,6 +294,8 @@ class Controller:
         with patched(run), self.context():
             yield run.found
         check_ran(run)
+        if all(c is not None for c in run.found):  # exit decisions as the model obeys them
+            run.found[:] = self.info.canonical(run.found)
 
     @contextmanager
     def outputs(self, batch: int, token: int) -> Iterator[list[tuple[Any, Call] | None]]:
@@ -327,20 +334,32 @@ class Controller:
     def recompute(self, calls: list[tuple | None], batch: int, token: int,
                   which: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
         """The live controller's canonical output on the site calls a replay recorded (`replay(..., calls=)`): what
-        sites `which` (default all) would have emitted on that trajectory. Call outside `replay`."""
-        return recompute(self.sites, calls, batch, token, range(len(self.sites)) if which is None else which)
+        sites `which` (default all) would have emitted on that trajectory, as a capture keeps it
+        (`Description.canonical`). Call outside `replay`."""
+        which = range(len(self.sites)) if which is None else which
+        found = recompute(self.sites, calls, batch, token, which)
+        if self.info.depth and len(found) == len(self.sites):
+            found = dict(enumerate(self.info.canonical([found[i] for i in range(len(self.sites))])))
+        return found
+
+
+# the kinds whose sites take their own codec, not a layout: what the coefficient is, and the codec
+OWN_CODECS = {"token_router": ("(score, chosen) per token", "TokenRoute reads a (scores, index) output", TokenRoute),
+              "exit_depth": ("a decision per token", "Decisions reads a [batch, token] output", Decisions),
+              "skip_mask": ("a decision per token", "Decisions reads a [batch, token] output", Decisions)}
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None, kind: str | None) -> Codec:
-    """The site's codec from `layout` or `codec`; a token router's without either is a TokenRoute."""
+    """The site's codec from `layout` or `codec`; a token router's or a depth decision's without either is its own
+    (OWN_CODECS)."""
     if isinstance(layout, Codec) and codec is None:
         codec, layout = layout, None
-    if kind == "token_router" and codec is None:
+    if kind in OWN_CODECS and codec is None:
+        what, reads, make = OWN_CODECS[kind]
         if layout is not None:
-            raise FcauditError(f"kind='token_router' with layout {layout!r}: a token router's coefficient is (score, "
-                               "chosen) per token; drop the layout (TokenRoute reads a (scores, index) output) or pass "
-                               "codec=")
-        return TokenRoute()
+            raise FcauditError(f"kind={kind!r} with layout {layout!r}: a {kind.replace('_', ' ')}'s coefficient is {what}; drop the "
+                               f"layout ({reads}) or pass codec=")
+        return make()
     if codec is None and not isinstance(layout, str):
         raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
                            "codec=... for a tuple or other structured output")

@@ -1,6 +1,8 @@
 """The early-exit family: fcaudit.models.early_exit, trained byte-level here (`fcaudit train --model early-exit`);
-its baseline is FeatureGate's Dense of the same shape. Its training "gate mass" is the fraction of (block, token)
-pairs that ran: a block's update enters a token's state with weight 1 where it ran, 0 where the token had exited.
+its baseline is FeatureGate's Dense of the same shape. Its controller is the exit decisions of `blocks.*.exit`, an
+exit-depth controller (fcaudit.kinds): every condition keeps each window's budget of executed (block, token) pairs.
+Its training "gate mass" is the fraction of (block, token) pairs that ran: a block's update enters a token's state
+with weight 1 where it ran, 0 where the token had exited.
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.controller import Controller
-from fcaudit.errors import FcauditError
 from fcaudit.families import Family, register
 from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint
 from fcaudit.models.early_exit import PRESETS, VARIANTS, EarlyExitGPT, config_for
 
 MODEL_TYPE = "early-exit"
+PATTERN = "blocks.*.exit"
 
 
 def controller(model: EarlyExitGPT) -> Controller:
-    raise FcauditError("fcaudit cannot audit early-exit models yet: the depth controller of their exit decisions "
-                       "(blocks.*.exit) is not built; measure them with fcaudit execution")
+    """The exit decisions of every block but the last: a token's depth is 1 + its first exit."""
+    return Controller.from_modules(model, PATTERN, kind="exit_depth")
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:

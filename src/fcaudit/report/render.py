@@ -364,6 +364,12 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
         doc.table(shown, e.rows, name, f"From {e.source}; every column is in the CSV."
                   + (" * noisy latency: spread above the median, rerun with --threads 1 on a quieter machine before "
                      "quoting its ratio." if noisy.any() else ""))
+        if "executed_layer_fraction" in rows.columns:
+            decoding = rows.assign(layers_run=rows["executed_layer_fraction"].map(verdicts.layers_run))
+            doc.table(_shown(decoding, _DECODING_COLUMNS), e.rows, f"{name}_decoding",
+                      "Decoding one text window token by token with a KV cache, where per-token early exit saves "
+                      "work (scoring computes every position at every block): the (layer, token) pairs that ran, "
+                      "FLOPs and time per token, each vs Dense.")
         if e.thresholding is not None:
             shown = e.thresholding.assign(frac_below=e.thresholding["frac_below"].map(tables.fmt_pct))  # as printed
             doc.table(_shown(shown, _THRESHOLD_COLUMNS), e.thresholding, f"{name}_thresholding",
@@ -403,6 +409,9 @@ _EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "token_block
                       "flops_per_token": "FLOPs/token",
                       "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
                       "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}
+_DECODING_COLUMNS = {"model": "Model", "layers_run": "Layer×token pairs run",
+                     "decode_flops_per_token": "FLOPs/token", "decode_flops_vs_dense": "FLOPs vs Dense",
+                     "decode_ms_per_token": "ms/token", "decode_latency_vs_dense": "Latency vs Dense"}
 _CONDITION_COLUMNS = {"model": "Model", "label": "Condition", "experts_per_token": "Experts/token",
                       "active_expert_fraction": "FLOPs of all experts", "expert_flops_per_token": "Expert FLOPs/token",
                       "token_fraction": "Tokens run (routed blocks)", "token_block_fraction": "Token×block pairs run",

@@ -92,4 +92,24 @@ def execution_line(rows: list[dict], checkpoints: set[str]) -> str:
     if not missing(r.get("experts_per_token")):
         text += (f"; {float(r['experts_per_token']):.3g} experts per token run, "
                  f"{fmt_pct(r['active_expert_fraction'], 1)} of the expert FLOPs of running all")
+    text += "; " + decoding_words(r)
     return text + (f" ({len(mine)} checkpoints measured; the first shown)" if len(mine) > 1 else "")
+
+
+def layers_run(fraction) -> str:
+    """The share of (layer, token) pairs that ran; "no layer skipped" where every one did."""
+    return "—" if missing(fraction) else "no layer skipped" if float(fraction) == 1.0 else fmt_pct(fraction, 1)
+
+
+def decoding_words(r: dict) -> str:
+    """What decoding with a KV cache runs: the share of (layer, token) pairs ("no layer skipped" where every block
+    runs), FLOPs and latency per token vs Dense; or why the model does not decode."""
+    fraction = r.get("executed_layer_fraction")
+    if missing(fraction):
+        note = r.get("decode_note")
+        return f"decoding: not measured ({note})" if isinstance(note, str) and note else "decoding: not measured"
+    text = "decoding: " + layers_run(fraction) + ("" if float(fraction) == 1.0 else " of the (layer, token) pairs run")
+    ratios = [(n, r.get(c)) for n, c in (("FLOPs", "decode_flops_vs_dense"), ("latency", "decode_latency_vs_dense"))]
+    if shown := [f"{n} {float(v):.2f}x" for n, v in ratios if not missing(v)]:
+        text += ", " + ", ".join(shown) + " Dense's per token"
+    return text + (" (latency noisy)" if r.get("decode_noisy") else "")
