@@ -163,22 +163,17 @@ class Engine:
             return False
 
     def _recorded(self, condition: str, r: int) -> set[int] | bool:
-        """True when the records file of (condition, r) verifies, else the evaluation windows in its verified part
-        files (cached: a fresh audit lists each (condition, r) once, not per unit)."""
+        """True when the records file of (condition, r) verifies (AuditDir's check, which the reader makes too: this
+        audit's, one row per window), else the evaluation windows in its verified part files (cached: a fresh audit
+        lists each (condition, r) once, not per unit)."""
         key, n = (condition, r), self.ev.shape[0]
         if key not in self._done:
-
-            def whole(path: Path) -> None:
-                frame = files.read_frame(path)
-                if len(frame) != n or list(frame["example"]) != list(range(n)):
-                    raise files.Damaged(path, "does not hold one row per evaluation window")
-
-            if self._verified(self.dir.records(condition, r), whole):
+            if self._verified(self.dir.records(condition, r), lambda p: self.dir.read_records(condition, r, n)):
                 self._done[key] = True
             else:
                 found: set[int] = set()
                 for part in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
-                    self._verified(part, lambda p: found.update(files.read_tensors(p)[0]["example"].tolist()))
+                    self._verified(part, lambda p: self.dir.read_part(p, condition, r, n, self.B, found))
                 self._done[key] = found
         return self._done[key]
 
@@ -272,7 +267,8 @@ class Engine:
     def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
         """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
         files.write_tensors(self.dir.part(condition, r, int(examples[0])),
-                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
+                            {"example": torch.from_numpy(examples), "nll": nll, "active": act},
+                            self.dir.binding(condition, r))
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
@@ -352,7 +348,7 @@ class Engine:
             columns["active"] = np.ascontiguousarray(act[:, 0])
             counts = {name: act[:, 1 + j].astype(np.int64) for j, name in enumerate(self.counts)}  # exact sums
         files.write_columns(self.dir.records(condition, r),
-                            {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts})
+                            {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts}, self.dir.binding(condition, r))
 
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
@@ -379,20 +375,24 @@ class Engine:
         are read (no list of them: memory stays that of the records)."""
         n, nll, act = self.ev.shape[0], None, None
         times = np.zeros(n, dtype=np.int64)  # how often each window was found
-        uncovered = FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
-                                 "the audit command to recompute them")
+
+        def uncovered() -> FcauditError:
+            remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names recomputes them
+            return FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
+                                "the audit command to recompute them")
+
         for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
             part = {k: t.numpy() for k, t in files.read_tensors(path)[0].items()}
             example = part["example"]
             if len(example) and (example.min() < 0 or example.max() >= n):
-                raise uncovered
+                raise uncovered()
             if nll is None:
                 nll = np.empty(n, part["nll"].dtype)
                 act = np.empty((n, *part["active"].shape[1:]), part["active"].dtype)
             nll[example], act[example] = part["nll"], part["active"]
             np.add.at(times, example, 1)
         if nll is None or not (times == 1).all():
-            raise uncovered
+            raise uncovered()
         self._write_records(condition, r, nll, act)
         remove_tree(self.dir.parts(condition, r))
 
@@ -414,8 +414,7 @@ class Engine:
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged
-        self._verified(self.dir.replay, lambda p: files.read_json(p, require_hash=True))
+        self._verified(self.dir.replay, lambda p: self.dir.read_replay())
         files.write_json(self.dir.replay, self._replay_summary())
-        if not self._verified(self.dir.variation, lambda p: files.read_json(p, ("layers", "decomposition"),
-                                                                            require_hash=True)):
+        if not self._verified(self.dir.variation, lambda p: self.dir.read_variation()):
             files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.groups))
