@@ -24,7 +24,7 @@ from fcaudit.device import DTYPES, as_dtype, dtype_name
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
-from fcaudit.weights import read_state_dict
+from fcaudit.weights import check_depth, read_state_dict, stored_shapes
 
 MODEL_TYPE = "muddpythia"
 
@@ -370,8 +370,11 @@ class MUDDPythia(nn.Module):
             raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")
         try:
             raw = json.loads((path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise FcauditError(f"{path / 'config.json'} is not valid JSON ({e.msg}): re-download or rewrite it") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FcauditError(f"{path / 'config.json'} is not valid JSON ({one_line(e, 80)}): re-download or rewrite "
+                               "it") from None
+        if not isinstance(raw, dict):
+            raise FcauditError(f"{path / 'config.json'} is not a JSON object: re-download or rewrite it")
         try:
             config = MUDDConfig.from_dict(raw)
         except TypeError as e:
@@ -380,6 +383,7 @@ class MUDDPythia(nn.Module):
             raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than "
                                f"fcaudit builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with "
                                "these weights")
+        check_depth(path, stored_shapes(path), "n_layer", config.n_layer)  # before any of its modules is built
         with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
             model = cls(config)
         state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
