@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Callable, Mapping
@@ -72,7 +73,9 @@ def weight_files(dir: Path) -> list[Path]:
 def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """A pickle-format weights file through torch's restricted unpickler only (tensors and plain containers)."""
     try:  # only torch's zip format can be memory-mapped, not the legacy one
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+        with warnings.catch_warnings():  # torch's unpickler warns (pickle protocol, TorchScript) before it refuses
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 (an UnpicklingError, or a torn file: the same fix; never torch's advice)
         raise FcauditError(f"{path} is not a plain weights file (torch's restricted unpickler refused it: "
                            f"{type(e).__name__}): convert it to safetensors (safetensors.torch.save_file of its "
