@@ -26,6 +26,7 @@ from fcaudit.io import COMMANDS, LOCK, locked, prepare_out, read_json, remove_st
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.provenance import provenance
+from fcaudit.weights import weight_files
 
 # Per-preset defaults of the fields left at None. tiny: tests (seconds); demo: ~1 min on 2 CPU cores.
 # The paper does not state its optimizer recipe; the paper presets follow GPT-2/nanoGPT-style values.
@@ -285,7 +286,9 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     with locked(out, "training run"):  # one writer per run directory; released however the process ends
         _check_run_dir(out, cfg, corpus.fingerprint)
         n_params = sum(p.numel() for p in model.parameters())
-        if (out / "metrics.json").is_file():  # finished earlier with the same config
+        # finished earlier with the same config; a final model that lost its files is saved again from the last
+        # training state (the loop below runs no step), as "no weights file ... rerun the training" says
+        if (out / "metrics.json").is_file() and (out / "config.json").is_file() and weight_files(out):
             m = read_json(out / "metrics.json")
             return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
 
