@@ -36,6 +36,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def fuzz_world(tmp_path_factory):
+    """The fuzzing campaign's world (tests/fuzzing.py): tiny checkpoints and audits, a decoy tree, a run directory."""
+    import fuzzing
+
+    return fuzzing.World(tmp_path_factory.mktemp("fuzz"))
+
+
 # ---- tiny models and audits ------------------------------------------------------------------------------------
 
 V, T = 32, 16
