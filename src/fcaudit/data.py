@@ -172,8 +172,9 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
             raise FcauditError(f"unknown corpus {name!r}; use 'embedded', {', '.join(HF_CORPORA)}, or a path to a "
                                f"text file or directory")
         if _pseudo(path) or path.resolve() == Path(path.resolve().anchor):
-            raise FcauditError(f"corpus {path} is the filesystem root or in {', '.join(PSEUDO)}, which hold no text to "
-                               "read (their files can be endless or block): point --corpus at text files")
+            raise FcauditError(f"corpus {path} is the filesystem root or in {', '.join(PSEUDO)}, "
+                               "which hold no text to read (their files can be endless or block): point --corpus at "
+                               "text files")
         if not (path.is_dir() or path.is_file()):  # a FIFO blocks the read, a device never ends
             raise FcauditError(f"corpus {path} is not a regular file or a directory (a device, a pipe or a socket): "
                                "point --corpus at text files")

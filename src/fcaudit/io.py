@@ -121,8 +121,9 @@ def valid_path(path: Any, what: str) -> Path:
         raise FcauditError(f"{what} is {len(os.fsencode(text))} bytes long, more than a path can be ({PATH_MAX}): "
                            "pass a shorter one")
     if long := next((p for p in Path(text).parts if len(os.fsencode(p)) > NAME_MAX), None):
-        raise FcauditError(f"{what} holds the name {long[:24]}... of {len(os.fsencode(long))} bytes, more than a "
-                           f"file name can be ({NAME_MAX}): pass a shorter one")
+        size = len(os.fsencode(long))
+        raise FcauditError(f"{what} holds the name {long[:24]}... of {size} bytes, "
+                           f"more than a file name can be ({NAME_MAX}): pass a shorter one")
     return Path(text)
 
 

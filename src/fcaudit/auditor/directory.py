@@ -71,8 +71,8 @@ def _check_config(path: Path, config: dict) -> dict:
         wrong = ["windows.n_eval"]
     unknown = [c for c in config.get("conditions") or () if not isinstance(c, str) or c not in protocol.REGISTRY]
     if wrong or unknown or config["randomizations"] < 1 or config["batch_size"] < 1:
-        raise files.Damaged(path, f"its {(wrong or unknown or ['randomizations or batch_size'])[0]} is not what "
-                                  "fcaudit writes")
+        what = (wrong or unknown or ["randomizations or batch_size"])[0]
+        raise files.Damaged(path, f"its {what} is not what fcaudit writes")
     return config
 
 def differences(old: dict, new: dict) -> list[str]:
