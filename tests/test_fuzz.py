@@ -105,6 +105,8 @@ CLASSES = {
         ("weights", {"family": "moe", "op": "index-whole", "value": {"weight_map": 3}, "action": "load"}, "refused",
          "is not a valid weights index"),
         ("api", {"call": "criteria", "kwargs": {"confidence": "@nul"}}, "refused", "confidence must be a number"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "list-of-tensors", "calib_windows": "list-of-tensors",
+                                             "model_info": "x"}}, "refused", "model_info must be a dict"),
         ("audit-dir", damaged("load", ("json-rehash", "config.json", ["criteria", 16])), "refused",
          "config.json is damaged (its criteria is not what fcaudit writes)"),
         ("audit-dir", damaged("load", ("json-rehash", "variation.json", ["decomposition", 3])), "refused",

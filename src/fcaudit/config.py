@@ -89,6 +89,9 @@ class AuditConfig:
                                f"tolerance must be a number >= 0, got {t!r}")
         object.__setattr__(self, "tolerance", float(t))
         object.__setattr__(self, "criteria", _criteria(self.criteria))
+        if self.model_info is not None and not isinstance(self.model_info, Mapping):
+            raise FcauditError(f"model_info must be a dict (e.g. {{'family': 'my-lm'}}), got "
+                               f"{type(self.model_info).__name__}")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise FcauditError(f"loss_fn must be a function (output, ids) -> [batch], got {type(self.loss_fn).__name__}")
         if self.out is not None:
