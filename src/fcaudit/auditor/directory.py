@@ -56,24 +56,28 @@ def record_keys(config: dict) -> list[tuple[str, int]]:
             for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
 
 
-# config.json's fields the readers use, with their types: a file of other types (another program's) is damaged
+# config.json's fields the readers use, with their types (the optional ones may be absent): a config.json of other
+# types (another program's) is damaged
 _CONFIG_TYPES = {"seed": int, "randomizations": int, "batch_size": int, "windows": dict, "model": dict,
                  "conditions": list, "config_hash": str}
-
-
 _OPTIONAL_TYPES = {"labels": dict, "criteria": dict, "routing": dict}
 
 
 def _check_config(path: Path, config: dict) -> dict:
+    """`config` when its fields have the types and ranges fcaudit writes, else Damaged naming the first that has not."""
     wrong = [k for k, t in _CONFIG_TYPES.items() if not isinstance(config.get(k), t) or isinstance(config[k], bool)]
     wrong += [k for k, t in _OPTIONAL_TYPES.items() if k in config and not isinstance(config[k], t)]
-    if not wrong and not (isinstance(n := config["windows"].get("n_eval"), int) and n >= 2):
-        wrong = ["windows.n_eval"]
-    unknown = [c for c in config.get("conditions") or () if not isinstance(c, str) or c not in protocol.REGISTRY]
-    if wrong or unknown or config["randomizations"] < 1 or config["batch_size"] < 1:
-        what = (wrong or unknown or ["randomizations or batch_size"])[0]
-        raise files.Damaged(path, f"its {what} is not what fcaudit writes")
+    if not wrong:
+        n = config["windows"].get("n_eval")
+        wrong = [k for k, bad in (("windows.n_eval", not isinstance(n, int) or n < 2),
+                                  ("randomizations", config["randomizations"] < 1),
+                                  ("batch_size", config["batch_size"] < 1)) if bad]
+        wrong += [f"condition {c!r}" for c in config["conditions"]
+                  if not isinstance(c, str) or c not in protocol.REGISTRY]
+    if wrong:
+        raise files.Damaged(path, f"its {wrong[0]} is not what fcaudit writes")
     return config
+
 
 def differences(old: dict, new: dict) -> list[str]:
     """The fields in which the identities differ: top-level keys of `new`, and model.KEY for the model's own."""
@@ -152,13 +156,14 @@ class AuditDir:
         example = tensors.get("example")
         if example is None or example.dim() != 1 or example.dtype != torch.int64 or not len(example):
             raise files.Damaged(path, "it names no windows")
-        ex = set(example.tolist())
-        whole = all(set(range(e - e % batch, min(e - e % batch + batch, n))) <= ex for e in ex)
-        if (len(ex) != len(example) or min(ex) < 0 or max(ex) >= n or not whole or ex & seen
-                or path.name != f"b{min(ex):07d}.safetensors"
-                or any(tensors.get(k) is None or len(tensors[k]) != len(example) for k in ("nll", "active"))):
+        ex = example.numpy()
+        starts = np.unique(ex - ex % batch)  # its batches: whole when their sizes add up to its windows (no repeat)
+        whole = int((np.minimum(starts + batch, n) - starts).sum()) == len(ex) == len(np.unique(ex))
+        if (not whole or ex.min() < 0 or ex.max() >= n or not seen.isdisjoint(ex.tolist())
+                or path.name != f"b{ex.min():07d}.safetensors"
+                or any(tensors.get(k) is None or len(tensors[k]) != len(ex) for k in ("nll", "active"))):
             raise files.Damaged(path, "its windows are not whole batches of this audit that no other part holds")
-        seen |= ex
+        seen.update(ex.tolist())
         return tensors
 
     def check_strays(self, config: dict) -> None:
@@ -243,8 +248,8 @@ class AuditDir:
     def read_replay(self) -> dict:
         """replay.json, checked: its hash, and the types its readers use."""
         replay = files.read_json(self.replay, ("passed",), require_hash=True)
-        numbers = [k for k in ("max_abs_dlogit", "delta_nll") if not isinstance(replay.get(k), (int, float, type(None)))]
-        if not isinstance(replay["passed"], bool) or numbers or not isinstance(replay.get("notices", []), list):
+        numbers = all(isinstance(replay.get(k), (int, float, type(None))) for k in ("max_abs_dlogit", "delta_nll"))
+        if not isinstance(replay["passed"], bool) or not numbers or not isinstance(replay.get("notices", []), list):
             raise files.Damaged(self.replay, "its fields are not what fcaudit writes")
         return replay
 
