@@ -265,7 +265,8 @@ class World:
             "long": lambda: run / ("x" * 300), "long-utf8": lambda: run / "d" / ("é" * 130),
             "nul": lambda: str(run / "a\x00b"), "empty": lambda: "", "dot": lambda: ".",
             "link-decoy": lambda: _link(run / "link", self.decoy / "cwd" / "data"),
-            "map-bad": lambda: _text(run / "map.json", "{layers: 0"), "map-list": lambda: _text(run / "map.json", "[0]"),
+            "map-bad": lambda: _text(run / "map.json", "{layers: 0"),
+            "map-list": lambda: _text(run / "map.json", "[0]"),
             "map-cuda": lambda: _text(run / "map.json", '{"": "cuda:0"}'),
             "corpus-text": lambda: _text(run / "text.txt", "Some text to read. " * 2000),
             "hub-id": lambda: "nobody/no-such-model", "runs": lambda: self.copy("fg").parent,
@@ -811,7 +812,8 @@ def play_api(world: World, spec: dict) -> Outcome:
 
 AUDIT_FILES = (".fcaudit-audit", "config.json", "replay.json", "variation.json", "profiles.safetensors",
                "coeffs/chunk_0000000.safetensors", "coeffs/chunk_0000002.safetensors",
-               "records/Correct/r0000.parquet", "records/CrossInput/r0001.parquet", "records/TokenShuffle/r0000.parquet",
+               "records/Correct/r0000.parquet", "records/CrossInput/r0001.parquet",
+               "records/TokenShuffle/r0000.parquet",
                "records/StaticProfile/r0000.parquet", "records/CrossShuffle/r0001.parquet.sha256",
                "records/StructureRemoved/r0000.parquet.sha256", "records", "records/CrossInput", "coeffs")
 DAMAGE = ("delete", "truncate", "flip", "append", "foreign-b", "foreign-c", "stray-r", "stray-bare", "stray-cond",

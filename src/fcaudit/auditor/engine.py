@@ -347,8 +347,8 @@ class Engine:
         if act.ndim == 2:  # active, then the execution counts (see `executed`)
             columns["active"] = np.ascontiguousarray(act[:, 0])
             counts = {name: act[:, 1 + j].astype(np.int64) for j, name in enumerate(self.counts)}  # exact sums
-        files.write_columns(self.dir.records(condition, r),
-                            {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts}, self.dir.binding(condition, r))
+        columns = {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts}
+        files.write_columns(self.dir.records(condition, r), columns, self.dir.binding(condition, r))
 
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
