@@ -44,6 +44,9 @@ def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
     if Path(root).parent.name == "snapshots":  # the hub's cache: a snapshot's files link to its repo's blobs/
         inside.append(os.path.realpath(Path(root).parent.parent / "blobs"))
     for name in sorted(set(weight_map.values())):
+        if "\0" in name or not name:  # no file has such a name (os.path raises on a NUL byte)
+            raise FcauditError(f"{index} lists the shard {name!r}, which is not inside {dir}: an index names files "
+                               "of its own directory; re-download the checkpoint")
         full = os.path.normpath(os.path.join(root, name))
         real = os.path.realpath(full)
         if (os.path.isabs(name) or not full.startswith(root + os.sep)
