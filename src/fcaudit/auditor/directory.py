@@ -3,10 +3,11 @@
 (the coefficient store), calib/ (calibration sums, reduced into profiles.safetensors), parts/COND/rNNNN/ (replay units
 as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json.
 
-Records and part files are bound to their audit: each names the config hash, condition and randomization it was
-written for, and the one check of a records or part file (`read_records`, `read_part`: the engine's before it reuses
-one, the reader's) refuses another's. Which files belong to an audit is its config's conditions x randomizations
-(`record_keys`); any other records or part file is a stray (`strays`), which neither is read nor deleted."""
+Every file the engine writes is bound to its audit: it names the config hash it was written for (records and part
+files also their condition and randomization), and the one check of each (`read_records`, `read_part`,
+`read_bound`, `read_replay`, `read_variation`: the engine's before it reuses one, the reader's) refuses another
+audit's. Which records belong to an audit is its config's conditions x randomizations (`record_keys`); any other
+records or part file is a stray (`strays`), which is neither read nor deleted."""
 
 from __future__ import annotations
 
@@ -119,21 +120,34 @@ class AuditDir:
         return self.root / "records" / condition / f"r{r:04d}.parquet"
 
     # ---- records bound to their audit ------------------------------------------------------------------------------
-    def binding(self, condition: str, r: int) -> dict:
-        """What a records or part file of (condition, r) carries to name its audit: the config hash and the run."""
+    def bound(self, meta: dict | None = None) -> dict:
+        """`meta` with this audit's config hash: what every file the engine writes carries to name its audit."""
         if self._hash is None:
             self._hash = self.config()["config_hash"]
-        return {"audit": self._hash, "condition": condition, "randomization": r}
+        return {**(meta or {}), "audit": self._hash}
+
+    def binding(self, condition: str, r: int) -> dict:
+        """What a records or part file of (condition, r) carries: its audit and its run."""
+        return self.bound({"condition": condition, "randomization": r})
+
+    def _check_audit(self, path: Path, meta) -> dict:
+        meta = meta if isinstance(meta, dict) else {}
+        ours = self.bound()["audit"]
+        if meta.get("audit") is None:
+            raise files.Damaged(path, "it names no audit (written by an fcaudit from before files named theirs, or "
+                                      "by another program)")
+        if meta["audit"] != ours:
+            raise files.Damaged(path, f"it belongs to another audit (config hash {str(meta['audit'])[:12]}, this "
+                                      f"audit's {ours[:12]})")
+        return meta
+
+    def read_bound(self, path: Path) -> tuple[dict, dict]:
+        """(tensors, meta) of a store chunk, calibration sum or profiles file, checked: its hash and its audit."""
+        tensors, meta = files.read_tensors(path)
+        return tensors, self._check_audit(path, meta)
 
     def _check_binding(self, path: Path, meta: dict | None, condition: str, r: int) -> None:
-        ours = self.binding(condition, r)
-        meta = meta if isinstance(meta, dict) else {}
-        if meta.get("audit") is None:
-            raise files.Damaged(path, "it names no audit (written by an fcaudit from before records named theirs, or "
-                                      "by another program)")
-        if meta["audit"] != ours["audit"]:
-            raise files.Damaged(path, f"it belongs to another audit (config hash {str(meta['audit'])[:12]}, this "
-                                      f"audit's {ours['audit'][:12]})")
+        meta = self._check_audit(path, meta)
         if (meta.get("condition"), meta.get("randomization")) != (condition, r):
             raise files.Damaged(path, f"it holds the records of {meta.get('condition')} r{meta.get('randomization')}, "
                                       f"not of {condition} r{r}")
@@ -247,7 +261,7 @@ class AuditDir:
 
     def read_replay(self) -> dict:
         """replay.json, checked: its hash, and the types its readers use."""
-        replay = files.read_json(self.replay, ("passed",), require_hash=True)
+        replay = self._check_audit(self.replay, files.read_json(self.replay, ("passed",), require_hash=True))
         numbers = all(isinstance(replay.get(k), (int, float, type(None))) for k in ("max_abs_dlogit", "delta_nll"))
         if not isinstance(replay["passed"], bool) or not numbers or not isinstance(replay.get("notices", []), list):
             raise files.Damaged(self.replay, "its fields are not what fcaudit writes")
@@ -255,7 +269,8 @@ class AuditDir:
 
     def read_variation(self) -> dict:
         """variation.json, checked: its hash, and the types its readers use."""
-        var = files.read_json(self.variation, ("layers", "decomposition"), require_hash=True)
+        var = self._check_audit(self.variation, files.read_json(self.variation, ("layers", "decomposition"),
+                                                                 require_hash=True))
         decomposition, layers = var["decomposition"], var["layers"]
         if not (isinstance(decomposition, dict) and all(isinstance(v, (int, float, type(None)))
                                                         for v in decomposition.values())
