@@ -151,9 +151,10 @@ class Engine:
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
     # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------
-    def _verified(self, path: Path, read: Callable[[Path], object] = files.read_tensors) -> bool:
+    def _verified(self, path: Path, read: Callable[[Path], object] | None = None) -> bool:
+        """Whether `path` is there and passes `read` (default: its hash and its audit); a damaged file is removed."""
         try:
-            read(path)
+            (read or self.dir.read_bound)(path)
             return True
         except FileNotFoundError:
             return False
@@ -200,7 +201,7 @@ class Engine:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
                 if self._failed_replay is not None and e.rank == self.group.rank:
-                    files.write_json(self.dir.replay, self._failed_replay)
+                    files.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
@@ -254,7 +255,7 @@ class Engine:
             raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
-        self.store.write(start, coeffs, stats)
+        self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
@@ -275,7 +276,7 @@ class Engine:
         coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
         check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}", self.paths)
         sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
-        files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
+        files.write_tensors(self.dir.calib_part(start), sums, self.dir.bound({"count": int(ids.shape[0])}))
 
     def _reduce_profiles(self) -> None:
         """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
@@ -285,7 +286,7 @@ class Engine:
         sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
         profiles = protocol.static_profiles(sums, self.info)
         files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
-                            {"count": int(self.ca.shape[0]), "conditions": list(profiles)})
+                            self.dir.bound({"count": int(self.ca.shape[0]), "conditions": list(profiles)}))
         remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
@@ -415,6 +416,7 @@ class Engine:
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged
         self._verified(self.dir.replay, lambda p: self.dir.read_replay())
-        files.write_json(self.dir.replay, self._replay_summary())
+        files.write_json(self.dir.replay, self.dir.bound(self._replay_summary()))
         if not self._verified(self.dir.variation, lambda p: self.dir.read_variation()):
-            files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.groups))
+            files.write_json(self.dir.variation, self.dir.bound(variation(self.store, self.starts, self.paths,
+                                                                          self.info.groups)))
