@@ -58,6 +58,13 @@ CLASSES = {
         ("audit-dir", damaged("summarize", ("unbound", "records/Correct/r0000.parquet", 0)), "refused",
          "it names no audit"),
         ("audit-dir", damaged("resume", ("foreign-b", "records/CrossShuffle/r0001.parquet", 0)), "ok", ""),
+        # the coefficients records are computed from: another audit's profiles or chunk is recomputed, not used
+        ("audit-dir", damaged("resume", ("foreign-c", "profiles.safetensors", 0),
+                              ("delete", "records/StaticProfile/r0000.parquet", 0)), "ok", ""),
+        ("audit-dir", damaged("resume", ("foreign-c", "coeffs/chunk_0000002.safetensors", 0),
+                              ("delete", "records/TokenShuffle/r0000.parquet", 0)), "ok", ""),
+        ("audit-dir", damaged("load", ("foreign-b", "variation.json", 0)), "refused", "belongs to another audit"),
+        ("audit-dir", damaged("summarize", ("foreign-c", "replay.json", 0)), "refused", "belongs to another audit"),
     ],
     # 2: a stray records file is named with what to do, or repaired by the rerun the message names
     "2-strays": [
