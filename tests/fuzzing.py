@@ -847,7 +847,9 @@ def _part_files(world: World, adir: Path, records: Path, source: Path, bound: Pa
     from fcaudit.auditor import files
     from fcaudit.auditor.directory import AuditDir
 
-    frame = files.read_frame(source)
+    frame = files.quietly(files.read_frame, source)
+    if frame is None:  # damaged by an earlier op: nothing to split
+        return
     condition, r = records.parent.name, int(records.stem[1:])
     d, binder = AuditDir(adir), AuditDir(bound) if bound is not None else None
     for rows in (slice(0, 2), slice(2, None)):
