@@ -1025,7 +1025,8 @@ STRATEGIES: dict[str, Callable[[], st.SearchStrategy]] = {
 
 # ---- the long run: forked children, limits, counts -----------------------------------------------------------------
 
-def _rss(pid: int) -> int:
+def rss(pid: int) -> int:
+    """The resident memory of process `pid` in bytes (Linux's /proc), 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -1053,7 +1054,7 @@ def forked(world: World, surface: str, spec: dict, timeout: float = HANG_S, rss_
         if done:
             peak = max(peak, usage.ru_maxrss * 1024)
             break
-        peak = max(peak, _rss(pid))
+        peak = max(peak, rss(pid))
         over = peak > rss_limit
         if over or time.monotonic() - start > timeout:
             os.kill(pid, signal.SIGKILL)

@@ -173,3 +173,34 @@ ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]
 def test_each_class_of_issue_40_ends_cleanly(fuzz_world, name, surface, spec, kind, fragment):
     outcome = fuzzing.play(fuzz_world, surface, spec)
     assert (outcome.kind, fragment in outcome.detail) == (kind, True), outcome
+
+
+def test_the_long_runs_child_is_killed_past_its_time_and_memory_and_a_foreign_write_is_caught(fuzz_world, tmp_path):
+    """The limits `make fuzz` judges by, on inputs made to break them: a sleep, an allocation, a write into the
+    decoy tree."""
+    import time
+
+    import numpy as np
+
+    def sleeps(world, spec):
+        time.sleep(30)
+
+    def allocates(world, spec):
+        np.ones(2**30, dtype=np.uint8)  # 1 GiB, touched
+        time.sleep(30)
+
+    def writes_outside(world, spec):
+        (world.decoy / "cwd" / "notes.txt").write_text("overwritten")
+        return fuzzing.Outcome("ok")
+
+    fuzz_world.build()
+    try:
+        fuzzing.PLAYERS.update(sleeps=sleeps, allocates=allocates, writes_outside=writes_outside)
+        assert fuzzing.forked(fuzz_world, "sleeps", {}, timeout=0.5).kind == "hang"
+        rss = fuzzing.rss(__import__("os").getpid())
+        assert fuzzing.forked(fuzz_world, "allocates", {}, timeout=20, rss_limit=rss + 2**28).kind == "rss"
+        assert fuzzing.play(fuzz_world, "writes_outside", {}).kind == "foreign-write"
+    finally:
+        for name in ("sleeps", "allocates", "writes_outside"):
+            fuzzing.PLAYERS.pop(name)
+        (fuzz_world.decoy / "cwd" / "notes.txt").write_text("the user's notes\n")
