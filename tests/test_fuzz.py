@@ -5,6 +5,8 @@ where its refusal says what to do (rerun; move or remove a file), lead out when 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -197,8 +199,8 @@ def test_the_long_runs_child_is_killed_past_its_time_and_memory_and_a_foreign_wr
     try:
         fuzzing.PLAYERS.update(sleeps=sleeps, allocates=allocates, writes_outside=writes_outside)
         assert fuzzing.forked(fuzz_world, "sleeps", {}, timeout=0.5).kind == "hang"
-        rss = fuzzing.rss(__import__("os").getpid())
-        assert fuzzing.forked(fuzz_world, "allocates", {}, timeout=20, rss_limit=rss + 2**28).kind == "rss"
+        before = fuzzing.rss(os.getpid())
+        assert fuzzing.forked(fuzz_world, "allocates", {}, timeout=20, rss_limit=before + 2**28).kind == "rss"
         assert fuzzing.play(fuzz_world, "writes_outside", {}).kind == "foreign-write"
     finally:
         for name in ("sleeps", "allocates", "writes_outside"):
