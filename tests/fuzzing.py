@@ -328,12 +328,17 @@ def inside(world: World):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # a warning shown once per process would hide in the fast run
+            warnings.showwarning = _to_stderr  # as a user sees it (under pytest a recorder would take it)
             yield
     finally:
         os.chdir(saved[0])
         os.environ.clear()
         os.environ.update(saved[1])
         tempfile.tempdir = saved[2]
+
+
+def _to_stderr(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def play(world: World, surface: str, spec: dict) -> Outcome:
