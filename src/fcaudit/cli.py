@@ -39,8 +39,8 @@ def _hint(line: str) -> None:
 
 
 def command(fn: Callable) -> Callable:
-    """Register a command: --threads applies to its whole run, and an FcauditError becomes one line on stderr and
-    exit code 2."""
+    """Register a command: --threads applies to its whole run, --out (declared a str, so that '' is seen as given) is
+    checked and passed on as a Path, and an FcauditError becomes one line on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
