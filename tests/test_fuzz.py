@@ -109,6 +109,7 @@ CLASSES = {
         ("config", cfg("fg", meta=[1, 2], action="load"), "refused", "has a meta of type list"),
         ("config", cfg("mod", norm_eps="\u0000", action="audit"), "refused", "norm_eps='\\x00' is invalid"),
         ("config", cfg("mudd", whole=[1, 2], action="load"), "refused", "which no fcaudit family loads"),
+        ("config", cfg("mudd", rope_base=2**64), "ok", ""),
         ("weights", {"family": "fg", "op": "index", "entry": 3, "value": "a\u0000b.safetensors", "action": "dry-run"},
          "refused", "which is not inside"),
         ("weights", {"family": "moe", "op": "index-whole", "value": {"weight_map": 3}, "action": "load"}, "refused",

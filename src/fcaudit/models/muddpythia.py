@@ -94,6 +94,7 @@ class MUDDConfig:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             if not ok or not (0 <= v <= 1 if unit else v > 0):
                 raise bad(name, "a number in [0, 1]" if unit else "a finite number > 0")
+            setattr(self, name, float(v))  # an int of 2**64 overflows torch's pow; as a float it is a number
         for f in fields(self):  # bool and str fields
             kind = {"bool": (bool, "true or false"), "str": (str, "a string")}.get(f.type)
             if kind and not isinstance(getattr(self, f.name), kind[0]):
