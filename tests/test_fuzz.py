@@ -166,6 +166,9 @@ CLASSES = {
          "refused", "controller must be a fcaudit.Controller"),
         ("api", {"call": "report", "kwargs": {"inputs": [None, "@missing"], "out": "@out"}}, "refused",
          "must be a path"),
+        ("api", {"call": "controller", "kwargs": {"pattern": None, "layout": "batch token", "call": None}}, "refused",
+         "pattern must be a glob over module paths"),
+        ("api", {"call": "config", "kwargs": {"family": -1}}, "refused", "--family -1: pass a name"),
     ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]

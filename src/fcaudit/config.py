@@ -98,6 +98,8 @@ class AuditConfig:
             object.__setattr__(self, "out", valid_path(self.out, "--out" if flags else "out"))
         if self.dtype is not None:
             as_dtype(self.dtype)
+        if self.family is not None and not isinstance(self.family, str):
+            raise FcauditError(f"--family {self.family!r}: pass a name, e.g. --family mixtral-seeds")
         if self.family is not None and not self.family.strip():
             raise FcauditError("--family '': pass a name, e.g. --family mixtral-seeds")
         if self.offload_folder is not None and self.device_map is None:
