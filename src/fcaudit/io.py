@@ -30,8 +30,7 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
     _guard(path)
-    if path.is_dir() and not path.is_symlink():
-        raise FcauditError(f"{path} is a directory where fcaudit writes a file: remove it and rerun the command")
+    _not_a_directory(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -42,6 +41,12 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _not_a_directory(path: Path) -> None:
+    """Refuse a directory where fcaudit writes or removes one of its files (a user's, or another program's)."""
+    if path.is_dir() and not path.is_symlink():
+        raise FcauditError(f"{path} is a directory where fcaudit writes a file: remove it and rerun the command")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -363,6 +368,7 @@ def remove_file(path: str | os.PathLike) -> bool:
     files only a recorded one. Returns whether a file was deleted."""
     path = Path(path)
     _guard(path)
+    _not_a_directory(path)
     claim, rel = _recording(path) or (None, "")
     if claim is not None and rel not in claim.files:
         return False
