@@ -862,7 +862,9 @@ def _part_files(world: World, adir: Path, records: Path, source: Path, bound: Pa
         tensors = {"example": torch.from_numpy(part["example"].to_numpy().copy()),
                    "nll": torch.from_numpy(part["nll"].to_numpy().copy()),
                    "active": torch.from_numpy(part["active"].to_numpy().copy())}
-        meta = binder.binding(condition, r) if binder is not None else {}
+        meta = files.quietly(binder.binding, condition, r) if binder is not None else {}
+        if meta is None:  # its config.json damaged by an earlier op: no audit to bind to
+            return
         files.write_tensors(d.part(condition, r, int(part["example"].iloc[0])), tensors, meta)
 
 

@@ -84,6 +84,8 @@ CLASSES = {
          "it has no recorded sha256"),
         ("audit-dir", damaged("resume", ("dir", "records/CrossInput/r0001.parquet", 75)), "refused",
          "is a directory where the audit keeps a file: remove it"),
+        ("audit-dir", damaged("resume", ("truncate", ".fcaudit-audit", 43), ("dir", "replay.json", 93)), "refused",
+         "replay.json is a directory where fcaudit writes a file: remove it"),
     ],
     # 3: a checkpoint's sizes are checked against its weights' headers before any module is built
     "3-sizes": [
