@@ -24,7 +24,7 @@ from fcaudit.device import DTYPES, as_dtype, dtype_name
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
-from fcaudit.weights import check_depth, read_state_dict, stored_shapes
+from fcaudit.weights import check_depth, check_sizes, read_state_dict, stored_shapes
 
 MODEL_TYPE = "muddpythia"
 
@@ -384,7 +384,9 @@ class MUDDPythia(nn.Module):
             raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than "
                                f"fcaudit builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with "
                                "these weights")
-        check_depth(path, stored_shapes(path), "n_layer", config.n_layer)  # before any of its modules is built
+        stored = stored_shapes(path)  # every size against the weights' headers before any module is built
+        check_depth(path, stored, "n_layer", config.n_layer)
+        check_sizes(lambda: cls(config), path, stored)
         with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
             model = cls(config)
         state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run
