@@ -112,6 +112,8 @@ CLASSES = {
         ("config", cfg("mod", norm_eps="\u0000", action="audit"), "refused", "norm_eps='\\x00' is invalid"),
         ("config", cfg("mudd", whole=[1, 2], action="load"), "refused", "which no fcaudit family loads"),
         ("config", cfg("mudd", rope_base=2**64), "ok", ""),
+        ("config", cfg("mudd", vocab_size=2**64), "refused", "no model can be built"),
+        ("config", cfg("moe", vocab_size=0), "refused", "do not match its config.json"),
         ("weights", {"family": "fg", "op": "index", "entry": 3, "value": "a\u0000b.safetensors", "action": "dry-run"},
          "refused", "which is not inside"),
         ("weights", {"family": "moe", "op": "index-whole", "value": {"weight_map": 3}, "action": "load"}, "refused",
