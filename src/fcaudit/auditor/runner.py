@@ -314,7 +314,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     device = placement.input_device(model)
     one, cuda = ev[:1].to(device), device.type == "cuda"
     with evaluating(model):
-        capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -400,6 +400,19 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
     return state
 
 
+def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor, loss_fn: LossFn | None,
+                  remember: bool = False) -> tuple:
+    """capture_batch of the first evaluation windows, where a model that fails on them is one line (an audit's probe,
+    a dry run's warm-up)."""
+    try:
+        return capture_batch(model, controller, first, loss_fn, remember=remember)
+    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
+        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
+                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
+                           "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
+                           "size)") from e  # the cause's traceback stays, for a bug in the model's own code
+
+
 def check_controller(model: nn.Module, controller: Controller) -> None:
     """A Controller built from this model instance (not a pattern, nor another instance's sites)."""
     if not isinstance(controller, Controller):
@@ -422,13 +435,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     check_ids(model, windows.ev, windows.ca)
     # probed before anything is written; the capture also fixes each site's codec metadata for every rank's replays
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
-    try:
-        probe = capture_batch(model, controller, first, config.loss_fn, remember=True)
-    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
-        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
-                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
-                           "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
-                           "size)") from e  # the cause's traceback stays, for a bug in the model's own code
+    probe = first_forward(model, controller, first, config.loss_fn, remember=True)
     coeffs, logits, _ = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
     if not all_finite(logits):
