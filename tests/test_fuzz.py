@@ -114,6 +114,7 @@ CLASSES = {
         ("config", cfg("mudd", rope_base=2**64), "ok", ""),
         ("config", cfg("mudd", vocab_size=2**64), "refused", "no model can be built"),
         ("config", cfg("moe", vocab_size=0), "refused", "do not match its config.json"),
+        ("config", cfg("moe", sliding_window=-1), "refused", "the model's forward pass on the first evaluation batch"),
         ("weights", {"family": "fg", "op": "index", "entry": 3, "value": "a\u0000b.safetensors", "action": "dry-run"},
          "refused", "which is not inside"),
         ("weights", {"family": "moe", "op": "index-whole", "value": {"weight_map": 3}, "action": "load"}, "refused",
