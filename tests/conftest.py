@@ -36,6 +36,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def fuzz_world(tmp_path_factory):
+    """The fuzzing campaign's world (tests/fuzzing.py): tiny checkpoints and audits, a decoy tree, a run directory."""
+    import fuzzing
+
+    return fuzzing.World(tmp_path_factory.mktemp("fuzz"))
+
+
 # ---- tiny models and audits ------------------------------------------------------------------------------------
 
 V, T = 32, 16
@@ -160,23 +168,28 @@ def make_records(penalties: dict, n_windows=24, R=4, noise=2e-4, seed=0) -> pd.D
 def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=FG_LABELS, seed=0, criteria=None,
                 variation=True, **kw) -> Path:
     """An audit directory in the engine's layout (config.json, records/<condition>/*.parquet, replay, variation)."""
+    from fcaudit.auditor.directory import AuditDir, config_hash
+
     rec = make_records(penalties, seed=seed, **kw)
+    crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
+    config = {"seed": seed, "labels": labels, "model": {"family": name, "seed": seed}, "criteria": crit,
+              "created_at": "2026-01-01T00:00:00+00:00", "randomizations": kw.get("R", 4), "batch_size": 8,
+              "conditions": ["Correct", *penalties], "windows": {"n_eval": kw.get("n_windows", 24)}}
+    path.mkdir(parents=True, exist_ok=True)
+    write_json(path / "config.json", {**config, "config_hash": config_hash(config)})
+    adir = AuditDir(path)
     for (c, r), g in rec.groupby(["condition", "randomization"]):
         (path / "records" / c).mkdir(parents=True, exist_ok=True)
-        files.write_columns(path / "records" / c / f"r{r:04d}.parquet",  # as the engine writes them (hashed)
-                            {**{k: g[k].to_numpy() for k in g.columns}, "condition": c})
-    crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
-    write_json(path / "config.json", {"seed": seed, "labels": labels, "model": {"family": name, "seed": seed},
-                                      "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00",
-                                      "randomizations": kw.get("R", 4), "conditions": ["Correct", *penalties],
-                                      "windows": {"n_eval": kw.get("n_windows", 24)}})
-    files.write_json(path / "replay.json", {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True, "tolerance": 0.0})
+        files.write_columns(adir.records(c, r),  # as the engine writes them: hashed, bound to this audit
+                            {**{k: g[k].to_numpy() for k in g.columns}, "condition": c}, adir.binding(c, r))
+    files.write_json(path / "replay.json", adir.bound({"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True,
+                                                       "tolerance": 0.0}))
     if variation:
         frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
                 "layer:token": 0.04, "input:layer:token": 0.01}
-        files.write_json(path / "variation.json", {"decomposition": frac, "decomposed": "scalar", "layers": [
+        files.write_json(path / "variation.json", adir.bound({"decomposition": frac, "decomposed": "scalar", "layers": [
             {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
-            for i in range(4)]})
+            for i in range(4)]}))
     return path
 
 

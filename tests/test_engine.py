@@ -17,6 +17,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.auditor import CoefficientStore, audit, plan
 from fcaudit.auditor import files
+from fcaudit.auditor.directory import AuditDir
 from fcaudit.controllers import Controller, Layout
 from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.families import Family, controller_for, register
@@ -386,7 +387,8 @@ def test_stage2_writes_each_run_once_complete_and_a_resumed_run_as_a_part(tmp_pa
     frame = files.read_frame(records)
     parts = tmp_path / "a" / "parts" / "TokenShuffle" / "r0001"
     files.write_tensors(parts / "b0000004.safetensors", {c: torch.from_numpy(frame[c].to_numpy()[4:8].copy())
-                                                          for c in ("example", "nll", "active")})
+                                                          for c in ("example", "nll", "active")},
+                        AuditDir(tmp_path / "a").binding("TokenShuffle", 1))  # as the engine binds it
     records.unlink()
     written.clear()
     again = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
@@ -662,7 +664,7 @@ def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
               batch_size=4, quiet=True)
 
 
-def test_part_files_merge_into_the_records_and_a_window_twice_is_refused(tmp_path):
+def test_part_files_merge_into_the_records_and_a_window_twice_is_recomputed(tmp_path, capsys):
     from fcaudit.auditor import files
 
     model = ToyGated()
@@ -672,9 +674,10 @@ def test_part_files_merge_into_the_records_and_a_window_twice_is_refused(tmp_pat
     parts = tmp_path / "a" / "parts" / "Correct" / "r0000"
     parts.mkdir(parents=True)
 
-    def part(name, rows):  # a part file as a process writes it: its windows in any order
+    def part(name, rows):  # a part file as a process writes it: its windows in any order, bound to its audit
         files.write_tensors(parts / name, {c: torch.from_numpy(frame[c].to_numpy()[rows])
-                                           for c in ("example", "nll", "active")})
+                                           for c in ("example", "nll", "active")},
+                            AuditDir(tmp_path / "a").binding("Correct", 0))
 
     part("b0000004.safetensors", [6, 4, 7, 5])
     part("b0000000.safetensors", [0, 1, 2, 3])
@@ -687,8 +690,10 @@ def test_part_files_merge_into_the_records_and_a_window_twice_is_refused(tmp_pat
     part("b0000004.safetensors", [4, 5, 6, 7])
     part("b0000002.safetensors", [2, 3, 4, 5])  # windows 2..5 twice: no window may count twice
     records.unlink()
-    with pytest.raises(FcauditError, match="do not cover each evaluation window once; rerun"):
-        run(model, gated(model), tmp_path / "a")
+    capsys.readouterr()
+    again = run(model, gated(model), tmp_path / "a")  # the part that is not whole batches of its own is recomputed
+    assert "recomputed 1 damaged file(s): parts/Correct/r0000/b0000002.safetensors" in capsys.readouterr().err
+    pd.testing.assert_frame_equal(expected, again.records)
 
 
 def test_records_independent_of_batch_size(tmp_path):

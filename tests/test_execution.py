@@ -210,6 +210,11 @@ def test_measure_execution_writes_the_table_with_ratios_to_dense(checkpoints, tm
 
     measure_execution(ExecutionConfig(dirs[:1], out, batch_size=2, min_run_time=0.01, progress=False))  # no sweep
     assert len(pd.read_csv(out / "execution.csv")) == 1 and not (out / "thresholding.csv").exists()
+    # more test windows asked for than the split holds: execution.json records the number thresholding used
+    measure_execution(ExecutionConfig(dirs[1:2], out, batch_size=8, min_run_time=0.01, thresholds=[0.5],
+                                      corpus=str(corpus), threshold_windows=10**5, progress=False))
+    used = pd.read_csv(out / "thresholding.csv")["windows"].item()
+    assert used < 10**5 and json.loads((out / "execution.json").read_text())["settings"]["threshold_windows"] == used
 
 
 def test_measure_execution_rejects_bad_input(checkpoints, tmp_path):

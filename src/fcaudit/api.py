@@ -10,6 +10,7 @@ from torch import nn
 from fcaudit import data
 from fcaudit.config import AuditConfig
 from fcaudit.device import as_dtype, resolve_device
+from fcaudit.errors import FcauditError
 from fcaudit.families import load_model
 from fcaudit.hub import resolve
 from fcaudit.tokens import load_tokenizer
@@ -106,6 +107,9 @@ def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int,
     >>> eval_w, calib_w = fca.windows("wikitext-103", n_eval=64, n_calib=64, window=512,
     ...                               tokenizer="EleutherAI/pythia-1.4b")  # doctest: +SKIP
     """
+    if None in (n_eval, n_calib, window):  # fcaudit audit takes None as "the model's own"; a corpus has none
+        raise FcauditError(f"n_eval={n_eval}, n_calib={n_calib}, window={window}: pass a number for each, e.g. "
+                           "window=512")
     AuditConfig(n_eval=n_eval, n_calib=n_calib, window=window, seed=seed)  # the bounds `fcaudit audit` has
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)

@@ -39,14 +39,17 @@ def _hint(line: str) -> None:
 
 
 def command(fn: Callable) -> Callable:
-    """Register a command: --threads applies to its whole run, and an FcauditError becomes one line on stderr and
-    exit code 2."""
+    """Register a command: --threads applies to its whole run, --out (declared a str, so that '' is seen as given) is
+    checked and passed on as a Path, and an FcauditError becomes one line on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        from fcaudit.io import valid_path
         from fcaudit.threads import using_threads
 
         try:
+            if "out" in kwargs:  # taken as given: Typer would read '' as Path('.'), the current directory
+                kwargs["out"] = valid_path(kwargs["out"], "--out")
             with using_threads(kwargs.get("threads"), hint=_hint):
                 return fn(*args, **kwargs)
         except FcauditError as e:
@@ -77,7 +80,7 @@ def train(
                                                               "mod: tiny or demo)"),
     seed: int = typer.Option(0, metavar="N", help="training seed (weights, batches)"),
     corpus: Corpus = "embedded",
-    out: Path = typer.Option(..., metavar="DIR", help="run directory (rerun the same command to resume)"),
+    out: str = typer.Option(..., metavar="DIR", help="run directory (rerun the same command to resume)"),
     steps: Optional[int] = typer.Option(None, metavar="N", help="optimizer steps (default: the preset's)"),
     batch_size: Optional[int] = typer.Option(None, metavar="N", help="windows per step (default: the preset's)"),
     lr: Optional[float] = typer.Option(None, metavar="LR", help="peak learning rate, > 0 (default: the preset's)"),
@@ -106,7 +109,7 @@ def train(
 def audit(
     checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="checkpoint directory or Hugging Face hub id"),
     corpus: Corpus = "embedded",
-    out: Path = typer.Option(..., metavar="DIR", help="audit directory (rerun the same command to resume)"),
+    out: str = typer.Option(..., metavar="DIR", help="audit directory (rerun the same command to resume)"),
     eval: int = typer.Option(512, "--eval", metavar="N", help="evaluation windows (test split)"),
     calib: int = typer.Option(512, "--calib", metavar="N", help="calibration windows (validation split)"),
     window: Optional[int] = typer.Option(None, metavar="T", help="tokens per window (default: the model's context, "
@@ -148,7 +151,7 @@ def audit(
 @command
 def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
                                                       help="audit directories (one per checkpoint)"),
-              out: Path = typer.Option(..., metavar="DIR", help="directory for summary.json and the CSV tables"),
+              out: str = typer.Option(..., metavar="DIR", help="directory for summary.json and the CSV tables"),
               allow_partial: AllowPartial = False, threads: Threads = None) -> None:
     """Statistics across checkpoints (training seeds).
 
@@ -166,7 +169,7 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
 @command
 def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
                                                       help="checkpoint directories (include a Dense one for ratios)"),
-              out: Path = typer.Option(..., metavar="DIR", help="directory for execution.csv/.json and "
+              out: str = typer.Option(..., metavar="DIR", help="directory for execution.csv/.json and "
                                                                 "thresholding.csv"),
               batch_size: int = typer.Option(8, metavar="N", help="windows per timed forward pass"),
               window: Optional[int] = typer.Option(None, metavar="T", help="tokens per window (default: the "
@@ -210,7 +213,7 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
 @command
 def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
                                                help="summary, audit, training or execution directories"),
-           out: Path = typer.Option(..., metavar="DIR", help="directory for report.html, report.md, figures, CSVs"),
+           out: str = typer.Option(..., metavar="DIR", help="directory for report.html, report.md, figures, CSVs"),
            allow_partial: AllowPartial = False, threads: Threads = None) -> None:
     """Markdown and HTML report with tables and figures.
 
@@ -223,7 +226,7 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
 
 
 @command
-def demo(out: Path = typer.Option(Path("demo-out"), metavar="DIR", help="output directory (rerun to resume)"),
+def demo(out: str = typer.Option("demo-out", metavar="DIR", help="output directory (rerun to resume)"),
          quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 11 "
                                                              "minutes on one CPU thread)"),
          device: Device = "auto",

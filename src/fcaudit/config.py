@@ -1,5 +1,6 @@
 """The settings of one audit, from `fcaudit audit`'s flags or `fcaudit.audit`'s keywords: checked once here, recorded
-in config.json and compared there when an audit resumes."""
+in config.json and compared there when an audit resumes; and the upper bounds that every command's config checks its
+counts against (`check_count`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from fcaudit.device import as_dtype
 from fcaudit.errors import FcauditError
+from fcaudit.io import valid_path
 from fcaudit.protocol import Criteria
 
 # Upper bounds, each far above a paper-scale audit (512 + 512 windows of 2048 tokens, R = 20, batch 8) and low enough
@@ -22,6 +24,8 @@ MAX_RANDOMIZATIONS = 10_000  # --randomizations: one records file per randomized
 MAX_BATCH_SIZE = 4096  # --batch-size: windows per forward pass
 MAX_WORLD_SIZE = 4096  # --world-size: processes a dry run plans for
 MAX_SEED = 2**63 - 1  # --seed: int64, so numpy, pandas and Parquet keep it exact
+MAX_STEPS = 10**7  # train --steps (and the step counts derived from it): the paper's longest run takes 100,000
+MAX_MIN_RUN_TIME = 3600.0  # execution --min-run-time, seconds of timing per model
 
 # (flag, keyword, lowest, highest, why the lowest)
 _BOUNDS = {
@@ -85,12 +89,17 @@ class AuditConfig:
                                f"tolerance must be a number >= 0, got {t!r}")
         object.__setattr__(self, "tolerance", float(t))
         object.__setattr__(self, "criteria", _criteria(self.criteria))
+        if self.model_info is not None and not isinstance(self.model_info, Mapping):
+            raise FcauditError(f"model_info must be a dict (e.g. {{'family': 'my-lm'}}), got "
+                               f"{type(self.model_info).__name__}")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise FcauditError(f"loss_fn must be a function (output, ids) -> [batch], got {type(self.loss_fn).__name__}")
         if self.out is not None:
-            object.__setattr__(self, "out", Path(self.out))
+            object.__setattr__(self, "out", valid_path(self.out, "--out" if flags else "out"))
         if self.dtype is not None:
             as_dtype(self.dtype)
+        if self.family is not None and not isinstance(self.family, str):
+            raise FcauditError(f"--family {self.family!r}: pass a name, e.g. --family mixtral-seeds")
         if self.family is not None and not self.family.strip():
             raise FcauditError("--family '': pass a name, e.g. --family mixtral-seeds")
         if self.offload_folder is not None and self.device_map is None:
@@ -124,6 +133,17 @@ def _bounded(name: str, value, flags: bool) -> int:
     reason = f" ({why})" if why else ""
     raise FcauditError(f"{flag} {value}: pass an integer >= {low}{reason}" if flags else
                        f"{keyword} must be an integer >= {low}{reason}, got {value!r}")
+
+
+def check_count(value, flag: str, low: int, high: int) -> int:
+    """An integer in [low, high], or one line naming the flag and the bound (above `high`: fcaudit's limit, far above
+    any real run and low enough that a mistyped value cannot fill the memory or run for days)."""
+    exact = not isinstance(value, bool) and isinstance(value, (int, np.integer))
+    if exact and low <= value <= high:
+        return int(value)
+    if exact and value > high:
+        raise FcauditError(f"{flag} {value}: pass an integer <= {high} (fcaudit's limit)")
+    raise FcauditError(f"{flag} {value!r}: pass an integer >= {low}")
 
 
 def _criteria(criteria) -> Criteria:

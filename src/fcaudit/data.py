@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 import sysconfig
 import zlib
@@ -19,8 +20,10 @@ import torch
 
 from fcaudit.errors import FcauditError
 from fcaudit.hub import hub_reachable, offline_mode
+from fcaudit.io import valid_path
 from fcaudit.tokens import encode
 
+PSEUDO = ("/proc", "/sys", "/dev")  # filesystems of the kernel's, whose files are no text
 EMBEDDED_BYTES = 8_000_000  # cap: ~8 MB keeps loading under a second and leaves ~400 KB per held-out split
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3"}
 _HELD_OUT = 20  # 1 file in 20 to validation, 1 in 20 to test (by path hash)
@@ -117,6 +120,12 @@ def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...
     return arrays, int(tokenizer.get_vocab_size())
 
 
+def _pseudo(path: Path) -> bool:
+    """In /proc, /sys or /dev (also through a link): files that can be endless or block."""
+    real = path.resolve()
+    return any(real == Path(d) or Path(d) in real.parents for d in PSEUDO)
+
+
 def _is_binary(text: bytes) -> bool:
     return b"\0" in text[:8000]  # git's test: a NUL byte early on
 
@@ -147,6 +156,9 @@ def _hf_texts(name: str) -> tuple[bytes, bytes, bytes]:
 def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] = SPLITS) -> Corpus:
     """The embedded corpus, a local file or directory, or a hub corpus (wikitext-103, openwebtext); splits not in
     `splits` are left empty (an audit needs only validation and test)."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise FcauditError(f"corpus must be a name or a path, got {type(name).__name__}: e.g. 'embedded'")
+    name = os.fspath(name)
     if name == "embedded":
         texts = _split_by_path(_embedded_texts())
         source = f"Python {sysconfig.get_python_version()} standard library source ({sysconfig.get_paths()['stdlib']})"
@@ -155,13 +167,20 @@ def load_corpus(name: str = "embedded", tokenizer=None, splits: tuple[str, ...] 
         texts = _hf_texts(name)
         source, license = f"huggingface:{HF_CORPORA[name][0]}", "see the dataset card"
     else:
-        path = Path(name)
+        path = valid_path(name, "--corpus")
         if not path.exists():
             raise FcauditError(f"unknown corpus {name!r}; use 'embedded', {', '.join(HF_CORPORA)}, or a path to a "
                                f"text file or directory")
+        if _pseudo(path) or path.resolve() == Path(path.resolve().anchor):
+            raise FcauditError(f"corpus {path} is the filesystem root or in {', '.join(PSEUDO)}, "
+                               "which hold no text to read (their files can be endless or block): point --corpus at "
+                               "text files")
+        if not (path.is_dir() or path.is_file()):  # a FIFO blocks the read, a device never ends
+            raise FcauditError(f"corpus {path} is not a regular file or a directory (a device, a pipe or a socket): "
+                               "point --corpus at text files")
         if path.is_dir():
             # hidden files and directories (.git, .cache) and binary files are not text the user meant
-            files = sorted(p for p in path.rglob("*") if p.is_file()
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not _pseudo(p)
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
             named = [(p.relative_to(path).as_posix(), p.read_bytes()) for p in files]
             binary = {n for n, t in named if _is_binary(t)}

@@ -15,11 +15,12 @@ from rich.console import Console
 from fcaudit.auditor.runner import audit_checkpoint
 from fcaudit.config import AuditConfig
 from fcaudit.data import load_corpus
+from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
 from fcaudit.families.hf_moe import require_transformers
 from fcaudit.families.mod import causal_checkpoint
-from fcaudit.io import claim_out, prepare_out, read_json, write_json, write_text
+from fcaudit.io import claim_out, prepare_out, read_json, read_object, write_json, write_text
 from fcaudit.report.render import build_report
 from fcaudit.report.tables import to_markdown, training_display, training_table
 from fcaudit.summary import summarize
@@ -59,9 +60,11 @@ AUDITED = MULTI_SEED + ("mudd", "moe", "mod", "early-exit")
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
+    resolve_device(device)  # before the directory is claimed: a refused device leaves nothing behind
     out = prepare_out(out, "demo")
     saved = out / "demo_plan.json"
-    if saved.is_file() and read_json(saved) != json.loads(json.dumps(asdict(plan))):  # tuples come back as lists
+    planned = json.loads(json.dumps(asdict(plan)))  # tuples come back from JSON as lists
+    if saved.is_file() and read_object(saved, "delete it and rerun the demo") != planned:
         raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
     claim_out(out, "demo")
     if not saved.is_file():

@@ -14,11 +14,18 @@ def resolve_device(name: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, TypeError, ValueError):
         raise FcauditError(f"unknown device {name!r}: use auto, cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FcauditError("--device cuda but no CUDA device is visible: use --device cpu or install a CUDA build of "
                            "torch")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise FcauditError(f"--device {name}: {torch.cuda.device_count()} CUDA device(s) are visible, numbered from "
+                           "0; pass one of them (or cuda)")
+    backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu, ...: a type this build may lack
+    if device.type not in ("cpu", "cuda") and not (callable(getattr(backend, "is_available", None))
+                                                   and backend.is_available()):
+        raise FcauditError(f"--device {name}: this torch build has no {device.type} device; use auto, cpu or cuda")
     return device
 
 

@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 from fcaudit.errors import FcauditError
+from fcaudit.io import valid_path
 
 HUB_HOST = "huggingface.co"
 # What fcaudit reads from a checkpoint repo, never a .py file (no checkpoint code runs, so none is fetched);
@@ -54,7 +55,7 @@ def snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
 
 def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a hub id fetched into (or found in) the local cache."""
-    local = Path(path_or_id).expanduser()
+    local = valid_path(path_or_id, "the checkpoint").expanduser()
     if local.exists():
         if revision is not None:  # recorded, it would claim a version the directory may not hold
             raise FcauditError(f"--revision {revision} names a version of a Hugging Face hub repository, but {local} "

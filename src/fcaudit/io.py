@@ -30,6 +30,7 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
     _guard(path)
+    _not_a_directory(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -40,6 +41,12 @@ def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _not_a_directory(path: Path) -> None:
+    """Refuse a directory where fcaudit writes or removes one of its files (a user's, or another program's)."""
+    if path.is_dir() and not path.is_symlink():
+        raise FcauditError(f"{path} is a directory where fcaudit writes a file: remove it and rerun the command")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -87,6 +94,44 @@ def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def read_object(path: str | os.PathLike, fix: str) -> dict:
+    """The JSON object in `path`, a file a user may have edited (a checkpoint's metrics.json): one line naming `fix`
+    when it does not parse or holds another type."""
+    try:
+        obj = read_json(path)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise FcauditError(f"{path} is not valid JSON ({type(e).__name__}): {fix}") from None
+    if not isinstance(obj, dict):
+        raise FcauditError(f"{path} holds a JSON {type(obj).__name__}, not an object: {fix}")
+    return obj
+
+
+NAME_MAX = 255  # bytes per file name on Linux's and macOS's filesystems
+PATH_MAX = 4095  # bytes per path that Linux's system calls take
+
+
+def valid_path(path: Any, what: str) -> Path:
+    """`path` as a Path, or one line when it cannot name a file: not a str or os.PathLike, empty, holding a NUL byte,
+    or a name (or the whole path) longer than the filesystem takes, whose error would otherwise come from inside a
+    library."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise FcauditError(f"{what} must be a path (a str or os.PathLike), got {type(path).__name__}")
+    text = os.fspath(path)
+    text = os.fsdecode(text) if isinstance(text, bytes) else text
+    if not text:
+        raise FcauditError(f"{what} is an empty path '': pass a directory or file name")
+    if "\0" in text:
+        raise FcauditError(f"{what} {text!r} holds a NUL byte, which no file name can: pass a path without it")
+    if len(os.fsencode(text)) > PATH_MAX:
+        raise FcauditError(f"{what} is {len(os.fsencode(text))} bytes long, more than a path can be ({PATH_MAX}): "
+                           "pass a shorter one")
+    if long := next((p for p in Path(text).parts if len(os.fsencode(p)) > NAME_MAX), None):
+        size = len(os.fsencode(long))
+        raise FcauditError(f"{what} holds the name {long[:24]}... of {size} bytes, "
+                           f"more than a file name can be ({NAME_MAX}): pass a shorter one")
+    return Path(text)
+
+
 class Locked(FcauditError):
     """Another process holds a directory's lock."""
 
@@ -101,12 +146,15 @@ class Command:
     marker: str  # the file that makes a directory this command's
     records: bool  # the marker lists every file written (commands whose set of files changes between runs)
     writes_marker: bool = True  # False: the command writes its own marker (the audit's holds its config hash)
-    legacy: str | None = None  # the file by which a directory of an fcaudit from before markers is recognized
+    legacy: str | None = None  # the file by which a directory without its marker is recognized (an older fcaudit's)
+    legacy_keys: tuple[str, ...] = ()  # the JSON keys that file must hold (an audit's config.json: no checkpoint's)
 
 
 # keyed by the name messages use ("... for the training run")
 COMMANDS = {
-    "audit": Command(".fcaudit-audit", records=False, writes_marker=False),
+    # an audit whose marker was lost is recognized by its config.json, which it rewrites the marker from
+    "audit": Command(".fcaudit-audit", records=False, writes_marker=False, legacy="config.json",
+                     legacy_keys=("config_hash", "windows", "controller", "_sha256")),
     "training run": Command(".fcaudit-train", records=False, legacy="train_config.json"),
     "summary": Command(".fcaudit-summary", records=True),
     "execution results": Command(".fcaudit-execution", records=True),
@@ -144,6 +192,21 @@ def _kind_of(path: Path) -> str:
     return f"holds files fcaudit did not write ({theirs[0]}{', ...' if len(theirs) > 1 else ''})"
 
 
+def _marked(path: Path, command: Command) -> bool:
+    """Whether directory `path` is the command's: its marker, or the legacy file holding the legacy keys."""
+    if _regular(path / command.marker):
+        return True
+    if command.legacy is None or not _regular(path / command.legacy):
+        return False
+    if not command.legacy_keys:
+        return True
+    try:
+        obj = json.loads((path / command.legacy).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in command.legacy_keys)
+
+
 def _regular(path: str | os.PathLike) -> bool:
     """A regular file itself, not a link to one."""
     try:
@@ -165,7 +228,7 @@ def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | No
     if real == Path.home().resolve():
         return "is the home directory"
     for other in avoid:
-        other = Path(other).expanduser()
+        other = valid_path(other, "the checkpoint").expanduser()
         if other.exists() and (real == other.resolve() or other.resolve() in real.parents):
             return f"is {'inside ' if real != other.resolve() else ''}the checkpoint {other}"
     return None
@@ -176,7 +239,7 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
     refused in one line naming the fix when it is the root, home, in a checkpoint of `avoid`, a file or below one,
     unwritable, another's directory, or ours holding a symbolic link."""
     command = COMMANDS[what]
-    path = Path(path)
+    path = valid_path(path, "--out")
     named = _refused_by_name(path, avoid)
     if named is not None:
         raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
@@ -186,8 +249,7 @@ def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.
         raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                            "(fcaudit does not overwrite files it did not write)")
     if path.is_dir():
-        marked = any(name is not None and _regular(path / name) for name in (command.marker, command.legacy))
-        if not marked and not all(_ours(n) for n in os.listdir(path)):
+        if not _marked(path, command) and not all(_ours(n) for n in os.listdir(path)):
             raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new or "
                                f"empty directory for the {what}")
         link = _first_link(path)
@@ -306,6 +368,7 @@ def remove_file(path: str | os.PathLike) -> bool:
     files only a recorded one. Returns whether a file was deleted."""
     path = Path(path)
     _guard(path)
+    _not_a_directory(path)
     claim, rel = _recording(path) or (None, "")
     if claim is not None and rel not in claim.files:
         return False

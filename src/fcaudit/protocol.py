@@ -429,6 +429,10 @@ class Criteria:
     confidence: float = 0.95  # level of the intervals the criteria are judged on
 
     def __post_init__(self):
+        for name in ("small_upper", "retention_lower", "confidence"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise FcauditError(f"criteria {name} must be a number, got {type(v).__name__}; e.g. small_upper=0.002")
         if not 0 < self.confidence < 1:
             raise FcauditError(f"criteria confidence must be in (0, 1), got {self.confidence}; e.g. 0.95")
         if not (math.isfinite(self.small_upper) and math.isfinite(self.retention_lower)):
@@ -439,6 +443,8 @@ class Criteria:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Criteria":
+        if not isinstance(d, dict):
+            raise FcauditError(f"criteria must be a dict of numbers, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k != "fixed_at"}  # the engine stamps when the criteria were fixed
         unknown = set(d) - known

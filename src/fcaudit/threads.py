@@ -39,8 +39,12 @@ def using_threads(threads: int | None, *, hint: Callable[[str], None] | None = N
     oversubscription_hint's line."""
     before = torch.get_num_threads()
     if threads is not None:
-        if threads < 1:
+        cpus = machine_load()[1]
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise FcauditError(f"--threads {threads}: pass 1 or more CPU threads (or leave it out for torch's default)")
+        if threads > cpus:  # more threads than CPUs only compete for them (and torch takes a C int)
+            raise FcauditError(f"--threads {threads}: this machine lets fcaudit use {cpus} CPUs; pass at most {cpus} "
+                               "(or leave it out for torch's default)")
         torch.set_num_threads(threads)
     n = torch.get_num_threads()
     if threads is None and hint is not None and (line := oversubscription_hint(n, *machine_load())):

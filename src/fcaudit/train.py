@@ -19,12 +19,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 
 from fcaudit import data, families
+from fcaudit.config import MAX_BATCH_SIZE, MAX_SEED, MAX_STEPS, MAX_WINDOW, MAX_WINDOWS, check_count
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.io import COMMANDS, LOCK, locked, prepare_out, read_json, remove_stale_temps, remove_tree, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.provenance import provenance
+from fcaudit.weights import weight_files
 
 # Per-preset defaults of the fields left at None. tiny: tests (seconds); demo: ~1 min on 2 CPU cores.
 # The paper does not state its optimizer recipe; the paper presets follow GPT-2/nanoGPT-style values.
@@ -88,17 +90,21 @@ class TrainConfig:
         return {k: v for k, v in asdict(self).items() if k not in ("device", "out", "progress")}
 
 
-# (field, CLI flag, smallest allowed value, is the smallest value itself allowed). None fields are left to defaults.
-_LIMITS = (("steps", "--steps", 1, True), ("batch_size", "--batch-size", 1, True), ("lr", "--lr", 0.0, False),
-           ("min_lr", "min_lr", 0.0, True), ("warmup", "warmup", 0, True), ("weight_decay", "weight_decay", 0.0, True),
-           ("grad_clip", "grad_clip", 0.0, False), ("eval_interval", "eval_interval", 1, True),
-           ("eval_windows", "eval_windows", 1, True), ("test_windows", "test_windows", 0, True),
-           ("window", "window", 2, True), ("fixed_depth", "--depth", 1, True), ("seed", "--seed", 0, True))
+# (field, CLI flag, smallest allowed value, is the smallest value itself allowed, largest: fcaudit.config's limits).
+# None fields are left to defaults.
+_LIMITS = (("steps", "--steps", 1, True, MAX_STEPS), ("batch_size", "--batch-size", 1, True, MAX_BATCH_SIZE),
+           ("lr", "--lr", 0.0, False, None), ("min_lr", "min_lr", 0.0, True, None),
+           ("warmup", "warmup", 0, True, MAX_STEPS), ("weight_decay", "weight_decay", 0.0, True, None),
+           ("grad_clip", "grad_clip", 0.0, False, None), ("eval_interval", "eval_interval", 1, True, MAX_STEPS),
+           ("eval_windows", "eval_windows", 1, True, MAX_WINDOWS), ("test_windows", "test_windows", 0, True,
+                                                                    MAX_WINDOWS),
+           ("window", "window", 2, True, MAX_WINDOW), ("fixed_depth", "--depth", 1, True, None),
+           ("seed", "--seed", 0, True, MAX_SEED))
 
 
 def _check_hyperparameters(cfg: "TrainConfig") -> None:
     """Finite numbers in range, integers where counts are meant; one line naming the flag otherwise."""
-    for name, flag, low, inclusive in _LIMITS:
+    for name, flag, low, inclusive, high in _LIMITS:
         v = getattr(cfg, name)
         if v is None:
             continue
@@ -107,6 +113,8 @@ def _check_hyperparameters(cfg: "TrainConfig") -> None:
         if not ok_type or not math.isfinite(v) or (v < low if inclusive else v <= low):
             want = (f"an integer >= {low}" if counts else f"a finite number {'>=' if inclusive else '>'} {low:g}")
             raise FcauditError(f"{flag} {v!r} is out of range: pass {want}")
+        if high is not None:
+            check_count(v, flag, low, high)
     if cfg.gate_value is not None and not (isinstance(cfg.gate_value, (int, float)) and 0 < cfg.gate_value < 1):
         raise FcauditError(f"--gate-value {cfg.gate_value!r} is out of range: pass a gate value between 0 and 1")
     if cfg.min_lr is not None and cfg.lr is not None and cfg.min_lr > cfg.lr:
@@ -278,7 +286,9 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     with locked(out, "training run"):  # one writer per run directory; released however the process ends
         _check_run_dir(out, cfg, corpus.fingerprint)
         n_params = sum(p.numel() for p in model.parameters())
-        if (out / "metrics.json").is_file():  # finished earlier with the same config
+        # finished earlier with the same config; a final model that lost its files is saved again from the last
+        # training state (the loop below runs no step), as "no weights file ... rerun the training" says
+        if (out / "metrics.json").is_file() and (out / "config.json").is_file() and weight_files(out):
             m = read_json(out / "metrics.json")
             return TrainResult(out, m["byte_ppl"], m["gate_mass"], m["n_params"], m)
 

@@ -6,7 +6,10 @@ config asking for its own modeling code (`auto_map`) loads only where fcaudit or
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Callable, Mapping
@@ -15,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -41,6 +44,9 @@ def shards(dir: Path, index_name: str) -> tuple[dict[str, str], list[Path]]:
     if Path(root).parent.name == "snapshots":  # the hub's cache: a snapshot's files link to its repo's blobs/
         inside.append(os.path.realpath(Path(root).parent.parent / "blobs"))
     for name in sorted(set(weight_map.values())):
+        if "\0" in name or not name:  # no file has such a name (os.path raises on a NUL byte)
+            raise FcauditError(f"{index} lists the shard {name!r}, which is not inside {dir}: an index names files "
+                               "of its own directory; re-download the checkpoint")
         full = os.path.normpath(os.path.join(root, name))
         real = os.path.realpath(full)
         if (os.path.isabs(name) or not full.startswith(root + os.sep)
@@ -70,7 +76,9 @@ def weight_files(dir: Path) -> list[Path]:
 def load_pickled(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """A pickle-format weights file through torch's restricted unpickler only (tensors and plain containers)."""
     try:  # only torch's zip format can be memory-mapped, not the legacy one
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+        with warnings.catch_warnings():  # torch's unpickler warns (pickle protocol, TorchScript) before it refuses
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 (an UnpicklingError, or a torn file: the same fix; never torch's advice)
         raise FcauditError(f"{path} is not a plain weights file (torch's restricted unpickler refused it: "
                            f"{type(e).__name__}): convert it to safetensors (safetensors.torch.save_file of its "
@@ -108,16 +116,11 @@ def read_state_dict(dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
-    """Compare the shapes of the model `build` makes (on the meta device: nothing is allocated) with the stored
-    weights', so that config.json's sizes (a block_size of 10**8, say) are refused before the model is built."""
-    files = weight_files(dir)
-    if not files:
-        return  # the loader says what is missing
-    with torch.device("meta"):
-        expected: Mapping[str, torch.Tensor] = build().state_dict()
-    stored: dict[str, tuple[int, ...]] = {}  # from the safetensors headers alone (pickle files are memory-mapped)
-    for f in files:
+def stored_shapes(dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor's shape, from the safetensors headers alone (pickle files are memory-mapped); {} when
+    `dir` has no weights (the loader says what is missing)."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for f in weight_files(dir):
         if f.suffix in PICKLE_SUFFIXES:
             stored.update({k: tuple(v.shape) for k, v in load_pickled(f, mmap=True).items()})
             continue
@@ -126,11 +129,57 @@ def check_sizes(build: Callable[[], torch.nn.Module], dir: Path) -> None:
                 stored.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
             raise _corrupt(f, e) from None
-    for key, t in expected.items():
+    return stored
+
+
+LOAD_FACTOR = 2  # a config.json may imply at most this many times the parameters its weights hold
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")  # blocks.3.attn..., model.layers.3.mlp...
+
+
+def check_depth(dir: Path, stored: Mapping[str, tuple[int, ...]], field: str, layers) -> None:
+    """Refuse a config.json that asks for more layers than the weights hold, before any module is built: building
+    200,000 blocks takes minutes even on the meta device. The weights' depth: the most numbered layers under one
+    prefix (a multimodal checkpoint's vision tower has its own)."""
+    if not stored:
+        return
+    held: dict[str, set[int]] = {}
+    for key in stored:
+        if m := _LAYER.search(key):
+            held.setdefault(key[:m.start(1)], set()).add(int(m.group(1)))
+    depth = max((len(v) for v in held.values()), default=0)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers > depth:
+        raise FcauditError(f"the weights in {dir} do not match its config.json ({field}={layers!r}, the weights hold "
+                           f"{depth} layers): use the config.json saved with these weights")
+
+
+def check_sizes(build: Callable[[], torch.nn.Module], dir: Path,
+                stored: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Compare the model `build` makes on the meta device (nothing is allocated) with the stored weights (`stored`:
+    `stored_shapes(dir)`): each shape, and the number of parameters, so that config.json's sizes (a block_size of
+    10**8, a hidden_size its weights do not have) are refused before the model is built for real."""
+    stored = stored_shapes(dir) if stored is None else stored
+    if not stored:
+        return  # the loader says what is missing
+    try:  # a model built only to be measured: its constructor's warnings (zero-element tensors) are no one's
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build()
+    except FcauditError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a library's config class: ZeroDivisionError, OverflowError, ValueError, ...)
+        raise FcauditError(f"{dir / 'config.json'} has a value no model can be built with ({type(e).__name__}: "
+                           f"{one_line(e, 120)}): use the config.json saved with these weights") from None
+    for key, t in model.state_dict().items():
         if key in stored and tuple(t.shape) != stored[key]:
             raise FcauditError(f"the weights in {dir} do not match its config.json ({key}: config.json implies "
                                f"{list(t.shape)}, the weights hold {list(stored[key])}): use the config.json saved "
                                "with these weights")
+    # weights stored under other names (a published checkpoint's per-expert keys) still count; a few missing ones
+    # are the loader's to name, what is bounded here is the memory a config can make the load take
+    implied, held = sum(p.numel() for p in model.parameters()), sum(math.prod(s) for s in stored.values())
+    if implied > LOAD_FACTOR * held:
+        raise FcauditError(f"the weights in {dir} do not match its config.json (it implies {implied:,} parameters, "
+                           f"the weights hold {held:,}): use the config.json saved with these weights")
 
 
 def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -> None:

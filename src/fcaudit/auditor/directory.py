@@ -1,7 +1,13 @@
 """An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration. It holds
 .fcaudit-audit (the marker, written first: fcaudit.io's rule), .lock (the writer's fcntl lock), config.json, coeffs/
 (the coefficient store), calib/ (calibration sums, reduced into profiles.safetensors), parts/COND/rNNNN/ (replay units
-as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json."""
+as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json.
+
+Every file the engine writes is bound to its audit: it names the config hash it was written for (records and part
+files also their condition and randomization), and the one check of each (`read_records`, `read_part`,
+`read_bound`, `read_replay`, `read_variation`: the engine's before it reuses one, the reader's) refuses another
+audit's. Which records belong to an audit is its config's conditions x randomizations (`record_keys`); any other
+records or part file is a stray (`strays`), which is neither read nor deleted."""
 
 from __future__ import annotations
 
@@ -9,9 +15,14 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+import torch
+
+from fcaudit import protocol
 from fcaudit.auditor import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import confine, lock_dir, prepare_out, remove_file, remove_stale_temps
+from fcaudit.io import confine, lock_dir, prepare_out, remove_file, remove_stale_temps, valid_path
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
@@ -39,6 +50,36 @@ def config_hash(config: dict) -> str:
     return files.json_sha256(identity(config))
 
 
+def record_keys(config: dict) -> list[tuple[str, int]]:
+    """The (condition, randomization) pairs whose records an audit of `config` (config.json's content) holds: its
+    conditions, each randomized one `randomizations` times."""
+    return [(c, r) for c in config["conditions"]
+            for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
+
+
+# config.json's fields the readers use, with their types (the optional ones may be absent): a config.json of other
+# types (another program's) is damaged
+_CONFIG_TYPES = {"seed": int, "randomizations": int, "batch_size": int, "windows": dict, "model": dict,
+                 "conditions": list, "config_hash": str}
+_OPTIONAL_TYPES = {"labels": dict, "criteria": dict, "routing": dict}
+
+
+def _check_config(path: Path, config: dict) -> dict:
+    """`config` when its fields have the types and ranges fcaudit writes, else Damaged naming the first that has not."""
+    wrong = [k for k, t in _CONFIG_TYPES.items() if not isinstance(config.get(k), t) or isinstance(config[k], bool)]
+    wrong += [k for k, t in _OPTIONAL_TYPES.items() if k in config and not isinstance(config[k], t)]
+    if not wrong:
+        n = config["windows"].get("n_eval")
+        wrong = [k for k, bad in (("windows.n_eval", not isinstance(n, int) or n < 2),
+                                  ("randomizations", config["randomizations"] < 1),
+                                  ("batch_size", config["batch_size"] < 1)) if bad]
+        wrong += [f"condition {c!r}" for c in config["conditions"]
+                  if not isinstance(c, str) or c not in protocol.REGISTRY]
+    if wrong:
+        raise files.Damaged(path, f"its {wrong[0]} is not what fcaudit writes")
+    return config
+
+
 def differences(old: dict, new: dict) -> list[str]:
     """The fields in which the identities differ: top-level keys of `new`, and model.KEY for the model's own."""
     old, new = identity(old), identity(new)
@@ -55,8 +96,9 @@ def differences(old: dict, new: dict) -> list[str]:
 
 class AuditDir:
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+        self.root = valid_path(root, "the audit directory")
         self._lock_fd: int | None = None
+        self._hash: str | None = None  # `binding`'s, read from config.json once
         confine(self.root, "audit")  # every rank's writes and removals below it never go through a link
         self.config_path = self.root / "config.json"
         self.coeffs = self.root / "coeffs"
@@ -76,6 +118,85 @@ class AuditDir:
 
     def records(self, condition: str, r: int) -> Path:
         return self.root / "records" / condition / f"r{r:04d}.parquet"
+
+    # ---- records bound to their audit ------------------------------------------------------------------------------
+    def bound(self, meta: dict | None = None) -> dict:
+        """`meta` with this audit's config hash: what every file the engine writes carries to name its audit."""
+        if self._hash is None:
+            self._hash = self.config()["config_hash"]
+        return {**(meta or {}), "audit": self._hash}
+
+    def binding(self, condition: str, r: int) -> dict:
+        """What a records or part file of (condition, r) carries: its audit and its run."""
+        return self.bound({"condition": condition, "randomization": r})
+
+    def _check_audit(self, path: Path, meta) -> dict:
+        meta = meta if isinstance(meta, dict) else {}
+        ours = self.bound()["audit"]
+        if meta.get("audit") is None:
+            raise files.Damaged(path, "it names no audit (written by an fcaudit from before files named theirs, or "
+                                      "by another program)")
+        if meta["audit"] != ours:
+            raise files.Damaged(path, f"it belongs to another audit (config hash {str(meta['audit'])[:12]}, this "
+                                      f"audit's {ours[:12]})")
+        return meta
+
+    def read_bound(self, path: Path) -> tuple[dict, dict]:
+        """(tensors, meta) of a store chunk, calibration sum or profiles file, checked: its hash and its audit."""
+        tensors, meta = files.read_tensors(path)
+        return tensors, self._check_audit(path, meta)
+
+    def _check_binding(self, path: Path, meta: dict | None, condition: str, r: int) -> None:
+        meta = self._check_audit(path, meta)
+        if (meta.get("condition"), meta.get("randomization")) != (condition, r):
+            raise files.Damaged(path, f"it holds the records of {meta.get('condition')} r{meta.get('randomization')}, "
+                                      f"not of {condition} r{r}")
+
+    def read_records(self, condition: str, r: int, n: int) -> pd.DataFrame:
+        """The records file of (condition, r), checked: its hash, its audit, one row per evaluation window of `n`."""
+        path = self.records(condition, r)
+        frame, meta = files.read_table(path)
+        self._check_binding(path, meta, condition, r)
+        if (len(frame) != n or not {"example", "condition", "randomization", "nll"} <= set(frame.columns)
+                or not np.array_equal(frame["example"].to_numpy(), np.arange(n))):
+            raise files.Damaged(path, "it does not hold one row per evaluation window")
+        return frame
+
+    def read_part(self, path: Path, condition: str, r: int, n: int, batch: int, seen: set[int]) -> dict:
+        """A part file of (condition, r), checked: its hash and audit, whole batches of `batch` among `n` windows
+        that no part read before it (`seen`, which it adds to) holds, named by its first window."""
+        tensors, meta = files.read_tensors(path)
+        self._check_binding(path, meta, condition, r)
+        example = tensors.get("example")
+        if example is None or example.dim() != 1 or example.dtype != torch.int64 or not len(example):
+            raise files.Damaged(path, "it names no windows")
+        ex = example.numpy()
+        starts = np.unique(ex - ex % batch)  # its batches: whole when their sizes add up to its windows (no repeat)
+        whole = int((np.minimum(starts + batch, n) - starts).sum()) == len(ex) == len(np.unique(ex))
+        if (not whole or ex.min() < 0 or ex.max() >= n or not seen.isdisjoint(ex.tolist())
+                or path.name != f"b{ex.min():07d}.safetensors"
+                or any(tensors.get(k) is None or len(tensors[k]) != len(ex) for k in ("nll", "active"))):
+            raise files.Damaged(path, "its windows are not whole batches of this audit that no other part holds")
+        seen.update(ex.tolist())
+        return tensors
+
+    def check_strays(self, config: dict) -> None:
+        """Refuse, by name, a records or part file that is not this audit's: the reader never reads it and a resume
+        never deletes what fcaudit may not have written, so it is the user's to move out."""
+        if stray := self.strays(config):
+            raise FcauditError(f"{stray[0]} is not one of this audit's records files (its conditions x "
+                               f"{config['randomizations']} randomizations{'; and others' if len(stray) > 1 else ''}): "
+                               f"move it out of {self.root}")
+
+    def strays(self, config: dict) -> list[Path]:
+        """Records and part files that are not this audit's: another condition or randomization, another name."""
+        keys = record_keys(config)
+        ours = {self.records(c, r) for c, r in keys}
+        dirs = {self.parts(c, r) for c, r in keys}
+        found = [p for p in (self.root / "records").rglob("*.parquet") if p not in ours]
+        found += [p for p in (self.root / "parts").rglob("*.safetensors")
+                  if p.parent not in dirs or not (p.name.startswith("b") and p.name[1:8].isdigit())]
+        return sorted(p for p in found if not p.name.startswith("."))  # a killed write's temp files are ours
 
     def is_ours(self) -> bool:
         return (self.root / MARKER).is_file()
@@ -104,12 +225,13 @@ class AuditDir:
         whose hash the marker keeps). Removes the temp files of a killed write (the directory is ours by the marker).
         """
         digest = config_hash(config)
-        if not self.is_ours():  # lock() checked that the directory was new or empty
-            files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": None})
+        if not self.is_ours():  # lock() checked: new, empty, or an audit whose marker was lost (its config.json says)
+            lost = files.quietly(files.read_json, self.config_path, require_hash=True) or {}
+            files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": lost.get("config_hash")})
         remove_stale_temps(self.root, recursive=True)
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
-        current = files.quietly(files.read_json, self.config_path) or {}
+        current = files.quietly(self.config) or {}
         if held not in (None, digest):
             changed = (differences(current, config) if current.get("config_hash") == held
                        else ["(config.json unreadable)"])
@@ -134,11 +256,31 @@ class AuditDir:
                                              "criteria": {**config["criteria"], "fixed_at": now},
                                              "provenance": provenance()})
         files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": digest})
+        self._hash = None
         return state
+
+    def read_replay(self) -> dict:
+        """replay.json, checked: its hash, and the types its readers use."""
+        replay = self._check_audit(self.replay, files.read_json(self.replay, ("passed",), require_hash=True))
+        numbers = all(isinstance(replay.get(k), (int, float, type(None))) for k in ("max_abs_dlogit", "delta_nll"))
+        if not isinstance(replay["passed"], bool) or not numbers or not isinstance(replay.get("notices", []), list):
+            raise files.Damaged(self.replay, "its fields are not what fcaudit writes")
+        return replay
+
+    def read_variation(self) -> dict:
+        """variation.json, checked: its hash, and the types its readers use."""
+        var = self._check_audit(self.variation, files.read_json(self.variation, ("layers", "decomposition"),
+                                                                 require_hash=True))
+        decomposition, layers = var["decomposition"], var["layers"]
+        if not (isinstance(decomposition, dict) and all(isinstance(v, (int, float, type(None)))
+                                                        for v in decomposition.values())
+                and isinstance(layers, list) and all(isinstance(layer, dict) for layer in layers)):
+            raise files.Damaged(self.variation, "its fields are not what fcaudit writes")
+        return var
 
     def has_results(self) -> bool:
         return any(p.suffix in (".parquet", ".safetensors") and not p.name.startswith(".")
                    for d in ("coeffs", "calib", "parts", "records") for p in (self.root / d).rglob("*"))
 
     def config(self) -> dict:
-        return files.read_json(self.config_path, keys=("seed", "randomizations", "windows", "model"))
+        return _check_config(self.config_path, files.read_json(self.config_path, keys=tuple(_CONFIG_TYPES)))

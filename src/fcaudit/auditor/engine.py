@@ -128,9 +128,10 @@ class Engine:
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
     # ---- reuse: a unit is done when its output verifies ----------------------------------------------------------
-    def _verified(self, path: Path, read: Callable[[Path], object] = files.read_tensors) -> bool:
+    def _verified(self, path: Path, read: Callable[[Path], object] | None = None) -> bool:
+        """Whether `path` is there and passes `read` (default: its hash and its audit); a damaged file is removed."""
         try:
-            read(path)
+            (read or self.dir.read_bound)(path)
             return True
         except FileNotFoundError:
             return False
@@ -140,22 +141,17 @@ class Engine:
             return False
 
     def _recorded(self, condition: str, r: int) -> set[int] | bool:
-        """True when the records file of (condition, r) verifies, else the evaluation windows in its verified part
-        files (cached: a fresh audit lists each (condition, r) once, not per unit)."""
+        """True when the records file of (condition, r) verifies (AuditDir's check, which the reader makes too: this
+        audit's, one row per window), else the evaluation windows in its verified part files (cached: a fresh audit
+        lists each (condition, r) once, not per unit)."""
         key, n = (condition, r), self.ev.shape[0]
         if key not in self._done:
-
-            def whole(path: Path) -> None:
-                frame = files.read_frame(path)
-                if len(frame) != n or list(frame["example"]) != list(range(n)):
-                    raise files.Damaged(path, "does not hold one row per evaluation window")
-
-            if self._verified(self.dir.records(condition, r), whole):
+            if self._verified(self.dir.records(condition, r), lambda p: self.dir.read_records(condition, r, n)):
                 self._done[key] = True
             else:
                 found: set[int] = set()
                 for part in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
-                    self._verified(part, lambda p: found.update(files.read_tensors(p)[0]["example"].tolist()))
+                    self._verified(part, lambda p: self.dir.read_part(p, condition, r, n, self.B, found))
                 self._done[key] = found
         return self._done[key]
 
@@ -182,7 +178,7 @@ class Engine:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
                 if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
-                    files.write_json(self.dir.replay, self._failed_replay)
+                    files.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
@@ -242,7 +238,7 @@ class Engine:
             raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
                                f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
                                "of the controller's computation (and deterministic), or pass a tolerance")
-        self.store.write(start, coeffs, stats)
+        self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
@@ -254,14 +250,15 @@ class Engine:
     def _write_part(self, condition: str, r: int, examples: np.ndarray, nll: torch.Tensor, act: torch.Tensor) -> None:
         """One part file of (condition, r) records: some windows (named by the first), their NLLs and active sources."""
         files.write_tensors(self.dir.part(condition, r, int(examples[0])),
-                            {"example": torch.from_numpy(examples), "nll": nll, "active": act})
+                            {"example": torch.from_numpy(examples), "nll": nll, "active": act},
+                            self.dir.binding(condition, r))
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
         coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
         check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}", self.paths)
         sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
-        files.write_tensors(self.dir.calib_part(start), sums, {"count": int(ids.shape[0])})
+        files.write_tensors(self.dir.calib_part(start), sums, self.dir.bound({"count": int(ids.shape[0])}))
 
     def _reduce_profiles(self) -> None:
         """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
@@ -271,7 +268,7 @@ class Engine:
         sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
         profiles = protocol.static_profiles(sums, self.info)
         files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
-                            {"count": int(self.ca.shape[0]), "conditions": list(profiles)})
+                            self.dir.bound({"count": int(self.ca.shape[0]), "conditions": list(profiles)}))
         remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
@@ -333,8 +330,8 @@ class Engine:
         if act.ndim == 2:  # active, then the execution counts (see `executed`)
             columns["active"] = np.ascontiguousarray(act[:, 0])
             counts = {name: act[:, 1 + j].astype(np.int64) for j, name in enumerate(self.counts)}  # exact sums
-        files.write_columns(self.dir.records(condition, r),
-                            {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts})
+        columns = {**{c: columns[c] for c in protocol.RECORD_COLUMNS}, **counts}
+        files.write_columns(self.dir.records(condition, r), columns, self.dir.binding(condition, r))
 
     # ---- the ReplayContext of protocol.Condition.make -------------------------------------------------------------
     def take(self, examples: np.ndarray) -> Coeffs:
@@ -361,20 +358,24 @@ class Engine:
         are read (no list of them: memory stays that of the records)."""
         n, nll, act = self.ev.shape[0], None, None
         times = np.zeros(n, dtype=np.int64)  # how often each window was found
-        uncovered = FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
-                                 "the audit command to recompute them")
+
+        def uncovered() -> FcauditError:
+            remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names recomputes them
+            return FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
+                                "the audit command to recompute them")
+
         for path in sorted(self.dir.parts(condition, r).glob("b*.safetensors")):
             part = {k: t.numpy() for k, t in files.read_tensors(path)[0].items()}
             example = part["example"]
             if len(example) and (example.min() < 0 or example.max() >= n):
-                raise uncovered
+                raise uncovered()
             if nll is None:
                 nll = np.empty(n, part["nll"].dtype)
                 act = np.empty((n, *part["active"].shape[1:]), part["active"].dtype)
             nll[example], act[example] = part["nll"], part["active"]
             np.add.at(times, example, 1)
         if nll is None or not (times == 1).all():
-            raise uncovered
+            raise uncovered()
         self._write_records(condition, r, nll, act)
         remove_tree(self.dir.parts(condition, r))
 
@@ -395,8 +396,8 @@ class Engine:
                 self._merge_parts(condition, r)
         remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged
-        self._verified(self.dir.replay, lambda p: files.read_json(p, require_hash=True))
-        files.write_json(self.dir.replay, self._replay_summary())
-        if not self._verified(self.dir.variation, lambda p: files.read_json(p, ("layers", "decomposition"),
-                                                                            require_hash=True)):
-            files.write_json(self.dir.variation, variation(self.store, self.starts, self.paths, self.info.layers))
+        self._verified(self.dir.replay, lambda p: self.dir.read_replay())
+        files.write_json(self.dir.replay, self.dir.bound(self._replay_summary()))
+        if not self._verified(self.dir.variation, lambda p: self.dir.read_variation()):
+            files.write_json(self.dir.variation, self.dir.bound(variation(self.store, self.starts, self.paths,
+                                                                          self.info.layers)))

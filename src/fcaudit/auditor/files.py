@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from fcaudit.errors import FcauditError
 from fcaudit.io import finite_json, write_bytes
 
 META_KEY = "fcaudit"
@@ -33,7 +34,10 @@ class Damaged(Exception):
 
 
 def _exists(path: str | os.PathLike) -> Path:
-    if not (path := Path(path)).is_file():
+    if (path := Path(path)).is_dir():
+        raise FcauditError(f"{path} is a directory where the audit keeps a file: remove it and rerun the audit "
+                           "command")
+    if not path.is_file():
         raise FileNotFoundError(path)
     return path
 
@@ -96,14 +100,17 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str]) -> Path:
-    """A Parquet table of equal-length numpy columns (a str value: that string in every row), its sha256 in its
-    sidecar. The sidecar is written first, so a killed write leaves a file that is absent or fails its check."""
+def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str], meta: dict | None = None) -> Path:
+    """A Parquet table of equal-length numpy columns (a str value: that string in every row), `meta` in its schema's
+    metadata (key "fcaudit"), its sha256 in its sidecar. The sidecar is written first, so a killed write leaves a
+    file that is absent or fails its check."""
     path = Path(path)
     rows = next(len(v) for v in columns.values() if not isinstance(v, str))
     pool = pa.system_memory_pool()  # pyarrow's own pool keeps what its largest table took: it would grow with the rows
     table = pa.table({name: pa.repeat(v, rows, memory_pool=pool) if isinstance(v, str) else pa.array(v, memory_pool=pool)
                       for name, v in columns.items()})
+    if meta is not None:
+        table = table.replace_schema_metadata({META_KEY: json.dumps(meta, sort_keys=True)})
     buffer = pa.BufferOutputStream(memory_pool=pool)
     # a dictionary for the constant columns only: on distinct numbers it costs more than the write
     pq.write_table(table, buffer, use_dictionary=[name for name, v in columns.items() if isinstance(v, str)],
@@ -115,6 +122,12 @@ def write_columns(path: str | os.PathLike, columns: dict[str, np.ndarray | str])
 
 def read_frame(path: str | os.PathLike) -> pd.DataFrame:
     """A Parquet table written by `write_columns`, its bytes checked against the sidecar's sha256."""
+    return read_table(path)[0]
+
+
+def read_table(path: str | os.PathLike) -> tuple[pd.DataFrame, dict | None]:
+    """(table, meta) of a Parquet file written by `write_columns`, its bytes checked against the sidecar's sha256;
+    meta is None when it was written without."""
     path = _exists(path)
     try:
         recorded = sidecar(path).read_text().split()[0]
@@ -125,7 +138,9 @@ def read_frame(path: str | os.PathLike) -> pd.DataFrame:
     if hashlib.sha256(data).hexdigest() != recorded:
         raise Damaged(path, "its sha256 does not match the recorded one")
     try:
-        return pq.read_table(pa.BufferReader(data)).to_pandas()
+        table = pq.read_table(pa.BufferReader(data))
+        meta = (table.schema.metadata or {}).get(META_KEY.encode())
+        return table.to_pandas(), None if meta is None else json.loads(meta)
     except Exception as e:
         raise Damaged(path, f"unreadable ({type(e).__name__})") from None
 

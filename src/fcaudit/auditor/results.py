@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from fcaudit import protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import MARKER, AuditDir
+from fcaudit.auditor.directory import MARKER, AuditDir, record_keys
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import WindowStatistics
@@ -175,10 +175,11 @@ def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
-def _read_json(path: Path, root: Path) -> dict | None:
-    """replay.json or variation.json, None when it is missing; a damaged one is an error."""
+def _read_json(read: Callable[[], dict], root: Path) -> dict | None:
+    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one is an
+    error."""
     try:
-        return files.read_json(path, require_hash=True)
+        return read()
     except FileNotFoundError:
         return None
     except files.Damaged as e:
@@ -187,19 +188,26 @@ def _read_json(path: Path, root: Path) -> dict | None:
 
 def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame:
     """The records of an audit directory, sorted by condition (registry order), randomization, example. With
-    `partial`, also the finished units of (condition, randomization) pairs that are not complete yet."""
+    `partial`, also the finished units of (condition, randomization) pairs that are not complete yet. Only the
+    audit's own files are read: each is checked as the engine checks it before reuse (what it would recompute, this
+    refuses), and a records or part file that is not the audit's is refused by name."""
     adir = AuditDir(path)
     frames = []
     try:
-        for f in sorted(p for p in (adir.root / "records").rglob("*.parquet") if not p.name.startswith(".")):
-            frames.append(files.read_frame(f))  # the engine's own check: what it would recompute, this refuses
-        for f in sorted(adir.root.glob("parts/*/r*/b*.safetensors")) if partial else ():
-            tensors, _ = files.read_tensors(f)
-            condition, r = f.parent.parent.name, int(f.parent.name[1:])
-            frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": condition,
-                                        "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
-                                        "tokens": np.int64(-1),
-                                        "active": tensors["active"].numpy().reshape(len(tensors["nll"]), -1)[:, 0]}))
+        config = adir.config()
+        n, batch = config["windows"]["n_eval"], config["batch_size"]
+        adir.check_strays(config)
+        for c, r in record_keys(config):
+            if adir.records(c, r).is_file():
+                frames.append(adir.read_records(c, r, n))
+                continue
+            seen: set[int] = set()
+            for f in sorted(adir.parts(c, r).glob("b*.safetensors")) if partial else ():
+                tensors = adir.read_part(f, c, r, n, batch, seen)
+                frames.append(pd.DataFrame({"example": tensors["example"].numpy(), "condition": c,
+                                            "randomization": np.int64(r), "nll": tensors["nll"].numpy(),
+                                            "tokens": np.int64(-1), "active": tensors["active"].numpy().reshape(
+                                                len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
     if not frames:
@@ -217,15 +225,14 @@ def missing_records(adir: AuditDir, config: dict) -> list[str]:
     """The (condition, randomization) records files of a finished audit of `config` that are absent or short, from
     their Parquet metadata only (the records are read, and their hashes checked, when used)."""
     missing = []
-    for c in config.get("conditions", ()):
-        for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1):
-            path = adir.records(c, r)
-            try:
-                rows = pq.read_metadata(path).num_rows if path.is_file() else None
-            except Exception as e:
-                raise _damaged(files.Damaged(path, f"unreadable ({type(e).__name__})"), adir.root) from None
-            if rows != config["windows"]["n_eval"]:
-                missing.append(f"{c} r{r}")
+    for c, r in record_keys(config):
+        path = adir.records(c, r)
+        try:
+            rows = pq.read_metadata(path).num_rows if path.is_file() else None
+        except Exception as e:
+            raise _damaged(files.Damaged(path, f"unreadable ({type(e).__name__})"), adir.root) from None
+        if rows != config["windows"]["n_eval"]:
+            missing.append(f"{c} r{r}")
     return missing
 
 
@@ -345,13 +352,13 @@ class AuditResult(Results):
             config = adir.config()
         except files.Damaged as e:
             raise _damaged(e, adir.root) from None
-        replay = _read_json(adir.replay, adir.root)
+        replay = _read_json(adir.read_replay, adir.root)
         if (replay or {}).get("passed") is False:
             raise FcauditError(f"{adir.root}: the exact replay check failed ({replay.get('max_abs_dlogit')} max "
                                "|Δlogit|); its interventions are not valid, see replay.json")
         # variation.json is written last: without it (or replay.json) the audit was stopped before its end
         missing = missing_records(adir, config) + [p.name for p, obj in (
-            (adir.replay, replay), (adir.variation, _read_json(adir.variation, adir.root))) if obj is None]
+            (adir.replay, replay), (adir.variation, _read_json(adir.read_variation, adir.root))) if obj is None]
         if missing and not allow_partial:
             raise FcauditError(f"{adir.root} is an unfinished audit (lacks {', '.join(missing[:3])}"
                                f"{' ...' if len(missing) > 3 else ''}); rerun the audit command with --out "
@@ -412,7 +419,7 @@ class AuditResult(Results):
         >>> result.variation["layers"][0]["site"]
         'gates.0'
         """
-        return _read_json(self.path / "variation.json", self.path)
+        return _read_json(AuditDir(self.path).read_variation, self.path)
 
     @property
     def criteria(self) -> Criteria:

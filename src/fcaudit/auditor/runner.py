@@ -37,7 +37,7 @@ from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.io import Locked, read_json, write_text
+from fcaudit.io import Locked, read_object, write_text
 from fcaudit.tokens import load_tokenizer
 
 
@@ -47,12 +47,23 @@ def as_windows(windows, what: str) -> tuple[torch.Tensor, object | None]:
     """ids [N, T] int64 from a tensor, a list of rows, or a WindowSet (anything with `.ids`)."""
     window_set = windows if hasattr(windows, "ids") else None
     ids = windows.ids if window_set is not None else windows
+    if ids is None:
+        raise FcauditError(f"{what} windows are None: pass token ids [N, T] (a tensor, a list of rows, or a WindowSet "
+                           "of fca.windows)")
     if isinstance(ids, (list, tuple)):
+        if not all(hasattr(row, "__len__") for row in ids):  # [5, 7, 9]: one window's ids, not a list of windows
+            raise FcauditError(f"{what} windows are a flat list of token ids; pass a list of windows (rows of ids), "
+                               "e.g. [ids] for one window")
         lengths = sorted({len(row) for row in ids})
         if len(lengths) > 1:
             raise FcauditError(f"{what} windows have unequal lengths {lengths[:4]}; cut every window to one length (--window)")
-        ids = torch.stack([torch.as_tensor(row) for row in ids]) if ids else torch.empty(0, 0, dtype=torch.long)
-    ids = torch.as_tensor(ids)
+    try:
+        if isinstance(ids, (list, tuple)):
+            ids = torch.stack([torch.as_tensor(row) for row in ids]) if ids else torch.empty(0, 0, dtype=torch.long)
+        ids = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise FcauditError(f"{what} windows must be token ids [N, T] (an integer tensor, a list of rows or a "
+                           f"WindowSet), got {type(ids).__name__}") from None
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise FcauditError(f"{what} windows must be an integer tensor [N, T] of token ids, got {ids.dtype} {tuple(ids.shape)}")
     return ids.long().cpu(), window_set
@@ -247,13 +258,14 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     2 sites, store ... MiB, ... forward passes (Correct, ...), peak memory ~... MiB (parameters ...)
     """
     config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
+    check_controller(model, controller)
     ev, _ = as_windows(eval_windows, "evaluation")
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
     one, cuda = ev[:1].to(device), device.type == "cuda"
     with evaluating(model):
-        capture_batch(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -319,7 +331,33 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
             raise FcauditError(f"{e}; under torchrun pass group=fcaudit.auditor.group_from_env() so the ranks share "
                                "one audit") from None
         raise
-    return adir.open(config)
+    state = adir.open(config)
+    adir.check_strays(config)  # before any work: the reader would refuse the finished audit for it
+    return state
+
+
+def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor, loss_fn: LossFn | None,
+                  decoding: bool = False) -> tuple:
+    """capture_batch of the first evaluation windows, where a model that fails on them is one line (an audit's probe,
+    a dry run's warm-up)."""
+    try:
+        return capture_batch(model, controller, first, loss_fn, decoding=decoding)
+    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
+        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
+                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
+                           "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
+                           "size)") from e  # the cause's traceback stays, for a bug in the model's own code
+
+
+def check_controller(model: nn.Module, controller: Controller) -> None:
+    """A Controller built from this model instance (not a pattern, nor another instance's sites)."""
+    if not isinstance(controller, Controller):
+        raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
+                           f"{type(controller).__name__}")
+    modules = {id(m) for m in model.modules()}
+    if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
+        raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
+                           "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
 
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
@@ -329,24 +367,12 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
-    if not isinstance(controller, Controller):
-        raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
-                           f"{type(controller).__name__}")
-    modules = {id(m) for m in model.modules()}
-    if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
-        raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
-                           "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
+    check_controller(model, controller)
     windows.check()
     check_ids(model, windows.ev, windows.ca)
     # probed before anything is written; the capture also holds what every replay of this rank decodes with
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
-    try:
-        probe = capture_batch(model, controller, first, config.loss_fn, decoding=True)
-    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
-        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
-                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
-                           "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
-                           "size)") from e  # the cause's traceback stays, for a bug in the model's own code
+    probe = first_forward(model, controller, first, config.loss_fn, decoding=True)
     coeffs, logits, _ = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
     if not all_finite(logits):
@@ -587,6 +613,6 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
     """Checkpoints of one family differ only by training seed: name them by what was trained, not by path."""
     metrics = ckpt_dir / "metrics.json"
     if metrics.is_file():
-        m = read_json(metrics)
+        m = read_object(metrics, "restore it from the training run, or delete it")
         return " ".join(str(m[k]) for k in ("variant", "preset") if m.get(k)) or ckpt_dir.name
     return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name

@@ -188,6 +188,8 @@ class Controller:
             raise FcauditError(f"call must be an integer >= 0 (0 = the first call in a forward pass), got {call!r}")
         if not isinstance(method, str) or not method:
             raise FcauditError(f"method must be a method's name such as 'forward' or 'prepare', got {method!r}")
+        if not isinstance(pattern, str):
+            raise FcauditError(f"pattern must be a glob over module paths such as 'blocks.*.gate', got {pattern!r}")
         matched = [(name, m) for name, m in model.named_modules() if name and path_matches(name, pattern)]
         shared = [name for name, _ in model.named_modules(remove_duplicate=False)
                   if name and path_matches(name, pattern) and name not in dict(matched)]

@@ -18,6 +18,7 @@ from rich.console import Console
 from torch import nn
 
 from fcaudit import data, families
+from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WINDOWS, check_count
 from fcaudit.controllers.sites import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
@@ -27,7 +28,7 @@ from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
 from fcaudit.hub import resolve
-from fcaudit.io import atomic_write, claim_out, prepare_out, read_json, remove_file, write_json
+from fcaudit.io import atomic_write, claim_out, prepare_out, read_object, remove_file, valid_path, write_json
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
@@ -100,17 +101,20 @@ class ExecutionConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
-        object.__setattr__(self, "out", str(self.out))
+        object.__setattr__(self, "out", str(valid_path(self.out, "--out")))
         object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
+        for name, flag, low, high in (("batch_size", "--batch-size", 1, MAX_BATCH_SIZE),
+                                      ("threshold_windows", "--threshold-windows", 1, MAX_WINDOWS)):
+            object.__setattr__(self, name, check_count(getattr(self, name), flag, low, high))
+        if self.window is not None:  # None: the smallest block_size
+            object.__setattr__(self, "window", check_count(self.window, "--window", 2, MAX_WINDOW))
         for bad, message in (
             (not self.checkpoints, "no checkpoints to measure: pass one or more checkpoint directories"),
-            (self.batch_size < 1, f"batch size {self.batch_size}: pass --batch-size 1 or more"),
             (self.threads is not None and self.threads < 1, f"threads {self.threads}: pass --threads 1 or more"),
             (not (isinstance(self.min_run_time, (int, float)) and math.isfinite(self.min_run_time)
-                  and self.min_run_time > 0), f"--min-run-time {self.min_run_time}: pass a positive number of seconds"),
-            (self.window is not None and self.window < 2,
-             f"--window {self.window}: pass 2 or more tokens (or leave it out for the smallest block_size)"),
-            (self.threshold_windows < 1, f"--threshold-windows {self.threshold_windows}: pass 1 or more test windows"),
+                  and 0 < self.min_run_time <= MAX_MIN_RUN_TIME),
+             f"--min-run-time {self.min_run_time}: pass a positive number of seconds, at most {MAX_MIN_RUN_TIME:g} "
+             "(fcaudit's limit)"),
             (not all(math.isfinite(t) for t in self.thresholds),
              f"--threshold {list(self.thresholds)}: pass finite thresholds, e.g. 0.3")):
             if bad:
@@ -140,7 +144,7 @@ def _block_size(checkpoint: Path) -> int:
     path = checkpoint / "config.json"
     if not path.is_file():
         raise FcauditError(f"{checkpoint} has no config.json: pass a checkpoint directory written by `fcaudit train`")
-    config = read_json(path)
+    config = read_object(path, "use the config.json written with the checkpoint")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal checkpoint
     size = next((c[k] for c in (config, text) for k in ("block_size", "max_position_embeddings", "n_positions")
                  if k in c), None)
@@ -188,7 +192,9 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "decoding": f"{DECODE_BATCH} test window(s) of the corpus, token by token with a KV cache",
-                "thresholds": list(cfg.thresholds), "corpus": cfg.corpus, "threshold_windows": cfg.threshold_windows}
+                "thresholds": list(cfg.thresholds), "corpus": cfg.corpus,
+                # the test windows thresholding used: --threshold-windows, or all the split holds when it holds fewer
+                "threshold_windows": int(sweeps[0]["windows"].iloc[0]) if sweeps else None}
     payload = {"settings": settings, "rows": df.to_dict(orient="records"), **provenance()}
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
         if parts:
@@ -222,7 +228,8 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     labels = [f"{l} ({Path(g).name})" if labels.count(l) > 1 else l for l, g in zip(labels, cfg.checkpoints)]
     for given, path, (model, meta), label in zip(cfg.checkpoints, paths, loaded, labels):
         console.print(f"execution: {given}", highlight=False)
-        metrics = read_json(path / "metrics.json") if (path / "metrics.json").is_file() else {}
+        metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
+                   if (path / "metrics.json").is_file() else {})
         row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
                **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
                "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}

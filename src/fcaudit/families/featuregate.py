@@ -46,6 +46,9 @@ def configure(cfg) -> None:
                                "--matched-to RUN_DIR (a trained FeatureGate run)")
     if cfg.model == "fixeddepth" and cfg.fixed_depth is None:
         raise FcauditError("fixeddepth needs its number of blocks: pass --depth K (K >= 1)")
+    if cfg.model == "fixeddepth" and cfg.fixed_depth > (n := PRESETS[cfg.preset].n_layer):
+        raise FcauditError(f"--depth {cfg.fixed_depth}: fixeddepth keeps the first K of preset {cfg.preset}'s {n} "
+                           f"blocks; pass K <= {n}")
     if cfg.gate_value is None:
         cfg.gate_value = GPTConfig.gate_value  # uniform-fixed's constant
 

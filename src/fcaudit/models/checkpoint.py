@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import atomic_write, read_json, write_json
 from fcaudit.models.featuregate import FeatureGateGPT
-from fcaudit.weights import check_sizes
+from fcaudit.weights import check_depth, check_sizes, stored_shapes
 
 MODEL_TYPE = "featuregate"
 CONFIG_NAME = "config.json"
@@ -68,15 +68,22 @@ def read_checkpoint(dir: Path, model_class: type, device: torch.device,
     fields))`, unknown keys ignored, built first on the meta device to check its sizes against the weights."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
+    if not isinstance(meta, dict):
+        raise FcauditError(f"{dir / CONFIG_NAME} has a meta of type {type(meta).__name__}, not an object: use the "
+                           "config.json written with these weights")
     cls = model_class.config_class
     names = {f.name for f in fields(cls)}  # model_type is none of them
     known = {k: v for k, v in config.items() if k in names}
     try:
-        check_sizes(lambda: model_class(cls(**known)), dir)
-        model = model_class(cls(**known))
+        model_config = cls(**known)
     except TypeError as e:
         raise FcauditError(f"{dir / CONFIG_NAME} has an invalid field ({one_line(e)}): use the config.json written "
                            "with these weights") from None
+    stored = stored_shapes(dir)  # every size against the weights' headers before a module is built
+    if hasattr(model_config, "n_layer"):
+        check_depth(dir, stored, "n_layer", model_config.n_layer)
+    check_sizes(lambda: model_class(model_config), dir, stored)
+    model = model_class(model_config)
     load_weights(dir / WEIGHTS_NAME, model)
     return model.to(device=device, dtype=dtype).eval(), meta
 

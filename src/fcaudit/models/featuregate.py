@@ -38,6 +38,10 @@ def check_config(config, variants: tuple[str, ...], counts: dict[str, int]) -> N
             raise FcauditError(f"{name} {field}={v!r} is invalid: set {field} to an integer >= {low} in config.json")
     if config.d_model % config.n_head:
         raise FcauditError(f"d_model {config.d_model} is not divisible by n_head {config.n_head}: change one of them")
+    eps = config.norm_eps
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+        raise FcauditError(f"{name} norm_eps={eps!r} is invalid: set norm_eps to a number > 0 (e.g. 1e-5) in "
+                           "config.json")
 
 
 @dataclass
@@ -54,11 +58,10 @@ class GPTConfig:
 
     def __post_init__(self):
         check_config(self, VARIANTS, dict(n_layer=1, n_head=1, d_model=1, block_size=2, vocab_size=1, gate_hidden=1))
-        for name, ok, want in (("norm_eps", lambda v: v > 0, "a number > 0 (e.g. 1e-5)"),
-                               ("gate_value", lambda v: 0 < v < 1, "a gate value between 0 and 1")):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)):
-                raise FcauditError(f"GPTConfig {name}={v!r} is invalid: set {name} to {want} in config.json")
+        v = self.gate_value
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 1):
+            raise FcauditError(f"GPTConfig gate_value={v!r} is invalid: set gate_value to a gate value between 0 and "
+                               "1 in config.json")
 
     @property
     def gated(self) -> bool:

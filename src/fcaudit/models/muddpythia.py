@@ -24,7 +24,7 @@ from fcaudit.device import DTYPES, as_dtype, dtype_name
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.io import atomic_write, write_json
-from fcaudit.weights import read_state_dict
+from fcaudit.weights import check_depth, check_sizes, read_state_dict, stored_shapes
 
 MODEL_TYPE = "muddpythia"
 
@@ -94,6 +94,7 @@ class MUDDConfig:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             if not ok or not (0 <= v <= 1 if unit else v > 0):
                 raise bad(name, "a number in [0, 1]" if unit else "a finite number > 0")
+            setattr(self, name, float(v))  # an int of 2**64 overflows torch's pow; as a float it is a number
         for f in fields(self):  # bool and str fields
             kind = {"bool": (bool, "true or false"), "str": (str, "a string")}.get(f.type)
             if kind and not isinstance(getattr(self, f.name), kind[0]):
@@ -370,8 +371,11 @@ class MUDDPythia(nn.Module):
             raise FcauditError(f"no config.json in {path}: pass a MUDDPythia checkpoint directory")
         try:
             raw = json.loads((path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise FcauditError(f"{path / 'config.json'} is not valid JSON ({e.msg}): re-download or rewrite it") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FcauditError(f"{path / 'config.json'} is not valid JSON ({one_line(e, 80)}): re-download or rewrite "
+                               "it") from None
+        if not isinstance(raw, dict):
+            raise FcauditError(f"{path / 'config.json'} is not a JSON object: re-download or rewrite it")
         try:
             config = MUDDConfig.from_dict(raw)
         except TypeError as e:
@@ -380,6 +384,9 @@ class MUDDPythia(nn.Module):
             raise FcauditError(f"{path / 'config.json'} has block_size {config.block_size}, more positions than "
                                f"fcaudit builds a rotary table for ({MAX_POSITIONS}): use the config.json saved with "
                                "these weights")
+        stored = stored_shapes(path)  # every size against the weights' headers before any module is built
+        check_depth(path, stored, "n_layer", config.n_layer)
+        check_sizes(lambda: cls(config), path, stored)
         with torch.device("meta"):  # no allocation or init: the checkpoint supplies every tensor
             model = cls(config)
         state = read_state_dict(path)  # the config's auto_map (the published model's own code) is never run

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,7 +20,7 @@ import pandas as pd
 from fcaudit.auditor.results import CAUSALITY, TOKEN_ROUTING, Replay
 from fcaudit.errors import FcauditError
 from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
-                        write_json, write_text)
+                        valid_path, write_json, write_text)
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
@@ -47,13 +48,33 @@ def _read(f: Path) -> Any:
                            "it, or leave its directory out") from None
 
 
+def _candidates(inp: Path) -> list[Path]:
+    """The files of directory `inp` and of its direct subdirectories (a demo's runs/NAME/metrics.json): a bounded
+    look, so `report /` reads two levels, not the whole filesystem. Unreadable directories and links to directories
+    are passed over."""
+    out: list[Path] = []
+    for d in (inp, *_entries(inp, dirs=True)):
+        out += _entries(d, dirs=False)
+    return sorted(out)
+
+
+def _entries(d: Path, dirs: bool) -> list[Path]:
+    try:
+        with os.scandir(d) as it:
+            return [Path(e.path) for e in it if not e.name.startswith(".") and not e.is_symlink()
+                    and (e.is_dir() if dirs else e.is_file())]
+    except OSError:
+        return []
+
+
 def discover(inputs: Sequence[str | Path]) -> Found:
+    if not isinstance(inputs, (list, tuple)):  # a str would be read as one input per character
+        raise FcauditError(f"inputs must be a list of directories, got {type(inputs).__name__}: e.g. [result.path]")
     found = Found()
-    for inp in map(Path, inputs):
+    for inp in (valid_path(i, "a report input") for i in inputs):
         if not inp.exists():
             raise FcauditError(f"{inp} does not exist; pass summary, audit or training-run directories")
-        files = ([inp] if inp.is_file() else
-                 sorted(p for p in inp.rglob("*") if p.is_file() and not p.name.startswith(".")))
+        files = [inp] if inp.is_file() else _candidates(inp)
         for f in files:
             if f.name == "summary.json":
                 found.summaries.append((f.parent, Summary.load(f.parent)))
@@ -440,7 +461,8 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     ----------
     inputs
         Audit directories, `fcaudit summarize`, `fcaudit execution` and `fcaudit train` outputs (summary.json,
-        execution.json, metrics.json, table1.csv), or directories holding them (searched below).
+        execution.json, metrics.json, table1.csv), or directories holding them (each directory and its direct
+        subdirectories are searched).
     out
         The report directory (new, empty, or an earlier report's, which is replaced).
     allow_partial

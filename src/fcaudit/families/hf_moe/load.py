@@ -18,7 +18,8 @@ from safetensors import SafetensorError
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
-from fcaudit.weights import PICKLE_SUFFIXES, load_pickled, refuse_remote_code, weight_files
+from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, load_pickled, refuse_remote_code,
+                             stored_shapes, weight_files)
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
@@ -62,6 +63,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     if not (dir / "config.json").is_file():
         raise FcauditError(f"{dir} has no config.json: pass a Hugging Face checkpoint directory (config.json + safetensors)")
     safetensors = _check_files(dir)
+    config = _config(dir)
     # transformers' load report lists every unused checkpoint weight (hundreds for Llama 4's vision tower); what
     # matters of it is checked below. A filter, not a level: at WARNING that logger makes transformers check TP plans.
     reports: list[str] = []  # dropped, kept for an error message
@@ -77,7 +79,8 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
     fresh = offload_folder is not None and not Path(offload_folder).exists()  # transformers makes it early
     try:
         placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
-        model, info = AutoModelForCausalLM.from_pretrained(dir, dtype=dtype if dtype is not None else "auto",
+        model, info = AutoModelForCausalLM.from_pretrained(dir, config=config,
+                                                           dtype=dtype if dtype is not None else "auto",
                                                            experts_implementation="eager", output_loading_info=True,
                                                            trust_remote_code=False, use_safetensors=safetensors,
                                                            **placed)
@@ -109,6 +112,25 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
     return (model if device_map is not None else model.to(device)).eval()
+
+
+def _config(dir: Path):
+    """transformers' config of `dir`, its sizes checked against the weights' headers before any module is built (a
+    dry run of a config with a huge hidden_size, or with its sizes deleted, would allocate gigabytes). A config class
+    raises every kind of error on a value of the wrong type: each is one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(dir, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, ...)
+        raise FcauditError(f"{dir / 'config.json'} has a value transformers refuses ({type(e).__name__}: "
+                           f"{one_line(e, 120)}): use the config.json saved with these weights") from None
+    if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
+        stored = stored_shapes(dir)
+        text = config.get_text_config()
+        check_depth(dir, stored, "num_hidden_layers", getattr(text, "num_hidden_layers", None))
+        check_sizes(lambda: AutoModelForCausalLM.from_config(config), dir, stored)
+    return config
 
 
 def _check_files(dir: Path) -> bool:
