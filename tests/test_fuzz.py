@@ -115,6 +115,8 @@ CLASSES = {
         ("config", cfg("mudd", vocab_size=2**64), "refused", "no model can be built"),
         ("config", cfg("moe", vocab_size=0), "refused", "do not match its config.json"),
         ("config", cfg("moe", sliding_window=-1), "refused", "the model's forward pass on the first evaluation batch"),
+        ("config", cfg("moe", num_experts_per_tok=200_000, action="execution"), "refused",
+         "the model fails a forward pass on 1 windows of 8 tokens"),
         ("weights", {"family": "fg", "op": "index", "entry": 3, "value": "a\u0000b.safetensors", "action": "dry-run"},
          "refused", "which is not inside"),
         ("weights", {"family": "moe", "op": "index-whole", "value": {"weight_map": 3}, "action": "load"}, "refused",
