@@ -84,6 +84,12 @@ CLASSES = {
          "it has no recorded sha256"),
         ("audit-dir", damaged("resume", ("dir", "records/CrossInput/r0001.parquet", 75)), "refused",
          "is a directory where the audit keeps a file: remove it"),
+        # the other messages that say what to do, followed: an unfinished audit, a link in place of a records file
+        ("audit-dir", damaged("load", ("delete", "records/CrossInput/r0001.parquet", 0)), "refused",
+         "is an unfinished audit (lacks CrossInput r1); rerun the audit command"),
+        ("audit-dir", damaged("summarize", ("delete", "variation.json", 0)), "refused",
+         "is an unfinished audit (lacks variation.json); rerun the audit command"),
+        ("audit-dir", damaged("load", ("link", "records/CrossInput/r0001.parquet", 0)), "refused", "is damaged"),
         ("audit-dir", damaged("resume", ("truncate", ".fcaudit-audit", 43), ("dir", "replay.json", 93)), "refused",
          "replay.json is a directory where fcaudit writes a file: remove it"),
     ],
