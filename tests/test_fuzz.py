@@ -177,6 +177,8 @@ CLASSES = {
                                                "seed": 0, "tokenizer": None}}, "refused", "pass a number for each"),
         ("api", {"call": "plan", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "controller": None}},
          "refused", "controller must be a fcaudit.Controller"),
+        ("api", {"call": "plan", "kwargs": {"eval_windows": "windowset", "calib_windows": "windowset",
+                                            "world_size": None}}, "ok", ""),
         ("api", {"call": "report", "kwargs": {"inputs": [None, "@missing"], "out": "@out"}}, "refused",
          "must be a path"),
         ("api", {"call": "controller", "kwargs": {"pattern": None, "layout": "batch token", "call": None}}, "refused",
