@@ -132,6 +132,8 @@ CLASSES = {
                                              "model_info": "x"}}, "refused", "model_info must be a dict"),
         ("audit-dir", damaged("load", ("json-rehash", "config.json", ["criteria", 16])), "refused",
          "config.json is damaged (its criteria is not what fcaudit writes)"),
+        ("audit-dir", damaged("summarize", ("json-rehash", "config.json", ["model", {}])), "refused",
+         "config.json is damaged (its model is not what fcaudit writes)"),
         ("audit-dir", damaged("load", ("json-rehash", "variation.json", ["decomposition", 3])), "refused",
          "variation.json is damaged (its fields are not what fcaudit writes)"),
         ("audit-dir", damaged("summarize", ("json-rehash", "replay.json", ["passed", "x"])), "refused",
