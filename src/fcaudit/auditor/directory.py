@@ -69,8 +69,11 @@ def _check_config(path: Path, config: dict) -> dict:
     wrong = [k for k, t in _CONFIG_TYPES.items() if not isinstance(config.get(k), t) or isinstance(config[k], bool)]
     wrong += [k for k, t in _OPTIONAL_TYPES.items() if k in config and not isinstance(config[k], t)]
     if not wrong:
-        n = config["windows"].get("n_eval")
+        n, model = config["windows"].get("n_eval"), config["model"]
+        named = isinstance(model.get("family"), str) or (isinstance(model.get("class"), str)
+                                                         and isinstance(model.get("n_params"), int))
         wrong = [k for k, bad in (("windows.n_eval", not isinstance(n, int) or n < 2),
+                                  ("model", not named),  # what summaries name its family by
                                   ("randomizations", config["randomizations"] < 1),
                                   ("batch_size", config["batch_size"] < 1)) if bad]
         wrong += [f"condition {c!r}" for c in config["conditions"]

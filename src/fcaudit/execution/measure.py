@@ -21,7 +21,7 @@ from fcaudit import data, families
 from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WINDOWS, check_count
 from fcaudit.controllers.sites import path_matches
 from fcaudit.device import resolve_device
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
 from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
@@ -234,7 +234,12 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
                "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
-        count = executed_blocks(model, ids)  # what does not depend on the machine's load, then what does
+        try:  # what does not depend on the machine's load, then what does; first, whether the model runs at all
+            count = executed_blocks(model, ids)
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise FcauditError(f"{given}: the model fails a forward pass on {cfg.batch_size} windows of {window} "
+                               f"tokens ({type(e).__name__}: {one_line(e)}); check its config.json, and that a batch "
+                               "fits in memory (--batch-size)") from e
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
                    n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
