@@ -32,7 +32,7 @@ def test_table1_has_every_method(demo):
 @pytest.mark.slow
 def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
     audits = sorted((demo / "audit").iterdir())
-    assert len(audits) == 3 * QUICK.seeds + 5  # + mudd, moe, mod (top-k), mod-causal (its predictor), early-exit
+    assert len(audits) == QUICK.seeds + 2 * QUICK.baseline_seeds + 5  # + mudd, moe, mod (top-k), mod-causal (its predictor), early-exit
     for a in audits:
         replay = json.loads((a / "replay.json").read_text())
         assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
@@ -89,8 +89,9 @@ def test_rerun_resumes_without_recomputing(demo):
     assert before == after
 
 
-SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, steps=4, mudd_steps=4, moe_steps=4, fixed_depth=1, n_eval=4,
-                 n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,), min_run_time=0.01)
+SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, baseline_seeds=1, steps=4, mudd_steps=4, moe_steps=4,
+                 fixed_depth=1, n_eval=4, n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,),
+                 min_run_time=0.01)
 
 
 def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch):

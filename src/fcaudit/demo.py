@@ -33,7 +33,8 @@ console = Console(stderr=True)
 class DemoPlan:
     preset: str  # FeatureGate-family preset
     mudd_preset: str
-    seeds: int  # training seeds of FeatureGate, Uniform and LayerStatic
+    seeds: int  # training seeds of FeatureGate (its checkpoint-level intervals)
+    baseline_seeds: int  # of Uniform and LayerStatic, the static baselines of Table 1
     steps: int | None  # None: the preset's default
     mudd_steps: int | None
     moe_steps: int | None  # the byte-level Mixtral (Hugging Face transformers), preset = `preset`
@@ -48,10 +49,11 @@ class DemoPlan:
     min_run_time: float = 1.0  # seconds of latency timing per model (execution)
 
 
-FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300, moe_steps=240, fixed_depth=2,
-                n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
-QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30, fixed_depth=1,
-                 n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5, exit_steps=120)
+FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, baseline_seeds=3, steps=None, mudd_steps=300,
+                moe_steps=240, fixed_depth=2, n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
+QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, baseline_seeds=2, steps=30, mudd_steps=30, moe_steps=30,
+                 fixed_depth=1, n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5,
+                 exit_steps=120)
 
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
 AUDITED = MULTI_SEED + ("mudd", "moe", "mod", "early-exit")
@@ -75,7 +77,8 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
                   f"corpus: {corpus.source}, {sum(corpus.describe()['tokens'].values()) / 1e6:.1f} MB")
 
     # 1. training (Table 1); uniform-matched comes after the FeatureGate seeds it is matched to
-    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [
+    seeds = {"featuregate": plan.seeds, "uniform": plan.baseline_seeds, "layerstatic": plan.baseline_seeds}
+    runs = [(m, s) for m in MULTI_SEED for s in range(seeds[m])] + [
         (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
     for i, (model, seed) in enumerate(runs, 1):
         run_dir = out / "train" / f"{model}-s{seed}"
@@ -88,8 +91,10 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
                           fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
                           matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None,
                           progress=console.is_terminal)  # a bar on a terminal; a log gets the demo's own lines only
+        started = time.perf_counter()
         r = train(cfg, corpus=corpus)
-        console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""))
+        console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else "")
+                      + f"  ({time.perf_counter() - started:.0f} s)")
 
     table = training_table([read_json(out / "train" / f"{m}-s{s}" / "metrics.json") for m, s in runs])
     write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
@@ -108,7 +113,9 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
         config = AuditConfig(out=audit_dir, n_eval=plan.n_eval, n_calib=plan.n_calib, window=plan.window,
                              randomizations=plan.randomizations, seed=0, batch_size=plan.batch_size, device=device,
                              family=family, quiet=True)
+        started = time.perf_counter()
         audit_checkpoint(str(ckpt), "embedded", config)
+        console.print(f"  ({time.perf_counter() - started:.0f} s)")
         audits.append(audit_dir)
 
     # 3. summaries, execution, report
@@ -116,9 +123,11 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
     ckpts = [out / "train" / f"{m}-s0"
              for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
+    started = time.perf_counter()
     measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
                                       device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
                                       threshold_windows=plan.n_eval, progress=False))
+    console.print(f"execution -> {out / 'execution'}  ({time.perf_counter() - started:.0f} s)")
     report = build_report([out / "train", out / "summary", *audits, out / "execution"], out / "report")
     console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
     return report

@@ -201,7 +201,7 @@ def static(kind: str, profile: Coeffs, taken: Coeffs) -> list[torch.Tensor]:
     """StaticDepth: each window's own budget laid out as the calibration windows' profile says (`profile`: the
     layer x position means, expanded to the batch): each position's mean depth (exit_depth), each position's mean
     halting distribution at the depth its mean step gives (halting), the cells (layers) run most often."""
-    targets, T = units(kind, taken), taken[0].shape[1]
+    targets = units(kind, taken)
     if kind == "exit_depth":
         mean = (1 + sum(1 - p[0, :, 0, 0].double() for p in profile)).cpu().numpy()
         d = np.stack([profile_units(mean, t, 1, top(kind, taken)) for t in targets])
