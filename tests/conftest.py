@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.auditor import audit, files
+from fcaudit import audit
+from fcaudit.auditor import files
 from fcaudit.controllers import Controller
 from fcaudit.io import write_json
 from fcaudit.protocol import Criteria

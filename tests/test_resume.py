@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fcaudit.auditor import audit
+from fcaudit import audit
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
@@ -29,32 +29,41 @@ def test_stage2_writes_each_run_once_complete_and_a_resumed_run_as_a_part(tmp_pa
     """One process replays unit by unit: each (condition, r) is written once, as its whole records file. A run that
     resumes after some of its units were done writes the rest as a part file, and the records equal the
     uninterrupted audit's bit for bit (NLLs and active counts)."""
-    from fcaudit.auditor import engine as engine_module
     from fcaudit.auditor import files
 
     model = ToyGated()
     for b in model.blocks:
         b.gate = SparseGate(16)
-    written, write_run = [], engine_module.Engine._write_run
-    monkeypatch.setattr(engine_module.Engine, "_write_run",
-                        lambda self, key, ranges, nll, act: written.append((key, sum(r.stop - r.start for r in ranges)))
-                        or write_run(self, key, ranges, nll, act))
+    written, write_columns, write_tensors = [], files.write_columns, files.write_tensors
+
+    def watch(kind, write):  # the replays' files as they are written: (records or part, (condition, r), windows)
+        def watched(path, columns, *args, **kwargs):
+            rel = Path(path).relative_to(tmp_path / "a")
+            if rel.parts[0] in ("records", "parts") and rel.parts[1] != "Correct":
+                r = int(rel.parts[2][1:5])
+                written.append((kind, (rel.parts[1], r), len(columns["example"])))
+            return write(path, columns, *args, **kwargs)
+        return watched
+
+    monkeypatch.setattr(files, "write_columns", watch("records", write_columns))
+    monkeypatch.setattr(files, "write_tensors", watch("part", write_tensors))
     base = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
     varies = base.records.groupby(["condition", "randomization"]).active.nunique() > 1
     assert varies.sum() >= 1 + 4 * 2  # Correct and every randomized run: the active count differs between windows
-    keys = [k for k, _ in written]
+    keys = [k for _, k, _ in written]
     assert len(keys) == len(set(keys)) == len(base.records.groupby(["condition", "randomization"])) - 1  # not Correct
-    assert {n for _, n in written} == {10}
+    assert {(kind, n) for kind, _, n in written} == {("records", 10)}
     records = tmp_path / "a" / "records" / "TokenShuffle" / "r0001.parquet"
     frame = files.read_frame(records)
     parts = tmp_path / "a" / "parts" / "TokenShuffle" / "r0001"
-    files.write_tensors(parts / "b0000004.safetensors", {c: torch.from_numpy(frame[c].to_numpy()[4:8].copy())
-                                                          for c in ("example", "nll", "active")},
-                        AuditDir(tmp_path / "a").binding("TokenShuffle", 1))  # as the engine binds it
+    write_tensors(parts / "b0000004.safetensors", {c: torch.from_numpy(frame[c].to_numpy()[4:8].copy())
+                                                   for c in ("example", "nll", "active")},
+                  AuditDir(tmp_path / "a").binding("TokenShuffle", 1))  # as the engine binds it
     records.unlink()
     written.clear()
     again = run(model, gated(model), tmp_path / "a", n_eval=10, R=2)
-    assert written == [(("TokenShuffle", 1), 6)]  # windows 0-3 and 8-9: one part beside the one kept
+    # windows 0-3 and 8-9: one part beside the one kept, then the two merged into the records file
+    assert written == [("part", ("TokenShuffle", 1), 6), ("records", ("TokenShuffle", 1), 10)]
     pd.testing.assert_frame_equal(again.records, base.records, check_exact=True)
 
 

@@ -104,22 +104,36 @@ def test_store_held_on_a_device_takes_the_same_rows(tmp_path):
 
 def test_store_held_on_the_device_gives_the_same_records(tmp_path, monkeypatch):
     """Stage 2 with the whole store on the device (as on a GPU with room for it) replays the same coefficients:
-    records equal bit for bit, and no replay reads a chunk file."""
+    records equal bit for bit, and no replay reads a chunk file (their bytes are gone while the store is held)."""
     from fcaudit.auditor import engine as engine_module
 
     model = ToyMudd()
     ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="SourceUniformMean")
-    files_read, load = [], CoefficientStore.load
+    loads, load, unload = [], CoefficientStore.load, CoefficientStore.unload
     base = run(model, ctrl, tmp_path / "files", R=2)
-    monkeypatch.setattr(engine_module, "keeps_store_on", lambda device, nbytes: True)
-    monkeypatch.setattr(CoefficientStore, "load", lambda self, *a: files_read.append("load") or load(self, *a))
-    read_rows = CoefficientStore._read
-    monkeypatch.setattr(CoefficientStore, "_read",
-                        lambda self, *a: files_read.append(self.device) or read_rows(self, *a))
-    held = run(model, ctrl, tmp_path / "held", R=2)
-    assert "load" in files_read and not any(isinstance(x, torch.device) for x in files_read)
-    pd.testing.assert_frame_equal(held.records, base.records, check_exact=True)
-    assert randomized_means(held)["CrossInput"] != 0 and randomized_means(held)["TokenShuffle"] != 0  # they move NLLs
+    chunks = tmp_path / "held" / "coeffs"
+    kept: dict = {}
+
+    def held(self, *args):  # held on the device, then its files emptied: a read of one would be refused as damaged
+        load(self, *args)
+        loads.append(self.device)
+        for chunk in sorted(chunks.glob("chunk_*.safetensors")):
+            kept[chunk] = chunk.read_bytes()
+            chunk.write_bytes(b"")
+
+    def let_go(self):
+        unload(self)
+        for chunk, data in kept.items():
+            chunk.write_bytes(data)
+
+    monkeypatch.setattr(engine_module, "keeps_store_on", lambda device, nbytes: True)  # a GPU's answer, on the CPU
+    monkeypatch.setattr(CoefficientStore, "load", held)
+    monkeypatch.setattr(CoefficientStore, "unload", let_go)
+    held_records = run(model, ctrl, tmp_path / "held", R=2)
+    assert loads == [torch.device("cpu")] and len(kept) == 2  # the 8 windows' two chunks, emptied while held
+    pd.testing.assert_frame_equal(held_records.records, base.records, check_exact=True)
+    means = randomized_means(held_records)
+    assert means["CrossInput"] != 0 and means["TokenShuffle"] != 0  # they move NLLs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
