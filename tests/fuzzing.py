@@ -229,6 +229,7 @@ class World:
         # a lock taken on a template is opened for writing and truncated to its pid
         return tree(self.decoy, self.templates, skip=frozenset({"__pycache__", ".lock"}))
 
+
 def _text(path: Path, text: str = "a few words of text\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -15,10 +15,12 @@ from typing import Callable
 
 import pytest
 import torch
+
 from fcaudit.errors import FcauditError
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
 from harness import an_audit, api_refusal, cli, fg_ckpt, moe_ckpt, mudd_ckpt, ok, refusal, tree, user_file
+
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
 

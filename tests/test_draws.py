@@ -1,7 +1,6 @@
 """The randomized conditions' draws: derangements, token shuffles and past resamples, keyed by example as the
 protocol says."""
 
-
 import numpy as np
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """The active count of a controller's coefficients (fcaudit.kinds.Description.active)."""
 
-
 import numpy as np
 import torch
 

@@ -1,7 +1,6 @@
 """Layouts: how a site's output is read as [batch, token, stream, source] and written back, and a layout that
 misnames a flattened output's axes."""
 
-
 import pytest
 import torch
 from torch import nn

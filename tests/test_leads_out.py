@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
 from fcaudit import data
 from fcaudit.auditor import files
 from harness import cli, fg_ckpt, ok, refusal

@@ -1,7 +1,5 @@
 """The dry-run plan: sizes, forward passes, conditions, and where the store is held."""
 
-
-
 from fcaudit import plan
 from fcaudit.controllers import Controller
 from conftest import T, ToyMoE, windows

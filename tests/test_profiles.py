@@ -1,6 +1,5 @@
 """The static profiles: layer and position means, GlobalMean, SourceUniformMean, StaticTopK."""
 
-
 import torch
 
 from fcaudit import protocol

@@ -1,6 +1,5 @@
 """The family registry: controller_for finds a registered family's sites, and a registration can be undone."""
 
-
 import pytest
 
 from fcaudit.controllers import Controller

@@ -1,7 +1,6 @@
 """Capture and exact replay: the controller frozen and restored, the exact replay check, and the site check's notice
 for a model that does not read what its sites return."""
 
-
 import pytest
 import torch
 

@@ -124,7 +124,6 @@ model = t.ToyGated(sleep=float(sys.argv[2]))
 t.run(model, t.gated(model), sys.argv[1], n_eval=12, R=4)
 """
 
-
 def captured(out: Path, start: int) -> bool:
     """Whether a killed audit left the capture of the batch at `start` done: its chunk and its Correct records (a
     part file, or the records file the end merges them into)."""

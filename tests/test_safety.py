@@ -18,6 +18,7 @@ from typing import Callable
 
 import pytest
 import torch
+
 from fcaudit.errors import FcauditError
 from fcaudit.models.muddpythia import MUDDPythia
 from harness import an_audit, cli, fg_ckpt, moe_ckpt, mudd_ckpt, ok, printed, refusal, tree, user_file

@@ -1,6 +1,5 @@
 """The coefficient store: chunks written, read back row by row, damaged, held on a device; its finiteness check."""
 
-
 import numpy as np
 import pandas as pd
 import pytest
