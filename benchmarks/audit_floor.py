@@ -18,12 +18,12 @@ split in two: the audit's own forward passes (with each replay's context, as in 
 when the machine kept its speed between the two runs: the pair's noise), and the rest of the audit / the bare loop (its
 overhead; a timer per forward pass); and per pair the audit's median replay against the bare loop's (steadier than the
 sums: a slow spell of the machine moves a median less).
-With --parts, one more audit per model is timed by parts (the engine's steps wrapped with timers, each step's own
-CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the forward passes with their
-NLLs, making the replayed coefficients, reading the store, records files, decoding the coefficients into each
-replay, counting active sources, stage 1's checks and writes (beside its forward passes), setting up and finishing
-(inputs, directory, profiles, merge, variation, reading the results back), and the rest (the replays' loop and
-contexts); then a bare loop right after, in CPU time, and the audit, its forward passes and the rest against it.
+With --parts, one more audit per model is timed by parts (the public functions and methods the engine calls wrapped
+with timers, each step's own CPU time, steadier than wall time on a shared machine; --reps 0 for the parts alone): the
+forward passes with their NLLs, making the replayed coefficients, reading the store, records files, decoding the
+coefficients into each replay, counting active sources, stage 1's checks and writes (captures beside their forward
+passes, the store's chunks, part files), setting up and finishing (the directory, profiles, variation, JSON files),
+and the rest (the inputs' checks and the probe, the replays' loop and contexts); then a bare loop right after, in CPU time, and the audit, its forward passes and the rest against it.
 Usage: python benchmarks/audit_floor.py [--reps 3] [--randomizations 20] [--models featuregate own mudd mudd-tiny] [--parts]
 """
 
@@ -154,22 +154,27 @@ def timed(seconds: list[float] | None) -> Iterator[None]:
 def timed_parts() -> Iterator[Counter]:
     """CPU seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
     step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
-    reads within making coefficients), so the parts add up."""
-    from fcaudit.auditor import engine, runner
+    reads within making coefficients), so the parts add up. The steps are the public functions and methods the engine
+    calls (the engine's own private steps are left as they are)."""
+    from fcaudit.auditor import engine, files
+    from fcaudit.auditor.directory import AuditDir
     from fcaudit.auditor.results import AuditResult
+    from fcaudit.auditor.store import CoefficientStore
     from fcaudit.controllers.sites import Site
     from fcaudit.kinds import Description
 
     spent: Counter = Counter()
+    finishing = "setting up and finishing"
     steps = [(engine, "forward_nll", "forward passes and NLLs"), (engine.Engine, "take", "reading the store"),
-             (engine.Engine, "_write_run", "records files"), (Site, "decode", "decoding into each replay"),
-             (Description, "active", "counting active sources"),
-             (engine.Engine, "_capture", "stage 1's checks and writes"),
-             (engine.Engine, "_calibrate", "stage 1's checks and writes")]
+             (files, "write_columns", "records files"), (Site, "decode", "decoding into each replay"),
+             (Description, "active", "counting active sources")]
+    steps += [(owner, attr, "stage 1's checks and writes") for owner, attr in (
+        (engine, "capture_batch"), (engine, "check_finite"), (CoefficientStore, "write"), (files, "write_tensors"))]
     steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
-    steps += [(runner, "_prepare", "setting up and finishing"), (runner, "_lock_and_open", "setting up and finishing"),
-              (engine.Engine, "_reduce_profiles", "setting up and finishing"),
-              (engine.Engine, "_finalize", "setting up and finishing"), (AuditResult, "load", "setting up and finishing")]
+    steps += [(owner, attr, finishing) for owner, attr in (
+        (AuditDir, "check"), (AuditDir, "lock"), (AuditDir, "open"), (AuditDir, "check_strays"), (AuditDir, "unlock"),
+        (protocol, "static_profiles"), (engine, "variation"), (files, "write_json"), (files, "read_tensors"),
+        (AuditResult, "load"))]
     # what each step's owner holds under its name (a class keeps its classmethod, not a method bound to it)
     saved = [(owner, attr, vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr))
              for owner, attr, _ in steps]

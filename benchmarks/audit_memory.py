@@ -53,24 +53,24 @@ def child(n_eval: int, randomizations: int, heap: bool) -> dict:
                 run(out)
             peak = memray.FileReader(Path(trace) / "audit.bin").metadata.peak_memory
         return {"n_eval": n_eval, "heap_peak_mib": peak / 2**20}
-    from fcaudit.auditor.engine import Engine
+    from fcaudit.auditor import files
 
-    stage2, write_run, marks, levels = Engine._stage2, Engine._write_run, {}, []
+    write_tensors, write_columns, marks, levels = files.write_tensors, files.write_columns, {}, []
 
-    def replays(engine, *args, **kwargs):  # the replays (stage 2): the part of an audit that scales with windows x R
-        marks["peak_before"], marks["start"] = _reset_peak(), _status("VmRSS")
-        try:
-            return stage2(engine, *args, **kwargs)
-        finally:
-            marks["replays"] = _status("VmHWM") - marks["start"]
+    def profiles_then_replays(path, *args, **kwargs):  # the static profiles are the last write before the replays
+        written = write_tensors(path, *args, **kwargs)
+        if Path(path).name == "profiles.safetensors":  # the replays (stage 2): what scales with windows x R
+            marks["peak_before"], marks["start"] = _reset_peak(), _status("VmRSS")
+        return written
 
-    def one_run(engine, *args, **kwargs):  # the resident set after each (condition, r)'s records
-        try:
-            return write_run(engine, *args, **kwargs)
-        finally:
+    def one_run(path, *args, **kwargs):  # the resident set after each (condition, r)'s records, written as it ends
+        written = write_columns(path, *args, **kwargs)
+        if Path(path).parent.name != "Correct":  # Correct's records are stage 1's, merged at the end
             levels.append(_status("VmRSS") - marks["start"])
+            marks["replays"] = _status("VmHWM") - marks["start"]  # the peak up to the last replay's records
+        return written
 
-    Engine._stage2, Engine._write_run = replays, one_run
+    files.write_tensors, files.write_columns = profiles_then_replays, one_run
     _reset_peak()
     before = _status("VmRSS")
     with tempfile.TemporaryDirectory() as out:

@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from fcaudit.auditor import audit, files
+from fcaudit import audit
+from fcaudit.auditor import files
 from fcaudit.controllers import Controller
 from fcaudit.io import write_json
 from fcaudit.protocol import Criteria
@@ -125,6 +126,76 @@ class Leaky(ToyGated):
         self.blocks[0].gate.calls = 0
         logits = super().forward(ids)
         return logits + 1e-3 * self.blocks[0].gate.calls  # 0 when the gate's forward was replaced
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d, n_expert):
+        super().__init__()
+        self.router = nn.Linear(d, n_expert)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n_expert))
+
+    def forward(self, h):
+        b, t, d = h.shape
+        x = h.reshape(b * t, d)  # the router sees flattened tokens: layout "(batch token) expert"
+        w = torch.softmax(self.router(x), -1)
+        y = sum(w[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+        return h + y.view(b, t, d)
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, d=16, n_expert=4, n_layer=2):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList(MoELayer(d, n_expert) for _ in range(n_layer))
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class DenseMix(nn.Module):
+    """MUDD-like controller of layer i: [stream, batch, token, source] mixing weights over i+2 earlier states."""
+
+    def __init__(self, d, streams, sources):
+        super().__init__()
+        self.proj = nn.Linear(d, streams * sources)
+        self.streams, self.sources = streams, sources
+
+    def forward(self, h):
+        w = self.proj(h).view(*h.shape[:2], self.streams, self.sources)
+        return w.permute(2, 0, 1, 3) + 1.0 / self.sources
+
+
+class ToyMudd(nn.Module):
+    """Ragged sites: layer i mixes i+2 stored hidden states, 2 streams except 1 at the last layer."""
+
+    def __init__(self, d=16, n_layer=3):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = nn.Embedding(V, d)
+        self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layer))
+        self.dynamic_dense = nn.ModuleList(DenseMix(d, 2 if i < n_layer - 1 else 1, i + 2) for i in range(n_layer))
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        states = [self.emb(ids)]
+        h = states[0]
+        for mlp, mix in zip(self.mlps, self.dynamic_dense):
+            h = h + torch.tanh(mlp(h))
+            states.append(h)
+            dw = mix(h)  # [C, B, T, i+2]
+            stack = torch.stack(states, -1)  # [B, T, D, i+2]
+            h = sum(torch.einsum("btdk,btk->btd", stack, dw[c]) for c in range(dw.shape[0]))
+        return self.head(h)
+
+
+def randomized_means(result):
+    d = result.penalties().to_frame()["statistic"]
+    return d
 
 
 def tiny_early_exit(seed: int = 0, threshold: float = 0.5):

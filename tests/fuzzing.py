@@ -1,6 +1,6 @@
 """The fuzzing campaign: hypothesis strategies for fcaudit's five input surfaces (checkpoint configs, safetensors
 headers and shard indexes, CLI options, the Python API, damaged audit directories) and the one runner that plays an
-input and judges its outcome.
+input and judges its outcome (with tests/harness.py's judges, which the bad-input and safety tests use too).
 
 An input is plain data, a surface and a spec of symbolic choices ("@fg" is a fresh copy of a tiny trained FeatureGate
 run, "@fifo" a FIFO in the run directory, ...), so a case the campaign finds is one row of tests/test_fuzz.py's table.
@@ -24,80 +24,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
-import math
 import os
 import pickle
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
 from hypothesis import strategies as st
 
+import harness
+from harness import FAILURES, Outcome, api_outcome, cli_outcome, last_frames, tree
+
 SURFACES = ("config", "weights", "cli", "api", "audit-dir")
-FAILURES = ("traceback", "noisy", "silent", "foreign-write", "hang", "rss")
 HANG_S = 60.0
 RSS_LIMIT = 2 * 2**30
 TESTS = Path(__file__).resolve().parent
-
-
-# ---- outcomes ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Outcome:
-    kind: str  # "ok", "refused" or one of FAILURES
-    detail: str = ""
-
-    @property
-    def failed(self) -> bool:
-        return self.kind in FAILURES
-
-
-NOISE = ("Warning:", "warnings.warn", "Traceback (most recent call last)", "warn(")
-
-
-def cli_outcome(result) -> Outcome:
-    """Exit 0, or exit 2 with `error: ...` (fcaudit's) or Click's usage error, and nothing noisy before a refusal."""
-    out = result.output
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        return Outcome("traceback", _last_frames(result.exception))
-    if result.exit_code == 0:
-        return Outcome("ok")
-    lines = [line for line in out.splitlines() if line.strip()]
-    if result.exit_code == 2 and lines and (lines[-1].startswith("error: ") or "Error: " in out):
-        noisy = [line for line in lines if any(n in line for n in NOISE)]
-        return Outcome("noisy", " | ".join(noisy[:2])[:300]) if noisy else Outcome("refused", lines[-1][:300])
-    return Outcome("traceback", f"exit {result.exit_code}: {out[-300:]}")
-
-
-def _last_frames(e: BaseException) -> str:
-    frames = traceback.extract_tb(e.__traceback__)[-2:]
-    where = "; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames)
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]} [{where}]"
-
-
-def api_outcome(call: Callable[[], Any]) -> tuple[Outcome, Any]:
-    from fcaudit.errors import FcauditError
-
-    try:
-        return Outcome("ok"), call()
-    except FcauditError as e:
-        text = str(e)
-        return (Outcome("refused", text[:300]) if "\n" not in text.strip() else Outcome("traceback", "multi-line: "
-                                                                                        + text[:300])), None
-    except Exception as e:  # noqa: BLE001 (every other exception is the finding)
-        return Outcome("traceback", _last_frames(e)), None
 
 
 # ---- the world: templates, a decoy tree, the run directory ---------------------------------------------------------
@@ -277,21 +226,8 @@ class World:
 
     # -- watching what is outside the run directory
     def watched(self) -> dict:
-        out = {}
-        for top in (self.decoy, self.templates):
-            for dirpath, dirnames, filenames in os.walk(top):
-                dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-                for n in dirnames + filenames:
-                    p = os.path.join(dirpath, n)
-                    if n == ".lock":
-                        continue  # a lock taken on a template is opened for writing and truncated to its pid
-                    s = os.lstat(p)
-                    if stat.S_ISDIR(s.st_mode):  # its entries are watched; a probe made and removed leaves none
-                        out[p] = ("dir",)
-                    else:
-                        out[p] = (stat.S_IFMT(s.st_mode), s.st_size, s.st_mtime_ns, s.st_ino,
-                                  os.readlink(p) if stat.S_ISLNK(s.st_mode) else None)
-        return out
+        # a lock taken on a template is opened for writing and truncated to its pid
+        return tree(self.decoy, self.templates, skip=frozenset({"__pycache__", ".lock"}))
 
 
 def _text(path: Path, text: str = "a few words of text\n") -> Path:
@@ -350,7 +286,7 @@ def play(world: World, surface: str, spec: dict) -> Outcome:
         try:
             outcome = PLAYERS[surface](world, spec)
         except Exception as e:  # noqa: BLE001 (a harness step itself failing: reported, never hidden)
-            outcome = Outcome("traceback", "harness: " + _last_frames(e))
+            outcome = Outcome("traceback", "harness: " + last_frames(e))
     after = world.watched()
     if after != before:
         changed = sorted(set(before) ^ set(after) | {p for p in before if p in after and before[p] != after[p]})
@@ -359,11 +295,7 @@ def play(world: World, surface: str, spec: dict) -> Outcome:
 
 
 def cli(args: list) -> Outcome:
-    from typer.testing import CliRunner
-
-    from fcaudit.cli import app
-
-    return cli_outcome(CliRunner().invoke(app, [str(a) for a in args]))
+    return cli_outcome(harness.cli(*args))
 
 
 # ---- surface 1: checkpoint configs ---------------------------------------------------------------------------------

@@ -15,37 +15,14 @@ from typing import Callable
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from fcaudit.cli import app
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import save_checkpoint
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
 from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
-
-runner = CliRunner()
+from harness import an_audit, api_refusal, cli, fg_ckpt, moe_ckpt, mudd_ckpt, ok, refusal, tree, user_file
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
-
-def fg_ckpt(tmp: Path, **config) -> Path:
-    """A tiny FeatureGate checkpoint; `config` overrides fields of its config.json."""
-    torch.manual_seed(0)
-    d = save_checkpoint(tmp / "fg", FeatureGateGPT(config_for("tiny", "featuregate")), {"variant": "featuregate"})
-    if config:
-        cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**cfg, **config}))
-    return d
-
-
-def mudd_ckpt(tmp: Path, **config) -> Path:
-    torch.manual_seed(0)
-    d = MUDDPythia(BYTE_PRESETS["tiny"]).save_pretrained(tmp / "mudd")
-    if config:
-        cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**cfg, **config}))
-    return d
-
 
 def mudd_pickle_shard(tmp: Path) -> Path:
     """A MUDD checkpoint whose weights are one pickle shard listed in pytorch_model.bin.index.json."""
@@ -58,21 +35,15 @@ def mudd_pickle_shard(tmp: Path) -> Path:
     return d
 
 
-def moe_ckpt(tmp: Path, truncate: bool = False, tokenizer: str | None = None, **config) -> Path:
-    """A tiny Hugging Face Mixtral checkpoint (2 layers); `config` overrides fields of its config.json, `truncate`
-    cuts its weights file short, `tokenizer` is written as its tokenizer.json."""
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+def truncated(d: Path) -> Path:
+    """`d` with its weights file cut short."""
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return d
 
-    d = tmp / "moe"
-    tiny_moe("mixtral").save_pretrained(d)
-    if tokenizer is not None:
-        (d / "tokenizer.json").write_text(tokenizer)
-    if config:
-        cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**cfg, **config}))
-    if truncate:
-        weights = d / "model.safetensors"
-        weights.write_bytes(weights.read_bytes()[:1000])
+
+def with_tokenizer(d: Path, text: str) -> Path:
+    (d / "tokenizer.json").write_text(text)
     return d
 
 
@@ -85,17 +56,6 @@ def device_map_file(tmp: Path, text: str | None = None) -> Path:
     return f
 
 
-def an_audit(tmp: Path) -> Path:
-    """A finished audit directory of a tiny FeatureGate."""
-    import fcaudit as fca
-
-    torch.manual_seed(0)
-    model = FeatureGateGPT(config_for("tiny", "featuregate"))
-    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
-    fca.audit(model, fca.controller_for(model), ids[:4], ids[4:], randomizations=1, out=tmp / "audit", quiet=True)
-    return tmp / "audit"
-
-
 def small_text(tmp: Path) -> Path:
     f = tmp / "small.txt"
     f.write_text("a few words of text, repeated. " * 16)  # 5% of it validates: 25 bytes
@@ -103,9 +63,7 @@ def small_text(tmp: Path) -> Path:
 
 
 def a_file(tmp: Path) -> Path:
-    f = tmp / "taken.txt"
-    f.write_text("a file the user made\n")
-    return f
+    return user_file(tmp, "taken.txt", "a file the user made\n")
 
 
 def garbage_summary(tmp: Path) -> Path:
@@ -228,7 +186,7 @@ ENGINE_ROWS: list[Row] = [
     # Hugging Face checkpoints that do not load or route
     ("audit-moe-config-not-fitting-weights", lambda t: ["audit", moe_ckpt(t, num_local_experts=6), *AUDIT,
                                                        "--out", t / "a"], "config.json does not fit the weights"),
-    ("audit-moe-truncated-weights", lambda t: ["audit", moe_ckpt(t, truncate=True), *AUDIT, "--out", t / "a"],
+    ("audit-moe-truncated-weights", lambda t: ["audit", truncated(moe_ckpt(t)), *AUDIT, "--out", t / "a"],
      "SafetensorError"),
     ("audit-moe-top-k-above-experts", lambda t: ["audit", moe_ckpt(t, num_experts_per_tok=5), *AUDIT,
                                                  "--out", t / "a"], "top_k 5 of 4 experts"),
@@ -236,7 +194,7 @@ ENGINE_ROWS: list[Row] = [
                                                    "--out", t / "a"], "exceed the model's context of 16"),
     ("audit-dry-run-window-beyond-the-context", lambda t: ["audit", moe_ckpt(t, max_position_embeddings=16), *AUDIT,
                                                            "--dry-run", "--out", t / "a"], "--window 16"),
-    ("audit-moe-torn-tokenizer", lambda t: ["audit", moe_ckpt(t, tokenizer="{}"), *AUDIT, "--out", t / "a"],
+    ("audit-moe-torn-tokenizer", lambda t: ["audit", with_tokenizer(moe_ckpt(t), "{}"), *AUDIT, "--out", t / "a"],
      "not a tokenizers JSON file"),
     ("audit-negative-seed", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--seed", -1, "--out", t / "a"],
      "--seed -1: pass an integer >= 0"),
@@ -298,29 +256,20 @@ ENGINE_ROWS: list[Row] = [
 ]
 
 
-def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*"))}
-
-
 @pytest.mark.parametrize("name, build, fragment", ROWS + ENGINE_ROWS, ids=[r[0] for r in ROWS + ENGINE_ROWS])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, name, build, fragment):
-    args = [str(a) for a in build(tmp_path)]
-    before = snapshot(tmp_path)
-    result = runner.invoke(app, args)
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2, (args, result.output, result.exception)
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    assert fragment in lines[0], lines[0]
-    assert snapshot(tmp_path) == before, "a failed command left something behind or changed its input"
+    args = build(tmp_path)
+    before = tree(tmp_path)
+    line = refusal(cli(*args))
+    assert fragment in line, line
+    assert tree(tmp_path) == before, "a failed command left something behind or changed its input"
 
 
 def test_a_failed_train_does_not_block_the_corrected_command(tmp_path):
     """The issue's sequence: a diverging --lr, then the same command with a sane one, in the same --out."""
     out = tmp_path / "run"
-    assert runner.invoke(app, [*TRAIN, "--lr", "1e6", "--out", str(out)]).exit_code == 2
-    result = runner.invoke(app, [*TRAIN, "--steps", "2", "--out", str(out)])
-    assert result.exit_code == 0, result.output
+    refusal(cli(*TRAIN, "--lr", "1e6", "--out", out))
+    ok(cli(*TRAIN, "--steps", "2", "--out", out))
     assert (out / "metrics.json").is_file()
 
 
@@ -401,15 +350,12 @@ API_ROWS = [
 
 @pytest.mark.parametrize("name, change, fragment", API_ROWS, ids=[r[0] for r in API_ROWS])
 def test_bad_python_api_input_is_one_line_and_leaves_nothing(tmp_path, name, change, fragment):
-    from fcaudit.auditor import audit
-    from fcaudit.errors import FcauditError
+    import fcaudit as fca
 
     kw = _api_case(tmp_path, **change)
-    before = snapshot(tmp_path)
-    with pytest.raises(FcauditError) as err:
-        audit(**kw)
-    assert fragment in str(err.value) and "\n" not in str(err.value)
-    assert snapshot(tmp_path) == before, "a failed audit left something behind"
+    before = tree(tmp_path)
+    assert fragment in api_refusal(lambda: fca.audit(**kw))
+    assert tree(tmp_path) == before, "a failed audit left something behind"
 
 
 def test_a_mistyped_path_beside_an_existing_directory_is_named_as_such(tmp_path, monkeypatch):
@@ -424,6 +370,5 @@ def test_a_mistyped_path_beside_an_existing_directory_is_named_as_such(tmp_path,
         raise FcauditError(f"cannot fetch {name} from the Hugging Face hub")
 
     monkeypatch.setattr(hub, "snapshot", offline)
-    result = runner.invoke(app, ["audit", "runs/fg-s9", "--out", "a"])
-    assert result.exit_code == 2 and "in the existing directory runs, nor a hub repository" in result.output
-    assert "check the path" in result.output
+    line = refusal(cli("audit", "runs/fg-s9", "--out", "a"))
+    assert "in the existing directory runs, nor a hub repository" in line and "check the path" in line

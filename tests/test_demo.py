@@ -2,6 +2,7 @@
 few steps in the default run."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -94,11 +95,13 @@ SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, baseline_seeds=1, s
                  min_run_time=0.01)
 
 
-def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch):
+def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch, capsys):
     """The demo's whole path on a plan a few steps long: every family trained, audited with an exact replay, measured
-    and reported (the full quick demo's checks are the slow tests above)."""
+    and reported (the full quick demo's checks are the slow tests above), ending with its time (`done in`, as the
+    README quotes the demo's times)."""
     monkeypatch.setattr(demo_module, "QUICK", SMOKE)
     run_demo(tmp_path, quick=True, device="cpu")
+    assert re.search(r"^done in \d+ s: report ", capsys.readouterr().err, re.M)  # the console prints to stderr
     methods = set(pd.read_csv(tmp_path / "table1.csv")["method"])
     assert {"Dense", "FeatureGate", "MUDD", "MoE (Mixtral)", "MoD (Mixture-of-Depths)"} <= methods
     audits = sorted(a.name for a in (tmp_path / "audit").iterdir())

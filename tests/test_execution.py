@@ -231,9 +231,14 @@ def test_measure_execution_rejects_bad_input(checkpoints, tmp_path):
 def test_block_size_is_read_from_a_multimodal_text_config_and_the_default_window_is_capped(tmp_path):
     from fcaudit.execution import measure
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4",
-                                                      "text_config": {"max_position_embeddings": 10_485_760}}))
-    assert measure._block_size(tmp_path) == 10_485_760  # Llama 4 Scout's context
+    scout, short = tmp_path / "scout", tmp_path / "short"
+    scout.mkdir(), short.mkdir()
+    (scout / "config.json").write_text(json.dumps({"model_type": "llama4",
+                                                   "text_config": {"max_position_embeddings": 10_485_760}}))
+    (short / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    # Llama 4 Scout's context read from its text_config: a window of 2**17 fits it, not the other's 4096
+    with pytest.raises(FcauditError, match=f"window 131072 exceeds the block_size of {short}"):
+        measure_execution(ExecutionConfig([scout, short], tmp_path / "x", window=2**17, progress=False))
     assert measure.default_window([10_485_760, 131_072]) == 2048
     assert measure.default_window([128, 4096]) == 128
 

@@ -244,7 +244,14 @@ def reference_gate_features(h, update, att: Attention, prev: Attention | None) -
         if prev is not None:
             px, _, plog_z, _ = causal(prev.q, prev.k)
             kl_h = -entropy_h - ((p * px).sum(-1) - plog_z)
-        return fg._finish(entropy_h, kl_h, lse, h, update)
+        # the four features of gate_features' docstring, from these per-head values
+        log_visible = torch.arange(1, lse.shape[-1] + 1, dtype=torch.float32).log()
+        entropy = entropy_h.mean(1).clamp_min(0.0) / log_visible
+        entropy[:, 0] = 0.0  # one visible key
+        kl = torch.zeros_like(entropy) if kl_h is None else kl_h.mean(1).clamp_min(0.0)
+        log_partition = (lse - log_visible).mean(1)
+        update_norm = update.float().norm(dim=-1) / (h.float().norm(dim=-1) + 1e-6)
+        return torch.stack([entropy, kl, log_partition, update_norm], dim=-1)
 
 
 def random_block(B, H, T, D, seed=0, scale=1.0):

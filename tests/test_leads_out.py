@@ -12,24 +12,17 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from typer.testing import CliRunner
 
 from fcaudit import data
 from fcaudit.auditor import files
+from harness import cli, fg_ckpt, ok, refusal
 
-runner = CliRunner()
 TRAIN = ["train", "--preset", "tiny", "--steps", "2", "--batch-size", "2"]
 AUDIT = ["--eval", "2", "--calib", "2", "--window", "8", "--randomizations", "1", "--quiet"]
 
 
-def run(*args):
-    from fcaudit.cli import app
-
-    return runner.invoke(app, [str(a) for a in args])
-
-
 def trained(t: Path) -> Path:
-    assert run(*TRAIN, "--out", t / "run").exit_code == 0
+    ok(cli(*TRAIN, "--out", t / "run"))
     return t / "run"
 
 
@@ -52,12 +45,9 @@ def torn_config(t: Path) -> list:
 
 
 def summary_json_a_directory(t: Path) -> list:
-    from fcaudit.models.checkpoint import save_checkpoint
-    from fcaudit.models.featuregate import FeatureGateGPT, config_for
-
-    save_checkpoint(t / "fg", FeatureGateGPT(config_for("tiny", "featuregate")), {"variant": "featuregate"})
-    assert run("audit", t / "fg", *AUDIT, "--out", t / "a").exit_code == 0
-    assert run("summarize", t / "a", "--out", t / "s").exit_code == 0
+    fg_ckpt(t)
+    ok(cli("audit", t / "fg", *AUDIT, "--out", t / "a"))
+    ok(cli("summarize", t / "a", "--out", t / "s"))
     (t / "s" / "summary.json").unlink()
     (t / "s" / "summary.json").mkdir()
     return ["summarize", t / "a", "--out", t / "s"]
@@ -67,7 +57,7 @@ def summary_json_a_directory(t: Path) -> list:
 Row = tuple[str, Callable[[Path], list], str, Callable[[Path], None]]
 ROWS: list[Row] = [
     ("checkpoint-without-its-weights", lost_weights, "(rerun the training to write it)",
-     lambda t: _ok(run(*TRAIN, "--out", t / "run"))),
+     lambda t: ok(cli(*TRAIN, "--out", t / "run"))),
     ("torn-training-state", torn_state, "is incomplete: delete", lambda t: (t / "run" / "latest.json").unlink()),
     ("torn-train-config", torn_config, "is not valid JSON: delete", lambda t: shutil.rmtree(t / "run")),
     ("a-directory-where-a-file-is-written", summary_json_a_directory, "is a directory where fcaudit writes a file: "
@@ -75,18 +65,12 @@ ROWS: list[Row] = [
 ]
 
 
-def _ok(result) -> None:
-    assert result.exit_code == 0, result.output
-
-
 @pytest.mark.parametrize("name, state, fragment, fix", ROWS, ids=[r[0] for r in ROWS])
 def test_a_message_that_says_rerun_leads_out(tmp_path, name, state, fragment, fix):
     command = state(tmp_path)
-    first = run(*command)
-    lines = [line for line in first.output.splitlines() if line.strip()]
-    assert first.exit_code == 2 and len(lines) == 1 and fragment in lines[0], first.output
+    assert fragment in refusal(cli(*command))
     fix(tmp_path)
-    _ok(run(*command))
+    ok(cli(*command))
 
 
 def test_an_interrupted_command_says_rerun_and_the_rerun_finishes_it(tmp_path, monkeypatch):
@@ -99,10 +83,10 @@ def test_an_interrupted_command_says_rerun_and_the_rerun_finishes_it(tmp_path, m
         return real(*args, **kwargs)
 
     monkeypatch.setattr(data, "random_batch", interrupted)
-    first = run(*TRAIN, "--out", tmp_path / "run")
+    first = cli(*TRAIN, "--out", tmp_path / "run")
     assert first.exit_code == 130 and "interrupted: rerun the same command to resume" in first.output
     monkeypatch.setattr(data, "random_batch", real)
-    _ok(run(*TRAIN, "--out", tmp_path / "run"))
+    ok(cli(*TRAIN, "--out", tmp_path / "run"))
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
@@ -119,9 +103,8 @@ def test_a_full_disk_says_rerun_and_the_rerun_gives_the_uninterrupted_records(fu
 
     monkeypatch.setattr(files, "write_columns", fills_up)
     ckpt = fuzz_world.fg
-    first = run("audit", ckpt, *AUDIT, "--out", tmp_path / "a")
-    assert first.exit_code == 2 and "free some space and rerun the same command" in first.output
+    assert "free some space and rerun the same command" in refusal(cli("audit", ckpt, *AUDIT, "--out", tmp_path / "a"))
     monkeypatch.setattr(files, "write_columns", real)
-    _ok(run("audit", ckpt, *AUDIT, "--out", tmp_path / "a"))
-    _ok(run("audit", ckpt, *AUDIT, "--out", tmp_path / "b"))
+    ok(cli("audit", ckpt, *AUDIT, "--out", tmp_path / "a"))
+    ok(cli("audit", ckpt, *AUDIT, "--out", tmp_path / "b"))
     assert AuditResult.load(tmp_path / "a").records.equals(AuditResult.load(tmp_path / "b").records)

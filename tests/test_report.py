@@ -343,10 +343,17 @@ def test_retention_is_undefined_on_a_negligible_reference_gap_everywhere_it_appe
     cell = fca_display(small_frames["conditions"], small_frames["retention"]).set_index("Condition")
     assert cell.loc["LayerMean", "Retention"] == "undefined (ΔNLL(R) interval not above 0.002)"
 
-    texts = []
-    monkeypatch.setattr(figures, "_save", lambda fig, path: texts.extend(t.get_text() for a in fig.axes
-                                                                         for t in a.texts) or path)
+    import matplotlib.figure
+
+    texts, savefig = [], matplotlib.figure.Figure.savefig
+
+    def saved(fig, *args, **kwargs):  # the texts of the figure as it is written
+        texts.extend(t.get_text() for a in fig.axes for t in a.texts)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", saved)
     figures.retention_figure(s.retention, tmp_path / "fig4.png")
+    assert (tmp_path / "fig4.png").is_file()
     assert sum("undefined (ΔNLL(R) interval not above 0.002)" in t for t in texts) == 4  # two per family
     assert any(t.startswith("73.33% [") for t in texts)
     monkeypatch.undo()

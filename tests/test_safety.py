@@ -2,13 +2,12 @@
 refuses what it cannot read safely.
 
 Every row builds its world in the test's own directory (and, for the home directory, a HOME of its own) and runs
-one command: one line `error: ...`, exit code 2, and every file of that world byte-identical afterwards (links
-included, as links). No test writes or deletes outside its tmp directory.
+one command (tests/harness.py): one line `error: ...`, exit code 2, and every entry of that world as it was afterwards
+(no file written, replaced or removed; links as links). No test writes or deletes outside its tmp directory.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,64 +18,16 @@ from typing import Callable
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from fcaudit.cli import app
 from fcaudit.errors import FcauditError
-from fcaudit.models.checkpoint import save_checkpoint
-from fcaudit.models.featuregate import FeatureGateGPT, config_for
-from fcaudit.models.muddpythia import BYTE_PRESETS, MUDDPythia
+from fcaudit.models.muddpythia import MUDDPythia
+from harness import an_audit, cli, fg_ckpt, moe_ckpt, mudd_ckpt, ok, printed, refusal, tree, user_file
 
-runner = CliRunner()
 AUDIT = ["--eval", "4", "--calib", "4", "--window", "32"]
 PWNED = "pwned.txt"  # what a checkpoint's or pickle's code would write into the world: never there
 
 
 # ---- the world ------------------------------------------------------------------------------------------------
-
-def world(root: Path) -> dict[str, str]:
-    """Every entry below `root`: a file by its content's sha256, a link by its target, a directory by its name."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = "link -> " + os.readlink(p)
-            elif p.is_file():
-                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-            else:
-                out[rel] = "dir"
-    return out
-
-
-def user_file(t: Path, name: str = "precious.txt", text: str = "the user's own file\n") -> Path:
-    f = t / name
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(text)
-    return f
-
-
-def fg_ckpt(t: Path, **config) -> Path:
-    torch.manual_seed(0)
-    d = save_checkpoint(t / "fg", FeatureGateGPT(config_for("tiny", "featuregate")), {"variant": "featuregate"})
-    if config:
-        cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**cfg, **config}))
-    return d
-
-
-def mudd_ckpt(t: Path, name: str = "mudd") -> Path:
-    torch.manual_seed(0)
-    return MUDDPythia(BYTE_PRESETS["tiny"]).save_pretrained(t / name)
-
-
-def moe_ckpt(t: Path, name: str = "moe") -> Path:
-    from fcaudit.families.hf_moe.tiny import tiny_moe
-
-    tiny_moe("mixtral").save_pretrained(t / name)
-    return t / name
-
 
 class Evil:
     """A pickle payload: unpickled by full pickle, it would write PWNED beside itself."""
@@ -130,16 +81,6 @@ def summary_of_theirs(t: Path) -> Path:
     user_file(d, "summary.json", '{"mine": true}\n')
     user_file(d, "conditions.csv", "x\n1\n")
     return d
-
-
-def an_audit(t: Path) -> Path:
-    import fcaudit as fca
-
-    torch.manual_seed(0)
-    model = FeatureGateGPT(config_for("tiny", "featuregate"))
-    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
-    fca.audit(model, fca.controller_for(model), ids[:4], ids[4:], randomizations=1, out=t / "audit", quiet=True)
-    return t / "audit"
 
 
 def linked(t: Path, run: Path, name: str, target: Path) -> Path:
@@ -221,7 +162,7 @@ ROWS: list[Row] = [
     # 7: sizes in config.json against the weights, before anything is allocated
     ("audit-block-size-1e8", lambda t: ["audit", fg_ckpt(t, block_size=100_000_000), *AUDIT, "--out", t / "a"],
      "wpe.weight: config.json implies [100000000, 32]"),
-    ("audit-mudd-block-size-1e8", lambda t: ["audit", _mudd_config(t, block_size=100_000_000), *AUDIT,
+    ("audit-mudd-block-size-1e8", lambda t: ["audit", mudd_ckpt(t, block_size=100_000_000), *AUDIT,
                                              "--out", t / "a"], "block_size 100000000, more positions"),
     # 8, 9: pickle weights and index shards
     ("audit-moe-pickle-payload", lambda t: ["audit", _moe_pickle(t, payload=True), *AUDIT, "--out", t / "a"],
@@ -265,12 +206,6 @@ def _mudd_pickle(t: Path) -> Path:
     return d
 
 
-def _mudd_config(t: Path, **config) -> Path:
-    d = mudd_ckpt(t)
-    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **config}))
-    return d
-
-
 def _shard_link(t: Path) -> Path:
     """An index whose shard, named inside the checkpoint, is a link to another checkpoint's weights."""
     d = index_to(mudd_ckpt(t), "model-00001-of-00001.safetensors")
@@ -280,8 +215,7 @@ def _shard_link(t: Path) -> Path:
 
 def _cli_audit(t: Path) -> Path:
     """A finished audit of fg_ckpt(t) into t/a by the same command the row runs again."""
-    result = runner.invoke(app, ["audit", str(fg_ckpt(t)), *AUDIT, "--out", str(t / "a")])
-    assert result.exit_code == 0, result.output
+    ok(cli("audit", fg_ckpt(t), *AUDIT, "--out", t / "a"))
     return t / "a"
 
 
@@ -296,7 +230,7 @@ def _link_a_record(t: Path) -> Path:
 
 def _linked_summary(t: Path) -> Path:
     out = t / "s"
-    assert runner.invoke(app, ["summarize", str(an_audit(t)), "--out", str(out)]).exit_code == 0
+    ok(cli("summarize", an_audit(t), "--out", out))
     return linked(t, out, "summary.json", user_file(t))
 
 
@@ -308,15 +242,13 @@ def test_refused_in_one_line_with_exit_2_and_the_world_unchanged(tmp_path, monke
     monkeypatch.setenv("MPLCONFIGDIR", matplotlib.get_configdir())
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     user_file(tmp_path / "home", ".bashrc", "# theirs\n")
-    args = [str(a) for a in build(tmp_path)]
-    before, root_before = world(tmp_path), sorted(os.listdir("/"))
-    result = runner.invoke(app, args, input="y\ny\n")  # a terminal's "yes" to any question asked: none may be
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2, (args, result.output, result.exception)
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    assert fragment in lines[0], lines[0]
-    assert "weights_only=False" not in lines[0] and "[y/N]" not in result.output
-    assert world(tmp_path) == before, "the command changed files it did not write"
+    args = build(tmp_path)
+    before, root_before = tree(tmp_path), sorted(os.listdir("/"))
+    result = cli(*args, input="y\ny\n")  # a terminal's "yes" to any question asked: none may be
+    line = refusal(result)
+    assert fragment in line, line
+    assert "weights_only=False" not in line and "[y/N]" not in result.output
+    assert tree(tmp_path) == before, "the command changed files it did not write"
     assert sorted(os.listdir("/")) == root_before
     assert not (tmp_path / PWNED).exists()
 
@@ -366,7 +298,7 @@ def test_plain_pickle_weights_load_through_the_restricted_unpickler(tmp_path):
 def test_reruns_into_their_own_directories_still_work(tmp_path):
     audit = an_audit(tmp_path)
     for _ in range(2):
-        assert runner.invoke(app, ["summarize", str(audit), "--out", str(tmp_path / "s")]).exit_code == 0
+        ok(cli("summarize", audit, "--out", tmp_path / "s"))
     assert (tmp_path / "s" / ".fcaudit-summary").is_file()
     listed = json.loads((tmp_path / "s" / ".fcaudit-summary").read_text())["files"]
     assert "summary.json" in listed and "conditions.csv" in listed
@@ -379,7 +311,7 @@ def test_a_link_planted_after_the_claim_is_refused_at_the_write(tmp_path):
 
     out = claim_out(tmp_path / "r", "report")
     outside = outside_dir(tmp_path)
-    before = world(outside)
+    before = tree(outside)
     (out / "sub").symlink_to(outside)
     with pytest.raises(FcauditError, match="sub is a symbolic link inside the report directory"):
         write_text(out / "sub" / "keep.safetensors", "overwritten")
@@ -387,7 +319,7 @@ def test_a_link_planted_after_the_claim_is_refused_at_the_write(tmp_path):
         remove_tree(out / "sub")
     with pytest.raises(FcauditError, match="symbolic link"):
         remove_file(out / "sub" / "keep.safetensors")
-    assert world(outside) == before
+    assert tree(outside) == before
     run = claim_out(tmp_path / "t", "training run")
     (run / ".lock").symlink_to(user_file(tmp_path))
     with pytest.raises(FcauditError, match="symbolic link"):
@@ -428,16 +360,16 @@ def test_a_missing_extra_is_named_before_any_work(tmp_path):
     commands = [["demo", "--quick", "--out", str(tmp_path / "demo")],
                 ["train", "--model", "moe", "--preset", "tiny", "--steps", "2", "--out", str(tmp_path / "run")],
                 ["audit", str(moe), *AUDIT, "--out", str(tmp_path / "a")]]
-    before = world(tmp_path)
+    before = tree(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", HIDDEN, json.dumps(commands)], capture_output=True, text=True,
                           check=False, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     for (code, output), args in zip(json.loads(done.stdout.splitlines()[-1]), commands):
-        lines = [line for line in output.splitlines() if line.strip()]
+        lines = printed(output)
         assert code == 2 and len(lines) == 1, (args, output)
         assert "needs transformers" in lines[0] and "pip install 'fcaudit[hf]'" in lines[0], lines[0]
-    assert world(tmp_path) == before
+    assert tree(tmp_path) == before
 
 
 def test_a_directory_deleted_and_made_anew_is_claimed_afresh(tmp_path):
@@ -446,6 +378,6 @@ def test_a_directory_deleted_and_made_anew_is_claimed_afresh(tmp_path):
 
     audit = an_audit(tmp_path)
     for _ in range(2):
-        assert runner.invoke(app, ["summarize", str(audit), "--out", str(tmp_path / "s")]).exit_code == 0
+        ok(cli("summarize", audit, "--out", tmp_path / "s"))
         assert "summary.json" in json.loads((tmp_path / "s" / ".fcaudit-summary").read_text())["files"]
         shutil.rmtree(tmp_path / "s")
