@@ -155,7 +155,7 @@ def timed_parts() -> Iterator[Counter]:
     """CPU seconds spent in the engine's steps while the block runs (each step's callable wrapped, restored after). Each
     step's time is its own: what steps called within it took is theirs (the forward passes within stage 1, the store
     reads within making coefficients), so the parts add up."""
-    from fcaudit.auditor import engine, runner
+    from fcaudit.auditor import driver, engine
     from fcaudit.auditor.results import AuditResult
     from fcaudit.controllers.sites import Site
     from fcaudit.kinds import Description
@@ -167,7 +167,7 @@ def timed_parts() -> Iterator[Counter]:
              (engine.Engine, "_capture", "stage 1's checks and writes"),
              (engine.Engine, "_calibrate", "stage 1's checks and writes")]
     steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
-    steps += [(runner, "_prepare", "setting up and finishing"), (runner, "_lock_and_open", "setting up and finishing"),
+    steps += [(driver, "_prepare", "setting up and finishing"), (driver, "_lock_and_open", "setting up and finishing"),
               (engine.Engine, "_reduce_profiles", "setting up and finishing"),
               (engine.Engine, "_finalize", "setting up and finishing"), (AuditResult, "load", "setting up and finishing")]
     # what each step's owner holds under its name (a class keeps its classmethod, not a method bound to it)

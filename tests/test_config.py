@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import fcaudit as fca
 from fcaudit import config as cfg
 from fcaudit import protocol
-from fcaudit.auditor.runner import RUN_BYTES
+from fcaudit.auditor.planner import RUN_BYTES
 from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig

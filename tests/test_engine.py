@@ -782,10 +782,10 @@ def test_plan_reports_sizes():
 
 
 def test_plan_names_the_device_that_holds_the_store(monkeypatch):
-    from fcaudit.auditor import runner
+    from fcaudit.auditor import planner
 
     asked = []
-    monkeypatch.setattr(runner, "keeps_store_on", lambda device, nbytes: asked.append(nbytes) or True)
+    monkeypatch.setattr(planner, "keeps_store_on", lambda device, nbytes: asked.append(nbytes) or True)
     model = ToyMoE()
     p = plan(model, Controller.from_modules(model, "layers.*.router", "(batch token) expert"), windows(32, 0))
     assert asked == [p.store_bytes] and p.store_device == "cpu"

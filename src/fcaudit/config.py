@@ -113,7 +113,7 @@ class AuditConfig:
                                "(--world-size) plans a run that would be refused; drop one of them")
 
     def to_json(self) -> dict:
-        """The settings config.json records, which a resumed audit must match (the runner adds the windows, model and
+        """The settings config.json records, which a resumed audit must match (the driver adds the windows, model and
         controller); where and how the model is loaded and the output change no record."""
         loss = "token_nll" if self.loss_fn is None else getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
         return {"seed": self.seed, "randomizations": self.randomizations, "batch_size": self.batch_size,

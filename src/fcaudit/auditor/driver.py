@@ -1,295 +1,40 @@
 """Algorithm 1 (Frozen-Controller Audit) from the user's side: check the inputs, probe the model, fix the
-configuration, lock the audit directory, run the engine's work units and return the results; `audit_checkpoint` first
-loads a checkpoint and draws its windows. Finished units are verified when reused and each draw is keyed by (seed,
-randomization, example), so rerunning a command resumes an interrupted audit with an uninterrupted one's records."""
+configuration, lock the audit directory (every rank seeing rank 0's, all with one configuration), run the engine's
+work units and return the results. Finished units are verified when reused and each draw is keyed by (seed,
+randomization, example), so rerunning a call resumes an interrupted audit with an uninterrupted one's records."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import tempfile
 import time
-import weakref
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from fcaudit import api, data, families, placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir, config_hash, differences
-from fcaudit.auditor.engine import Engine, LossFn, capture_batch, keeps_store_on
+from fcaudit.auditor.engine import Engine, LossFn
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import (Group, group_from_env, ignore_sigterm, launched_rank, launched_world,
                                  rank_device)
+from fcaudit.auditor.inputs import Windows, check_controller, check_ids, evaluating, first_forward, parameter_hash, \
+    vocab_size
+from fcaudit.auditor.planner import AuditPlan, plan
 from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.store import all_finite, check_finite
-from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig
 from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.device import resolve_device
-from fcaudit.errors import FcauditError, one_line
+from fcaudit.errors import FcauditError
 from fcaudit.io import Locked, read_object, write_text
 from fcaudit.tokens import load_tokenizer
-
-
-# ---- inputs -----------------------------------------------------------------------------------------------------
-
-def as_windows(windows, what: str) -> tuple[torch.Tensor, object | None]:
-    """ids [N, T] int64 from a tensor, a list of rows, or a WindowSet (anything with `.ids`)."""
-    window_set = windows if hasattr(windows, "ids") else None
-    ids = windows.ids if window_set is not None else windows
-    if ids is None:
-        raise FcauditError(f"{what} windows are None: pass token ids [N, T] (a tensor, a list of rows, or a WindowSet "
-                           "of fca.windows)")
-    if isinstance(ids, (list, tuple)):
-        if not all(hasattr(row, "__len__") for row in ids):  # [5, 7, 9]: one window's ids, not a list of windows
-            raise FcauditError(f"{what} windows are a flat list of token ids; pass a list of windows (rows of ids), "
-                               "e.g. [ids] for one window")
-        lengths = sorted({len(row) for row in ids})
-        if len(lengths) > 1:
-            raise FcauditError(f"{what} windows have unequal lengths {lengths[:4]}; cut every window to one length (--window)")
-    try:
-        if isinstance(ids, (list, tuple)):
-            ids = torch.stack([torch.as_tensor(row) for row in ids]) if ids else torch.empty(0, 0, dtype=torch.long)
-        ids = torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise FcauditError(f"{what} windows must be token ids [N, T] (an integer tensor, a list of rows or a "
-                           f"WindowSet), got {type(ids).__name__}") from None
-    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise FcauditError(f"{what} windows must be an integer tensor [N, T] of token ids, got {ids.dtype} {tuple(ids.shape)}")
-    return ids.long().cpu(), window_set
-
-
-@dataclass
-class Windows:
-    """An audit's evaluation and calibration ids [N, T] (int64, on the CPU) and the WindowSets they came from."""
-
-    ev: torch.Tensor
-    ev_set: object | None
-    ca: torch.Tensor
-    ca_set: object | None
-
-    @classmethod
-    def of(cls, eval_windows, calib_windows) -> "Windows":
-        return cls(*as_windows(eval_windows, "evaluation"), *as_windows(calib_windows, "calibration"))
-
-    def check(self) -> None:
-        """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where calibration
-        windows repeat or overlap evaluation windows (a real run's check: a dry run prints it as a note)."""
-        ev, ca = self.ev, self.ca
-        if ev.shape[0] < 2:
-            raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at "
-                               "least 2 (--eval)")
-        if ca.shape[0] < 1:
-            raise FcauditError("no calibration windows: static profiles need at least 1 (--calib)")
-        if ev.shape[1] != ca.shape[1]:
-            raise FcauditError(f"evaluation windows have length {ev.shape[1]} but calibration windows {ca.shape[1]}; "
-                               "use one window length for both (--window)")
-        if ev.shape[1] < 2:
-            raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
-        rows = {hashlib.sha256(row.tobytes()).digest() for row in ev.numpy()}  # not a copy of every window
-        if shared := sum(hashlib.sha256(row.tobytes()).digest() in rows for row in ca.numpy()):
-            raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
-                               "from a different split (e.g. validation) than the evaluation windows (test), or, "
-                               "when they already are (as fcaudit audit draws them), use a corpus whose text does not "
-                               "repeat")
-        e, c = (getattr(s, "starts", None) for s in (self.ev_set, self.ca_set))
-        if e is not None and c is not None and self.ev_set.split == self.ca_set.split:
-            t, e, c = ev.shape[1], np.sort(np.asarray(e)), np.asarray(c)
-            # a calibration window [c, c+t) overlaps an eval window [e, e+t) iff some e lies in (c-t, c+t)
-            if np.any(np.searchsorted(e, c - t, side="right") < np.searchsorted(e, c + t)):
-                raise FcauditError(f"calibration windows overlap evaluation windows in split {self.ev_set.split!r}; "
-                                   "take them from another split or non-overlapping ranges")
-
-
-# ---- model helpers ----------------------------------------------------------------------------------------------
-
-@contextmanager
-def evaluating(model: nn.Module):
-    """The model in eval mode under inference_mode, then back in the mode it was in."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        model.train(was_training)
-
-
-def parameter_hash(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in placement.named_tensors(model):  # an offloaded layer's weights too, one module at a time
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # the buffer: no copy
-    return h.hexdigest()
-
-
-def vocab_size(model: nn.Module) -> int | None:
-    """The number of token ids the model embeds (input embedding rows), when it has one."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if callable(get) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
-
-
-def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
-    """Token ids the model embeds, in windows no longer than its context (some models silently accept longer ones)."""
-    vocab, context = vocab_size(model), families.context_length(model)
-    for ids in windows:
-        if context is not None and ids.shape[1] > context:
-            raise FcauditError(f"windows of {ids.shape[1]} tokens exceed the model's context of {context} positions; "
-                               f"pass windows of at most {context} tokens (--window {context})")
-        if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
-            raise FcauditError(f"token ids range over [{int(ids.min())}, {int(ids.max())}] but the model embeds ids "
-                               f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
-
-
-# ---- plan -------------------------------------------------------------------------------------------------------
-
-@dataclass
-class AuditPlan:
-    """What `fca.plan` returns: `str(plan)` is the line `fcaudit audit --dry-run` prints, the fields the numbers
-    behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape)."""
-
-    n_eval: int
-    n_calib: int
-    window: int
-    batch_size: int
-    randomizations: int
-    conditions: list[str]
-    layer_shapes: list[list[int]]
-    coeff_dtype: str
-    store_bytes: int
-    forward_passes: int
-    param_bytes: int
-    activation_bytes: int  # measured growth of one 1-window forward pass, beyond the parameters
-    peak_memory_bytes: int  # parameters + batch_size x (activations + the first pass's logits + 3 x coefficients)
-    world_size: int = 1
-    passes_per_rank: list[int] | None = None
-    store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
-    devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
-    plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
-
-    def __str__(self) -> str:
-        split = ""
-        if self.world_size > 1:
-            ranks = self.passes_per_rank or []
-            each = ranks if len(ranks) <= 8 else f"{min(ranks)}-{max(ranks)}"
-            split = f"; {self.world_size} processes: forward passes per rank {each}"
-        held = f"; the replays also hold the store on {self.store_device}" if self.store_device else ""
-        over = f" over {', '.join(self.devices)} (its device map)" if self.devices else ""
-        return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
-                f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
-                f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + plan "
-                f"{_size(self.plan_bytes)} + {self.batch_size} x {_size(self.activation_bytes)} per window)"
-                f"{over}{held}{split}")
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-class _PeakBytes(TorchDispatchMode):
-    """The peak bytes live at once of the CPU tensors its ops allocate (a view of a live tensor adds nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._held: set[int] = set()
-
-    def _free(self, ptr: int, nbytes: int) -> None:
-        self._held.discard(ptr)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and ptr not in self._held:
-                    self._held.add(ptr)
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, ptr, nbytes)
-        return out
-
-
-RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
-
-
-def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
-         randomizations: int = 20, world_size: int = 1) -> AuditPlan:
-    """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
-
-    Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
-    prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,
-    a one-window pass's activations, the capture's logits and three windows of coefficients.
-
-    Parameters
-    ----------
-    model, controller, eval_windows, calib_windows, batch_size, randomizations
-        As for `fca.audit`; `calib_windows` may be None.
-    world_size
-        Processes the work units are split over (torchrun ranks).
-
-    Returns
-    -------
-    AuditPlan
-        Its `str()` is one line; its fields hold each size in bytes and the forward passes per rank.
-
-    Examples
-    --------
-    With `model`, `ctrl`, `eval_w` and `calib_w` from `fca.audit`'s example:
-
-    >>> p = fca.plan(model, ctrl, eval_w, calib_w, randomizations=20)
-    >>> p.forward_passes, len(p.layer_shapes)
-    (..., 2)
-    >>> print(p)
-    2 sites, store ... MiB, ... forward passes (Correct, ...), peak memory ~... MiB (parameters ...)
-    """
-    config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
-    check_controller(model, controller)
-    ev, _ = as_windows(eval_windows, "evaluation")
-    n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
-    check_ids(model, ev)
-    device = placement.input_device(model)
-    one, cuda = ev[:1].to(device), device.type == "cuda"
-    with evaluating(model):
-        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        # one window's peak allocation beyond the parameters: CUDA's allocator statistics, or the CPU ops' tensors
-        with nullcontext() if cuda else _PeakBytes() as counted:
-            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
-        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
-    check_finite(coeffs, "a 1-window forward")
-    per_window = sum(c.numel() * c.element_size() for c in coeffs)
-    logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    conditions = protocol.for_controller(controller.info)
-    world, batch = config.world_size or 1, config.batch_size  # None: one process, as for a run without torchrun
-    sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
-    store = per_window * ev.shape[0]
-    planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
-    return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
-                     [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
-                     store, sched.forward_passes(), param_bytes, acts,
-                     param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
-                     sched.passes_per_rank(world), str(device) if keeps_store_on(device, store) else None,
-                     sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
-                     planned)
 
 
 def against_out(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig,
@@ -334,30 +79,6 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
     state = adir.open(config)
     adir.check_strays(config)  # before any work: the reader would refuse the finished audit for it
     return state
-
-
-def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor, loss_fn: LossFn | None,
-                  decoding: bool = False) -> tuple:
-    """capture_batch of the first evaluation windows, where a model that fails on them is one line (an audit's probe,
-    a dry run's warm-up)."""
-    try:
-        return capture_batch(model, controller, first, loss_fn, decoding=decoding)
-    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
-        raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
-                           f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
-                           "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
-                           "size)") from e  # the cause's traceback stays, for a bug in the model's own code
-
-
-def check_controller(model: nn.Module, controller: Controller) -> None:
-    """A Controller built from this model instance (not a pattern, nor another instance's sites)."""
-    if not isinstance(controller, Controller):
-        raise FcauditError(f"controller must be a fcaudit.Controller (fcaudit.controller_for(model)), got "
-                           f"{type(controller).__name__}")
-    modules = {id(m) for m in model.modules()}
-    if foreign := [s.path for s in controller.sites if id(s.module) not in modules]:
-        raise FcauditError(f"the controller's site {foreign[0]!r} is a module of another model instance; build the "
-                           "controller from this model (fcaudit.controller_for(model) or Controller.from_modules)")
 
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
