@@ -18,7 +18,7 @@ from torch import nn
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir, config_hash, differences
-from fcaudit.auditor.engine import Engine, LossFn
+from fcaudit.auditor.engine import Engine
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
 from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, evaluating, first_forward, parameter_hash,
@@ -26,7 +26,7 @@ from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, evalua
 from fcaudit.auditor.planner import AuditPlan
 from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.store import all_finite, check_finite
-from fcaudit.config import AuditConfig
+from fcaudit.config import AuditConfig, with_settings
 from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
@@ -124,10 +124,8 @@ def _check_same(configs: list[dict]) -> None:
                            f"{differences(configs[0], configs[odd])}); give every node the same checkpoint and corpus")
 
 
-def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, randomizations: int = 20,
-          seed: int = 0, out: str | Path | None = None, *, batch_size: int = 8, tolerance: float = 0.0,
-          loss_fn: LossFn | None = None, criteria=None, model_info: dict | None = None, quiet: bool = False,
-          config: AuditConfig | None = None, group: Group | None = None) -> AuditResult:
+def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, config: AuditConfig | None = None,
+          group: Group | None = None, **settings) -> AuditResult:
     """Run (or resume) a Frozen-Controller Audit of `model`; its results are also written to `out`.
 
     One run of the unmodified model caches every site's coefficients, replaying them must reproduce the logits
@@ -142,28 +140,14 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         Its sites: `fca.Controller.from_modules(...)` or `fca.controller_for(model)`.
     eval_windows, calib_windows : torch.Tensor or fcaudit.data.WindowSet
         Token ids [N, T] (an int tensor) or the WindowSets of `fca.windows`.
-    randomizations
-        Draws of each randomized condition (the paper's R).
-    seed
-        Seeds every draw: the same seed on the same inputs gives the same records bit for bit.
-    out
-        The audit directory; None writes a new temporary one.
-    batch_size
-        Windows per forward pass.
-    tolerance
-        0 demands a bit-equal replay of logits and NLL; above 0, max |Δlogit| and |ΔNLL| up to it pass.
-    loss_fn
-        `loss_fn(output, ids) -> [batch]` instead of the next-token NLL (the replay check still compares logits).
-    criteria : fcaudit.Criteria or dict, optional
-        The prespecified criteria, fixed in config.json before the audit runs.
-    model_info
-        What config.json records of the model; "family" names the seeds `fca.summarize` pools (default: class, size).
-    quiet
-        No progress bar or summary table.
     config : fcaudit.AuditConfig, optional
-        All the settings above in one object, instead of the keywords.
+        The settings in one object.
     group
         The processes sharing the work units (default: this one); under torchrun, `auditor.group_from_env(device)`.
+    **settings
+        `out`, `randomizations`, `seed`, `batch_size`, `tolerance`, `criteria`, `loss_fn`, `model_info`, `quiet`:
+        the fields of `fcaudit.AuditConfig`, documented there (`AuditConfig(**settings)`); given with `config`, they
+        replace its fields.
 
     Returns
     -------
@@ -203,12 +187,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
 
     The examples of `fca.AuditResult`, `fca.plan`, `fca.summarize` and `fca.build_report` continue this one.
     """
-    settings = dict(out=out, randomizations=randomizations, seed=seed, batch_size=batch_size, tolerance=tolerance,
-                    loss_fn=loss_fn, criteria=criteria, model_info=model_info, quiet=quiet)
-    if config is None:
-        config = AuditConfig(**settings)
-    elif given := [k for k, v in settings.items() if v is not None and v != getattr(AuditConfig(), k)]:
-        raise FcauditError(f"pass the settings in config= or as keywords, not both (got config= and {given})")
+    config = with_settings(config, settings)
     group = group or Group()
     with evaluating(model):
         # an agreed phase: bad input on any rank stops every rank with its one-line error

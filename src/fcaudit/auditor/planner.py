@@ -103,8 +103,10 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
 
     Parameters
     ----------
-    model, controller, eval_windows, calib_windows, batch_size, randomizations
+    model, controller, eval_windows, calib_windows
         As for `fca.audit`; `calib_windows` may be None.
+    batch_size, randomizations
+        As in `fcaudit.AuditConfig`.
     world_size
         Processes the work units are split over (torchrun ranks).
 
