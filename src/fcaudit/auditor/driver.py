@@ -124,6 +124,19 @@ def _check_same(configs: list[dict]) -> None:
                            f"{differences(configs[0], configs[odd])}); give every node the same checkpoint and corpus")
 
 
+def _checked(model: nn.Module, controller: Controller, given: tuple, config: AuditConfig, group: Group) -> tuple:
+    """The given (eval, calib) windows checked, the model probed and the configuration fixed, every rank agreeing:
+    (windows, probe, config.json's content, findings, `config` with its out directory); rank 0 prints the notices."""
+    # an agreed phase: bad input on any rank stops every rank with its one-line error
+    windows = group.run(lambda: Windows.of(*given))
+    probe, saved, findings = group.run(lambda: _prepare(model, controller, windows, config, group.world))
+    if (lines := [f.line for f in findings if f.line]) and group.is_main:  # even when quiet: it may mean the
+        Console(stderr=True, highlight=False).print("\n".join(lines), soft_wrap=True)  # results measure nothing
+    if config.out is None:
+        config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
+    return windows, probe, saved, findings, config
+
+
 def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, config: AuditConfig | None = None,
           group: Group | None = None, **settings) -> AuditResult:
     """Run (or resume) a Frozen-Controller Audit of `model`; its results are also written to `out`.
@@ -190,13 +203,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     config = with_settings(config, settings)
     group = group or Group()
     with evaluating(model):
-        # an agreed phase: bad input on any rank stops every rank with its one-line error
-        windows = group.run(lambda: Windows.of(eval_windows, calib_windows))
-        probe, saved, findings = group.run(lambda: _prepare(model, controller, windows, config, group.world))
-        if (lines := [f.line for f in findings if f.line]) and group.is_main:  # even when quiet: it may mean the
-            Console(stderr=True, highlight=False).print("\n".join(lines), soft_wrap=True)  # results measure nothing
-        if config.out is None:
-            config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
+        windows, probe, saved, findings, config = _checked(model, controller, (eval_windows, calib_windows), config,
+                                                           group)
         adir = AuditDir(config.out)
         group.run(lambda: _check_same(group.gather(saved)))
         try:

@@ -90,6 +90,23 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
 
+def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device) -> tuple:
+    """(coefficients, logits, activation bytes) of a capture of one window, after a warm-up pass: its peak allocation
+    beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors."""
+    cuda = device.type == "cuda"
+    with evaluating(model):
+        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with nullcontext() if cuda else _PeakBytes() as counted:
+            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
+    check_finite(coeffs, "a 1-window forward")
+    return coeffs, logits_of_one, acts
+
+
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
 
 
@@ -131,18 +148,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
-    one, cuda = ev[:1].to(device), device.type == "cuda"
-    with evaluating(model):
-        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        # one window's peak allocation beyond the parameters: CUDA's allocator statistics, or the CPU ops' tensors
-        with nullcontext() if cuda else _PeakBytes() as counted:
-            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
-        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
-    check_finite(coeffs, "a 1-window forward")
+    coeffs, logits_of_one, acts = _one_window(model, controller, ev[:1].to(device), device)
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
