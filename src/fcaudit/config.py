@@ -52,8 +52,10 @@ class AuditConfig:
     ----------
     out
         The audit directory; None writes a new temporary one.
-    n_eval, n_calib
-        `fcaudit audit`: evaluation windows drawn from the test split, calibration windows from the validation split.
+    n_eval
+        `fcaudit audit`: evaluation windows drawn from the test split.
+    n_calib
+        `fcaudit audit`: calibration windows drawn from the validation split.
     window
         `fcaudit audit`: tokens per window (None: the model's context, at most `families.DEFAULT_WINDOW_CAP`).
     randomizations
@@ -73,11 +75,16 @@ class AuditConfig:
         What config.json records of the model; "family" names the seeds `fca.summarize` pools (default: class, size).
     quiet
         No progress bar or summary table.
-    device, dtype, revision
-        `fcaudit audit`: where and in which dtype (None: the checkpoint's) to load the checkpoint, a hub id's revision.
-    device_map, offload_folder
-        `fcaudit audit`: spread a Hugging Face model with accelerate (instead of `device`), and where the map's "disk"
-        weights go.
+    device
+        `fcaudit audit`: where to load the checkpoint.
+    dtype
+        `fcaudit audit`: the dtype to load it in (None: the checkpoint's).
+    revision
+        `fcaudit audit`: a hub id's revision.
+    device_map
+        `fcaudit audit`: spread a Hugging Face model with accelerate (instead of `device`).
+    offload_folder
+        `fcaudit audit`: where a device map's "disk" weights go.
     family
         `fcaudit audit`: the name `summarize` pools checkpoints by.
     dry_run
