@@ -33,7 +33,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     from fcaudit.auditor import AuditResult
-    from fcaudit.auditor.runner import audit_checkpoint
+    from fcaudit.checkpoint_audit import audit_checkpoint
     from fcaudit.config import AuditConfig
 
     print(f"load before: {os.getloadavg()[0]:.2f}")

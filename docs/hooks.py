@@ -12,7 +12,7 @@ import inspect
 
 CLI = "<!-- cli-reference -->"
 API = "<!-- api-reference -->"
-RETURNED = ("fcaudit.auditor.runner.AuditPlan",)
+RETURNED = ("fcaudit.auditor.planner.AuditPlan",)
 # classes whose page lists the methods they share with others (AuditResult's and FamilyResult's from Results)
 INHERITED = ("fcaudit.auditor.results.AuditResult", "fcaudit.summary.FamilyResult")
 

@@ -446,7 +446,7 @@ def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_r
 
 
 def test_ranks_with_other_configurations_are_told_which_fields_differ_and_a_corpus_path_is_descriptive():
-    from fcaudit.auditor.runner import _check_same
+    from fcaudit.auditor.driver import _check_same
 
     base = {"seed": 0, "windows": {"n_eval": 8, "eval_sha256": "a"},
             "model": {"params_sha256": "p", "checkpoint": "/node0/ckpt", "corpus": "/node0/text.txt"}}

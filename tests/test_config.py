@@ -4,6 +4,7 @@ dry run whose plan is counted, not listed."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import tracemalloc
 
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 import fcaudit as fca
 from fcaudit import config as cfg
 from fcaudit import protocol
-from fcaudit.auditor.runner import RUN_BYTES
+from fcaudit.auditor.planner import RUN_BYTES
 from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
@@ -143,9 +144,16 @@ def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
     again = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given)
     assert seen[1] is given and again.config["config_hash"] == res.config["config_hash"]
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")} == records
-    with pytest.raises(FcauditError, match=r"^pass the settings in config= or as keywords, not both .*'seed'"):
-        fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), seed=6, config=given)
-    assert len(seen) == 2  # refused before any work
+    # settings given with config= replace its fields: another audit, in another directory
+    fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given, out=tmp_path / "b", seed=6)
+    assert (seen[2].seed, seen[2].out, seen[2].batch_size, seen[2].tolerance) == (6, tmp_path / "b", 3, 0.5)
+    assert given.seed == 5 and (tmp_path / "b" / "variation.json").is_file()
+    unknown = {"sed": "'sed'; its settings are out, randomizations, seed",
+               "n_eval": "'n_eval' (`fcaudit audit CHECKPOINT`'s"}
+    for bad, named in unknown.items():
+        with pytest.raises(FcauditError, match=rf"^fca.audit has no setting {re.escape(named)}[^\n]*AuditConfig's"):
+            fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given, **{bad: 6})
+    assert len(seen) == 3  # refused before any work
 
 
 # ---- the dry run's plan -------------------------------------------------------------------------------------------

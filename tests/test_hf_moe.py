@@ -633,7 +633,7 @@ def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
 
 
 def test_a_device_map_under_torchrun_with_several_processes_is_refused(tmp_path):
-    from fcaudit.auditor.runner import _load
+    from fcaudit.checkpoint_audit import _load
     from fcaudit.config import AuditConfig
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")

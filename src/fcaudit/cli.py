@@ -138,7 +138,7 @@ def audit(
     Captures the coefficients, checks the exact replay, then replays each intervention; writes records, replay.json
     and variation.json into --out. Under torchrun the ranks share the work (README "Sharded audits").
     """
-    from fcaudit.auditor.runner import audit_checkpoint
+    from fcaudit.checkpoint_audit import audit_checkpoint
     from fcaudit.config import AuditConfig
 
     config = AuditConfig(out=out, n_eval=eval, n_calib=calib, window=window, randomizations=randomizations, seed=seed,

@@ -5,7 +5,7 @@ counts against (`check_count`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -44,8 +44,53 @@ LossFn = Callable[[Any, Any], Any]
 class AuditConfig:
     """What one audit runs with; None where the inputs decide (windows given to `fca.audit`, the model's context).
 
-    `fca.audit(..., config=...)` takes one instead of its keywords; `fcaudit audit` builds one from its flags, with
-    `flags=True` so that errors name the flags. Each integer is bounded by its `fcaudit.config.MAX_*`.
+    `fca.audit(..., config=config)` takes one whole, or builds one from its keyword settings
+    (`fca.audit(..., seed=1)` is `AuditConfig(seed=1)`); `fcaudit audit` builds one from its flags, with `flags=True`
+    so that errors name the flags. Each integer is bounded by its `fcaudit.config.MAX_*`.
+
+    Parameters
+    ----------
+    out
+        The audit directory; None writes a new temporary one.
+    n_eval
+        `fcaudit audit`: evaluation windows drawn from the test split.
+    n_calib
+        `fcaudit audit`: calibration windows drawn from the validation split.
+    window
+        `fcaudit audit`: tokens per window (None: the model's context, at most `families.DEFAULT_WINDOW_CAP`).
+    randomizations
+        Draws of each randomized condition (the paper's R).
+    seed
+        Seeds every draw (and `fcaudit audit`'s windows): the same seed on the same inputs gives the same records bit
+        for bit.
+    batch_size
+        Windows per forward pass.
+    tolerance
+        0 demands a bit-equal replay of logits and NLL; above 0, max |Δlogit| and |ΔNLL| up to it pass.
+    criteria : fcaudit.Criteria or dict
+        The prespecified criteria, fixed in config.json before the audit runs.
+    loss_fn
+        `loss_fn(output, ids) -> [batch]` instead of the next-token NLL (the replay check still compares logits).
+    model_info
+        What config.json records of the model; "family" names the seeds `fca.summarize` pools (default: class, size).
+    quiet
+        No progress bar or summary table.
+    device
+        `fcaudit audit`: where to load the checkpoint.
+    dtype
+        `fcaudit audit`: the dtype to load it in (None: the checkpoint's).
+    revision
+        `fcaudit audit`: a hub id's revision.
+    device_map
+        `fcaudit audit`: spread a Hugging Face model with accelerate (instead of `device`).
+    offload_folder
+        `fcaudit audit`: where a device map's "disk" weights go.
+    family
+        `fcaudit audit`: the name `summarize` pools checkpoints by.
+    dry_run
+        `fcaudit audit`: plan only (sizes and memory), nothing run or written.
+    world_size
+        `fcaudit audit`: processes a dry run plans for (None: the launcher's).
 
     Examples
     --------
@@ -55,27 +100,26 @@ class AuditConfig:
     fcaudit.errors.FcauditError: batch size must be an integer >= 1, got 0
     """
 
-    out: Path | None = None  # the audit directory (None: a new temporary one)
-    n_eval: int | None = None  # evaluation windows drawn from the test split
-    n_calib: int | None = None  # calibration windows drawn from the validation split
-    window: int | None = None  # tokens per window (None: the model's context, at most families.DEFAULT_WINDOW_CAP)
-    randomizations: int = 20  # of each randomized condition
-    seed: int = 0  # of the windows and the randomizations
-    batch_size: int = 8  # windows per forward pass
-    tolerance: float = 0.0  # allowed max |Δlogit| and |ΔNLL| of the exact replay (0: bit-exact)
-    criteria: Criteria = field(default_factory=Criteria)  # prespecified, fixed before the audit runs
-    loss_fn: LossFn | None = None  # loss_fn(output, ids) -> [B] instead of the next-token NLL
-    model_info: Mapping | None = None  # what config.json records about the model (family, checkpoint, corpus, ...)
-    quiet: bool = False  # no progress bar or summary table
-    # loading a checkpoint (`fcaudit audit`)
+    out: Path | None = None
+    n_eval: int | None = None
+    n_calib: int | None = None
+    window: int | None = None
+    randomizations: int = 20
+    seed: int = 0
+    batch_size: int = 8
+    tolerance: float = 0.0
+    criteria: Criteria = field(default_factory=Criteria)
+    loss_fn: LossFn | None = None
+    model_info: Mapping | None = None
+    quiet: bool = False
     device: str = "auto"
-    dtype: str | None = None  # None: the checkpoint's
-    revision: str | None = None  # of a hub id
-    device_map: str | None = None  # spread a Hugging Face model with accelerate (instead of device)
-    offload_folder: Path | None = None  # where a device map's "disk" weights go
-    family: str | None = None  # the name `summarize` pools checkpoints by
-    dry_run: bool = False  # plan only: sizes and memory, nothing run or written
-    world_size: int | None = None  # processes a dry run plans for (None: the launcher's)
+    dtype: str | None = None
+    revision: str | None = None
+    device_map: str | None = None
+    offload_folder: Path | None = None
+    family: str | None = None
+    dry_run: bool = False
+    world_size: int | None = None
     flags: InitVar[bool] = False
 
     def __post_init__(self, flags: bool) -> None:
@@ -113,11 +157,30 @@ class AuditConfig:
                                "(--world-size) plans a run that would be refused; drop one of them")
 
     def to_json(self) -> dict:
-        """The settings config.json records, which a resumed audit must match (the runner adds the windows, model and
+        """The settings config.json records, which a resumed audit must match (the driver adds the windows, model and
         controller); where and how the model is loaded and the output change no record."""
         loss = "token_nll" if self.loss_fn is None else getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
         return {"seed": self.seed, "randomizations": self.randomizations, "batch_size": self.batch_size,
                 "tolerance": self.tolerance, "criteria": self.criteria.to_dict(), "loss": loss}
+
+
+# the settings `fca.audit` reads (the others load a checkpoint and draw its windows: `fcaudit audit`'s)
+AUDIT_SETTINGS = ("out", "randomizations", "seed", "batch_size", "tolerance", "criteria", "loss_fn", "model_info",
+                  "quiet")
+
+
+def with_settings(config: AuditConfig | None, settings: Mapping[str, Any]) -> AuditConfig:
+    """`fca.audit`'s config: `AuditConfig(**settings)`, or `config` with `settings` replacing its fields."""
+    if unknown := [name for name in settings if name not in AUDIT_SETTINGS]:
+        loads = " (`fcaudit audit CHECKPOINT`'s: there the checkpoint and windows are loaded)" if unknown[0] in {
+            f.name for f in fields(AuditConfig)} else ""
+        raise FcauditError(f"fca.audit has no setting {unknown[0]!r}{loads}; its settings are "
+                           f"{', '.join(AUDIT_SETTINGS)} (fcaudit.AuditConfig's fields)")
+    if config is None:
+        return AuditConfig(**settings)
+    if not isinstance(config, AuditConfig):
+        raise FcauditError(f"config must be a fcaudit.AuditConfig, got {type(config).__name__}")
+    return replace(config, **settings) if settings else config
 
 
 def _bounded(name: str, value, flags: bool) -> int:

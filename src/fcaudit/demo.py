@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fcaudit.auditor.runner import audit_checkpoint
+from fcaudit.checkpoint_audit import audit_checkpoint
 from fcaudit.config import AuditConfig
 from fcaudit.data import load_corpus
 from fcaudit.device import resolve_device

@@ -1,6 +1,6 @@
 """Algorithm 1 as work units: capture + exact replay check, calibration, profiles, replays, and the final merge.
 
-`Engine` runs one process's share of the units (its `Group`'s) in an audit directory the runner has configured and
+`Engine` runs one process's share of the units (its `Group`'s) in an audit directory the driver has configured and
 locked. A unit's output is verified when reused and recomputed when damaged; randomness is keyed by (seed, r, example),
 so any partition of the units over processes, and any resume, gives the same files bit for bit.
 """
@@ -98,7 +98,7 @@ class Engine:
                  config: AuditConfig, group: Group, first: tuple[Captured, torch.Tensor, torch.Tensor],
                  findings: Sequence[Finding] = ()):
         """`windows`: the (evaluation, calibration) ids; `config.out`: the audit directory, already configured and
-        locked; `first`: the first evaluation batch's capture by the runner's probe (its dtypes are the sites', its
+        locked; `first`: the first evaluation batch's capture by the driver's probe (its dtypes are the sites', its
         decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)

@@ -1,0 +1,166 @@
+"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from one
+one-window forward pass; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fcaudit import placement, protocol
+from fcaudit.auditor.engine import capture_batch, keeps_store_on
+from fcaudit.auditor.inputs import as_windows, check_controller, check_ids, evaluating, first_forward
+from fcaudit.auditor.store import check_finite
+from fcaudit.auditor.units import Schedule
+from fcaudit.config import AuditConfig
+from fcaudit.controllers.controller import Controller
+
+
+@dataclass
+class AuditPlan:
+    """What `fca.plan` returns: `str(plan)` is the line `fcaudit audit --dry-run` prints, the fields the numbers
+    behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape)."""
+
+    n_eval: int
+    n_calib: int
+    window: int
+    batch_size: int
+    randomizations: int
+    conditions: list[str]
+    layer_shapes: list[list[int]]
+    coeff_dtype: str
+    store_bytes: int
+    forward_passes: int
+    param_bytes: int
+    activation_bytes: int  # measured growth of one 1-window forward pass, beyond the parameters
+    peak_memory_bytes: int  # parameters + batch_size x (activations + the first pass's logits + 3 x coefficients)
+    world_size: int = 1
+    passes_per_rank: list[int] | None = None
+    store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
+    devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
+    plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
+
+    def __str__(self) -> str:
+        split = ""
+        if self.world_size > 1:
+            ranks = self.passes_per_rank or []
+            each = ranks if len(ranks) <= 8 else f"{min(ranks)}-{max(ranks)}"
+            split = f"; {self.world_size} processes: forward passes per rank {each}"
+        held = f"; the replays also hold the store on {self.store_device}" if self.store_device else ""
+        over = f" over {', '.join(self.devices)} (its device map)" if self.devices else ""
+        return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
+                f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
+                f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + plan "
+                f"{_size(self.plan_bytes)} + {self.batch_size} x {_size(self.activation_bytes)} per window)"
+                f"{over}{held}{split}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The peak bytes live at once of the CPU tensors its ops allocate (a view of a live tensor adds nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: set[int] = set()
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self._held.discard(ptr)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and ptr not in self._held:
+                    self._held.add(ptr)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, ptr, nbytes)
+        return out
+
+
+def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device) -> tuple:
+    """(coefficients, logits, activation bytes) of a capture of one window, after a warm-up pass: its peak allocation
+    beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors."""
+    cuda = device.type == "cuda"
+    with evaluating(model):
+        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with nullcontext() if cuda else _PeakBytes() as counted:
+            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
+        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
+    check_finite(coeffs, "a 1-window forward")
+    return coeffs, logits_of_one, acts
+
+
+RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
+
+
+def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
+         randomizations: int = 20, world_size: int = 1) -> AuditPlan:
+    """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
+
+    Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
+    prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,
+    a one-window pass's activations, the capture's logits and three windows of coefficients.
+
+    Parameters
+    ----------
+    model, controller, eval_windows, calib_windows
+        As for `fca.audit`; `calib_windows` may be None.
+    batch_size, randomizations
+        As in `fcaudit.AuditConfig`.
+    world_size
+        Processes the work units are split over (torchrun ranks).
+
+    Returns
+    -------
+    AuditPlan
+        Its `str()` is one line; its fields hold each size in bytes and the forward passes per rank.
+
+    Examples
+    --------
+    With `model`, `ctrl`, `eval_w` and `calib_w` from `fca.audit`'s example:
+
+    >>> p = fca.plan(model, ctrl, eval_w, calib_w, randomizations=20)
+    >>> p.forward_passes, len(p.layer_shapes)
+    (..., 2)
+    >>> print(p)
+    2 sites, store ... MiB, ... forward passes (Correct, ...), peak memory ~... MiB (parameters ...)
+    """
+    config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
+    check_controller(model, controller)
+    ev, _ = as_windows(eval_windows, "evaluation")
+    n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
+    check_ids(model, ev)
+    device = placement.input_device(model)
+    coeffs, logits_of_one, acts = _one_window(model, controller, ev[:1].to(device), device)
+    per_window = sum(c.numel() * c.element_size() for c in coeffs)
+    logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    conditions = protocol.for_controller(controller.info)
+    world, batch = config.world_size or 1, config.batch_size  # None: one process, as for a run without torchrun
+    sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
+    store = per_window * ev.shape[0]
+    planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
+    return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
+                     [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
+                     store, sched.forward_passes(), param_bytes, acts,
+                     param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
+                     sched.passes_per_rank(world), str(device) if keeps_store_on(device, store) else None,
+                     sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
+                     planned)

@@ -1,0 +1,99 @@
+"""`fcaudit audit CHECKPOINT`: load a checkpoint directory or hub id on this rank's device, draw its test and
+validation windows from a corpus, then audit it (every torchrun rank its share) or, for a dry run, print its plan and
+what the real run would do with --out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from fcaudit import api, data, families, placement
+from fcaudit.auditor.directory import AuditDir
+from fcaudit.auditor.driver import against_out, audit
+from fcaudit.auditor.group import Group, group_from_env, ignore_sigterm, launched_rank, launched_world, rank_device
+from fcaudit.auditor.inputs import Windows
+from fcaudit.auditor.planner import AuditPlan, plan
+from fcaudit.auditor.results import AuditResult
+from fcaudit.config import AuditConfig
+from fcaudit.device import resolve_device
+from fcaudit.errors import FcauditError
+from fcaudit.io import read_object
+from fcaudit.tokens import load_tokenizer
+
+
+def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> AuditResult | AuditPlan:
+    """Audit a checkpoint directory or hub id on `corpus`'s test (config.n_eval) and validation (config.n_calib)
+    windows: the AuditResult, or a dry run's AuditPlan (printed by rank 0). Under torchrun every rank runs this,
+    loads the model on its own device and runs its share of the work units."""
+    if config.offload_folder is not None and Path(config.offload_folder).resolve() in {
+            Path(p).resolve() for p in (config.out, checkpoint) if p is not None}:
+        raise FcauditError(f"--offload-folder {config.offload_folder} is the audit's --out or the checkpoint: pass a "
+                           "directory of its own (it receives a copy of the offloaded weights)")
+    if config.dry_run:  # AuditConfig refuses a device map planned for several processes
+        config = replace(config, world_size=config.world_size or launched_world())
+    device = rank_device(resolve_device(config.device))
+    group = Group() if config.dry_run else group_from_env(device)
+    group.on_failure = ignore_sigterm
+    try:
+        # an agreed phase: a checkpoint or corpus missing on one node stops every rank with the same line
+        model, controller, (ev, ca), config = group.run(lambda: _load(checkpoint, corpus, config, device, group.world))
+        if not config.dry_run:
+            result = audit(model, controller, ev, ca, config=config, group=group)
+            # every rank done communicating before any tears its group down, else a rank may abort at exit
+            group.gather(None)
+            return result
+        planned = plan(model, controller, ev, ca, batch_size=config.batch_size, randomizations=config.randomizations,
+                       world_size=config.world_size)
+        if launched_rank() == 0:
+            print(planned)
+            windows = Windows.of(ev, ca)
+            if note := against_out(model, controller, windows, config, planned):
+                print(note)
+            try:  # a plan of any size is printed, but the user learns what the real run would refuse
+                windows.check()
+            except FcauditError as e:
+                print(f"note: the audit itself would stop here: {e}")
+        return planned
+    finally:
+        group.close()
+
+
+def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.device, world: int) -> tuple:
+    """(model, controller, (eval, calib) WindowSets, config describing the model); a bad --out or launch fails first."""
+    if not config.dry_run:
+        AuditDir(config.out).check(checkpoint)
+        if config.world_size is not None and config.world_size != world:
+            raise FcauditError(f"--world-size {config.world_size} but this run has {world} process(es); launch with "
+                               f"torchrun --nproc_per_node={config.world_size} (or drop --world-size, which is for "
+                               "--dry-run)")
+        if config.device_map is not None and world > 1:
+            raise FcauditError(f"--device-map spreads one model over this machine's devices, but torchrun started "
+                               f"{world} processes, each of which would load it whole: run one process, or drop "
+                               "--device-map")
+    model = api.load(checkpoint, device=device, dtype=config.dtype, revision=config.revision,
+                     device_map=None if config.device_map is None else placement.parse_device_map(config.device_map),
+                     offload_folder=config.offload_folder)
+    ckpt_dir = Path(model.fcaudit_meta["checkpoint"])
+    cap = families.DEFAULT_WINDOW_CAP
+    window = config.window or min(families.context_length(model) or cap, cap)
+    tokenizer = load_tokenizer(ckpt_dir) if (ckpt_dir / "tokenizer.json").is_file() else None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if tokenizer is None and vocab is not None and vocab != 256:
+        raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the checkpoint's "
+                           "tokenizer.json in its directory")
+    corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
+    info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
+            "revision": config.revision, "corpus": corp.describe()}
+    return (model, families.controller_for(model), data.audit_windows(corp, config.n_eval, config.n_calib, window,
+                                                                       config.seed), replace(config, model_info=info))
+
+
+def family_name(checkpoint: str, ckpt_dir: Path) -> str:
+    """Checkpoints of one family differ only by training seed: name them by what was trained, not by path."""
+    metrics = ckpt_dir / "metrics.json"
+    if metrics.is_file():
+        m = read_object(metrics, "restore it from the training run, or delete it")
+        return " ".join(str(m[k]) for k in ("variant", "preset") if m.get(k)) or ckpt_dir.name
+    return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name
