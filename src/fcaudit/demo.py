@@ -63,6 +63,31 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
     resolve_device(device)  # before the directory is claimed: a refused device leaves nothing behind
+    out = _claim(out, plan)
+    t0 = time.perf_counter()
+    corpus = load_corpus("embedded")
+    console.print(f"[bold]fcaudit demo[/bold] ({'quick' if quick else 'full'}) -> {out}  "
+                  f"corpus: {corpus.source}, {sum(corpus.describe()['tokens'].values()) / 1e6:.1f} MB")
+    runs = _train_all(out, plan, device, corpus)
+    audits, causal = _audit_all(out, plan, device, runs)
+
+    # 3. summaries, execution, report
+    summary = summarize(audits, out=out / "summary")
+    console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
+    measured = ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")
+    ckpts = [out / "train" / f"{m}-s0" for m in measured]
+    started = time.perf_counter()
+    measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
+                                      device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
+                                      threshold_windows=plan.n_eval, progress=False))
+    console.print(f"execution -> {out / 'execution'}  ({time.perf_counter() - started:.0f} s)")
+    report = build_report([out / "train", out / "summary", *audits, out / "execution"], out / "report")
+    console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
+    return report
+
+
+def _claim(out: Path, plan: DemoPlan) -> Path:
+    """`out` claimed for the demo, holding this plan (a demo of another plan there is refused: it cannot resume)."""
     out = prepare_out(out, "demo")
     saved = out / "demo_plan.json"
     planned = json.loads(json.dumps(asdict(plan)))  # tuples come back from JSON as lists
@@ -71,12 +96,12 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     claim_out(out, "demo")
     if not saved.is_file():
         write_json(saved, asdict(plan))
-    t0 = time.perf_counter()
-    corpus = load_corpus("embedded")
-    console.print(f"[bold]fcaudit demo[/bold] ({'quick' if quick else 'full'}) -> {out}  "
-                  f"corpus: {corpus.source}, {sum(corpus.describe()['tokens'].values()) / 1e6:.1f} MB")
+    return out
 
-    # 1. training (Table 1); uniform-matched comes after the FeatureGate seeds it is matched to
+
+def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str, int]]:
+    """1. Training (Table 1): every (model, seed) run, in order; uniform-matched comes after the FeatureGate seeds it
+    is matched to."""
     seeds = {"featuregate": plan.seeds, "uniform": plan.baseline_seeds, "layerstatic": plan.baseline_seeds}
     runs = [(m, s) for m in MULTI_SEED for s in range(seeds[m])] + [
         (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
@@ -93,15 +118,19 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
                           progress=console.is_terminal)  # a bar on a terminal; a log gets the demo's own lines only
         started = time.perf_counter()
         r = train(cfg, corpus=corpus)
-        console.print(f"  Byte-PPL {r.byte_ppl:.4f}" + (f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else "")
-                      + f"  ({time.perf_counter() - started:.0f} s)")
+        mass = f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""
+        console.print(f"  Byte-PPL {r.byte_ppl:.4f}{mass}  ({time.perf_counter() - started:.0f} s)")
 
     table = training_table([read_json(out / "train" / f"{m}-s{s}" / "metrics.json") for m, s in runs])
     write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
     write_text(out / "table1.csv", table.to_csv(index=False))
     console.print(f"Table 1 -> {out / 'table1.md'}")
+    return runs
 
-    # 2. audits (MoD twice: its top-k router, and the causal predictor of a copy that routes by it)
+
+def _audit_all(out: Path, plan: DemoPlan, device: str, runs: list[tuple[str, int]]) -> tuple[list[Path], Path]:
+    """2. The audits' directories, and the causal copy of MoD: MoD is audited twice, its top-k router and the causal
+    predictor of a copy that routes by it."""
     causal = out / "causal" / "mod-s0"
     if not (causal / "model.safetensors").is_file():
         causal_checkpoint(out / "train" / "mod-s0", causal)
@@ -117,17 +146,4 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
         audit_checkpoint(str(ckpt), "embedded", config)
         console.print(f"  ({time.perf_counter() - started:.0f} s)")
         audits.append(audit_dir)
-
-    # 3. summaries, execution, report
-    summary = summarize(audits, out=out / "summary")
-    console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
-    ckpts = [out / "train" / f"{m}-s0"
-             for m in ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
-    started = time.perf_counter()
-    measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
-                                      device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
-                                      threshold_windows=plan.n_eval, progress=False))
-    console.print(f"execution -> {out / 'execution'}  ({time.perf_counter() - started:.0f} s)")
-    report = build_report([out / "train", out / "summary", *audits, out / "execution"], out / "report")
-    console.print(f"[bold green]done[/bold green] in {time.perf_counter() - t0:.0f} s: report {report}")
-    return report
+    return audits, causal

@@ -268,24 +268,12 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     torch.manual_seed(cfg.seed)
     family = families.for_training(cfg.model)
     model = family.build(cfg).to(device)  # ids [B, T] -> logits [B, T, V]
-    context = families.context_length(model)
-    window = cfg.window or context
-    if window > context:
-        raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
-    if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
-        raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
-    if len(corpus.validation) < window:
-        raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
-                           f"than one window of {window}: give it more text (its validation split is 5% of a file)")
-    n_val = min(cfg.eval_windows, len(corpus.validation) // window)
-    val = data.make_windows(corpus.validation, n_val, window, 0, "validation").ids
-    test = data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
+    window, val, test = _windows(cfg, model, corpus)
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
     created = not out.exists()
     with locked(out, "training run"):  # one writer per run directory; released however the process ends
         _check_run_dir(out, cfg, corpus.fingerprint)
-        n_params = sum(p.numel() for p in model.parameters())
         # finished earlier with the same config; a final model that lost its files is saved again from the last
         # training state (the loop below runs no step), as "no weights file ... rerun the training" says
         if (out / "metrics.json").is_file() and (out / "config.json").is_file() and weight_files(out):
@@ -297,50 +285,13 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         for tmp in (out / "ckpt").glob(".tmp-step-*"):
             remove_tree(tmp)
         start, history = _load_state(out, model, opt, rng, device)
-        model.train()
-        t0, tokens_seen = time.perf_counter(), 0
-        console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
-        bar = cfg.progress and (console.is_terminal or console.is_jupyter)
-        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=not bar)
-        lines = cfg.progress and not bar  # a log file gets a line per validation instead
-        if lines and start:
-            console.print(f"train {cfg.model} s{cfg.seed}: resuming at step {start} of {cfg.steps}", highlight=False)
-        with progress:
-            task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
-            for step in range(start, cfg.steps):
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, cfg)
-                ids = data.random_batch(corpus.train, cfg.batch_size, window, rng).to(device)
-                with _autocast(device):
-                    loss = (family.train_loss(model, ids) if family.train_loss is not None
-                            else token_nll(logits_of(model(ids)), ids).mean())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                loss_value = loss.item()  # a non-finite step stops before it reaches the weights
-                for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm.item())):
-                    if not math.isfinite(value):
-                        raise _non_finite(what, value, step + 1, cfg, out, created)
-                opt.step()
-                tokens_seen += ids.numel()
-                done = step + 1
-                if done % cfg.eval_interval == 0 or done == cfg.steps:
-                    v = evaluate(model, family, val, cfg.batch_size, device)
-                    if not math.isfinite(v["nll"]):
-                        raise _non_finite("the validation NLL", v["nll"], done, cfg, out, created)
-                    history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
-                    _save_state(out, done, model, opt, rng, history)
-                    if lines:
-                        console.print(f"train {cfg.model} s{cfg.seed}: step {done}/{cfg.steps} loss {loss_value:.3f} "
-                                      f"val {v['nll']:.3f} ({time.perf_counter() - t0:.0f} s)", highlight=False)
-                progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
-                                (f" val {history[-1]['val_nll']:.3f}" if history else ""))
-        train_seconds = time.perf_counter() - t0
+        run = _Run(cfg, out, created, model, family, opt, rng, device)
+        train_seconds, tokens_seen = run.steps(start, history, corpus.train, val, window)
 
         result = evaluate(model, family, test, cfg.batch_size, device)
         if not math.isfinite(result["nll"]):
             raise _non_finite("the test NLL", result["nll"], cfg.steps, cfg, out, created)
+        n_params = sum(p.numel() for p in model.parameters())
         metrics = {"byte_ppl": result["byte_ppl"], "test_nll": result["nll"], "gate_mass": result["gate_mass"],
                    "test_windows": result["windows"], "test_tokens": result["tokens"], "variant": cfg.model,
                    "preset": cfg.preset, "seed": cfg.seed, "corpus": cfg.corpus, "corpus_fingerprint": corpus.fingerprint,
@@ -353,3 +304,82 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
         return TrainResult(out, metrics["byte_ppl"], metrics["gate_mass"], n_params, metrics)
 
 
+def _windows(cfg: TrainConfig, model: nn.Module, corpus) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(window, validation ids, test ids), refused before anything is written when the corpus cannot fill them."""
+    context = families.context_length(model)
+    window = cfg.window or context
+    if window > context:
+        raise FcauditError(f"window {window} exceeds the model's context of {context} tokens: use a shorter window")
+    if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
+        raise FcauditError(f"corpus {cfg.corpus!r} has {corpus.vocab_size} token ids but the model only {model.config.vocab_size}")
+    if len(corpus.validation) < window:
+        raise FcauditError(f"corpus {cfg.corpus!r} has a validation split of {len(corpus.validation)} tokens, shorter "
+                           f"than one window of {window}: give it more text (its validation split is 5% of a file)")
+    n_val = min(cfg.eval_windows, len(corpus.validation) // window)
+    val = data.make_windows(corpus.validation, n_val, window, 0, "validation").ids
+    return window, val, data.all_windows(corpus.test, window, limit=cfg.test_windows or None)
+
+
+@dataclass
+class _Run:
+    """What the training steps share: a non-finite value stops them with `_non_finite`'s message."""
+
+    cfg: TrainConfig
+    out: Path
+    created: bool
+    model: nn.Module
+    family: families.Family
+    opt: torch.optim.Optimizer
+    rng: np.random.Generator
+    device: torch.device
+
+    def steps(self, start: int, history: list, train_ids, val: torch.Tensor, window: int) -> tuple[float, int]:
+        """Steps start..cfg.steps, validating and saving the training state every eval_interval (into `history`);
+        (seconds, tokens seen) of this session. A bar on a terminal, a line per validation in a log."""
+        cfg = self.cfg
+        self.model.train()
+        t0, tokens_seen = time.perf_counter(), 0
+        console = Console()  # no bar when the output is a file or a pipe: it would end up as stray lines there
+        bar = cfg.progress and (console.is_terminal or console.is_jupyter)
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=not bar)
+        lines = cfg.progress and not bar  # a log file gets a line per validation instead
+        if lines and start:
+            console.print(f"train {cfg.model} s{cfg.seed}: resuming at step {start} of {cfg.steps}", highlight=False)
+        with progress:
+            task = progress.add_task(f"train {cfg.model} s{cfg.seed}", total=cfg.steps, completed=start, info="")
+            for step in range(start, cfg.steps):
+                ids = data.random_batch(train_ids, cfg.batch_size, window, self.rng).to(self.device)
+                loss_value = self.step(step, ids)
+                tokens_seen += ids.numel()
+                done = step + 1
+                if done % cfg.eval_interval == 0 or done == cfg.steps:
+                    v = evaluate(self.model, self.family, val, cfg.batch_size, self.device)
+                    if not math.isfinite(v["nll"]):
+                        raise _non_finite("the validation NLL", v["nll"], done, cfg, self.out, self.created)
+                    history.append({"step": done, "train_loss": loss_value, "val_nll": v["nll"]})
+                    _save_state(self.out, done, self.model, self.opt, self.rng, history)
+                    if lines:
+                        console.print(f"train {cfg.model} s{cfg.seed}: step {done}/{cfg.steps} loss {loss_value:.3f} "
+                                      f"val {v['nll']:.3f} ({time.perf_counter() - t0:.0f} s)", highlight=False)
+                progress.update(task, completed=done, info=f"loss {loss_value:.3f}" +
+                                (f" val {history[-1]['val_nll']:.3f}" if history else ""))
+        return time.perf_counter() - t0, tokens_seen
+
+    def step(self, step: int, ids: torch.Tensor) -> float:
+        """One optimizer step on ids at step's learning rate; its loss. A non-finite step stops before it reaches
+        the weights."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, self.cfg)
+        with _autocast(self.device):
+            loss = (self.family.train_loss(self.model, ids) if self.family.train_loss is not None
+                    else token_nll(logits_of(self.model(ids)), ids).mean())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        loss_value = loss.item()
+        for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm.item())):
+            if not math.isfinite(value):
+                raise _non_finite(what, value, step + 1, self.cfg, self.out, self.created)
+        self.opt.step()
+        return loss_value
