@@ -6,18 +6,42 @@ import re
 
 import pandas as pd
 import pytest
+import torch
 
 from fcaudit.auditor.results import load_records
 from fcaudit import demo as demo_module
 from fcaudit.demo import QUICK, DemoPlan, run_demo
+from fcaudit.io import read_json
+from fcaudit.train import train
 from fcaudit.stats.effects import delta_nll
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """The quick demo as `fcaudit demo` runs it: one torch thread, so training runs in worker processes on 2 cores."""
     out = tmp_path_factory.mktemp("demo")
-    run_demo(out, quick=True, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_demo(out, quick=True, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
     return out
+
+
+@pytest.mark.slow
+def test_a_run_trained_by_a_worker_equals_the_same_run_trained_here(demo, tmp_path):
+    for model in ("featuregate", "uniform-matched"):  # the second reads the first's gate mass
+        cfg = demo_module.train_config(tmp_path, QUICK, "cpu", model, 0, progress=False)  # into tmp_path/train
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the demo's (other thread counts round differently)
+        try:
+            here = train(cfg)
+        finally:
+            torch.set_num_threads(threads)
+        assert here.byte_ppl == read_json(demo / "train" / f"{model}-s0" / "metrics.json")["byte_ppl"]
+        assert (tmp_path / "train" / f"{model}-s0" / "model.safetensors").read_bytes() == (
+            demo / "train" / f"{model}-s0" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow
@@ -33,7 +57,7 @@ def test_table1_has_every_method(demo):
 @pytest.mark.slow
 def test_every_audit_replays_exactly_and_static_controllers_give_zero(demo):
     audits = sorted((demo / "audit").iterdir())
-    assert len(audits) == QUICK.seeds + 2 * QUICK.baseline_seeds + 5  # + mudd, moe, mod (top-k), mod-causal (its predictor), early-exit
+    assert len(audits) == 3 * QUICK.seeds + 5  # + mudd, moe, mod (top-k), mod-causal (its predictor), early-exit
     for a in audits:
         replay = json.loads((a / "replay.json").read_text())
         assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
@@ -90,7 +114,7 @@ def test_rerun_resumes_without_recomputing(demo):
     assert before == after
 
 
-SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, baseline_seeds=1, steps=4, mudd_steps=4, moe_steps=4,
+SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, steps=4, mudd_steps=4, moe_steps=4,
                  fixed_depth=1, n_eval=4, n_calib=4, window=32, randomizations=1, batch_size=4, thresholds=(0.5,),
                  min_run_time=0.01)
 
@@ -100,7 +124,7 @@ def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch
     and reported (the full quick demo's checks are the slow tests above), ending with its time (`done in`, as the
     README quotes the demo's times)."""
     monkeypatch.setattr(demo_module, "QUICK", SMOKE)
-    run_demo(tmp_path, quick=True, device="cpu")
+    run_demo(tmp_path, quick=True, device="cpu")  # torch's threads: one training process (the slow tests run workers)
     assert re.search(r"^done in \d+ s: report ", capsys.readouterr().err, re.M)  # the console prints to stderr
     methods = set(pd.read_csv(tmp_path / "table1.csv")["method"])
     assert {"Dense", "FeatureGate", "MUDD", "MoE (Mixtral)", "MoD (Mixture-of-Depths)"} <= methods

@@ -227,8 +227,8 @@ def report(inputs: List[Path] = typer.Argument(..., metavar="DIR",
 
 @command
 def demo(out: str = typer.Option("demo-out", metavar="DIR", help="output directory (rerun to resume)"),
-         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 11 "
-                                                             "minutes on one CPU thread)"),
+         quick: bool = typer.Option(False, "--quick", help="tiny models: under a minute (the full demo: about 7 "
+                                                             "minutes on 2 CPU cores)"),
          device: Device = "auto",
          threads: Optional[int] = typer.Option(1, "--threads", metavar="N", help="torch CPU threads (default 1: the "
                                                "same numbers on every run, and no thrashing on a shared machine; "

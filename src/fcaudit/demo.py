@@ -5,11 +5,16 @@ once finished, so rerunning the command resumes."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from fcaudit.checkpoint_audit import audit_checkpoint
@@ -20,11 +25,11 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
 from fcaudit.families.hf_moe import require_transformers
 from fcaudit.families.mod import causal_checkpoint
-from fcaudit.io import claim_out, prepare_out, read_json, read_object, write_json, write_text
+from fcaudit.io import claim_out, confine, prepare_out, read_json, read_object, write_json, write_text
 from fcaudit.report.render import build_report
 from fcaudit.report.tables import to_markdown, training_display, training_table
 from fcaudit.summary import summarize
-from fcaudit.train import TrainConfig, train
+from fcaudit.train import TrainConfig, TrainResult, train
 
 console = Console(stderr=True)
 
@@ -33,8 +38,7 @@ console = Console(stderr=True)
 class DemoPlan:
     preset: str  # FeatureGate-family preset
     mudd_preset: str
-    seeds: int  # training seeds of FeatureGate (its checkpoint-level intervals)
-    baseline_seeds: int  # of Uniform and LayerStatic, the static baselines of Table 1
+    seeds: int  # training seeds of FeatureGate, Uniform and LayerStatic
     steps: int | None  # None: the preset's default
     mudd_steps: int | None
     moe_steps: int | None  # the byte-level Mixtral (Hugging Face transformers), preset = `preset`
@@ -49,9 +53,9 @@ class DemoPlan:
     min_run_time: float = 1.0  # seconds of latency timing per model (execution)
 
 
-FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, baseline_seeds=3, steps=None, mudd_steps=300,
+FULL = DemoPlan(preset="demo", mudd_preset="demo", seeds=5, steps=None, mudd_steps=300,
                 moe_steps=240, fixed_depth=2, n_eval=64, n_calib=64, window=128, randomizations=5, batch_size=16)
-QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, baseline_seeds=2, steps=30, mudd_steps=30, moe_steps=30,
+QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_steps=30, moe_steps=30,
                  fixed_depth=1, n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5,
                  exit_steps=120)
 
@@ -100,32 +104,71 @@ def _claim(out: Path, plan: DemoPlan) -> Path:
 
 
 def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str, int]]:
-    """1. Training (Table 1): every (model, seed) run, in order; uniform-matched comes after the FeatureGate seeds it
-    is matched to."""
-    seeds = {"featuregate": plan.seeds, "uniform": plan.baseline_seeds, "layerstatic": plan.baseline_seeds}
-    runs = [(m, s) for m in MULTI_SEED for s in range(seeds[m])] + [
+    """1. Training (Table 1): every (model, seed) run, in worker processes of one torch thread each where the CPU
+    has cores for them (each run is seeded, so it trains the same weights in any process and order)."""
+    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [
         (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
-    for i, (model, seed) in enumerate(runs, 1):
-        run_dir = out / "train" / f"{model}-s{seed}"
-        console.print(f"[bold]train[/bold] {i}/{len(runs)}: {model} seed {seed}")
-        mudd = model == "mudd"
-        steps = {"mudd": plan.mudd_steps, "moe": plan.moe_steps, "early-exit": plan.exit_steps or plan.steps}.get(
-            model, plan.steps)
-        cfg = TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed, out=str(run_dir),
-                          device=device, steps=steps, window=plan.window if mudd else None,
-                          fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
-                          matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None,
-                          progress=console.is_terminal)  # a bar on a terminal; a log gets the demo's own lines only
-        started = time.perf_counter()
-        r = train(cfg, corpus=corpus)
-        mass = f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""
-        console.print(f"  Byte-PPL {r.byte_ppl:.4f}{mass}  ({time.perf_counter() - started:.0f} s)")
+    workers = _training_workers(device, len(runs))
+    progress = console.is_terminal and workers == 1  # a bar on a terminal for one worker; else the demo's lines only
+    config = [functools.partial(train_config, out, plan, device, model, seed, progress) for model, seed in runs]
+    matched = runs.index(("uniform-matched", 0))  # reads featuregate-s0's gate mass: configured once that is done
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker,
+                               initargs=(str(out), torch.get_num_threads())) if workers > 1 else None
+    try:
+        pending = {i: pool.submit(_train_one, config[i]()) for i in range(len(runs)) if pool and i != matched}
+        for i, (model, seed) in enumerate(runs):
+            if pool and i == matched:
+                pending[i] = pool.submit(_train_one, config[i]())
+            r, seconds = pending[i].result() if pool else _train_one(config[i](), corpus)
+            mass = f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""
+            console.print(f"[bold]train[/bold] {i + 1}/{len(runs)}: {model} seed {seed}  Byte-PPL {r.byte_ppl:.4f}"
+                          f"{mass}  ({seconds:.0f} s)")
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)  # a run that failed stops those not yet started
 
     table = training_table([read_json(out / "train" / f"{m}-s{s}" / "metrics.json") for m, s in runs])
     write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
     write_text(out / "table1.csv", table.to_csv(index=False))
     console.print(f"Table 1 -> {out / 'table1.md'}")
     return runs
+
+
+def train_config(out: Path, plan: DemoPlan, device: str, model: str, seed: int, progress: bool) -> TrainConfig:
+    """The demo's training run of `model` at `seed`, into out/train/{model}-s{seed}."""
+    mudd = model == "mudd"
+    steps = {"mudd": plan.mudd_steps, "moe": plan.moe_steps, "early-exit": plan.exit_steps or plan.steps}.get(
+        model, plan.steps)
+    return TrainConfig(model=model, preset=plan.mudd_preset if mudd else plan.preset, seed=seed,
+                       out=str(out / "train" / f"{model}-s{seed}"), device=device, steps=steps,
+                       window=plan.window if mudd else None,
+                       fixed_depth=plan.fixed_depth if model == "fixeddepth" else None,
+                       matched_to=str(out / "train" / "featuregate-s0") if model == "uniform-matched" else None,
+                       progress=progress)
+
+
+def _training_workers(device: str, runs: int) -> int:
+    """Processes that train at once: on the CPU, as many as its cores hold at the demo's torch threads."""
+    if resolve_device(device).type != "cpu":
+        return 1
+    return max(1, min(runs, len(os.sched_getaffinity(0)) // torch.get_num_threads()))
+
+
+def _worker(out: str, threads: int) -> None:
+    """A training worker: the demo's threads, and its directory confined as in the demo's own process."""
+    torch.set_num_threads(threads)
+    confine(out, "demo")
+
+
+def _train_one(cfg: TrainConfig, corpus=None) -> tuple[TrainResult, float]:
+    """One training run and its seconds (a worker loads the corpus once)."""
+    started = time.perf_counter()
+    return train(cfg, corpus=corpus or _embedded()), time.perf_counter() - started
+
+
+@functools.cache
+def _embedded():
+    return load_corpus("embedded")
 
 
 def _audit_all(out: Path, plan: DemoPlan, device: str, runs: list[tuple[str, int]]) -> tuple[list[Path], Path]:
