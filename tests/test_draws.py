@@ -31,12 +31,12 @@ def test_keyed_draws_are_numpys_generator_of_the_key_list(seed):
     """The per-window draws are default_rng([tag, seed, r, example]) as written in the protocol, also for values of
     2**32 and more (several words each)."""
     for r, e in [(0, 0), (3, 63), (19, 2**31), (2, 2**32 + 5)]:
-        for T, rows in [(16, 3), (128, 4)]:
+        for n, rows in [(16, 3), (128, 4)]:
             perm = np.random.default_rng([protocol.SHUFFLE, seed, r, e]).permuted(
-                np.broadcast_to(np.arange(T), (rows, T)), axis=1)
-            past = np.random.default_rng([protocol.RESAMPLE, seed, r, e]).integers(0, np.arange(1, T + 1), size=(rows, T))
-            for got, want in [(protocol.token_permutations(np.array([e]), seed, r, T, rows), perm),
-                              (protocol.past_positions(np.array([e]), seed, r, T, rows), past)]:
+                np.broadcast_to(np.arange(n), (rows, n)), axis=1)
+            past = np.random.default_rng([protocol.RESAMPLE, seed, r, e]).integers(0, np.arange(1, n + 1), size=(rows, n))
+            for got, want in [(protocol.token_permutations(np.array([e]), seed, r, n, rows), perm),
+                              (protocol.past_positions(np.array([e]), seed, r, n, rows), past)]:
                 assert got.dtype == want.dtype and np.array_equal(got[0], want)
     rng = np.random.default_rng([protocol.DERANGE, seed, 4])
     while np.any((want := rng.permutation(50)) == np.arange(50)):

@@ -185,8 +185,8 @@ def test_report_renders(fg7, tmp_path):
         assert f"]({p.name})" in md
     assert htm.count("src='data:image/png;base64,") == len(pngs) and "<img src='fig" not in htm
     # every table of the Markdown has its CSV
-    for csv in re.findall(r"\(numbers: \[(.+?\.csv)\]", md):
-        assert (out / csv).is_file()
+    for table in re.findall(r"\(numbers: \[(.+?\.csv)\]", md):
+        assert (out / table).is_file()
     assert {"table1.csv", "fca_featuregate-tiny.csv", "factors_featuregate-tiny.csv", "criteria_featuregate-tiny.csv",
             "fca_muddpythia.csv", "variance_decomposition.csv"} <= {p.name for p in out.glob("*.csv")}
     fca = pd.read_csv(out / "fca_featuregate-tiny.csv").set_index("condition")
