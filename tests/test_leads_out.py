@@ -108,3 +108,36 @@ def test_a_full_disk_says_rerun_and_the_rerun_gives_the_uninterrupted_records(fu
     ok(cli("audit", ckpt, *AUDIT, "--out", tmp_path / "a"))
     ok(cli("audit", ckpt, *AUDIT, "--out", tmp_path / "b"))
     assert AuditResult.load(tmp_path / "a").records.equals(AuditResult.load(tmp_path / "b").records)
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x00" * 4])  # emptied; cut inside the header's length
+def test_a_store_file_changed_while_the_audit_runs_says_rerun_and_the_rerun_gives_the_same_records(tmp_path, damage):
+    """Something else empties the coefficient store's chunk files during the replays (here the model's own forward,
+    once the first replay has run): one FcauditError line naming the file, and the same call again recomputes it and
+    gives the uninterrupted audit's records."""
+    import pandas as pd
+    import torch
+
+    from conftest import ToyMudd, run
+    from fcaudit.controllers import Controller
+    from fcaudit.errors import FcauditError
+
+    class Damaging(ToyMudd):
+        calls, armed = 0, True
+
+        def forward(self, ids):
+            self.calls += 1
+            if self.armed and self.calls == 8:  # stage 1 and the exact replay check are done: a replay reads the store
+                for chunk in (tmp_path / "audit" / "coeffs").glob("chunk_*.safetensors"):
+                    chunk.write_bytes(damage)
+            return super().forward(ids)
+
+    torch.manual_seed(0)
+    model = Damaging()
+    ctrl = Controller.from_modules(model, "dynamic_dense.*", "stream batch token source", reference="SourceUniformMean")
+    with pytest.raises(FcauditError, match=r"chunk_\d+\.safetensors changed while the audit ran .*: rerun the command"):
+        run(model, ctrl, tmp_path / "audit", R=2)
+    model.armed = False
+    rerun = run(model, ctrl, tmp_path / "audit", R=2)
+    fresh = run(model, ctrl, tmp_path / "fresh", R=2)
+    pd.testing.assert_frame_equal(rerun.records, fresh.records, check_exact=True)

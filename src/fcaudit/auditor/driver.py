@@ -219,6 +219,9 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             if state == "repaired":
                 engine.redone.append("config.json (rewritten: the marker holds its hash)")
             engine.run()
+        except files.Damaged as e:  # a file this run wrote and verified, changed by something else while it ran
+            raise FcauditError(f"{e.path} changed while the audit ran ({e.why}): rerun the command, it recomputes "
+                               "that file") from None
         finally:
             adir.unlock()
     # the engine wrote and verified every records file: AuditResult.load would read them all again

@@ -89,9 +89,12 @@ class CoefficientStore:
         JSON), read once."""
         if start not in self._offsets:
             path = self.chunk_path(start)
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
+            try:
+                with open(path, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+            except (OSError, ValueError) as e:  # emptied or cut while the audit ran (stage 1 wrote and checked it)
+                raise Damaged(path, f"unreadable ({type(e).__name__})") from None
             specs = [header.get(f"coeffs.{d}", {}) for d in self._width]
             if any(s.get("shape", [0, 0])[1] != n for s, n in zip(specs, self._width.values())):
                 raise Damaged(path, "its rows do not match the store's layout")
