@@ -110,16 +110,19 @@ def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str
         (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
     workers = _training_workers(device, len(runs))
     progress = console.is_terminal and workers == 1  # a bar on a terminal for one worker; else the demo's lines only
-    config = [functools.partial(train_config, out, plan, device, model, seed, progress) for model, seed in runs]
     matched = runs.index(("uniform-matched", 0))  # reads featuregate-s0's gate mass: configured once that is done
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker,
                                initargs=(str(out), torch.get_num_threads())) if workers > 1 else None
     try:
-        pending = {i: pool.submit(_train_one, config[i]()) for i in range(len(runs)) if pool and i != matched}
+        pending = {i: pool.submit(_train_one, train_config(out, plan, device, *run, progress))
+                   for i, run in enumerate(runs) if pool and i != matched}
         for i, (model, seed) in enumerate(runs):
-            if pool and i == matched:
-                pending[i] = pool.submit(_train_one, config[i]())
-            r, seconds = pending[i].result() if pool else _train_one(config[i](), corpus)
+            if not pool:
+                r, seconds = _train_one(train_config(out, plan, device, model, seed, progress), corpus)
+            else:
+                if i == matched:
+                    pending[i] = pool.submit(_train_one, train_config(out, plan, device, model, seed, progress))
+                r, seconds = pending[i].result()
             mass = f"  gate mass {r.gate_mass:.4f}" if r.gate_mass is not None else ""
             console.print(f"[bold]train[/bold] {i + 1}/{len(runs)}: {model} seed {seed}  Byte-PPL {r.byte_ppl:.4f}"
                           f"{mass}  ({seconds:.0f} s)")
