@@ -173,7 +173,7 @@ def timed_parts() -> Iterator[Counter]:
     steps += [(condition, "make", "making coefficients") for condition in protocol.REGISTRY.values()]
     steps += [(owner, attr, finishing) for owner, attr in (
         (AuditDir, "check"), (AuditDir, "lock"), (AuditDir, "open"), (AuditDir, "check_strays"), (AuditDir, "unlock"),
-        (protocol, "static_profiles"), (engine, "variation"), (files, "write_json"), (files, "read_tensors"),
+        (protocol, "static_profiles"), (engine, "variation"), (AuditDir, "write_json"), (files, "read_tensors"),
         (AuditResult, "load"))]
     # what each step's owner holds under its name (a class keeps its classmethod, not a method bound to it)
     saved = [(owner, attr, vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr))

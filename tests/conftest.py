@@ -253,14 +253,14 @@ def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=
         (path / "records" / c).mkdir(parents=True, exist_ok=True)
         files.write_columns(adir.records(c, r),  # as the engine writes them: hashed, bound to this audit
                             {**{k: g[k].to_numpy() for k in g.columns}, "condition": c}, adir.binding(c, r))
-    files.write_json(path / "replay.json", adir.bound({"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True,
-                                                       "tolerance": 0.0}))
+    write_json(path / "replay.json", adir.bound({"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True,
+                                                       "tolerance": 0.0}), hashed=True)
     if variation:
         frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
                 "layer:token": 0.04, "input:layer:token": 0.01}
-        files.write_json(path / "variation.json", adir.bound({"decomposition": frac, "decomposed": "scalar", "layers": [
+        write_json(path / "variation.json", adir.bound({"decomposition": frac, "decomposed": "scalar", "layers": [
             {"layer": i, "shape": [1, 1], "mean": 0.5 + 0.01 * i, "sd": 0.05, "stream_source_mean": [[0.5]]}
-            for i in range(4)]}))
+            for i in range(4)]}), hashed=True)
     return path
 
 

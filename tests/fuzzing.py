@@ -634,10 +634,7 @@ def api_calls(draw) -> dict:
                            ("world_size", [1, 2, 0, -1, 2**64, "x", None])):
             if draw(st.booleans()):
                 kw[name] = pick(pool)
-        if call == "plan":
-            kw = {k: v for k, v in kw.items() if k in ("eval_windows", "calib_windows", "randomizations", "batch_size",
-                                                       "world_size", "controller")}
-        else:
+        if call == "audit":  # fca.plan takes fca.audit's settings and the processes it plans for
             kw.pop("world_size", None)
     elif call == "windows":
         kw = {"corpus": pick(["embedded", "embedded", "@corpus-text", "@fifo", "@devzero", "@dir-fifo", "@binary",
@@ -802,6 +799,7 @@ def _part_files(world: World, adir: Path, records: Path, source: Path, bound: Pa
 
 def damage(world: World, adir: Path, op: str, target: str, arg: Any) -> None:
     from fcaudit.auditor import files
+    from fcaudit.io import write_json
 
     path = adir / target
     if op in ("json", "json-rehash"):
@@ -819,7 +817,7 @@ def damage(world: World, adir: Path, op: str, target: str, arg: Any) -> None:
         else:
             obj[key] = value
         if op == "json-rehash":  # a forged edit: its hash recomputed
-            files.write_json(path, obj)
+            write_json(path, obj, hashed=True)
         else:
             path.write_text(json.dumps(obj))
         return

@@ -406,6 +406,7 @@ def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resum
     import hashlib
 
     from fcaudit.auditor import files
+    from fcaudit.io import write_json
     from fcaudit.auditor.directory import MARKER, config_hash
 
     model = toys.ToyGated()
@@ -417,7 +418,7 @@ def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resum
     legacy = hashlib.sha256(json.dumps(bare, sort_keys=True, default=str).encode()).hexdigest()  # all fields
     digest = config_hash(bare)
     assert legacy != digest and config["config_hash"] == digest
-    files.write_json(out / "config.json", {**config, "config_hash": legacy})  # as the earlier fcaudit wrote it
+    write_json(out / "config.json", {**config, "config_hash": legacy}, hashed=True)  # as the earlier fcaudit wrote it
     (out / MARKER).write_text(json.dumps({"format": 2, "config_hash": legacy}))
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
@@ -446,13 +447,13 @@ def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_r
 
 
 def test_ranks_with_other_configurations_are_told_which_fields_differ_and_a_corpus_path_is_descriptive():
-    from fcaudit.auditor.driver import _check_same
+    from fcaudit.auditor.driver import check_same
 
     base = {"seed": 0, "windows": {"n_eval": 8, "eval_sha256": "a"},
             "model": {"params_sha256": "p", "checkpoint": "/node0/ckpt", "corpus": "/node0/text.txt"}}
     moved = {**base, "model": {**base["model"], "checkpoint": "/node1/ckpt", "corpus": "/node1/text.txt"}}
-    _check_same([base, moved])  # the same checkpoint and text at other paths: one audit
+    check_same([base, moved])  # the same checkpoint and text at other paths: one audit
     other = {**moved, "windows": {"n_eval": 8, "eval_sha256": "b"}, "model": {**moved["model"], "params_sha256": "q"}}
     with pytest.raises(FcauditError, match=r"rank 2 has another audit configuration than rank 0 \(differs in "
                                            r"\['model.params_sha256', 'windows'\]\)"):
-        _check_same([base, moved, other])
+        check_same([base, moved, other])

@@ -19,6 +19,7 @@ from fcaudit.auditor.planner import RUN_BYTES
 from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
+from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
@@ -121,39 +122,32 @@ def test_the_largest_seed_is_recorded_exactly_and_the_audit_resumes_with_it(ckpt
     assert other.exit_code == 2 and "differs in ['seed', 'windows']" in other.output, other.output
 
 
-def test_the_engine_runs_with_the_config_the_api_built(tmp_path, monkeypatch):
-    from fcaudit.auditor import engine
-
-    seen = []
-    real = engine.Engine.__init__
-
-    def spy(self, model, controller, windows, config, group, first, findings=()):
-        seen.append(config)
-        real(self, model, controller, windows, config, group, first, findings)
-
-    monkeypatch.setattr(engine.Engine, "__init__", spy)
+def test_the_audit_runs_with_the_settings_the_api_was_given(tmp_path):
     model = tiny()
     res = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), randomizations=2, seed=5,
                     out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)
-    [config] = seen
-    assert (config.randomizations, config.seed, config.batch_size, config.tolerance) == (2, 5, 3, 0.5)
-    assert config.out == tmp_path / "a" and res.config["batch_size"] == 3 and res.replay.tolerance == 0.5
-    # the same settings in one AuditConfig: the same audit (it resumes: nothing recomputed), the object passed whole
+    assert (res.config["randomizations"], res.config["seed"], res.config["batch_size"]) == (2, 5, 3)
+    assert res.path == tmp_path / "a" and res.replay.tolerance == 0.5
+    assert sorted({r for _, r in res.records.groupby(["condition", "randomization"]).size().index}) == [0, 1]
+    # the same settings in one AuditConfig: the same audit (it resumes: nothing recomputed)
     records = {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")}
     given = AuditConfig(randomizations=2, seed=5, out=tmp_path / "a", batch_size=3, tolerance=0.5, quiet=True)
     again = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given)
-    assert seen[1] is given and again.config["config_hash"] == res.config["config_hash"]
+    assert again.config["config_hash"] == res.config["config_hash"]
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a" / "records").rglob("*.parquet")} == records
     # settings given with config= replace its fields: another audit, in another directory
-    fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given, out=tmp_path / "b", seed=6)
-    assert (seen[2].seed, seen[2].out, seen[2].batch_size, seen[2].tolerance) == (6, tmp_path / "b", 3, 0.5)
+    other = fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given, out=tmp_path / "b", seed=6)
+    assert (other.config["seed"], other.path, other.config["batch_size"], other.replay.tolerance) == (
+        6, tmp_path / "b", 3, 0.5)
     assert given.seed == 5 and (tmp_path / "b" / "variation.json").is_file()
     unknown = {"sed": "'sed'; its settings are out, randomizations, seed",
                "n_eval": "'n_eval' (`fcaudit audit CHECKPOINT`'s"}
+    passes = []
+    model.register_forward_pre_hook(lambda *a: passes.append(1))
     for bad, named in unknown.items():
         with pytest.raises(FcauditError, match=rf"^fca.audit has no setting {re.escape(named)}[^\n]*AuditConfig's"):
             fca.audit(model, fca.controller_for(model), ids(4, 0), ids(2, 1), config=given, **{bad: 6})
-    assert len(seen) == 3  # refused before any work
+    assert not passes  # refused before any work
 
 
 # ---- the dry run's plan -------------------------------------------------------------------------------------------
@@ -198,3 +192,19 @@ def test_the_memory_estimate_includes_the_plan():
     assert large.plan_bytes - small.plan_bytes == 1000 * randomized * RUN_BYTES
     assert large.peak_memory_bytes >= large.param_bytes + large.plan_bytes + 4 * large.activation_bytes
     assert "plan " in str(large)
+
+
+def test_a_plan_takes_the_settings_of_the_audit_it_plans(tmp_path):
+    """`fca.plan(..., **settings)` and `fca.audit(..., **settings)` read the same settings, so what is planned is run."""
+    model = tiny()
+    ctrl = fca.controller_for(model)
+    settings = dict(randomizations=2, batch_size=3, seed=1, out=tmp_path / "a", quiet=True)
+    planned = fca.plan(model, ctrl, ids(6, 0), ids(4, 1), **settings)
+    given = fca.plan(model, ctrl, ids(6, 0), ids(4, 1), config=AuditConfig(**settings))
+    assert (planned.batch_size, planned.randomizations) == (given.batch_size, given.randomizations) == (3, 2)
+    with pytest.raises(FcauditError, match=r"^fca.plan has no setting 'batch'; its settings are out, randomizations"):
+        fca.plan(model, ctrl, ids(6, 0), ids(4, 1), batch=3)
+    passes = []
+    model.register_forward_pre_hook(lambda *a: passes.append(1))
+    fca.audit(model, ctrl, ids(6, 0), ids(4, 1), **settings)
+    assert len(passes) == planned.forward_passes + SITE_CHECK_PASSES  # the probe is the first batch's capture

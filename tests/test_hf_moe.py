@@ -538,7 +538,6 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
     from contextlib import contextmanager
 
     from fcaudit import placement
-    from fcaudit.families.hf_moe import discover
 
     model = tiny_moe("gpt_oss", experts=E, top_k=K)
     calls, entered = [], []
@@ -553,7 +552,7 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
             yield
 
     monkeypatch.setattr(placement, "on_cpu", recorded)
-    monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
+    monkeypatch.setattr(placement, "off_cpu", lambda t: True)  # as on an accelerator
     ctrl = moe_controller(model)
     assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]
     # the probe's forward (2 layers), then one class's padding: plain, the sentinel (refused), the repeat
@@ -646,12 +645,12 @@ def test_a_device_map_under_torchrun_with_several_processes_is_refused(tmp_path)
 def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_the_cpu(tmp_path, monkeypatch):
     """As on a GPU with CPU offload: the experts' padding is probed on the CPU (placement.on_cpu) while accelerate's
     hook loads their weights for each call; they are offloaded again afterwards."""
-    from fcaudit.families.hf_moe import discover
+    from fcaudit import placement
 
     tiny_moe("gpt_oss", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
     both = {**ON_DISK, "model.layers.0": "disk"}  # the first experts probed are offloaded
     placed = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
-    monkeypatch.setattr(discover, "_off_cpu", lambda t: True)
+    monkeypatch.setattr(placement, "off_cpu", lambda t: True)  # as on an accelerator
     ctrl = moe_controller(placed)
     assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]
     assert all(p.is_meta for p in placed.model.layers[0].mlp.experts.parameters())

@@ -3,7 +3,6 @@ on an all-zero family, and the thresholding table's explanation."""
 
 import json
 
-from fcaudit.auditor import files
 from fcaudit.io import write_json
 from fcaudit.report import build_report
 from conftest import FG, write_audit
@@ -21,7 +20,7 @@ def test_headline_answers_the_three_questions_per_family(tmp_path):
     const = write_audit(tmp_path / "const", {c: 0.0 for c in FG}, name="Constant", seed=0)
     variation = json.loads((const / "variation.json").read_text())
     variation["decomposition"] = {k: None for k in variation["decomposition"]}  # no variance at all
-    files.write_json(const / "variation.json", variation)  # hashed, as the engine writes it
+    write_json(const / "variation.json", variation, hashed=True)  # hashed, as the engine writes it
     rows = [{"checkpoint": str(tmp_path / "runs/dense-s0"), "model": "dense", "executed_blocks": 4, "n_blocks": 4,
              "flops_vs_dense": 1.0, "latency_vs_dense": 1.0, "latency_ms": 2.0, "latency_noisy": False},
             {"checkpoint": str(tmp_path / "runs/fg-s0"), "model": "featuregate", "executed_blocks": 4, "n_blocks": 4,

@@ -13,7 +13,6 @@ import pandas as pd  # noqa: E402
 
 import fcaudit as fca  # noqa: E402
 from fcaudit.kinds import TOKEN_NOTE  # noqa: E402
-from fcaudit.auditor import files  # noqa: E402
 from fcaudit.auditor.directory import AuditDir  # noqa: E402
 from fcaudit.io import write_json  # noqa: E402
 from fcaudit.report import build_report  # noqa: E402
@@ -30,7 +29,7 @@ ROUTED_LABELS = {"StaticProfile": "StaticTopK", "StructureRemoved": "RandomRoute
 
 
 def with_replay(audit, replay: dict):
-    files.write_json(audit / "replay.json", AuditDir(audit).bound(replay))  # hashed and bound, as the engine writes it
+    write_json(audit / "replay.json", AuditDir(audit).bound(replay), hashed=True)  # hashed and bound, as the engine writes it
     return audit
 
 

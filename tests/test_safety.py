@@ -307,9 +307,9 @@ def test_reruns_into_their_own_directories_still_work(tmp_path):
 def test_a_link_planted_after_the_claim_is_refused_at_the_write(tmp_path):
     """The check at the start is not the only one: every write, lock and removal below a claimed directory refuses
     to go through a link that appears later."""
-    from fcaudit.io import claim_out, lock_dir, remove_file, remove_tree, write_text
+    from fcaudit.io import OutDir, remove_file, remove_tree, write_text
 
-    out = claim_out(tmp_path / "r", "report")
+    out = OutDir(tmp_path / "r", "report").claim().root
     outside = outside_dir(tmp_path)
     before = tree(outside)
     (out / "sub").symlink_to(outside)
@@ -320,17 +320,60 @@ def test_a_link_planted_after_the_claim_is_refused_at_the_write(tmp_path):
     with pytest.raises(FcauditError, match="symbolic link"):
         remove_file(out / "sub" / "keep.safetensors")
     assert tree(outside) == before
-    run = claim_out(tmp_path / "t", "training run")
-    (run / ".lock").symlink_to(user_file(tmp_path))
+    run = OutDir(tmp_path / "t", "training run").claim()
+    (run.root / ".lock").symlink_to(user_file(tmp_path))
     with pytest.raises(FcauditError, match="symbolic link"):
-        lock_dir(run, "training run")
+        run.lock()
     assert (tmp_path / "precious.txt").read_text() == "the user's own file\n"
 
 
-def test_only_recorded_files_are_replaced_or_removed(tmp_path):
-    from fcaudit.io import claim_out, remove_file, write_text
+NESTED = textwrap.dedent("""
+    import sys
+    from fcaudit.errors import FcauditError
+    from fcaudit.io import OutDir, write_text
+    demo, outside = sys.argv[1], sys.argv[2]
+    for attempt in (lambda: write_text(demo + "/train/keep.safetensors", "overwritten"),
+                    lambda: OutDir(demo + "/train/run", "training run").lock()):
+        try:
+            attempt()
+            print("written")
+        except FcauditError as e:
+            print(str(e).splitlines()[0])
+""")
 
-    out = claim_out(tmp_path / "r", "report")
+
+def test_a_process_that_never_claimed_the_directory_is_held_to_its_rule(tmp_path):
+    """The claim is the marker on disk, not a registry of the process that made it: another process (a training
+    worker, another rank, a nested command) writing below a claimed directory refuses a link planted in it too."""
+    from fcaudit.io import OutDir
+
+    demo = OutDir(tmp_path / "demo", "demo").claim().root
+    outside = outside_dir(tmp_path)
+    before = tree(outside)
+    (demo / "train").symlink_to(outside)
+    r = subprocess.run([sys.executable, "-c", NESTED, str(demo), str(outside)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all("train is a symbolic link inside the demo directory" in line for line in lines)
+    assert tree(outside) == before
+
+
+def test_an_out_dir_writes_only_inside_itself(tmp_path):
+    from fcaudit.io import OutDir
+
+    out = OutDir(tmp_path / "s", "summary").claim()
+    with pytest.raises(ValueError, match="outside the summary directory"):
+        out.write_text(tmp_path / "elsewhere.md", "x")
+    assert not (tmp_path / "elsewhere.md").exists()
+    out.write_text(out.root / "summary.json", "{}")
+    assert out.recorded() == [out.root / "summary.json"]
+
+
+def test_only_recorded_files_are_replaced_or_removed(tmp_path):
+    from fcaudit.io import OutDir, remove_file, write_text
+
+    out = OutDir(tmp_path / "r", "report").claim().root
     write_text(out / "ours.md", "x")
     user_file(out, "theirs.md")  # dropped into fcaudit's directory afterwards
     with pytest.raises(FcauditError, match="is not a file fcaudit wrote"):

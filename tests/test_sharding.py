@@ -313,12 +313,12 @@ def test_the_shared_directory_check_reads_rank_0s_token_and_leaves_no_file(tmp_p
     monkeypatch.setattr(driver.secrets, "token_hex", lambda n: "b" * 16)
     adir = AuditDir(tmp_path / "a")
     adir.root.mkdir()
-    driver._check_shared(adir, _Rank(0, "unused"))  # rank 0 writes its token, reads it back, removes it
+    driver.check_shared(adir, _Rank(0, "unused"))  # rank 0 writes its token, reads it back, removes it
     assert not (adir.root / driver.SHARED_CHECK).exists()
     (adir.root / driver.SHARED_CHECK).write_text("a" * 16)  # rank 0's token, as rank 1 finds it on a shared disk
-    driver._check_shared(adir, _Rank(1, "a" * 16))
+    driver.check_shared(adir, _Rank(1, "a" * 16))
     with pytest.raises(FcauditError, match=r"rank 1 does not see rank 0.s audit directory at .* \(another audit is there\)"):
-        driver._check_shared(adir, _Rank(1, "c" * 16))
+        driver.check_shared(adir, _Rank(1, "c" * 16))
     (adir.root / driver.SHARED_CHECK).unlink()
     with pytest.raises(FcauditError, match="its check file is missing"):
-        driver._check_shared(adir, _Rank(1, "a" * 16))
+        driver.check_shared(adir, _Rank(1, "a" * 16))

@@ -155,9 +155,7 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, corpus):
 def test_a_run_whose_corpus_file_changed_is_refused_and_a_busy_run_dir_too(tmp_path):
     """The corpus path is the same, its content is not: resuming would train the rest of the steps on other data.
     And one run directory has one writer."""
-    import os
-
-    from fcaudit.io import lock_dir
+    from fcaudit.io import OutDir
 
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"".join(f"line {i}: the quick brown fox jumps over the lazy dog\n".encode() for i in range(2000)))
@@ -167,12 +165,9 @@ def test_a_run_whose_corpus_file_changed_is_refused_and_a_busy_run_dir_too(tmp_p
         f.write(b"more text that was not there before\n" * 50)
     with pytest.raises(FcauditError, match=r"different config \(corpus_fingerprint\)"):
         train(TrainConfig(**cfg))
-    busy = lock_dir(tmp_path / "run2", "training run")
-    try:
+    with OutDir(tmp_path / "run2", "training run"):  # held by this object: another writer is refused
         with pytest.raises(FcauditError, match="being written by another fcaudit process"):
             train(TrainConfig(**{**cfg, "out": str(tmp_path / "run2")}))
-    finally:
-        os.close(busy)
 
 
 def test_a_run_logged_to_a_file_prints_a_line_per_validation(tmp_path, corpus, capsys):

@@ -44,8 +44,7 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
             # every rank done communicating before any tears its group down, else a rank may abort at exit
             group.gather(None)
             return result
-        planned = plan(model, controller, ev, ca, batch_size=config.batch_size, randomizations=config.randomizations,
-                       world_size=config.world_size)
+        planned = plan(model, controller, ev, ca, config=config, world_size=config.world_size or 1)
         if launched_rank() == 0:
             print(planned)
             windows = Windows.of(ev, ca)

@@ -157,9 +157,9 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
 
     Bootstrap CIs, exact sign-flip tests, Holm; one checkpoint falls back to window-level intervals.
     """
-    from fcaudit.io import prepare_out
+    from fcaudit.io import OutDir
 
-    prepare_out(out, "summary")
+    OutDir(out, "summary").check()
     from fcaudit.summary import summarize as run_summary
 
     summary = run_summary(audit_dirs, out=out, allow_partial=allow_partial)

@@ -169,12 +169,13 @@ AUDIT_SETTINGS = ("out", "randomizations", "seed", "batch_size", "tolerance", "c
                   "quiet")
 
 
-def with_settings(config: AuditConfig | None, settings: Mapping[str, Any]) -> AuditConfig:
-    """`fca.audit`'s config: `AuditConfig(**settings)`, or `config` with `settings` replacing its fields."""
+def with_settings(config: AuditConfig | None, settings: Mapping[str, Any], caller: str = "fca.audit") -> AuditConfig:
+    """`caller`'s config (`fca.audit`'s, `fca.plan`'s): `AuditConfig(**settings)`, or `config` with `settings`
+    replacing its fields."""
     if unknown := [name for name in settings if name not in AUDIT_SETTINGS]:
         loads = " (`fcaudit audit CHECKPOINT`'s: there the checkpoint and windows are loaded)" if unknown[0] in {
             f.name for f in fields(AuditConfig)} else ""
-        raise FcauditError(f"fca.audit has no setting {unknown[0]!r}{loads}; its settings are "
+        raise FcauditError(f"{caller} has no setting {unknown[0]!r}{loads}; its settings are "
                            f"{', '.join(AUDIT_SETTINGS)} (fcaudit.AuditConfig's fields)")
     if config is None:
         return AuditConfig(**settings)

@@ -25,7 +25,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
 from fcaudit.families.hf_moe import require_transformers
 from fcaudit.families.mod import causal_checkpoint
-from fcaudit.io import claim_out, confine, prepare_out, read_json, read_object, write_json, write_text
+from fcaudit.io import OutDir, read_json, read_object
 from fcaudit.report.render import build_report
 from fcaudit.report.tables import to_markdown, training_display, training_table
 from fcaudit.summary import summarize
@@ -67,7 +67,7 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     require_transformers("the demo (it trains and audits a Hugging Face MoE model)")  # before anything is trained
     plan = QUICK if quick else FULL
     resolve_device(device)  # before the directory is claimed: a refused device leaves nothing behind
-    out = _claim(out, plan)
+    out = _claim(out, plan).root
     t0 = time.perf_counter()
     corpus = load_corpus("embedded")
     console.print(f"[bold]fcaudit demo[/bold] ({'quick' if quick else 'full'}) -> {out}  "
@@ -90,16 +90,17 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     return report
 
 
-def _claim(out: Path, plan: DemoPlan) -> Path:
+def _claim(out: Path, plan: DemoPlan) -> OutDir:
     """`out` claimed for the demo, holding this plan (a demo of another plan there is refused: it cannot resume)."""
-    out = prepare_out(out, "demo")
-    saved = out / "demo_plan.json"
+    out = OutDir(out, "demo").check()
+    saved = out.root / "demo_plan.json"
     planned = json.loads(json.dumps(asdict(plan)))  # tuples come back from JSON as lists
     if saved.is_file() and read_object(saved, "delete it and rerun the demo") != planned:
-        raise FcauditError(f"{out} holds a demo with another plan (--quick or not): use another --out or delete {out}")
-    claim_out(out, "demo")
+        raise FcauditError(f"{out.root} holds a demo with another plan (--quick or not): use another --out or delete "
+                           f"{out.root}")
+    out.claim()
     if not saved.is_file():
-        write_json(saved, asdict(plan))
+        out.write_json(saved, asdict(plan))
     return out
 
 
@@ -111,8 +112,8 @@ def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str
     workers = _training_workers(device, len(runs))
     progress = console.is_terminal and workers == 1  # a bar on a terminal for one worker; else the demo's lines only
     matched = runs.index(("uniform-matched", 0))  # reads featuregate-s0's gate mass: configured once that is done
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker,
-                               initargs=(str(out), torch.get_num_threads())) if workers > 1 else None
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
+                               initargs=(torch.get_num_threads(),)) if workers > 1 else None
     try:
         pending = {i: pool.submit(_train_one, train_config(out, plan, device, *run, progress))
                    for i, run in enumerate(runs) if pool and i != matched}
@@ -131,8 +132,9 @@ def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str
             pool.shutdown(cancel_futures=True)  # a run that failed stops those not yet started
 
     table = training_table([read_json(out / "train" / f"{m}-s{s}" / "metrics.json") for m, s in runs])
-    write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
-    write_text(out / "table1.csv", table.to_csv(index=False))
+    demo = OutDir(out, "demo")
+    demo.write_text(out / "table1.md", to_markdown(training_display(table)) + "\n")
+    demo.write_text(out / "table1.csv", table.to_csv(index=False))
     console.print(f"Table 1 -> {out / 'table1.md'}")
     return runs
 
@@ -155,12 +157,6 @@ def _training_workers(device: str, runs: int) -> int:
     if resolve_device(device).type != "cpu":
         return 1
     return max(1, min(runs, len(os.sched_getaffinity(0)) // torch.get_num_threads()))
-
-
-def _worker(out: str, threads: int) -> None:
-    """A training worker: the demo's threads, and its directory confined as in the demo's own process."""
-    torch.set_num_threads(threads)
-    confine(out, "demo")
 
 
 def _train_one(cfg: TrainConfig, corpus=None) -> tuple[TrainResult, float]:

@@ -1,9 +1,12 @@
 """Atomic writes (a file is absent or complete, never half written) and the one rule for every command's --out:
 fcaudit writes only into a directory that is new, empty or carries that command's marker, and deletes only what it
-wrote there. No write, replace, lock or removal inside a claimed directory goes through a symbolic link, so a link
-planted in it cannot make fcaudit touch a file outside."""
+wrote there. `OutDir` is the one object that checks, claims and locks such a directory and writes its files. The
+claim is the marker on disk, not a process's memory: every atomic write, replace and removal below a marked directory
+refuses to go through a symbolic link, and in a directory whose command records its files replaces only recorded
+ones, in whichever process (another rank, a worker, a nested command) it runs."""
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -14,7 +17,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from fcaudit.errors import FcauditError
 
@@ -84,10 +87,19 @@ def finite_json(obj: Any) -> Any:
     return obj
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Pretty, sorted JSON; non-finite numbers are written as null (`finite_json`)."""
-    return write_text(path, json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
-                      + "\n")
+def json_sha256(obj: dict) -> str:
+    """The hash of a JSON-able object: an audit config's identity, and the "_sha256" a hashed JSON file carries."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, hashed: bool = False) -> Path:
+    """Pretty, sorted JSON; non-finite numbers are written as null (`finite_json`). `hashed`: the object (a dict)
+    also carries "_sha256" of what a reader will see of the rest, which the audit's readers check."""
+    obj = finite_json(obj)
+    if hashed:
+        obj = json.loads(json.dumps({k: v for k, v in obj.items() if k != "_sha256"}, default=str))
+        obj = {**obj, "_sha256": json_sha256(obj)}
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -165,16 +177,6 @@ MARKERS = {c.marker: what for what, c in COMMANDS.items()}
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-@dataclass
-class _Claim:
-    root: Path  # absolute, as given
-    what: str
-    files: set[str] | None  # recorded files (relative paths), None for a command that records none
-
-
-_CLAIMS: dict[str, _Claim] = {}  # this process's claimed directories, by absolute path (as given and resolved)
-
-
 def _ours(name: str) -> bool:
     """A name fcaudit leaves in any directory it writes: the lock and the temp files of a killed write."""
     return name == LOCK or bool(_TEMP.match(name))
@@ -234,133 +236,74 @@ def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | No
     return None
 
 
-def prepare_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """Check, before any work and changing nothing, that `path` can become (or is) the `what`'s output directory:
-    refused in one line naming the fix when it is the root, home, in a checkpoint of `avoid`, a file or below one,
-    unwritable, another's directory, or ours holding a symbolic link."""
-    command = COMMANDS[what]
-    path = valid_path(path, "--out")
-    named = _refused_by_name(path, avoid)
-    if named is not None:
-        raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
-    if path.is_symlink() and not path.exists():
-        raise FcauditError(f"--out {path} is a broken symbolic link: pass a directory for the {what}")
-    if path.exists() and not path.is_dir():
-        raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
-                           "(fcaudit does not overwrite files it did not write)")
-    if path.is_dir():
-        if not _marked(path, command) and not all(_ours(n) for n in os.listdir(path)):
-            raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new or "
-                               f"empty directory for the {what}")
-        link = _first_link(path)
-        if link is not None:
-            raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never writes "
-                               "through links there; remove it or pass a new --out")
-    existing = next((p for p in (path, *path.parents) if p.exists()), path)
-    if existing.exists() and not existing.is_dir():
-        raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
-                           "that is not inside a file")
-    try:  # os.access ignores read-only mounts and is always true for root: really try to create a file
-        # named like atomic_write's temp files: another rank checking the directory meanwhile counts it as ours
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fcaudit-probe.", suffix=".tmp")
-        os.close(fd)
-        Path(probe).unlink(missing_ok=True)  # a rank that holds the lock may have cleaned it up already
-    except OSError as e:
-        where = "it" if existing == path else f"its parent {existing}"
-        raise FcauditError(f"--out {path}: cannot write to {where} ({e.strerror}): pass a writable directory for the "
-                           f"{what}") from None
-    return path
-
-
-def claim_out(path: str | os.PathLike, what: str, *, avoid: Iterable[str | os.PathLike] = ()) -> Path:
-    """`prepare_out`, then make `path` the `what`'s directory, created, marked (unless the command writes its own
-    marker) and `confine`d; called where the first file is written."""
-    command = COMMANDS[what]
-    path = prepare_out(path, what, avoid=avoid)
-    path.mkdir(parents=True, exist_ok=True)
-    fresh = command.writes_marker and not os.path.lexists(path / command.marker)
-    claim = confine(path, what)  # read again: the directory may have been deleted and made anew since an earlier claim
-    if fresh:
-        _save(claim)
-    return path
-
-
-def confine(root: str | os.PathLike, what: str) -> _Claim:
-    """From now on, no write, replace, lock or removal below `root` goes through a symbolic link, and for a command
-    that records its files, only recorded files are replaced or removed (the record is read from its marker)."""
-    absolute = Path(os.path.abspath(root))
-    command = COMMANDS[what]
-    files: set[str] | None = None
-    if command.records:
-        try:
-            listed = json.loads((absolute / command.marker).read_text()).get("files", [])
-            files = {str(f) for f in listed} if isinstance(listed, list) else set()
-        except (OSError, ValueError, AttributeError):
-            files = set()
-    claim = _Claim(absolute, what, files)
-    for key in {str(absolute), os.path.realpath(absolute)}:
-        _CLAIMS[key] = claim
-    return claim
-
-
-def _claims_of(path: Path) -> list[tuple[str, _Claim]]:
-    """(root key, claim) of every claimed directory that holds `path`, outermost first."""
-    text = os.path.abspath(path)
-    return sorted(((k, c) for k, c in _CLAIMS.items() if text == k or text.startswith(k.rstrip(os.sep) + os.sep)),
-                  key=lambda kc: len(kc[0]))
+def _claimed(path: str | os.PathLike) -> list[tuple[Path, str]]:
+    """(directory, command) of every fcaudit directory holding `path`, outermost first: each of its parents that
+    carries a command's marker. What claims a directory is its marker on disk, not a process's memory, so a nested
+    command, another rank and a worker process are held to the same rule without being told."""
+    held = []
+    for parent in Path(os.path.abspath(path)).parents:
+        what = next((w for m, w in MARKERS.items() if _regular(parent / m)), None)
+        if what is not None:
+            held.append((parent, what))
+    return held[::-1]
 
 
 def _guard(path: str | os.PathLike) -> None:
-    """Refuse `path` when it, or a directory between it and a claimed directory holding it, is a symbolic link."""
-    text = os.path.abspath(path)
-    for key, claim in _claims_of(Path(text)):
-        current = key
-        for part in Path(os.path.relpath(text, key)).parts if text != key else ():
-            current = os.path.join(current, part)
-            try:
-                mode = os.lstat(current).st_mode
-            except (FileNotFoundError, NotADirectoryError):
-                break  # what is missing is created as a real directory or file
-            if stat.S_ISLNK(mode):
-                raise FcauditError(f"{current} is a symbolic link inside the {claim.what} directory {claim.root}: "
-                                   "fcaudit never writes through links there; remove it or pass a new --out")
-
-
-def _recording(path: Path) -> tuple[_Claim, str] | None:
-    """The innermost claimed directory holding `path`, with `path` relative to it, when that command records files."""
-    held = _claims_of(path)
+    """Refuse `path` when it, or a directory between it and the outermost fcaudit directory holding it, is a
+    symbolic link."""
+    held = _claimed(path)
     if not held:
-        return None
-    key, claim = held[-1]
-    rel = os.path.relpath(os.path.abspath(path), key)
-    if claim.files is None or rel == COMMANDS[claim.what].marker:
-        return None
-    return claim, rel
+        return
+    root, what = held[0]
+    current = str(root)
+    for part in Path(os.path.relpath(os.path.abspath(path), root)).parts:
+        current = os.path.join(current, part)
+        try:
+            mode = os.lstat(current).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return  # what is missing is created as a real directory or file
+        if stat.S_ISLNK(mode):
+            raise FcauditError(f"{current} is a symbolic link inside the {what} directory {root}: fcaudit never "
+                               "writes through links there; remove it or pass a new --out")
 
 
-def _save(claim: _Claim) -> None:
-    """Write the claim's marker, listing the files recorded so far (the marker is not recorded in itself)."""
-    body = {"command": claim.what} if claim.files is None else {"command": claim.what, "files": sorted(claim.files)}
-    write_text(claim.root / COMMANDS[claim.what].marker, json.dumps(body, indent=2) + "\n")
+def _listed(root: Path, what: str) -> set[str]:
+    """The files the marker of `root` (a command that records them) lists."""
+    try:
+        listed = json.loads((root / COMMANDS[what].marker).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {str(f) for f in listed} if isinstance(listed, list) else set()
+
+
+def _recording(path: Path) -> tuple[Path, str, str, set[str]] | None:
+    """(directory, command, `path` relative to it, its recorded files) of the innermost fcaudit directory holding
+    `path` when that command records its files; None for a marker (its own directory's, not a file of the one
+    holding it)."""
+    held = _claimed(path)
+    if not held or path.name in MARKERS or not COMMANDS[held[-1][1]].records:
+        return None
+    root, what = held[-1]
+    return root, what, os.path.relpath(os.path.abspath(path), root), _listed(root, what)
+
+
+def _save(root: Path, what: str, files: set[str] | None) -> None:
+    """Write the marker of `root`, listing `files` (None: a command that records none; the marker is not listed)."""
+    body = {"command": what} if files is None else {"command": what, "files": sorted(files)}
+    write_text(root / COMMANDS[what].marker, json.dumps(body, indent=2) + "\n")
 
 
 def _record(path: Path) -> None:
     """Add `path` to its recording directory's marker before it is written; a file already there that fcaudit did
     not record is never replaced."""
-    claim, rel = _recording(path) or (None, "")
-    if claim is None or rel in claim.files:
+    held = _recording(path)
+    if held is None or held[2] in held[3]:
         return
+    root, what, rel, files = held
     if os.path.lexists(path):
-        raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[claim.what].marker} does "
-                           "not list it): move it away or pass a new --out")
-    claim.files.add(rel)
-    _save(claim)
-
-
-def recorded(root: str | os.PathLike) -> list[Path]:
-    """The files fcaudit recorded writing into the claimed directory `root` (for a command that records them)."""
-    claim = _CLAIMS.get(os.path.abspath(root))
-    return [claim.root / f for f in sorted(claim.files or ())] if claim is not None else []
+        raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[what].marker} does not "
+                           "list it): move it away or pass a new --out")
+    _save(root, what, files | {rel})
 
 
 def remove_file(path: str | os.PathLike) -> bool:
@@ -369,14 +312,14 @@ def remove_file(path: str | os.PathLike) -> bool:
     path = Path(path)
     _guard(path)
     _not_a_directory(path)
-    claim, rel = _recording(path) or (None, "")
-    if claim is not None and rel not in claim.files:
+    held = _recording(path)
+    if held is not None and held[2] not in held[3]:
         return False
     removed = os.path.lexists(path)
     path.unlink(missing_ok=True)
-    if claim is not None:
-        claim.files.discard(rel)
-        _save(claim)
+    if held is not None:
+        root, what, rel, files = held
+        _save(root, what, files - {rel})
     return removed
 
 
@@ -388,36 +331,6 @@ def remove_tree(path: str | os.PathLike) -> None:
     if os.path.islink(path):
         raise FcauditError(f"{path} is a symbolic link: fcaudit never deletes through links; remove it and rerun")
     shutil.rmtree(path, ignore_errors=True)
-
-
-def lock_dir(path: str | os.PathLike, what: str) -> int:
-    """Claim directory `path` for the `what` (`claim_out`) and take its exclusive lock, or fail at once: two
-    processes must never write one directory. Returns the lock's descriptor (never opened through a link); closing
-    it, or the process ending however it ends, releases the lock."""
-    path = claim_out(path, what)
-    try:
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        raise FcauditError(f"{path / LOCK} cannot be opened as a lock ({e.strerror}; fcaudit never follows a link "
-                           "there): remove it or pass a new --out") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise Locked(f"{path} is being written by another fcaudit process ({holder}); wait for it to finish or pass "
-                     f"another --out for the {what}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FcauditError(f"{path / LOCK} is not a regular file: remove it or pass a new --out")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return fd
-
-
-def locked(path: str | os.PathLike, what: str) -> BinaryIO:
-    """`lock_dir` for the duration of a `with` block: the lock file, held while it is open."""
-    return os.fdopen(lock_dir(path, what), "rb")
 
 
 def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:
@@ -435,3 +348,131 @@ def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) ->
         _guard(p)
         p.unlink(missing_ok=True)
     return stale
+
+
+class OutDir:
+    """A command's output directory: the one object that checks it may become the command's (new, empty or carrying
+    the command's marker; not the root, home, a checkpoint of `avoid`, a file or a link's target), claims it, locks it,
+    and writes, records and removes the command's files in it. Its only state is its path and its lock: the claim
+    is the marker on disk, which every atomic write below it reads (`_claimed`)."""
+
+    def __init__(self, path: Any, what: str, *, avoid: Iterable[str | os.PathLike] = ()):
+        self.root = valid_path(path, "--out")
+        self.what, self.command, self.avoid = what, COMMANDS[what], tuple(avoid)
+        self._lock: int | None = None
+
+    def __repr__(self) -> str:
+        return f"OutDir({str(self.root)!r}, {self.what!r})"
+
+    def check(self) -> "OutDir":
+        """Check, before any work and changing nothing, that the directory can become (or is) the command's: refused
+        in one line naming the fix otherwise."""
+        path, what = self.root, self.what
+        _guard(path)  # inside another fcaudit directory (a demo's), not below a link planted there
+        named = _refused_by_name(path, self.avoid)
+        if named is not None:
+            raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
+        if path.is_symlink() and not path.exists():
+            raise FcauditError(f"--out {path} is a broken symbolic link: pass a directory for the {what}")
+        if path.exists() and not path.is_dir():
+            raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
+                               "(fcaudit does not overwrite files it did not write)")
+        if path.is_dir():
+            if not _marked(path, self.command) and not all(_ours(n) for n in os.listdir(path)):
+                raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new "
+                                   f"or empty directory for the {what}")
+            link = _first_link(path)
+            if link is not None:
+                raise FcauditError(f"{link} is a symbolic link inside the {what} directory {path}: fcaudit never "
+                                   "writes through links there; remove it or pass a new --out")
+        existing = next((p for p in (path, *path.parents) if p.exists()), path)
+        if existing.exists() and not existing.is_dir():
+            raise FcauditError(f"--out {path} lies below the file {existing}: pass a directory path for the {what} "
+                               "that is not inside a file")
+        try:  # os.access ignores read-only mounts and is always true for root: really try to create a file
+            # named like atomic_write's temp files: another rank checking the directory meanwhile counts it as ours
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".fcaudit-probe.", suffix=".tmp")
+            os.close(fd)
+            Path(probe).unlink(missing_ok=True)  # a rank that holds the lock may have cleaned it up already
+        except OSError as e:
+            where = "it" if existing == path else f"its parent {existing}"
+            raise FcauditError(f"--out {path}: cannot write to {where} ({e.strerror}): pass a writable directory for "
+                               f"the {what}") from None
+        return self
+
+    def claim(self) -> "OutDir":
+        """`check`, then make the directory the command's: created and marked (unless the command writes its own
+        marker); called where its first file is written."""
+        self.check()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.command.writes_marker and not os.path.lexists(self.root / self.command.marker):
+            _save(self.root, self.what, set() if self.command.records else None)
+        return self
+
+    def lock(self) -> "OutDir":
+        """`claim`, then take the directory's exclusive lock, or fail at once: two processes must never write one
+        directory. The lock (never opened through a link) is held until `unlock` or the process ends."""
+        self.claim()
+        path = self.root / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise FcauditError(f"{path} cannot be opened as a lock ({e.strerror}; fcaudit never follows a link "
+                               "there): remove it or pass a new --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise Locked(f"{self.root} is being written by another fcaudit process ({holder}); wait for it to finish "
+                         f"or pass another --out for the {self.what}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FcauditError(f"{path} is not a regular file: remove it or pass a new --out")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        self._lock = fd
+        return self
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing releases the flock
+            self._lock = None
+
+    def __enter__(self) -> "OutDir":
+        return self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
+
+    def recorded(self) -> list[Path]:
+        """The files fcaudit recorded writing here (for a command that records them)."""
+        if not self.command.records or not _regular(self.root / self.command.marker):
+            return []
+        return [self.root / f for f in sorted(_listed(self.root, self.what))]
+
+    def _inside(self, path: str | os.PathLike) -> Path:
+        """`path` (a path below the directory, as its command names it) when it is inside: a command writes only into
+        its own directory."""
+        path, root = Path(path), os.path.abspath(self.root)
+        if os.path.abspath(path) != root and Path(root) not in Path(os.path.abspath(path)).parents:
+            raise ValueError(f"{path} is outside the {self.what} directory {self.root}")
+        return path
+
+    def write_bytes(self, path: str | os.PathLike, data: bytes | memoryview) -> Path:
+        return write_bytes(self._inside(path), data)
+
+    def write_text(self, path: str | os.PathLike, text: str) -> Path:
+        return write_text(self._inside(path), text)
+
+    def write_json(self, path: str | os.PathLike, obj: Any, *, hashed: bool = False) -> Path:
+        return write_json(self._inside(path), obj, hashed=hashed)
+
+    def atomic_write(self, path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+        return atomic_write(self._inside(path), write)
+
+    def remove_file(self, path: str | os.PathLike) -> bool:
+        return remove_file(self._inside(path))
+
+    def remove_tree(self, path: str | os.PathLike) -> None:
+        remove_tree(self._inside(path))

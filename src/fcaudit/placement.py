@@ -88,6 +88,11 @@ def _onloaded(module: nn.Module) -> AbstractContextManager | None:
     return align_module_device(module, torch.device("cpu"))
 
 
+def off_cpu(t: torch.Tensor) -> bool:
+    """Whether `t` lives on an accelerator (where a probe that may trip a device-side assert must not run)."""
+    return t.device.type != "cpu"
+
+
 @contextmanager
 def on_cpu(module: nn.Module) -> Iterator[None]:
     """Within the block every weight of `module` and its submodules holds its data on the CPU: an offloaded

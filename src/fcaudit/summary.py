@@ -17,7 +17,7 @@ import pandas as pd
 
 from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.errors import FcauditError
-from fcaudit.io import atomic_write, claim_out, finite_json, read_json, write_json
+from fcaudit.io import OutDir, finite_json, read_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import CheckpointStatistics, retained_name
 from fcaudit.stats.results import (WINDOW_LEVEL, FactorEffectsResult, PenaltiesResult, Results, RetentionResult,
@@ -296,13 +296,13 @@ class Summary(Mapping):
     def save(self, out: str | Path) -> Path:
         """Write summary.json, the CSV tables and criteria.json into `out`, a summary directory of fcaudit.io's
         rule (new, empty, or an earlier summary's)."""
-        out = claim_out(out, "summary")
+        out = OutDir(out, "summary").claim()
         data = self.to_dict()
-        write_json(out / "summary.json", data)
+        out.write_json(out.root / "summary.json", data)
         for name in _COLUMNS:
-            atomic_write(out / f"{name}.csv", lambda p, df=self._table(name): csv_frame(df).to_csv(p, index=False))
-        write_json(out / "criteria.json", data["criteria"])
-        return out
+            out.atomic_write(out.root / f"{name}.csv", lambda p, df=self._table(name): csv_frame(df).to_csv(p, index=False))
+        out.write_json(out.root / "criteria.json", data["criteria"])
+        return out.root
 
     @classmethod
     def load(cls, path: str | Path) -> "Summary":

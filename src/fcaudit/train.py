@@ -22,7 +22,7 @@ from fcaudit import data, families
 from fcaudit.config import MAX_BATCH_SIZE, MAX_SEED, MAX_STEPS, MAX_WINDOW, MAX_WINDOWS, check_count
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
-from fcaudit.io import COMMANDS, LOCK, locked, prepare_out, read_json, remove_stale_temps, remove_tree, write_json
+from fcaudit.io import COMMANDS, LOCK, OutDir, read_json, remove_stale_temps, remove_tree, write_json
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.models.checkpoint import load_weights, save_weights
 from fcaudit.provenance import provenance
@@ -259,7 +259,8 @@ def _non_finite(what: str, value: float, step: int, cfg: TrainConfig, out: Path,
 def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     """Train (or resume, or return the finished run in cfg.out) and report Byte-PPL and gate mass on the test split.
     `corpus`: an already loaded fcaudit.data.Corpus named cfg.corpus (saves reloading it for many runs)."""
-    out = prepare_out(cfg.out, "training run")  # new, empty or a run of ours (fcaudit.io's rule for every --out)
+    run_dir = OutDir(cfg.out, "training run").check()  # new, empty or a run of ours (fcaudit.io's rule for every --out)
+    out = run_dir.root
     device = resolve_device(cfg.device)
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus)
@@ -272,7 +273,7 @@ def train(cfg: TrainConfig, corpus=None) -> TrainResult:
     rng = np.random.default_rng(cfg.seed)
     opt = make_optimizer(model, cfg, device)  # may still refuse the config: nothing is written before this
     created = not out.exists()
-    with locked(out, "training run"):  # one writer per run directory; released however the process ends
+    with run_dir:  # locked: one writer per run directory; released however the process ends
         _check_run_dir(out, cfg, corpus.fingerprint)
         # finished earlier with the same config; a final model that lost its files is saved again from the last
         # training state (the loop below runs no step), as "no weights file ... rerun the training" says

@@ -22,7 +22,7 @@ import torch
 from fcaudit import protocol
 from fcaudit.auditor import files
 from fcaudit.errors import FcauditError
-from fcaudit.io import confine, lock_dir, prepare_out, remove_file, remove_stale_temps, valid_path
+from fcaudit.io import OutDir, json_sha256, remove_stale_temps, valid_path
 from fcaudit.provenance import provenance
 
 MARKER = ".fcaudit-audit"
@@ -47,7 +47,7 @@ def identity(config: dict) -> dict:
 
 
 def config_hash(config: dict) -> str:
-    return files.json_sha256(identity(config))
+    return json_sha256(identity(config))
 
 
 def record_keys(config: dict) -> list[tuple[str, int]]:
@@ -100,9 +100,8 @@ def differences(old: dict, new: dict) -> list[str]:
 class AuditDir:
     def __init__(self, root: str | os.PathLike):
         self.root = valid_path(root, "the audit directory")
-        self._lock_fd: int | None = None
+        self.out = OutDir(self.root, "audit")  # checks, locks, and writes its JSON files (hashed)
         self._hash: str | None = None  # `binding`'s, read from config.json once
-        confine(self.root, "audit")  # every rank's writes and removals below it never go through a link
         self.config_path = self.root / "config.json"
         self.coeffs = self.root / "coeffs"
         self.profiles = self.root / "profiles.safetensors"
@@ -121,6 +120,10 @@ class AuditDir:
 
     def records(self, condition: str, r: int) -> Path:
         return self.root / "records" / condition / f"r{r:04d}.parquet"
+
+    def write_json(self, path: str | os.PathLike, obj: dict) -> Path:
+        """A JSON file of the audit, with the hash its readers check (`files.read_json`)."""
+        return self.out.write_json(path, obj, hashed=True)
 
     # ---- records bound to their audit ------------------------------------------------------------------------------
     def bound(self, meta: dict | None = None) -> dict:
@@ -207,18 +210,15 @@ class AuditDir:
     def check(self, checkpoint: str | os.PathLike | None = None) -> None:
         """Before any work: the directory can become this audit's (new, empty, or an fcaudit audit directory, and
         not the audited `checkpoint` nor inside it): fcaudit.io's rule for every output directory."""
-        prepare_out(self.root, "audit", avoid=() if checkpoint is None else (checkpoint,))
+        OutDir(self.root, "audit", avoid=() if checkpoint is None else (checkpoint,)).check()
 
     # ---- lock ------------------------------------------------------------------------------------------------------
     def lock(self) -> None:
         """Take the exclusive lock, or fail at once: two processes must never write one audit directory."""
-        self.check()
-        self._lock_fd = lock_dir(self.root, "audit")
+        self.out.lock()
 
     def unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing releases the flock
-            self._lock_fd = None
+        self.out.unlock()
 
     # ---- configuration -------------------------------------------------------------------------------------------
     def open(self, config: dict) -> str:
@@ -230,7 +230,7 @@ class AuditDir:
         digest = config_hash(config)
         if not self.is_ours():  # lock() checked: new, empty, or an audit whose marker was lost (its config.json says)
             lost = files.quietly(files.read_json, self.config_path, require_hash=True) or {}
-            files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": lost.get("config_hash")})
+            self.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": lost.get("config_hash")})
         remove_stale_temps(self.root, recursive=True)
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
@@ -240,25 +240,25 @@ class AuditDir:
                        else ["(config.json unreadable)"])
             if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
                 held, current = digest, {**current, "config_hash": digest}
-                files.write_json(self.config_path, current)
-                files.write_json(self.root / MARKER, {**marker, "config_hash": digest})
+                self.write_json(self.config_path, current)
+                self.write_json(self.root / MARKER, {**marker, "config_hash": digest})
             elif self.has_results():
                 raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
                                    "pass a new --out directory or delete the old one")
         if held == digest and current.get("config_hash") == digest:
             if any(current.get("model", {}).get(k) != config["model"].get(k) for k in DESCRIPTIVE):
                 # the same checkpoint read from elsewhere (or relabelled): config.json says where it was read now
-                files.write_json(self.config_path, {**current, "model": {**current["model"], **{
+                self.write_json(self.config_path, {**current, "model": {**current["model"], **{
                     k: config["model"][k] for k in DESCRIPTIVE if k in config["model"]}}})
             return "resume"
         state = "repaired" if held == digest and self.has_results() else "new"
         if state == "new":
-            remove_file(self.replay)  # a failed replay report of a configuration with no results
+            self.out.remove_file(self.replay)  # a failed replay report of a configuration with no results
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        files.write_json(self.config_path, {**config, "config_hash": digest, "created_at": now,
+        self.write_json(self.config_path, {**config, "config_hash": digest, "created_at": now,
                                              "criteria": {**config["criteria"], "fixed_at": now},
                                              "provenance": provenance()})
-        files.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": digest})
+        self.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": digest})
         self._hash = None
         return state
 

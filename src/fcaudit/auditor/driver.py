@@ -30,7 +30,7 @@ from fcaudit.config import AuditConfig, with_settings
 from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
-from fcaudit.io import Locked, write_text
+from fcaudit.io import Locked
 
 
 def _config(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, coeff_dtype: str) -> dict:
@@ -90,7 +90,7 @@ SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, remove
 SHARED_WAIT = (0.0, 0.5, 1, 2, 4, 8, 16, 30)  # seconds between looks: an NFS client caches "not found" up to ~60 s
 
 
-def _check_shared(adir: AuditDir, group: Group) -> None:
+def check_shared(adir: AuditDir, group: Group) -> None:
     """Every rank must see rank 0's audit directory (a node-local --out would split the audit's files, found only
     when the merge misses them): each reads rank 0's token there, looking again for about a minute."""
     token = group.gather(secrets.token_hex(8))[0]  # rank 0's, on every rank
@@ -109,14 +109,14 @@ def _check_shared(adir: AuditDir, group: Group) -> None:
                            f"{'its check file is missing' if seen is None else 'another audit is there'}): --out "
                            "must be one directory that every rank shares (a network filesystem), at one path")
     try:
-        group.run(lambda: write_text(path, token), main_only=True)
+        group.run(lambda: adir.out.write_text(path, token), main_only=True)
         group.run(read)
     finally:
         if group.is_main:
             path.unlink(missing_ok=True)
 
 
-def _check_same(configs: list[dict]) -> None:
+def check_same(configs: list[dict]) -> None:
     """Every rank must audit the same model, windows and settings (e.g. the same checkpoint on every node)."""
     first = config_hash(configs[0])
     if (odd := next((k for k, c in enumerate(configs) if config_hash(c) != first), None)) is not None:
@@ -206,13 +206,13 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
         windows, probe, saved, findings, config = _checked(model, controller, (eval_windows, calib_windows), config,
                                                            group)
         adir = AuditDir(config.out)
-        group.run(lambda: _check_same(group.gather(saved)))
+        group.run(lambda: check_same(group.gather(saved)))
         try:
             # rank 0 alone locks and configures the directory in an agreed phase: a held lock or a refused
             # configuration stops every rank with its error instead of leaving the others at the next barrier
             state = group.run(lambda: _lock_and_open(adir, saved, group), main_only=True)
             if group.world > 1:
-                _check_shared(adir, group)
+                check_shared(adir, group)
             # replay.json keeps the findings (rewritten by every run: a resume says them again)
             engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe, findings)
             del probe  # the engine holds it until the first batch's capture, then lets it go

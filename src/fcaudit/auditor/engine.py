@@ -29,7 +29,6 @@ from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
 from fcaudit.errors import FcauditError
-from fcaudit.io import remove_tree
 from fcaudit.kinds import Description
 from fcaudit.loss import logits_of, token_nll
 from fcaudit.protocol import Coeffs
@@ -178,7 +177,7 @@ class Engine:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
                 if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
-                    files.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
+                    self.dir.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
@@ -269,7 +268,7 @@ class Engine:
         profiles = protocol.static_profiles(sums, self.info)
         files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
                             self.dir.bound({"count": int(self.ca.shape[0]), "conditions": list(profiles)}))
-        remove_tree(self.dir.root / "calib")
+        self.dir.out.remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------
     def _stage2(self, units: Iterable[Unit], step) -> None:
@@ -360,7 +359,7 @@ class Engine:
         times = np.zeros(n, dtype=np.int64)  # how often each window was found
 
         def uncovered() -> FcauditError:
-            remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names recomputes them
+            self.dir.out.remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names recomputes them
             return FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
                                 "the audit command to recompute them")
 
@@ -377,7 +376,7 @@ class Engine:
         if nll is None or not (times == 1).all():
             raise uncovered()
         self._write_records(condition, r, nll, act)
-        remove_tree(self.dir.parts(condition, r))
+        self.dir.out.remove_tree(self.dir.parts(condition, r))
 
     def _replay_summary(self) -> dict:
         """replay.json: the exact replay check over all capture batches, from their chunks' headers."""
@@ -394,10 +393,10 @@ class Engine:
         for condition, r in self.schedule.record_keys():
             if self._recorded(condition, r) is not True:
                 self._merge_parts(condition, r)
-        remove_tree(self.dir.root / "parts")
+        self.dir.out.remove_tree(self.dir.root / "parts")
         # rewritten anyway; the check says so if it was damaged
         self._verified(self.dir.replay, lambda p: self.dir.read_replay())
-        files.write_json(self.dir.replay, self.dir.bound(self._replay_summary()))
+        self.dir.write_json(self.dir.replay, self.dir.bound(self._replay_summary()))
         if not self._verified(self.dir.variation, lambda p: self.dir.read_variation()):
-            files.write_json(self.dir.variation, self.dir.bound(variation(self.store, self.starts, self.paths,
+            self.dir.write_json(self.dir.variation, self.dir.bound(variation(self.store, self.starts, self.paths,
                                                                           self.info.layers)))

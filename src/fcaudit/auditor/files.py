@@ -1,7 +1,8 @@
 """The files of an audit directory, each written atomically with a hash that every `read_*` checks: safetensors carry
 the sha256 of their metadata and tensors in metadata key "fcaudit", a Parquet file's sha256 is in its sidecar
-`NAME.parquet.sha256` (`sha256sum` format, written first), JSON files carry "_sha256" of the rest. A file that is
-unreadable, truncated, edited or lacks its hash raises `Damaged`: readers refuse it, the next audit recomputes it."""
+`NAME.parquet.sha256` (`sha256sum` format, written first), JSON files carry "_sha256" of the rest
+(`fcaudit.io.write_json(..., hashed=True)`). A file that is unreadable, truncated, edited or lacks its hash raises
+`Damaged`: readers refuse it, the next audit recomputes it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from fcaudit.errors import FcauditError
-from fcaudit.io import finite_json, write_bytes
+from fcaudit.io import json_sha256, write_bytes
 
 META_KEY = "fcaudit"
 
@@ -145,20 +146,8 @@ def read_table(path: str | os.PathLike) -> tuple[pd.DataFrame, dict | None]:
         raise Damaged(path, f"unreadable ({type(e).__name__})") from None
 
 
-def json_sha256(obj: dict) -> str:
-    """The hash of a JSON-able object, as config.json's identity and every JSON file's "_sha256" are taken."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def write_json(path: str | os.PathLike, obj: dict) -> Path:
-    obj = {k: v for k, v in obj.items() if k != "_sha256"}
-    obj = json.loads(json.dumps(finite_json(obj), default=str))  # hash what a reader will see; nan as null
-    text = json.dumps({**obj, "_sha256": json_sha256(obj)}, indent=2, sort_keys=True) + "\n"
-    return write_bytes(path, text.encode())
-
-
 def read_json(path: str | os.PathLike, keys: tuple[str, ...] = (), require_hash: bool = False) -> dict:
-    """A JSON object written by `write_json`: parsed, hash checked (when recorded; `require_hash`: it must be),
+    """A JSON object written by `fcaudit.io.write_json(..., hashed=True)`: parsed, hash checked (when recorded; `require_hash`: it must be),
     `keys` present."""
     obj = _read(path, lambda p: json.loads(p.read_text()))
     if not isinstance(obj, dict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from fcaudit.auditor.engine import capture_batch, keeps_store_on
 from fcaudit.auditor.inputs import as_windows, check_controller, check_ids, evaluating, first_forward
 from fcaudit.auditor.store import check_finite
 from fcaudit.auditor.units import Schedule
-from fcaudit.config import AuditConfig
+from fcaudit.config import AuditConfig, with_settings
 from fcaudit.controllers.controller import Controller
 
 
@@ -110,8 +110,8 @@ def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, dev
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
 
 
-def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *, batch_size: int = 8,
-         randomizations: int = 20, world_size: int = 1) -> AuditPlan:
+def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *,
+         config: AuditConfig | None = None, world_size: int = 1, **settings) -> AuditPlan:
     """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
 
     Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
@@ -122,8 +122,8 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     ----------
     model, controller, eval_windows, calib_windows
         As for `fca.audit`; `calib_windows` may be None.
-    batch_size, randomizations
-        As in `fcaudit.AuditConfig`.
+    config, **settings
+        As for `fca.audit` (the plan reads `batch_size` and `randomizations`), so the audit it plans is the same call.
     world_size
         Processes the work units are split over (torchrun ranks).
 
@@ -142,7 +142,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     >>> print(p)
     2 sites, store ... MiB, ... forward passes (Correct, ...), peak memory ~... MiB (parameters ...)
     """
-    config = AuditConfig(batch_size=batch_size, randomizations=randomizations, world_size=world_size)
+    config = replace(with_settings(config, settings, "fca.plan"), world_size=world_size)
     check_controller(model, controller)
     ev, _ = as_windows(eval_windows, "evaluation")
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]

@@ -28,7 +28,7 @@ from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
 from fcaudit.hub import resolve
-from fcaudit.io import atomic_write, claim_out, prepare_out, read_object, remove_file, valid_path, write_json
+from fcaudit.io import OutDir, read_object, valid_path
 from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
@@ -173,7 +173,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     `out/execution.csv` and `out/execution.json`; all models run with one window so that their rows compare. With
     `thresholds`, scalar-gated models are thresholded on test windows (`out/thresholding.csv`); routed models get a
     row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded."""
-    out = prepare_out(cfg.out, "execution results", avoid=cfg.checkpoints)
+    out = OutDir(cfg.out, "execution results", avoid=cfg.checkpoints).check()
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve(p) for p in cfg.checkpoints]
@@ -188,7 +188,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     with using_threads(cfg.threads) as n_threads:
         rows, sweeps, conditions = _measure_all(cfg, paths, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
-    claim_out(out, "execution results")
+    out.claim()
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
                 "latency": "round-robin over models, median of repetitions", "threads": n_threads,
                 "decoding": f"{DECODE_BATCH} test window(s) of the corpus, token by token with a KV cache",
@@ -199,12 +199,12 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     for name, parts in (("thresholding", sweeps), ("conditions", conditions)):
         if parts:
             table = pd.concat(parts, ignore_index=True)
-            atomic_write(out / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
+            out.atomic_write(out.root / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
             payload[name] = table.to_dict(orient="records")
         else:  # a table left by an earlier run with other settings must not sit next to these results
-            remove_file(out / f"{name}.csv")
-    atomic_write(out / "execution.csv", lambda p: df.to_csv(p, index=False))
-    write_json(out / "execution.json", payload)
+            out.remove_file(out.root / f"{name}.csv")
+    out.atomic_write(out.root / "execution.csv", lambda p: df.to_csv(p, index=False))
+    out.write_json(out.root / "execution.json", payload)
     return df
 
 

@@ -19,8 +19,7 @@ import pandas as pd
 
 from fcaudit.auditor.results import CAUSALITY, TOKEN_ROUTING, Replay
 from fcaudit.errors import FcauditError
-from fcaudit.io import (COMMANDS, atomic_write, claim_out, confine, prepare_out, read_json, recorded, remove_file,
-                        valid_path, write_json, write_text)
+from fcaudit.io import OutDir, read_json, valid_path
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
@@ -102,7 +101,7 @@ def discover(inputs: Sequence[str | Path]) -> Found:
 class Doc:
     """The report being written, each block kept as Markdown and as HTML."""
 
-    out: Path
+    out: OutDir
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (Markdown, HTML)
     csvs: list[str] = field(default_factory=list)
     pngs: list[str] = field(default_factory=list)
@@ -118,7 +117,7 @@ class Doc:
                             "<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in items) + "</ul>"))
 
     def csv(self, name: str, frame: pd.DataFrame):
-        atomic_write(self.out / name, lambda p: frame.to_csv(p, index=False))
+        self.out.atomic_write(self.out.root / name, lambda p: frame.to_csv(p, index=False))
         self.csvs.append(name)
 
     def table(self, display: pd.DataFrame, raw: pd.DataFrame, name: str, caption: str = ""):
@@ -307,21 +306,21 @@ def _figures(doc: Doc, summaries: list[Summary], fracs: dict) -> None:
     doc.h(2, "Figures")
     for fam, g in _families(summaries):
         if len(pen := g.penalties()):
-            doc.img(figures.penalties_figure(pen, doc.out / f"fig2_penalties_{_slug(fam)}.png", fam),
+            doc.img(figures.penalties_figure(pen, doc.out.root / f"fig2_penalties_{_slug(fam)}.png", fam),
                     f"Figure 2 ({fam}): mean ΔNLL per intervention with intervals; the structure-removed reference "
                     "on its own linear scale.")
     if fracs:
         missing = [f"{fam} ({verdicts.variation_line(g.variation, None)})"
                    for fam, g in _families(summaries) if fam not in fracs]
-        doc.img(figures.variance_figure(fracs, doc.out / "fig3_variance.png"),
+        doc.img(figures.variance_figure(fracs, doc.out.root / "fig3_variance.png"),
                 "Figure 3: variance decomposition of the controller coefficients per model."
                 + (f" Not shown: {'; '.join(missing)}." if missing else ""))
     if not rets.empty:
-        doc.img(figures.retention_figure(rets, doc.out / "fig4_retention.png"),
+        doc.img(figures.retention_figure(rets, doc.out.root / "fig4_retention.png"),
                 "Figure 4: static retention with intervals, absolute ΔNLL beside each; references differ between "
                 "families, so compare within a family only.")
     if not conds.empty:
-        doc.img(figures.log_penalties_figure(conds, doc.out / "fig5_log_penalties.png"),
+        doc.img(figures.log_penalties_figure(conds, doc.out.root / "fig5_log_penalties.png"),
                 "Figure 5: absolute penalties on a log axis across model families (means ≤ 0 marked at the left "
                 "edge, not dropped).")
 
@@ -481,17 +480,17 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     >>> html.name, (html.parent / "report.md").is_file()
     ('report.html', True)
     """
-    out = prepare_out(out, "report")
+    out = OutDir(out, "report").check()
     found = discover(inputs)
     sources = [(str(d), s) for d, s in found.summaries]
     made = summarize(found.audits, allow_partial=allow_partial) if found.audits else None
     if made is not None:
         sources.append(("the audit directories given", made))
     _one_source_per_family(sources)
-    claim_out(out, "report")
+    out.claim()
     _remove_earlier_report(out)
     if made is not None:
-        made.save(out / "summary")
+        made.save(out.root / "summary")
     summaries = [s for _, s in sources]
     doc = Doc(out)
     prov = provenance()
@@ -520,21 +519,18 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
           + ("; figures: " + ", ".join(f"`{p}`" for p in doc.pngs) if doc.pngs else "") + ".")
-    summary_files = [f"summary/{f.name}" for f in sorted((out / "summary").glob("[!.]*"))] if made is not None else []
+    summary_files = [f"summary/{f.name}" for f in sorted((out.root / "summary").glob("[!.]*"))] if made is not None else []
     numbers["files"] = [*doc.csvs, *doc.pngs, *summary_files, "report.md", "report.html"]
-    write_json(out / "report.json", numbers)
-    write_text(out / "report.md", doc.markdown())
-    return write_text(out / "report.html", doc.html("fcaudit report"))
+    out.write_json(out.root / "report.json", numbers)
+    out.write_text(out.root / "report.md", doc.markdown())
+    return out.write_text(out.root / "report.html", doc.html("fcaudit report"))
 
 
-def _remove_earlier_report(out: Path) -> None:
+def _remove_earlier_report(out: OutDir) -> None:
     """Every file an earlier report into the claimed `out` wrote (as its and its summary/'s markers record them), so
     that none stays beside this one (e.g. a family this report does not cover); nothing else is touched."""
-    summary = out / "summary"
-    if (summary / COMMANDS["summary"].marker).is_file():
-        confine(summary, "summary")
-    for f in [*recorded(out), *recorded(summary)]:
-        remove_file(f)
+    for f in [*out.recorded(), *OutDir(out.root / "summary", "summary").recorded()]:
+        out.remove_file(f)
 
 
 def _one_source_per_family(sources: list[tuple[str, Summary]]) -> None:

@@ -181,15 +181,11 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
 
 
-def _off_cpu(t: torch.Tensor) -> bool:  # a seam: the tests pretend to be on an accelerator
-    return t.device.type != "cpu"
-
-
 def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
                     pads: dict[type, str]) -> str:
     """`_padding` probed on the CPU (on CUDA a refused index trips a device-side assert that ends the CUDA context):
     for a model elsewhere once per experts class (`pads`), on CPU copies of their weights and inputs."""
-    if not _off_cpu(index):
+    if not placement.off_cpu(index):
         return _padding(c, args, kwargs, index, weights)
     if type(c.experts) not in pads:
         # one CPU copy per tensor: `_padding` finds index and weights (among the inputs) by identity
