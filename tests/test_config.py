@@ -195,7 +195,7 @@ def test_the_memory_estimate_includes_the_plan():
 
 
 def test_a_plan_takes_the_settings_of_the_audit_it_plans(tmp_path):
-    """`fca.plan(..., **settings)` and `fca.audit(..., **settings)` read the same settings, so what is planned is run."""
+    """`fca.plan(..., **settings)` and `fca.audit(..., **settings)` read the same settings: what is planned runs."""
     model = tiny()
     ctrl = fca.controller_for(model)
     settings = dict(randomizations=2, batch_size=3, seed=1, out=tmp_path / "a", quiet=True)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-import transformers  # noqa: E402  (a test dependency: fcaudit[test] includes fcaudit[hf])
+import transformers  # noqa: E402  (a test dependency: the test extra includes the hf extra)
 
 from fcaudit.errors import FcauditError  # noqa: E402
 from fcaudit.families.hf_moe import TopKRouterCodec, ensure_eager_experts, load_hf_moe, moe_controller, require_transformers  # noqa: E402

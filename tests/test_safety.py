@@ -411,7 +411,7 @@ def test_a_missing_extra_is_named_before_any_work(tmp_path):
     for (code, output), args in zip(json.loads(done.stdout.splitlines()[-1]), commands):
         lines = printed(output)
         assert code == 2 and len(lines) == 1, (args, output)
-        assert "needs transformers" in lines[0] and "pip install 'fcaudit[hf]'" in lines[0], lines[0]
+        assert "needs transformers" in lines[0] and "pip install -e '.[hf]' in fcaudit's clone" in lines[0], lines[0]
     assert tree(tmp_path) == before
 
 

@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Frozen-Controller Auditing: variation, functional dependence and execution of dynamic networks.")
 
 MODELS_HELP = ("featuregate, dense, uniform, layerstatic, uniform-fixed, uniform-matched, fixeddepth (needs --depth), "
-               "mudd, moe (a byte-level Mixtral; needs fcaudit[hf]), mod (Mixture-of-Depths) or early-exit")
+               "mudd, moe (a byte-level Mixtral; needs the hf extra), mod (Mixture-of-Depths) or early-exit")
 # options that several commands share
 Corpus = Annotated[str, typer.Option(metavar="NAME", help="embedded, a local text file or directory, wikitext-103 or "
                                                            "openwebtext")]

@@ -49,7 +49,8 @@ def require_accelerate() -> None:
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise FcauditError("a device map needs accelerate, an optional extra: pip install 'fcaudit[hf]'") from None
+        raise FcauditError("a device map needs accelerate, an optional extra: pip install -e '.[hf]' in fcaudit's "
+                           "clone") from None
 
 
 def input_device(model: nn.Module) -> torch.device:

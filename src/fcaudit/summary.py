@@ -300,7 +300,8 @@ class Summary(Mapping):
         data = self.to_dict()
         out.write_json(out.root / "summary.json", data)
         for name in _COLUMNS:
-            out.atomic_write(out.root / f"{name}.csv", lambda p, df=self._table(name): csv_frame(df).to_csv(p, index=False))
+            out.atomic_write(out.root / f"{name}.csv",
+                             lambda p, df=self._table(name): csv_frame(df).to_csv(p, index=False))
         out.write_json(out.root / "criteria.json", data["criteria"])
         return out.root
 

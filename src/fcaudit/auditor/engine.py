@@ -359,7 +359,7 @@ class Engine:
         times = np.zeros(n, dtype=np.int64)  # how often each window was found
 
         def uncovered() -> FcauditError:
-            self.dir.out.remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names recomputes them
+            self.dir.out.remove_tree(self.dir.parts(condition, r))  # so that the rerun the message names redoes them
             return FcauditError(f"the records of {condition} r{r} do not cover each evaluation window once; rerun "
                                 "the audit command to recompute them")
 

@@ -147,8 +147,8 @@ def read_table(path: str | os.PathLike) -> tuple[pd.DataFrame, dict | None]:
 
 
 def read_json(path: str | os.PathLike, keys: tuple[str, ...] = (), require_hash: bool = False) -> dict:
-    """A JSON object written by `fcaudit.io.write_json(..., hashed=True)`: parsed, hash checked (when recorded; `require_hash`: it must be),
-    `keys` present."""
+    """A JSON object written by `fcaudit.io.write_json(..., hashed=True)`: parsed, hash checked (when recorded;
+    `require_hash`: it must be), `keys` present."""
     obj = _read(path, lambda p: json.loads(p.read_text()))
     if not isinstance(obj, dict):
         raise Damaged(path, "not a JSON object")

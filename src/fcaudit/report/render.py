@@ -519,7 +519,8 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     doc.h(2, "Files")
     doc.p("Every number above is also in: " + ", ".join(f"`{c}`" for c in doc.csvs + ["report.json"])
           + ("; figures: " + ", ".join(f"`{p}`" for p in doc.pngs) if doc.pngs else "") + ".")
-    summary_files = [f"summary/{f.name}" for f in sorted((out.root / "summary").glob("[!.]*"))] if made is not None else []
+    summary_files = ([f"summary/{f.name}" for f in sorted((out.root / "summary").glob("[!.]*"))]
+                     if made is not None else [])
     numbers["files"] = [*doc.csvs, *doc.pngs, *summary_files, "report.md", "report.html"]
     out.write_json(out.root / "report.json", numbers)
     out.write_text(out.root / "report.md", doc.markdown())

@@ -30,11 +30,12 @@ def require_transformers(what: str = "auditing Hugging Face MoE models"):
     try:
         import transformers
     except ImportError:
-        raise FcauditError(f"{what} needs transformers, an optional extra: pip install 'fcaudit[hf]'") from None
+        raise FcauditError(f"{what} needs transformers, an optional extra: pip install -e '.[hf]' in fcaudit's "
+                           "clone") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
     if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS:
         raise FcauditError(f"transformers {transformers.__version__} is too old for MoE audits (needs >= "
-                           f"{MIN_TRANSFORMERS}): pip install -U 'fcaudit[hf]'")
+                           f"{MIN_TRANSFORMERS}): pip install -U -e '.[hf]' in fcaudit's clone")
     return transformers
 
 
