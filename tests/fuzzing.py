@@ -1097,6 +1097,7 @@ def main() -> int:
     p.add_argument("--hang-s", type=float, default=HANG_S, help="seconds after which an input counts as a hang")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.out = args.out.absolute()  # inputs run from other working directories (a decoy cwd) must find it
     if args.worker:
         counts = worker(args.worker, args.inputs, args.seed, args.out, args.out / "found.jsonl", args.hang_s)
         (args.out / "counts.json").write_text(json.dumps(counts))
