@@ -392,7 +392,7 @@ def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):
 
 def test_without_transformers_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
-    with pytest.raises(FcauditError, match=r"pip install 'fcaudit\[hf\]'"):
+    with pytest.raises(FcauditError, match=r"pip install -e '\.\[hf\]' in fcaudit's clone"):
         require_transformers()
 
 
