@@ -32,10 +32,10 @@ _TEMP = re.compile(r"^\..+\.tmp$")
 def _replacing(path: Path) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a temp file next to `path`, with the permissions open() would give (mkstemp makes
     0600); renamed onto `path` when the block ends, removed when it raises."""
-    _guard(path)
+    held = _guard(path)
     _not_a_directory(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _record(path)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
+    _record(path, held)  # before the rename: a file of ours is never left unrecorded, whatever kills the process
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
@@ -248,12 +248,12 @@ def _claimed(path: str | os.PathLike) -> list[tuple[Path, str]]:
     return held[::-1]
 
 
-def _guard(path: str | os.PathLike) -> None:
+def _guard(path: str | os.PathLike) -> list[tuple[Path, str]]:
     """Refuse `path` when it, or a directory between it and the outermost fcaudit directory holding it, is a
-    symbolic link."""
+    symbolic link; else the fcaudit directories holding it (`_claimed`)."""
     held = _claimed(path)
     if not held:
-        return
+        return held
     root, what = held[0]
     current = str(root)
     for part in Path(os.path.relpath(os.path.abspath(path), root)).parts:
@@ -261,10 +261,11 @@ def _guard(path: str | os.PathLike) -> None:
         try:
             mode = os.lstat(current).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            return  # what is missing is created as a real directory or file
+            break  # what is missing is created as a real directory or file
         if stat.S_ISLNK(mode):
             raise FcauditError(f"{current} is a symbolic link inside the {what} directory {root}: fcaudit never "
                                "writes through links there; remove it or pass a new --out")
+    return held
 
 
 def _listed(root: Path, what: str) -> set[str]:
@@ -276,11 +277,10 @@ def _listed(root: Path, what: str) -> set[str]:
     return {str(f) for f in listed} if isinstance(listed, list) else set()
 
 
-def _recording(path: Path) -> tuple[Path, str, str, set[str]] | None:
-    """(directory, command, `path` relative to it, its recorded files) of the innermost fcaudit directory holding
-    `path` when that command records its files; None for a marker (its own directory's, not a file of the one
-    holding it)."""
-    held = _claimed(path)
+def _recording(path: Path, held: list[tuple[Path, str]]) -> tuple[Path, str, str, set[str]] | None:
+    """(directory, command, `path` relative to it, its recorded files) of the innermost of the fcaudit directories
+    `held` holding `path` when that command records its files; None for a marker (its own directory's, not a file of
+    the one holding it)."""
     if not held or path.name in MARKERS or not COMMANDS[held[-1][1]].records:
         return None
     root, what = held[-1]
@@ -293,13 +293,13 @@ def _save(root: Path, what: str, files: set[str] | None) -> None:
     write_text(root / COMMANDS[what].marker, json.dumps(body, indent=2) + "\n")
 
 
-def _record(path: Path) -> None:
+def _record(path: Path, held: list[tuple[Path, str]]) -> None:
     """Add `path` to its recording directory's marker before it is written; a file already there that fcaudit did
     not record is never replaced."""
-    held = _recording(path)
-    if held is None or held[2] in held[3]:
+    recording = _recording(path, held)
+    if recording is None or recording[2] in recording[3]:
         return
-    root, what, rel, files = held
+    root, what, rel, files = recording
     if os.path.lexists(path):
         raise FcauditError(f"{path} is not a file fcaudit wrote (its directory's {COMMANDS[what].marker} does not "
                            "list it): move it away or pass a new --out")
@@ -310,15 +310,15 @@ def remove_file(path: str | os.PathLike) -> bool:
     """Delete `path` if fcaudit may: never through a link (`_guard`), and in a directory whose command records its
     files only a recorded one. Returns whether a file was deleted."""
     path = Path(path)
-    _guard(path)
+    held = _guard(path)
     _not_a_directory(path)
-    held = _recording(path)
-    if held is not None and held[2] not in held[3]:
+    recording = _recording(path, held)
+    if recording is not None and recording[2] not in recording[3]:
         return False
     removed = os.path.lexists(path)
     path.unlink(missing_ok=True)
-    if held is not None:
-        root, what, rel, files = held
+    if recording is not None:
+        root, what, rel, files = recording
         _save(root, what, files - {rel})
     return removed
 
@@ -352,24 +352,24 @@ def remove_stale_temps(directory: str | os.PathLike, recursive: bool = False) ->
 
 class OutDir:
     """A command's output directory: the one object that checks it may become the command's (new, empty or carrying
-    the command's marker; not the root, home, a checkpoint of `avoid`, a file or a link's target), claims it, locks it,
+    the command's marker; not the root, home, a checkpoint, a file or a link's target), claims it, locks it,
     and writes, records and removes the command's files in it. Its only state is its path and its lock: the claim
     is the marker on disk, which every atomic write below it reads (`_claimed`)."""
 
-    def __init__(self, path: Any, what: str, *, avoid: Iterable[str | os.PathLike] = ()):
+    def __init__(self, path: Any, what: str):
         self.root = valid_path(path, "--out")
-        self.what, self.command, self.avoid = what, COMMANDS[what], tuple(avoid)
+        self.what, self.command = what, COMMANDS[what]
         self._lock: int | None = None
 
     def __repr__(self) -> str:
         return f"OutDir({str(self.root)!r}, {self.what!r})"
 
-    def check(self) -> "OutDir":
-        """Check, before any work and changing nothing, that the directory can become (or is) the command's: refused
-        in one line naming the fix otherwise."""
+    def check(self, *, avoid: Iterable[str | os.PathLike] = ()) -> "OutDir":
+        """Check, before any work and changing nothing, that the directory can become (or is) the command's (and is
+        not a checkpoint of `avoid` nor inside one): refused in one line naming the fix otherwise."""
         path, what = self.root, self.what
         _guard(path)  # inside another fcaudit directory (a demo's), not below a link planted there
-        named = _refused_by_name(path, self.avoid)
+        named = _refused_by_name(path, avoid)
         if named is not None:
             raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
         if path.is_symlink() and not path.exists():

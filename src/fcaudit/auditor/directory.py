@@ -210,7 +210,7 @@ class AuditDir:
     def check(self, checkpoint: str | os.PathLike | None = None) -> None:
         """Before any work: the directory can become this audit's (new, empty, or an fcaudit audit directory, and
         not the audited `checkpoint` nor inside it): fcaudit.io's rule for every output directory."""
-        OutDir(self.root, "audit", avoid=() if checkpoint is None else (checkpoint,)).check()
+        self.out.check(avoid=() if checkpoint is None else (checkpoint,))
 
     # ---- lock ------------------------------------------------------------------------------------------------------
     def lock(self) -> None:

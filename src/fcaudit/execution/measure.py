@@ -173,7 +173,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     `out/execution.csv` and `out/execution.json`; all models run with one window so that their rows compare. With
     `thresholds`, scalar-gated models are thresholded on test windows (`out/thresholding.csv`); routed models get a
     row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded."""
-    out = OutDir(cfg.out, "execution results", avoid=cfg.checkpoints).check()
+    out = OutDir(cfg.out, "execution results").check(avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
     paths = [resolve(p) for p in cfg.checkpoints]
