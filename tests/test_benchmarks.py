@@ -82,3 +82,15 @@ def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is
                                                           "exact replay True, route flips 0")
     line = moe_families.audit("jetmoe")
     assert line.startswith("not audited: unsupported MoE router JetMoeTopKGating") and "\n" not in line
+
+
+def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
+    torch_modules = load_script("torch_modules")
+    rows = torch_modules.main(["--smoke"])
+    assert [r["model"] for r in rows] == ["mha", "encoder"]
+    for r in rows:
+        assert r["replay_exact"] and r["forward_passes"] == r["planned_passes"]
+        # every pass runs the fused kernel but the Flow check's, under its TorchFunctionMode (no site is ranked)
+        assert r["fused_passes"] == r["forward_passes"] - FLOW_CHECK_PASSES
+        assert len(r["ratios"]) == 1 and min(r["ratios"][0]) > 0
+    assert "replay bit-exact True" in capsys.readouterr().out
