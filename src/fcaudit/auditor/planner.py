@@ -1,5 +1,5 @@
-"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from one
-one-window forward pass; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
+"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from forward
+passes of one window; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its 
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *,
          config: AuditConfig | None = None, world_size: int = 1, **settings) -> AuditPlan:
-    """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
+    """What an audit of these windows will cost (store, forward passes, memory), from forward passes of one window.
 
     Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
     prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,

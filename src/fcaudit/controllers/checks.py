@@ -5,11 +5,11 @@ results), with its data.
 On one more Correct pass of the first evaluation batch, run as the probe was: refused when the eval forward is not
 deterministic, a codec does not rebuild its site's output, or it puts two tokens in one slot once coefficients move;
 on one more under the Flow mode, compared with no other pass: a notice when a site looks like a hidden state or
-hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
-its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
-what removes every coefficient's effect changes nothing. For routers and ranked sites, on two more passes: the
-causality check (does a decision at t depend on tokens after t?). Route flips are counted by the engine's exact
-replay check.
+hidden-width features, or holds scores the model ranks. On window 0 alone: refused when its coefficients are not its
+row of the batch (a layout naming axes in the wrong order); a notice when replaying what removes every coefficient's
+effect changes nothing. For routers and ranked sites, on two more passes (both under the Flow mode where a site is
+ranked): the causality check (does a decision at t depend on tokens after t?). Route flips are counted by the
+engine's exact replay check.
 """
 
 from __future__ import annotations
@@ -342,19 +342,14 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
 
 # ---- all of them --------------------------------------------------------------------------------------------------
 
-def followed(model: nn.Module, controller: Controller, coeffs: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """The sites a Flow pass follows, from their canonical coefficients: those of the model's hidden width to the
-    modules they feed, the soft coefficients to the ops that rank them."""
-    width = hidden_width(model)
-    return ([i for i, c in enumerate(coeffs) if c.shape[-1] == width],
-            [i for i, k in enumerate(controller.info.of) if not k.router])
-
-
 def follow(model: nn.Module, controller: Controller, x: torch.Tensor, coeffs: Sequence[torch.Tensor]) -> Flow | None:
-    """A pass of `x` under the Flow mode (None where no site is followed). Its outputs are compared with no other
-    pass: a TorchFunctionMode (and a hook on every module) turns off torch's fused attention fast path
-    (nn.MultiheadAttention, nn.TransformerEncoderLayer), which rounds differently."""
-    watch, rank = followed(model, controller, coeffs)
+    """A pass of `x` under the Flow mode, following the sites of the model's hidden width (by their canonical
+    `coeffs`) to the modules they feed and the soft coefficients to the ops that rank them; None where there are none.
+    Its outputs are compared with no other pass: a TorchFunctionMode (and a hook on every module) turns off torch's
+    fused attention fast path (nn.MultiheadAttention, nn.TransformerEncoderLayer), which rounds differently."""
+    width = hidden_width(model)
+    watch = [i for i, c in enumerate(coeffs) if c.shape[-1] == width]
+    rank = [i for i, k in enumerate(controller.info.of) if not k.router]
     if not watch and not rank:
         return None
     with controller.outputs(*x.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
