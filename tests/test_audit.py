@@ -11,7 +11,7 @@ from torch import nn
 
 from fcaudit import audit
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import SITE_CHECK_PASSES
+from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.families import controller_for
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
@@ -167,10 +167,11 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
     sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
-    assert len(calls) == SITE_CHECK_PASSES + sum(u.passes for u in (*sched.iter_stage1(), *sched.iter_stage2()))
+    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES  # its gates are followed by the Flow pass; none is ranked
+    assert len(calls) == checks + sum(u.passes for u in (*sched.iter_stage1(), *sched.iter_stage2()))
     # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone and the
-    # pre-write checks' pass of the first batch
-    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 1] * 3
+    # pre-write checks' two passes of the first batch (one as the probe's, one under the Flow mode)
+    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 2] * 3
 
 
 def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monkeypatch):
