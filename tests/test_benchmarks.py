@@ -94,3 +94,10 @@ def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passe
         assert r["fused_passes"] == r["forward_passes"] - FLOW_CHECK_PASSES
         assert len(r["ratios"]) == 1 and min(r["ratios"][0]) > 0
     assert "replay bit-exact True" in capsys.readouterr().out
+
+
+def test_peers_audits_with_plain_hooks_give_fcaudits_records_bit_for_bit():
+    peers = load_script("peers")
+    rows = peers.main(["--models", "tiny", "--n-eval", "8", "--n-calib", "8", "--window", "16", "--randomizations",
+                       "1", "--reps", "0"])
+    assert rows[0]["identical"]["hooks"] and all(rows[0]["identical"].values())
