@@ -365,7 +365,9 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
     """Only data that exist: each execution file's rows (and settings, thresholding sweep) as tables."""
     doc.h(2, "Execution (question 3)")
     doc.p("Measured execution (executed blocks, FLOPs, latency, throughput) as written by `fcaudit execution`; "
-          "gate values are not a compute measure, so only these measurements speak to skipped work. Latency is the "
+          "gate values are not a compute measure, so only these measurements speak to skipped work. Decided is the "
+          "share of the governed work the controller's decisions select; Executed the share the forward pass "
+          "computed, observed (rows into the governed blocks' weights; an MoE's expert FLOPs). Latency is the "
           "median over repetitions, all models measured round-robin; IQR is its interquartile range.")
     out = []
     for i, e in enumerate(executions):
@@ -425,7 +427,8 @@ def _token_conditions_line(conds: pd.DataFrame) -> str:
 
 
 # What a reader compares (the CSV keeps every measured column).
-_EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "token_block_fraction": "Token×block pairs run",
+_EXECUTION_COLUMNS = {"model": "Model", "decided": "Decided", "executed": "Executed (observed)",
+                      "blocks_run": "Blocks run", "token_block_fraction": "Token×block pairs run",
                       "flops_per_token": "FLOPs/token",
                       "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
                       "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}
