@@ -560,12 +560,10 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
     assert entered == [model.model.layers[0].mlp.experts]  # once, for the first router's experts
 
 
-def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the_count():
-    """LongCat-Flash routes some tokens to identity experts, which compute nothing: they count as no expert run,
-    and the FLOPs measured inside the experts are the computing experts' count times one expert's cost."""
+def _longcat(layers=1):
     cfg = transformers.LongcatFlashConfig(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                                           max_position_embeddings=64, n_routed_experts=6, zero_expert_num=2,
-                                          moe_topk=2, num_layers=1, kv_lora_rank=16, q_lora_rank=16,
+                                          moe_topk=2, num_layers=layers, kv_lora_rank=16, q_lora_rank=16,
                                           qk_rope_head_dim=32, head_dim=32, qk_nope_head_dim=8, v_head_dim=16,
                                           ffn_hidden_size=64, expert_ffn_hidden_size=32, bos_token_id=None,
                                           eos_token_id=None, pad_token_id=None)
@@ -575,13 +573,45 @@ def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b[6:] = 0.3
+    return model
+
+
+def test_zero_computation_experts_are_experts_of_the_router_and_flops_match_the_experts_that_compute():
+    """LongCat-Flash routes some tokens to identity experts, which its experts module does not hold (from
+    transformers 5.25 the block maps those slots to a computing expert at weight 0 itself; before, the experts module
+    skipped them): the router's combine vector has all 8 experts, the execution counts the computing experts the
+    experts module receives, and the FLOPs measured inside it are that count times one expert's cost."""
+    model = _longcat()
+    received, routed = [], []
+    block = model.model.layers[0].mlp
+    block.experts.register_forward_pre_hook(lambda m, a: received.append(a[1]))
+    block.router.register_forward_hook(lambda m, a, o: routed.append(o[2]))
     ctrl = moe_controller(model)
     assert ctrl.sites[0].codec.num_experts == 8
+    received.clear(), routed.clear()
     execution = expert_execution(model, ids_for(), ctrl)
+    assert (routed[0] >= 6).any()  # the identity experts were chosen
+    index = received[0]
     n = execution.experts_per_token[0]
-    assert execution.num_experts == [6] and (n < K).any() and (n <= K).all()
+    distinct = [len({int(e) for e in row if e < 6}) for row in index]  # computing experts each token reached
+    assert execution.num_experts == [6] and n.flatten().tolist() == distinct and (n <= K).all()
     per_pair = execution.dense_flops[0] // (4 * 12 * 6)
     assert execution.expert_flops[0] == int(n.sum()) * per_pair  # measured == counted
+
+
+def test_longcat_flash_replays_exactly_and_its_checkpoint_loads_though_it_derives_its_depth(tmp_path):
+    """LongCat-Flash's config derives num_hidden_layers as 2 x num_layers, the number of decoder layers its weights
+    hold: the depth check reads num_layers. Capture and replay of the loaded checkpoint are bit-exact."""
+    _longcat(layers=2).save_pretrained(tmp_path)
+    model = load_hf_moe(tmp_path)
+    assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 2
+    ctrl = moe_controller(model)
+    assert len(routers_of(ctrl)) == 2
+    ids = ids_for()
+    run = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, run.coefficients), run.logits)
+    other = run.like([c.roll(1, dims=-1) for c in run.coefficients])  # other experts (identity ones too) move them
+    assert not torch.equal(replay_logits(model, ctrl, ids, other), run.logits)
 
 
 # ---- models spread by a device map (accelerate) -------------------------------------------------------------------

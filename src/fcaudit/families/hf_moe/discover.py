@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, T
                                             split_router_output, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
-# LongCat-Flash: the router's n_routed_experts and the experts' total_experts count its zero-computation (identity)
-# experts too, which its router's num_experts does not; a router's count is the one its weight has rows for
+# LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
+# num_experts does not; a router's count is the one its weight has rows for. Its experts module may hold all of them
+# (total_experts) or only those that compute, the block handling the rest itself (`_experts_of`).
 NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
@@ -82,6 +84,13 @@ class _Candidate:
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
 
 
+def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
+    """A router's experts among its siblings: those holding its E experts, else those holding fewer (the block then
+    computes the others itself, as LongCat-Flash's identity experts; the probe checks that padding keeps it so)."""
+    held = [(p, c, _int_attr(c, NUM_EXPERTS_NAMES)) for p, c in siblings.items() if p in experts]
+    return [(p, c) for p, c, n in held if n == E] or [(p, c) for p, c, n in held if n < E]
+
+
 def _candidates(model: nn.Module) -> list[_Candidate]:
     modules = dict(model.named_modules())
     experts = _experts_modules(model)
@@ -93,7 +102,7 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
         (E, hidden), parent_path = shape, path.rpartition(".")[0]
         siblings = {f"{parent_path}.{n}" if parent_path else n: c
                     for n, c in modules[parent_path].named_children() if c is not m}
-        ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
+        ex = _experts_of(siblings, experts, E)
         if not ex:
             continue
         gates = [p for p, c in siblings.items()
@@ -128,11 +137,12 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
     reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
     outputs: dict[str, object] = {}  # the first output of each router and gate
-    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module
+    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module and each router's block
     handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
                for c in cands for p in [c.path, *c.gate_paths]]
-    handles += [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
-                                                    with_kwargs=True) for c in cands]
+    handles += [model.get_submodule(p).register_forward_pre_hook(lambda m, a, k, p=p: inputs.setdefault(p, (a, k)),
+                                                                 with_kwargs=True)
+                for p in dict.fromkeys(q for c in cands for q in (c.experts_path, _block_path(c)))]
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
     cached = "use_cache" in inspect.signature(model.forward).parameters
@@ -171,46 +181,79 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                                                      f"top_k={c.top_k}")
             args, kwargs = inputs[c.experts_path]
             received = list(args) + list(kwargs.values())
-            if not (any(t is index for t in received) and any(t is weights for t in received)):
-                raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
-                                                     f"({c.experts_path}) receive them")
-            pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
+            if any(t is index for t in received) and any(t is weights for t in received):
+                module, make = c.experts, lambda a, k, cpu, i=index, w=weights: _experts_run(c, a, k, cpu(i), cpu(w))
+            else:  # the block turns them into what its experts receive (LongCat-Flash's identity experts): the
+                module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
+                make = lambda a, k, cpu, b=module: _block_run(c, b, a, k)  # probed on the whole block
+            pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
             c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
 
 
-def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
-                    pads: dict[type, str]) -> str:
-    """`_padding` probed on the CPU (on CUDA a refused index trips a device-side assert that ends the CUDA context):
-    for a model elsewhere once per experts class (`pads`), on CPU copies of their weights and inputs."""
-    if not placement.off_cpu(index):
-        return _padding(c, args, kwargs, index, weights)
-    if type(c.experts) not in pads:
-        # one CPU copy per tensor: `_padding` finds index and weights (among the inputs) by identity
-        moved = {id(t): t.cpu() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+def _block_path(c: _Candidate) -> str:
+    return c.path.rpartition(".")[0]
+
+
+# A probe run: the output of the experts (or of the router's block) with each router slot row widened by `widen`
+# (weights, index) -> (weights, index), or as it is for None
+Run = Callable[[Callable | None], torch.Tensor]
+
+
+def _experts_run(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> Run:
+    """The experts called on their inputs, `index` and `weights` (found among them by identity) widened."""
+    def run(widen: Callable | None) -> torch.Tensor:
+        swap = dict(zip((id(weights), id(index)), widen(weights, index))) if widen else {}
+        sub = lambda t: swap.get(id(t), t)  # noqa: E731
+        with torch.no_grad():
+            return c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+    return run
+
+
+def _block_run(c: _Candidate, block: nn.Module, args: tuple, kwargs: dict) -> Run:
+    """The router's block called on its inputs, its router's (logits, weights, index) widened as they leave it."""
+    def run(widen: Callable | None) -> torch.Tensor:
+        hook = c.module.register_forward_hook(lambda m, a, o: (o[0], *widen(o[1], o[2])) if widen else None)
+        try:
+            with torch.no_grad():
+                out = block(*args, **kwargs)
+        finally:
+            hook.remove()
+        return out[0] if isinstance(out, (tuple, list)) else out  # the hidden states, beside any router logits
+    return run
+
+
+def _padding_on_cpu(c: _Candidate, module: nn.Module, args: tuple, kwargs: dict,
+                    make: Callable[[tuple, dict, Callable], Run], pads: dict[type, str]) -> str:
+    """`_padding` of `make(args, kwargs, cpu)` (`module` called on them), probed on the CPU (on CUDA a refused index
+    trips a device-side assert that ends the CUDA context): for a model elsewhere once per module class (`pads`), on
+    CPU copies of its weights and inputs; `cpu` maps each input to its copy."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if not any(placement.off_cpu(t) for t in tensors):
+        return _padding(c, module, make(args, kwargs, lambda t: t))
+    if type(module) not in pads:
+        moved = {id(t): t.cpu() for t in tensors}  # one CPU copy per tensor: a run finds index and weights by identity
         cpu = lambda t: moved.get(id(t), t)  # noqa: E731
-        with placement.on_cpu(c.experts):
-            pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
-                                             cpu(index), cpu(weights))
-    return pads[type(c.experts)]
+        with placement.on_cpu(module):
+            pads[type(module)] = _padding(c, module, make(tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
+                                                          cpu))
+    return pads[type(module)]
 
 
-def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
+def _padding(c: _Candidate, module: nn.Module, run: Run) -> str:
     """How decode may pad a row (codecs.PADDINGS): "sentinel" if one more slot (num_experts, weight 0) leaves the
     experts' output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within
     REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows move rounding, a weighted slot a whole expert."""
-    with torch.no_grad():
-        plain = c.experts(*args, **kwargs)
+    plain = run(None)
     failed = {}
-    for pad, filler in (("sentinel", torch.full_like(index[:, :1], c.num_experts)), ("repeat", index[:, :1])):
-        swap = {id(index): torch.cat([index, filler], 1),
-                id(weights): torch.cat([weights, torch.zeros_like(weights[:, :1])], 1)}
-        sub = lambda t: swap.get(id(t), t)  # noqa: E731
+    for pad, filler in (("sentinel", lambda index: torch.full_like(index[:, :1], c.num_experts)),
+                        ("repeat", lambda index: index[:, :1])):
+        widen = lambda weights, index, filler=filler: (  # noqa: E731
+            torch.cat([weights, torch.zeros_like(weights[:, :1])], 1), torch.cat([index, filler(index)], 1))
         try:
-            with torch.no_grad():
-                padded = c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+            padded = run(widen)
         except (IndexError, RuntimeError) as e:
             failed[pad] = f"reject it ({type(e).__name__})"
             continue
@@ -221,7 +264,8 @@ def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weig
         if pad == "repeat" and float((padded - plain).abs().max()) <= tolerance:
             return pad
         failed[pad] = "change their output"
-    raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) cannot be padded: the sentinel index "
+    what = "experts" if module is c.experts else "block"
+    raise _unsupported(c.module, c.path, f"its {what} ({type(module).__name__}) cannot be padded: the sentinel index "
                                          f"{c.num_experts} at weight 0 they {failed['sentinel']}, a repeated expert at "
                                          f"weight 0 they {failed['repeat']}")
 

@@ -5,6 +5,7 @@ there are any, and reads a .bin only after torch's restricted unpickler has open
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -129,9 +130,24 @@ def _config(dir: Path):
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
         text = config.get_text_config()
-        check_depth(dir, stored, "num_hidden_layers", getattr(text, "num_hidden_layers", None))
+        check_depth(dir, stored, *_stored_depth(text))
         check_sizes(lambda: AutoModelForCausalLM.from_config(config), dir, stored)
     return config
+
+
+def _stored_depth(config) -> tuple[str, object]:
+    """The config's field that counts the decoder layers its weights hold, and its value: num_hidden_layers, or what
+    the config class derives it from (LongCat-Flash: 2 x num_layers, two attention sublayers in each layer)."""
+    derived = inspect.getattr_static(type(config), "num_hidden_layers", None)
+    if isinstance(derived, property) and derived.fget is not None:
+        read = [n for n in derived.fget.__code__.co_names if _is_count(getattr(config, n, None))]
+        if len(read) == 1:
+            return read[0], getattr(config, read[0])
+    return "num_hidden_layers", getattr(config, "num_hidden_layers", None)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_files(dir: Path) -> bool:
