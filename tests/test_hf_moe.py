@@ -321,6 +321,16 @@ def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supp
     msg = str(err.value)
     assert "\n" not in msg and cls in msg and why in msg
     assert any(name in msg for name in SUPPORTED_EXAMPLES)
+    assert "fca.Controller.from_modules(" in msg and "from_ops(" in msg  # the route that audits any model
+
+
+def test_a_checkpoint_no_family_loads_is_refused_naming_the_route_that_audits_any_model(tmp_path):
+    import fcaudit as fca
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 16}))
+    with pytest.raises(FcauditError, match="which no fcaudit family loads") as err:
+        fca.load(tmp_path)
+    assert "\n" not in str(err.value) and "fca.Controller.from_modules(model" in str(err.value)
 
 
 def test_model_without_router_is_refused():
@@ -416,6 +426,7 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     pen = res.penalties().to_frame()
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
         assert pen.loc[c, "statistic"] == 0.0, c
+    assert sum("the randomized conditions move nothing" in line for line in res.notices) == 1  # 0 said to be by design
     correct = res.records[res.records.condition == "Correct"]
     assert (correct.active == K).all() and pen.loc["StaticTopK", "active"] == K  # every token: the same K experts
     assert res.labels["StaticProfile"] == "StaticMixMean"
@@ -437,6 +448,7 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
     assert abs(pen.loc["CrossInput", "statistic"]) > 1e-3 and abs(pen.loc["TokenShuffle", "statistic"]) > 1e-3  # any sign
     assert pen.loc["CrossInput", "active"] == K and pen.loc["StaticTopK", "active"] == K
     assert pen.loc["StaticProfile", "active"] > K  # a dense static mixture runs every expert with a nonzero mean
+    assert not any("the randomized conditions move nothing" in line for line in res.notices)
 
 
 @pytest.mark.slow
@@ -490,7 +502,11 @@ def test_checkpoint_configs_of_moe_families_are_recognized_nested_or_with_their_
     assert looks_like_hf_moe({"model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6})
     assert looks_like_hf_moe({"model_type": "hunyuan_v1_moe", "num_experts": 16, "moe_topk": 1})
     assert looks_like_hf_moe({"model_type": "llama4", "text_config": {"num_local_experts": 16, "num_experts_per_tok": 1}})
+    assert looks_like_hf_moe({"model_type": "kimi_linear", "num_experts": 8, "num_experts_per_token": 2})
+    assert looks_like_hf_moe({"model_type": "gemma4", "text_config": {"num_experts": 8, "top_k_experts": 2}})
+    assert looks_like_hf_moe({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 4, "moe_top_k": 1}})
     assert not looks_like_hf_moe({"model_type": "llama", "num_hidden_layers": 2})
+    assert not looks_like_hf_moe({"model_type": "gemma4", "text_config": {"num_experts": None, "top_k_experts": None}})
     assert not looks_like_hf_moe({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 0})
 
 
@@ -737,3 +753,76 @@ def test_execution_under_static_conditions_replays_the_audits_profiles(tmp_path)
     assert df.loc["Correct", "experts_per_token"] == df.loc["StaticTopK", "experts_per_token"] == 2
     assert df.loc["StaticProfile", "experts_per_token"] == 4 and df.loc["StaticProfile", "active_expert_fraction"] == 1
     assert df.loc["Correct", "latency_vs_correct"] == 1 and (df["latency_ms"] > 0).all()
+
+
+# ---- a researcher's own MoE, and routers found by structure ---------------------------------------------------------
+
+class OwnRouter(torch.nn.Module):
+    """Softmax top-k over its experts, renormalized: returns what transformers' routers return."""
+
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.top_k, self.num_experts = k, experts
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+
+    def forward(self, h):
+        logits = h @ self.weight.T
+        w, i = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, w / w.sum(-1, keepdim=True), i
+
+
+class OwnExperts(torch.nn.Module):
+    def __init__(self, hidden, experts, inner=16):
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = torch.nn.Parameter(torch.randn(experts, inner, hidden) * 0.3)
+        self.w_out = torch.nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+
+    def forward(self, h, index, weights):
+        out = torch.zeros_like(h)
+        for e in range(self.num_experts):  # an index outside the experts (padding) selects nothing
+            tok, slot = torch.where(index == e)
+            y = torch.relu(h[tok] @ self.w_in[e].T) @ self.w_out[e].T
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
+
+
+class OwnMoE(torch.nn.Module):
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.router, self.experts = OwnRouter(hidden, experts, k), OwnExperts(hidden, experts)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        _, w, i = self.router(h)
+        return x + self.experts(h, i, w).reshape(x.shape)
+
+
+class OwnLM(torch.nn.Module):
+    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.moes = torch.nn.ModuleList(OwnMoE(hidden, experts, k) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x.cumsum(1) / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)  # each token sees the ones before it
+        for moe in self.moes:
+            x = moe(x)
+        return self.head(x)
+
+
+def test_controller_for_finds_the_routers_of_a_users_own_moe_by_structure(tmp_path):
+    """Not a transformers class (as a checkpoint's own code is not): the MoE discovery still finds its routers."""
+    import fcaudit as fca
+
+    model = OwnLM().eval()
+    ctrl = fca.controller_for(model)
+    assert [s.path for s in ctrl.sites] == ["moes.0.router", "moes.1.router"]
+    assert [s.codec.pad for s in ctrl.sites] == ["sentinel", "sentinel"]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+    assert abs(res.penalties().to_frame().loc["CrossInput", "statistic"]) > 0

@@ -20,6 +20,7 @@ from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.families import OWN_ROUTE
 from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output, split_score_output)
 
@@ -67,9 +68,10 @@ def _closest(cls_name: str) -> str:
 
 def _unsupported(m: nn.Module, path: str, why: str) -> FcauditError:
     cls = type(m).__name__
-    return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit audits transformers>=5 top-k routers "
-                        f"that hand (router_logits, top_k_weights, top_k_index) straight to an experts module, or "
-                        f"return (router_scores, router_logits) with scores zero off the top-k, like {_closest(cls)}")
+    return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit finds transformers>=5 top-k routers "
+                        f"that hand (router_logits, top_k_weights, top_k_index) to an experts module, or return "
+                        f"(router_scores, router_logits) with scores zero off the top-k, like {_closest(cls)}; for "
+                        f"this one, {OWN_ROUTE}")
 
 
 @dataclass
@@ -114,8 +116,9 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
         if parent_path not in routed_parents:
             block = modules[parent_path]
             raise FcauditError(f"unsupported MoE block {type(block).__name__} at {parent_path or 'the model'}: its experts "
-                               f"({type(m).__name__}) have no router module with top_k and num_experts attributes; "
-                               f"fcaudit audits transformers>=5 top-k routers like {_closest(type(block).__name__)}")
+                               f"({type(m).__name__}) have no router module beside them; fcaudit finds "
+                               f"transformers>=5 top-k routers like {_closest(type(block).__name__)}; for this one, "
+                               f"{OWN_ROUTE}")
     return found
 
 
@@ -278,8 +281,8 @@ def moe_controller(model: nn.Module) -> Controller:
         cands = _candidates(model)
         if not cands:
             raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts "
-                               "attributes next to an experts module); fcaudit audits transformers>=5 MoE models like "
-                               "Mixtral")
+                               "attributes next to an experts module); fcaudit finds the routers of transformers>=5 MoE "
+                               f"models like Mixtral; for this model, {OWN_ROUTE}")
         _probe(model, cands)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
