@@ -798,17 +798,31 @@ class OwnMoE(torch.nn.Module):
         return x + self.experts(h, i, w).reshape(x.shape)
 
 
+def sparse_attention(x, keys):
+    """Each token mixes in the `keys` earlier tokens it scores highest (torch.topk fails on fewer positions)."""
+    T = x.shape[1]
+    scores = x @ x.transpose(1, 2) + torch.full((T, T), -torch.inf).triu(1)
+    top = scores.topk(keys, dim=-1)
+    picked = torch.gather(x.unsqueeze(1).expand(-1, T, -1, -1), 2,
+                          top.indices.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+    return x + (top.values.softmax(-1).unsqueeze(-1) * picked).sum(2)
+
+
 class OwnLM(torch.nn.Module):
-    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2):
+    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2, keys=None):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(vocab, hidden)
         self.moes = torch.nn.ModuleList(OwnMoE(hidden, experts, k) for _ in range(layers))
         self.head = torch.nn.Linear(hidden, vocab)
+        self.keys = keys
 
     def forward(self, ids):
         x = self.emb(ids)
-        x = x.cumsum(1) / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)  # each token sees the ones before it
+        if self.keys:
+            x = sparse_attention(x, self.keys)
+        else:
+            x = x.cumsum(1) / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)  # each token sees the ones before it
         for moe in self.moes:
             x = moe(x)
         return self.head(x)
@@ -826,3 +840,23 @@ def test_controller_for_finds_the_routers_of_a_users_own_moe_by_structure(tmp_pa
                     quiet=True)
     assert res.replay.bit_equal and res.replay.route_flips == 0
     assert abs(res.penalties().to_frame().loc["CrossInput", "statistic"]) > 0
+
+
+def test_the_probe_runs_a_longer_window_where_a_sparse_attention_needs_more_keys_than_four_tokens(tmp_path):
+    import fcaudit as fca
+
+    model = OwnLM(keys=8).eval()
+    with pytest.raises(RuntimeError):  # the discovery's first, 4-token probe fails
+        model(torch.zeros(1, 4, dtype=torch.long))
+    ctrl = fca.controller_for(model)
+    assert [s.path for s in ctrl.sites] == ["moes.0.router", "moes.1.router"]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+
+
+def test_a_model_that_fails_every_probe_window_is_refused_in_one_line():
+    model = OwnLM(keys=4096).eval()  # more keys than the longest probe
+    with pytest.raises(FcauditError, match="fails a 4-token forward pass .* every longer probe up to 2048 tokens") as err:
+        moe_controller(model)
+    assert "\n" not in str(err.value)

@@ -20,7 +20,7 @@ from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.families import OWN_ROUTE
+from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
 from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
                                             split_router_output, split_score_output)
 
@@ -146,20 +146,8 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     handles += [model.get_submodule(p).register_forward_pre_hook(lambda m, a, k, p=p: inputs.setdefault(p, (a, k)),
                                                                  with_kwargs=True)
                 for p in dict.fromkeys(q for c in cands for q in (c.experts_path, _block_path(c)))]
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
-    cached = "use_cache" in inspect.signature(model.forward).parameters
     try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False) if cached else model(ids)
-    except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
-        if "meta tensor" in str(e) and placement.is_dispatched(model):  # e.g. Llama 4 sends its ids to the embedding's
-            raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
-                               "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
-                               "(cpu or cuda) in the map") from e
-        raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
-                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {cands[0].top_k} "
-                           f"of {cands[0].num_experts} experts) and that the model fits in memory") from e
+        _probe_forward(model, cands, outputs, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -194,6 +182,39 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
+
+
+def _probe_lengths(model: nn.Module) -> list[int]:
+    """PROBE_TOKENS, then longer windows the model takes (a sparse attention that selects more keys than a short
+    window holds fails on it), up to its context or the default window cap."""
+    longest = min(context_length(model) or DEFAULT_WINDOW_CAP, DEFAULT_WINDOW_CAP)
+    return sorted({min(n, longest) for n in (PROBE_TOKENS, 8 * PROBE_TOKENS, 64 * PROBE_TOKENS, DEFAULT_WINDOW_CAP)})
+
+
+def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inputs: dict) -> None:
+    """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    cached = "use_cache" in inspect.signature(model.forward).parameters
+    first = None
+    for n in _probe_lengths(model):
+        outputs.clear(), inputs.clear()  # a failed pass may have run some routers
+        ids = (torch.arange(n) % vocab).unsqueeze(0).to(placement.input_device(model))
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False) if cached else model(ids)
+            return
+        except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
+            # e.g. Llama 4 sends its ids to the embedding's device
+            if "meta tensor" in str(e) and placement.is_dispatched(model):
+                raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
+                                   "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
+                                   "(cpu or cuda) in the map") from e
+            first = first or (n, e)
+    n, e = first
+    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: {one_line(e, 120)}) "
+                       f"and every longer probe up to {_probe_lengths(model)[-1]} tokens; check its config.json (its "
+                       f"routers read top_k {cands[0].top_k} of {cands[0].num_experts} experts) and that the model fits "
+                       "in memory") from e
 
 
 def _block_path(c: _Candidate) -> str:
