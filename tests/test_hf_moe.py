@@ -860,3 +860,33 @@ def test_a_model_that_fails_every_probe_window_is_refused_in_one_line():
     with pytest.raises(FcauditError, match="fails a 4-token forward pass .* every longer probe up to 2048 tokens") as err:
         moe_controller(model)
     assert "\n" not in str(err.value)
+
+
+def _tiny(cls: str, **extra):
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**common, **extra})).eval()
+
+
+def _gemma4():  # its router reads top_k_experts and num_experts from its config: neither is its attribute
+    return _tiny("Gemma4TextConfig", num_experts=E, top_k_experts=K, enable_moe_block=True, moe_intermediate_size=32,
+                 head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0)
+
+
+def _ergo():  # its router has top_k but no expert count: that of its weight
+    return _tiny("ErgoConfig", num_experts=E, num_experts_per_tok=K)
+
+
+@pytest.mark.parametrize("build, router", [(_gemma4, "Gemma4TextRouter"), (_ergo, "ErgoTopkRouter")])
+def test_a_router_without_top_k_or_expert_count_attributes_is_found_beside_its_experts(build, router):
+    model = build()
+    ctrl = moe_controller(model)
+    assert {type(s.module).__name__ for s in ctrl.sites} == {router}
+    assert all(s.codec.num_experts == E and s.codec.top_k == K for s in ctrl.sites)
+    ids = ids_for()
+    run = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, run.coefficients), run.logits)
+    other = run.like([c.roll(1, dims=-1) for c in run.coefficients])
+    assert not torch.equal(replay_logits(model, ctrl, ids, other), run.logits)

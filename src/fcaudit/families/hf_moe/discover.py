@@ -78,7 +78,7 @@ def _unsupported(m: nn.Module, path: str, why: str) -> FcauditError:
 class _Candidate:
     path: str
     module: nn.Module
-    top_k: int
+    top_k: int | None  # None: read from the router's output by the probe
     num_experts: int
     experts_path: str
     experts: nn.Module
@@ -93,6 +93,33 @@ def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E
     return [(p, c) for p, c, n in held if n == E] or [(p, c) for p, c, n in held if n < E]
 
 
+def _siblings(modules: dict[str, nn.Module], parent_path: str, of: nn.Module) -> dict[str, nn.Module]:
+    return {f"{parent_path}.{n}" if parent_path else n: c for n, c in modules[parent_path].named_children() if c is not of}
+
+
+def _shared_gates(siblings: dict[str, nn.Module], hidden: int) -> list[str]:
+    """Linear(hidden, 1) siblings of a router: shared-expert gates if the probe sees them run once per token."""
+    return [p for p, c in siblings.items() if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
+
+
+def _unnamed_router(modules: dict[str, nn.Module], experts: dict[str, nn.Module], path: str) -> _Candidate | None:
+    """The router of the experts at `path` that says neither its top-k nor its expert count (Gemma-4's reads them
+    from its config, Ergo's count from its weight): the smallest sibling holding a [num_experts, hidden] weight. Its
+    top-k is its own, its config's or its block's, else what its output holds (the probe reads it)."""
+    m, parent_path = modules[path], path.rpartition(".")[0]
+    E, block = _int_attr(m, NUM_EXPERTS_NAMES), modules[parent_path]
+    siblings = _siblings(modules, parent_path, m)
+    routers = [(p, c, w.shape[1]) for p, c in siblings.items() if p not in experts
+               and not any(e.startswith(p + ".") for e in experts)
+               for w in [next((w for w in c.parameters() if w.dim() == 2 and w.shape[0] == E), None)] if w is not None]
+    if not routers:
+        return None
+    p, router, hidden = min(routers, key=lambda r: sum(w.numel() for w in r[1].parameters()))
+    k = next((k for o in (router, getattr(router, "config", None), block, getattr(block, "config", None))
+              if (k := _int_attr(o, TOP_K_NAMES)) is not None), None)
+    return _Candidate(p, router, k, E, path, m, _shared_gates(siblings, hidden))
+
+
 def _candidates(model: nn.Module) -> list[_Candidate]:
     modules = dict(model.named_modules())
     experts = _experts_modules(model)
@@ -102,24 +129,25 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
         if k is None or shape is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
             continue  # not router-like, or a block that contains the experts itself
         (E, hidden), parent_path = shape, path.rpartition(".")[0]
-        siblings = {f"{parent_path}.{n}" if parent_path else n: c
-                    for n, c in modules[parent_path].named_children() if c is not m}
+        siblings = _siblings(modules, parent_path, m)
         ex = _experts_of(siblings, experts, E)
         if not ex:
             continue
-        gates = [p for p, c in siblings.items()
-                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
-        found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
+        found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], _shared_gates(siblings, hidden)))
         routed_parents.add(parent_path)
     for path, m in experts.items():
         parent_path = path.rpartition(".")[0]
-        if parent_path not in routed_parents:
+        if parent_path in routed_parents:
+            continue
+        if (c := _unnamed_router(modules, experts, path)) is None:
             block = modules[parent_path]
             raise FcauditError(f"unsupported MoE block {type(block).__name__} at {parent_path or 'the model'}: its experts "
                                f"({type(m).__name__}) have no router module beside them; fcaudit finds "
                                f"transformers>=5 top-k routers like {_closest(type(block).__name__)}; for this one, "
                                f"{OWN_ROUTE}")
-    return found
+        found.append(c)
+    order = {p: i for i, p in enumerate(modules)}
+    return sorted(found, key=lambda c: order[c.path])
 
 
 def ensure_eager_experts(model: nn.Module) -> str:
@@ -161,6 +189,8 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
             parts = (split_score_output if scored else split_router_output)(output, c.num_experts, "it")
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
+        if c.top_k is None:  # a router that does not say its top-k: the experts per token it returned
+            c.top_k = int((parts[0] != 0).sum(1).max()) if scored else parts[1].shape[1]
         if scored:
             if ((parts[0] != 0).sum(1) > c.top_k).any():
                 raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
