@@ -879,7 +879,13 @@ def _ergo():  # its router has top_k but no expert count: that of its weight
     return _tiny("ErgoConfig", num_experts=E, num_experts_per_tok=K)
 
 
-@pytest.mark.parametrize("build, router", [(_gemma4, "Gemma4TextRouter"), (_ergo, "ErgoTopkRouter")])
+def _dbrx():  # its router returns logits only; its block's method picks the top-k; its experts are rows of 2-D weights
+    return _tiny("DbrxConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"moe_num_experts": E, "moe_top_k": K, "ffn_hidden_size": 16})
+
+
+@pytest.mark.parametrize("build, router", [(_gemma4, "Gemma4TextRouter"), (_ergo, "ErgoTopkRouter"), (_dbrx, "DbrxFFN")])
 def test_a_router_without_top_k_or_expert_count_attributes_is_found_beside_its_experts(build, router):
     model = build()
     ctrl = moe_controller(model)
@@ -890,3 +896,17 @@ def test_a_router_without_top_k_or_expert_count_attributes_is_found_beside_its_e
     assert torch.equal(replay_logits(model, ctrl, ids, run.coefficients), run.logits)
     other = run.like([c.roll(1, dims=-1) for c in run.coefficients])
     assert not torch.equal(replay_logits(model, ctrl, ids, other), run.logits)
+
+
+def test_a_block_method_that_picks_the_top_k_is_the_site_where_the_router_returns_logits_only():
+    """DBRX: the router returns logits; DbrxFFN.route_tokens_to_experts returns (top_k_weights, top_k_index), which
+    its experts receive. Its experts refuse the sentinel index (IndexError), so rows are padded by repetition; the
+    expert FLOPs measured inside them are the experts counted times one expert's cost."""
+    model = _dbrx()
+    ctrl = moe_controller(model)
+    assert [s.name for s in ctrl.sites] == [f"transformer.blocks.{i}.ffn.route_tokens_to_experts" for i in range(2)]
+    assert [s.codec.pad for s in ctrl.sites] == ["repeat", "repeat"]
+    execution = expert_execution(model, ids_for(), ctrl)
+    assert (execution.experts_per_token == K).all()
+    per_pair = execution.dense_flops[0] // (4 * 12 * E)
+    assert execution.expert_flops == [4 * 12 * K * per_pair] * 2 and per_pair == 2 * 3 * 16 * 32

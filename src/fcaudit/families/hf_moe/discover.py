@@ -21,8 +21,8 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
-from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
-                                            split_router_output, split_score_output)
+from fcaudit.families.hf_moe.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
+                                            experts_implementation, split_parts, split_score_output)
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 # LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
@@ -53,7 +53,12 @@ def _router_shape(m: nn.Module) -> tuple[int, int] | None:
 def _holds_experts(m: nn.Module, num_experts: int) -> bool:
     if isinstance(m, nn.ModuleList):
         return len(m) == num_experts
-    return any(p.dim() == 3 and p.shape[0] == num_experts for p in m.parameters(recurse=False))
+    if any(p.dim() == 3 and p.shape[0] == num_experts for p in m.parameters(recurse=False)):
+        return True
+    # DBRX: each expert a block of rows of 2-D weights [num_experts x size, hidden], size one of its attributes
+    sizes = {v for v in vars(m).values() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    flat = [p for p in m.parameters() if p.dim() == 2]
+    return bool(flat) and all(any(p.shape[0] == num_experts * v for v in sizes) for p in flat)
 
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -84,6 +89,7 @@ class _Candidate:
     experts: nn.Module
     gate_paths: list[str]
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
+    method: str = "forward"  # a block's method where the router returns its logits only (DBRX)
 
 
 def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
@@ -183,10 +189,17 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     for c in cands:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
-        output = outputs[c.path]
-        scored = isinstance(output, (tuple, list)) and len(output) == 2  # dense scores, every expert's input scale
-        try:
-            parts = (split_score_output if scored else split_router_output)(output, c.num_experts, "it")
+    lone = [c for c in cands if isinstance(outputs[c.path], torch.Tensor)]  # logits only: the block picks the top-k
+    if lone:
+        _find_routing_methods(model, cands, lone, outputs, inputs)
+    for c in cands:
+        output, names = outputs[c.path], ROUTER_PARTS
+        if c.method != "forward":
+            output, names = outputs[c.path]
+        scored = isinstance(output, (tuple, list)) and len(output) == 2 and names == ROUTER_PARTS  # dense scores,
+        try:  # every expert's input scale
+            parts = split_score_output(output, c.num_experts, "it") if scored else \
+                tuple(split_parts(output, names, c.num_experts, "it").get(n) for n in ROUTER_PARTS)
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
         if c.top_k is None:  # a router that does not say its top-k: the experts per token it returned
@@ -208,10 +221,65 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                 module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
                 make = lambda a, k, cpu, b=module: _block_run(c, b, a, k)  # probed on the whole block
             pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
-            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad)
+            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad, names)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
-                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
+                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[1].shape[0]]
+
+
+def _own_methods(block: nn.Module) -> list[str]:
+    """The methods a block's classes define beyond nn.Module's, but forward: where a block may pick its top-k."""
+    base = set(dir(nn.Module))
+    return sorted({n for cls in type(block).__mro__ for n, v in vars(cls).items()
+                   if inspect.isfunction(v) and n not in base and not n.startswith("__")} - set(vars(block)))
+
+
+def _find_routing_methods(model: nn.Module, cands: list[_Candidate], lone: list[_Candidate], outputs: dict,
+                          inputs: dict) -> None:
+    """For routers that return their logits only (DBRX): one more probe pass with their blocks' own methods
+    recorded; the site is the method whose return holds the (top_k_weights, top_k_index) the experts receive.
+    `outputs` takes (its return, its leaves' names) under the block's path, `inputs` the experts' inputs of that pass."""
+    returns: dict[tuple[str, str], object] = {}
+    blocks = {_block_path(c): model.get_submodule(_block_path(c)) for c in lone}
+    wrapped = []
+    for path, block in blocks.items():
+        for name in _own_methods(block):
+            def recorded(*a, _f=getattr(block, name), _key=(path, name), **k):
+                out = _f(*a, **k)
+                returns.setdefault(_key, out)
+                return out
+            block.__dict__[name] = recorded  # shadows the class's method for this pass only
+            wrapped.append((block, name))
+    handles = [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
+                                                   with_kwargs=True) for c in lone]
+    try:
+        _probe_forward(model, cands, {}, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        for block, name in wrapped:
+            block.__dict__.pop(name, None)
+    for c in lone:
+        args, kwargs = inputs[c.experts_path]
+        received = [*args, *kwargs.values()]
+        found = [(name, out, names) for (path, name), out in returns.items() if path == _block_path(c)
+                 for names in [_leaf_names(out, received)] if names is not None]
+        if len(found) != 1:
+            raise _unsupported(c.module, c.path, f"it returns its logits only, and {len(found) or 'no'} methods of its "
+                                                 f"block return the top-k weights and index its experts receive")
+        name, out, names = found[0]
+        c.path, c.module, c.method = _block_path(c), blocks[_block_path(c)], name
+        outputs[c.path] = (out, names)
+
+
+def _leaf_names(out, received: list) -> tuple[str, ...] | None:
+    """The names of a method's returned leaves if they are the (weights, index) the experts received, with or
+    without the logits, in any order; else None."""
+    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3) and all(isinstance(t, torch.Tensor) for t in out)):
+        return None
+    passed = [any(t is r for r in received) for t in out]
+    names = tuple(("weights" if t.is_floating_point() else "index") if p else "logits" for t, p in zip(out, passed))
+    return names if sorted(names) in (sorted(ROUTER_PARTS), ["index", "weights"]) else None
 
 
 def _probe_lengths(model: nn.Module) -> list[int]:
@@ -248,7 +316,7 @@ def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inp
 
 
 def _block_path(c: _Candidate) -> str:
-    return c.path.rpartition(".")[0]
+    return c.path if c.method != "forward" else c.path.rpartition(".")[0]
 
 
 # A probe run: the output of the experts (or of the router's block) with each router slot row widened by `widen`
@@ -339,7 +407,7 @@ def moe_controller(model: nn.Module) -> Controller:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    sites = [Site(c.path, c.module, codec=c.codec) for c in cands]
+    sites = [Site(c.path, c.module, codec=c.codec, method=c.method) for c in cands]
     sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for c in cands for g in c.gate_paths]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     sites.sort(key=lambda s: order[s.path])
