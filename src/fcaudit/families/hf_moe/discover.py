@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -216,10 +216,11 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
             args, kwargs = inputs[c.experts_path]
             received = list(args) + list(kwargs.values())
             if any(t is index for t in received) and any(t is weights for t in received):
-                module, make = c.experts, lambda a, k, cpu, i=index, w=weights: _experts_run(c, a, k, cpu(i), cpu(w))
+                module, make = c.experts, lambda a, k, cpu, c=c, i=index, w=weights: _experts_run(c, a, k, cpu(i),
+                                                                                                   cpu(w))
             else:  # the block turns them into what its experts receive (LongCat-Flash's identity experts): the
                 module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
-                make = lambda a, k, cpu, b=module: _block_run(c, b, a, k)  # probed on the whole block
+                make = lambda a, k, cpu, c=c, b=module: _block_run(c, b, a, k)  # probed on the whole block
             pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
             c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad, names)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
@@ -234,6 +235,15 @@ def _own_methods(block: nn.Module) -> list[str]:
                    if inspect.isfunction(v) and n not in base and not n.startswith("__")} - set(vars(block)))
 
 
+def _recording(method: Callable, key: tuple[str, str], returns: dict) -> Callable:
+    """`method`, its first return kept in `returns[key]`."""
+    def recorded(*args, **kwargs):
+        out = method(*args, **kwargs)
+        returns.setdefault(key, out)
+        return out
+    return recorded
+
+
 def _find_routing_methods(model: nn.Module, cands: list[_Candidate], lone: list[_Candidate], outputs: dict,
                           inputs: dict) -> None:
     """For routers that return their logits only (DBRX): one more probe pass with their blocks' own methods
@@ -244,11 +254,7 @@ def _find_routing_methods(model: nn.Module, cands: list[_Candidate], lone: list[
     wrapped = []
     for path, block in blocks.items():
         for name in _own_methods(block):
-            def recorded(*a, _f=getattr(block, name), _key=(path, name), **k):
-                out = _f(*a, **k)
-                returns.setdefault(_key, out)
-                return out
-            block.__dict__[name] = recorded  # shadows the class's method for this pass only
+            block.__dict__[name] = _recording(getattr(block, name), (path, name), returns)  # for this pass only
             wrapped.append((block, name))
     handles = [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
                                                    with_kwargs=True) for c in lone]
