@@ -910,3 +910,15 @@ def test_a_block_method_that_picks_the_top_k_is_the_site_where_the_router_return
     assert (execution.experts_per_token == K).all()
     per_pair = execution.dense_flops[0] // (4 * 12 * E)
     assert execution.expert_flops == [4 * 12 * K * per_pair] * 2 and per_pair == 2 * 3 * 16 * 32
+
+
+@pytest.mark.parametrize("build", [_gemma4, _dbrx], ids=["gemma4", "dbrx"])
+def test_checkpoints_whose_config_spells_the_moe_keys_otherwise_load_and_their_routers_are_found(build, tmp_path):
+    """Gemma-4's top_k_experts, DBRX's ffn_config.moe_num_experts/moe_top_k: `fca.load` takes the checkpoint as an MoE
+    (not 'no fcaudit family loads') and controller_for finds its routers."""
+    import fcaudit as fca
+
+    build().save_pretrained(tmp_path)
+    model = fca.load(tmp_path)
+    assert model.fcaudit_meta["variant"] == f"moe-{model.config.model_type}"
+    assert len(fca.controller_for(model).sites) == 2
