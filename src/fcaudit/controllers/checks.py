@@ -135,8 +135,8 @@ def check_constant(coeffs: Sequence[torch.Tensor]) -> Finding | None:
         return None
     return Finding.notice("effect", "note: every site's coefficients are the same for every window and token of the "
                           "first batch (as where a router's or gate's weights are all zero, e.g. at initialisation): "
-                          "the randomized conditions move nothing, so their ΔNLL is exactly 0 by construction, not a "
-                          "finding about what the controller's choices are worth")
+                          "the randomized conditions move nothing where that holds, so their ΔNLL is exactly 0 by "
+                          "construction, not a finding about what the controller's choices are worth")
 
 
 # ---- one more pass of the first batch -----------------------------------------------------------------------------
