@@ -798,6 +798,33 @@ class OwnMoE(torch.nn.Module):
         return x + self.experts(h, i, w).reshape(x.shape)
 
 
+class LogitsRouter(torch.nn.Module):
+    def __init__(self, hidden, experts):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+
+    def forward(self, h):
+        return h @ self.weight.T
+
+
+class PickingMoE(torch.nn.Module):
+    """Its router returns logits only; the block's own method picks the top-k (as DBRX's)."""
+
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.top_k = k
+        self.router, self.experts = LogitsRouter(hidden, experts), OwnExperts(hidden, experts)
+
+    def pick(self, logits):
+        w, i = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return w, i
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        w, i = self.pick(self.router(h))
+        return x + self.experts(h, i, w).reshape(x.shape)
+
+
 def sparse_attention(x, keys):
     """Each token mixes in the `keys` earlier tokens it scores highest (torch.topk fails on fewer positions)."""
     T = x.shape[1]
@@ -809,11 +836,11 @@ def sparse_attention(x, keys):
 
 
 class OwnLM(torch.nn.Module):
-    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2, keys=None):
+    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2, keys=None, blocks=None):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(vocab, hidden)
-        self.moes = torch.nn.ModuleList(OwnMoE(hidden, experts, k) for _ in range(layers))
+        self.moes = torch.nn.ModuleList(block(hidden, experts, k) for block in (blocks or [OwnMoE] * layers))
         self.head = torch.nn.Linear(hidden, vocab)
         self.keys = keys
 
@@ -922,3 +949,15 @@ def test_checkpoints_whose_config_spells_the_moe_keys_otherwise_load_and_their_r
     model = fca.load(tmp_path)
     assert model.fcaudit_meta["variant"] == f"moe-{model.config.model_type}"
     assert len(fca.controller_for(model).sites) == 2
+
+
+def test_a_users_moe_whose_block_picks_the_top_k_beside_one_whose_router_does_audits_exactly(tmp_path):
+    import fcaudit as fca
+
+    model = OwnLM(blocks=[OwnMoE, PickingMoE]).eval()
+    ctrl = fca.controller_for(model)
+    assert [s.name for s in ctrl.sites] == ["moes.0.router", "moes.1.pick"]
+    assert [s.codec.parts for s in ctrl.sites] == [("logits", "weights", "index"), ("weights", "index")]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0

@@ -23,8 +23,10 @@ from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
 from fcaudit.families.hf_moe.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
                                             experts_implementation, split_parts, split_score_output)
+from fcaudit.families.hf_moe.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say its top-k may find it
 # LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
 # num_experts does not; a router's count is the one its weight has rows for. Its experts module may hold all of them
 # (total_experts) or only those that compute, the block handling the rest itself (`_experts_of`).
@@ -122,7 +124,7 @@ def _unnamed_router(modules: dict[str, nn.Module], experts: dict[str, nn.Module]
         return None
     p, router, hidden = min(routers, key=lambda r: sum(w.numel() for w in r[1].parameters()))
     k = next((k for o in (router, getattr(router, "config", None), block, getattr(block, "config", None))
-              if (k := _int_attr(o, TOP_K_NAMES)) is not None), None)
+              if (k := _int_attr(o, TOP_K_CONFIG_NAMES)) is not None), None)
     return _Candidate(p, router, k, E, path, m, _shared_gates(siblings, hidden))
 
 
@@ -171,8 +173,10 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
-    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
-    reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
+    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), which reach its
+    experts (or its block turns them into what they receive) and a padded slot leaves the output as it is; or
+    (router_scores, router_logits), top_k per token at most; or its logits only, and a method of its block returns the
+    (top_k_weights, top_k_index) its experts receive (one more pass finds it)."""
     outputs: dict[str, object] = {}  # the first output of each router and gate
     inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module and each router's block
     handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
@@ -193,13 +197,14 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     if lone:
         _find_routing_methods(model, cands, lone, outputs, inputs)
     for c in cands:
-        output, names = outputs[c.path], ROUTER_PARTS
-        if c.method != "forward":
-            output, names = outputs[c.path]
-        scored = isinstance(output, (tuple, list)) and len(output) == 2 and names == ROUTER_PARTS  # dense scores,
-        try:  # every expert's input scale
-            parts = split_score_output(output, c.num_experts, "it") if scored else \
-                tuple(split_parts(output, names, c.num_experts, "it").get(n) for n in ROUTER_PARTS)
+        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], ROUTER_PARTS)
+        # (router_scores, router_logits): dense scores, every expert's input scaled by its own
+        scored = names == ROUTER_PARTS and isinstance(output, (tuple, list)) and len(output) == 2
+        try:
+            if scored:
+                parts = split_score_output(output, c.num_experts, "it")
+            else:  # (logits, weights, index), the logits None where a block's method returns none
+                parts = tuple(split_parts(output, names, c.num_experts, "it").get(n) for n in ROUTER_PARTS)
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
         if c.top_k is None:  # a router that does not say its top-k: the experts per token it returned
@@ -256,20 +261,20 @@ def _find_routing_methods(model: nn.Module, cands: list[_Candidate], lone: list[
         for name in _own_methods(block):
             block.__dict__[name] = _recording(getattr(block, name), (path, name), returns)  # for this pass only
             wrapped.append((block, name))
-    handles = [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
+    received: dict[str, tuple] = {}  # this pass's experts inputs: the returns are found among them by identity
+    handles = [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: received.setdefault(p, (a, k)),
                                                    with_kwargs=True) for c in lone]
     try:
-        _probe_forward(model, cands, {}, inputs)
+        _probe_forward(model, cands, {}, received)
     finally:
         for h in handles:
             h.remove()
         for block, name in wrapped:
             block.__dict__.pop(name, None)
     for c in lone:
-        args, kwargs = inputs[c.experts_path]
-        received = [*args, *kwargs.values()]
+        args, kwargs = inputs[c.experts_path] = received[c.experts_path]
         found = [(name, out, names) for (path, name), out in returns.items() if path == _block_path(c)
-                 for names in [_leaf_names(out, received)] if names is not None]
+                 for names in [_leaf_names(out, [*args, *kwargs.values()])] if names is not None]
         if len(found) != 1:
             raise _unsupported(c.module, c.path, f"it returns its logits only, and {len(found) or 'no'} methods of its "
                                                  f"block return the top-k weights and index its experts receive")
