@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,9 @@ def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is
     assert moe_families.audit("glm4_moe").startswith("audited: 2 sites (Glm4MoeTopkRouter), padding sentinel, "
                                                      "exact replay True, route flips 0")
     # LongCat-Flash: its router's num_experts leaves out the zero-computation experts that its weight has rows for
-    assert moe_families.audit("longcat_flash").startswith("audited: 1 site (LongcatFlashTopkRouter), padding repeat, "
-                                                          "exact replay True, route flips 0")
+    # (its experts module took the sentinel from transformers 5.25, when its block began to handle those experts)
+    assert re.match(r"audited: 1 site \(LongcatFlashTopkRouter\), padding (repeat|sentinel), exact replay True, "
+                    r"route flips 0", moe_families.audit("longcat_flash"))
     line = moe_families.audit("jetmoe")
     assert line.startswith("not audited: unsupported MoE router JetMoeTopKGating") and "\n" not in line
 

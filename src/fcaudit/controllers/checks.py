@@ -129,6 +129,19 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
                    "whose output the model consumes", {"chosen": k})
 
 
+def check_constant(coeffs: Sequence[torch.Tensor]) -> Finding | None:
+    """A notice when every site's coefficients are one value for every window and token of the first batch (a router
+    or gate whose weights are all zero, as at initialisation): moving them moves nothing, every ΔNLL of a randomized
+    condition is 0 by construction."""
+    if not coeffs or any(c is None or c.dim() < 2 or c.shape[0] * c.shape[1] < 2
+                         or not torch.equal(c, c[:1, :1].expand_as(c)) for c in coeffs):
+        return None
+    return Finding.notice("effect", "note: every site's coefficients are the same for every window and token of the "
+                          "first batch (as where a router's or gate's weights are all zero, e.g. at initialisation): "
+                          "the randomized conditions move nothing where that holds, so their ΔNLL is exactly 0 by "
+                          "construction, not a finding about what the controller's choices are worth")
+
+
 # ---- one more pass of the first batch -----------------------------------------------------------------------------
 
 def check_deterministic(controller: Controller, logits: torch.Tensor, coeffs: list[torch.Tensor],
@@ -399,8 +412,8 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     layout = check_layout(controller, alone, probe)
     if layout is not None:
         return [layout, *found]
-    found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
-                          check_causality(model, controller, first, vocab, ranked)) if f is not None]
+    effect = check_effect(model, controller, one, alone, logits, probe[0].decoding) or check_constant(probe[0])
+    found += [f for f in (effect, check_causality(model, controller, first, vocab, ranked)) if f is not None]
     info = controller.info
     check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
