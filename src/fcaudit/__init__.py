@@ -25,7 +25,7 @@ _LAZY = {
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol", "AuditConfig": "fcaudit.config",
     "build_report": "fcaudit.report.render",
     # the result objects: one audit's, a summary's, and what both return
-    "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.auditor.results",
+    "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.controllers.checks",
     "Summary": "fcaudit.summary", "FamilyResult": "fcaudit.summary",
     "PenaltiesResult": "fcaudit.stats.results", "FactorEffectsResult": "fcaudit.stats.results",
     "RetentionResult": "fcaudit.stats.results", "Estimate": "fcaudit.stats.inference",
