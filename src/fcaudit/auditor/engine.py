@@ -111,10 +111,10 @@ class ReplayFailed(FcauditError):
                     "(e.g. load in float32) before auditing")
         elif flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
             line = (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = "
-                    f"{dlogit:.3g}): the router, recomputed on the replayed trajectory, chooses otherwise than the "
-                    "cache, so its routing is not a function of its inputs (it samples, or its noise is reseeded "
-                    "between calls): make its eval routing deterministic (no sampling, no noise outside training) "
-                    "before auditing")
+                    f"{dlogit:.3g}): the router, recomputed on the replayed trajectory, "
+                    "chooses otherwise than the cache, so its routing is not a function of its inputs (it samples, or "
+                    "its noise is reseeded between calls): make its eval routing deterministic (no sampling, no noise "
+                    "outside training) before auditing")
         else:
             flip = f", route flips = {flips}" if flips is not None else ""
             line = (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
