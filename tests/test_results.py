@@ -94,8 +94,8 @@ def test_a_summary_of_an_earlier_fcaudit_is_refused_in_one_line_and_recreated_as
     # the columns an earlier fcaudit wrote ("mean", not "statistic"), and no static condition in its groups
     d["conditions"] = [{("mean" if k == "statistic" else k): v for k, v in row.items()} for row in d["conditions"]]
     write_json(tmp_path / "summary" / "summary.json", d)
-    assert "summary.json is not a summary written by this fcaudit (another version's, or damaged: KeyError); " \
-           "recreate it with" in api_refusal(lambda: Summary.load(tmp_path / "summary"))
+    assert "summary.json is not a summary written by fcaudit (or by another version of it: KeyError); recreate it " \
+           "with" in api_refusal(lambda: Summary.load(tmp_path / "summary"))
     d = json.loads((tmp_path / "summary" / "summary.json").read_text())
     write_json(tmp_path / "summary" / "summary.json", {**d, "conditions": s.conditions.to_dict(orient="records"),
                                                        "groups": {k: {kk: vv for kk, vv in g.items() if kk != "static"}

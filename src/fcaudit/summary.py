@@ -314,9 +314,9 @@ class Summary(Mapping):
             names = dict.fromkeys([*tables["conditions"]["family"], *d["groups"]])
             return cls([_saved_family(name, d["groups"][name], tables, d["criteria"]) for name in names])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FcauditError(f"{path / 'summary.json'} is not a summary written by this fcaudit (another version's, "
-                               f"or damaged: {type(e).__name__}); recreate it with `fcaudit summarize AUDIT_DIR... "
-                               f"--out {path}`") from None
+            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit (or by another version "
+                               f"of it: {type(e).__name__}); recreate it with `fcaudit summarize AUDIT_DIR... --out "
+                               f"{path}`") from None
 
 
 def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdicts: list[dict]) -> FamilyResult:

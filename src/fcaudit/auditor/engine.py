@@ -101,27 +101,22 @@ def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
                              "passed": passed, "tolerance": tol, "windows": [start, start + ids.shape[0] - 1]})
 
 
-class ReplayFailed(FcauditError):
-    """A batch failed the exact replay check: the one line naming the fix, and the check (`replay`)."""
-
-    def __init__(self, replay: Replay):
-        (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
-        if math.isnan(dlogit):
-            line = (f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model or its dtype "
-                    "(e.g. load in float32) before auditing")
-        elif flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
-            line = (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = "
-                    f"{dlogit:.3g}): the router, recomputed on the replayed trajectory, "
-                    "chooses otherwise than the cache, so its routing is not a function of its inputs (it samples, or "
-                    "its noise is reseeded between calls): make its eval routing deterministic (no sampling, no noise "
-                    "outside training) before auditing")
-        else:
-            flip = f", route flips = {flips}" if flips is not None else ""
-            line = (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
-                    f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); make the output path independent "
-                    "of the controller's computation (and deterministic), or pass a tolerance")
-        super().__init__(line)
-        self.replay = replay
+def replay_refusal(replay: Replay) -> str:
+    """The one line naming the fix for a batch's failed exact replay check."""
+    (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
+    if math.isnan(dlogit):
+        return (f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model or its dtype (e.g. "
+                "load in float32) before auditing")
+    if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
+        return (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = {dlogit:.3g}): "
+                "the router, recomputed on the replayed trajectory, "
+                "chooses otherwise than the cache, so its routing is not a function of its inputs (it samples, or its "
+                "noise is reseeded between calls): make its eval routing deterministic (no sampling, no noise outside "
+                "training) before auditing")
+    flip = f", route flips = {flips}" if flips is not None else ""
+    return (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
+            f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); make the output path independent of the "
+            "controller's computation (and deterministic), or pass a tolerance")
 
 
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: tuple[str, ...]) -> torch.Tensor:
@@ -224,11 +219,9 @@ class Engine:
             failed: list[Replay] = []  # this rank's failed exact replay check
 
             def stage1() -> None:
-                try:
-                    self._stage1(share(sched.iter_stage1(), rank, world), step)
-                except ReplayFailed as e:
-                    failed.append(e.replay)
-                    raise
+                if (replay := self._stage1(share(sched.iter_stage1(), rank, world), step)) is not None:
+                    failed.append(replay)
+                    raise FcauditError(replay_refusal(replay))
 
             try:
                 self.group.run(stage1)
@@ -249,20 +242,23 @@ class Engine:
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
 
-    def _stage1(self, units: Iterable[Unit], step) -> None:
+    def _stage1(self, units: Iterable[Unit], step) -> Replay | None:
+        """Capture and calibration units; stops at the first failed exact replay check and returns it."""
         for u in units:
             # the probe serves the first batch or nothing (resumed, or another rank's): its logits go at once
             first, self._first = (self._first if u.kind == "capture" and u.start == 0 else None), None
             if not self.done(u):
                 if u.kind == "capture":
-                    self._capture(u.start, first)
+                    if not (replay := self._capture(u.start, first)).passed:
+                        return replay
                 else:
                     self._calibrate(u.start)
             step(u.passes)
+        return None
 
-    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> Replay:
         """Stage 1 + the exact replay check on one evaluation batch (captured now, or `first`: the same batch's
-        capture by the probe); the chunk first, then its Correct records."""
+        capture by the probe); where it passed, the chunk first, then its Correct records."""
         ids = self._ids(self.ev, start)
         coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
                                                                             self.loss_fn)
@@ -270,10 +266,11 @@ class Engine:
         replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
                               start)
         if not replay.passed:
-            raise ReplayFailed(replay)
+            return replay
         stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
         self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
+        return replay
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""

@@ -288,8 +288,8 @@ class AuditResult(Results):
             raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
                                "`fcaudit audit`")
         if not (adir.root / MARKER).is_file():  # a checkpoint, or an audit that lost its marker
-            raise FcauditError(f"{adir.root} is not an audit directory (no {MARKER}: a checkpoint?): audit the "
-                               f"checkpoint with `fcaudit audit CHECKPOINT --out DIR` and pass DIR")
+            raise FcauditError(f"{adir.root} is not an audit directory (no {MARKER}: a checkpoint?): audit it first "
+                               f"with `fcaudit audit {adir.root} --out DIR` and pass DIR")
         try:
             config = adir.config()
         except files.Damaged as e:
