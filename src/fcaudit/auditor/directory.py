@@ -61,6 +61,8 @@ def record_keys(config: dict) -> list[tuple[str, int]]:
 # config.json's fields the readers use, with their types: a config.json of other types (another program's) is damaged
 _CONFIG_TYPES = {"seed": int, "randomizations": int, "batch_size": int, "windows": dict, "model": dict,
                  "conditions": list, "config_hash": str, "labels": dict, "criteria": dict, "controller": dict}
+
+
 def _check_config(path: Path, config: dict) -> dict:
     """`config` when its fields have the types and ranges fcaudit writes, else Damaged naming the first that has not."""
     wrong = [k for k, t in _CONFIG_TYPES.items() if not isinstance(config.get(k), t) or isinstance(config[k], bool)]
@@ -235,7 +237,7 @@ class AuditDir:
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
         current = files.quietly(self._config) or {}
-        if self._earlier(marker) is not None:
+        if self.earlier(marker) is not None:
             held, current = None, {}
         elif held not in (None, digest):
             changed = (differences(current, config) if current.get("config_hash") == held
@@ -292,7 +294,7 @@ class AuditDir:
         return any(p.suffix in (".parquet", ".safetensors") and not p.name.startswith(".")
                    for d in ("coeffs", "calib", "parts", "records") for p in (self.root / d).rglob("*"))
 
-    def _earlier(self, marker: dict | None = None) -> str | None:
+    def earlier(self, marker: dict | None = None) -> str | None:
         """Why the directory holds an audit of another fcaudit's format (its marker or config.json lacks "format" or
         has another), None when it does not; an unreadable one is damaged, which its own check says."""
         marker = files.quietly(files.read_json, self.root / MARKER) if marker is None else marker
@@ -308,7 +310,7 @@ class AuditDir:
     def config(self) -> dict:
         """config.json, checked: its hash, the types its readers use, and its format (an earlier fcaudit's audit is
         refused in one line: the rerun the line names starts it anew, `open`)."""
-        if (why := self._earlier()) is not None:
+        if (why := self.earlier()) is not None:
             raise FcauditError(f"{self.root} holds an audit written by another version of fcaudit ({why}); rerun the "
                                f"audit command with --out {self.root} to recompute it")
         return self._config()

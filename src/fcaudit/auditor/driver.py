@@ -239,6 +239,9 @@ def against_out(model: nn.Module, controller: Controller, windows: Windows, conf
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
         return None
+    if (why := adir.earlier()) is not None:
+        return f"note: {config.out} holds an audit written by another version of fcaudit ({why}): the real run " \
+               "starts it anew there"
     if changed := differences(current, _config(model, controller, windows, config, planned.coeff_dtype)):
         return f"note: {config.out} holds an audit with another configuration (differs in {changed}): the real run " \
                "would refuse it; pass a new --out"
