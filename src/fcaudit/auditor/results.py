@@ -22,6 +22,7 @@ from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import WindowStatistics
 from fcaudit.stats.results import Results
 
+
 def _g(x: Any) -> str:
     return "None" if x is None else f"{x:.3g}"
 
