@@ -464,6 +464,31 @@ def test_an_earlier_fcaudits_audit_is_refused_in_one_line_and_the_rerun_it_names
     pd.testing.assert_frame_equal(fresh.records, first.records, check_exact=True)
 
 
+def test_replay_json_without_findings_and_records_without_active_are_refused_and_the_rerun_recomputes_them(tmp_path):
+    """What an earlier fcaudit wrote into this format's directory (replay.json before its findings, records before
+    their `active` column) is refused by the reader in one line, never filled in; the rerun it names recomputes it."""
+    from fcaudit.auditor import files
+    from fcaudit.io import write_json
+    from harness import api_refusal
+
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, R=2)
+    replay = files.read_json(out / "replay.json")
+    write_json(out / "replay.json", {k: v for k, v in replay.items() if k != "findings"}, hashed=True)
+    assert "replay.json is damaged (it lacks the pre-write checks' findings (an earlier fcaudit's)); rerun the " \
+           "audit command" in api_refusal(lambda: AuditResult.load(out))
+    toys.run(model, toys.gated(model), out, R=2)
+    records = out / "records" / "CrossInput" / "r0001.parquet"
+    frame, meta = files.read_table(records)
+    files.write_columns(records, {k: v.to_numpy() for k, v in frame.items() if k != "active"}, meta)
+    assert "r0001.parquet is damaged (it lacks the records columns ['active']); rerun the audit command" in \
+           api_refusal(lambda: AuditResult.load(out).records)
+    again = toys.run(model, toys.gated(model), out, R=2)
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+    assert files.read_json(out / "replay.json") == replay
+
+
 def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_recomputed(tmp_path):
     """safetensors' own reader refuses a file longer than its header says; so does fcaudit, at every read, so the
     rerun recomputes it instead of failing in stage 2."""
