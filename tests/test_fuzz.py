@@ -165,8 +165,11 @@ CLASSES = {
         ("cli", cli("report", "@root"), "refused", "found no summary.json"),
         ("api", {"call": "report", "kwargs": {"inputs": ["@root"], "out": "@out"}}, "refused", "found no summary.json"),
         ("cli", cli("report", "@proc", "@dev"), "refused", "found no summary.json"),
-        ("audit-dir", damaged("resume", ("delete", ".fcaudit-audit", 0)), "ok", ""),
-        ("audit-dir", damaged("summarize", ("delete", ".fcaudit-audit", 0)), "ok", ""),
+        # an audit that lost its marker is no longer fcaudit's (the claim is the marker): refused, a new --out leads out
+        ("audit-dir", damaged("resume", ("delete", ".fcaudit-audit", 0)), "refused",
+         "is not an fcaudit audit directory"),
+        ("audit-dir", damaged("summarize", ("delete", ".fcaudit-audit", 0)), "refused",
+         "is not an audit directory (no .fcaudit-audit"),
         ("weights", {"family": "mudd", "op": "pickle", "value": "protocol-4", "action": "dry-run"}, "refused",
          "restricted unpickler refused it"),
         ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "none"}}, "refused",

@@ -17,7 +17,7 @@ from torch import nn
 
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import AuditDir, config_hash, differences
+from fcaudit.auditor.directory import FORMAT, AuditDir, config_hash, differences
 from fcaudit.auditor.engine import Engine
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
@@ -44,7 +44,7 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
-    return {"format": 2, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
+    return {"format": FORMAT, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
             "windows": described, "model": model_desc, "controller": controller.describe(),
             "labels": controller.labels}
 
@@ -226,7 +226,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             adir.unlock()
     # the engine wrote and verified every records file: AuditResult.load would read them all again
     written = adir.config()
-    result = AuditResult(adir.root, written, Replay.from_json(files.read_json(adir.replay), written))
+    result = AuditResult(adir.root, written, Replay.from_json(files.read_json(adir.replay)))
     if not config.quiet and group.is_main:
         print(result)
     return result
@@ -239,6 +239,9 @@ def against_out(model: nn.Module, controller: Controller, windows: Windows, conf
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
         return None
+    if (why := adir.earlier()) is not None:
+        return f"note: {config.out} holds an audit written by another version of fcaudit ({why}): the real run " \
+               "starts it anew there"
     if changed := differences(current, _config(model, controller, windows, config, planned.coeff_dtype)):
         return f"note: {config.out} holds an audit with another configuration (differs in {changed}): the real run " \
                "would refuse it; pass a new --out"

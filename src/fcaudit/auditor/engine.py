@@ -7,6 +7,7 @@ so any partition of the units over processes, and any resume, gives the same fil
 
 from __future__ import annotations
 
+import math
 from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -21,6 +22,7 @@ from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.auditor.group import Group
+from fcaudit.auditor.results import Replay
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
@@ -73,6 +75,50 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     return Captured([c.to(ids.device) for c in found], found.decoding), logits, nll
 
 
+def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
+                 captured: tuple[Coeffs, torch.Tensor, torch.Tensor], decoding: list | None, config: AuditConfig,
+                 start: int) -> Replay:
+    """The exact replay check on one evaluation batch (windows from `start`): with the controller disabled, replaying
+    its `captured` coefficients (decoded with `decoding`) must give the captured logits and NLL (bit-equal at
+    `config.tolerance` 0; within it otherwise) and, for routers, no route flip. Its `record` is what a failure
+    writes to replay.json."""
+    coeffs, logits, nll = captured
+    info = controller.info
+    routers, calls = info.routers, [None] * len(coeffs)
+    with controller.replay(coeffs, decoding, calls if routers else None):
+        logits_r, nll_r = forward_nll(model, ids, config.loss_fn)
+    flips = sum(info.changed(i, c, coeffs[i]) for i, c in
+                controller.recompute(calls, *ids.shape, routers).items()) if routers else None
+    exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
+    finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
+    dlogit = float("nan")
+    if finite:  # one window at a time: no float32 copy of a whole batch's logits
+        dlogit = max(float((x.float() - y.float()).abs().max()) for x, y in zip(logits_r, logits))
+    dnll = float((nll_r - nll).abs().max().cpu())
+    tol = config.tolerance
+    passed = finite and (exact if tol == 0 else (dlogit <= tol and dnll <= tol)) and not flips
+    return Replay.from_json({"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips,
+                             "passed": passed, "tolerance": tol, "windows": [start, start + ids.shape[0] - 1]})
+
+
+def replay_refusal(replay: Replay) -> str:
+    """The one line naming the fix for a batch's failed exact replay check."""
+    (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
+    if math.isnan(dlogit):
+        return (f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model or its dtype (e.g. "
+                "load in float32) before auditing")
+    if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
+        return (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = {dlogit:.3g}): "
+                "the router, recomputed on the replayed trajectory, "
+                "chooses otherwise than the cache, so its routing is not a function of its inputs (it samples, or its "
+                "noise is reseeded between calls): make its eval routing deterministic (no sampling, no noise outside "
+                "training) before auditing")
+    flip = f", route flips = {flips}" if flips is not None else ""
+    return (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
+            f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); make the output path independent of the "
+            "controller's computation (and deterministic), or pass a tolerance")
+
+
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: tuple[str, ...]) -> torch.Tensor:
     """[B, 1 + len(names)] float64 for codecs that count what their modules run (`Codec.executed`): `active` from what
     ran, then each count of `names` summed over the sites that report it."""
@@ -104,7 +150,7 @@ class Engine:
         self.info = controller.info  # protocol.ReplayContext: the sites' kinds, references and layers
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
-        self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
+        self.config, self.seed, self.tol, self.loss_fn = config, config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
         self.decoding = first[0].decoding
         self.paths = [s.path for s in controller.sites]
@@ -121,7 +167,6 @@ class Engine:
         self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
         self.findings = tuple(findings)
-        self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
@@ -171,13 +216,20 @@ class Engine:
             task = progress.add_task("audit (forward passes)", total=sched.passes_per_rank(world)[rank])
             # a quiet audit takes no progress lock per forward pass
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
+            failed: list[Replay] = []  # this rank's failed exact replay check
+
+            def stage1() -> None:
+                if (replay := self._stage1(share(sched.iter_stage1(), rank, world), step)) is not None:
+                    failed.append(replay)
+                    raise FcauditError(replay_refusal(replay))
+
             try:
-                self.group.run(lambda: self._stage1(share(sched.iter_stage1(), rank, world), step))
+                self.group.run(stage1)
             except FcauditError as e:
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
-                if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
-                    self.dir.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
+                if failed and getattr(e, "rank", rank) == rank:
+                    self.dir.write_json(self.dir.replay, self.dir.bound(failed[0].to_dict()))
                 raise
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
@@ -190,55 +242,35 @@ class Engine:
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
 
-    def _stage1(self, units: Iterable[Unit], step) -> None:
+    def _stage1(self, units: Iterable[Unit], step) -> Replay | None:
+        """Capture and calibration units; stops at the first failed exact replay check and returns it."""
         for u in units:
             # the probe serves the first batch or nothing (resumed, or another rank's): its logits go at once
             first, self._first = (self._first if u.kind == "capture" and u.start == 0 else None), None
             if not self.done(u):
                 if u.kind == "capture":
-                    self._capture(u.start, first)
+                    if not (replay := self._capture(u.start, first)).passed:
+                        return replay
                 else:
                     self._calibrate(u.start)
             step(u.passes)
+        return None
 
-    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> Replay:
         """Stage 1 + the exact replay check on one evaluation batch (captured now, or `first`: the same batch's
-        capture by the probe); the chunk first, then its Correct records."""
+        capture by the probe); where it passed, the chunk first, then its Correct records."""
         ids = self._ids(self.ev, start)
-        last = start + ids.shape[0] - 1
         coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
                                                                             self.loss_fn)
-        check_finite(coeffs, f"evaluation windows {start}..{last}", self.paths)
-        routers, calls = self.info.routers, [None] * len(coeffs)
-        with self.controller.replay(coeffs, self.decoding, calls if routers else None):
-            logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
-        flips = sum(self.info.changed(i, c, coeffs[i]) for i, c in
-                    self.controller.recompute(calls, *ids.shape, routers).items()) if routers else None
-        exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
-        finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
-        dlogit = float("nan")
-        if finite:  # one window at a time: no float32 copy of a whole batch's logits
-            dlogit = max(float((x.float() - y.float()).abs().max()) for x, y in zip(logits_r, logits))
-        dnll = float((nll_r - nll).abs().max().cpu())
-        passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol)) and not flips
-        stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
-        if not passed:
-            self._failed_replay = {**stats, "passed": False, "tolerance": self.tol, "windows": [start, last]}
-            if not finite:
-                raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "
-                                   "or its dtype (e.g. load in float32) before auditing")
-            if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
-                raise FcauditError(f"exact replay failed on windows {start}..{last}: route flips = {flips} (max "
-                                   f"|Δlogit| = {dlogit:.3g}): the router, recomputed on the replayed trajectory, "
-                                   "chooses otherwise than the cache, so its routing is not a function of its inputs "
-                                   "(it samples, or its noise is reseeded between calls): make its eval routing "
-                                   "deterministic (no sampling, no noise outside training) before auditing")
-            flip = f", route flips = {flips}" if flips is not None else ""
-            raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
-                               f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
-                               "of the controller's computation (and deterministic), or pass a tolerance")
+        check_finite(coeffs, f"evaluation windows {start}..{start + ids.shape[0] - 1}", self.paths)
+        replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
+                              start)
+        if not replay.passed:
+            return replay
+        stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
         self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
+        return replay
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""

