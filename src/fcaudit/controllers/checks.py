@@ -89,23 +89,12 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
     return None
 
 
-def other_choices(c: torch.Tensor) -> torch.Tensor:
-    """A token router's canonical coefficients with no scores and, per window, another set of as many tokens: the
-    first k of its unchosen positions, then of its chosen ones (a different set wherever 0 < k < T)."""
-    picked = chosen(c)
-    order = torch.argsort(picked.to(torch.int8), dim=1, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(c.shape[1], device=c.device).expand_as(order))
-    out = torch.zeros_like(c)
-    out[:, :, 0, 1] = (rank < picked.sum(1, keepdim=True)).to(c.dtype)
-    return out
-
-
 def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, alone: list, logits: torch.Tensor,
                  decoding: Sequence[Decoding]) -> Finding | None:
     """A notice when replaying zeros for every coefficient (for a token router: no scores and another set of as many
     tokens, so that its choices are tested too) leaves window 0's logits unchanged: every replay measures nothing."""
     info = controller.info
-    nulls = [other_choices(a) if k.name == "token_router" else torch.zeros_like(a) for k, a in zip(info.of, alone)]
+    nulls = [k.null(a) for k, a in zip(info.of, alone)]  # a token router's: another set of as many tokens
     try:
         with controller.replay(nulls, decoding):
             if not torch.equal(logits_of(model(one)), logits):
@@ -113,7 +102,7 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
     k = {s.name: int(chosen(a).sum()) for s, kind, a in zip(controller.sites, info.of, alone)
-         if kind.name == "token_router"}
+         if kind.tokens}
     if k and all(n in (0, one.shape[1]) for n in k.values()):
         which = "no token" if not any(k.values()) else "every token"
         return Finding.notice("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
@@ -225,7 +214,7 @@ def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs:
     for i, (site, (out, call)) in enumerate(zip(controller.sites, outputs)):
         batch, token = coeffs[i].shape[:2]
         cells = one_token_cells(out, batch, token)
-        if not cells or info.of[i].name == "token_router":  # a token router's conditions keep a set of tokens
+        if not cells or not info.of[i].slots:  # a token router's conditions keep a set of tokens
             continue
         c = coeffs[i]
         moved = {"TokenResamplePast": protocol.resample_past([c], np.arange(examples), 0, 0)[0],
@@ -379,8 +368,17 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     info = controller.info
     check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
-    if info.window and info.depth != "skip_mask":
-        found.append(Finding.notice("depth", "note: the depth is decided once per window, so a window's depth is its "
-                                    "budget, which every condition keeps: each condition replays every window's own "
-                                    "depth and its ΔNLL is 0 by construction, not a finding about the controller"))
+    found += zero_notices(info)
     return found
+
+
+def zero_notices(info) -> list[Finding]:
+    """A notice per reason its kinds give why conditions cannot change anything (`Description.zero`): their ΔNLL, and
+    the factorial effects made of them, are 0 by construction, not a finding about the controller."""
+    reasons: dict[str, list[str]] = {}
+    for condition, why in info.zero.items():
+        reasons.setdefault(why, []).append(condition)
+    return [Finding.notice("zero", f"note: {why}: the ΔNLL of {', '.join(names)} (and the effects made of "
+                                   f"{'it' if len(names) == 1 else 'them'}) is 0 by construction, not a finding "
+                                   "about the controller", {"conditions": names})
+            for why, names in reasons.items()]

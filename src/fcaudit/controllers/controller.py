@@ -17,7 +17,7 @@ from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
 from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import Description
+from fcaudit.kinds import Description, lookup
 from fcaudit.protocol import RECORD_COLUMNS, Coeffs
 
 
@@ -89,7 +89,8 @@ class Controller:
         """The controller as the protocol, the engine, the statistics and execution see it (fcaudit.kinds)."""
         return Description(tuple(s.kind for s in self.sites), tuple(s.reference for s in self.sites),
                            tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites),
-                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites))
+                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites),
+                           tuple(int(getattr(s.codec, "always", 0)) for s in self.sites))
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -296,7 +297,8 @@ class Controller:
         with patched(run), self.context():
             yield run.found
         check_ran(run)
-        if all(c is not None for c in run.found):  # exit decisions as the model obeys them
+        if all(c is not None for c in run.found):  # refused where a kind cannot mean them; as the model obeys them
+            self.info.validate([s.name for s in self.sites], run.found)
             run.found[:] = self.info.canonical(run.found)
 
     @contextmanager
@@ -345,23 +347,21 @@ class Controller:
         return found
 
 
-# the kinds whose sites take their own codec, not a layout: what the coefficient is, and the codec
-OWN_CODECS = {"token_router": ("(score, chosen) per token", "TokenRoute reads a (scores, index) output", TokenRoute),
-              "exit_depth": ("a decision per token", "Decisions reads a [batch, token] output", Decisions),
-              "skip_mask": ("a decision per token", "Decisions reads a [batch, token] output", Decisions)}
+# the default codecs a kind names (`Kind.codec`): kinds live below the codecs, so they name them and this maps them
+OWN_CODECS: dict[str, Callable[[], Codec]] = {"TokenRoute": TokenRoute, "Decisions": Decisions}
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None, kind: str | None) -> Codec:
-    """The site's codec from `layout` or `codec`; a token router's or a depth decision's without either is its own
-    (OWN_CODECS)."""
+    """The site's codec from `layout` or `codec`; a kind that has its own codec (a token router's, a depth
+    decision's: `Kind.codec`) gets it without either."""
     if isinstance(layout, Codec) and codec is None:
         codec, layout = layout, None
-    if kind in OWN_CODECS and codec is None:
-        what, reads, make = OWN_CODECS[kind]
+    own = lookup(kind) if kind is not None else None
+    if own is not None and own.codec is not None and codec is None:
         if layout is not None:
-            raise FcauditError(f"kind={kind!r} with layout {layout!r}: a {kind.replace('_', ' ')}'s coefficient is {what}; drop the "
-                               f"layout ({reads}) or pass codec=")
-        return make()
+            raise FcauditError(f"kind={kind!r} with layout {layout!r}: a {kind.replace('_', ' ')}'s coefficient is "
+                               f"{own.coefficient}; drop the layout ({own.reads}) or pass codec=")
+        return OWN_CODECS[own.codec]()
     if codec is None and not isinstance(layout, str):
         raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
                            "codec=... for a tuple or other structured output")

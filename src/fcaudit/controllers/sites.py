@@ -16,7 +16,7 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Layout
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import KINDS, lookup
+from fcaudit.kinds import EXPERT_ROUTER, KINDS, SCALAR_GATE, SOURCE_MIXTURE, VECTOR_GATE, lookup
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -97,10 +97,10 @@ def infer_kind(codec: Codec, reference: str | None) -> str:
     if codec.kind is not None:
         return codec.kind
     if codec.top_k is not None:
-        return "expert_router"
+        return EXPERT_ROUTER.name
     if reference in ("SourceUniformMean", "ExpertUniformMean"):
-        return "source_mixture"
-    return "scalar_gate" if isinstance(codec, Layout) and codec.scalar else "vector_gate"
+        return SOURCE_MIXTURE.name
+    return (SCALAR_GATE if isinstance(codec, Layout) and codec.scalar else VECTOR_GATE).name
 
 
 @dataclass(frozen=True)
