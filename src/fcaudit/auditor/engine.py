@@ -235,8 +235,7 @@ class Engine:
                                    "deterministic (no sampling, no noise outside training) before auditing")
             flip = f", route flips = {flips}" if flips is not None else ""
             raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
-                               f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
-                               "of the controller's computation (and deterministic), or pass a tolerance")
+                               f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); {self.info.lead.replay_fix}")
         self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
 

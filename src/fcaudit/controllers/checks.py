@@ -13,6 +13,7 @@ replay check.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -34,8 +35,14 @@ AGREEING_POSITIONS = 0.5
 # forward passes of the checks before the units (Schedule counts only the units'): window 0 alone and replayed, one
 # more pass of the first batch, and for routers (and sites the model ranks) the causality check's two
 SITE_CHECK_PASSES = 3
-ROUTING_CHECK_PASSES = 2
+ROUTING_CHECK_PASSES = 2  # per batch of the windows the causality check probes (`routing_check_passes`)
+# the evaluation windows the causality check probes (at most): a decision that reads later tokens in some windows
+# only (a per-window policy) is found where it does in about 1 in 20 windows; its cost is 2 passes per batch of them
+CAUSALITY_WINDOWS = 64
 LATER_TOKENS = "routing depends on later tokens"
+# a dispatch mask's cells are 0/1 up to this much (a straight-through trick leaves 0.99999994); a cell holds a token
+# where its value is above it
+ALMOST_BINARY = 1e-3
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,8 @@ def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], fi
 
 def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tensor]:
     """The leaves of a site output that give each (window, cell) at most one token, as [batch, token, cells] 0/1
-    masks: a dispatch mask's (expert, slot) cells. Gates, weights and indices are not such leaves."""
+    masks: a dispatch mask's (expert, slot) cells, also where its values are almost 0/1 (ALMOST_BINARY). Gates,
+    weights and indices are not such leaves."""
     out = {}
     for path, t in leaves(output):
         if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.numel() == 0:
@@ -201,8 +209,10 @@ def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tens
             continue  # a token's cells on two axes of their own, (expert, slot)
         cells = t.reshape(batch, token, -1)
         values = cells.detach().double()
-        if values.shape[2] > 1 and ((values == 0) | (values == 1)).all() and values.sum(1).max() == 1:
-            out[path] = values
+        binary = values.round()
+        if values.shape[2] > 1 and ((binary == 0) | (binary == 1)).all() and \
+                (values - binary).abs().max() <= ALMOST_BINARY and binary.sum(1).max() == 1:
+            out[path] = binary
     return out
 
 
@@ -227,7 +237,7 @@ def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs:
             for path in cells:
                 got = rebuilt.get(path)
                 if isinstance(got, torch.Tensor) and got.numel() == cells[path].numel():
-                    held = (got.detach().double().reshape(cells[path].shape) != 0).sum(1)
+                    held = (got.detach().double().reshape(cells[path].shape).abs() > ALMOST_BINARY).sum(1)
                     if (n := int((held > 1).sum())) > 0:
                         return Finding.refused("slots", f"site {site.name!r}: codec {site.codec.describe()!r} puts two or more "
                                        f"tokens in one slot once coefficients move between tokens: under {condition} "
@@ -290,19 +300,34 @@ def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
 # ---- the causality check -------------------------------------------------------------------------------------------
 
 def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor, vocab: int,
-                    ranked: Sequence[int] = ()) -> Finding | None:
+                    ranked: Sequence[int] = (), batch: int | None = None) -> Finding | None:
     """How many decisions at earlier positions change when the last quarter of each window (at least one token; one
     rarely crosses the k-th score) changes to seeded random tokens: a router's own (its selected sources, its chosen
     tokens), and what the model's rankings of `ranked` sites decided (their values, where the ranking cannot be
     read). Above 0 a decision depends on later tokens (top-k over the window does): the router cannot decode
-    autoregressively. None for a controller without routers or ranked sites."""
+    autoregressively. `ids`: the windows probed (up to CAUSALITY_WINDOWS: a policy that reads later tokens in some
+    windows only is found in them), in batches of `batch` (default all at once): ROUTING_CHECK_PASSES passes per
+    batch. None for a controller without routers or ranked sites."""
     info = controller.info
     if not info.routers and not ranked:
         return None
     span = max(1, ids.shape[1] // 4)
-    changed = ids.clone()
     gen = torch.Generator().manual_seed(0)
-    changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
+    flips = 0
+    for part in ids.split(batch or ids.shape[0]):
+        changed = part.clone()
+        changed[:, -span:] = torch.randint(0, vocab, (part.shape[0], span), generator=gen).to(part.device)
+        flips += _later_flips(model, controller, part, changed, span, ranked)
+    windows = int(ids.shape[0])
+    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
+            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
+    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
+
+
+def _later_flips(model: nn.Module, controller: Controller, ids: torch.Tensor, changed: torch.Tensor, span: int,
+                 ranked: Sequence[int]) -> int:
+    """The decisions before the last `span` positions that differ between a pass of `ids` and one of `changed`."""
+    info = controller.info
     runs = []
     for x in (ids, changed):
         with controller.outputs(*x.shape) as raws, (flow := Flow(raws, (), ranked, {
@@ -320,10 +345,12 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
             pairs = [(before[i], after[i])]
         flips += int(sum((a[:, :-span] != b[:, :-span]).reshape(a.shape[0], a.shape[1] - span, -1).any(-1).sum()
                          for a, b in pairs if a.shape == b.shape))
-    windows = int(ids.shape[0])
-    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
-            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
-    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
+    return flips
+
+
+def routing_check_passes(windows: int, batch: int) -> int:
+    """The causality check's forward passes for an audit of `windows` evaluation windows in batches of `batch`."""
+    return ROUTING_CHECK_PASSES * math.ceil(min(windows, CAUSALITY_WINDOWS) / batch)
 
 
 # ---- all of them --------------------------------------------------------------------------------------------------
@@ -347,10 +374,10 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
-                     vocab: int) -> list[Finding]:
+                     vocab: int, probed: torch.Tensor | None = None) -> list[Finding]:
     """Every check before anything is written, on the first evaluation batch `first` and `probe`, its capture
     (coefficients with their decoding, logits, nll); stops at the first refusal (it comes first). `vocab`: the ids the
-    causality check may draw."""
+    causality check may draw; `probed`: the windows it probes (default `first`), in batches as large as `first`."""
     found, ranked = first_batch_checks(model, controller, first, probe)
     if found and found[0].refusal:
         return found
@@ -364,12 +391,31 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if layout is not None:
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
-                          check_causality(model, controller, first, vocab, ranked)) if f is not None]
+                          check_causality(model, controller, first if probed is None else probed, vocab, ranked,
+                                          first.shape[0])) if f is not None]
     info = controller.info
     check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
     found += zero_notices(info)
+    found += [f for f in (first_blocks_notice(controller),) if f is not None]
     return found
+
+
+def first_blocks_notice(controller: Controller) -> Finding | None:
+    """A notice when a depth controller's first site is on block k > 0 of a numbered path ("blocks.2.exit") and no
+    blocks are declared to run always: blocks before its first decision run for every token, which `active` counts
+    only when the codec says so (`Decisions(always=k)`)."""
+    info = controller.info
+    if not info.depth or info.always[0] or info.lead.codec is None:
+        return None
+    path = controller.sites[0].path
+    k = next((int(p) for p in path.split(".") if p.isdigit()), 0)
+    if k == 0:
+        return None
+    return Finding.notice("depth", f"note: the first depth site {path!r} is on block {k}: if blocks 0..{k - 1} run "
+                                   "for every token before it, pass codec=Decisions(always=" + str(k) + ") (or the "
+                                   "number that do), or `active` and the budget's fraction count only the decided "
+                                   "blocks", {"site": path, "block": k})
 
 
 def zero_notices(info) -> list[Finding]:
@@ -378,7 +424,6 @@ def zero_notices(info) -> list[Finding]:
     reasons: dict[str, list[str]] = {}
     for condition, why in info.zero.items():
         reasons.setdefault(why, []).append(condition)
-    return [Finding.notice("zero", f"note: {why}: the ΔNLL of {', '.join(names)} (and the effects made of "
-                                   f"{'it' if len(names) == 1 else 'them'}) is 0 by construction, not a finding "
-                                   "about the controller", {"conditions": names})
+    return [Finding.notice("zero", f"note: {why}: {', '.join(names)} {'is' if len(names) == 1 else 'are'} 0 by "
+                                   "construction, not a finding about the controller", {"conditions": names})
             for why, names in reasons.items()]

@@ -259,15 +259,21 @@ class Decisions(Codec):
         self.window, self.always = bool(window), always
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
-        want = "[batch] or [batch, 1]" if self.window else "[batch, token]"
+        want = "[batch] or [batch, 1]" if self.window else "[batch, token] (or [batch, token, 1])"
         if not isinstance(output, torch.Tensor):
             raise FcauditError(f"a decision site returned {type(output).__name__}, not a tensor {want}")
-        fits = (output.numel() == batch and output.shape[:1] == (batch,)) if self.window else \
-            tuple(output.shape) == (batch, token)
+        shape = tuple(output.shape)
+        fits = (output.numel() == batch and shape[:1] == (batch,)) if self.window else \
+            shape in ((batch, token), (batch, token, 1))
         if not fits:
-            raise FcauditError(f"decisions of shape {tuple(output.shape)} are not {want} for batch={batch}, "
-                               f"token={token}" + ("" if self.window else "; one decision per window takes "
-                                                                          "Decisions(window=True)"))
+            if not self.window and shape[:2] == (batch, token):
+                hint = ("; one decision per token and block takes one site per block (a depth site holds one "
+                        "decision per token)")
+            elif not self.window and output.numel() == batch:
+                hint = "; one decision per window takes Decisions(window=True)"
+            else:
+                hint = ""
+            raise FcauditError(f"decisions of shape {shape} are not {want} for batch={batch}, token={token}{hint}")
         values = output.detach().reshape(batch, -1)
         if not ((values == 0) | (values == 1)).all():
             raise FcauditError("decisions must be bool or 0/1; a site of soft weights (halting) takes a layout")

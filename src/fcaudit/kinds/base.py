@@ -74,6 +74,8 @@ class Kind:
     reads: str = ""
     execution: str | None = None  # what its decisions mean for execution: "tokens" = counted in token x block pairs
     slots: bool = True  # the pre-write slot check moves its coefficients between tokens (a token router's keep a set)
+    # what a failed exact replay's refusal tells the user to do
+    replay_fix: str = "make the output path independent of the controller's computation (and deterministic), or pass a tolerance"
 
     def __repr__(self) -> str:
         return f"<kind {self.name}>"
@@ -174,8 +176,8 @@ class Kind:
                             for sites in layers]).mean(0)
 
     def zero(self, info: "Description") -> dict[str, str]:
-        """The conditions that cannot change anything under this kind for this controller (their ΔNLL is 0 by
-        construction, not a finding), each with why."""
+        """The conditions (and factor effects, "E_token") that cannot change anything under this kind for this
+        controller (0 by construction, not a finding), each with why."""
         return {}
 
 

@@ -139,6 +139,8 @@ class Depth(Kind):
     router = depth = True
     codec, coefficient, reads = "Decisions", "a decision per token", "Decisions reads a [batch, token] output"
     steps = True  # a token's decision is a depth (else a run/skip decision per (layer, token))
+    replay_fix = ("declare the decisions the model obeys (its kind, codec and the blocks that always run), made "
+                  "deterministically: a tolerance would let other depths than the model ran stand for its budget")
 
     def decisions(self, c: torch.Tensor) -> torch.Tensor:
         return c > 0.5
@@ -182,11 +184,12 @@ class Depth(Kind):
         if not info.window:
             return {}
         if self.steps:  # a window's depth is its budget, which every condition keeps
-            return {c: "the depth is decided once per window, so a window's depth is its budget, which every "
-                       "condition keeps: each condition replays every window's own depth"
-                    for c in info.conditions if c != "Correct"}
-        return {c: "the skip decisions are made once per window, the same for all its tokens: moving them between "
-                   "positions moves nothing" for c in ("TokenShuffle", "TokenResamplePast")}
+            why = ("the depth is decided once per window, so a window's depth is its budget, which every condition "
+                   "keeps: each condition replays every window's own depth")
+            return {c: why for c in (*self.conditions[1:], "E_input", "E_token", "E_interaction")}
+        why = ("the skip decisions are made once per window, the same for all its tokens: moving them between positions "
+               "moves nothing (CrossShuffle replays CrossInput's decisions)")
+        return {c: why for c in ("TokenShuffle", "TokenResamplePast", "E_token", "E_interaction")}
 
     # the conditions
     def keep(self, ctx: Context, coeffs, r: int, examples: np.ndarray, tag: int):

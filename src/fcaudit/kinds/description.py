@@ -169,4 +169,4 @@ class Description:
     @cached_property
     def zero(self) -> dict[str, str]:
         """The conditions that cannot change anything for this controller (ΔNLL 0 by construction), each with why."""
-        return {c: why for c, why in self.lead.zero(self).items() if c in self.conditions}
+        return {c: why for c, why in self.lead.zero(self).items() if c in self.conditions or c.startswith("E_")}
