@@ -76,8 +76,10 @@ def _check_config(path: Path, config: dict) -> dict:
                                   ("model", not named),  # what summaries name its family by
                                   ("randomizations", config["randomizations"] < 1),
                                   ("batch_size", config["batch_size"] < 1)) if bad]
-        wrong += [f"condition {c!r}" for c in config["conditions"]
-                  if not isinstance(c, str) or c not in protocol.REGISTRY]
+        wrong += [f"condition {c!r}" for c in config["conditions"] if not isinstance(c, str)]
+        if not wrong and (unknown := [c for c in config["conditions"] if c not in protocol.REGISTRY]):
+            raise FcauditError(f"{path} holds records of condition {unknown[0]!r}, which is not registered here: "
+                               "register it (fcaudit.protocol.register) before reading this audit")
     if wrong:
         raise files.Damaged(path, f"its {wrong[0]} is not what fcaudit writes")
     return config
