@@ -7,9 +7,10 @@ so any partition of the units over processes, and any resume, gives the same fil
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from itertools import groupby
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from fcaudit.auditor.group import Group
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
-from fcaudit.controllers.checks import Finding
+from fcaudit.controllers.checks import Finding, observed_budget
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
@@ -210,7 +211,8 @@ class Engine:
                                                                             self.loss_fn)
         check_finite(coeffs, f"evaluation windows {start}..{last}", self.paths)
         routers, calls = self.info.routers, [None] * len(coeffs)
-        with self.controller.replay(coeffs, self.decoding, calls if routers else None):
+        with self.controller.replay(coeffs, self.decoding, calls if routers else None), \
+                self._observed(start, 0, "Correct", coeffs):
             logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
         flips = sum(self.info.changed(i, c, coeffs[i]) for i, c in
                     self.controller.recompute(calls, *ids.shape, routers).items()) if routers else None
@@ -299,7 +301,7 @@ class Engine:
                     coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
                     ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
                     act[rows] = self._active(coeffs).cpu().numpy()
-                    with self.controller.replay(coeffs, self.decoding):
+                    with self.controller.replay(coeffs, self.decoding), self._observed(u.start, u.r, u.condition, coeffs):
                         # the NLL alone: the logits go now, not during the next forward
                         nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
                     ranges.append(rows)
@@ -307,6 +309,19 @@ class Engine:
             self._taken = (-1, {})
             for key, run in runs.items():
                 self._write_run(key, *run)
+
+    @contextmanager
+    def _observed(self, start: int, r: int, condition: str, coeffs: Coeffs) -> Iterator[None]:
+        """On the first batch of every condition (its randomization 0), the rows that entered each routed block,
+        checked against the replayed decisions (`observed_budget`); elsewhere nothing."""
+        if start != 0 or r != 0 or not any(s.runs is not None for s in self.controller.sites):
+            yield
+            return
+        with self.controller.observing(coeffs[0].shape[0]) as seen:
+            yield
+        found = observed_budget(self.controller, coeffs, seen, condition)
+        if found is not None:
+            raise FcauditError(found.line)
 
     def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
         """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled: its records file when it

@@ -297,6 +297,41 @@ def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
                    "codec with top_k for scores that choose experts", {"sites": names, "ops": ops})
 
 
+# ---- the budget observed -------------------------------------------------------------------------------------------
+
+def observed_budget(controller: Controller, coeffs: Sequence[torch.Tensor], seen: dict[int, list],
+                    condition: str) -> Finding | None:
+    """Refused, naming the site and the counts, when the rows that entered a site's routed block (`seen`, from
+    `Controller.observing` during a replay of `coeffs`) differ from the rows its replayed decisions select: the
+    model re-derives its set (a threshold from the replayed scores on its live router weights), so the budget the
+    records say is not what ran. The budget's equivalent of the exact replay check."""
+    for i, site in enumerate(controller.sites):
+        if site.runs is None:
+            continue
+        want = controller.info.of[i].select(coeffs[i]).cpu().long()
+        calls = seen.get(i, [])
+        per_window = [c for c in calls if isinstance(c, torch.Tensor)]
+        got_total = sum(int(c.sum()) for c in per_window) + sum(c for c in calls if isinstance(c, int))
+        if per_window and len(per_window) == len(calls):
+            got = sum(per_window)
+            if not torch.equal(got, want):
+                w = int(torch.nonzero(got != want)[0, 0])
+                return _budget_refusal(site, condition, f"window {w} of the first batch sent {int(got[w])} tokens "
+                                                        f"into it for {int(want[w])} chosen", got_total, want)
+        elif got_total != int(want.sum()):
+            return _budget_refusal(site, condition, f"the first batch sent {got_total} tokens into it for "
+                                                    f"{int(want.sum())} chosen", got_total, want)
+    return None
+
+
+def _budget_refusal(site: Site, condition: str, how: str, got: int, want: torch.Tensor) -> Finding:
+    return Finding.refused("budget", f"site {site.name!r}: under {condition} its routed block {site.runs[0]!r} did not "
+                           f"run the tokens the replayed decisions chose: {how}; the model re-derives the set (e.g. a "
+                           "threshold from the replayed scores on its live router weights): make the block run "
+                           "the chosen index (gather), or declare the site where the set is decided",
+                           {"site": site.name, "condition": condition, "ran": got, "chosen": int(want.sum())})
+
+
 # ---- the causality check -------------------------------------------------------------------------------------------
 
 def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor, vocab: int,

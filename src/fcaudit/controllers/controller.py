@@ -101,7 +101,8 @@ class Controller:
     def from_modules(cls, model: nn.Module, pattern: str, layout: str | Codec | None = None, *,
                      codec: Codec | None = None, kind: str | None = None, reference: str | None = None,
                      static_name: str = "StaticProfile", call: int | None = None, method: str = "forward",
-                     context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
+                     context: Callable[[], AbstractContextManager] | None = None,
+                     runs: str | None = None) -> "Controller":
         """A controller whose sites are the outputs of the modules that match `pattern`.
 
         Parameters
@@ -135,6 +136,10 @@ class Controller:
         context
             See `Controller.context`; its name joins the description, so an audit made under another context is not
             resumed with this one.
+        runs
+            For token routers: a pattern matching, in order, one module per site whose input rows are the tokens the
+            site chose (the routed block, e.g. "layers.*.mlp"); the audit then observes the rows entering it on the
+            first batch of every condition and refuses a difference from the replayed decisions (`routing`).
 
         Examples
         --------
@@ -143,8 +148,45 @@ class Controller:
         (2, 'LayerMean')
         """
         codec = _codec(layout, codec, kind)
-        return cls._build(model, pattern, partial(Site, codec=codec, call=call, method=method, kind=kind,
-                                                  reference=reference), static_name, context)
+        built = cls._build(model, pattern, partial(Site, codec=codec, call=call, method=method, kind=kind,
+                                                   reference=reference), static_name, context)
+        return built if runs is None else built.routing(model, runs)
+
+    def routing(self, model: nn.Module, runs: str) -> "Controller":
+        """This controller with each site's routed block: the i-th module matching `runs` is site i's (its input rows
+        are the tokens the site chose), for the budget observation (`observing`)."""
+        blocks = [(name, m) for name, m in model.named_modules() if name and path_matches(name, runs)]
+        if len(blocks) != len(self.sites):
+            raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for {len(self.sites)} sites; give a "
+                               "pattern matching one routed block per site, in the sites' order")
+        if not all(k.observed for k in self.info.of):
+            raise FcauditError("runs= names the blocks a token router's decisions route tokens into; its sites "
+                               f"are {self.info.kinds[0]}s")
+        sites = tuple(replace(s, runs=b) for s, b in zip(self.sites, blocks))
+        return replace(self, sites=sites)
+
+    @contextmanager
+    def observing(self, batch: int) -> Iterator[dict[int, list]]:
+        """The rows entering each site's routed block (`Site.runs`) in the passes run in the context, per site a list
+        per call: per window ([batch] int64) where the block's input is [batch, rows, ...], else the batch's total
+        (an int: a flattened [rows, ...] input)."""
+        seen: dict[int, list] = {}
+
+        def hook(i: int) -> Callable:
+            def pre(module, args, kwargs):
+                x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                if x is not None and x.dim() >= 1:
+                    seen.setdefault(i, []).append(torch.full((batch,), x.shape[1]) if x.dim() >= 3 and
+                                                  x.shape[0] == batch else int(x.shape[0]))
+            return pre
+
+        handles = [s.runs[1].register_forward_pre_hook(hook(i), with_kwargs=True)
+                   for i, s in enumerate(self.sites) if s.runs is not None]
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
 
     @classmethod
     def from_ops(cls, model: nn.Module, pattern: str, op: str, layout: str | Codec | None = None, *,

@@ -108,7 +108,8 @@ class Site:
     """The coefficient tensor of one target layer: the output of a module's method, or the result of the torch
     function `op` while that method runs (its `call`-th call in one forward pass, else its only one), its codec, its
     kind (fcaudit.kinds.KINDS; default: `infer_kind`), its structure-removed reference (default: its kind's) and its
-    layer `group` (given by its Controller)."""
+    layer `group` (given by its Controller); `runs`: the module whose input rows are the tokens its decisions chose
+    (a token router's routed block), whose rows the audit observes (`Controller.observing`)."""
 
     path: str
     module: nn.Module = field(repr=False)
@@ -119,6 +120,7 @@ class Site:
     kind: str | None = None
     reference: str | None = None
     group: int | None = None
+    runs: tuple[str, nn.Module] | None = field(default=None, repr=False)  # (path, module) of its routed block
 
     def __post_init__(self):
         kind = lookup(self.kind if self.kind is not None else infer_kind(self.codec, self.reference)).name

@@ -73,6 +73,7 @@ class Kind:
     coefficient: str = ""
     reads: str = ""
     execution: str | None = None  # what its decisions mean for execution: "tokens" = counted in token x block pairs
+    observed: bool = False  # what its decisions select can be observed on the replayed model (`select`)
     slots: bool = True  # the pre-write slot check moves its coefficients between tokens (a token router's keep a set)
     # what a failed exact replay's refusal tells the user to do
     replay_fix: str = "make the output path independent of the controller's computation (and deterministic), or pass a tolerance"
@@ -174,6 +175,11 @@ class Kind:
         return torch.stack([sum(counts[i] for i in sites) / (cells[sites[0]].shape[1] *
                                                              max(cells[i].shape[2] for i in sites))
                             for sites in layers]).mean(0)
+
+    def select(self, c: torch.Tensor) -> torch.Tensor:
+        """Per window [batch] int64, the rows its decisions send into the block they route (`observed` kinds): what
+        the audit observes the replayed model run."""
+        raise FcauditError(f"a {self.name}'s decisions route no rows into a block")
 
     def zero(self, info: "Description") -> dict[str, str]:
         """The conditions (and factor effects, "E_token") that cannot change anything under this kind for this

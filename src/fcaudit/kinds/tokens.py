@@ -107,9 +107,14 @@ class TokenRouter(Kind):
     execution = "tokens"  # counted in token x block pairs
     compared = ("Correct", "StaticTopK", "RandomRoute")  # execution's conditions, in this order (equal budgets)
     slots = False  # its conditions keep a set of tokens
+    observed = True  # the tokens entering its routed block (`Controller.from_modules(..., runs=)`)
 
     def decisions(self, c: torch.Tensor) -> torch.Tensor:
         return chosen(c)[:, :, None, None]
+
+    def select(self, c: torch.Tensor) -> torch.Tensor:
+        """The tokens chosen per window: the rows its routed block runs."""
+        return chosen(c).sum(1).long()
 
     def null(self, c: torch.Tensor) -> torch.Tensor:
         """No scores and another set of as many tokens, so that its choices are tested too."""
