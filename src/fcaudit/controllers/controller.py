@@ -119,7 +119,8 @@ class Controller:
             "expert_router", "capacity_router" or "token_router" (each site chooses the tokens a block runs on; a
             `TokenRoute` codec unless `codec` is given), or a depth kind: "exit_depth" (one site per block but the
             last, True where the token exits after it) or "skip_mask" (per block, True where it runs for the token),
-            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window),
+            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window;
+            `Decisions(always=k)`: k blocks run for every token before the first decided one),
             or "halting" (per token a distribution over steps, with a layout). Default: the codec's kind, "expert_router" for a codec with
             `top_k`, "source_mixture" for a source reference, else a gate.
         reference
