@@ -2,12 +2,11 @@
 that entered it on the first batch of every condition and refuses a model that re-derives its set (a threshold from
 the replayed top-k value on its live router weights), while a block that gathers the chosen index passes."""
 
-import pytest
 import torch
+from harness import api_refusal
 from torch import nn
 
 import fcaudit as fca
-from harness import api_refusal
 
 V, D, T, K = 32, 16, 16, 4
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import api_refusal
 from torch import nn
 
 import fcaudit as fca
 from fcaudit.controllers import Codec, Decisions, Layout
 from fcaudit.controllers.checks import CAUSALITY_WINDOWS, check_causality
-from harness import api_refusal
 
 V, D, T, STEPS = 32, 16, 12, 4
 

@@ -4,12 +4,12 @@ with exact replay, its own validation, conditions, budget and active count, with
 import numpy as np
 import pytest
 import torch
+from harness import api_refusal
 from torch import nn
 
 import fcaudit as fca
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import KINDS, RANDOMIZED, Kind, register, unregister
-from harness import api_refusal
 
 V, D, T = 32, 16, 12
 

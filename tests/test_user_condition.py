@@ -5,12 +5,12 @@ changes a kind's budget is refused."""
 import numpy as np
 import pytest
 import torch
+from harness import api_refusal
 from torch import nn
 
 import fcaudit as fca
 from fcaudit import protocol
 from fcaudit.protocol import Condition
-from harness import api_refusal
 
 V, D, T = 32, 16, 12
 
