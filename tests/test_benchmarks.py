@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES, routing_check_passes
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -28,7 +28,7 @@ def test_gpu_audit_smoke_mode_runs_on_the_cpu(tmp_path, capsys):
         # counted in the audit: 4 + 4 windows at batch 2 with R = 2 (calibration, capture (the first batch's by the
         # probe) and replay check, R per randomized condition (4 of them), the static ones)
         # the checks: the Flow pass follows the gates and mixtures (not the routers), the causality check the routers
-        checks = SITE_CHECK_PASSES + (1 - routed) * FLOW_CHECK_PASSES + routed * ROUTING_CHECK_PASSES
+        checks = SITE_CHECK_PASSES + (1 - routed) * FLOW_CHECK_PASSES + routed * routing_check_passes(4, 2)
         assert r["forward_passes"] == checks + 2 + 2 * (2 + 4 * 2 + static)
         assert r["paper_forward_passes"] == 64 + 64 * (2 + 4 * 20 + static)
         assert r["audit_over_bare"] > 0 and r["paper_audit_h_extrapolated"] > 0 and r["mfu"] is None

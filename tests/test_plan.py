@@ -7,7 +7,7 @@ from torch import nn
 import fcaudit as fca
 from fcaudit import plan
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES, routing_check_passes
 from conftest import T, V, ToyGated, ToyMoE, tiny_early_exit, windows
 
 
@@ -84,7 +84,7 @@ def test_the_plan_counts_every_forward_pass_the_audit_runs_the_checks_included(c
         ev, ca = windows(6, 0), windows(2, 1)
     p = plan(model, ctrl, ev, ca, batch_size=3, randomizations=1)
     flow = FLOW_CHECK_PASSES if case != "router" else 0
-    assert p.check_passes == SITE_CHECK_PASSES + flow + (ROUTING_CHECK_PASSES if case != "gated" else 0)
+    assert p.check_passes == SITE_CHECK_PASSES + flow + (routing_check_passes(6, 3) if case != "gated" else 0)
     passes = []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     result = fca.audit(model, ctrl, ev, ca, batch_size=3, randomizations=1, out=tmp_path / "a", quiet=True)

@@ -77,8 +77,10 @@ def _check_config(path: Path, config: dict) -> dict:
                                   ("batch_size", config["batch_size"] < 1),
                                   ("controller.static", not isinstance(static, str) or static not in protocol.REGISTRY))
                  if bad]
-        wrong += [f"condition {c!r}" for c in config["conditions"]
-                  if not isinstance(c, str) or c not in protocol.REGISTRY]
+        wrong += [f"condition {c!r}" for c in config["conditions"] if not isinstance(c, str)]
+        if not wrong and (unknown := [c for c in config["conditions"] if c not in protocol.REGISTRY]):
+            raise FcauditError(f"{path} holds records of condition {unknown[0]!r}, which is not registered here: "
+                               "register it (fcaudit.protocol.register) before reading this audit")
     if wrong:
         raise files.Damaged(path, f"its {wrong[0]} is not what fcaudit writes")
     return config

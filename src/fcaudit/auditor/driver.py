@@ -27,7 +27,7 @@ from fcaudit.auditor.planner import AuditPlan
 from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.store import all_finite, check_finite
 from fcaudit.config import AuditConfig, with_settings
-from fcaudit.controllers.checks import pre_write_checks
+from fcaudit.controllers.checks import CAUSALITY_WINDOWS, pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.io import Locked
@@ -80,7 +80,8 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     if not all_finite(logits):
         raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
                            "model or its dtype (e.g. load in float32) before auditing")
-    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
+    probed = windows.ev[:CAUSALITY_WINDOWS].to(first.device)  # the causality check's windows, batch by batch
+    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1, probed)
     if findings and findings[0].refusal:  # refusals first: they name the cause
         raise FcauditError(findings[0].line)
     return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), findings

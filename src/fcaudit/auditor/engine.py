@@ -8,9 +8,10 @@ so any partition of the units over processes, and any resume, gives the same fil
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from itertools import groupby
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from fcaudit.auditor.results import Replay
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
-from fcaudit.controllers.checks import Finding
+from fcaudit.controllers.checks import Finding, observed_budget
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
@@ -77,15 +78,15 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
 
 def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
                  captured: tuple[Coeffs, torch.Tensor, torch.Tensor], decoding: list | None, config: AuditConfig,
-                 start: int) -> Replay:
+                 start: int, observing: ContextManager = nullcontext()) -> Replay:
     """The exact replay check on one evaluation batch (windows from `start`): with the controller disabled, replaying
     its `captured` coefficients (decoded with `decoding`) must give the captured logits and NLL (bit-equal at
-    `config.tolerance` 0; within it otherwise) and, for routers, no route flip. Its `record` is what a failure
-    writes to replay.json."""
+    `config.tolerance` 0; within it otherwise) and, for routers, no route flip. `observing` wraps the replay (the
+    engine's budget observation). Its `record` is what a failure writes to replay.json."""
     coeffs, logits, nll = captured
     info = controller.info
     routers, calls = info.routers, [None] * len(coeffs)
-    with controller.replay(coeffs, decoding, calls if routers else None):
+    with controller.replay(coeffs, decoding, calls if routers else None), observing:
         logits_r, nll_r = forward_nll(model, ids, config.loss_fn)
     flips = sum(info.changed(i, c, coeffs[i]) for i, c in
                 controller.recompute(calls, *ids.shape, routers).items()) if routers else None
@@ -101,8 +102,8 @@ def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
                              "passed": passed, "tolerance": tol, "windows": [start, start + ids.shape[0] - 1]})
 
 
-def replay_refusal(replay: Replay) -> str:
-    """The one line naming the fix for a batch's failed exact replay check."""
+def replay_refusal(replay: Replay, fix: str) -> str:
+    """The one line naming the fix for a batch's failed exact replay check (`fix`: its controller kind's)."""
     (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
     if math.isnan(dlogit):
         return (f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model or its dtype (e.g. "
@@ -115,8 +116,7 @@ def replay_refusal(replay: Replay) -> str:
                 "training) before auditing")
     flip = f", route flips = {flips}" if flips is not None else ""
     return (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
-            f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); make the output path independent of the "
-            "controller's computation (and deterministic), or pass a tolerance")
+            f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); {fix}")
 
 
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: tuple[str, ...]) -> torch.Tensor:
@@ -221,7 +221,7 @@ class Engine:
             def stage1() -> None:
                 if (replay := self._stage1(share(sched.iter_stage1(), rank, world), step)) is not None:
                     failed.append(replay)
-                    raise FcauditError(replay_refusal(replay))
+                    raise FcauditError(replay_refusal(replay, self.info.lead.replay_fix))
 
             try:
                 self.group.run(stage1)
@@ -264,7 +264,7 @@ class Engine:
                                                                             self.loss_fn)
         check_finite(coeffs, f"evaluation windows {start}..{start + ids.shape[0] - 1}", self.paths)
         replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
-                              start)
+                              start, self._observed(start, 0, "Correct", coeffs))
         if not replay.passed:
             return replay
         stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
@@ -332,7 +332,7 @@ class Engine:
                     coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
                     ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
                     act[rows] = self._active(coeffs).cpu().numpy()
-                    with self.controller.replay(coeffs, self.decoding):
+                    with self.controller.replay(coeffs, self.decoding), self._observed(u.start, u.r, u.condition, coeffs):
                         # the NLL alone: the logits go now, not during the next forward
                         nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
                     ranges.append(rows)
@@ -340,6 +340,19 @@ class Engine:
             self._taken = (-1, {})
             for key, run in runs.items():
                 self._write_run(key, *run)
+
+    @contextmanager
+    def _observed(self, start: int, r: int, condition: str, coeffs: Coeffs) -> Iterator[None]:
+        """On the first batch of every condition (its randomization 0), the rows that entered each routed block,
+        checked against the replayed decisions (`observed_budget`); elsewhere nothing."""
+        if start != 0 or r != 0 or not any(s.runs is not None for s in self.controller.sites):
+            yield
+            return
+        with self.controller.observing(coeffs[0].shape[0]) as seen:
+            yield
+        found = observed_budget(self.controller, coeffs, seen, condition)
+        if found is not None:
+            raise FcauditError(found.line)
 
     def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
         """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled: its records file when it

@@ -12,6 +12,7 @@ from torch import nn
 from fcaudit.controllers.codecs import Codec
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import EXPERT_ROUTER
 
 PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (TopKRouterCodec.decode)
 
@@ -103,7 +104,7 @@ def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
-    kind = "expert_router"
+    kind = EXPERT_ROUTER.name
     placeholders = ("[0]",)  # the router logits: rebuilt as a placeholder the forward pass does not read
     unordered = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
 
@@ -186,7 +187,7 @@ class ScoreRouterCodec(Codec):
     """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
     top-k logits, 0 elsewhere), unpadded: a score of 0 is a zero input to that expert, which runs all the same."""
 
-    kind = "expert_router"
+    kind = EXPERT_ROUTER.name
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 
     def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):
