@@ -210,6 +210,10 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
                                                 len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
+    except FileNotFoundError as e:  # the directory moved or removed after the result was made
+        raise FcauditError(f"{e.filename or e.args[0]} is gone: the audit directory {adir.root} was moved or removed "
+                           "since it was read; load it where it is now (fca.AuditResult.load(DIR)) or run the audit "
+                           "again") from None
     if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
     df = pd.concat(frames, ignore_index=True).sort_values(

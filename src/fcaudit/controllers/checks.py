@@ -108,7 +108,7 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
     nulls = [other_choices(a) if k.name == "token_router" else torch.zeros_like(a) for k, a in zip(info.of, alone)]
     try:
         with controller.replay(nulls, decoding):
-            if not torch.equal(logits_of(model(one)), logits):
+            if not torch.equal(logits_of(model(one), model, one), logits):
                 return None
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
@@ -347,7 +347,7 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
     watch = [i for i, c in enumerate(probe[0]) if c.shape[-1] == width]
     rank = [i for i, k in enumerate(info.of) if not k.router]
     with controller.outputs(*first.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
-        logits = logits_of(model(first))
+        logits = logits_of(model(first), model, first)
     coeffs = info.canonical([s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)])
     decoding = probe[0].decoding
     found = [check_deterministic(controller, logits, coeffs, probe),
@@ -367,7 +367,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return found
     one = first[:1]
     with controller.capture(*one.shape, decoding=False) as alone:
-        logits = logits_of(model(one))
+        logits = logits_of(model(one), model, one)
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
                            "model calls on every input")
