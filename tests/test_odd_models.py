@@ -118,8 +118,9 @@ def test_logits_that_are_not_a_tuples_first_element_are_found_by_the_vocabulary(
     assert np.array_equal(nll(plain), nll(second))  # bit for bit: the logits, not the hidden state, scored
 
 
-@pytest.mark.parametrize("out, fragment", [("two-logits", "in which 2 tensors have the logits' shape [batch, token, 64]"),
-                                           ("no-logits", "in which no tensors have the logits' shape")])
+@pytest.mark.parametrize("out, fragment", [
+    ("two-logits", "in which 2 tensors have the logits' shape [batch, token, 64]"),
+    ("no-logits", "in which no tensors have the logits' shape")])
 def test_a_tuple_with_no_or_several_logits_is_refused_naming_how_to_return_them(tmp_path, out, fragment):
     line = api_refusal(lambda: audit(TinyLM(out=out).eval(), tmp_path / "a"))
     assert fragment in line and "dict entry 'logits'" in line

@@ -1,6 +1,8 @@
 """Next-token negative log-likelihood within a window: the quantity every part of FCA compares, and where a model's
 output holds the logits it is computed from."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ def usable_logits(logits: torch.Tensor) -> bool:
     if not logits.is_floating_point() or not logits.numel():
         return True
     top = float(logits.max())
-    return top == top and top != float("inf")
+    return not math.isnan(top) and top != math.inf
 
 
 def vocab_size(model: nn.Module) -> int | None:

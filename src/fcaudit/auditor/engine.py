@@ -73,7 +73,9 @@ def check_scores(logits: torch.Tensor, nll: torch.Tensor, where: str) -> None:
                            "model's masking before auditing")
 
 
-AGAIN = "fix it and audit again into a new --out (this --out resumes only for a model and windows that compute as before)"
+# a fix may change what the finished batches computed: only an unchanged model and windows may resume them
+AGAIN = ("fix it and audit again into a new --out (this one resumes only for a model and windows that compute as "
+         "before)")
 
 
 @contextmanager
@@ -84,7 +86,7 @@ def running(where: str):
         yield
     except FcauditError as e:
         raise FcauditError(f"{e} ({where})") from e
-    except Exception as e:  # noqa: BLE001 (whatever the model raises)
+    except Exception as e:  # whatever the model raises
         raise FcauditError(f"the model's forward pass failed on {where} ({type(e).__name__}: {one_line(e)}); "
                            f"{AGAIN}") from e
 

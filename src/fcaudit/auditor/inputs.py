@@ -93,7 +93,9 @@ def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor,
     a dry run's warm-up)."""
     try:
         return capture_batch(model, controller, first, loss_fn, decoding=decoding)
-    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
+    except FcauditError:
+        raise
+    except Exception as e:  # e.g. windows beyond a model's position table that it does not declare
         raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
                            f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
                            "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
