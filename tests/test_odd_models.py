@@ -205,13 +205,33 @@ def test_a_later_batch_that_fails_is_one_line_and_following_it_leads_out(tmp_pat
     assert np.array_equal(nll(audit(model, tmp_path / "a", ev=ev)), expected)
 
 
+def failing_at_every_call(tmp_path, calls=None) -> None:
+    """The model raising on its k-th forward call (a transient failure: out of memory), for each k of `calls` (negative
+    from the end; default every call): one line naming where, and the same --out run again finishes with the whole
+    run's records."""
+    whole = Fragile().eval()
+    expected = nll(audit(whole, tmp_path / "whole"))
+    for k in calls or range(1, whole.calls + 1):
+        k = k if k > 0 else whole.calls + 1 + k
+        model = Fragile(fail_at=k).eval()
+        line = api_refusal(lambda: audit(model, tmp_path / f"k{k}"))
+        assert line.startswith("the model's forward pass") and "(RuntimeError: out of memory)" in line, (k, line)
+        assert np.array_equal(nll(audit(model, tmp_path / f"k{k}")), expected), k
+
+
 def test_a_failure_in_stage_2_names_its_condition_and_the_same_out_resumes_after_it(tmp_path):
-    expected = nll(audit(Fragile().eval(), tmp_path / "whole"))
-    # 1 probe + 5 checks' passes, 2 captures with their replays, 1 calibration, then stage 2
-    model = Fragile(fail_at=14).eval()
+    model = Fragile().eval()
+    audit(model, tmp_path / "count")
+    model = Fragile(fail_at=model.calls).eval()  # the last: stage 2's last unit
     line = api_refusal(lambda: audit(model, tmp_path / "a"))
-    assert " under " in line and " r0 (RuntimeError: out of memory)" in line, line
-    assert np.array_equal(nll(audit(model, tmp_path / "a")), expected)  # a transient failure: the rerun finishes
+    assert line.startswith("the model's forward pass failed on evaluation windows 4..7 under StructureRemoved r0 "
+                           "(RuntimeError: out of memory)"), line
+    failing_at_every_call(tmp_path / "some", [2, -1])  # a pre-write check's pass and stage 2's last
+
+
+@pytest.mark.slow
+def test_a_failure_at_any_forward_pass_is_one_line_and_the_same_out_finishes_after_it(tmp_path):
+    failing_at_every_call(tmp_path)
 
 
 def test_a_target_beyond_the_logits_width_is_refused_before_anything_runs(tmp_path):

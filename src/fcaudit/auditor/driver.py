@@ -18,7 +18,7 @@ from torch import nn
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir, config_hash, differences
-from fcaudit.auditor.engine import Engine, check_scores
+from fcaudit.auditor.engine import Engine, check_scores, running
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
 from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, check_targets, evaluating, first_forward,
@@ -80,7 +80,9 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     check_scores(logits, nll, "the first evaluation batch")
     if config.loss_fn is None:  # the next-token NLL indexes the logits by every window's targets
         check_targets(windows, logits.shape[-1])
-    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
+    with running("the first evaluation batch, in the checks before anything is written",
+                 "fix it and run the audit again (nothing was written)"):
+        findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
     if findings and findings[0].refusal:  # refusals first: they name the cause
         raise FcauditError(findings[0].line)
     return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), findings

@@ -79,16 +79,16 @@ AGAIN = ("fix it and audit again into a new --out (this one resumes only for a m
 
 
 @contextmanager
-def running(where: str):
-    """A failure of the model's forward pass (or of its loss) as one line naming the windows and the condition; the
-    cause's traceback stays chained for a bug in the model's own code."""
+def running(where: str, then: str = AGAIN):
+    """A failure of the model's forward pass (or of its loss) as one line naming the windows and the condition, and
+    `then`, the way on; the cause's traceback stays chained for a bug in the model's own code."""
     try:
         yield
     except FcauditError as e:
         raise FcauditError(f"{e} ({where})") from e
     except Exception as e:  # whatever the model raises
         raise FcauditError(f"the model's forward pass failed on {where} ({type(e).__name__}: {one_line(e)}); "
-                           f"{AGAIN}") from e
+                           f"{then}") from e
 
 
 def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
