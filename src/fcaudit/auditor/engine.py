@@ -121,10 +121,10 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: 
 
 def non_finite_under(where: str) -> FcauditError:
     """A non-finite NLL under a condition, finite under Correct: the model's response to those coefficients."""
-    return FcauditError(f"the model's NLL is non-finite (nan or inf) on {where}, while finite under Correct and "
-                        "every check: the model itself gives it with these coefficients (e.g. it divides by a gate's "
-                        "sum or takes a log of one), so this condition cannot be scored; make the model finite for "
-                        "such coefficients (e.g. clamp them) and audit it again into a new --out")
+    return FcauditError(f"the model's NLL is non-finite (nan or inf) on {where}, while finite under Correct: the "
+                        "model itself gives it with these coefficients (e.g. it divides by a gate's sum or takes a "
+                        "root or log of one), so this condition cannot be scored; make the model finite for such "
+                        "coefficients (e.g. clamp them) and audit it again into a new --out")
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
