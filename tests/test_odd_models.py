@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fcaudit as fca
+from fcaudit.loss import token_nll
 from harness import api_refusal
 
 VOCAB = 64
@@ -84,6 +85,11 @@ def nll(result) -> np.ndarray:
 
 # ---- 1, 10: integer and bool gates --------------------------------------------------------------------------------
 
+class _Zero(nn.Module):
+    def forward(self, h):
+        return h.new_zeros(h.shape[:2])
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8])
 def test_an_integer_or_bool_gate_is_refused_and_either_fix_it_names_audits(tmp_path, dtype):
     """A static mean cast back to an integer gate becomes 0 (every gate off); a bool gate broke a pre-write check."""
@@ -101,13 +107,8 @@ def test_an_integer_or_bool_gate_is_refused_and_either_fix_it_names_audits(tmp_p
     off = TinyLM(HardGate, dtype=torch.float32).eval()
     off.gates = nn.ModuleList(_Zero() for _ in off.gates)
     with torch.no_grad():
-        all_off = fca.loss.token_nll(off(ids(8, 0)), ids(8, 0)).double().mean(1).numpy()
+        all_off = token_nll(off(ids(8, 0)), ids(8, 0)).mean(1).double().numpy()
     assert not np.allclose(static, all_off)  # a mean profile, not "every gate off"
-
-
-class _Zero(nn.Module):
-    def forward(self, h):
-        return h.new_zeros(h.shape[:2])
 
 
 # ---- 4: logits found by shape -------------------------------------------------------------------------------------
