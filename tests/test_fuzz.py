@@ -44,6 +44,12 @@ def cli(command, *positional, **options):
             "options": [["--" + k.replace("_", "-"), v] for k, v in options.items()]}
 
 
+def odd(model):
+    """fca.audit of one of tests/fuzzing.py's ODD_MODELS, with its own controller, 2 windows a batch."""
+    return {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": model,
+                                        "controller": "own", "batch_size": 2}}
+
+
 SIZES = ["hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
          "head_dim"]
 CLASSES = {
@@ -189,6 +195,16 @@ CLASSES = {
         ("api", {"call": "controller", "kwargs": {"pattern": None, "layout": "batch token", "call": None}}, "refused",
          "pattern must be a glob over module paths"),
         ("api", {"call": "config", "kwargs": {"family": -1}}, "refused", "--family -1: pass a name"),
+    ],
+    # issue 48: models that misbehave quietly (tests/fuzzing.py's ODD_MODELS), and a result whose directory went away
+    "48-models": [
+        ("api", odd("int-gate"), "refused", 'emits int64 coefficients, which cannot hold the means'),
+        ("api", odd("bool-gate"), "refused", 'declare 0/1 decisions with kind="skip_mask"'),
+        ("api", odd("hidden-first"), "ok", ""),
+        ("api", odd("masked-entry"), "ok", ""),
+        ("api", odd("nan-under-crossinput"), "refused", "on evaluation windows 0..1 under CrossInput r0, while finite"),
+        ("api", odd("fails-late"), "refused", "failed on evaluation windows 2..3, capturing Correct (IndexError"),
+        ("api", {**odd("hidden-first"), "remove": True}, "refused", "was moved or removed since it was read"),
     ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]

@@ -18,14 +18,14 @@ from torch import nn
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import FORMAT, AuditDir, config_hash, differences
-from fcaudit.auditor.engine import Engine
+from fcaudit.auditor.engine import Engine, check_scores, running
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
-from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, evaluating, first_forward, parameter_hash,
-                                    vocab_size)
+from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, check_targets, evaluating, first_forward,
+                                    parameter_hash, vocab_size)
 from fcaudit.auditor.planner import AuditPlan
 from fcaudit.auditor.results import AuditResult, Replay
-from fcaudit.auditor.store import all_finite, check_finite
+from fcaudit.auditor.store import check_finite
 from fcaudit.config import AuditConfig, with_settings
 from fcaudit.controllers.checks import CAUSALITY_WINDOWS, pre_write_checks
 from fcaudit.controllers.controller import Controller
@@ -75,13 +75,16 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     # probed before anything is written; the capture also holds what every replay of this rank decodes with
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
     probe = first_forward(model, controller, first, config.loss_fn, decoding=True)
-    coeffs, logits, _ = probe
+    coeffs, logits, nll = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
-    if not all_finite(logits):
-        raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
-                           "model or its dtype (e.g. load in float32) before auditing")
+    check_scores(logits, nll, "the first evaluation batch")
+    if config.loss_fn is None:  # the next-token NLL indexes the logits by every window's targets
+        check_targets(windows, logits.shape[-1])
     probed = windows.ev[:CAUSALITY_WINDOWS].to(first.device)  # the causality check's windows, batch by batch
-    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1, probed)
+    with running("the first evaluation batch, in the checks before anything is written",
+                 "fix it and run the audit again (nothing was written)"):
+        findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1,
+                                    probed)
     if findings and findings[0].refusal:  # refusals first: they name the cause
         raise FcauditError(findings[0].line)
     return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), findings

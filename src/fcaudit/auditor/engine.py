@@ -31,9 +31,9 @@ from fcaudit.controllers.checks import Finding, observed_budget
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.kinds import Description
-from fcaudit.loss import logits_of, token_nll
+from fcaudit.loss import logits_of, token_nll, usable_logits
 from fcaudit.protocol import Coeffs
 from fcaudit.stats.variance import variation
 
@@ -52,7 +52,7 @@ def keeps_store_on(device: torch.device, nbytes: int) -> bool:
 def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, mean NLL per predicted token per window [B], float64 on the model's device)."""
     out = model(ids)
-    logits = logits_of(out)
+    logits = logits_of(out, model, ids)
     if logits.device != ids.device:  # a model spread over devices by hand: its logits are on its last one
         ids = ids.to(logits.device)
     nll = loss_fn(out, ids) if loss_fn is not None else token_nll(logits, ids).mean(1)
@@ -61,6 +61,36 @@ def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> 
         raise FcauditError(f"loss_fn returned {shape}, not one loss per window [{ids.shape[0]}]; return a tensor "
                            "of shape [batch]")
     return logits, nll.detach().double()
+
+
+def check_scores(logits: torch.Tensor, nll: torch.Tensor, where: str) -> None:
+    """Refused: logits holding nan or +inf, or a non-finite NLL, of the unmodified model on `where`. A -inf logit is a
+    masked entry and passes where the NLL stays finite."""
+    if not usable_logits(logits):
+        raise FcauditError(f"the model's logits on {where} are non-finite (nan or +inf); fix the model or its dtype "
+                           "(e.g. load in float32) before auditing")
+    if not all_finite(nll):
+        raise FcauditError(f"the model's NLL on {where} is non-finite (nan or inf) although its logits hold no nan or "
+                           "+inf: a next token has probability 0 (its logit is -inf, or a whole row is); fix the "
+                           "model's masking before auditing")
+
+
+# a fix may change what the finished batches computed: only an unchanged model and windows may resume them
+AGAIN = ("fix it and audit again into a new --out (this one resumes only for a model and windows that compute as "
+         "before)")
+
+
+@contextmanager
+def running(where: str, then: str = AGAIN):
+    """A failure of the model's forward pass (or of its loss) as one line naming the windows and the condition, and
+    `then`, the way on; the cause's traceback stays chained for a bug in the model's own code."""
+    try:
+        yield
+    except FcauditError as e:
+        raise FcauditError(f"{e} ({where})") from e
+    except Exception as e:  # whatever the model raises
+        raise FcauditError(f"the model's forward pass failed on {where} ({type(e).__name__}: {one_line(e)}); "
+                           f"{then}") from e
 
 
 def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
@@ -91,10 +121,11 @@ def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
     flips = sum(info.changed(i, c, coeffs[i]) for i, c in
                 controller.recompute(calls, *ids.shape, routers).items()) if routers else None
     exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
-    finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
+    finite = exact or (usable_logits(logits_r) and all_finite(nll_r))  # Correct's are checked before
     dlogit = float("nan")
-    if finite:  # one window at a time: no float32 copy of a whole batch's logits
-        dlogit = max(float((x.float() - y.float()).abs().max()) for x, y in zip(logits_r, logits))
+    if finite:  # one window at a time: no float32 copy of a whole batch's logits; equal -inf entries differ by 0
+        dlogit = max(float(torch.where(x == y, 0.0, (x.float() - y.float()).abs()).max())
+                     for x, y in zip(logits_r, logits))
     dnll = float((nll_r - nll).abs().max().cpu())
     tol = config.tolerance
     passed = finite and (exact if tol == 0 else (dlogit <= tol and dnll <= tol)) and not flips
@@ -106,8 +137,9 @@ def replay_refusal(replay: Replay, fix: str) -> str:
     """The one line naming the fix for a batch's failed exact replay check (`fix`: its controller kind's)."""
     (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
     if math.isnan(dlogit):
-        return (f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model or its dtype (e.g. "
-                "load in float32) before auditing")
+        return (f"the replayed logits or NLL of windows {start}..{last} are non-finite (nan or +inf) where the model's "
+                "own are finite: replaying its cached coefficients does not reproduce its forward pass; make the "
+                "output path independent of the controller's computation (and deterministic)")
     if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
         return (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = {dlogit:.3g}): "
                 "the router, recomputed on the replayed trajectory, "
@@ -132,6 +164,14 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: 
                 out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
     out[:, 0] = info.active(coeffs, ran)
     return out
+
+
+def non_finite_under(where: str) -> FcauditError:
+    """A non-finite NLL under a condition, finite under Correct: the model's response to those coefficients."""
+    return FcauditError(f"the model's NLL is non-finite (nan or inf) on {where}, while finite under Correct: the "
+                        "model itself gives it with these coefficients (e.g. it divides by a gate's sum or takes a "
+                        "root or log of one), so this condition cannot be scored; make the model finite for such "
+                        "coefficients (e.g. clamp them) and audit it again into a new --out")
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -260,11 +300,16 @@ class Engine:
         """Stage 1 + the exact replay check on one evaluation batch (captured now, or `first`: the same batch's
         capture by the probe); where it passed, the chunk first, then its Correct records."""
         ids = self._ids(self.ev, start)
-        coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
-                                                                            self.loss_fn)
-        check_finite(coeffs, f"evaluation windows {start}..{start + ids.shape[0] - 1}", self.paths)
-        replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
-                              start, self._observed(start, 0, "Correct", coeffs))
+        where = f"evaluation windows {start}..{start + ids.shape[0] - 1}"
+        if first is None:
+            with running(f"{where}, capturing Correct"):
+                first = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        coeffs, logits, nll = first
+        check_finite(coeffs, where, self.paths)
+        check_scores(logits, nll, f"{where} (Correct)")
+        with running(f"{where}, replaying Correct for the exact replay check"):
+            replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
+                                  start, self._observed(start, 0, "Correct", coeffs))
         if not replay.passed:
             return replay
         stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
@@ -286,8 +331,10 @@ class Engine:
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
-        coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
-        check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}", self.paths)
+        where = f"calibration windows {start}..{start + ids.shape[0] - 1}"
+        with running(f"{where}, capturing the static profiles"):
+            coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        check_finite(coeffs, where, self.paths)
         sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
         files.write_tensors(self.dir.calib_part(start), sums, self.dir.bound({"count": int(ids.shape[0])}))
 
@@ -332,9 +379,14 @@ class Engine:
                     coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
                     ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
                     act[rows] = self._active(coeffs).cpu().numpy()
-                    with self.controller.replay(coeffs, self.decoding), self._observed(u.start, u.r, u.condition, coeffs):
+                    where = f"evaluation windows {rows.start}..{rows.stop - 1} under {u.condition} r{u.r}"
+                    with self.controller.replay(coeffs, self.decoding), running(where), \
+                            self._observed(u.start, u.r, u.condition, coeffs):
                         # the NLL alone: the logits go now, not during the next forward
-                        nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
+                        scores = forward_nll(self.model, ev[rows], self.loss_fn)[1]
+                    if not all_finite(scores):
+                        raise non_finite_under(where)
+                    nll[rows] = scores.cpu().numpy()
                     ranges.append(rows)
                 step()
             self._taken = (-1, {})

@@ -120,12 +120,19 @@ def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
+def _gone(missing, root: Path) -> FcauditError:
+    return FcauditError(f"{missing} is gone: the audit directory {root} was moved or removed since it was read; load "
+                        "it where it is now (fca.AuditResult.load(DIR)) or run the audit again")
+
+
 def _read_json(read: Callable[[], dict], root: Path) -> dict | None:
-    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one is an
-    error."""
+    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one, or a
+    directory that went away, is an error."""
     try:
         return read()
     except FileNotFoundError:
+        if not root.is_dir():
+            raise _gone(root, root) from None
         return None
     except files.Damaged as e:
         raise _damaged(e, root) from None
@@ -155,6 +162,8 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
                                                 len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
+    except FileNotFoundError as e:  # the directory moved or removed after the result was made
+        raise _gone(e.filename or e.args[0], adir.root) from None
     if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
     df = pd.concat(frames, ignore_index=True).sort_values(

@@ -133,7 +133,7 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
     nulls = [k.null(a) for k, a in zip(info.of, alone)]  # a token router's: another set of as many tokens
     try:
         with controller.replay(nulls, decoding):
-            if not torch.equal(logits_of(model(one)), logits):
+            if not torch.equal(logits_of(model(one), model, one), logits):
                 return None
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
@@ -461,7 +461,7 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
     the probe was, compared with it; then, unless that refused, the Flow pass (`follow`), compared with nothing."""
     info = controller.info
     with controller.outputs(*first.shape) as raws:
-        logits = logits_of(model(first))
+        logits = logits_of(model(first), model, first)
     coeffs = info.canonical([s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)])
     decoding = probe[0].decoding
     found = [f for f in (check_deterministic(controller, logits, coeffs, probe),
@@ -484,7 +484,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return found
     one = first[:1]
     with controller.capture(*one.shape, decoding=False) as alone:
-        logits = logits_of(model(one))
+        logits = logits_of(model(one), model, one)
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
                            "model calls on every input")
