@@ -126,5 +126,6 @@ def test_execution_prints_a_readable_table(tmp_path, ckpts):
     out = result.output
     assert "Execution (question 3)" in out and "ms/batch" in out and "IQR" in out and "Gate thresholding" in out
     assert "featuregate" in out and "1.00x" in out  # Dense against itself
+    assert "Decided versus executed" in out and "nothing was decided away" in out  # FeatureGate's soft gates
     assert not re.search(r"\w+\.py:\d+", out), out  # no logger locations
     assert "execution.csv" in out

@@ -193,14 +193,15 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
     from rich.console import Console
 
     from fcaudit.execution import ExecutionConfig, measure_execution
-    from fcaudit.execution.display import (conditions_table, decoding_table, execution_table, noisy_note,
-                                           thresholding_table)
+    from fcaudit.execution.display import (conditions_table, decided_table, decoding_table, execution_table,
+                                           noisy_note, thresholding_table)
 
     table = measure_execution(ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window,
                                               device=device, min_run_time=min_run_time, thresholds=thresholds,
                                               corpus=corpus, threshold_windows=threshold_windows, threads=threads))
     console = Console(highlight=False)
     console.print(execution_table(table))
+    console.print(decided_table(table))
     console.print(decoding_table(table))
     if note := noisy_note(table):
         console.print(note, soft_wrap=True)
