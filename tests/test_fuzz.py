@@ -187,6 +187,20 @@ CLASSES = {
          "pattern must be a glob over module paths"),
         ("api", {"call": "config", "kwargs": {"family": -1}}, "refused", "--family -1: pass a name"),
     ],
+    # issue 48: --out through a link, a stray tokenizer, a checkpoint's dtype and those --dtype names
+    "7-issue-48": [
+        *[("cli", cli(command, *positional, out=out), "refused", fragment)
+          for command, positional in (("audit", ("@fg",)), ("summarize", ("@audit-a",)), ("train", ()),
+                                      ("execution", ("@fg",)), ("report", ("@audit-a",)), ("demo", ()))
+          for out, fragment in (("@link-empty", "is a symbolic link"),
+                                ("@below-link", "lies below the symbolic link"))],
+        ("cli", cli("audit", "@fg-tokenizer"), "ok", ""),
+        ("cli", cli("audit", "@fg-tokenizer", dry_run=None), "ok", ""),
+        *[("cli", cli("audit", "@fg", dtype=dtype), "ok", "") for dtype in ("float64", "float16", "bfloat16")],
+        ("cli", cli("audit", "@fg", dtype="int8"), "refused", "use one of float32, bfloat16, float16, float64"),
+        ("api", {"call": "windows", "kwargs": {"corpus": "embedded", "n_eval": 2, "n_calib": 2, "window": 8,
+                                               "seed": 0, "tokenizer": 3}}, "refused", "pass a tokenizers.Tokenizer"),
+    ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]
 
