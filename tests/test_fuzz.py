@@ -90,8 +90,9 @@ CLASSES = {
         ("audit-dir", damaged("summarize", ("delete", "variation.json", 0)), "refused",
          "is an unfinished audit (lacks variation.json); rerun the audit command"),
         ("audit-dir", damaged("load", ("link", "records/CrossInput/r0001.parquet", 0)), "refused", "is damaged"),
+        # the torn marker is rewritten from config.json (the audit resumes): the reader finds the directory
         ("audit-dir", damaged("resume", ("truncate", ".fcaudit-audit", 43), ("dir", "replay.json", 93)), "refused",
-         "replay.json is a directory where fcaudit writes a file: remove it"),
+         "replay.json is a directory where the audit keeps a file: remove it"),
     ],
     # 3: a checkpoint's sizes are checked against its weights' headers before any module is built
     "3-sizes": [
