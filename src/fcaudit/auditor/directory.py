@@ -225,7 +225,8 @@ class AuditDir:
         """Claim the (locked) directory for `config`: a new audit, a resume of the same configuration, or a refusal.
 
         Returns "new", "resume", "repaired" (config.json was damaged and is rewritten from the same configuration,
-        whose hash the marker keeps) or "remarked" (a resume whose damaged marker is rewritten from config.json). Removes the temp files of a killed write (the directory is ours by the marker).
+        whose hash the marker keeps) or "remarked" (a resume whose damaged marker is rewritten from config.json).
+        Removes the temp files of a killed write (the directory is ours by the marker).
         """
         digest = config_hash(config)
         if not self.is_ours():  # lock() checked: new, empty, or an audit whose marker was lost (its config.json says)
