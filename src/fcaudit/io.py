@@ -223,11 +223,11 @@ def _first_link(root: Path) -> Path | None:
                  if os.path.islink(os.path.join(d, n))), None)
 
 
-def _linked_part(path: Path) -> Path | None:
-    """The first symbolic link among `path` and its parents, as written (a link followed by '..' too): a directory
-    reached through a link is another place than the one named, and every write would go through it."""
+def _linked_part(full: Path) -> Path | None:
+    """The first symbolic link among absolute path `full` and its parents, as written (a link followed by '..' too):
+    a directory reached through a link is another place than the one named, and every write would go through it."""
     current = Path()
-    for part in Path(os.getcwd(), path).parts:  # getcwd is the real path; Path keeps '..' where it was written
+    for part in full.parts:  # Path keeps '..' where it was written
         current /= part
         try:
             if stat.S_ISLNK(os.lstat(current).st_mode):
@@ -388,8 +388,9 @@ class OutDir:
             raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
         if path.is_symlink() and not path.exists():
             raise FcauditError(f"--out {path} is a broken symbolic link: pass a directory for the {what}")
-        if (link := _linked_part(path)) is not None:
-            where = "is a symbolic link" if link == Path(os.getcwd(), path) else f"lies below the symbolic link {link}"
+        full = path if path.is_absolute() else Path(os.getcwd(), path)  # getcwd is a real path
+        if (link := _linked_part(full)) is not None:
+            where = "is a symbolic link" if link == full else f"lies below the symbolic link {link}"
             raise FcauditError(f"--out {path} {where}: fcaudit never writes through links; pass the real path, "
                                f"{path.resolve()}")
         if path.exists() and not path.is_dir():
