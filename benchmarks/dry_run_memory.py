@@ -1,10 +1,11 @@
 """Does `fcaudit audit --dry-run` predict an audit's peak memory? Estimate vs measurement, on the CPU.
 
 Builds MUDDPythia with the public 1.4B configuration (random weights, bf16, as the published checkpoint) and asks
-`fca.plan` for the peak memory of an audit at batch B and window T (parameters plus the measured activation growth of
-one window, times B, plus three batches of coefficients). Then it measures the real peak of what an audit does per
-batch, a capture pass and an exact-replay pass, as the growth of the resident set above the parameters (Linux
-VmHWM, reset before). The paper's window is 2048; the CPU here takes windows of --window tokens (default 256).
+`fca.plan` for the peak memory of an audit at batch B and window T (parameters, plus what a pass allocates once and,
+times B, the activations per window, from a one- and a two-window pass, plus three batches of coefficients). Then it
+measures the real peak of what an audit does per batch, a capture pass and an exact-replay pass, as the growth of the
+resident set above the parameters (Linux VmHWM, reset before; glibc's freed heap memory counts there, not in the
+estimate: MALLOC_MMAP_THRESHOLD_=65536 leaves the tensors alone). The paper's window is 2048; the CPU here takes windows of --window tokens (default 256).
 Usage: python benchmarks/dry_run_memory.py [--window 256] [--batch-size 8] [--layers 24]
 """
 

@@ -60,7 +60,7 @@ class World:
         self.templates = self.root / "templates"
         self.decoy = self.root / "decoy"
         self.run = self.root / "run"
-        for d in (self.templates, self.decoy / "cwd" / "data", self.decoy / "home"):
+        for d in (self.templates, self.decoy / "cwd" / "data", self.decoy / "home", self.decoy / "empty"):
             d.mkdir(parents=True, exist_ok=True)
         (self.decoy / "cwd" / "notes.txt").write_text("the user's notes\n")
         (self.decoy / "cwd" / "data" / "keep.csv").write_text("a,b\n1,2\n")
@@ -214,6 +214,11 @@ class World:
             "long": lambda: run / ("x" * 300), "long-utf8": lambda: run / "d" / ("é" * 130),
             "nul": lambda: str(run / "a\x00b"), "empty": lambda: "", "dot": lambda: ".",
             "link-decoy": lambda: _link(run / "link", self.decoy / "cwd" / "data"),
+            # an --out that is a link to an empty directory, or lies below one: a write would go through it
+            "link-empty": lambda: _link(run / "link-empty", self.decoy / "empty"),
+            "below-link": lambda: _link(run / "link-up", self.decoy / "empty") / "out",
+            # a byte-level checkpoint with a tokenizer.json of its own: the corpus is still read as bytes
+            "fg-tokenizer": lambda: _tokenizer(self.copy("fg")),
             "map-bad": lambda: _text(run / "map.json", "{layers: 0"),
             "map-list": lambda: _text(run / "map.json", "[0]"),
             "map-cuda": lambda: _text(run / "map.json", '{"": "cuda:0"}'),
@@ -246,6 +251,18 @@ def _fifo(path: Path) -> Path:
     if not path.exists():
         os.mkfifo(path)
     return path
+
+
+def _tokenizer(ckpt: Path) -> Path:
+    """`ckpt` with a word-level tokenizer.json of 27 tokens beside its weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join("abcdefghijklmnopqrstuvwxyz")],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(ckpt / "tokenizer.json"))
+    return ckpt
 
 
 def _link(path: Path, target: Path) -> Path:
@@ -519,13 +536,14 @@ def play_weights(world: World, spec: dict) -> Outcome:
 BAD_INTS = [0, -1, -(2**63), 2**31, 2**63, 2**64, 10**30, "abc", "1.5", ""]
 BAD_FLOATS = ["nan", "inf", "-inf", "-1", "0", "1e308", "1e-320", "abc", ""]
 OUTS = ["@out", "@out", "@out", "@empty", "@dot", "@decoy-cwd", "@decoy-data", "@decoy-file", "@root", "@home",
-        "@file", "@long", "@long-utf8", "@nul", "@fifo", "@devnull", "@link-decoy", "@proc", "@decoy-ckpt"]
+        "@file", "@long", "@long-utf8", "@nul", "@fifo", "@devnull", "@link-decoy", "@proc", "@decoy-ckpt",
+        "@link-empty", "@below-link"]
 CORPORA = ["embedded", "embedded", "@corpus-text", "@fifo", "@devzero", "@devnull", "@dir-fifo", "@binary",
            "@empty-file", "@missing", "@empty", "@long", "@nul", "@dev", "nosuchcorpus"]
 DEVICES = ["cpu", "cpu", "auto", "cuda", "cuda:0", "cuda:-1", "mps", "xla", "meta", "vulkan", "hpu", "xpu", "mtia",
            "privateuseone", "cpu:1", "", "gpu", "ipu", "lazy", "cuda:99999999999999999999"]
 CKPTS = ["@fg", "@fg", "@fg", "@dense", "@mod", "@mudd", "@moe", "@missing", "@file", "@root", "@decoy-ckpt",
-         "@audit-a", "@hub-id", "@nul", "@long", "@empty", "@fifo", "@devnull", "@dot"]
+         "@fg-tokenizer", "@audit-a", "@hub-id", "@nul", "@long", "@empty", "@fifo", "@devnull", "@dot"]
 AUDITS = ["@audit-a", "@audit-a", "@audit-b", "@fg", "@missing", "@file", "@root", "@decoy-cwd", "@summary",
           "@nul", "@long", "@empty", "@fifo", "@proc"]
 REPORTABLE = ["@audit-a", "@summary", "@runs", "@root", "@proc", "@dev", "@decoy-cwd", "@file", "@missing",
@@ -566,7 +584,7 @@ OPTIONS = {
                   "--threads": THREADS, "--device": st.sampled_from(DEVICES)},
     "report": {"--out": st.sampled_from(OUTS), "--allow-partial": st.just(None), "--threads": THREADS},
     "demo": {"--out": st.sampled_from(["@empty", "@dot", "@decoy-cwd", "@root", "@file", "@long", "@nul", "@fifo",
-                                       "@home", "@devnull"]),
+                                       "@home", "@devnull", "@link-empty", "@below-link"]),
              "--device": st.sampled_from(["mps", "xla", "cuda:99", "", "gpu", "meta"]),
              "--threads": st.sampled_from(BAD_INTS)},
 }

@@ -194,8 +194,9 @@ ENGINE_ROWS: list[Row] = [
                                                    "--out", t / "a"], "exceed the model's context of 16"),
     ("audit-dry-run-window-beyond-the-context", lambda t: ["audit", moe_ckpt(t, max_position_embeddings=16), *AUDIT,
                                                            "--dry-run", "--out", t / "a"], "--window 16"),
-    ("audit-moe-torn-tokenizer", lambda t: ["audit", with_tokenizer(moe_ckpt(t), "{}"), *AUDIT, "--out", t / "a"],
-     "not a tokenizers JSON file"),
+    ("audit-moe-torn-tokenizer",  # a tokenizer is read only for a model its config says is tokenized
+     lambda t: ["audit", with_tokenizer(moe_ckpt(t, tokenizer_class="PreTrainedTokenizerFast"), "{}"), *AUDIT,
+                "--out", t / "a"], "not a tokenizers JSON file"),
     ("audit-negative-seed", lambda t: ["audit", fg_ckpt(t), *AUDIT, "--seed", -1, "--out", t / "a"],
      "--seed -1: pass an integer >= 0"),
     # bounds (fcaudit.config): refused before the checkpoint is read, so a dry run answers at once

@@ -96,8 +96,9 @@ CLASSES = {
         ("audit-dir", damaged("summarize", ("delete", "variation.json", 0)), "refused",
          "is an unfinished audit (lacks variation.json); rerun the audit command"),
         ("audit-dir", damaged("load", ("link", "records/CrossInput/r0001.parquet", 0)), "refused", "is damaged"),
+        # the torn marker is rewritten from config.json (the audit resumes): the reader finds the directory
         ("audit-dir", damaged("resume", ("truncate", ".fcaudit-audit", 43), ("dir", "replay.json", 93)), "refused",
-         "replay.json is a directory where fcaudit writes a file: remove it"),
+         "replay.json is a directory where the audit keeps a file: remove it"),
     ],
     # 3: a checkpoint's sizes are checked against its weights' headers before any module is built
     "3-sizes": [
@@ -205,6 +206,20 @@ CLASSES = {
         ("api", odd("nan-under-crossinput"), "refused", "on evaluation windows 0..1 under CrossInput r0, while finite"),
         ("api", odd("fails-late"), "refused", "failed on evaluation windows 2..3, capturing Correct (IndexError"),
         ("api", {**odd("hidden-first"), "remove": True}, "refused", "was moved or removed since it was read"),
+    ],
+    # issue 48: --out through a link, a stray tokenizer, a checkpoint's dtype and those --dtype names
+    "7-issue-48": [
+        *[("cli", cli(command, *positional, out=out), "refused", fragment)
+          for command, positional in (("audit", ("@fg",)), ("summarize", ("@audit-a",)), ("train", ()),
+                                      ("execution", ("@fg",)), ("report", ("@audit-a",)), ("demo", ()))
+          for out, fragment in (("@link-empty", "is a symbolic link"),
+                                ("@below-link", "lies below the symbolic link"))],
+        ("cli", cli("audit", "@fg-tokenizer"), "ok", ""),
+        ("cli", cli("audit", "@fg-tokenizer", dry_run=None), "ok", ""),
+        *[("cli", cli("audit", "@fg", dtype=dtype), "ok", "") for dtype in ("float64", "float16", "bfloat16")],
+        ("cli", cli("audit", "@fg", dtype="int8"), "refused", "use one of float32, bfloat16, float16, float64"),
+        ("api", {"call": "windows", "kwargs": {"corpus": "embedded", "n_eval": 2, "n_calib": 2, "window": 8,
+                                               "seed": 0, "tokenizer": 3}}, "refused", "pass a tokenizers.Tokenizer"),
     ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]

@@ -113,5 +113,8 @@ def windows(corpus: str = "embedded", *, n_eval: int, n_calib: int, window: int,
     AuditConfig(n_eval=n_eval, n_calib=n_calib, window=window, seed=seed)  # the bounds `fcaudit audit` has
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
+    elif tokenizer is not None and not callable(getattr(tokenizer, "encode_batch", None)):
+        raise FcauditError(f"tokenizer={tokenizer!r:.40}: pass a tokenizers.Tokenizer, a directory or hub id holding "
+                           "tokenizer.json, or None for a byte-level model")
     corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
     return data.audit_windows(corp, n_eval, n_calib, window, seed)

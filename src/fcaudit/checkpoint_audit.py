@@ -4,6 +4,7 @@ what the real run would do with --out."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,16 +78,31 @@ def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.devic
     ckpt_dir = Path(model.fcaudit_meta["checkpoint"])
     cap = families.DEFAULT_WINDOW_CAP
     window = config.window or min(families.context_length(model) or cap, cap)
-    tokenizer = load_tokenizer(ckpt_dir) if (ckpt_dir / "tokenizer.json").is_file() else None
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if tokenizer is None and vocab is not None and vocab != 256:
-        raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the checkpoint's "
-                           "tokenizer.json in its directory")
-    corp = data.load_corpus(corpus, tokenizer=tokenizer, splits=("validation", "test"))
+    corp = data.load_corpus(corpus, tokenizer=_tokenizer(checkpoint, ckpt_dir, model), splits=("validation", "test"))
     info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
             "revision": config.revision, "corpus": corp.describe()}
     return (model, families.controller_for(model), data.audit_windows(corp, config.n_eval, config.n_calib, window,
                                                                        config.seed), replace(config, model_info=info))
+
+
+def _tokenizer(checkpoint: str, ckpt_dir: Path, model: torch.nn.Module):
+    """The checkpoint's tokenizer.json where its config says the model is tokenized (a vocabulary other than the 256
+    bytes, or a tokenizer_class); a byte-level model reads bytes, and a tokenizer.json beside it is not used (a note
+    says so): its ids would fit the vocabulary and give numbers for text the model never saw encoded so."""
+    vocab, file = getattr(getattr(model, "config", None), "vocab_size", None), ckpt_dir / "tokenizer.json"
+    config = ckpt_dir / "config.json"
+    declared = config.is_file() and read_object(config, "use the config.json saved with these weights").get(
+        "tokenizer_class")
+    if declared or (file.is_file() if vocab is None else vocab != data.BYTES):
+        if not file.is_file():
+            raise FcauditError(f"{checkpoint} has a {vocab}-token vocabulary but no tokenizer.json: put the "
+                               "checkpoint's tokenizer.json in its directory")
+        return load_tokenizer(ckpt_dir)
+    if file.is_file():
+        print(f"note: {file} is not used: the model's {data.BYTES}-token vocabulary is bytes and its config names no "
+              "tokenizer, so the corpus is read as bytes (set tokenizer_class in config.json if the model is "
+              "tokenized)", file=sys.stderr)
+    return None
 
 
 def family_name(checkpoint: str, ckpt_dir: Path) -> str:

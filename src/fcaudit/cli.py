@@ -119,7 +119,8 @@ def audit(
     batch_size: int = typer.Option(8, metavar="N", help="windows per forward pass"),
     device: Device = "auto",
     revision: Optional[str] = typer.Option(None, metavar="REV", help="hub revision (e.g. 3c241c8)"),
-    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32 or bfloat16 (default: the checkpoint's)"),
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="float32, bfloat16, float16 or float64 "
+                                                                    "(default: the checkpoint's)"),
     tolerance: float = typer.Option(0.0, metavar="X", help="allowed max |Δlogit| of the exact replay (0: bit-exact)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print store size and memory needed, run nothing"),
     world_size: Optional[int] = typer.Option(None, metavar="N", help="--dry-run: forward passes per rank for this "

@@ -102,12 +102,15 @@ def _embedded_texts() -> tuple[tuple[str, bytes], ...]:
     return tuple(out)
 
 
+BYTES = 256  # a byte-level model's vocabulary: its token ids are the text's bytes
+
+
 def _encode(texts: tuple[bytes, bytes, bytes], tokenizer, splits: tuple[str, ...]) -> tuple[list[np.ndarray], int]:
     """Bytes are their own ids; a tokenizer encodes only the splits asked for (BPE over WikiText-103's train
     split takes minutes, and an audit needs only validation and test)."""
     if tokenizer is None:
         return [np.frombuffer(t, dtype=np.uint8).copy() if s in splits else np.zeros(0, np.uint8)
-                for s, t in zip(SPLITS, texts)], 256
+                for s, t in zip(SPLITS, texts)], BYTES
     raw = {s: t for s, t in zip(SPLITS, texts) if s in splits}
     decoded = {s: t.decode("utf-8", errors="replace") for s, t in raw.items()}
     # replacement characters decoding added (not those the text holds as such)

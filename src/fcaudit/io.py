@@ -204,6 +204,20 @@ def _first_link(root: Path) -> Path | None:
                  if os.path.islink(os.path.join(d, n))), None)
 
 
+def _linked_part(full: Path) -> Path | None:
+    """The first symbolic link among absolute path `full` and its parents, as written (a link followed by '..' too):
+    a directory reached through a link is another place than the one named, and every write would go through it."""
+    current = Path()
+    for part in full.parts:  # Path keeps '..' where it was written
+        current /= part
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                return current
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # what is missing is created as a real directory
+    return None
+
+
 def _refused_by_name(path: Path, avoid: Iterable[str | os.PathLike]) -> str | None:
     real = path.resolve()
     if real == Path(real.anchor):
@@ -355,6 +369,11 @@ class OutDir:
             raise FcauditError(f"--out {path} {named}: pass a directory of its own for the {what}")
         if path.is_symlink() and not path.exists():
             raise FcauditError(f"--out {path} is a broken symbolic link: pass a directory for the {what}")
+        full = path if path.is_absolute() else Path(os.getcwd(), path)  # getcwd is a real path
+        if (link := _linked_part(full)) is not None:
+            where = "is a symbolic link" if link == full else f"lies below the symbolic link {link}"
+            raise FcauditError(f"--out {path} {where}: fcaudit never writes through links; pass the real path, "
+                               f"{path.resolve()}")
         if path.exists() and not path.is_dir():
             raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                                "(fcaudit does not overwrite files it did not write)")

@@ -5,6 +5,7 @@ config asking for its own modeling code (`auto_map`) loads only where fcaudit or
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -130,6 +131,26 @@ def stored_shapes(dir: Path) -> dict[str, tuple[int, ...]]:
         except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
             raise _corrupt(f, e) from None
     return stored
+
+
+_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def stored_dtype(dir: Path) -> torch.dtype | None:
+    """The dtype of `dir`'s floating-point weights, from the safetensors headers alone (pickle files are memory-mapped):
+    the checkpoint's own precision, which a load keeps unless asked otherwise (mixed ones: the type that holds each
+    stored value exactly); None when `dir` has no floating weights."""
+    found: set[torch.dtype] = set()
+    for f in weight_files(dir):
+        if f.suffix in PICKLE_SUFFIXES:
+            found |= {v.dtype for v in load_pickled(f, mmap=True).values() if v.is_floating_point()}
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                found |= {_FLOATS[d] for d in (st.get_slice(k).get_dtype() for k in st.keys()) if d in _FLOATS}
+        except Exception as e:  # noqa: BLE001 (SafetensorError, OSError)
+            raise _corrupt(f, e) from None
+    return functools.reduce(torch.promote_types, sorted(found, key=str)) if found else None
 
 
 LOAD_FACTOR = 2  # a config.json may imply at most this many times the parameters its weights hold

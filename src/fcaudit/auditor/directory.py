@@ -227,21 +227,27 @@ class AuditDir:
     def open(self, config: dict) -> str:
         """Claim the (locked) directory for `config`: a new audit, a resume of the same configuration, or a refusal.
 
-        Returns "new", "resume" or "repaired" (config.json was damaged and is rewritten from the same configuration,
-        whose hash the marker keeps). An earlier fcaudit's audit is never migrated: it is started anew, and the engine
-        recomputes each of its files (bound to another configuration hash, or to none). Removes the temp files of a
-        killed write (the directory is ours by the marker).
+        Returns "new", "resume", "repaired" (config.json was damaged and is rewritten from the same configuration,
+        whose hash the marker keeps) or "remarked" (a resume whose damaged marker is rewritten from config.json). An
+        earlier fcaudit's audit is never migrated: it is started anew, and the engine recomputes each of its files
+        (bound to another configuration hash, or to none). Removes the temp files of a killed write (the directory is
+        ours by the marker).
         """
         digest = config_hash(config)
         if not self.is_ours():  # lock() checked: a new or empty directory
             self.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": None})
         remove_stale_temps(self.root, recursive=True)
-        marker = files.quietly(files.read_json, self.root / MARKER) or {}
+        marker = files.quietly(files.read_json, self.root / MARKER, require_hash=True) or {}
         held = marker.get("config_hash")
         current = files.quietly(self._config) or {}
+        remarked = False
         if self.earlier(marker) is not None:
             held, current = None, {}
-        elif held not in (None, digest):
+        elif remarked := bool(current.get("config_hash")) and held != current["config_hash"]:
+            # the marker repeats an intact config.json's hash: where it does not, the marker is damaged
+            held = current["config_hash"]
+            self.write_json(self.root / MARKER, marker := {"format": FORMAT, "config_hash": held})
+        if held not in (None, digest):
             changed = (differences(current, config) if current.get("config_hash") == held
                        else ["(config.json unreadable)"])
             if not changed:  # the same configuration under an earlier fcaudit's hash: started anew
@@ -254,7 +260,7 @@ class AuditDir:
                 # the same checkpoint read from elsewhere (or relabelled): config.json says where it was read now
                 self.write_json(self.config_path, {**current, "model": {**current["model"], **{
                     k: config["model"][k] for k in DESCRIPTIVE if k in config["model"]}}})
-            return "resume"
+            return "remarked" if remarked else "resume"
         state = "repaired" if held == digest and self.has_results() else "new"
         if state == "new":
             self.out.remove_file(self.replay)  # a failed replay report of a configuration with no results

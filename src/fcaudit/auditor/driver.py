@@ -17,7 +17,7 @@ from torch import nn
 
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import FORMAT, AuditDir, config_hash, differences
+from fcaudit.auditor.directory import FORMAT, MARKER, AuditDir, config_hash, differences
 from fcaudit.auditor.engine import Engine, check_scores, running
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
@@ -222,6 +222,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             del probe  # the engine holds it until the first batch's capture, then lets it go
             if state == "repaired":
                 engine.redone.append("config.json (rewritten: the marker holds its hash)")
+            if state == "remarked":
+                engine.redone.append(f"{MARKER} (damaged or cut short: rewritten with config.json's hash)")
             engine.run()
         except files.Damaged as e:  # a file this run wrote and verified, changed by something else while it ran
             raise FcauditError(f"{e.path} changed while the audit ran ({e.why}): rerun the command, it recomputes "

@@ -339,14 +339,15 @@ class Engine:
         files.write_tensors(self.dir.calib_part(start), sums, self.dir.bound({"count": int(ids.shape[0])}))
 
     def _reduce_profiles(self) -> None:
-        """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size)."""
-        if self._verified(self.dir.profiles):
-            return
-        parts = (files.read_tensors(self.dir.calib_part(start)) for start in self.schedule.calib_starts)
-        sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
-        profiles = protocol.static_profiles(sums, self.info)
-        files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items() for l, p in enumerate(ps)},
-                            self.dir.bound({"count": int(self.ca.shape[0]), "conditions": list(profiles)}))
+        """Static profiles from the calibration sums, added in batch order (equal bit for bit at any world size); the
+        sums go once the profiles hold them, also those a run stopped just after writing the profiles left."""
+        if not self._verified(self.dir.profiles):
+            parts = (files.read_tensors(self.dir.calib_part(start)) for start in self.schedule.calib_starts)
+            sums = (([t[f"layer.{l}"] for l in range(len(t))], m["count"]) for t, m in parts)
+            profiles = protocol.static_profiles(sums, self.info)
+            files.write_tensors(self.dir.profiles, {f"{c}.{l}": p for c, ps in profiles.items()
+                                                    for l, p in enumerate(ps)},
+                                self.dir.bound({"count": int(self.ca.shape[0]), "conditions": list(profiles)}))
         self.dir.out.remove_tree(self.dir.root / "calib")
 
     # ---- stage 2 -------------------------------------------------------------------------------------------------

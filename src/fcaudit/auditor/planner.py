@@ -1,5 +1,5 @@
-"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from forward
-passes of one window; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
+"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from a one-window
+and a two-window forward pass; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
 
 from __future__ import annotations
 
@@ -40,14 +40,17 @@ class AuditPlan:
     store_bytes: int
     forward_passes: int
     param_bytes: int
-    activation_bytes: int  # measured growth of one 1-window forward pass, beyond the parameters
-    peak_memory_bytes: int  # parameters + batch_size x (activations + the first pass's logits + 3 x coefficients)
+    activation_bytes: int  # measured growth of a forward pass per window it holds, beyond the parameters
+    # parameters + plan + pass_bytes + windows per pass x (activations + the first pass's logits + 3 x coefficients):
+    # the tensors' bytes (the C allocator may hold more, e.g. freed heap memory glibc keeps)
+    peak_memory_bytes: int
     world_size: int = 1
     passes_per_rank: list[int] | None = None
     store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
     devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
     plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
     check_passes: int = 0  # each rank's pre-write checks (counted in forward_passes)
+    pass_bytes: int = 0  # what a forward pass allocates once, whatever its number of windows
 
     def __str__(self) -> str:
         split = ""
@@ -60,7 +63,8 @@ class AuditPlan:
         return (f"{len(self.layer_shapes)} sites, store {_size(self.store_bytes)}, "
                 f"{self.forward_passes} forward passes ({', '.join(self.conditions)}), peak memory "
                 f"~{_size(self.peak_memory_bytes)} (parameters {_size(self.param_bytes)} + plan "
-                f"{_size(self.plan_bytes)} + {self.batch_size} x {_size(self.activation_bytes)} per window)"
+                f"{_size(self.plan_bytes)} + per pass {_size(self.pass_bytes)} + {min(self.batch_size, self.n_eval)} x "
+                f"{_size(self.activation_bytes)} per window)"
                 f"{over}{held}{split}")
 
 
@@ -69,12 +73,18 @@ def _size(n: float) -> str:
 
 
 class _PeakBytes(TorchDispatchMode):
-    """The peak bytes live at once of the CPU tensors its ops allocate (a view of a live tensor adds nothing)."""
+    """The bytes live at once of the CPU tensors its ops allocate, after each op (a view of a live tensor adds
+    nothing; a storage is freed with its last view)."""
 
     def __init__(self):
         super().__init__()
-        self.live = self.peak = 0
+        self.live = 0
+        self.trace: list[int] = []
         self._held: set[int] = set()
+
+    @property
+    def peak(self) -> int:
+        return max(self.trace, default=0)
 
     def _free(self, ptr: int, nbytes: int) -> None:
         self._held.discard(ptr)
@@ -89,30 +99,44 @@ class _PeakBytes(TorchDispatchMode):
                 if nbytes and ptr not in self._held:
                     self._held.add(ptr)
                     self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, ptr, nbytes)
+                    weakref.finalize(storage, self._free, ptr, nbytes)
+        self.trace.append(self.live)
         return out
 
 
-def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device,
-                windows: tuple[int, int]) -> tuple:
-    """(coefficients, logits, activation bytes, the checks' forward passes) of a capture of one window, after a
-    warm-up pass: its peak allocation beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors;
-    the checks' passes from a Flow pass of the window (which sites the model ranks), as the audit's first batch's,
-    for `windows` (evaluation windows, batch)."""
+def _capture_bytes(model: nn.Module, controller: Controller, ids: torch.Tensor, device: torch.device) -> tuple:
+    """(coefficients, logits, activation bytes) of a capture of `ids`: beyond the parameters, the bytes live after
+    each op on the CPU, or CUDA's allocator's peak alone."""
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with nullcontext() if cuda else _PeakBytes() as counted:
+        coeffs, logits, _ = capture_batch(model, controller, ids, None)
+    return coeffs, logits, [int(torch.cuda.max_memory_allocated(device) - base)] if cuda else counted.trace or [0]
+
+
+def _activations(model: nn.Module, controller: Controller, ev: torch.Tensor, device: torch.device,
+                 windows: int, checked: tuple[int, int]) -> tuple:
+    """(coefficients and logits of one window, activation bytes per pass and per window, the checks' forward passes)
+    for a pass of `windows`: from captures of one window and of two after a warm-up pass. Each moment of a pass
+    holds bytes it allocates once (a mask, a table, a router's bookkeeping) and bytes per window; the pass's peak is
+    the moment where their sum for `windows` is largest, which for short windows is not where a one-window pass
+    peaks. The checks' passes: a Flow pass of one window says which sites the model ranks, as the audit's first
+    batch's, for `checked` (evaluation windows, batch)."""
     with evaluating(model):
-        first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        with nullcontext() if cuda else _PeakBytes() as counted:
-            coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
-        acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
+        first_forward(model, controller, ev[:1], None)  # warm-up: weights paged in, lazy tables built
+        coeffs, logits_of_one, one = _capture_bytes(model, controller, ev[:1], device)
+        two = _capture_bytes(model, controller, ev[:2], device)[2] if ev.shape[0] > 1 else None
         check_finite(coeffs, "a 1-window forward")
-        checks = check_passes(controller, follow(model, controller, one, coeffs), *windows)
-    return coeffs, logits_of_one, acts, checks
+        checks = check_passes(controller, follow(model, controller, ev[:1], coeffs), *checked)
+    if two is None:  # a single window: nothing to split
+        return coeffs, logits_of_one, 0, max(one), checks
+    if len(one) != len(two):  # other ops for two windows (a router's experts): the peaks alone
+        one, two = [max(one)], [max(two)]
+    fixed, per_window = max(((2 * a - b, b - a) for a, b in zip(one, two)), key=lambda m: m[0] + windows * m[1])
+    return coeffs, logits_of_one, max(fixed, 0), max(per_window, 0), checks
 
 
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
@@ -120,11 +144,11 @@ RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its 
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *,
          config: AuditConfig | None = None, world_size: int = 1, **settings) -> AuditPlan:
-    """What an audit of these windows will cost (store, forward passes, memory), from forward passes of one window.
+    """What an audit of these windows will cost (store, forward passes, memory), from a one- and a two-window pass.
 
     Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
-    prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,
-    a one-window pass's activations, the capture's logits and three windows of coefficients.
+    prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping), what a pass allocates once
+    and, per window of a batch, its activations, the capture's logits and three windows of coefficients.
 
     Parameters
     ----------
@@ -156,8 +180,9 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
-    coeffs, logits_of_one, acts, checks = _one_window(model, controller, ev[:1].to(device), device,
-                                                      (ev.shape[0], min(config.batch_size, ev.shape[0])))
+    largest = min(config.batch_size, ev.shape[0])  # the most windows one pass holds
+    coeffs, logits_of_one, pass_bytes, acts, checks = _activations(model, controller, ev[:2].to(device), device,
+                                                                   largest, (ev.shape[0], largest))
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -170,7 +195,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
                      store, sum(per_rank), param_bytes, acts,
-                     param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
+                     param_bytes + planned + pass_bytes + largest * (acts + logits + 3 * per_window), world,
                      per_rank, str(device) if keeps_store_on(device, store) else None,
                      sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
-                     planned, checks)
+                     planned, checks, pass_bytes)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.io import atomic_write, read_json, write_json
 from fcaudit.models.featuregate import FeatureGateGPT
-from fcaudit.weights import check_depth, check_sizes, stored_shapes
+from fcaudit.weights import check_depth, check_sizes, stored_dtype, stored_shapes
 
 MODEL_TYPE = "featuregate"
 CONFIG_NAME = "config.json"
@@ -65,7 +65,8 @@ def write_checkpoint(dir: str | os.PathLike, model: nn.Module, model_type: str, 
 def read_checkpoint(dir: Path, model_class: type, device: torch.device,
                     dtype: torch.dtype | None) -> tuple[nn.Module, dict]:
     """(model in eval mode, meta) of a `write_checkpoint` directory: `model_class(model_class.config_class(config.json's
-    fields))`, unknown keys ignored, built first on the meta device to check its sizes against the weights."""
+    fields))`, unknown keys ignored, built first on the meta device to check its sizes against the weights; in `dtype`,
+    None: the stored weights' own."""
     config = read_json(dir / CONFIG_NAME)
     meta = config.pop("meta", {})
     if not isinstance(meta, dict):
@@ -83,9 +84,11 @@ def read_checkpoint(dir: Path, model_class: type, device: torch.device,
     if hasattr(model_config, "n_layer"):
         check_depth(dir, stored, "n_layer", model_config.n_layer)
     check_sizes(lambda: model_class(model_config), dir, stored)
-    model = model_class(model_config)
+    # built in the precision it is loaded in (the checkpoint's own unless `dtype` says otherwise): a float64
+    # checkpoint loses no digit, and a float16 one is not audited in float32
+    model = model_class(model_config).to(dtype=dtype or stored_dtype(dir) or torch.float32)
     load_weights(dir / WEIGHTS_NAME, model)
-    return model.to(device=device, dtype=dtype).eval(), meta
+    return model.to(device=device).eval(), meta
 
 
 def save_checkpoint(dir: str | os.PathLike, model: FeatureGateGPT, meta: dict | None = None) -> Path:

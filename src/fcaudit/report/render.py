@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+from fcaudit.auditor.directory import MARKER
 from fcaudit.auditor.results import Replay
 from fcaudit.controllers.checks import CAUSALITY, TOKEN_ROUTING
 from fcaudit.errors import FcauditError
@@ -78,8 +79,8 @@ def discover(inputs: Sequence[str | Path]) -> Found:
         for f in files:
             if f.name == "summary.json":
                 found.summaries.append((f.parent, Summary.load(f.parent)))
-            elif f.name == "config.json" and (f.parent / "records").exists():
-                found.audits.append(f.parent)
+            elif f.name == "config.json" and any((f.parent / n).exists() for n in ("records", MARKER)):
+                found.audits.append(f.parent)  # an unfinished one too: its reader says what it lacks
             elif f.name == "metrics.json" and isinstance(m := _read(f), dict) and "byte_ppl" in m:
                 found.training.append(m)  # a training run's (other metrics.json are not Table 1)
             elif f.name == "table1.csv":
