@@ -14,7 +14,7 @@ Adding a kind is one subclass and `register(...)`. Imports nothing of fcaudit bu
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -23,19 +23,31 @@ from fcaudit.errors import FcauditError
 from fcaudit.kinds import profiles
 from fcaudit.kinds.moves import DERANGE, RESAMPLE, Coeffs, resample_past, shuffle_tokens
 
-if TYPE_CHECKING:
-    from fcaudit.kinds.description import Description
-
 RANDOMIZED = ("Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast")  # every kind's
 PAPER = RANDOMIZED + ("LayerPositionMean", "StaticProfile", "StructureRemoved")  # the paper's, for soft coefficients
 STATIC_REFERENCES = tuple(profiles.REFERENCES)  # GlobalMean, SourceUniformMean, ExpertUniformMean
+
+
+class Controlled(Protocol):
+    """What a kind reads of the controller its sites are part of: fcaudit.kinds.description.Description, which is
+    built on this module (so this module names it by what it reads, not by importing it)."""
+
+    always: tuple[int, ...]
+    draws: tuple[tuple[int, ...], ...]
+    layers: tuple[tuple[int, ...], ...]
+    of: tuple["Kind", ...]
+    references: tuple[str, ...]
+    routers: tuple[int, ...]
+    window: bool
+
+    def decisions(self, i: int, c: torch.Tensor) -> torch.Tensor: ...
 
 
 class Context(Protocol):
     """What a condition may use to make a batch's replay coefficients (implemented by the audit engine)."""
 
     seed: int
-    info: "Description"  # the controller as the conditions see it: its sites' kinds, references and layers
+    info: Controlled  # the controller as the conditions see it: its sites' kinds, references and layers
 
     def take(self, examples: np.ndarray) -> Coeffs: ...  # captured coefficients of these evaluation examples
     def derangement(self, r: int) -> np.ndarray: ...  # the donor of each example in randomization r
@@ -116,7 +128,7 @@ class Kind:
         budget, with draws keyed by the condition's `tag`: as they are for a kind without a budget."""
         return coeffs
 
-    def budget(self, info: "Description", coeffs: Coeffs) -> np.ndarray | None:
+    def budget(self, info: Controlled, coeffs: Coeffs) -> np.ndarray | None:
         """Each window's budget, int64 [batch] (what every condition keeps), or None for a kind without one."""
         return None
 
@@ -150,7 +162,7 @@ class Kind:
     def structure_removed(self, ctx: Context, r: int, examples: np.ndarray) -> Coeffs:
         return ctx.static("StructureRemoved", len(examples))
 
-    def profile(self, condition: str, cal: profiles.Calibration, info: "Description") -> list[torch.Tensor]:
+    def profile(self, condition: str, cal: profiles.Calibration, info: Controlled) -> list[torch.Tensor]:
         """A static condition's profile from the calibration sums."""
         if condition == "StaticProfile":
             return cal.layer_mean()
@@ -161,7 +173,7 @@ class Kind:
         return cal.layer_position_mean()  # LayerPositionMean, and the per-position profiles of other static rules
 
     # ---- what its decisions select ---------------------------------------------------------------------------------
-    def active(self, info: "Description", coeffs: Coeffs, ran: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    def active(self, info: Controlled, coeffs: Coeffs, ran: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Per window [B] float64: the mean over layers of the routers (of all sites without routers) of the active
         cells per (token, stream): nonzero coefficients, or a router's decisions (a token router: the fraction of
         tokens chosen). A merged layer counts once, its sites' sources side by side over its widest stream axis.
@@ -181,7 +193,7 @@ class Kind:
         the audit observes the replayed model run."""
         raise FcauditError(f"a {self.name}'s decisions route no rows into a block")
 
-    def zero(self, info: "Description") -> dict[str, str]:
+    def zero(self, info: Controlled) -> dict[str, str]:
         """The conditions (and factor effects, "E_token") that cannot change anything under this kind for this
         controller (0 by construction, not a finding), each with why."""
         return {}

@@ -5,12 +5,15 @@ are computed by. Imports nothing of fcaudit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from fcaudit.kinds.description import Description
+
+class Referenced(Protocol):
+    """What the structure-removed rule reads of a controller (a fcaudit.kinds.description.Description)."""
+
+    references: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ REFERENCES: dict[str, Callable[[Calibration], list[torch.Tensor]]] = {  # the st
     "GlobalMean": global_mean, "SourceUniformMean": source_uniform_mean, "ExpertUniformMean": source_uniform_mean}
 
 
-def reference_profiles(cal: Calibration, ctrl: "Description") -> list[torch.Tensor]:
+def reference_profiles(cal: Calibration, ctrl: Referenced) -> list[torch.Tensor]:
     """StructureRemoved: each site's own reference, computed over the sites that share it (a merged gate's GlobalMean
     beside its layer's mixture's SourceUniformMean)."""
     out: list[torch.Tensor] = [None] * len(cal.sums)
