@@ -21,6 +21,7 @@ from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.auditor.group import Group
+from fcaudit.auditor.state import ModelState
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
@@ -95,10 +96,11 @@ class Engine:
 
     def __init__(self, model: nn.Module, controller: Controller, windows: tuple[torch.Tensor, torch.Tensor],
                  config: AuditConfig, group: Group, first: tuple[Captured, torch.Tensor, torch.Tensor],
-                 findings: Sequence[Finding] = ()):
+                 findings: Sequence[Finding] = (), state: ModelState | None = None):
         """`windows`: the (evaluation, calibration) ids; `config.out`: the audit directory, already configured and
         locked; `first`: the first evaluation batch's capture by the driver's probe (its dtypes are the sites', its
-        decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json."""
+        decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json;
+        `state`: the model's before the checks, compared after stage 1 and at the end (None: not compared)."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
         self.info = controller.info  # protocol.ReplayContext: the sites' kinds, references and layers
@@ -123,6 +125,7 @@ class Engine:
         self.findings = tuple(findings)
         self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
+        self.state = state
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
@@ -179,13 +182,36 @@ class Engine:
                 if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
                     self.dir.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
                 raise
+            self._same_state("after stage 1")
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
+            self._same_state("at the end", repeat=True)
         self.group.run(self._finalize, main_only=True)
         redone = [f for rank in self.group.gather(self.redone) for f in rank]  # damaged files found by any rank
         if redone:
             self.notices.print(f"resumed: recomputed {len(redone)} damaged file(s): " + "; ".join(redone[:3])
                                + (" ..." if len(redone) > 3 else ""), soft_wrap=True)
+
+    def _same_state(self, when: str, repeat: bool = False) -> None:
+        """On every rank, the model's tensors as before the checks and, if `repeat`, the first batch's Correct pass
+        as in stage 1; a change removes every result of the audit (none of them is valid) before the error."""
+        if self.state is None:
+            return
+
+        def check() -> None:
+            self.state.check_tensors(self.model, when)
+            if repeat:
+                self.state.check_pass(*capture_batch(self.model, self.controller, self._ids(self.ev, 0),
+                                                     self.loss_fn)[1:])
+        try:
+            self.group.run(check)
+        except FcauditError:
+            if self.group.is_main:
+                for name in ("coeffs", "calib", "parts", "records"):
+                    self.dir.out.remove_tree(self.dir.root / name)
+                for path in (self.dir.profiles, self.dir.replay, self.dir.variation):
+                    self.dir.out.remove_file(path)
+            raise
 
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)

@@ -15,9 +15,11 @@ from torch.utils._pytree import tree_leaves
 from fcaudit import placement, protocol
 from fcaudit.auditor.engine import capture_batch, keeps_store_on
 from fcaudit.auditor.inputs import as_windows, check_controller, check_ids, evaluating, first_forward
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.auditor.store import check_finite
 from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig, with_settings
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES
 from fcaudit.controllers.controller import Controller
 
 
@@ -157,10 +159,12 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
     store = per_window * ev.shape[0]
     planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
+    # the checks every rank runs besides the units: the batch-composition check, the state check's repeated pass
+    checks = STATE_CHECK_PASSES + (BATCH_CHECK_PASSES if min(batch, ev.shape[0]) >= 2 else 0)
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
-                     store, sched.forward_passes(), param_bytes, acts,
+                     store, sched.forward_passes() + world * checks, param_bytes, acts,
                      param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
-                     sched.passes_per_rank(world), str(device) if keeps_store_on(device, store) else None,
+                     [p + checks for p in sched.passes_per_rank(world)], str(device) if keeps_store_on(device, store) else None,
                      sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
                      planned)

@@ -6,7 +6,8 @@ On one more Correct pass of the first evaluation batch: refused when the eval fo
 does not rebuild its site's output, or it puts two tokens in one slot once coefficients move; a notice when a site
 looks like a hidden state or hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
 its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
-what removes every coefficient's effect changes nothing. For routers and ranked sites, on two more passes: the
+what removes every coefficient's effect changes nothing. On the first batch with its second half replaced: refused
+when the first half's coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes: the
 causality check (does a decision at t depend on tokens after t?). Route flips are counted by the engine's exact
 replay check.
 """
@@ -34,6 +35,7 @@ AGREEING_POSITIONS = 0.5
 # forward passes of the checks before the units (Schedule counts only the units'): window 0 alone and replayed, one
 # more pass of the first batch, and for routers (and sites the model ranks) the causality check's two
 SITE_CHECK_PASSES = 3
+BATCH_CHECK_PASSES = 1  # the batch-composition check's capture (a first batch of two or more windows)
 ROUTING_CHECK_PASSES = 2
 LATER_TOKENS = "routing depends on later tokens"
 
@@ -64,6 +66,16 @@ class Finding:
 
 # ---- window 0 alone ----------------------------------------------------------------------------------------------
 
+def agreeing(a: torch.Tensor, row: torch.Tensor, decoding: Decoding) -> torch.Tensor:
+    """[batch, token] bool: the positions where two captures of the same windows agree at the site's own precision
+    (other kernels may round otherwise; a coefficient that moved differs by more)."""
+    scale = float(row.abs().amax()) if row.numel() else 0.0
+    # the precision the model computed in (a codec may widen bf16 router weights to float32)
+    native = decoding.dtype if decoding.dtype is not None and decoding.dtype.is_floating_point else row.dtype
+    rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
+    return torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+
+
 def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: tuple) -> Finding | None:
     """Refused when window 0's coefficients captured alone are not its row of the batch's: a layout with a flattened
     output's axes in the wrong order passes the exact replay but moves coefficients between windows."""
@@ -74,11 +86,7 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
         row = c[:1].to(a.device)
         if a.shape != row.shape or a.dtype != row.dtype:
             continue  # a site whose canonical shape depends on the batch: nothing to compare
-        scale = float(row.abs().amax()) if row.numel() else 0.0
-        # the precision the model computed in (a codec may widen bf16 router weights to float32)
-        native = d.dtype if d.dtype is not None and d.dtype.is_floating_point else row.dtype
-        rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
-        close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+        close = agreeing(a, row, d)
         agree = float(close.double().mean()) if close.numel() else 1.0
         if agree < AGREEING_POSITIONS:
             return Finding.refused("layout", f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
@@ -86,6 +94,42 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
                            f"{site.codec.describe()!r} names the output's axes in their order (e.g. '(batch token) "
                            "expert' for a [batch*token, expert] output); if the routing depends on the other windows "
                            "of a batch (capacity limits), use batch size 1", {"site": site.name, "agree": agree})
+    return None
+
+
+def check_composition(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
+                      vocab: int) -> Finding | None:
+    """Refused when a window's coefficients change with the other windows of its batch: the first batch captured
+    again with its second half replaced by seeded random windows (same batch size and positions, so the same
+    kernels) must give the first half's coefficients at the site's precision at every position. A controller that
+    ranks or normalizes over the flattened batch (a capacity over batch x token) would make every condition measure
+    the batch, and the penalties change with batch_size."""
+    coeffs = probe[0]
+    b = first.shape[0]
+    if b < 2:
+        return None
+    keep = b // 2  # rows kept in place: the compared windows sit where they sat in the probe
+    other = first.clone()
+    gen = torch.Generator().manual_seed(0)
+    other[keep:] = torch.randint(0, vocab, (b - keep, first.shape[1]), generator=gen).to(first.device)
+    with controller.capture(*other.shape, decoding=False) as found:
+        model(other)
+    for site, a, c, d in zip(controller.sites, found, coeffs, coeffs.decoding):
+        if a is None or a.shape != c.shape or a.dtype != c.dtype:
+            continue  # a site that did not run, or whose canonical shape depends on the batch: nothing to compare
+        a, c = a[:keep], c[:keep].to(a.device)
+        if torch.equal(a, c):
+            continue
+        moved = ~agreeing(a, c, d)
+        if differ := int(moved.sum()):
+            window = int(moved.any(1).to(torch.int8).argmax())
+            return Finding.refused("batch", f"site {site.path!r}: the coefficients of window {window} change when "
+                                   f"the other windows of its batch change ({differ} of {a.shape[0] * a.shape[1]} "
+                                   "positions of the kept windows differ): the controller depends on the batch (e.g. a "
+                                   "capacity, top-k or normalization over the flattened batch x token scores), so "
+                                   "every condition would measure the batch and the penalties change with "
+                                   "batch_size; make the controller act on each window alone (a capacity per window), "
+                                   "or audit with batch_size=1", {"site": site.name, "differ": differ})
     return None
 
 
@@ -371,7 +415,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
                            "model calls on every input")
-    layout = check_layout(controller, alone, probe)
+    layout = check_layout(controller, alone, probe) or check_composition(model, controller, first, probe, vocab)
     if layout is not None:
         return [layout, *found]
     found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
