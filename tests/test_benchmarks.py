@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fcaudit.controllers.checks import ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.auditor.state import STATE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -26,7 +27,8 @@ def test_gpu_audit_smoke_mode_runs_on_the_cpu(tmp_path, capsys):
         assert r["replay_passed"] and r["forward_ms"] > 0 and r["flops_per_forward"] > 0
         # counted in the audit: 4 + 4 windows at batch 2 with R = 2 (calibration, capture (the first batch's by the
         # probe) and replay check, R per randomized condition (4 of them), the static ones)
-        assert r["forward_passes"] == SITE_CHECK_PASSES + routed * ROUTING_CHECK_PASSES + 2 + 2 * (2 + 4 * 2 + static)
+        checks = SITE_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES + routed * ROUTING_CHECK_PASSES
+        assert r["forward_passes"] == checks + 2 + 2 * (2 + 4 * 2 + static)
         assert r["paper_forward_passes"] == 64 + 64 * (2 + 4 * 20 + static)
         assert r["audit_over_bare"] > 0 and r["paper_audit_h_extrapolated"] > 0 and r["mfu"] is None
     assert "forward_ms_fast_mix" in rows[0] and rows[0]["fast_mix"] is False

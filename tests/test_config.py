@@ -19,6 +19,7 @@ from fcaudit.auditor.planner import RUN_BYTES
 from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers.checks import SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
@@ -176,7 +177,8 @@ def test_a_dry_run_at_the_bounds_is_counted_in_a_second_without_listing_its_unit
     tracemalloc.stop()
     # listing the units would hold millions of them: 64 batches x (4 randomized x 10,000 + static) runs
     sched = Schedule(64, 8, 1, cfg.MAX_RANDOMIZATIONS, tuple(p.conditions))
-    assert p.forward_passes == sched.forward_passes() > 2_000_000
+    # batch size 1: no batch-composition check; every rank repeats the first Correct pass (the state check)
+    assert p.forward_passes == sched.forward_passes() + cfg.MAX_WORLD_SIZE * STATE_CHECK_PASSES > 2_000_000
     assert sum(p.passes_per_rank) == p.forward_passes and len(p.passes_per_rank) == cfg.MAX_WORLD_SIZE
     assert peak < 4 * 2**20 and seconds < 5, (peak, seconds)
     assert "forward passes per rank" in str(p) and len(str(p)) < 1000  # a range, not 4096 numbers

@@ -1,7 +1,9 @@
 """The dry-run plan: sizes, forward passes, conditions, and where the store is held."""
 
 from fcaudit import plan
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers import Controller
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES
 from conftest import T, ToyMoE, windows
 
 
@@ -11,7 +13,8 @@ def test_plan_reports_sizes():
     p = plan(model, ctrl, windows(32, 0), windows(8, 1), batch_size=8, randomizations=20)
     assert p.layer_shapes == [[T, 1, 4], [T, 1, 4]]
     assert p.store_bytes == 32 * 2 * T * 4 * 4
-    assert p.forward_passes == 1 + 4 * (2 + 80 + 3)
+    # the units, then the batch-composition check and the state check's repeated Correct pass
+    assert p.forward_passes == 1 + 4 * (2 + 80 + 3) + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert p.conditions == ["Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
                             "LayerPositionMean", "StaticProfile", "StructureRemoved"]  # a source mixture's
     assert p.activation_bytes > 0
