@@ -185,3 +185,90 @@ def test_a_state_change_after_a_finished_audit_removes_it(tmp_path):
     model.calls = 40 - (1 + SITE_CHECK_PASSES + BATCH_CHECK_PASSES)  # flips after the probe and the checks
     line = api_refusal(lambda: audit_of(model, out, randomizations=1))
     assert "repeated at the end" in line and nothing_kept(out)
+
+
+# ---- Monte Carlo SE from few randomizations ---------------------------------------------------------------------------
+
+def test_the_monte_carlo_interval_is_scipys_t_interval():
+    from scipy import stats
+
+    from fcaudit.stats.inference import mc_interval, mc_se
+
+    draws = np.array([0.0021, 0.0017, 0.0030, 0.0012])
+    est = mc_interval(draws, 0.95)
+    low, high = stats.t.interval(0.95, df=3, loc=draws.mean(), scale=stats.sem(draws))
+    assert np.isclose(mc_se(draws), stats.sem(draws), rtol=1e-12, atol=0)
+    assert np.allclose(est.confidence_interval, (low, high), rtol=1e-12, atol=0) and est.n == 4
+    assert "3 degrees of freedom" in est.method
+    assert not mc_interval([0.1]).has_interval
+
+
+def test_the_t_interval_covers_where_the_normal_one_does_not():
+    """With R = 4 normal draws, mean ± 1.96 SE covers the true mean ~88% of the time, the t interval 95%."""
+    from fcaudit.stats.inference import mc_interval
+
+    rng = np.random.default_rng(0)
+    draws = rng.normal(0.0, 1.0, size=(4000, 4))
+    covered = np.mean([mc_interval(d).confidence_interval.low <= 0 <= mc_interval(d).confidence_interval.high
+                       for d in draws])
+    normal = np.mean(np.abs(draws.mean(1)) <= 1.96 * draws.std(1, ddof=1) / 2)
+    assert abs(covered - 0.95) < 0.015 and normal < 0.91, (covered, normal)
+
+
+def test_an_audit_of_few_randomizations_says_its_mc_se_is_rough(tmp_path):
+    from fcaudit.stats.inference import mc_note
+
+    few = audit_of(GatedLM().eval(), tmp_path / "a", randomizations=4)
+    line = next(x for x in str(few).splitlines() if "randomizations" in x and x.startswith("note: R = 4"))
+    assert "3 degrees of freedom" in line and "± 3.18 × MC SE" in line and "R = 20" in line
+    assert mc_note(10) is None and mc_note(1) is None and mc_note(9) is not None
+
+
+# ---- duplicated and near-duplicated windows ---------------------------------------------------------------------------
+
+def test_duplicated_evaluation_windows_are_refused(tmp_path):
+    model = GatedLM().eval()
+    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
+    one = ids(1, 0).repeat(16, 1)
+    line = api_refusal(lambda: fca.audit(model, ctrl, one, ids(4, 1), randomizations=1, out=tmp_path / "a",
+                                         quiet=True))
+    assert line.startswith("evaluation window 1 equals window 0 (15 of 16 evaluation windows repeat others)")
+    twice = torch.cat([ids(8, 0), ids(8, 0)])
+    line = api_refusal(lambda: fca.audit(model, ctrl, twice, ids(4, 1), randomizations=1, out=tmp_path / "b",
+                                         quiet=True))
+    assert line.startswith("evaluation window 8 equals window 0 (8 of 16")
+
+
+@pytest.mark.parametrize("how, t", [("shifted", 32), ("shifted", 64), ("one token changed", 64)])
+def test_calibration_windows_sharing_long_spans_with_evaluation_windows_are_flagged(tmp_path, how, t):
+    """A long span is half a window and at least 32 tokens (at most the window less one): from 64 tokens on, a window
+    with one token changed shares a run of half of it; a window shifted by one token always counts."""
+    model = GatedLM().eval()
+    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
+    gen = torch.Generator().manual_seed(0)
+    ev, ca = torch.randint(0, V, (8, t), generator=gen), torch.randint(0, V, (4, t), generator=gen)
+    if how == "shifted":
+        ca[3] = torch.cat([ev[5][1:], ca[3][:1]])
+    else:
+        ca[3] = ev[5]
+        ca[3, t // 2] = (ev[5, t // 2] + 1) % V
+    result = fca.audit(model, ctrl, ev, ca, randomizations=1, out=tmp_path / "a", quiet=True)
+    (line,) = [n for n in result.notices if "share a run" in n]
+    assert line.startswith(f"note: 1 of 4 calibration windows share a run of at least {min(t - 1, max(t // 2, 32))} "
+                           "tokens") and "(calibration window 3 with evaluation window 5)" in line
+    assert result.replay.finding("windows").data["calibration_windows"] == 1
+
+
+def test_spans_are_found_by_hash_and_checked(tmp_path):
+    """Long windows: the span is half a window; unrelated windows share none; a changed token is still found."""
+    from fcaudit.auditor.inputs import shared_span_notice, span_length
+
+    assert [span_length(t) for t in (2, 16, 33, 64, 100, 512)] == [1, 15, 32, 32, 50, 256]
+    rng = np.random.default_rng(0)
+    ev, ca = rng.integers(0, 50_000, (64, 512)), rng.integers(0, 50_000, (64, 512))
+    assert shared_span_notice(ev, ca) is None
+    ca[7] = np.roll(ev[40], 200)  # a rotated window: runs of 312 and 200 tokens
+    ca[9] = ev[2]
+    ca[9, 255] += 1  # one token changed: runs of 255 and 256
+    notice = shared_span_notice(ev, ca)
+    assert notice.data == {"calibration_windows": 2, "span": 256, "first": [7, 40]}

@@ -7,9 +7,9 @@ does not rebuild its site's output, or it puts two tokens in one slot once coeff
 looks like a hidden state or hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
 its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
 what removes every coefficient's effect changes nothing. On the first batch with its second half replaced: refused
-when the first half's coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes: the
-causality check (does a decision at t depend on tokens after t?). Route flips are counted by the engine's exact
-replay check.
+when the first half's coefficients change (a controller over the flattened batch). For routers and ranked sites, on
+two more passes: the causality check (does a decision at t depend on tokens after t?). Route flips are counted by
+the engine's exact replay check.
 """
 
 from __future__ import annotations
@@ -415,11 +415,14 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
                            "model calls on every input")
-    layout = check_layout(controller, alone, probe) or check_composition(model, controller, first, probe, vocab)
+    layout = check_layout(controller, alone, probe)
     if layout is not None:
         return [layout, *found]
-    found += [f for f in (check_effect(model, controller, one, alone, logits, probe[0].decoding),
-                          check_causality(model, controller, first, vocab, ranked)) if f is not None]
+    effect = check_effect(model, controller, one, alone, logits, probe[0].decoding)  # right after window 0's capture
+    batch = check_composition(model, controller, first, probe, vocab)
+    if batch is not None:
+        return [batch, *found]
+    found += [f for f in (effect, check_causality(model, controller, first, vocab, ranked)) if f is not None]
     info = controller.info
     check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
