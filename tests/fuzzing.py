@@ -684,7 +684,51 @@ def _windows(world: World, name: str, which: str = "eval"):
         "numpy": lambda: ids.numpy(), "windowset": lambda: world.windows["set"][0 if which == "eval" else 1],
         "one": lambda: ids[:1], "long": lambda: torch.zeros(2, 10**5, dtype=torch.long), "dict": lambda: {"ids": ids},
         "list-of-tensors": lambda: list(ids), "nested-empty": lambda: [[]], "object": lambda: np.array([object()]),
+        "duplicated": lambda: ids[:1].repeat(4, 1),
+        "eval-shifted": lambda: torch.roll(world.windows["eval"][:2], -1, dims=1),  # a calibration set's near copies
     }[name]()
+
+
+def _misbehaving(name: str):
+    """A small gated LM that misbehaves quietly (issue 48), with its controller: coupled across the windows of a
+    batch, a flag in a Python attribute flipped by a call counter, or a max-abs observer buffer left on in eval."""
+    import torch
+    from torch import nn
+
+    import fcaudit as fca
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.score = nn.Linear(16, 1)
+
+        def forward(self, h):
+            g = torch.sigmoid(self.score(h).squeeze(-1))
+            return g * (g > g.flatten().median()) if name == "batch-coupled" else g  # top half of batch x token
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head, self.mlp = nn.Embedding(256, 16), nn.Linear(16, 256), nn.Linear(16, 16)
+            self.gates = nn.ModuleList([Gate()])
+            self.register_buffer("max_abs", torch.tensor(1e-3))
+            self.calls = 0
+
+        def forward(self, ids):
+            self.calls += 1
+            h = self.embed(ids)
+            g = self.gates[0](h)
+            if name == "counter-flag" and self.calls > 10:  # flips during the replays
+                g = g * 0
+            h = h + g.unsqueeze(-1) * self.mlp(h)
+            if name == "observer":
+                self.max_abs.copy_(torch.maximum(self.max_abs, h.detach().abs().max()))
+                h = torch.round(h / self.max_abs * 127) * self.max_abs / 127
+            return self.head(h)
+
+    model = LM().eval()
+    return model, fca.Controller.from_modules(model, "gates.*", layout="batch token")
 
 
 def _loss(name):
@@ -700,12 +744,12 @@ def play_api(world: World, spec: dict) -> Outcome:
     from fcaudit.auditor import AuditResult
 
     call, kw = spec["call"], dict(spec["kwargs"])
-    model = world.model
+    model, own = _misbehaving(kw.pop("model")) if "model" in kw else (world.model, None)
     if call in ("audit", "plan"):
         kw["eval_windows"] = _windows(world, kw["eval_windows"], "eval")
         kw["calib_windows"] = _windows(world, kw["calib_windows"], "calib")
         ctrl = kw.pop("controller", "valid")
-        ctrl = {"valid": lambda: fca.controller_for(model), "x": lambda: "x", None: lambda: None,
+        ctrl = {"valid": lambda: own or fca.controller_for(model), "x": lambda: "x", None: lambda: None,
                 "other-model": lambda: fca.controller_for(fca.load(world.fg, device="cpu"))}[ctrl]()
         if "loss_fn" in kw:
             kw["loss_fn"] = _loss(kw["loss_fn"])

@@ -187,6 +187,19 @@ CLASSES = {
          "pattern must be a glob over module paths"),
         ("api", {"call": "config", "kwargs": {"family": -1}}, "refused", "--family -1: pass a name"),
     ],
+    # issue 48: models that misbehave quietly, duplicated windows, calibration windows near the evaluation windows
+    "48-quiet": [
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid",
+                                             "model": "batch-coupled", "batch_size": 2}}, "refused",
+         "change when the other windows of its batch change"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": "counter-flag",
+                                             "randomizations": 2}}, "refused", "repeated at the end of the audit"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": "observer"}},
+         "refused", "buffer 'max_abs' changed during the audit"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "duplicated", "calib_windows": "valid"}}, "refused",
+         "evaluation window 1 equals window 0"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "eval-shifted"}}, "ok", ""),
+    ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]
 

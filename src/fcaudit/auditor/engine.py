@@ -21,7 +21,7 @@ from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.auditor.group import Group
-from fcaudit.auditor.state import ModelState
+from fcaudit.auditor.state import ModelState, changed_itself
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
@@ -177,9 +177,11 @@ class Engine:
             try:
                 self.group.run(lambda: self._stage1(share(sched.iter_stage1(), rank, world), step))
             except FcauditError as e:
+                if changed_itself(e):
+                    self._discard()
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
-                if self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
+                elif self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
                     self.dir.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
                 raise
             self._same_state("after stage 1")
@@ -206,12 +208,17 @@ class Engine:
         try:
             self.group.run(check)
         except FcauditError:
-            if self.group.is_main:
-                for name in ("coeffs", "calib", "parts", "records"):
-                    self.dir.out.remove_tree(self.dir.root / name)
-                for path in (self.dir.profiles, self.dir.replay, self.dir.variation):
-                    self.dir.out.remove_file(path)
+            self._discard()
             raise
+
+    def _discard(self) -> None:
+        """Every result of the audit removed (by rank 0, once every rank has stopped): none is valid for a model
+        that changed itself, and a rerun must not resume them."""
+        if self.group.is_main:
+            for name in ("coeffs", "calib", "parts", "records"):
+                self.dir.out.remove_tree(self.dir.root / name)
+            for path in (self.dir.profiles, self.dir.replay, self.dir.variation):
+                self.dir.out.remove_file(path)
 
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
@@ -249,6 +256,8 @@ class Engine:
         passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol)) and not flips
         stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
         if not passed:
+            if self.state is not None:  # a model that changed itself since the checks: that is the cause to name
+                self.state.check_tensors(self.model, f"by the exact replay check of windows {start}..{last}")
             self._failed_replay = {**stats, "passed": False, "tolerance": self.tol, "windows": [start, last]}
             if not finite:
                 raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "

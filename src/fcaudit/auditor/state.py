@@ -20,6 +20,11 @@ NO_RERUN = ("so Correct and the conditions were measured on different models; th
             "no rerun helps while the model changes itself:")
 
 
+def changed_itself(error: Exception) -> bool:
+    """Whether `error` (also as every rank raises it) is the state check's."""
+    return NO_RERUN in str(error)
+
+
 def tensor_digests(model: nn.Module) -> dict[str, str]:
     """'parameter NAME' / 'buffer NAME' -> the sha256 of its dtype, shape and bytes (an offloaded layer's too)."""
     kinds = {name for name, _ in model.named_parameters()}
