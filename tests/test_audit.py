@@ -171,8 +171,8 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     checks = SITE_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert len(calls) == checks + sum(u.passes for u in (*sched.iter_stage1(), *sched.iter_stage2()))
     # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone, the
-    # pre-write checks' pass of the first batch, the batch-composition check's and the state check's repeated pass
-    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 1 + 1 + 1] * 3
+    # pre-write checks' pass of the first batch, the batch-composition check's two and the state check's repeated pass
+    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 1 + BATCH_CHECK_PASSES + STATE_CHECK_PASSES] * 3
 
 
 def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monkeypatch):

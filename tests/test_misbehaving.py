@@ -65,6 +65,40 @@ def test_capacity_over_the_flattened_batch_is_refused(tmp_path):
     assert not (tmp_path / "a" / "records").exists()
 
 
+def test_a_capacity_router_filled_over_the_flattened_batch_is_refused(tmp_path):
+    """GShard-style slots by a cumulative sum, but the capacity's count runs over the whole batch in batch order: a
+    window's drops depend on the windows before it (the tutorial's capacity router, made batch-wide). Window 0
+    comes first, so alone it is routed as in its batch and the layout check passes it."""
+    import torch.nn.functional as F
+
+    from test_capacity import CapacityRouter, controller, tiny, windows
+
+    class PooledRouter(CapacityRouter):
+        def forward(self, x):
+            probs = self.wg(x).softmax(-1)
+            mask = torch.zeros_like(probs).scatter_(-1, probs.topk(2, dim=-1).indices, 1.0)
+            b, t, e = mask.shape
+            pooled = mask.reshape(1, b * t, e).cumsum(1).reshape(b, t, e) - 1  # places over the whole batch
+            mask = mask * (pooled < 4 * self.capacity)  # one pool of slots per expert for the whole batch
+            location = mask.cumsum(1) - 1
+            mask = mask * (location < self.capacity)
+            gates = probs * mask
+            gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-9)
+            slot = F.one_hot(location.clamp(0, self.capacity - 1).long(), self.capacity).to(x.dtype) * mask[..., None]
+            return slot.bool(), gates[..., None] * slot
+
+    model = tiny()
+    for layer in model.layers:
+        layer.moe.router.__class__ = PooledRouter
+    line = api_refusal(lambda: fca.audit(model, controller(model), windows(8, 0), windows(4, 1), randomizations=1,
+                                         batch_size=8, out=tmp_path / "a", quiet=True))
+    assert "site 'layers.0.moe.router'" in line and "change when the other windows of its batch change" in line
+    # the model as it was: a capacity per window passes
+    model = tiny()
+    assert fca.audit(model, controller(model), windows(8, 0), windows(4, 1), randomizations=1, batch_size=8,
+                     out=tmp_path / "b", quiet=True).replay.passed
+
+
 def test_the_same_model_with_a_capacity_per_window_passes(tmp_path):
     """The cut taken per window (a well-behaved router) passes: the check compares bit-equal rows."""
 

@@ -146,8 +146,9 @@ def shared_span_notice(ev: np.ndarray, ca: np.ndarray) -> Finding | None:
     if not shared:
         return None
     (c, e) = shared[0]
-    return Finding.notice("windows", f"note: {len(shared)} of {ca.shape[0]} calibration windows share a run of at "
-                          f"least {span} tokens (half a window, at least {MIN_SHARED_SPAN} and at most the window less one) with an "
+    return Finding.notice("windows", f"note: {len(shared)} of {ca.shape[0]} "
+                          "calibration windows share a run of at least "
+                          f"{span} tokens (half a window, at least {MIN_SHARED_SPAN} and at most the window less one) with an "
                           "evaluation window "
                           f"(calibration window {c} with evaluation window {e}): the static profiles then hold part "
                           "of the evaluation text; draw calibration windows from text that does not repeat the "

@@ -6,8 +6,8 @@ On one more Correct pass of the first evaluation batch: refused when the eval fo
 does not rebuild its site's output, or it puts two tokens in one slot once coefficients move; a notice when a site
 looks like a hidden state or hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
 its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
-what removes every coefficient's effect changes nothing. On the first batch with its second half replaced: refused
-when the first half's coefficients change (a controller over the flattened batch). For routers and ranked sites, on
+what removes every coefficient's effect changes nothing. On the first batch with its odd, then its even rows
+replaced: refused when the kept rows' coefficients change (a controller over the flattened batch). For routers and ranked sites, on
 two more passes: the causality check (does a decision at t depend on tokens after t?). Route flips are counted by
 the engine's exact replay check.
 """
@@ -35,7 +35,7 @@ AGREEING_POSITIONS = 0.5
 # forward passes of the checks before the units (Schedule counts only the units'): window 0 alone and replayed, one
 # more pass of the first batch, and for routers (and sites the model ranks) the causality check's two
 SITE_CHECK_PASSES = 3
-BATCH_CHECK_PASSES = 1  # the batch-composition check's capture (a first batch of two or more windows)
+BATCH_CHECK_PASSES = 2  # the batch-composition check's captures (a first batch of two or more windows)
 ROUTING_CHECK_PASSES = 2
 LATER_TOKENS = "routing depends on later tokens"
 
@@ -100,36 +100,40 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
 def check_composition(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
                       vocab: int) -> Finding | None:
     """Refused when a window's coefficients change with the other windows of its batch: the first batch captured
-    again with its second half replaced by seeded random windows (same batch size and positions, so the same
-    kernels) must give the first half's coefficients at the site's precision at every position. A controller that
-    ranks or normalizes over the flattened batch (a capacity over batch x token) would make every condition measure
-    the batch, and the penalties change with batch_size."""
+    twice more, once with its odd rows and once with its even rows replaced by seeded random windows (same batch size
+    and positions, so the same kernels), must give the kept rows' coefficients at the site's precision at every
+    position. Every window is compared with windows before and after it replaced, so a capacity filled in batch
+    order (a cumulative sum over the flattened batch) is caught as well as a rank or normalization over it, which
+    would make every condition measure the batch and the penalties change with batch_size."""
     coeffs = probe[0]
     b = first.shape[0]
     if b < 2:
         return None
-    keep = b // 2  # rows kept in place: the compared windows sit where they sat in the probe
-    other = first.clone()
     gen = torch.Generator().manual_seed(0)
-    other[keep:] = torch.randint(0, vocab, (b - keep, first.shape[1]), generator=gen).to(first.device)
-    with controller.capture(*other.shape, decoding=False) as found:
-        model(other)
-    for site, a, c, d in zip(controller.sites, found, coeffs, coeffs.decoding):
-        if a is None or a.shape != c.shape or a.dtype != c.dtype:
-            continue  # a site that did not run, or whose canonical shape depends on the batch: nothing to compare
-        a, c = a[:keep], c[:keep].to(a.device)
-        if torch.equal(a, c):
-            continue
-        moved = ~agreeing(a, c, d)
-        if differ := int(moved.sum()):
-            window = int(moved.any(1).to(torch.int8).argmax())
-            return Finding.refused("batch", f"site {site.path!r}: the coefficients of window {window} change when "
-                                   f"the other windows of its batch change ({differ} of {a.shape[0] * a.shape[1]} "
-                                   "positions of the kept windows differ): the controller depends on the batch (e.g. a "
-                                   "capacity, top-k or normalization over the flattened batch x token scores), so "
-                                   "every condition would measure the batch and the penalties change with "
-                                   "batch_size; make the controller act on each window alone (a capacity per window), "
-                                   "or audit with batch_size=1", {"site": site.name, "differ": differ})
+    for replaced in (1, 0):
+        other = first.clone()
+        rows = torch.arange(replaced, b, 2)
+        other[rows] = torch.randint(0, vocab, (len(rows), first.shape[1]), generator=gen).to(first.device)
+        with controller.capture(*other.shape, decoding=False) as found:
+            model(other)
+        kept = torch.arange(1 - replaced, b, 2)
+        for site, a, c, d in zip(controller.sites, found, coeffs, coeffs.decoding):
+            if a is None or a.shape != c.shape or a.dtype != c.dtype:
+                continue  # a site that did not run, or whose canonical shape depends on the batch: nothing to compare
+            a, c = a[kept.to(a.device)], c[kept.to(c.device)].to(a.device)
+            if torch.equal(a, c):
+                continue
+            moved = ~agreeing(a, c, d)
+            if differ := int(moved.sum()):
+                window = int(kept[int(moved.any(1).to(torch.int8).argmax())])
+                return Finding.refused("batch", f"site {site.path!r}: the coefficients of window {window} "
+                                       "change when the other windows of its batch change "
+                                       f"({differ} of {a.shape[0] * a.shape[1]} positions of the kept windows "
+                                       "differ): the controller depends on the batch (e.g. a capacity, top-k or "
+                                       "normalization over the flattened batch x token scores), so every condition "
+                                       "would measure the batch and the penalties change with batch_size; make the "
+                                       "controller act on each window alone (a capacity per window), or audit with "
+                                       "batch_size=1", {"site": site.name, "differ": differ, "window": window})
     return None
 
 
