@@ -81,7 +81,8 @@ def bare_loop(model: nn.Module, ctrl: fca.Controller, ev: torch.Tensor, ca: torc
     t0 = clock()
     with torch.inference_mode():
         nll(ev[:batch])  # the audit's probe of the first batch
-        nll(ev[:batch])  # the pre-write checks' pass
+        nll(ev[:batch])  # the pre-write checks' passes: one as the probe, one under the Flow mode
+        nll(ev[:batch])
         nll(ev[:1])  # check_sites_read: window 0 alone, then replayed with zeros
         nll(ev[:1])
         for u in sched.iter_stage1():

@@ -33,6 +33,8 @@ def defined_at(name: str) -> str | None:
     import fcaudit
 
     obj = getattr(fcaudit, name)
+    if inspect.ismodule(obj) and callable(obj):  # fca.execution: a subpackage called as its function of that name
+        obj = getattr(obj, name)
     if not (inspect.isclass(obj) or inspect.isfunction(obj)):
         return None
     return f"{obj.__module__}.{obj.__qualname__}"

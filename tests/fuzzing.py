@@ -1,5 +1,5 @@
-"""The fuzzing campaign: hypothesis strategies for fcaudit's five input surfaces (checkpoint configs, safetensors
-headers and shard indexes, CLI options, the Python API, damaged audit directories) and the one runner that plays an
+"""The fuzzing campaign: hypothesis strategies for fcaudit's six input surfaces (checkpoint configs, safetensors
+headers and shard indexes, CLI options, the Python API, damaged audit directories, models that misbehave) and the one runner that plays an
 input and judges its outcome (with tests/harness.py's judges, which the bad-input and safety tests use too).
 
 An input is plain data, a surface and a spec of symbolic choices ("@fg" is a fresh copy of a tiny trained FeatureGate
@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 import harness
 from harness import FAILURES, Outcome, api_outcome, cli_outcome, last_frames, tree
 
-SURFACES = ("config", "weights", "cli", "api", "audit-dir")
+SURFACES = ("config", "weights", "cli", "api", "audit-dir", "model")
 HANG_S = 60.0
 RSS_LIMIT = 2 * 2**30
 TESTS = Path(__file__).resolve().parent
@@ -689,48 +689,6 @@ def _windows(world: World, name: str, which: str = "eval"):
     }[name]()
 
 
-def _misbehaving(name: str):
-    """A small gated LM that misbehaves quietly (issue 48), with its controller: coupled across the windows of a
-    batch, a flag in a Python attribute flipped by a call counter, or a max-abs observer buffer left on in eval."""
-    import torch
-    from torch import nn
-
-    import fcaudit as fca
-
-    class Gate(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.score = nn.Linear(16, 1)
-
-        def forward(self, h):
-            g = torch.sigmoid(self.score(h).squeeze(-1))
-            return g * (g > g.flatten().median()) if name == "batch-coupled" else g  # top half of batch x token
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.embed, self.head, self.mlp = nn.Embedding(256, 16), nn.Linear(16, 256), nn.Linear(16, 16)
-            self.gates = nn.ModuleList([Gate()])
-            self.register_buffer("max_abs", torch.tensor(1e-3))
-            self.calls = 0
-
-        def forward(self, ids):
-            self.calls += 1
-            h = self.embed(ids)
-            g = self.gates[0](h)
-            if name == "counter-flag" and self.calls > 10:  # flips during the replays
-                g = g * 0
-            h = h + g.unsqueeze(-1) * self.mlp(h)
-            if name == "observer":
-                self.max_abs.copy_(torch.maximum(self.max_abs, h.detach().abs().max()))
-                h = torch.round(h / self.max_abs * 127) * self.max_abs / 127
-            return self.head(h)
-
-    model = LM().eval()
-    return model, fca.Controller.from_modules(model, "gates.*", layout="batch token")
-
-
 def _loss(name):
     import torch
 
@@ -744,12 +702,12 @@ def play_api(world: World, spec: dict) -> Outcome:
     from fcaudit.auditor import AuditResult
 
     call, kw = spec["call"], dict(spec["kwargs"])
-    model, own = _misbehaving(kw.pop("model")) if "model" in kw else (world.model, None)
+    model = world.model
     if call in ("audit", "plan"):
         kw["eval_windows"] = _windows(world, kw["eval_windows"], "eval")
         kw["calib_windows"] = _windows(world, kw["calib_windows"], "calib")
         ctrl = kw.pop("controller", "valid")
-        ctrl = {"valid": lambda: own or fca.controller_for(model), "x": lambda: "x", None: lambda: None,
+        ctrl = {"valid": lambda: fca.controller_for(model), "x": lambda: "x", None: lambda: None,
                 "other-model": lambda: fca.controller_for(fca.load(world.fg, device="cpu"))}[ctrl]()
         if "loss_fn" in kw:
             kw["loss_fn"] = _loss(kw["loss_fn"])
@@ -987,6 +945,128 @@ def play_audit_dir(world: World, spec: dict) -> Outcome:
     return outcome if outcome.failed or not seen else first
 
 
+# ---- surface 6: models that misbehave -----------------------------------------------------------------------------
+
+# What a generated model does wrong, and what fcaudit must then do: a model whose numbers cannot be trusted (its
+# coefficients depend on the other windows of its batch, its state changes between passes, its logits turn NaN only
+# under an intervention, the evaluation windows repeat) is refused; an integer or bool gate is refused or audited as
+# the same gate emitted in float; logits behind a hidden state are found, or the audit refused; a vocabulary entry
+# masked with -inf (finite NLL) is audited. An "ok" where a refusal was due is silent; a refusal of a well-behaved
+# model is an over-refusal.
+REFUSED_FOR = ("coupled", "state", "nan_under", "duplicates")
+
+
+@st.composite
+def misbehaving_models(draw) -> dict:
+    pick = lambda pool: draw(st.sampled_from(pool))  # noqa: E731
+    return {"gate": pick(["float", "float", "int", "bool", "float64"]), "coupled": pick([False, False, True]),
+            "state": pick([None, None, "flag", "buffer"]), "flip_after": pick([3, 12, 40]),
+            "nan_under": pick([False, False, True]), "output": pick(["logits", "logits", "hidden-first", "dict",
+                                                                     "neg-inf"]),
+            "duplicates": pick([False, False, True]), "batch_size": pick([1, 2, 4]), "seed": pick([0, 1])}
+
+
+def misbehaving_model(spec: dict):
+    """A tiny gated LM that misbehaves as `spec` says, written as a user would write one."""
+    import torch
+    from torch import nn
+
+    class Gate(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.score = nn.Linear(d, 1)
+
+        def forward(self, h):
+            s = self.score(h).squeeze(-1)
+            if spec["coupled"]:  # the top half of every score in the batch, windows and tokens together
+                on = s >= s.flatten().median()
+            else:
+                on = torch.sigmoid(s)
+            if spec["gate"] in ("int", "bool", "step"):  # 0/1 decisions, as int64, bool or (its twin) float32
+                on = on > 0.5 if on.is_floating_point() else on
+            return on.to({"int": torch.int64, "bool": torch.bool, "float64": torch.float64}.get(spec["gate"],
+                                                                                             torch.float32))
+
+    class LM(nn.Module):
+        def __init__(self, d=8, vocab=256, n=2):
+            super().__init__()
+            torch.manual_seed(spec["seed"])
+            self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+            self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                      for _ in range(n))
+            self.gates = nn.ModuleList(Gate(d) for _ in range(n))
+            self.calls = 0
+            self.register_buffer("maxabs", torch.zeros(()))
+
+        def forward(self, ids):
+            self.calls += 1
+            h = self.emb(ids)
+            if spec["state"] == "flag" and self.calls > spec["flip_after"]:
+                h = h * 1.5
+            if spec["state"] == "buffer":  # a fake-quant observer left on in eval
+                self.maxabs = torch.maximum(self.maxabs, h.detach().abs().max())
+                scale = self.maxabs / 127
+                h = torch.round(h / scale) * scale
+            for mlp, gate in zip(self.mlps, self.gates):
+                g = gate(h)
+                if spec["nan_under"] and not torch.equal(Gate.forward(gate, h), g):  # its own gate recomputed
+                    h = h * float("nan")  # beside the site: a replayed value other than its own gives NaN
+                h = h + g.to(h.dtype).unsqueeze(-1) * mlp(h)
+            logits = self.head(h)
+            if spec["output"] == "neg-inf":
+                logits = logits.clone()
+                logits[..., 0] = float("-inf")
+            return {"hidden-first": lambda: (h, logits), "dict": lambda: {"logits": logits}}.get(
+                spec["output"], lambda: logits)()
+
+    return LM().eval()
+
+
+def _audit_model(world: World, spec: dict, out: Path):
+    import fcaudit as fca
+
+    model = misbehaving_model(spec)
+    ev, ca = world.windows["eval"], world.windows["calib"]
+    if spec["duplicates"]:
+        ev = ev[[0, 0, 1, 2]]
+    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
+    return api_outcome(lambda: fca.audit(model, ctrl, ev, ca, randomizations=1, batch_size=spec["batch_size"],
+                                         out=out, quiet=True))
+
+
+def play_model(world: World, spec: dict) -> Outcome:
+    import torch
+
+    from fcaudit.loss import token_nll
+
+    outcome, result = _audit_model(world, spec, world.run / "out")
+    if outcome.kind == "ok":  # a result must read back
+        outcome, penalties = api_outcome(result.penalties)
+    due = [m for m in REFUSED_FOR if spec[m]]
+    if outcome.kind != "ok":
+        if outcome.kind == "refused" and not due and spec["gate"] in ("float", "float64") \
+                and spec["output"] != "hidden-first":
+            return Outcome("silent", f"over-refused a well-behaved model: {outcome.detail}")
+        return outcome
+    if due:
+        return Outcome("silent", f"audited a model that {', '.join(due)}: {penalties}")
+    if spec["gate"] in ("int", "bool"):  # audited: it must be the same gate's audit in float
+        twin, twin_result = _audit_model(world, {**spec, "gate": "step"}, world.run / "twin")
+        if twin.kind == "ok":
+            mine, theirs = penalties.statistic, twin_result.penalties().statistic
+            if not torch.allclose(torch.as_tensor(mine), torch.as_tensor(theirs), atol=1e-6, equal_nan=True):
+                return Outcome("silent", f"a {spec['gate']} gate's penalties {mine} differ from its float twin's {theirs}")
+    if spec["output"] == "hidden-first":  # the NLL must be the logits', not the hidden state's
+        model = misbehaving_model(spec)
+        with torch.inference_mode():
+            nll = token_nll(model(world.windows["eval"])[1], world.windows["eval"]).mean(1).double()
+        correct = result.records.query("condition == 'Correct'").sort_values("example")["nll"].to_numpy()
+        if not torch.allclose(torch.as_tensor(correct), nll, atol=1e-6):
+            return Outcome("silent", f"scored the hidden state as logits (Correct NLL {correct.mean():.4f}, "
+                                     f"the logits' {float(nll.mean()):.4f})")
+    return outcome
+
+
 def instruction(message: str, adir: Path) -> str | Path | None:
     """What a refusal tells the user to do in the audit directory: "rerun", or a path in it to remove or move out
     (then rerun); None for any other fix."""
@@ -998,10 +1078,11 @@ def instruction(message: str, adir: Path) -> str | Path | None:
 
 
 PLAYERS: dict[str, Callable[[World, dict], Outcome]] = {
-    "config": play_config, "weights": play_weights, "cli": play_cli, "api": play_api, "audit-dir": play_audit_dir}
+    "config": play_config, "weights": play_weights, "cli": play_cli, "api": play_api, "audit-dir": play_audit_dir,
+    "model": play_model}
 STRATEGIES: dict[str, Callable[[], st.SearchStrategy]] = {
     "config": checkpoint_configs, "weights": weights_files, "cli": cli_options, "api": api_calls,
-    "audit-dir": damaged_audits}
+    "audit-dir": damaged_audits, "model": misbehaving_models}
 
 
 # ---- the long run: forked children, limits, counts -----------------------------------------------------------------

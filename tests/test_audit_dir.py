@@ -22,7 +22,7 @@ from fcaudit.auditor import AuditResult, audit
 from fcaudit.cli import app
 from fcaudit.controllers import Controller
 from fcaudit.auditor.state import STATE_CHECK_PASSES
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
 from fcaudit.families import load_model
@@ -154,7 +154,7 @@ def test_damaged_files_are_recomputed_and_reported(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "recomputed 5 damaged file(s)" in err and "config.json" in err
     # probe and its checks, the chunk's capture + check, calibration, CrossInput r1 (2 batches), the state check
-    assert len(calls) == 1 + SITE_CHECK_PASSES + BATCH_CHECK_PASSES + 2 + 1 + 2 + STATE_CHECK_PASSES
+    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + 2 + 1 + 2 + STATE_CHECK_PASSES
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert chunk.read_bytes() == chunk_bytes and (out / "variation.json").read_bytes() == variation
     # an edited (not truncated) record is caught by its content hash
@@ -393,7 +393,7 @@ def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_js
     model.register_forward_hook(lambda *a: calls.append(1))
     again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "/scratch/s0", "family": "toy seeds"})
     # the probe, its checks and the state check's repeated pass: every unit was done
-    assert len(calls) == 1 + SITE_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")} == records
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     saved = json.loads((out / "config.json").read_text())["model"]
@@ -425,7 +425,7 @@ def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resum
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "./runs/s0"})  # and read from elsewhere
-    assert len(calls) == 1 + SITE_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert json.loads((out / MARKER).read_text())["config_hash"] == digest
     assert files.read_json(out / "config.json")["config_hash"] == digest  # migrated, its own hash valid

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fcaudit.auditor.state import STATE_CHECK_PASSES
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -27,7 +27,10 @@ def test_gpu_audit_smoke_mode_runs_on_the_cpu(tmp_path, capsys):
         assert r["replay_passed"] and r["forward_ms"] > 0 and r["flops_per_forward"] > 0
         # counted in the audit: 4 + 4 windows at batch 2 with R = 2 (calibration, capture (the first batch's by the
         # probe) and replay check, R per randomized condition (4 of them), the static ones)
-        checks = SITE_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES + routed * ROUTING_CHECK_PASSES
+        # the checks: the Flow pass follows the gates and mixtures (not the routers), the causality check the routers;
+        # the batch-composition check's two passes and the state check's repeated Correct pass
+        checks = SITE_CHECK_PASSES + (1 - routed) * FLOW_CHECK_PASSES + routed * ROUTING_CHECK_PASSES
+        checks += BATCH_CHECK_PASSES + STATE_CHECK_PASSES
         assert r["forward_passes"] == checks + 2 + 2 * (2 + 4 * 2 + static)
         assert r["paper_forward_passes"] == 64 + 64 * (2 + 4 * 20 + static)
         assert r["audit_over_bare"] > 0 and r["paper_audit_h_extrapolated"] > 0 and r["mfu"] is None
@@ -82,3 +85,15 @@ def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is
                                                           "exact replay True, route flips 0")
     line = moe_families.audit("jetmoe")
     assert line.startswith("not audited: unsupported MoE router JetMoeTopKGating") and "\n" not in line
+
+
+def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
+    torch_modules = load_script("torch_modules")
+    rows = torch_modules.main(["--smoke"])
+    assert [r["model"] for r in rows] == ["mha", "encoder"]
+    for r in rows:
+        assert r["replay_exact"] and r["forward_passes"] == r["planned_passes"]
+        # every pass runs the fused kernel but the Flow check's, under its TorchFunctionMode (no site is ranked)
+        assert r["fused_passes"] == r["forward_passes"] - FLOW_CHECK_PASSES
+        assert len(r["ratios"]) == 1 and min(r["ratios"][0]) > 0
+    assert "replay bit-exact True" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
 from fcaudit.auditor.state import STATE_CHECK_PASSES
-from fcaudit.controllers.checks import SITE_CHECK_PASSES
+from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
@@ -177,8 +177,10 @@ def test_a_dry_run_at_the_bounds_is_counted_in_a_second_without_listing_its_unit
     tracemalloc.stop()
     # listing the units would hold millions of them: 64 batches x (4 randomized x 10,000 + static) runs
     sched = Schedule(64, 8, 1, cfg.MAX_RANDOMIZATIONS, tuple(p.conditions))
-    # batch size 1: no batch-composition check; every rank repeats the first Correct pass (the state check)
-    assert p.forward_passes == sched.forward_passes() + cfg.MAX_WORLD_SIZE * STATE_CHECK_PASSES > 2_000_000
+    world = cfg.MAX_WORLD_SIZE  # each rank runs the checks, each but rank 0 a probe of its own
+    # a FeatureGate's gates: followed, not ranked; batch size 1: no batch-composition check; the state check's pass
+    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES + STATE_CHECK_PASSES
+    assert p.forward_passes == sched.forward_passes() + world * p.check_passes + world - 1 > 2_000_000
     assert sum(p.passes_per_rank) == p.forward_passes and len(p.passes_per_rank) == cfg.MAX_WORLD_SIZE
     assert peak < 4 * 2**20 and seconds < 5, (peak, seconds)
     assert "forward passes per rank" in str(p) and len(str(p)) < 1000  # a range, not 4096 numbers
@@ -209,4 +211,4 @@ def test_a_plan_takes_the_settings_of_the_audit_it_plans(tmp_path):
     passes = []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     fca.audit(model, ctrl, ids(6, 0), ids(4, 1), **settings)
-    assert len(passes) == planned.forward_passes + SITE_CHECK_PASSES  # the probe is the first batch's capture
+    assert len(passes) == planned.forward_passes  # the checks' passes too; the probe is the first batch's capture

@@ -10,7 +10,7 @@ from conftest import tiny_early_exit
 from rich.console import Console
 
 from fcaudit.errors import FcauditError
-from fcaudit.execution import ExecutionConfig, measure_execution
+from fcaudit.execution import ExecutionConfig, flops, measure_execution
 from fcaudit.execution.decode import decode, not_decodable
 from fcaudit.execution.display import decoding_table
 from fcaudit.models.featuregate import FeatureGateGPT, GPTConfig
@@ -115,3 +115,17 @@ def test_execution_measures_decoding_against_dense(tmp_path):
     console.print(decoding_table(df.reset_index()))
     text = console.export_text()
     assert "no layer skipped" in text and "not decodable" in text and "causal predictor" in text
+
+
+def test_a_hugging_face_model_decodes_through_its_own_cache_and_its_blocks_are_observed(ids):
+    pytest.importorskip("transformers")
+    from fcaudit.execution.decode import decoding_columns
+    from fcaudit.families.hf_moe.tiny import tiny_moe
+
+    model = tiny_moe("mixtral", experts=4, top_k=2, layers=2)
+    assert not_decodable(model) is None
+    text = ids[:1, :12]
+    cols = decoding_columns(model, text)
+    assert cols["decode_note"] == "" and cols["executed_layer_fraction"] == 1.0  # every block ran every token
+    assert cols["decode_max_abs_dlogit"] < 1e-4  # teacher-forced decoding gives the window's logits
+    assert 0 < cols["decode_flops_per_token"] < flops(model, text) * 1.5

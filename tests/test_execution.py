@@ -253,3 +253,50 @@ def test_checkpoints_of_one_label_are_told_apart_and_a_model_without_gates_says_
                                            threshold_windows=2, threads=1))
     assert df["model"].tolist() == ["dense", "featuregate (fg)", "featuregate (fg-s1)"]
     assert "thresholding: dense has no scalar gates to threshold; skipped" in capsys.readouterr().err
+
+
+class SkipRouterLM(nn.Module):
+    """A per-token skip router written as people write one: a scorer per block picks the tokens whose MLP runs, and the
+    model calls `block.mlp` on those rows only (the block's own forward never runs); `mask=True` computes every row and
+    zeroes the skipped tokens' updates instead."""
+
+    def __init__(self, keep: float, mask: bool = False, d: int = 16, n: int = 3):
+        super().__init__()
+        self.keep, self.mask = keep, mask
+        self.emb, self.head = nn.Embedding(256, d), nn.Linear(d, 256)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(d), "mlp": nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))}) for _ in range(n))
+        self.scorers = nn.ModuleList(nn.Linear(d, 1) for _ in range(n))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        k = max(1, round(self.keep * ids.shape[1]))
+        for block, scorer in zip(self.blocks, self.scorers):
+            top = scorer(h).squeeze(-1).topk(k, dim=1).indices  # [B, k]
+            if self.mask:
+                run = torch.zeros_like(h[..., 0]).scatter(1, top, 1.0)
+                h = h + run[..., None] * block["mlp"](block["ln"](h))
+            else:
+                rows = h.gather(1, top[..., None].expand(-1, -1, h.shape[-1]))
+                h = h.scatter_add(1, top[..., None].expand_as(rows), block["mlp"](block["ln"](rows)))
+        return self.head(h)
+
+
+def test_blocks_are_counted_by_the_rows_they_computed_not_by_their_forward_calls():
+    ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(0))
+    gathered = executed_blocks(SkipRouterLM(keep=2 / 3).eval(), ids, "blocks.*")
+    assert gathered.executed == gathered.n_blocks == 3 and gathered.skipped == ()  # no block's forward ever ran
+    assert gathered.row_fractions == pytest.approx((2 / 3,) * 3)
+    masked = executed_blocks(SkipRouterLM(keep=2 / 3, mask=True).eval(), ids, "blocks.*")
+    assert masked.row_fractions == (1.0, 1.0, 1.0)  # a mask decides 2/3 and computes every row
+
+    class Shallow(SkipRouterLM):  # a fixed depth: the last block never computes
+        def forward(self, ids):
+            h = self.emb(ids)
+            for block in self.blocks[:2]:
+                h = h + block["mlp"](block["ln"](h))
+            return self.head(h)
+
+    shallow = executed_blocks(Shallow(keep=1.0).eval(), ids, "blocks.*")
+    assert (shallow.executed, shallow.skipped, shallow.row_fractions) == (2, ("blocks.2",), (1.0, 1.0, 0.0))
+    assert shallow.row_fraction == pytest.approx(2 / 3)

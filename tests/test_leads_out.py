@@ -127,7 +127,7 @@ def test_a_store_file_changed_while_the_audit_runs_says_rerun_and_the_rerun_give
 
         def forward(self, ids):
             self.calls += 1
-            if self.armed and self.calls == 8:  # stage 1 and the exact replay check are done: a replay reads the store
+            if self.armed and self.calls == 9:  # stage 1 and the exact replay check are done: a replay reads the store
                 for chunk in (tmp_path / "audit" / "coeffs").glob("chunk_*.safetensors"):
                     chunk.write_bytes(damage)
             return super().forward(ids)

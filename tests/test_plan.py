@@ -1,10 +1,15 @@
 """The dry-run plan: sizes, forward passes, conditions, and where the store is held."""
 
+import pytest
+import torch
+from torch import nn
+
+import fcaudit as fca
 from fcaudit import plan
 from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES
-from conftest import T, ToyMoE, windows
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from conftest import T, V, ToyGated, ToyMoE, tiny_early_exit, windows
 
 
 def test_plan_reports_sizes():
@@ -13,8 +18,10 @@ def test_plan_reports_sizes():
     p = plan(model, ctrl, windows(32, 0), windows(8, 1), batch_size=8, randomizations=20)
     assert p.layer_shapes == [[T, 1, 4], [T, 1, 4]]
     assert p.store_bytes == 32 * 2 * T * 4 * 4
-    # the units, then the batch-composition check and the state check's repeated Correct pass
-    assert p.forward_passes == 1 + 4 * (2 + 80 + 3) + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    # the units, then the checks: three passes, the Flow pass that follows the soft mixtures (none ranked), the
+    # batch-composition check's two and the state check's repeated Correct pass
+    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert p.forward_passes == 1 + 4 * (2 + 80 + 3) + p.check_passes
     assert p.conditions == ["Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
                             "LayerPositionMean", "StaticProfile", "StructureRemoved"]  # a source mixture's
     assert p.activation_bytes > 0
@@ -34,3 +41,54 @@ def test_plan_names_the_device_that_holds_the_store(monkeypatch):
     p = plan(model, Controller.from_modules(model, "layers.*.router", "(batch token) expert"), windows(32, 0))
     assert asked == [p.store_bytes] and p.store_device == "cpu"
     assert str(p).endswith("per window); the replays also hold the store on cpu")
+
+
+class RankedGate(nn.Module):
+    """A block whose gate scores also pick the two tokens a second update reaches: the model ranks the gate."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.gate = nn.Linear(d, 1)
+        self.up = nn.Linear(d, d)
+
+    def forward(self, h):
+        g = torch.sigmoid(self.gate(h)).squeeze(-1)
+        picked = torch.zeros_like(g).scatter(1, g.topk(2, dim=1).indices, 1.0)
+        return h + (g + picked).unsqueeze(-1) * self.up(h)
+
+
+class RankedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.emb = nn.Embedding(V, 16)
+        self.blocks = nn.ModuleList(RankedGate() for _ in range(2))
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("case", ["gated", "ranked", "router"])
+def test_the_plan_counts_every_forward_pass_the_audit_runs_the_checks_included(case, tmp_path):
+    """The Flow pass follows soft coefficients (a gate); the causality check runs for routers (an exit depth) and
+    for gates the model ranks: the plan finds which from one window, and counts exactly what the audit runs."""
+    if case == "router":
+        model = tiny_early_exit()
+        ctrl, ev, ca = fca.controller_for(model), windows(6, 0), windows(2, 1)
+    else:
+        model = ToyGated() if case == "gated" else RankedLM().eval()
+        layout = "batch token" if case == "gated" else "batch token 1"
+        ctrl = Controller.from_modules(model, "blocks.*.gate", layout=layout)
+        ev, ca = windows(6, 0), windows(2, 1)
+    p = plan(model, ctrl, ev, ca, batch_size=3, randomizations=1)
+    flow = FLOW_CHECK_PASSES if case != "router" else 0
+    assert p.check_passes == SITE_CHECK_PASSES + flow + (ROUTING_CHECK_PASSES if case != "gated" else 0)
+    passes = []
+    model.register_forward_pre_hook(lambda *a: passes.append(1))
+    result = fca.audit(model, ctrl, ev, ca, batch_size=3, randomizations=1, out=tmp_path / "a", quiet=True)
+    assert result.replay.passed and len(passes) == p.forward_passes
+    assert ("ranked" in [f.check for f in result.replay.findings]) == (case == "ranked")

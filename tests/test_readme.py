@@ -22,7 +22,7 @@ def test_readme_is_short_and_its_quick_start_fits_in_20_lines():
     # the commands it names exist: each `make` target is the Makefile's (a dry run prints what it runs), and each
     # `pip install -e` installs this clone with extras its pyproject.toml defines (hf: transformers and accelerate)
     runs = {"demo": "fcaudit demo", "test": "pytest", "docs": "mkdocs build", "fuzz": "fuzzing.py",
-            "bench": "make_benchmarks"}
+            "bench": "make_benchmarks", "test-latest": "pytest", "lock": "uv pip compile"}
     targets = set(re.findall(r"`?make ([a-z][\w-]*)", text))
     assert {"demo", "test"} <= targets
     for target in targets:

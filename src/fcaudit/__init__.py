@@ -7,6 +7,7 @@
     result = fca.audit(model, ctrl, eval_windows, calib_windows, randomizations=20, seed=0, out="audit-dir")
     result.penalties()["CrossInput"], result.factor_effects(), result.retention()  # Estimates, Mappings
     fca.summarize([result, ...])  # family -> the same results, across checkpoints
+    fca.execution(model, ctrl, eval_windows)  # decided against executed work, FLOPs, latency, decoding
 """
 
 import importlib
@@ -23,7 +24,8 @@ _LAZY = {
     "controller_for": "fcaudit.families", "register": "fcaudit.families", "Family": "fcaudit.families",
     "AuditResult": "fcaudit.auditor", "plan": "fcaudit.auditor", "audit": "fcaudit.auditor",
     "summarize": "fcaudit.summary", "Criteria": "fcaudit.protocol", "AuditConfig": "fcaudit.config",
-    "build_report": "fcaudit.report.render",
+    "build_report": "fcaudit.report.render", "ExecutionResult": "fcaudit.execution",
+    "ExecutionSettings": "fcaudit.execution",
     # the result objects: one audit's, a summary's, and what both return
     "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.auditor.results",
     "Summary": "fcaudit.summary", "FamilyResult": "fcaudit.summary",
@@ -31,10 +33,12 @@ _LAZY = {
     "RetentionResult": "fcaudit.stats.results", "Estimate": "fcaudit.stats.inference",
 }
 
-__all__ = ["FcauditError", "__version__", *_LAZY]
+__all__ = ["FcauditError", "__version__", "execution", *_LAZY]
 
 
 def __getattr__(name: str):
+    if name == "execution":  # a subpackage that is called as a function (fcaudit.execution's __init__)
+        return importlib.import_module("fcaudit.execution")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fcaudit' has no attribute {name!r}")

@@ -192,6 +192,19 @@ class Description:
         (`fcaudit.depth.canonical`); every other kind as it is."""
         return depths.canonical(self.depth, coeffs) if self.depth else list(coeffs)
 
+    def decided(self, coeffs: Sequence[torch.Tensor]) -> float:
+        """The share of the work its decisions select, over the windows of `coeffs` (canonical): the tokens a token
+        router chose, the (layer, token) pairs a depth controller runs, an expert router's experts per token of its
+        E (the widest source axis of its routers); 1.0 without routers (a soft gate or mixture runs everything)."""
+        if not self.routers:
+            return 1.0
+        share = float(self.active(coeffs).mean())
+        return share if self.tokens or self.depth else share / max(coeffs[i].shape[3] for i in self.routers)
+
+    def top(self, coeffs: Sequence[torch.Tensor]) -> int:
+        """A depth controller's most units a token can execute (blocks, steps or skippable blocks); 1 per site else."""
+        return depths.top(self.depth, coeffs) if self.depth else len(coeffs)
+
     @property
     def tokens(self) -> bool:
         """Whether its sites choose the tokens a block runs on (a controller of token routers only)."""

@@ -1,5 +1,5 @@
-"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from one
-one-window forward pass; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
+"""The dry run: what an audit of these windows will cost (store, forward passes, memory), measured from forward
+passes of one window; `fca.plan` returns it and `fcaudit audit --dry-run` prints it."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.auditor.store import check_finite
 from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig, with_settings
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, check_passes, follow
 from fcaudit.controllers.controller import Controller
 
 
 @dataclass
 class AuditPlan:
     """What `fca.plan` returns: `str(plan)` is the line `fcaudit audit --dry-run` prints, the fields the numbers
-    behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape)."""
+    behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape). The
+    forward passes are all an audit runs: its work units', every rank's checks' (`check_passes` of them)
+    and, on ranks other than 0, the probe's (rank 0's is the first batch's capture)."""
 
     n_eval: int
     n_calib: int
@@ -46,6 +48,7 @@ class AuditPlan:
     store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
     devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
     plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
+    check_passes: int = 0  # each rank's checks: pre-write, batch composition, state (counted in forward_passes)
 
     def __str__(self) -> str:
         split = ""
@@ -93,8 +96,9 @@ class _PeakBytes(TorchDispatchMode):
 
 
 def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device) -> tuple:
-    """(coefficients, logits, activation bytes) of a capture of one window, after a warm-up pass: its peak allocation
-    beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors."""
+    """(coefficients, logits, activation bytes, the checks' forward passes) of a capture of one window, after a
+    warm-up pass: its peak allocation beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors;
+    the checks' passes from a Flow pass of the window (which sites the model ranks), as the audit's first batch's."""
     cuda = device.type == "cuda"
     with evaluating(model):
         first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
@@ -105,8 +109,9 @@ def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, dev
         with nullcontext() if cuda else _PeakBytes() as counted:
             coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
         acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
-    check_finite(coeffs, "a 1-window forward")
-    return coeffs, logits_of_one, acts
+        check_finite(coeffs, "a 1-window forward")
+        checks = check_passes(controller, follow(model, controller, one, coeffs))
+    return coeffs, logits_of_one, acts, checks
 
 
 RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its key and verified-records entry
@@ -114,7 +119,7 @@ RUN_BYTES = 512  # the engine's bookkeeping per (condition, randomization): its 
 
 def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=None, *,
          config: AuditConfig | None = None, world_size: int = 1, **settings) -> AuditPlan:
-    """What an audit of these windows will cost (store, forward passes, memory), from one one-window forward pass.
+    """What an audit of these windows will cost (store, forward passes, memory), from forward passes of one window.
 
     Size a large audit with it and choose `batch_size` and the number of processes; `fcaudit audit --dry-run`
     prints the same. Peak memory counts the parameters, the plan (windows, bookkeeping) and, per window of a batch,
@@ -150,7 +155,7 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
-    coeffs, logits_of_one, acts = _one_window(model, controller, ev[:1].to(device), device)
+    coeffs, logits_of_one, acts, checks = _one_window(model, controller, ev[:1].to(device), device)
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -159,12 +164,14 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
     store = per_window * ev.shape[0]
     planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
-    # the checks every rank runs besides the units: the batch-composition check, the state check's repeated pass
-    checks = STATE_CHECK_PASSES + (BATCH_CHECK_PASSES if min(batch, ev.shape[0]) >= 2 else 0)
+    # besides the pre-write checks, every rank runs the batch-composition check (a first batch of two or more
+    # windows) and the state check's repeated Correct pass
+    checks += STATE_CHECK_PASSES + (BATCH_CHECK_PASSES if min(batch, ev.shape[0]) >= 2 else 0)
+    per_rank = [units + checks + (k > 0) for k, units in enumerate(sched.passes_per_rank(world))]  # k > 0: a probe
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),
-                     store, sched.forward_passes() + world * checks, param_bytes, acts,
+                     store, sum(per_rank), param_bytes, acts,
                      param_bytes + planned + batch * (acts + logits + 3 * per_window), world,
-                     [p + checks for p in sched.passes_per_rank(world)], str(device) if keeps_store_on(device, store) else None,
+                     per_rank, str(device) if keeps_store_on(device, store) else None,
                      sorted(set(placement.device_map(model).values())) if placement.is_dispatched(model) else None,
-                     planned)
+                     planned, checks)

@@ -2,14 +2,15 @@
 returns a `Finding`, a refusal (the audit stops with its line) or a notice (kept in replay.json and said with the
 results), with its data.
 
-On one more Correct pass of the first evaluation batch: refused when the eval forward is not deterministic, a codec
-does not rebuild its site's output, or it puts two tokens in one slot once coefficients move; a notice when a site
-looks like a hidden state or hidden-width features, or holds scores the model ranks. On window 0 alone: refused when
-its coefficients are not its row of the batch (a layout naming axes in the wrong order); a notice when replaying
-what removes every coefficient's effect changes nothing. On the first batch with its odd, then its even rows
-replaced: refused when the kept rows' coefficients change (a controller over the flattened batch). For routers and ranked sites, on
-two more passes: the causality check (does a decision at t depend on tokens after t?). Route flips are counted by
-the engine's exact replay check.
+On one more Correct pass of the first evaluation batch, run as the probe was: refused when the eval forward is not
+deterministic, a codec does not rebuild its site's output, or it puts two tokens in one slot once coefficients move;
+on one more under the Flow mode, compared with no other pass: a notice when a site looks like a hidden state or
+hidden-width features, or holds scores the model ranks. On window 0 alone: refused when its coefficients are not its
+row of the batch (a layout naming axes in the wrong order); a notice when replaying what removes every coefficient's
+effect changes nothing. On the first batch with its odd, then its even rows replaced: refused when the kept rows'
+coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes (both under the Flow mode where a site is
+ranked): the causality check (does a decision at t depend on tokens after t?). Route flips are counted by the
+engine's exact replay check.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from fcaudit.loss import logits_of
 # Batched and single-window passes may round differently (other kernels; a router's near-tie), so half the positions
 # must agree at the site's own precision; axes named in the wrong order move whole rows, and next to none agree.
 AGREEING_POSITIONS = 0.5
-# forward passes of the checks before the units (Schedule counts only the units'): window 0 alone and replayed, one
-# more pass of the first batch, and for routers (and sites the model ranks) the causality check's two
+# forward passes of the checks before the units (Schedule counts only the units'; `check_passes` all of them): window
+# 0 alone and replayed and one more pass of the first batch; where sites are followed, the Flow pass of the first
+# batch; for routers (and sites the model ranks) the causality check's two
 SITE_CHECK_PASSES = 3
+FLOW_CHECK_PASSES = 1
 BATCH_CHECK_PASSES = 2  # the batch-composition check's captures (a first batch of two or more windows)
 ROUTING_CHECK_PASSES = 2
 LATER_TOKENS = "routing depends on later tokens"
@@ -387,22 +390,44 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
 
 # ---- all of them --------------------------------------------------------------------------------------------------
 
+def follow(model: nn.Module, controller: Controller, x: torch.Tensor, coeffs: Sequence[torch.Tensor]) -> Flow | None:
+    """A pass of `x` under the Flow mode, following the sites of the model's hidden width (by their canonical
+    `coeffs`) to the modules they feed and the soft coefficients to the ops that rank them; None where there are none.
+    Its outputs are compared with no other pass: a TorchFunctionMode (and a hook on every module) turns off torch's
+    fused attention fast path (nn.MultiheadAttention, nn.TransformerEncoderLayer), which rounds differently."""
+    width = hidden_width(model)
+    watch = [i for i, c in enumerate(coeffs) if c.shape[-1] == width]
+    rank = [i for i, k in enumerate(controller.info.of) if not k.router]
+    if not watch and not rank:
+        return None
+    with controller.outputs(*x.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
+        model(x)
+    return flow
+
+
+def check_passes(controller: Controller, flow: Flow | None) -> int:
+    """The forward passes of the pre-write checks of an audit whose first batch's `follow` gave `flow`."""
+    ranks = bool(controller.info.routers) or (flow is not None and bool(flow.ranked))
+    return SITE_CHECK_PASSES + (FLOW_CHECK_PASSES if flow is not None else 0) + (ROUTING_CHECK_PASSES if ranks else 0)
+
+
 def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Tensor,
                        probe: tuple) -> tuple[list[Finding], list[int]]:
-    """The checks on one more pass of the first batch (refusals first), and the sites the model ranks. Only the sites
-    of hidden width are followed to the modules they feed; only soft coefficients to the ops that rank them."""
-    width, info = hidden_width(model), controller.info
-    watch = [i for i, c in enumerate(probe[0]) if c.shape[-1] == width]
-    rank = [i for i, k in enumerate(info.of) if not k.router]
-    with controller.outputs(*first.shape) as raws, (flow := Flow(raws, watch, rank)).following(model):
+    """The checks on more passes of the first batch (refusals first), and the sites the model ranks: one pass run as
+    the probe was, compared with it; then, unless that refused, the Flow pass (`follow`), compared with nothing."""
+    info = controller.info
+    with controller.outputs(*first.shape) as raws:
         logits = logits_of(model(first))
     coeffs = info.canonical([s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)])
     decoding = probe[0].decoding
-    found = [check_deterministic(controller, logits, coeffs, probe),
-             check_round_trip(controller, raws, first, decoding),
-             check_slots(controller, raws, coeffs, decoding, first.shape[0]),
-             hidden_state_notice(controller, flow, width), ranked_notice(controller, flow)]
-    return sorted((f for f in found if f is not None), key=lambda f: not f.refusal), sorted(flow.ranked)
+    found = [f for f in (check_deterministic(controller, logits, coeffs, probe),
+                         check_round_trip(controller, raws, first, decoding),
+                         check_slots(controller, raws, coeffs, decoding, first.shape[0])) if f is not None]
+    flow = None if any(f.refusal for f in found) else follow(model, controller, first, probe[0])
+    if flow is not None:
+        found += [f for f in (hidden_state_notice(controller, flow, hidden_width(model)),
+                              ranked_notice(controller, flow)) if f is not None]
+    return sorted(found, key=lambda f: not f.refusal), sorted(flow.ranked) if flow is not None else []
 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,

@@ -1,7 +1,9 @@
 """Token-by-token decoding with a KV cache, where per-token early exit saves work (scoring a window computes every
 position at every block). A model decodes if it has `start_decoding(batch, window)` and takes
 `model(ids[:, t:t+1], cache=state)`: fcaudit's Dense, FeatureGate and its variants, MoD routing by its causal
-predictor, and early exit, all on FeatureGate's blocks and cache, so their ratios measure the mechanisms.
+predictor, and early exit, all on FeatureGate's blocks and cache, so their ratios measure the mechanisms. A Hugging
+Face model that generates decodes through its own cache (`DynamicCache`, `use_cache=True`), and what its blocks
+computed per token is observed (fcaudit.execution.rows): the rows that entered each block's weights.
 
 Decoding runs on text (an exit rule decides differently on random bytes), one sequence, as one user's generation
 (batch rows decoded in lockstep would run a block while any of them still needs it), teacher-forced: the logits equal
@@ -10,6 +12,7 @@ the window's forward up to float rounding, which every row reports (`decode_max_
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -18,6 +21,7 @@ from torch import nn
 from fcaudit.errors import FcauditError
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, timed
+from fcaudit.execution.blocks import block_modules, block_pattern, counting_rows, row_fraction
 from fcaudit.loss import logits_of
 
 DECODE_BATCH = 1  # sequences decoded at once
@@ -25,11 +29,20 @@ COLUMNS = ("executed_layer_fraction", "decode_flops_per_token", "decode_max_abs_
            "decode_ms_iqr_per_token")
 
 
+def _hugging_face(model: nn.Module) -> bool:
+    """A transformers model that generates: it decodes with its own cache."""
+    return not hasattr(model, "start_decoding") and callable(getattr(model, "can_generate", None)) \
+        and bool(model.can_generate())
+
+
 def not_decodable(model: nn.Module) -> str | None:
     """Why `model` has no KV-cache decoding in fcaudit, or None when it has."""
+    if _hugging_face(model):
+        return None
     start = getattr(model, "start_decoding", None)
     if start is None:
-        return f"{type(model).__name__} has no KV-cache decoding path in fcaudit (scoring only)"
+        return (f"{type(model).__name__} has no KV-cache decoding path fcaudit knows (neither fcaudit's "
+                "`start_decoding` nor a Hugging Face model's `past_key_values`): scoring only")
     try:
         start(1, 1)
     except FcauditError as e:
@@ -40,9 +53,26 @@ def not_decodable(model: nn.Module) -> str | None:
 @torch.inference_mode()
 def decode(model: nn.Module, ids: torch.Tensor):
     """(logits [B, T, V], the decoding state) of decoding ids [B, T] token by token with the model's KV cache, token t
-    being ids[:, t]; the state's `executed()` counts the (token, block) pairs each block computed."""
+    being ids[:, t]; the state's `executed()` counts the (token, block) pairs each block computed. A Hugging Face
+    model's state is its cache, and None stands for its count (observed instead: `decoded_rows`)."""
+    if _hugging_face(model):
+        from transformers import DynamicCache
+
+        # transformers renamed `past_key_values` to `cache` (5.25 warns on the old name): the name this one takes
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = {name: DynamicCache(config=model.config), "use_cache": True}
+        return torch.cat([model(input_ids=ids[:, t:t + 1], **cache).logits for t in range(ids.shape[1])], dim=1), None
     state = model.start_decoding(ids.shape[0], ids.shape[1])
     return torch.cat([logits_of(model(ids[:, t:t + 1], cache=state)) for t in range(ids.shape[1])], dim=1), state
+
+
+def decoded_rows(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(logits, the fraction of (block, token) pairs computed) of decoding ids, observed at every block's weights:
+    the rows each block received over all steps, over one row per token per block."""
+    blocks = [m for _, m in block_modules(model, block_pattern(model))]
+    with counting_rows(blocks) as counts:
+        logits, _ = decode(model, ids)
+    return logits, sum(row_fraction(c, ids.numel()) for c in counts) / len(blocks)
 
 
 class Decoder(nn.Module):
@@ -63,10 +93,14 @@ def decoding_columns(model: nn.Module, ids: torch.Tensor) -> dict:
     untimed = {**dict.fromkeys(COLUMNS, math.nan), "decode_noisy": False}
     if (reason := not_decodable(model)) is not None:
         return {**untimed, "decode_note": reason}
-    logits, state = decode(model, ids)
+    if _hugging_face(model):
+        logits, fraction = decoded_rows(model, ids)
+    else:
+        logits, state = decode(model, ids)
+        fraction = sum(state.executed()) / (len(state.caches) * ids.numel())
     with torch.inference_mode():
         full = logits_of(model(ids))
-    return {**untimed, "executed_layer_fraction": sum(state.executed()) / (len(state.caches) * ids.numel()),
+    return {**untimed, "executed_layer_fraction": fraction,
             "decode_flops_per_token": flops(Decoder(model), ids),
             "decode_max_abs_dlogit": float((logits.float() - full.float()).abs().max()), "decode_note": ""}
 

@@ -19,13 +19,13 @@ from torch import nn
 
 from fcaudit import data, families
 from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WINDOWS, check_count
-from fcaudit.controllers.sites import path_matches
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
 from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
+from fcaudit.execution.blocks import block_modules, block_pattern, counting_rows, row_fraction
 from fcaudit.execution.threshold import thresholding, vector_site
 from fcaudit.hub import resolve
 from fcaudit.io import OutDir, read_object, valid_path
@@ -33,54 +33,34 @@ from fcaudit.provenance import provenance
 from fcaudit.threads import using_threads
 
 
-def block_pattern(model: nn.Module) -> str:
-    """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
-    ("blocks.*" for FeatureGateGPT, "layers.*" for MUDDPythia, "model.layers.*" for HF decoders)."""
-    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
-             if name and isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. "
-                           "'blocks.*'")
-    return f"{max(lists)[1]}.*"
-
-
-def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    found = [(name, m) for name, m in model.named_modules() if name and path_matches(name, pattern)]
-    if not found:
-        sample = [n for n, _ in model.named_modules() if n][:6]
-        raise FcauditError(f"block pattern {pattern!r} matches no module of {type(model).__name__}; "
-                           f"module paths look like {sample}")
-    return found
-
-
 @dataclass(frozen=True)
 class BlockCount:
-    """Blocks of a model and how many of them ran in one forward pass."""
+    """Blocks of a model and what each computed in one forward pass, observed (fcaudit.execution.rows)."""
 
     pattern: str
     n_blocks: int  # modules matching the pattern
-    executed: int  # block forward calls in one model forward pass
-    skipped: tuple[str, ...]  # blocks that did not run at all
+    executed: int  # blocks that computed rows (any of their computing modules ran)
+    skipped: tuple[str, ...]  # blocks that computed no row at all
+    row_fractions: tuple[float, ...] = ()  # per block: the rows it computed over the forward's tokens (1.0: every one)
+
+    @property
+    def row_fraction(self) -> float:
+        """The mean over blocks of the rows each computed: the (block, token) pairs that ran, observed."""
+        return sum(self.row_fractions) / len(self.row_fractions) if self.row_fractions else math.nan
 
 
 @torch.inference_mode()
 def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = None) -> BlockCount:
-    """Count the block forwards of one model(ids), by a forward hook on every block: a block whose output is scaled
-    by 0 still ran; only one whose forward is never called (skipped in the execution graph) lowers the count."""
+    """What each block computed in one model(ids), observed at the modules inside it that hold weights (a block's
+    own forward may never be called while its MLP runs on a gathered subset): a block whose output is scaled by 0
+    still ran every row; only one none of whose modules ran is skipped."""
     pattern = pattern or block_pattern(model)
     blocks = block_modules(model, pattern)  # named_modules() lists each module once
-    calls = {m: 0 for _, m in blocks}
-
-    def hook(module, args, out):
-        calls[module] += 1
-
-    handles = [m.register_forward_hook(hook) for _, m in blocks]
-    try:
+    with counting_rows([m for _, m in blocks]) as counts:
         model(ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return BlockCount(pattern, len(blocks), sum(calls.values()), tuple(n for n, m in blocks if calls[m] == 0))
+    fractions = tuple(row_fraction(c, ids.numel()) for c in counts)
+    ran = [any(c.values()) for c in counts]
+    return BlockCount(pattern, len(blocks), sum(ran), tuple(n for (n, _), r in zip(blocks, ran) if not r), fractions)
 
 
 @dataclass(frozen=True)
@@ -241,7 +221,7 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                                f"tokens ({type(e).__name__}: {one_line(e)}); check its config.json, and that a batch "
                                "fits in memory (--batch-size)") from e
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
-                   n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
+                   executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
         family, controller = families.for_model(model), _controller(model)
         if family is not None and family.execution is not None:
