@@ -196,8 +196,8 @@ CLASSES = {
     # issue 48: models that misbehave quietly (the model surface's specs), duplicated windows, calibration windows
     # near the evaluation windows
     "48-quiet": [
-        ("model", model(coupled=True, batch_size=2), "refused", "change when the other windows of its batch change"),
-        ("model", model(coupled=True, batch_size=4), "refused", "change when the other windows of its batch change"),
+        ("model", model(coupled=True, batch_size=2), "refused", "window 0 change when the other windows"),
+        ("model", model(coupled=True, batch_size=4), "refused", "window 0 change when the other windows"),
         ("model", model(state="flag", flip_after=40, batch_size=1), "refused", "repeated at the end of the audit"),
         ("model", model(state="buffer"), "refused", "buffer 'maxabs' changed during the audit"),
         ("model", model(duplicates=True), "refused", "evaluation window 1 equals window 0"),

@@ -86,7 +86,8 @@ def test_the_plan_counts_every_forward_pass_the_audit_runs_the_checks_included(c
         ev, ca = windows(6, 0), windows(2, 1)
     p = plan(model, ctrl, ev, ca, batch_size=3, randomizations=1)
     flow = FLOW_CHECK_PASSES if case != "router" else 0
-    assert p.check_passes == SITE_CHECK_PASSES + flow + (ROUTING_CHECK_PASSES if case != "gated" else 0)
+    batch_and_state = BATCH_CHECK_PASSES + STATE_CHECK_PASSES  # a first batch of 3 windows
+    assert p.check_passes == SITE_CHECK_PASSES + flow + (ROUTING_CHECK_PASSES if case != "gated" else 0) + batch_and_state
     passes = []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     result = fca.audit(model, ctrl, ev, ca, batch_size=3, randomizations=1, out=tmp_path / "a", quiet=True)

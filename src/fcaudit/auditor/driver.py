@@ -84,6 +84,7 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     state = ModelState.of(model, probe)  # compared after stage 1 and at the end
     findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
     if findings and findings[0].refusal:  # refusals first: they name the cause
+        state.check_tensors(model, "during the checks")  # unless the model changed itself: then that is the cause
         raise FcauditError(findings[0].line)
     findings += notes
     saved = _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", ""))

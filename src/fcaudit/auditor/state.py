@@ -16,7 +16,7 @@ from fcaudit import placement
 from fcaudit.errors import FcauditError
 
 STATE_CHECK_PASSES = 1  # the first batch's Correct pass, repeated at the end
-NO_RERUN = ("so Correct and the conditions were measured on different models; the audit's records are removed, and "
+NO_RERUN = ("so Correct and the conditions would be measured on different models; nothing of this audit is kept, and "
             "no rerun helps while the model changes itself:")
 
 
