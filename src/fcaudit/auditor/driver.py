@@ -209,8 +209,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     config = with_settings(config, settings)
     group = group or Group()
     with evaluating(model):
-        windows, (probe, model_state), saved, findings, config = _checked(model, controller, (eval_windows, calib_windows), config,
-                                                           group)
+        windows, (probe, model_state), saved, findings, config = _checked(
+            model, controller, (eval_windows, calib_windows), config, group)
         adir = AuditDir(config.out)
         group.run(lambda: check_same(group.gather(saved)))
         try:

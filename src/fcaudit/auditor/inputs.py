@@ -148,11 +148,11 @@ def shared_span_notice(ev: np.ndarray, ca: np.ndarray) -> Finding | None:
     (c, e) = shared[0]
     return Finding.notice("windows", f"note: {len(shared)} of {ca.shape[0]} "
                           "calibration windows share a run of at least "
-                          f"{span} tokens (half a window, at least {MIN_SHARED_SPAN} and at most the window less one) with an "
-                          "evaluation window "
-                          f"(calibration window {c} with evaluation window {e}): the static profiles then hold part "
-                          "of the evaluation text; draw calibration windows from text that does not repeat the "
-                          "evaluation text", {"calibration_windows": len(shared), "span": span, "first": [c, e]})
+                          f"{span} tokens (half a window, at least {MIN_SHARED_SPAN} and at most the window less "
+                          f"one) with an evaluation window (calibration window {c} with evaluation window {e}): the "
+                          "static profiles then hold part of the evaluation text; draw calibration windows from text "
+                          "that does not repeat the evaluation text",
+                          {"calibration_windows": len(shared), "span": span, "first": [c, e]})
 
 
 def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor, loss_fn: LossFn | None,

@@ -8,9 +8,9 @@ on one more under the Flow mode, compared with no other pass: a notice when a si
 hidden-width features, or holds scores the model ranks. On window 0 alone: refused when its coefficients are not its
 row of the batch (a layout naming axes in the wrong order); a notice when replaying what removes every coefficient's
 effect changes nothing. On the first batch with its odd, then its even rows replaced: refused when the kept rows'
-coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes (both under the Flow mode where a site is
-ranked): the causality check (does a decision at t depend on tokens after t?). Route flips are counted by the
-engine's exact replay check.
+coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes (both
+under the Flow mode where a site is ranked): the causality check (does a decision at t depend on tokens after t?).
+Route flips are counted by the engine's exact replay check.
 """
 
 from __future__ import annotations
