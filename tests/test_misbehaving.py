@@ -65,6 +65,30 @@ def test_capacity_over_the_flattened_batch_is_refused(tmp_path):
     assert not (tmp_path / "a" / "records").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_and_bool_decisions_over_the_flattened_batch_are_refused(tmp_path, dtype):
+    """0/1 decisions are compared for equality (no tolerance, no float ops on bools)."""
+
+    class Decide(TopHalf):
+        def forward(self, h):
+            s = self.score(h).squeeze(-1)
+            return (s > s.flatten().kthvalue(s.numel() // 2).values).to(dtype)
+
+    class DecidedLM(GatedLM):
+        def forward(self, x):
+            h = self.embed(x)
+            for mlp, gate in zip(self.mlps, self.gates):
+                h = h + gate(h).to(h.dtype).unsqueeze(-1) * mlp(h)
+            return self.head(h)
+
+    model = DecidedLM().eval()
+    model.gates = nn.ModuleList(Decide(16) for _ in range(2))
+    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
+    line = api_refusal(lambda: fca.audit(model, ctrl, ids(8, 0), ids(4, 1), randomizations=1, batch_size=4,
+                                         out=tmp_path / "a", quiet=True))
+    assert "change when the other windows of its batch change" in line
+
+
 def test_a_capacity_router_filled_over_the_flattened_batch_is_refused(tmp_path):
     """GShard-style slots by a cumulative sum, but the capacity's count runs over the whole batch in batch order: a
     window's drops depend on the windows before it (the tutorial's capacity router, made batch-wide). Window 0

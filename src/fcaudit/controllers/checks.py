@@ -70,12 +70,15 @@ class Finding:
 # ---- window 0 alone ----------------------------------------------------------------------------------------------
 
 def agreeing(a: torch.Tensor, row: torch.Tensor, decoding: Decoding) -> torch.Tensor:
-    """[batch, token] bool: the positions where two captures of the same windows agree at the site's own precision
-    (other kernels may round otherwise; a coefficient that moved differs by more)."""
+    """[batch, token, stream] bool: where two captures of the same windows agree at the site's own precision (other
+    kernels may round otherwise; a coefficient that moved differs by more). Integer and bool decisions must be
+    equal."""
+    if not row.is_floating_point():
+        return (a == row).all(-1)
     scale = float(row.abs().amax()) if row.numel() else 0.0
     # the precision the model computed in (a codec may widen bf16 router weights to float32)
     native = decoding.dtype if decoding.dtype is not None and decoding.dtype.is_floating_point else row.dtype
-    rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
+    rtol = max(1e-3, 8 * torch.finfo(native).eps)
     return torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
 
 
@@ -126,7 +129,7 @@ def check_composition(model: nn.Module, controller: Controller, first: torch.Ten
             a, c = a[kept.to(a.device)], c[kept.to(c.device)].to(a.device)
             if torch.equal(a, c):
                 continue
-            moved = ~agreeing(a, c, d)
+            moved = (~agreeing(a, c, d)).reshape(a.shape[0], a.shape[1], -1).any(-1)  # per (window, token)
             if differ := int(moved.sum()):
                 window = int(kept[int(moved.any(1).to(torch.int8).argmax())])
                 return Finding.refused("batch", f"site {site.path!r}: the coefficients of window {window} "
