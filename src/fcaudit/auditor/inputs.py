@@ -111,18 +111,23 @@ MIN_SHARED_SPAN = 32
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
 
 
-def _span_hashes(ids: np.ndarray, span: int) -> np.ndarray:
+def _span_hashes(ids: np.ndarray, span: int, rows: int = 256) -> np.ndarray:
     """[N, T - span + 1] polynomial hashes (modulo 2**64) of every run of `span` tokens of each window: one cumulative
-    sum per window, each run's hash its difference, brought to a common power by the base's inverse."""
+    sum per window, each run's hash its difference, brought to a common power by the base's inverse (`rows` windows
+    at a time, so the sums never take more memory than a slice of the windows)."""
     t = ids.shape[1]
+    starts = np.arange(t - span + 1)
+    out = np.empty((ids.shape[0], len(starts)), dtype=np.uint64)
     with np.errstate(over="ignore"):
         powers = np.cumprod(np.r_[np.uint64(1), np.full(t, _BASE)], dtype=np.uint64)
         inverses = np.cumprod(np.r_[np.uint64(1), np.full(t, np.uint64(pow(int(_BASE), -1, 1 << 64)))],
                               dtype=np.uint64)
-        sums = np.zeros((ids.shape[0], t + 1), dtype=np.uint64)
-        sums[:, 1:] = np.cumsum((ids.astype(np.uint64) + np.uint64(1)) * powers[:t], axis=1, dtype=np.uint64)
-        starts = np.arange(t - span + 1)
-        return (sums[:, starts + span] - sums[:, starts]) * inverses[starts]
+        for i in range(0, ids.shape[0], rows):
+            sums = np.zeros((min(rows, ids.shape[0] - i), t + 1), dtype=np.uint64)
+            sums[:, 1:] = np.cumsum((ids[i:i + rows].astype(np.uint64) + np.uint64(1)) * powers[:t], axis=1,
+                                    dtype=np.uint64)
+            out[i:i + rows] = (sums[:, starts + span] - sums[:, starts]) * inverses[starts]
+    return out
 
 
 def shared_span_notice(ev: np.ndarray, ca: np.ndarray) -> Finding | None:
