@@ -83,7 +83,8 @@ class Windows:
                 raise FcauditError(f"evaluation window {i} equals window {first} ({copies} of {ev.shape[0]} "
                                    "evaluation windows repeat others): a copy counts one window twice, so the "
                                    "intervals are too narrow and CrossInput can pair a window with itself; pass "
-                                   "distinct windows (fca.windows draws them without repeats)")
+                                   "distinct windows (where fcaudit drew them from a corpus, its text repeats: use "
+                                   "longer windows (--window) or a corpus whose text does not repeat)")
         if shared := sum(hashlib.sha256(row.tobytes()).digest() in rows for row in ca.numpy()):
             raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
                                "from a different split (e.g. validation) than the evaluation windows (test), or, "
