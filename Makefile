@@ -56,7 +56,7 @@ test-latest:
 lock: | $(BIN)/python
 	$(BIN)/pip install -q uv
 	echo '$(TORCH)' > $(VENV)/.lock-torch
-	$(BIN)/uv pip compile pyproject.toml --extra test --extra hf --extra docs --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --extra test --extra hf --extra docs --extra bench --python-version 3.11 \
 	  --python-platform x86_64-unknown-linux-gnu --constraint $(VENV)/.lock-torch \
 	  --custom-compile-command 'make lock' -o $(LOCK)
 
@@ -68,6 +68,7 @@ fuzz: setup
 
 # Runs the benchmarks one after the other and rewrites docs/benchmarks.md (one table, with each run's load).
 bench: setup
+	$(BIN)/pip install -q -c $(LOCK) -e '.[bench]'
 	$(BIN)/python docs/make_benchmarks.py $(ARGS)
 
 # The docs site in site/ (strict: a broken link or API reference fails); docs-serve previews it.

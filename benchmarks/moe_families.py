@@ -51,9 +51,13 @@ OTHERS = {
                                                  num_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=32,
                                                  head_dim=32, qk_nope_head_dim=8, v_head_dim=16, ffn_hidden_size=64,
                                                  expert_ffn_hidden_size=32)),
+    # routers that say neither top-k nor expert count (Gemma-4 reads its config), or only top-k (Ergo)
+    "gemma4": ("Gemma4TextConfig", dict(num_experts=8, top_k_experts=2, enable_moe_block=True, moe_intermediate_size=32,
+                                        head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0)),
+    "ergo": ("ErgoConfig", dict(num_experts=8, num_experts_per_tok=2)),
     "jetmoe": ("JetMoeConfig", dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8)),
     "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
-                                attn_config={"kv_n_heads": 4, "rope_theta": 10000.0},
+                                attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},  # None: clamp fails
                                 ffn_config={"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 64})),
 }
 

@@ -67,7 +67,7 @@ BENCHES = (
 
 
 # benchmarks/ scripts that `make bench` does not run (long, or for a GPU, or checks rather than timings)
-OTHERS = ("dry_run_memory", "mix_speed", "moe_families", "compare_audits", "gpu_audit", "torch_modules")
+OTHERS = ("dry_run_memory", "mix_speed", "moe_families", "compare_audits", "gpu_audit", "torch_modules", "peers")
 
 
 def described(script: str) -> str:

@@ -238,23 +238,28 @@ def make_records(penalties: dict, n_windows=24, R=4, noise=2e-4, seed=0) -> pd.D
 
 def write_audit(path: Path, penalties: dict, *, name="FeatureGate tiny", labels=FG_LABELS, seed=0, criteria=None,
                 variation=True, **kw) -> Path:
-    """An audit directory in the engine's layout (config.json, records/<condition>/*.parquet, replay, variation)."""
-    from fcaudit.auditor.directory import AuditDir, config_hash
+    """An audit directory in the engine's layout (marker, config.json, records/<condition>/*.parquet, replay,
+    variation); its controller's static condition is StaticTopK where it ran (a router's), else StaticProfile."""
+    from fcaudit.auditor.directory import FORMAT, MARKER, AuditDir, config_hash
 
-    rec = make_records(penalties, seed=seed, **kw)
+    rec = make_records(penalties, seed=seed, **kw).assign(active=np.nan)  # the records' columns (active not planted)
     crit = {**Criteria().to_dict(), **(criteria or {}), "fixed_at": "2026-01-01T00:00:00+00:00"}
-    config = {"seed": seed, "labels": labels, "model": {"family": name, "seed": seed}, "criteria": crit,
-              "created_at": "2026-01-01T00:00:00+00:00", "randomizations": kw.get("R", 4), "batch_size": 8,
-              "conditions": ["Correct", *penalties], "windows": {"n_eval": kw.get("n_windows", 24)}}
+    static = "StaticTopK" if "StaticTopK" in penalties else "StaticProfile"
+    config = {"format": FORMAT, "seed": seed, "labels": labels, "model": {"family": name, "seed": seed},
+              "criteria": crit, "created_at": "2026-01-01T00:00:00+00:00", "randomizations": kw.get("R", 4),
+              "batch_size": 8, "conditions": ["Correct", *penalties], "windows": {"n_eval": kw.get("n_windows", 24)},
+              "controller": {"static": static}}
     path.mkdir(parents=True, exist_ok=True)
-    write_json(path / "config.json", {**config, "config_hash": config_hash(config)})
+    digest = config_hash(config)
+    write_json(path / MARKER, {"format": FORMAT, "config_hash": digest}, hashed=True)
+    write_json(path / "config.json", {**config, "config_hash": digest})
     adir = AuditDir(path)
     for (c, r), g in rec.groupby(["condition", "randomization"]):
         (path / "records" / c).mkdir(parents=True, exist_ok=True)
         files.write_columns(adir.records(c, r),  # as the engine writes them: hashed, bound to this audit
                             {**{k: g[k].to_numpy() for k in g.columns}, "condition": c}, adir.binding(c, r))
     write_json(path / "replay.json", adir.bound({"max_abs_dlogit": 0.0, "delta_nll": 0.0, "passed": True,
-                                                       "tolerance": 0.0}), hashed=True)
+                                                       "tolerance": 0.0, "findings": []}), hashed=True)
     if variation:
         frac = {"input": 0.004, "layer": 0.9, "token": 0.006, "input:layer": 0.03, "input:token": 0.01,
                 "layer:token": 0.04, "input:layer:token": 0.01}

@@ -697,6 +697,53 @@ def _loss(name):
             "wrong-shape": lambda out, ids: torch.zeros(ids.shape[0] + 1)}[name]
 
 
+ODD_MODELS = ("int-gate", "bool-gate", "hidden-first", "masked-entry", "nan-under-crossinput", "fails-late")
+
+
+def _odd_model(world: World, name: str) -> tuple:
+    """(model, controller): a tiny gated LM, written as a user would, that misbehaves as `name` says (issue 48)."""
+    import torch
+    from torch import nn
+
+    import fcaudit as fca
+
+    late = world.windows["eval"][2]  # "fails-late" raises on the batch that holds this window
+
+    class Gate(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.floor, self.score = nn.Linear(d, 1), nn.Linear(d, 1)
+
+        def forward(self, h):
+            g = (self.floor(h) + nn.functional.softplus(self.score(h))).squeeze(-1)
+            return {"int-gate": (g > 0.7).long(), "bool-gate": g > 0.7}.get(name, g)
+
+    class LM(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head, self.wide = nn.Embedding(256, d), nn.Linear(d, 256), nn.Linear(d, 2 * d)
+            self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+            self.gates = nn.ModuleList(Gate(d) for _ in range(2))
+
+        def forward(self, ids):
+            if name == "fails-late" and any(torch.equal(row, late) for row in ids):
+                raise IndexError("index 300 is out of bounds for dimension 0 with size 256")
+            h = self.embed(ids)
+            for mlp, gate in zip(self.mlps, self.gates):
+                g = gate(h)
+                if name == "nan-under-crossinput":  # the root of what lies above a floor that only its own gate keeps
+                    g = (g - gate.floor(h).squeeze(-1)).sqrt()
+                h = h + g.unsqueeze(-1) * mlp(h)
+            logits = self.head(h)
+            if name == "masked-entry":  # byte 0 never predicted
+                logits = logits.masked_fill(torch.arange(256) == 0, float("-inf"))
+            return (self.wide(h), logits) if name == "hidden-first" else logits
+
+    model = LM().eval()
+    return model, fca.Controller.from_modules(model, "gates.*", layout="batch token")
+
+
 def play_api(world: World, spec: dict) -> Outcome:
     import fcaudit as fca
     from fcaudit.auditor import AuditResult
@@ -707,8 +754,11 @@ def play_api(world: World, spec: dict) -> Outcome:
         kw["eval_windows"] = _windows(world, kw["eval_windows"], "eval")
         kw["calib_windows"] = _windows(world, kw["calib_windows"], "calib")
         ctrl = kw.pop("controller", "valid")
+        if "model" in kw:  # a model of its own, with its controller
+            model, odd = _odd_model(world, kw.pop("model"))
         ctrl = {"valid": lambda: fca.controller_for(model), "x": lambda: "x", None: lambda: None,
-                "other-model": lambda: fca.controller_for(fca.load(world.fg, device="cpu"))}[ctrl]()
+                "other-model": lambda: fca.controller_for(fca.load(world.fg, device="cpu")),
+                "own": lambda: odd}[ctrl]()
         if "loss_fn" in kw:
             kw["loss_fn"] = _loss(kw["loss_fn"])
         if "out" in kw:
@@ -717,6 +767,8 @@ def play_api(world: World, spec: dict) -> Outcome:
             kw.setdefault("out", world.run / "out")
             kw.setdefault("randomizations", 1)
             outcome, result = api_outcome(lambda: fca.audit(model, ctrl, quiet=True, **kw))
+            if result is not None and spec.get("remove"):  # its directory removed before its records are read
+                shutil.rmtree(result.path)
             if result is not None:  # a result it returns must read back
                 outcome = api_outcome(lambda: result.penalties())[0]
             return outcome

@@ -154,7 +154,8 @@ def test_damaged_files_are_recomputed_and_reported(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "recomputed 5 damaged file(s)" in err and "config.json" in err
     # probe and its checks, the chunk's capture + check, calibration, CrossInput r1 (2 batches), the state check
-    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + 2 + 1 + 2 + STATE_CHECK_PASSES
+    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert len(calls) == 1 + checks + 2 + 1 + 2
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert chunk.read_bytes() == chunk_bytes and (out / "variation.json").read_bytes() == variation
     # an edited (not truncated) record is caught by its content hash
@@ -404,31 +405,91 @@ def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_js
         toys.run(model, toys.gated(model), out, model_info={"checkpoint": "/scratch/s0", "family": "toy seeds"})
 
 
-def test_an_audit_made_before_descriptive_fields_were_left_out_of_its_hash_resumes(tmp_path):
+def _as_earlier(out: Path, how: str) -> None:
+    """The finished audit in `out` rewritten as an earlier fcaudit's: its format number 1, or ("hash") its
+    configuration hashed the earlier way (every field, the descriptive ones too); each of its files bound to that
+    configuration's hash, as that fcaudit wrote them."""
     import hashlib
 
     from fcaudit.auditor import files
-    from fcaudit.io import write_json
     from fcaudit.auditor.directory import MARKER, config_hash
+    from fcaudit.io import write_json
+
+    config = files.read_json(out / "config.json")
+    bare = {k: v for k, v in config.items() if k not in ("config_hash", "created_at", "provenance")}
+    if how == "format":
+        bare["format"] = 1
+        digest = config_hash(bare)
+    else:
+        bare["criteria"] = {k: v for k, v in bare["criteria"].items() if k != "fixed_at"}
+        digest = hashlib.sha256(json.dumps(bare, sort_keys=True, default=str).encode()).hexdigest()
+    write_json(out / "config.json", {**config, "format": bare["format"], "config_hash": digest}, hashed=True)
+    write_json(out / MARKER, {"format": bare["format"], "config_hash": digest}, hashed=True)
+    for name in ("replay.json", "variation.json"):
+        write_json(out / name, {**files.read_json(out / name), "audit": digest}, hashed=True)
+    for path in out.rglob("*.safetensors"):
+        tensors, meta = files.read_tensors(path)
+        files.write_tensors(path, tensors, {**meta, "audit": digest})
+    for path in out.rglob("*.parquet"):
+        frame, meta = files.read_table(path)
+        files.write_columns(path, {k: v.to_numpy() for k, v in frame.items()}, {**meta, "audit": digest})
+
+
+@pytest.mark.parametrize("how", ["format", "hash"])
+def test_an_earlier_fcaudits_audit_is_refused_in_one_line_and_the_rerun_it_names_recomputes_it(how, tmp_path):
+    """fcaudit is unreleased: an audit directory an earlier version wrote is never migrated. Its readers refuse it in
+    one line that says to rerun the audit; the same audit rerun into that directory (or a fresh one) recomputes it."""
+    from fcaudit.auditor import files
+    from fcaudit.auditor.directory import FORMAT, MARKER, config_hash
+    from harness import api_refusal, cli, refusal
 
     model = toys.ToyGated()
     out = tmp_path / "a"
     first = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0"})
-    config = json.loads((out / "config.json").read_text())
-    bare = {k: v for k, v in config.items() if k not in ("config_hash", "created_at", "provenance", "_sha256")}
-    bare["criteria"] = {k: v for k, v in bare["criteria"].items() if k != "fixed_at"}
-    legacy = hashlib.sha256(json.dumps(bare, sort_keys=True, default=str).encode()).hexdigest()  # all fields
-    digest = config_hash(bare)
-    assert legacy != digest and config["config_hash"] == digest
-    write_json(out / "config.json", {**config, "config_hash": legacy}, hashed=True)  # as the earlier fcaudit wrote it
-    (out / MARKER).write_text(json.dumps({"format": 2, "config_hash": legacy}))
+    digest = json.loads((out / "config.json").read_text())["config_hash"]
+    _as_earlier(out, how)
+    if how == "format":  # an earlier hash alone leaves a consistent directory: its files are bound to that hash
+        line = (f"{out} holds an audit written by another version of fcaudit (format 1, this fcaudit's is {FORMAT}); "
+                f"rerun the audit command with --out {out} to recompute it")
+        assert api_refusal(lambda: AuditResult.load(out)) == line
+        assert refusal(cli("summarize", out, "--out", tmp_path / "s")) == f"error: {line}"
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
-    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "./runs/s0"})  # and read from elsewhere
-    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "runs/s0"})
+    assert len(calls) > 1 + SITE_CHECK_PASSES + 10  # not resumed: every unit recomputed
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
-    assert json.loads((out / MARKER).read_text())["config_hash"] == digest
-    assert files.read_json(out / "config.json")["config_hash"] == digest  # migrated, its own hash valid
+    assert files.read_json(out / MARKER) == {"format": FORMAT, "config_hash": digest}
+    written = files.read_json(out / "config.json")
+    assert written["format"] == FORMAT and written["config_hash"] == digest == config_hash(
+        {k: v for k, v in written.items() if k not in ("config_hash", "created_at", "provenance")})
+    pd.testing.assert_frame_equal(AuditResult.load(out).records, first.records, check_exact=True)
+    fresh = toys.run(model, toys.gated(model), tmp_path / "fresh", model_info={"checkpoint": "runs/s0"})
+    pd.testing.assert_frame_equal(fresh.records, first.records, check_exact=True)
+
+
+def test_replay_json_without_findings_and_records_without_active_are_refused_and_the_rerun_recomputes_them(tmp_path):
+    """What an earlier fcaudit wrote into this format's directory (replay.json before its findings, records before
+    their `active` column) is refused by the reader in one line, never filled in; the rerun it names recomputes it."""
+    from fcaudit.auditor import files
+    from fcaudit.io import write_json
+    from harness import api_refusal
+
+    model = toys.ToyGated()
+    out = tmp_path / "a"
+    first = toys.run(model, toys.gated(model), out, R=2)
+    replay = files.read_json(out / "replay.json")
+    write_json(out / "replay.json", {k: v for k, v in replay.items() if k != "findings"}, hashed=True)
+    assert "replay.json is damaged (it lacks the pre-write checks' findings (an earlier fcaudit's)); rerun the " \
+           "audit command" in api_refusal(lambda: AuditResult.load(out))
+    toys.run(model, toys.gated(model), out, R=2)
+    records = out / "records" / "CrossInput" / "r0001.parquet"
+    frame, meta = files.read_table(records)
+    files.write_columns(records, {k: v.to_numpy() for k, v in frame.items() if k != "active"}, meta)
+    assert "r0001.parquet is damaged (it lacks the records columns ['active']); rerun the audit command" in \
+           api_refusal(lambda: AuditResult.load(out).records)
+    again = toys.run(model, toys.gated(model), out, R=2)
+    pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
+    assert files.read_json(out / "replay.json") == replay
 
 
 def test_bytes_appended_to_a_store_chunk_or_the_profiles_make_them_damaged_and_recomputed(tmp_path):

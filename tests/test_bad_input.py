@@ -295,11 +295,13 @@ def test_divergence_after_a_checkpoint_keeps_the_last_good_state(tmp_path, monke
 
 
 def test_resume_removes_stale_temp_files(tmp_path):
+    from fcaudit.io import OutDir
     from fcaudit.train import TrainConfig, train
 
     cfg = dict(model="dense", preset="tiny", steps=2, eval_interval=1, eval_windows=1, test_windows=2, batch_size=2,
                out=str(tmp_path / "run"), progress=False)
     run = tmp_path / "run"
+    OutDir(run, "training run").claim()  # a run marks its directory first
     (run / "ckpt" / ".tmp-step-000002").mkdir(parents=True)  # as left by a kill inside _save_state
     (run / "train_config.json").write_text("{}")  # a run writes it before its first step
     (run / ".model.safetensors.abcd1234.tmp").write_bytes(b"half")  # as left by a kill inside atomic_write

@@ -106,6 +106,8 @@ def test_execution_measures_decoding_against_dense(tmp_path):
     assert dense["executed_layer_fraction"] == 1.0 and dense["decode_flops_vs_dense"] == 1.0
     assert 0 < ee["executed_layer_fraction"] < 1 and ee["decode_flops_vs_dense"] < 1 <= ee["flops_vs_dense"]
     assert ee["executed_blocks"] == ee["n_blocks"]  # scoring a window runs every block
+    assert ee["decided"] < ee["executed"] == 1.0 and "no saving realized" in ee["execution_verdict"]  # in scoring
+    assert mod["decided"] == mod["executed"] < 1  # MoD's blocks gather the tokens they run on
     assert ee["decode_ms_per_token"] > 0 and math.isfinite(ee["decode_latency_vs_dense"])
     assert dense["decode_max_abs_dlogit"] < 1e-5 and ee["decode_max_abs_dlogit"] < 1e-5
     assert "causal predictor" in mod["decode_note"] and math.isnan(mod["executed_layer_fraction"])

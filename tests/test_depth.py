@@ -11,7 +11,8 @@ from conftest import tiny_early_exit
 from torch import nn
 
 import fcaudit as fca
-from fcaudit import depth, protocol
+from fcaudit import protocol
+from fcaudit.kinds import depth
 from fcaudit.controllers import Decisions
 from fcaudit.errors import FcauditError
 
@@ -123,7 +124,7 @@ def test_replay_is_exact_and_the_depth_rule_does_not_run(kind):
         for h in hooks:
             h.remove()
     assert torch.equal(live, replayed) and not calls
-    assert ctrl.info.depth == kind.replace("skip_window", "skip_mask") and ctrl.info.static == "StaticDepth"
+    assert ctrl.info.lead.name == kind.replace("skip_window", "skip_mask") and ctrl.info.static == "StaticDepth"
     fraction = ctrl.info.active(found)
     assert 0 < float(fraction.mean()) < 1, "the toy should skip some (layer, token) pairs and run others"
 
@@ -158,8 +159,8 @@ def test_every_condition_keeps_each_windows_budget_exactly(case):
     model, ctrl = CASES[case]
     coeffs, calib = captured(model, ctrl, windows()), captured(model, ctrl, windows(seed=1))
     ctx, examples = Context(ctrl, coeffs, calib), np.arange(B)
-    kind, window = ctrl.info.depth, ctrl.info.window
-    budget = depth.units(kind, coeffs, window)
+    kind, window = ctrl.info.lead, ctrl.info.window
+    budget = kind.units(coeffs, window)
     conditions = protocol.for_controller(ctrl.info)
     assert conditions == ["Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
                           "StaticDepth", ctrl.info.references[0]]
@@ -169,12 +170,12 @@ def test_every_condition_keeps_each_windows_budget_exactly(case):
             out = protocol.REGISTRY[name].make(ctx, r, examples)
             assert [c.shape for c in out] == [c.shape for c in coeffs] and [c.dtype for c in out] == \
                 [c.dtype for c in coeffs]
-            assert np.array_equal(depth.units(kind, out, window), budget), (name, r)
+            assert np.array_equal(kind.units(out, window), budget), (name, r)
             assert torch.equal(ctrl.info.active(out), ctrl.info.active(coeffs)), (name, r)
             moved += sum(not torch.equal(a, b) for a, b in zip(out, coeffs))
-            if kind == "exit_depth":  # monotone: a token that exited after block l has exited after every later one
+            if kind is depth.EXIT_DEPTH:  # monotone: a token that exited after block l has exited after every later one
                 assert all((a <= b).all() for a, b in zip(out, out[1:])), (name, r)
-            if kind == "halting":  # a distribution over steps, its mass kept
+            if kind is depth.HALTING:  # a distribution over steps, its mass kept
                 w = torch.cat(out, -1)
                 assert (w >= 0).all() and torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5), (name, r)
             if window:  # one decision per window, for all its tokens
@@ -187,7 +188,7 @@ def test_a_tokens_whole_depth_moves_as_one_under_token_shuffle():
     coeffs = captured(model, ctrl, windows())
     ctx = Context(ctrl, coeffs, coeffs)
     shuffled = protocol.REGISTRY["TokenShuffle"].make(ctx, 0, np.arange(B))
-    before, after = depth.depths("exit_depth", coeffs), depth.depths("exit_depth", shuffled)
+    before, after = depth.EXIT_DEPTH.per(coeffs), depth.EXIT_DEPTH.per(shuffled)
     perm = protocol.token_permutations(np.arange(B), 0, 0, T, 1)[:, 0]
     assert torch.equal(after, before.gather(1, torch.from_numpy(perm)))
 
@@ -337,5 +338,5 @@ def test_a_third_party_pondernet_is_refused_for_its_sampled_halt_and_audited_whe
                        quiet=True)
     assert result.replay.bit_equal and result.replay.later_token_flips > 0  # a sequence's halt reads all its tokens
     assert 0 < result.records.active.mean() < 1  # some sequences halt after the first step
-    assert any("its ΔNLL is 0 by construction" in f.line for f in result.replay.findings)
+    assert any("0 by construction" in f.line for f in result.replay.findings)
     assert (result.penalties().to_frame()["statistic"] == 0).all()

@@ -102,4 +102,4 @@ def test_the_family_trains_saves_loads_and_its_controller_is_the_exit_depth(tmp_
     assert type(model).__name__ == "EarlyExitGPT" and model.fcaudit_meta["variant"] == "early-exit"
     assert 0 < result.gate_mass <= 1  # the fraction of (block, token) pairs that ran on the test windows
     ctrl = fca.controller_for(model)
-    assert [s.name for s in ctrl.sites] == ["blocks.0.exit"] and ctrl.info.depth == "exit_depth"
+    assert [s.name for s in ctrl.sites] == ["blocks.0.exit"] and ctrl.info.lead.name == "exit_depth"

@@ -198,6 +198,9 @@ def test_measure_execution_writes_the_table_with_ratios_to_dense(checkpoints, tm
     assert df.loc["fixeddepth-2", "flops_vs_dense"] < 1 < df.loc["featuregate", "flops_vs_dense"]
     assert (df["latency_ms"] > 0).all() and (df["tokens_per_s"] > 0).all() and (df["window"] == 16).all()
     assert df.loc["featuregate", "n_params"] > df.loc["dense", "n_params"] > df.loc["fixeddepth-2", "n_params"]
+    assert df.loc["featuregate", ["decided", "executed"]].tolist() == [1.0, 1.0]  # a soft gate skips nothing
+    assert df.loc["dense", "decided"] != df.loc["dense", "decided"]  # NaN: no controller decides anything
+    assert (df["executed_row_fraction"] == 1.0).all()  # every block that ran computed every row
 
     saved = pd.read_csv(out / "execution.csv")
     assert saved["executed_blocks"].tolist() == [3, 3, 2]

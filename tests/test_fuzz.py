@@ -50,6 +50,12 @@ def model(**spec):
             "duplicates": False, "batch_size": 2, "seed": 0, **spec}
 
 
+def odd(model):
+    """fca.audit of one of tests/fuzzing.py's ODD_MODELS, with its own controller, 2 windows a batch."""
+    return {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": model,
+                                        "controller": "own", "batch_size": 2}}
+
+
 SIZES = ["hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
          "head_dim"]
 CLASSES = {
@@ -171,8 +177,11 @@ CLASSES = {
         ("cli", cli("report", "@root"), "refused", "found no summary.json"),
         ("api", {"call": "report", "kwargs": {"inputs": ["@root"], "out": "@out"}}, "refused", "found no summary.json"),
         ("cli", cli("report", "@proc", "@dev"), "refused", "found no summary.json"),
-        ("audit-dir", damaged("resume", ("delete", ".fcaudit-audit", 0)), "ok", ""),
-        ("audit-dir", damaged("summarize", ("delete", ".fcaudit-audit", 0)), "ok", ""),
+        # an audit that lost its marker is no longer fcaudit's (the claim is the marker): refused, a new --out leads out
+        ("audit-dir", damaged("resume", ("delete", ".fcaudit-audit", 0)), "refused",
+         "is not an fcaudit audit directory"),
+        ("audit-dir", damaged("summarize", ("delete", ".fcaudit-audit", 0)), "refused",
+         "is not an audit directory (no .fcaudit-audit"),
         ("weights", {"family": "mudd", "op": "pickle", "value": "protocol-4", "action": "dry-run"}, "refused",
          "restricted unpickler refused it"),
         ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "none"}}, "refused",
@@ -205,6 +214,16 @@ CLASSES = {
         ("api", {"call": "audit", "kwargs": {"eval_windows": "duplicated", "calib_windows": "valid"}}, "refused",
          "evaluation window 1 equals window 0"),
         ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "eval-shifted"}}, "ok", ""),
+    ],
+    # issue 48: models that misbehave quietly (tests/fuzzing.py's ODD_MODELS), and a result whose directory went away
+    "48-models": [
+        ("api", odd("int-gate"), "refused", 'emits int64 coefficients, which cannot hold the means'),
+        ("api", odd("bool-gate"), "refused", 'declare 0/1 decisions with kind="skip_mask"'),
+        ("api", odd("hidden-first"), "ok", ""),
+        ("api", odd("masked-entry"), "ok", ""),
+        ("api", odd("nan-under-crossinput"), "refused", "on evaluation windows 0..1 under CrossInput r0, while finite"),
+        ("api", odd("fails-late"), "refused", "failed on evaluation windows 2..3, capturing Correct (IndexError"),
+        ("api", {**odd("hidden-first"), "remove": True}, "refused", "was moved or removed since it was read"),
     ],
 }
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]

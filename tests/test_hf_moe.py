@@ -321,6 +321,16 @@ def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supp
     msg = str(err.value)
     assert "\n" not in msg and cls in msg and why in msg
     assert any(name in msg for name in SUPPORTED_EXAMPLES)
+    assert "fca.Controller.from_modules(" in msg and "from_ops(" in msg  # the route that audits any model
+
+
+def test_a_checkpoint_no_family_loads_is_refused_naming_the_route_that_audits_any_model(tmp_path):
+    import fcaudit as fca
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 16}))
+    with pytest.raises(FcauditError, match="which no fcaudit family loads") as err:
+        fca.load(tmp_path)
+    assert "\n" not in str(err.value) and "fca.Controller.from_modules(model" in str(err.value)
 
 
 def test_model_without_router_is_refused():
@@ -416,6 +426,7 @@ def test_audit_through_controller_for_with_a_zero_router_gives_exactly_zero_for_
     pen = res.penalties().to_frame()
     for c in ("CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast"):
         assert pen.loc[c, "statistic"] == 0.0, c
+    assert sum("the randomized conditions move nothing" in line for line in res.notices) == 1  # 0 said to be by design
     correct = res.records[res.records.condition == "Correct"]
     assert (correct.active == K).all() and pen.loc["StaticTopK", "active"] == K  # every token: the same K experts
     assert res.labels["StaticProfile"] == "StaticMixMean"
@@ -437,6 +448,7 @@ def test_audit_of_a_routed_model_moves_nll_and_replays_exactly(dtype, tmp_path):
     assert abs(pen.loc["CrossInput", "statistic"]) > 1e-3 and abs(pen.loc["TokenShuffle", "statistic"]) > 1e-3  # any sign
     assert pen.loc["CrossInput", "active"] == K and pen.loc["StaticTopK", "active"] == K
     assert pen.loc["StaticProfile", "active"] > K  # a dense static mixture runs every expert with a nonzero mean
+    assert not any("the randomized conditions move nothing" in line for line in res.notices)
 
 
 @pytest.mark.slow
@@ -490,7 +502,11 @@ def test_checkpoint_configs_of_moe_families_are_recognized_nested_or_with_their_
     assert looks_like_hf_moe({"model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6})
     assert looks_like_hf_moe({"model_type": "hunyuan_v1_moe", "num_experts": 16, "moe_topk": 1})
     assert looks_like_hf_moe({"model_type": "llama4", "text_config": {"num_local_experts": 16, "num_experts_per_tok": 1}})
+    assert looks_like_hf_moe({"model_type": "kimi_linear", "num_experts": 8, "num_experts_per_token": 2})
+    assert looks_like_hf_moe({"model_type": "gemma4", "text_config": {"num_experts": 8, "top_k_experts": 2}})
+    assert looks_like_hf_moe({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 4, "moe_top_k": 1}})
     assert not looks_like_hf_moe({"model_type": "llama", "num_hidden_layers": 2})
+    assert not looks_like_hf_moe({"model_type": "gemma4", "text_config": {"num_experts": None, "top_k_experts": None}})
     assert not looks_like_hf_moe({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 0})
 
 
@@ -560,12 +576,10 @@ def test_on_an_accelerator_the_padding_is_probed_on_the_cpu_once_per_experts_cla
     assert entered == [model.model.layers[0].mlp.experts]  # once, for the first router's experts
 
 
-def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the_count():
-    """LongCat-Flash routes some tokens to identity experts, which compute nothing: they count as no expert run,
-    and the FLOPs measured inside the experts are the computing experts' count times one expert's cost."""
+def _longcat(layers=1):
     cfg = transformers.LongcatFlashConfig(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                                           max_position_embeddings=64, n_routed_experts=6, zero_expert_num=2,
-                                          moe_topk=2, num_layers=1, kv_lora_rank=16, q_lora_rank=16,
+                                          moe_topk=2, num_layers=layers, kv_lora_rank=16, q_lora_rank=16,
                                           qk_rope_head_dim=32, head_dim=32, qk_nope_head_dim=8, v_head_dim=16,
                                           ffn_hidden_size=64, expert_ffn_hidden_size=32, bos_token_id=None,
                                           eos_token_id=None, pad_token_id=None)
@@ -575,13 +589,45 @@ def test_zero_computation_experts_are_not_counted_as_running_and_flops_match_the
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b[6:] = 0.3
+    return model
+
+
+def test_zero_computation_experts_are_experts_of_the_router_and_flops_match_the_experts_that_compute():
+    """LongCat-Flash routes some tokens to identity experts, which its experts module does not hold (from
+    transformers 5.25 the block maps those slots to a computing expert at weight 0 itself; before, the experts module
+    skipped them): the router's combine vector has all 8 experts, the execution counts the computing experts the
+    experts module receives, and the FLOPs measured inside it are that count times one expert's cost."""
+    model = _longcat()
+    received, routed = [], []
+    block = model.model.layers[0].mlp
+    block.experts.register_forward_pre_hook(lambda m, a: received.append(a[1]))
+    block.router.register_forward_hook(lambda m, a, o: routed.append(o[2]))
     ctrl = moe_controller(model)
     assert ctrl.sites[0].codec.num_experts == 8
+    received.clear(), routed.clear()
     execution = expert_execution(model, ids_for(), ctrl)
+    assert (routed[0] >= 6).any()  # the identity experts were chosen
+    index = received[0]
     n = execution.experts_per_token[0]
-    assert execution.num_experts == [6] and (n < K).any() and (n <= K).all()
+    distinct = [len({int(e) for e in row if e < 6}) for row in index]  # computing experts each token reached
+    assert execution.num_experts == [6] and n.flatten().tolist() == distinct and (n <= K).all()
     per_pair = execution.dense_flops[0] // (4 * 12 * 6)
     assert execution.expert_flops[0] == int(n.sum()) * per_pair  # measured == counted
+
+
+def test_longcat_flash_replays_exactly_and_its_checkpoint_loads_though_it_derives_its_depth(tmp_path):
+    """LongCat-Flash's config derives num_hidden_layers as 2 x num_layers, the number of decoder layers its weights
+    hold: the depth check reads num_layers. Capture and replay of the loaded checkpoint are bit-exact."""
+    _longcat(layers=2).save_pretrained(tmp_path)
+    model = load_hf_moe(tmp_path)
+    assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 2
+    ctrl = moe_controller(model)
+    assert len(routers_of(ctrl)) == 2
+    ids = ids_for()
+    run = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, run.coefficients), run.logits)
+    other = run.like([c.roll(1, dims=-1) for c in run.coefficients])  # other experts (identity ones too) move them
+    assert not torch.equal(replay_logits(model, ctrl, ids, other), run.logits)
 
 
 # ---- models spread by a device map (accelerate) -------------------------------------------------------------------
@@ -707,3 +753,211 @@ def test_execution_under_static_conditions_replays_the_audits_profiles(tmp_path)
     assert df.loc["Correct", "experts_per_token"] == df.loc["StaticTopK", "experts_per_token"] == 2
     assert df.loc["StaticProfile", "experts_per_token"] == 4 and df.loc["StaticProfile", "active_expert_fraction"] == 1
     assert df.loc["Correct", "latency_vs_correct"] == 1 and (df["latency_ms"] > 0).all()
+
+
+# ---- a researcher's own MoE, and routers found by structure ---------------------------------------------------------
+
+class OwnRouter(torch.nn.Module):
+    """Softmax top-k over its experts, renormalized: returns what transformers' routers return."""
+
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.top_k, self.num_experts = k, experts
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+
+    def forward(self, h):
+        logits = h @ self.weight.T
+        w, i = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, w / w.sum(-1, keepdim=True), i
+
+
+class OwnExperts(torch.nn.Module):
+    def __init__(self, hidden, experts, inner=16):
+        super().__init__()
+        self.num_experts = experts
+        self.w_in = torch.nn.Parameter(torch.randn(experts, inner, hidden) * 0.3)
+        self.w_out = torch.nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+
+    def forward(self, h, index, weights):
+        out = torch.zeros_like(h)
+        for e in range(self.num_experts):  # an index outside the experts (padding) selects nothing
+            tok, slot = torch.where(index == e)
+            y = torch.relu(h[tok] @ self.w_in[e].T) @ self.w_out[e].T
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
+
+
+class OwnMoE(torch.nn.Module):
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.router, self.experts = OwnRouter(hidden, experts, k), OwnExperts(hidden, experts)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        _, w, i = self.router(h)
+        return x + self.experts(h, i, w).reshape(x.shape)
+
+
+class LogitsRouter(torch.nn.Module):
+    def __init__(self, hidden, experts):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+
+    def forward(self, h):
+        return h @ self.weight.T
+
+
+class PickingMoE(torch.nn.Module):
+    """Its router returns logits only; the block's own method picks the top-k (as DBRX's)."""
+
+    def __init__(self, hidden, experts, k):
+        super().__init__()
+        self.top_k = k
+        self.router, self.experts = LogitsRouter(hidden, experts), OwnExperts(hidden, experts)
+
+    def pick(self, logits):
+        w, i = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return w, i
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        w, i = self.pick(self.router(h))
+        return x + self.experts(h, i, w).reshape(x.shape)
+
+
+def sparse_attention(x, keys):
+    """Each token mixes in the `keys` earlier tokens it scores highest (torch.topk fails on fewer positions)."""
+    T = x.shape[1]
+    scores = x @ x.transpose(1, 2) + torch.full((T, T), -torch.inf).triu(1)
+    top = scores.topk(keys, dim=-1)
+    picked = torch.gather(x.unsqueeze(1).expand(-1, T, -1, -1), 2,
+                          top.indices.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+    return x + (top.values.softmax(-1).unsqueeze(-1) * picked).sum(2)
+
+
+class OwnLM(torch.nn.Module):
+    def __init__(self, vocab=256, hidden=16, experts=4, k=2, layers=2, keys=None, blocks=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.moes = torch.nn.ModuleList(block(hidden, experts, k) for block in (blocks or [OwnMoE] * layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+        self.keys = keys
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        if self.keys:
+            x = sparse_attention(x, self.keys)
+        else:
+            x = x.cumsum(1) / torch.arange(1, ids.shape[1] + 1).view(1, -1, 1)  # each token sees the ones before it
+        for moe in self.moes:
+            x = moe(x)
+        return self.head(x)
+
+
+def test_controller_for_finds_the_routers_of_a_users_own_moe_by_structure(tmp_path):
+    """Not a transformers class (as a checkpoint's own code is not): the MoE discovery still finds its routers."""
+    import fcaudit as fca
+
+    model = OwnLM().eval()
+    ctrl = fca.controller_for(model)
+    assert [s.path for s in ctrl.sites] == ["moes.0.router", "moes.1.router"]
+    assert [s.codec.pad for s in ctrl.sites] == ["sentinel", "sentinel"]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+    assert abs(res.penalties().to_frame().loc["CrossInput", "statistic"]) > 0
+
+
+def test_the_probe_runs_a_longer_window_where_a_sparse_attention_needs_more_keys_than_four_tokens(tmp_path):
+    import fcaudit as fca
+
+    model = OwnLM(keys=8).eval()
+    with pytest.raises(RuntimeError):  # the discovery's first, 4-token probe fails
+        model(torch.zeros(1, 4, dtype=torch.long))
+    ctrl = fca.controller_for(model)
+    assert [s.path for s in ctrl.sites] == ["moes.0.router", "moes.1.router"]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0
+
+
+def test_a_model_that_fails_every_probe_window_is_refused_in_one_line():
+    model = OwnLM(keys=4096).eval()  # more keys than the longest probe
+    with pytest.raises(FcauditError, match="fails a 4-token forward pass .* every longer probe up to 2048 tokens") as err:
+        moe_controller(model)
+    assert "\n" not in str(err.value)
+
+
+def _tiny(cls: str, **extra):
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**common, **extra})).eval()
+
+
+def _gemma4():  # its router reads top_k_experts and num_experts from its config: neither is its attribute
+    return _tiny("Gemma4TextConfig", num_experts=E, top_k_experts=K, enable_moe_block=True, moe_intermediate_size=32,
+                 head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0)
+
+
+def _ergo():  # its router has top_k but no expert count: that of its weight
+    return _tiny("ErgoConfig", num_experts=E, num_experts_per_tok=K)
+
+
+def _dbrx():  # its router returns logits only; its block's method picks the top-k; its experts are rows of 2-D weights
+    return _tiny("DbrxConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"moe_num_experts": E, "moe_top_k": K, "ffn_hidden_size": 16})
+
+
+@pytest.mark.parametrize("build, router", [(_gemma4, "Gemma4TextRouter"), (_ergo, "ErgoTopkRouter"), (_dbrx, "DbrxFFN")])
+def test_a_router_without_top_k_or_expert_count_attributes_is_found_beside_its_experts(build, router):
+    model = build()
+    ctrl = moe_controller(model)
+    assert {type(s.module).__name__ for s in ctrl.sites} == {router}
+    assert all(s.codec.num_experts == E and s.codec.top_k == K for s in ctrl.sites)
+    ids = ids_for()
+    run = capture(model, ctrl, ids)
+    assert torch.equal(replay_logits(model, ctrl, ids, run.coefficients), run.logits)
+    other = run.like([c.roll(1, dims=-1) for c in run.coefficients])
+    assert not torch.equal(replay_logits(model, ctrl, ids, other), run.logits)
+
+
+def test_a_block_method_that_picks_the_top_k_is_the_site_where_the_router_returns_logits_only():
+    """DBRX: the router returns logits; DbrxFFN.route_tokens_to_experts returns (top_k_weights, top_k_index), which
+    its experts receive. Its experts refuse the sentinel index (IndexError), so rows are padded by repetition; the
+    expert FLOPs measured inside them are the experts counted times one expert's cost."""
+    model = _dbrx()
+    ctrl = moe_controller(model)
+    assert [s.name for s in ctrl.sites] == [f"transformer.blocks.{i}.ffn.route_tokens_to_experts" for i in range(2)]
+    assert [s.codec.pad for s in ctrl.sites] == ["repeat", "repeat"]
+    execution = expert_execution(model, ids_for(), ctrl)
+    assert (execution.experts_per_token == K).all()
+    per_pair = execution.dense_flops[0] // (4 * 12 * E)
+    assert execution.expert_flops == [4 * 12 * K * per_pair] * 2 and per_pair == 2 * 3 * 16 * 32
+
+
+@pytest.mark.parametrize("build", [_gemma4, _dbrx], ids=["gemma4", "dbrx"])
+def test_checkpoints_whose_config_spells_the_moe_keys_otherwise_load_and_their_routers_are_found(build, tmp_path):
+    """Gemma-4's top_k_experts, DBRX's ffn_config.moe_num_experts/moe_top_k: `fca.load` takes the checkpoint as an MoE
+    (not 'no fcaudit family loads') and controller_for finds its routers."""
+    import fcaudit as fca
+
+    build().save_pretrained(tmp_path)
+    model = fca.load(tmp_path)
+    assert model.fcaudit_meta["variant"] == f"moe-{model.config.model_type}"
+    assert len(fca.controller_for(model).sites) == 2
+
+
+def test_a_users_moe_whose_block_picks_the_top_k_beside_one_whose_router_does_audits_exactly(tmp_path):
+    import fcaudit as fca
+
+    model = OwnLM(blocks=[OwnMoE, PickingMoE]).eval()
+    ctrl = fca.controller_for(model)
+    assert [s.name for s in ctrl.sites] == ["moes.0.router", "moes.1.pick"]
+    assert [s.codec.parts for s in ctrl.sites] == [("logits", "weights", "index"), ("weights", "index")]
+    res = fca.audit(model, ctrl, _windows(6), _windows(4, seed=1), randomizations=1, out=tmp_path, batch_size=3,
+                    quiet=True)
+    assert res.replay.bit_equal and res.replay.route_flips == 0

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fcaudit as fca
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from harness import api_refusal
 
 V, T = 256, 32
@@ -66,27 +66,16 @@ def test_capacity_over_the_flattened_batch_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
-def test_integer_and_bool_decisions_over_the_flattened_batch_are_refused(tmp_path, dtype):
-    """0/1 decisions are compared for equality (no tolerance, no float ops on bools)."""
+def test_integer_and_bool_decisions_are_compared_for_equality(dtype):
+    """The batch and layout checks compare 0/1 decisions exactly (no tolerance, no float ops on bools): one changed
+    decision is one disagreeing position."""
+    from fcaudit.controllers.checks import agreeing
 
-    class Decide(TopHalf):
-        def forward(self, h):
-            s = self.score(h).squeeze(-1)
-            return (s > s.flatten().kthvalue(s.numel() // 2).values).to(dtype)
-
-    class DecidedLM(GatedLM):
-        def forward(self, x):
-            h = self.embed(x)
-            for mlp, gate in zip(self.mlps, self.gates):
-                h = h + gate(h).to(h.dtype).unsqueeze(-1) * mlp(h)
-            return self.head(h)
-
-    model = DecidedLM().eval()
-    model.gates = nn.ModuleList(Decide(16) for _ in range(2))
-    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
-    line = api_refusal(lambda: fca.audit(model, ctrl, ids(8, 0), ids(4, 1), randomizations=1, batch_size=4,
-                                         out=tmp_path / "a", quiet=True))
-    assert "change when the other windows of its batch change" in line
+    a = (torch.rand(2, 8, 1, 1, generator=torch.Generator().manual_seed(0)) > 0.5).to(dtype)
+    b = a.clone()
+    b[1, 3] = 1 - b[1, 3] if dtype != torch.bool else ~b[1, 3]
+    same = agreeing(a, b, None)
+    assert same.shape == (2, 8, 1) and int((~same).sum()) == 1 and not bool(same[1, 3])
 
 
 def test_a_capacity_router_filled_over_the_flattened_batch_is_refused(tmp_path):
@@ -240,7 +229,7 @@ def test_a_state_change_after_a_finished_audit_removes_it(tmp_path):
     model = FlipsAfter40().eval()
     audit_of(model, out, randomizations=1)  # fewer than 40 calls: it does not flip
     assert (out / "replay.json").exists() and model.calls < 40
-    model.calls = 40 - (1 + SITE_CHECK_PASSES + BATCH_CHECK_PASSES)  # flips after the probe and the checks
+    model.calls = 40 - (1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES)  # flips after the checks
     line = api_refusal(lambda: audit_of(model, out, randomizations=1))
     assert "repeated at the end" in line and nothing_kept(out)
 

@@ -8,7 +8,7 @@ import fcaudit as fca
 from fcaudit import plan
 from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, ROUTING_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES, routing_check_passes
 from conftest import T, V, ToyGated, ToyMoE, tiny_early_exit, windows
 
 
@@ -87,7 +87,8 @@ def test_the_plan_counts_every_forward_pass_the_audit_runs_the_checks_included(c
     p = plan(model, ctrl, ev, ca, batch_size=3, randomizations=1)
     flow = FLOW_CHECK_PASSES if case != "router" else 0
     batch_and_state = BATCH_CHECK_PASSES + STATE_CHECK_PASSES  # a first batch of 3 windows
-    assert p.check_passes == SITE_CHECK_PASSES + flow + (ROUTING_CHECK_PASSES if case != "gated" else 0) + batch_and_state
+    assert p.check_passes == (SITE_CHECK_PASSES + flow + (routing_check_passes(6, 3) if case != "gated" else 0)
+                              + batch_and_state)
     passes = []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     result = fca.audit(model, ctrl, ev, ca, batch_size=3, randomizations=1, out=tmp_path / "a", quiet=True)

@@ -227,17 +227,6 @@ def test_report_execution_and_non_positive_penalties(tmp_path):
     assert "undefined" not in md or "—" in md
 
 
-def test_criteria_missing_from_config_are_flagged(tmp_path):
-    d = write_audit(tmp_path / "a", FG)
-    cfg = json.loads((d / "config.json").read_text())
-    del cfg["criteria"]
-    write_json(d / "config.json", cfg)
-    s = summarize([d])
-    assert not any(v["fixed_in_advance"] for v in s.verdicts)
-    build_report([d], tmp_path / "r")
-    assert "not prespecified" in (tmp_path / "r" / "report.md").read_text()
-
-
 def test_summary_json_keeps_full_precision_absolute_audit_paths_and_no_nan(fg7, tmp_path, monkeypatch):
     """summary.json holds the CSVs' numbers to the last bit (pandas' to_json would round to 10 digits), its audits
     as absolute paths (a report run from elsewhere finds them), and null where a number is undefined."""

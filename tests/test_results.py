@@ -1,7 +1,6 @@
-"""The result objects from the reader's side: the replay check and the pre-write checks' findings (replay.json, and
-the keys audits wrote before findings), the controller's own static condition that retention and the criteria
-follow, summaries read back (also with the column names written before one vocabulary), the notebook display and
-the plots."""
+"""The result objects from the reader's side: the replay check and the pre-write checks' findings (replay.json; an
+earlier fcaudit's is refused), the controller's own static condition that retention and the criteria follow, summaries
+read back (an earlier fcaudit's refused, and recreated as the refusal says), the notebook display and the plots."""
 
 import json
 
@@ -18,6 +17,7 @@ from fcaudit.io import write_json  # noqa: E402
 from fcaudit.report import build_report  # noqa: E402
 from fcaudit.summary import Summary, summarize  # noqa: E402
 from conftest import FG, write_audit  # noqa: E402
+from harness import api_refusal  # noqa: E402
 
 EXACT = {"max_abs_dlogit": 0.0, "delta_nll": 0.0, "bit_equal": True, "passed": True, "tolerance": 0.0, "windows": 24,
          "route_flips": 0}
@@ -33,7 +33,7 @@ def with_replay(audit, replay: dict):
     return audit
 
 
-def test_findings_are_read_from_replay_json_and_from_the_keys_written_before_them(tmp_path):
+def test_findings_are_read_from_replay_json_and_an_earlier_replay_json_is_refused(tmp_path):
     findings = [{"check": "causality", "refusal": False, "line": LATER, "data": {"later_token_flips": 5, "windows": 8}},
                 {"check": "hidden state", "refusal": False, "line": "note: blocks.0 looks like a hidden state",
                  "data": {"site": "blocks.0"}}]
@@ -42,20 +42,17 @@ def test_findings_are_read_from_replay_json_and_from_the_keys_written_before_the
     assert new.replay.passed and new.replay.route_flips == 0 and new.replay.windows == 24
     assert new.replay.later_token_flips == 5 and new.replay.finding("hidden state").data == {"site": "blocks.0"}
     assert new.notices == (LATER, "note: blocks.0 looks like a hidden state")  # the router's line is a notice too
+    # replay.json of an earlier fcaudit, without findings (its notices under other keys): refused, never guessed at
     old = write_audit(tmp_path / "old", ROUTED, labels=ROUTED_LABELS, name="Old", R=1)
-    old = fca.AuditResult.load(with_replay(old, {**EXACT, "notices": ["note: a notice"], "later_token_flips": 7,
-                                                 "causality_windows": 8, "routing_note": TOKEN_NOTE}))
-    assert [f.check for f in old.replay.findings] == ["", "causality", "token routing"]
-    assert old.replay.later_token_flips == 7 and old.notices[0] == "note: a notice"
-    assert old.notices[1].startswith("routing depends on later tokens: changing only the last quarter of 8 windows "
-                                     "changed 7") and old.notices[2] == TOKEN_NOTE
-    assert old.replay.to_dict()["routing_note"] == TOKEN_NOTE  # written back as it was read
-    # older still: the causality check in config.json's "routing", none of it in replay.json; no flips: no notice
-    older = write_audit(tmp_path / "older", ROUTED, labels=ROUTED_LABELS, name="Older", R=1)
-    cfg = json.loads((older / "config.json").read_text())
-    write_json(older / "config.json", {**cfg, "routing": {"later_token_flips": 0, "causality_windows": 8}})
-    older = fca.AuditResult.load(with_replay(older, EXACT))
-    assert older.replay.later_token_flips == 0 and older.notices == ()
+    with_replay(old, {**EXACT, "notices": ["note: a notice"], "later_token_flips": 7, "causality_windows": 8,
+                      "routing_note": TOKEN_NOTE})
+    line = api_refusal(lambda: fca.AuditResult.load(old))
+    assert "replay.json is damaged (it lacks the pre-write checks' findings (an earlier fcaudit's)); rerun the audit " \
+           "command on" in line
+    # as this fcaudit writes it: a causality check that found no flip has nothing to say
+    quiet = {"check": "causality", "refusal": False, "line": "", "data": {"later_token_flips": 0, "windows": 8}}
+    old = fca.AuditResult.load(with_replay(old, {**EXACT, "findings": [quiet]}))
+    assert old.replay.later_token_flips == 0 and old.notices == ()
     # the summary and the report say each once, the router's lines with the replay check
     s = summarize([tmp_path / "new", tmp_path / "old"])
     assert s["New"].notices == new.notices and str(s).count(LATER) == 1
@@ -70,7 +67,7 @@ def test_retention_and_the_criteria_follow_the_controllers_own_static_condition(
     routed = [write_audit(tmp_path / f"r{k}", {c: v * (0.9 + 0.1 * k) for c, v in ROUTED.items()},
                           labels=ROUTED_LABELS, name="Routed", seed=k, R=1) for k in range(3)]
     one = fca.AuditResult.load(routed[0])
-    assert one.static == "StaticTopK" and one.retention().condition == "StaticTopK"  # an audit before controller.static
+    assert one.static == "StaticTopK" and one.retention().condition == "StaticTopK"  # config.json's controller.static
     assert one.retention().reference == "RandomRoute" and one.retention("StaticTopK") is one.retention()
     assert [v["quantity"] for v in one.verdicts()] == ["StaticTopK ΔNLL", "StaticTopK retention"]
     assert all(v["met"] is not None for v in one.verdicts())  # evaluable: not StaticProfile's "not evaluable"
@@ -78,7 +75,7 @@ def test_retention_and_the_criteria_follow_the_controllers_own_static_condition(
     assert fam.static == "StaticTopK" and fam.retention().level == "checkpoint"
     assert [(v["label"], v["level"]) for v in fam.verdicts()] == [("StaticTopK", "checkpoint")] * 2
     assert "upper 95% bound of the StaticTopK ΔNLL < 0.002" in str(fam)
-    # declared by the audit (config.json's controller.static) wins over the fallback
+    # whatever the audit declares (config.json's controller.static)
     gate = write_audit(tmp_path / "gate", FG, name="Gate")
     cfg = json.loads((gate / "config.json").read_text())
     write_json(gate / "config.json", {**cfg, "controller": {"static": "LayerPositionMean"}})
@@ -90,23 +87,25 @@ def test_retention_and_the_criteria_follow_the_controllers_own_static_condition(
     assert back.static == "LayerPositionMean" and back.verdicts() == summarize([declared])["Gate"].verdicts()
 
 
-def test_a_summary_written_before_one_vocabulary_is_read_with_todays_names(tmp_path):
+def test_a_summary_of_an_earlier_fcaudit_is_refused_in_one_line_and_recreated_as_it_says(tmp_path):
     dirs = [write_audit(tmp_path / f"fg{k}", {c: v * (0.9 + 0.1 * k) for c, v in FG.items()}, seed=k) for k in range(2)]
     s = summarize(dirs, tmp_path / "summary")
     d = json.loads((tmp_path / "summary" / "summary.json").read_text())
-    old = {"mean": "statistic"}, {"mean": "statistic"}, {"retention": "statistic", "delta_nll": "delta_static",
-                                                         "reference_delta_nll": "delta_reference"}
-    for kind, names in zip(("conditions", "factors", "retention"), old):
-        d[kind] = [{new_ if new_ not in names.values() else next(k for k, v in names.items() if v == new_): x
-                    for new_, x in row.items() if (kind, new_) not in {("factors", "mc_se"), ("retention", "pvalue")}}
-                   for row in d[kind]]
-    assert "mean" in d["conditions"][0] and "mc_se" not in d["factors"][0]
+    # the columns an earlier fcaudit wrote ("mean", not "statistic"), and no static condition in its groups
+    d["conditions"] = [{("mean" if k == "statistic" else k): v for k, v in row.items()} for row in d["conditions"]]
     write_json(tmp_path / "summary" / "summary.json", d)
+    assert "summary.json is not a summary written by fcaudit (or by another version of it: KeyError); recreate it " \
+           "with" in api_refusal(lambda: Summary.load(tmp_path / "summary"))
+    d = json.loads((tmp_path / "summary" / "summary.json").read_text())
+    write_json(tmp_path / "summary" / "summary.json", {**d, "conditions": s.conditions.to_dict(orient="records"),
+                                                       "groups": {k: {kk: vv for kk, vv in g.items() if kk != "static"}
+                                                                  for k, g in d["groups"].items()}})
+    assert "recreate it with" in api_refusal(lambda: Summary.load(tmp_path / "summary"))
+    summarize(dirs, tmp_path / "summary")  # what the line says, into the same directory
     back = Summary.load(tmp_path / "summary")
     pd.testing.assert_frame_equal(back.conditions, s.conditions)
+    pd.testing.assert_frame_equal(back.factors, s.factors)
     pd.testing.assert_frame_equal(back.retention, s.retention)
-    assert back.factors["mc_se"].isna().all()  # not written then
-    pd.testing.assert_frame_equal(back.factors.drop(columns="mc_se"), s.factors.drop(columns="mc_se"))
 
 
 def test_results_show_themselves_in_a_notebook_and_plot_figure_2(tmp_path):

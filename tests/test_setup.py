@@ -18,9 +18,12 @@ def _locked() -> dict[str, str]:
     return {canonicalize_name(name): version for name, version in pins}
 
 
-def _declared() -> set[str]:
+def _declared(extras: tuple[str, ...] | None = None) -> set[str]:
+    """The dependencies pyproject.toml declares, with those of `extras` (None: every extra)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    chosen = project["optional-dependencies"] if extras is None else {e: project["optional-dependencies"][e]
+                                                                       for e in extras}
+    reqs = project["dependencies"] + [r for extra in chosen.values() for r in extra]
     return {canonicalize_name(Requirement(r).name) for r in reqs} - {"fcaudit"}
 
 
@@ -40,7 +43,7 @@ def test_the_environment_holds_the_locked_versions():
         version = dist.version.split("+")[0]  # torch's CPU build is 2.13.0+cpu
         if name in locked and version != locked[name]:
             wrong[name] = (version, locked[name])
-    missing = sorted(n for n in _declared() if n not in {canonicalize_name(d.metadata["Name"])
+    missing = sorted(n for n in _declared(("test", "hf", "docs")) if n not in {canonicalize_name(d.metadata["Name"])
                                                          for d in metadata.distributions()})
     assert not wrong and not missing, (f"installed, locked: {wrong}; not installed: {missing}; run `make setup` (or "
                                        "`pip install -c constraints.txt -e '.[test,hf,docs]'`)")

@@ -43,7 +43,7 @@ def make_records(n_examples=5, R=3, seed=0):
         for e, b in zip(examples, base):
             rows.append((e, cond, 0, b + s + 0.01 * rng.normal()))
     df = pd.DataFrame(rows, columns=["example", "condition", "randomization", "nll"])
-    df["tokens"] = 63
+    df["tokens"], df["active"] = 63, 1.0
     return df.sample(frac=1.0, random_state=1).reset_index(drop=True)  # order must not matter
 
 

@@ -170,6 +170,21 @@ def test_a_run_whose_corpus_file_changed_is_refused_and_a_busy_run_dir_too(tmp_p
             train(TrainConfig(**{**cfg, "out": str(tmp_path / "run2")}))
 
 
+def test_a_run_directory_without_its_marker_is_refused_in_one_line_and_a_new_out_trains(tmp_path, corpus):
+    """A directory is a training run by its .fcaudit-train marker only, never by a train_config.json (as an earlier
+    fcaudit left it): refused in one line naming the fix, a new --out, which trains."""
+    from harness import api_refusal
+
+    old = tmp_path / "run"
+    old.mkdir()
+    (old / "train_config.json").write_text("{}")
+    line = api_refusal(lambda: train(TrainConfig(model="dense", out=str(old), **FAST), corpus=corpus))
+    assert line == (f"--out {old} is not an fcaudit training run directory (it holds files fcaudit did not write "
+                    "(train_config.json)): pass a new or empty directory for the training run")
+    assert sorted(p.name for p in old.iterdir()) == ["train_config.json"]
+    assert train(TrainConfig(model="dense", out=str(tmp_path / "new"), **FAST), corpus=corpus).out.is_dir()
+
+
 def test_a_run_logged_to_a_file_prints_a_line_per_validation(tmp_path, corpus, capsys):
     """No progress bar in a log file (it would leave stray lines): one line per validation instead."""
     train(TrainConfig(model="dense", out=str(tmp_path / "run"), **{**FAST, "steps": 16, "progress": True}),

@@ -158,16 +158,12 @@ class Command:
     marker: str  # the file that makes a directory this command's
     records: bool  # the marker lists every file written (commands whose set of files changes between runs)
     writes_marker: bool = True  # False: the command writes its own marker (the audit's holds its config hash)
-    legacy: str | None = None  # the file by which a directory without its marker is recognized (an older fcaudit's)
-    legacy_keys: tuple[str, ...] = ()  # the JSON keys that file must hold (an audit's config.json: no checkpoint's)
 
 
 # keyed by the name messages use ("... for the training run")
 COMMANDS = {
-    # an audit whose marker was lost is recognized by its config.json, which it rewrites the marker from
-    "audit": Command(".fcaudit-audit", records=False, writes_marker=False, legacy="config.json",
-                     legacy_keys=("config_hash", "windows", "controller", "_sha256")),
-    "training run": Command(".fcaudit-train", records=False, legacy="train_config.json"),
+    "audit": Command(".fcaudit-audit", records=False, writes_marker=False),
+    "training run": Command(".fcaudit-train", records=False),
     "summary": Command(".fcaudit-summary", records=True),
     "execution results": Command(".fcaudit-execution", records=True),
     "report": Command(".fcaudit-report", records=True),
@@ -192,21 +188,6 @@ def _kind_of(path: Path) -> str:
         return "holds a checkpoint"
     theirs = sorted(n for n in names if not _ours(n))
     return f"holds files fcaudit did not write ({theirs[0]}{', ...' if len(theirs) > 1 else ''})"
-
-
-def _marked(path: Path, command: Command) -> bool:
-    """Whether directory `path` is the command's: its marker, or the legacy file holding the legacy keys."""
-    if _regular(path / command.marker):
-        return True
-    if command.legacy is None or not _regular(path / command.legacy):
-        return False
-    if not command.legacy_keys:
-        return True
-    try:
-        obj = json.loads((path / command.legacy).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(obj, dict) and all(k in obj for k in command.legacy_keys)
 
 
 def _regular(path: str | os.PathLike) -> bool:
@@ -378,7 +359,7 @@ class OutDir:
             raise FcauditError(f"--out {path} is an existing file, not a directory: pass a directory for the {what} "
                                "(fcaudit does not overwrite files it did not write)")
         if path.is_dir():
-            if not _marked(path, self.command) and not all(_ours(n) for n in os.listdir(path)):
+            if not _regular(path / self.command.marker) and not all(_ours(n) for n in os.listdir(path)):
                 raise FcauditError(f"--out {path} is not an fcaudit {what} directory (it {_kind_of(path)}): pass a new "
                                    f"or empty directory for the {what}")
             link = _first_link(path)

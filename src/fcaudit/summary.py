@@ -20,8 +20,7 @@ from fcaudit.errors import FcauditError
 from fcaudit.io import OutDir, finite_json, read_json
 from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import CheckpointStatistics, retained_name
-from fcaudit.stats.results import (WINDOW_LEVEL, FactorEffectsResult, PenaltiesResult, Results, RetentionResult,
-                                   own_static)
+from fcaudit.stats.results import WINDOW_LEVEL, FactorEffectsResult, PenaltiesResult, Results, RetentionResult
 
 WINDOW_NOTE = ("n = 1 checkpoint: intervals are paired-window bootstrap intervals; they describe stability across "
                "evaluation windows (and MC SE the randomization error) for this checkpoint, not uncertainty across "
@@ -44,10 +43,6 @@ _COLUMNS = {
     "retention": ["family", "condition", "label", "statistic", "ci_low", "ci_high", "pvalue", "n", "level",
                   "reference", "reference_label", "delta_static", "delta_reference", "bound", "note"],
 }
-# summaries written before the one vocabulary: their columns under today's names
-_RENAMED = {"conditions": {"mean": "statistic"}, "factors": {"mean": "statistic"},
-            "retention": {"retention": "statistic", "delta_nll": "delta_static",
-                          "reference_delta_nll": "delta_reference"}}
 _TEXT = {"family", "condition", "label", "level", "effect", "reference", "reference_label", "note"}
 COUNTS = ("n", "n_positive")  # counts, nan where undefined: float columns in pandas
 
@@ -58,7 +53,7 @@ def csv_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _frame(rows: list[dict] | pd.DataFrame, kind: str) -> pd.DataFrame:
-    df = pd.DataFrame(rows).rename(columns=_RENAMED[kind]).reindex(columns=_COLUMNS[kind])
+    df = pd.DataFrame(rows).reindex(columns=_COLUMNS[kind])
     if "note" in df.columns:
         df["note"] = df["note"].fillna("").astype(str)
     # numbers stay numeric even when a column is all missing (JSON null) after a round trip
@@ -115,7 +110,7 @@ class FamilyResult(Results):
     n_checkpoints : int
         Its audits, one per independently trained checkpoint.
     criteria : Criteria
-        The prespecified criteria its audits fixed (the defaults where none did: `criteria_source` says so).
+        The prespecified criteria its audits fixed (`criteria_source`: where they were read, config.json).
     static : str
         The controller's own static condition, which `retention()` and the criteria judge.
     audit_dirs, replays, variation : tuple
@@ -317,31 +312,31 @@ class Summary(Mapping):
             raise FcauditError(f"{path} has no summary.json; create it with `fcaudit summarize AUDIT_DIR... --out {path}`")
         try:
             d = read_json(path / "summary.json")
+            if any(set(_COLUMNS[k]) - set(row) for k in _COLUMNS for row in d[k]):  # another version's tables
+                raise KeyError("columns")
             tables = {k: _frame(d[k], k) for k in _COLUMNS}
             names = dict.fromkeys([*tables["conditions"]["family"], *d["groups"]])
             return cls([_saved_family(name, d["groups"][name], tables, d["criteria"]) for name in names])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit ({type(e).__name__}); "
-                               f"recreate it with `fcaudit summarize AUDIT_DIR... --out {path}`") from None
+            raise FcauditError(f"{path / 'summary.json'} is not a summary written by fcaudit (or by another version "
+                               f"of it: {type(e).__name__}); recreate it with `fcaudit summarize AUDIT_DIR... --out "
+                               f"{path}`") from None
 
 
 def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdicts: list[dict]) -> FamilyResult:
     """A family as summary.json holds it (its group entry, its rows of the tables, its verdicts' criteria)."""
-    level, confidence = group["level"], float(group.get("confidence", 0.95))
+    level, confidence = group["level"], float(group["confidence"])
     rows = {k: t[t["family"] == name] for k, t in tables.items()}
     criteria = next((Criteria.from_dict(v["criteria"]) for v in verdicts if v.get("family") == name),
                     Criteria(confidence=confidence))
     pen = PenaltiesResult.from_frame(rows["conditions"], level, confidence)
     fx = FactorEffectsResult.from_frame(rows["factors"], level, confidence) if len(rows["factors"]) else None
     rets = tuple(RetentionResult.from_row(r, level, confidence) for r in rows["retention"].to_dict("records"))
-    labels = dict(group.get("labels") or {})
-    return FamilyResult(name, int(group["n_checkpoints"]), criteria, group.get("criteria_source", "config.json"),
-                        group.get("criteria_fixed_at"), labels, group.get("static") or own_static(pen.names),
-                        bool(group.get("partial")),
-                        tuple(group.get("audits", [])),
-                        tuple(Replay.from_json(r) for r in group.get("replay", []) if isinstance(r, dict)),
-                        tuple(group.get("variation", [])),
-                        saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
+    labels = dict(group["labels"])
+    return FamilyResult(name, int(group["n_checkpoints"]), criteria, group["criteria_source"],
+                        group["criteria_fixed_at"], labels, str(group["static"]), bool(group["partial"]),
+                        tuple(group["audits"]), tuple(Replay.from_json(r) for r in group["replay"]),
+                        tuple(group["variation"]), saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
 
 
 def family_of(config: dict) -> str:
@@ -384,12 +379,10 @@ def _check_pool(family: str, members: list[AuditResult]) -> None:
 
 def _criteria_of(audits: list[AuditResult], family: str) -> tuple[Criteria, str | None, str]:
     """The family's criteria, when they were fixed (the latest stamp) and where they come from."""
-    if all(a.config.get("criteria") is None for a in audits):
-        return Criteria(), None, "defaults (not found in the audit config: NOT fixed in advance)"
-    if any(a.config.get("criteria") is None or a.criteria != audits[0].criteria for a in audits):
+    if any(a.criteria != audits[0].criteria for a in audits):
         raise FcauditError(f"family {family!r}: audits were run with different criteria; audit all checkpoints with "
                            "the same criteria")
-    stamps = [t for a in audits if (t := a.config["criteria"].get("fixed_at") or a.config.get("created_at"))]
+    stamps = [t for a in audits if (t := a.config["criteria"].get("fixed_at"))]
     return audits[0].criteria, max(stamps, default=None), "config.json"
 
 

@@ -162,7 +162,7 @@ def evaluate(model: nn.Module, family: families.Family, windows: torch.Tensor, b
     for ids in windows.split(batch_size):
         ids = ids.to(device)
         with _autocast(device):  # the gates [L, B, T] of a family with scalar gates (None for its ungated members)
-            logits, gates = family.gates(model, ids) if family.gates else (logits_of(model(ids)), None)
+            logits, gates = family.gates(model, ids) if family.gates else (logits_of(model(ids), model, ids), None)
         nll = token_nll(logits, ids).double()
         nll_sum, n_tok = nll_sum + nll.sum().item(), n_tok + nll.numel()
         if gates is not None:
@@ -374,7 +374,7 @@ class _Run:
             group["lr"] = lr_at(step, self.cfg)
         with _autocast(self.device):
             loss = (self.family.train_loss(self.model, ids) if self.family.train_loss is not None
-                    else token_nll(logits_of(self.model(ids)), ids).mean())
+                    else token_nll(logits_of(self.model(ids), self.model, ids), ids).mean())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)

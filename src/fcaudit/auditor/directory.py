@@ -21,6 +21,7 @@ import torch
 
 from fcaudit import protocol
 from fcaudit.auditor import files
+from fcaudit.controllers.checks import Finding
 from fcaudit.errors import FcauditError
 from fcaudit.io import OutDir, json_sha256, remove_stale_temps, valid_path
 from fcaudit.provenance import provenance
@@ -57,27 +58,29 @@ def record_keys(config: dict) -> list[tuple[str, int]]:
             for r in range(config["randomizations"] if protocol.REGISTRY[c].randomized else 1)]
 
 
-# config.json's fields the readers use, with their types (the optional ones may be absent): a config.json of other
-# types (another program's) is damaged
+# config.json's fields the readers use, with their types: a config.json of other types (another program's) is damaged
 _CONFIG_TYPES = {"seed": int, "randomizations": int, "batch_size": int, "windows": dict, "model": dict,
-                 "conditions": list, "config_hash": str}
-_OPTIONAL_TYPES = {"labels": dict, "criteria": dict, "routing": dict}
+                 "conditions": list, "config_hash": str, "labels": dict, "criteria": dict, "controller": dict}
 
 
 def _check_config(path: Path, config: dict) -> dict:
     """`config` when its fields have the types and ranges fcaudit writes, else Damaged naming the first that has not."""
     wrong = [k for k, t in _CONFIG_TYPES.items() if not isinstance(config.get(k), t) or isinstance(config[k], bool)]
-    wrong += [k for k, t in _OPTIONAL_TYPES.items() if k in config and not isinstance(config[k], t)]
     if not wrong:
         n, model = config["windows"].get("n_eval"), config["model"]
         named = isinstance(model.get("family"), str) or (isinstance(model.get("class"), str)
                                                          and isinstance(model.get("n_params"), int))
+        static = config["controller"].get("static")
         wrong = [k for k, bad in (("windows.n_eval", not isinstance(n, int) or n < 2),
                                   ("model", not named),  # what summaries name its family by
                                   ("randomizations", config["randomizations"] < 1),
-                                  ("batch_size", config["batch_size"] < 1)) if bad]
-        wrong += [f"condition {c!r}" for c in config["conditions"]
-                  if not isinstance(c, str) or c not in protocol.REGISTRY]
+                                  ("batch_size", config["batch_size"] < 1),
+                                  ("controller.static", not isinstance(static, str) or static not in protocol.REGISTRY))
+                 if bad]
+        wrong += [f"condition {c!r}" for c in config["conditions"] if not isinstance(c, str)]
+        if not wrong and (unknown := [c for c in config["conditions"] if c not in protocol.REGISTRY]):
+            raise FcauditError(f"{path} holds records of condition {unknown[0]!r}, which is not registered here: "
+                               "register it (fcaudit.protocol.register) before reading this audit")
     if wrong:
         raise files.Damaged(path, f"its {wrong[0]} is not what fcaudit writes")
     return config
@@ -140,8 +143,7 @@ class AuditDir:
         meta = meta if isinstance(meta, dict) else {}
         ours = self.bound()["audit"]
         if meta.get("audit") is None:
-            raise files.Damaged(path, "it names no audit (written by an fcaudit from before files named theirs, or "
-                                      "by another program)")
+            raise files.Damaged(path, "it names no audit (written by an earlier fcaudit, or by another program)")
         if meta["audit"] != ours:
             raise files.Damaged(path, f"it belongs to another audit (config hash {str(meta['audit'])[:12]}, this "
                                       f"audit's {ours[:12]})")
@@ -163,8 +165,9 @@ class AuditDir:
         path = self.records(condition, r)
         frame, meta = files.read_table(path)
         self._check_binding(path, meta, condition, r)
-        if (len(frame) != n or not {"example", "condition", "randomization", "nll"} <= set(frame.columns)
-                or not np.array_equal(frame["example"].to_numpy(), np.arange(n))):
+        if missing := [c for c in protocol.RECORD_COLUMNS if c not in frame.columns]:
+            raise files.Damaged(path, f"it lacks the records columns {missing}")
+        if len(frame) != n or not np.array_equal(frame["example"].to_numpy(), np.arange(n)):
             raise files.Damaged(path, "it does not hold one row per evaluation window")
         return frame
 
@@ -225,23 +228,24 @@ class AuditDir:
         """Claim the (locked) directory for `config`: a new audit, a resume of the same configuration, or a refusal.
 
         Returns "new", "resume" or "repaired" (config.json was damaged and is rewritten from the same configuration,
-        whose hash the marker keeps). Removes the temp files of a killed write (the directory is ours by the marker).
+        whose hash the marker keeps). An earlier fcaudit's audit is never migrated: it is started anew, and the engine
+        recomputes each of its files (bound to another configuration hash, or to none). Removes the temp files of a
+        killed write (the directory is ours by the marker).
         """
         digest = config_hash(config)
-        if not self.is_ours():  # lock() checked: new, empty, or an audit whose marker was lost (its config.json says)
-            lost = files.quietly(files.read_json, self.config_path, require_hash=True) or {}
-            self.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": lost.get("config_hash")})
+        if not self.is_ours():  # lock() checked: a new or empty directory
+            self.write_json(self.root / MARKER, {"format": FORMAT, "config_hash": None})
         remove_stale_temps(self.root, recursive=True)
         marker = files.quietly(files.read_json, self.root / MARKER) or {}
         held = marker.get("config_hash")
-        current = files.quietly(self.config) or {}
-        if held not in (None, digest):
+        current = files.quietly(self._config) or {}
+        if self.earlier(marker) is not None:
+            held, current = None, {}
+        elif held not in (None, digest):
             changed = (differences(current, config) if current.get("config_hash") == held
                        else ["(config.json unreadable)"])
-            if not changed:  # the same configuration under an earlier hash (fcaudit hashed DESCRIPTIVE fields too)
-                held, current = digest, {**current, "config_hash": digest}
-                self.write_json(self.config_path, current)
-                self.write_json(self.root / MARKER, {**marker, "config_hash": digest})
+            if not changed:  # the same configuration under an earlier fcaudit's hash: started anew
+                held, current = None, {}
             elif self.has_results():
                 raise FcauditError(f"{self.root} holds an audit with a different configuration (differs in {changed}); "
                                    "pass a new --out directory or delete the old one")
@@ -266,7 +270,14 @@ class AuditDir:
         """replay.json, checked: its hash, and the types its readers use."""
         replay = self._check_audit(self.replay, files.read_json(self.replay, ("passed",), require_hash=True))
         numbers = all(isinstance(replay.get(k), (int, float, type(None))) for k in ("max_abs_dlogit", "delta_nll"))
-        if not isinstance(replay["passed"], bool) or not numbers or not isinstance(replay.get("notices", []), list):
+        if replay["passed"] is True and "findings" not in replay:
+            raise files.Damaged(self.replay, "it lacks the pre-write checks' findings (an earlier fcaudit's)")
+        found = replay.get("findings", [])  # a failure report has none
+        try:
+            findings = isinstance(found, list) and all(Finding.from_json(f) for f in found)
+        except ValueError:
+            findings = False
+        if not isinstance(replay["passed"], bool) or not numbers or not findings:
             raise files.Damaged(self.replay, "its fields are not what fcaudit writes")
         return replay
 
@@ -285,5 +296,23 @@ class AuditDir:
         return any(p.suffix in (".parquet", ".safetensors") and not p.name.startswith(".")
                    for d in ("coeffs", "calib", "parts", "records") for p in (self.root / d).rglob("*"))
 
-    def config(self) -> dict:
+    def earlier(self, marker: dict | None = None) -> str | None:
+        """Why the directory holds an audit of another fcaudit's format (its marker or config.json lacks "format" or
+        has another), None when it does not; an unreadable one is damaged, which its own check says."""
+        marker = files.quietly(files.read_json, self.root / MARKER) if marker is None else marker
+        written = files.quietly(files.read_json, self.config_path) or {}
+        other = [d.get("format") for d in (marker, written) if d and d.get("format") != FORMAT]
+        if not other:
+            return None
+        return f"{'no format' if other[0] is None else f'format {other[0]}'}, this fcaudit's is {FORMAT}"
+
+    def _config(self) -> dict:
         return _check_config(self.config_path, files.read_json(self.config_path, keys=tuple(_CONFIG_TYPES)))
+
+    def config(self) -> dict:
+        """config.json, checked: its hash, the types its readers use, and its format (an earlier fcaudit's audit is
+        refused in one line: the rerun the line names starts it anew, `open`)."""
+        if (why := self.earlier()) is not None:
+            raise FcauditError(f"{self.root} holds an audit written by another version of fcaudit ({why}); rerun the "
+                               f"audit command with --out {self.root} to recompute it")
+        return self._config()

@@ -17,18 +17,18 @@ from torch import nn
 
 from fcaudit import placement, protocol
 from fcaudit.auditor import files
-from fcaudit.auditor.directory import AuditDir, config_hash, differences
-from fcaudit.auditor.engine import Engine
+from fcaudit.auditor.directory import FORMAT, AuditDir, config_hash, differences
+from fcaudit.auditor.engine import Engine, check_scores, running
 from fcaudit.auditor.files import tensor_sha256
 from fcaudit.auditor.group import Group, launched_world
-from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, evaluating, first_forward, parameter_hash,
-                                    vocab_size)
+from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, check_targets, evaluating, first_forward,
+                                    parameter_hash, vocab_size)
 from fcaudit.auditor.planner import AuditPlan
 from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.state import ModelState
-from fcaudit.auditor.store import all_finite, check_finite
+from fcaudit.auditor.store import check_finite
 from fcaudit.config import AuditConfig, with_settings
-from fcaudit.controllers.checks import pre_write_checks
+from fcaudit.controllers.checks import CAUSALITY_WINDOWS, pre_write_checks
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError
 from fcaudit.io import Locked
@@ -45,7 +45,7 @@ def _config(model: nn.Module, controller: Controller, windows: Windows, config: 
                   "n_params": sum(p.numel() for p in model.parameters()), "params_sha256": parameter_hash(model),
                   "dtype": next((str(p.dtype).replace("torch.", "") for p in model.parameters()), None),
                   "device_type": placement.input_device(model).type, "coeff_dtype": coeff_dtype}
-    return {"format": 2, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
+    return {"format": FORMAT, **config.to_json(), "conditions": list(protocol.for_controller(controller.info)),
             "windows": described, "model": model_desc, "controller": controller.describe(),
             "labels": controller.labels}
 
@@ -76,13 +76,17 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     # probed before anything is written; the capture also holds what every replay of this rank decodes with
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
     probe = first_forward(model, controller, first, config.loss_fn, decoding=True)
-    coeffs, logits, _ = probe
+    coeffs, logits, nll = probe
     check_finite(coeffs, "the first evaluation batch", [s.path for s in controller.sites])
-    if not all_finite(logits):
-        raise FcauditError("the model's logits on the first evaluation batch are non-finite (nan or inf); fix the "
-                           "model or its dtype (e.g. load in float32) before auditing")
+    check_scores(logits, nll, "the first evaluation batch")
+    if config.loss_fn is None:  # the next-token NLL indexes the logits by every window's targets
+        check_targets(windows, logits.shape[-1])
     state = ModelState.of(model, probe)  # compared after stage 1 and at the end
-    findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1)
+    probed = windows.ev[:CAUSALITY_WINDOWS].to(first.device)  # the causality check's windows, batch by batch
+    with running("the first evaluation batch, in the checks before anything is written",
+                 "fix it and run the audit again (nothing was written)"):
+        findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1,
+                                    probed)
     if findings and findings[0].refusal:  # refusals first: they name the cause
         state.check_tensors(model, "during the checks")  # unless the model changed itself: then that is the cause
         raise FcauditError(findings[0].line)
@@ -233,7 +237,7 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             adir.unlock()
     # the engine wrote and verified every records file: AuditResult.load would read them all again
     written = adir.config()
-    result = AuditResult(adir.root, written, Replay.from_json(files.read_json(adir.replay), written))
+    result = AuditResult(adir.root, written, Replay.from_json(files.read_json(adir.replay)))
     if not config.quiet and group.is_main:
         print(result)
     return result
@@ -246,6 +250,9 @@ def against_out(model: nn.Module, controller: Controller, windows: Windows, conf
     current = files.quietly(files.read_json, adir.config_path) if adir.is_ours() else None
     if current is None or not adir.has_results():
         return None
+    if (why := adir.earlier()) is not None:
+        return f"note: {config.out} holds an audit written by another version of fcaudit ({why}): the real run " \
+               "starts it anew there"
     if changed := differences(current, _config(model, controller, windows, config, planned.coeff_dtype)):
         return f"note: {config.out} holds an audit with another configuration (differs in {changed}): the real run " \
                "would refuse it; pass a new --out"

@@ -7,9 +7,11 @@ so any partition of the units over processes, and any resume, gives the same fil
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager, nullcontext
 from itertools import groupby
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,17 +23,18 @@ from fcaudit import placement, protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.auditor.group import Group
+from fcaudit.auditor.results import Replay
 from fcaudit.auditor.state import ModelState, changed_itself
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
-from fcaudit.controllers.checks import Finding
+from fcaudit.controllers.checks import Finding, observed_budget
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.kinds import Description
-from fcaudit.loss import logits_of, token_nll
+from fcaudit.loss import logits_of, token_nll, usable_logits
 from fcaudit.protocol import Coeffs
 from fcaudit.stats.variance import variation
 
@@ -50,7 +53,7 @@ def keeps_store_on(device: torch.device, nbytes: int) -> bool:
 def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, mean NLL per predicted token per window [B], float64 on the model's device)."""
     out = model(ids)
-    logits = logits_of(out)
+    logits = logits_of(out, model, ids)
     if logits.device != ids.device:  # a model spread over devices by hand: its logits are on its last one
         ids = ids.to(logits.device)
     nll = loss_fn(out, ids) if loss_fn is not None else token_nll(logits, ids).mean(1)
@@ -59,6 +62,36 @@ def forward_nll(model: nn.Module, ids: torch.Tensor, loss_fn: LossFn | None) -> 
         raise FcauditError(f"loss_fn returned {shape}, not one loss per window [{ids.shape[0]}]; return a tensor "
                            "of shape [batch]")
     return logits, nll.detach().double()
+
+
+def check_scores(logits: torch.Tensor, nll: torch.Tensor, where: str) -> None:
+    """Refused: logits holding nan or +inf, or a non-finite NLL, of the unmodified model on `where`. A -inf logit is a
+    masked entry and passes where the NLL stays finite."""
+    if not usable_logits(logits):
+        raise FcauditError(f"the model's logits on {where} are non-finite (nan or +inf); fix the model or its dtype "
+                           "(e.g. load in float32) before auditing")
+    if not all_finite(nll):
+        raise FcauditError(f"the model's NLL on {where} is non-finite (nan or inf) although its logits hold no nan or "
+                           "+inf: a next token has probability 0 (its logit is -inf, or a whole row is); fix the "
+                           "model's masking before auditing")
+
+
+# a fix may change what the finished batches computed: only an unchanged model and windows may resume them
+AGAIN = ("fix it and audit again into a new --out (this one resumes only for a model and windows that compute as "
+         "before)")
+
+
+@contextmanager
+def running(where: str, then: str = AGAIN):
+    """A failure of the model's forward pass (or of its loss) as one line naming the windows and the condition, and
+    `then`, the way on; the cause's traceback stays chained for a bug in the model's own code."""
+    try:
+        yield
+    except FcauditError as e:
+        raise FcauditError(f"{e} ({where})") from e
+    except Exception as e:  # whatever the model raises
+        raise FcauditError(f"the model's forward pass failed on {where} ({type(e).__name__}: {one_line(e)}); "
+                           f"{then}") from e
 
 
 def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, loss_fn: LossFn | None,
@@ -74,6 +107,51 @@ def capture_batch(model: nn.Module, controller: Controller, ids: torch.Tensor, l
     return Captured([c.to(ids.device) for c in found], found.decoding), logits, nll
 
 
+def exact_replay(model: nn.Module, controller: Controller, ids: torch.Tensor,
+                 captured: tuple[Coeffs, torch.Tensor, torch.Tensor], decoding: list | None, config: AuditConfig,
+                 start: int, observing: ContextManager = nullcontext()) -> Replay:
+    """The exact replay check on one evaluation batch (windows from `start`): with the controller disabled, replaying
+    its `captured` coefficients (decoded with `decoding`) must give the captured logits and NLL (bit-equal at
+    `config.tolerance` 0; within it otherwise) and, for routers, no route flip. `observing` wraps the replay (the
+    engine's budget observation). Its `record` is what a failure writes to replay.json."""
+    coeffs, logits, nll = captured
+    info = controller.info
+    routers, calls = info.routers, [None] * len(coeffs)
+    with controller.replay(coeffs, decoding, calls if routers else None), observing:
+        logits_r, nll_r = forward_nll(model, ids, config.loss_fn)
+    flips = sum(info.changed(i, c, coeffs[i]) for i, c in
+                controller.recompute(calls, *ids.shape, routers).items()) if routers else None
+    exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
+    finite = exact or (usable_logits(logits_r) and all_finite(nll_r))  # Correct's are checked before
+    dlogit = float("nan")
+    if finite:  # one window at a time: no float32 copy of a whole batch's logits; equal -inf entries differ by 0
+        dlogit = max(float(torch.where(x == y, 0.0, (x.float() - y.float()).abs()).max())
+                     for x, y in zip(logits_r, logits))
+    dnll = float((nll_r - nll).abs().max().cpu())
+    tol = config.tolerance
+    passed = finite and (exact if tol == 0 else (dlogit <= tol and dnll <= tol)) and not flips
+    return Replay.from_json({"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips,
+                             "passed": passed, "tolerance": tol, "windows": [start, start + ids.shape[0] - 1]})
+
+
+def replay_refusal(replay: Replay, fix: str) -> str:
+    """The one line naming the fix for a batch's failed exact replay check (`fix`: its controller kind's)."""
+    (start, last), dlogit, flips = replay.windows, replay.max_abs_dlogit, replay.route_flips
+    if math.isnan(dlogit):
+        return (f"the replayed logits or NLL of windows {start}..{last} are non-finite (nan or +inf) where the model's "
+                "own are finite: replaying its cached coefficients does not reproduce its forward pass; make the "
+                "output path independent of the controller's computation (and deterministic)")
+    if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
+        return (f"exact replay failed on windows {start}..{last}: route flips = {flips} (max |Δlogit| = {dlogit:.3g}): "
+                "the router, recomputed on the replayed trajectory, "
+                "chooses otherwise than the cache, so its routing is not a function of its inputs (it samples, or its "
+                "noise is reseeded between calls): make its eval routing deterministic (no sampling, no noise outside "
+                "training) before auditing")
+    flip = f", route flips = {flips}" if flips is not None else ""
+    return (f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, ΔNLL = "
+            f"{replay.delta_nll:.3g}{flip} (tolerance {replay.tolerance:g}); {fix}")
+
+
 def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: tuple[str, ...]) -> torch.Tensor:
     """[B, 1 + len(names)] float64 for codecs that count what their modules run (`Codec.executed`): `active` from what
     ran, then each count of `names` summed over the sites that report it."""
@@ -87,6 +165,14 @@ def executed(coeffs: Coeffs, codecs: Sequence[Codec], info: Description, names: 
                 out[:, 1 + names.index(name)] += counted[1][:, j].to(out.device)
     out[:, 0] = info.active(coeffs, ran)
     return out
+
+
+def non_finite_under(where: str) -> FcauditError:
+    """A non-finite NLL under a condition, finite under Correct: the model's response to those coefficients."""
+    return FcauditError(f"the model's NLL is non-finite (nan or inf) on {where}, while finite under Correct: the "
+                        "model itself gives it with these coefficients (e.g. it divides by a gate's sum or takes a "
+                        "root or log of one), so this condition cannot be scored; make the model finite for such "
+                        "coefficients (e.g. clamp them) and audit it again into a new --out")
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------
@@ -106,7 +192,7 @@ class Engine:
         self.info = controller.info  # protocol.ReplayContext: the sites' kinds, references and layers
         self.schedule = Schedule(ev.shape[0], ca.shape[0], config.batch_size, config.randomizations,
                                  tuple(protocol.for_controller(controller.info)))
-        self.seed, self.tol, self.loss_fn = config.seed, config.tolerance, config.loss_fn
+        self.config, self.seed, self.tol, self.loss_fn = config, config.seed, config.tolerance, config.loss_fn
         self.dtypes = [c.dtype for c in first[0]]
         self.decoding = first[0].decoding
         self.paths = [s.path for s in controller.sites]
@@ -123,7 +209,6 @@ class Engine:
         self.counts = tuple(dict.fromkeys(n for s in controller.sites for n in s.codec.counts))
         self.redone: list[str] = []  # damaged files removed for recomputation
         self.findings = tuple(findings)
-        self._failed_replay: dict | None = None  # the report of this rank's failed exact replay check
         self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
         self.state = state
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
@@ -174,15 +259,22 @@ class Engine:
             task = progress.add_task("audit (forward passes)", total=sched.passes_per_rank(world)[rank])
             # a quiet audit takes no progress lock per forward pass
             step = (lambda n=1: None) if progress.disable else (lambda n=1: progress.advance(task, n))  # noqa: E731
+            failed: list[Replay] = []  # this rank's failed exact replay check
+
+            def stage1() -> None:
+                if (replay := self._stage1(share(sched.iter_stage1(), rank, world), step)) is not None:
+                    failed.append(replay)
+                    raise FcauditError(replay_refusal(replay, self.info.lead.replay_fix))
+
             try:
-                self.group.run(lambda: self._stage1(share(sched.iter_stage1(), rank, world), step))
+                self.group.run(stage1)
             except FcauditError as e:
                 if changed_itself(e):
                     self._discard()
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
-                elif self._failed_replay is not None and getattr(e, "rank", self.group.rank) == self.group.rank:
-                    self.dir.write_json(self.dir.replay, self.dir.bound(self._failed_replay))
+                elif failed and getattr(e, "rank", rank) == rank:
+                    self.dir.write_json(self.dir.replay, self.dir.bound(failed[0].to_dict()))
                 raise
             self._same_state("after stage 1")
             self.group.run(self._reduce_profiles, main_only=True)
@@ -223,57 +315,42 @@ class Engine:
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
 
-    def _stage1(self, units: Iterable[Unit], step) -> None:
+    def _stage1(self, units: Iterable[Unit], step) -> Replay | None:
+        """Capture and calibration units; stops at the first failed exact replay check and returns it."""
         for u in units:
             # the probe serves the first batch or nothing (resumed, or another rank's): its logits go at once
             first, self._first = (self._first if u.kind == "capture" and u.start == 0 else None), None
             if not self.done(u):
                 if u.kind == "capture":
-                    self._capture(u.start, first)
+                    if not (replay := self._capture(u.start, first)).passed:
+                        return replay
                 else:
                     self._calibrate(u.start)
             step(u.passes)
+        return None
 
-    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _capture(self, start: int, first: tuple[Coeffs, torch.Tensor, torch.Tensor] | None = None) -> Replay:
         """Stage 1 + the exact replay check on one evaluation batch (captured now, or `first`: the same batch's
-        capture by the probe); the chunk first, then its Correct records."""
+        capture by the probe); where it passed, the chunk first, then its Correct records."""
         ids = self._ids(self.ev, start)
-        last = start + ids.shape[0] - 1
-        coeffs, logits, nll = first if first is not None else capture_batch(self.model, self.controller, ids,
-                                                                            self.loss_fn)
-        check_finite(coeffs, f"evaluation windows {start}..{last}", self.paths)
-        routers, calls = self.info.routers, [None] * len(coeffs)
-        with self.controller.replay(coeffs, self.decoding, calls if routers else None):
-            logits_r, nll_r = forward_nll(self.model, ids, self.loss_fn)
-        flips = sum(self.info.changed(i, c, coeffs[i]) for i, c in
-                    self.controller.recompute(calls, *ids.shape, routers).items()) if routers else None
-        exact = torch.equal(logits_r, logits) and torch.equal(nll_r, nll)
-        finite = all_finite(logits) and (exact or all_finite(logits_r))  # equal tensors hold no nan (nan != nan)
-        dlogit = float("nan")
-        if finite:  # one window at a time: no float32 copy of a whole batch's logits
-            dlogit = max(float((x.float() - y.float()).abs().max()) for x, y in zip(logits_r, logits))
-        dnll = float((nll_r - nll).abs().max().cpu())
-        passed = finite and (exact if self.tol == 0 else (dlogit <= self.tol and dnll <= self.tol)) and not flips
-        stats = {"max_abs_dlogit": dlogit, "delta_nll": dnll, "bit_equal": exact, "route_flips": flips}
-        if not passed:
+        where = f"evaluation windows {start}..{start + ids.shape[0] - 1}"
+        if first is None:
+            with running(f"{where}, capturing Correct"):
+                first = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        coeffs, logits, nll = first
+        check_finite(coeffs, where, self.paths)
+        check_scores(logits, nll, f"{where} (Correct)")
+        with running(f"{where}, replaying Correct for the exact replay check"):
+            replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
+                                  start, self._observed(start, 0, "Correct", coeffs))
+        if not replay.passed:
             if self.state is not None:  # a model that changed itself since the checks: that is the cause to name
-                self.state.check_tensors(self.model, f"by the exact replay check of windows {start}..{last}")
-            self._failed_replay = {**stats, "passed": False, "tolerance": self.tol, "windows": [start, last]}
-            if not finite:
-                raise FcauditError(f"the logits of windows {start}..{last} are non-finite (nan or inf); fix the model "
-                                   "or its dtype (e.g. load in float32) before auditing")
-            if flips:  # the router recomputed on its own inputs routes otherwise: no tolerance helps
-                raise FcauditError(f"exact replay failed on windows {start}..{last}: route flips = {flips} (max "
-                                   f"|Δlogit| = {dlogit:.3g}): the router, recomputed on the replayed trajectory, "
-                                   "chooses otherwise than the cache, so its routing is not a function of its inputs "
-                                   "(it samples, or its noise is reseeded between calls): make its eval routing "
-                                   "deterministic (no sampling, no noise outside training) before auditing")
-            flip = f", route flips = {flips}" if flips is not None else ""
-            raise FcauditError(f"exact replay failed on windows {start}..{last}: max |Δlogit| = {dlogit:.3g}, "
-                               f"ΔNLL = {dnll:.3g}{flip} (tolerance {self.tol:g}); make the output path independent "
-                               "of the controller's computation (and deterministic), or pass a tolerance")
+                self.state.check_tensors(self.model, f"by the exact replay check of {where}")
+            return replay
+        stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
         self.store.write(start, coeffs, self.dir.bound(stats))
         self._write_part("Correct", 0, np.arange(start, start + ids.shape[0]), nll, self._active(coeffs))
+        return replay
 
     def _active(self, coeffs: Coeffs) -> torch.Tensor:
         """Per window, `active` [B]; with execution counts (`self.counts`), [B, 1 + counts] (see `executed`)."""
@@ -289,8 +366,10 @@ class Engine:
 
     def _calibrate(self, start: int) -> None:
         ids = self._ids(self.ca, start)
-        coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
-        check_finite(coeffs, f"calibration windows {start}..{start + ids.shape[0] - 1}", self.paths)
+        where = f"calibration windows {start}..{start + ids.shape[0] - 1}"
+        with running(f"{where}, capturing the static profiles"):
+            coeffs, _, _ = capture_batch(self.model, self.controller, ids, self.loss_fn)
+        check_finite(coeffs, where, self.paths)
         sums = {f"layer.{l}": c for l, c in enumerate(protocol.batch_sums(coeffs))}
         files.write_tensors(self.dir.calib_part(start), sums, self.dir.bound({"count": int(ids.shape[0])}))
 
@@ -335,14 +414,32 @@ class Engine:
                     coeffs = protocol.REGISTRY[u.condition].make(self, u.r, np.arange(rows.start, rows.stop))
                     ranges, nll, act = runs.setdefault((u.condition, u.r), ([], np.empty(n), np.empty(active_shape)))
                     act[rows] = self._active(coeffs).cpu().numpy()
-                    with self.controller.replay(coeffs, self.decoding):
+                    where = f"evaluation windows {rows.start}..{rows.stop - 1} under {u.condition} r{u.r}"
+                    with self.controller.replay(coeffs, self.decoding), running(where), \
+                            self._observed(u.start, u.r, u.condition, coeffs):
                         # the NLL alone: the logits go now, not during the next forward
-                        nll[rows] = forward_nll(self.model, ev[rows], self.loss_fn)[1].cpu().numpy()
+                        scores = forward_nll(self.model, ev[rows], self.loss_fn)[1]
+                    if not all_finite(scores):
+                        raise non_finite_under(where)
+                    nll[rows] = scores.cpu().numpy()
                     ranges.append(rows)
                 step()
             self._taken = (-1, {})
             for key, run in runs.items():
                 self._write_run(key, *run)
+
+    @contextmanager
+    def _observed(self, start: int, r: int, condition: str, coeffs: Coeffs) -> Iterator[None]:
+        """On the first batch of every condition (its randomization 0), the rows that entered each routed block,
+        checked against the replayed decisions (`observed_budget`); elsewhere nothing."""
+        if start != 0 or r != 0 or not any(s.runs is not None for s in self.controller.sites):
+            yield
+            return
+        with self.controller.observing(coeffs[0].shape[0]) as seen:
+            yield
+        found = observed_budget(self.controller, coeffs, seen, condition)
+        if found is not None:
+            raise FcauditError(found.line)
 
     def _write_run(self, key: tuple[str, int], ranges: list[slice], nll: np.ndarray, act: np.ndarray) -> None:
         """The windows `ranges` of one (condition, r), their rows of `nll` and `act` filled: its records file when it

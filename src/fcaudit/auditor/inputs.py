@@ -17,6 +17,7 @@ from fcaudit.auditor.engine import LossFn, capture_batch
 from fcaudit.controllers.checks import Finding
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.loss import vocab_size
 
 
 def as_windows(windows, what: str) -> tuple[torch.Tensor, object | None]:
@@ -167,7 +168,9 @@ def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor,
     a dry run's warm-up)."""
     try:
         return capture_batch(model, controller, first, loss_fn, decoding=decoding)
-    except (IndexError, RuntimeError) as e:  # e.g. windows beyond a model's position table that it does not declare
+    except FcauditError:
+        raise
+    except Exception as e:  # e.g. windows beyond a model's position table that it does not declare
         raise FcauditError(f"the model's forward pass on the first evaluation batch ({first.shape[0]} windows of "
                            f"{first.shape[1]} tokens) failed ({type(e).__name__}: {one_line(e)}); check that the "
                            "windows fit the model (its context and vocabulary) and a batch fits in memory (batch "
@@ -206,13 +209,6 @@ def parameter_hash(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def vocab_size(model: nn.Module) -> int | None:
-    """The number of token ids the model embeds (input embedding rows), when it has one."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if callable(get) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
-
-
 def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
     """Token ids the model embeds, in windows no longer than its context (some models silently accept longer ones)."""
     vocab, context = vocab_size(model), families.context_length(model)
@@ -223,3 +219,15 @@ def check_ids(model: nn.Module, *windows: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
             raise FcauditError(f"token ids range over [{int(ids.min())}, {int(ids.max())}] but the model embeds ids "
                                f"0..{vocab - 1 if vocab else '?'}; encode the windows with the model's tokenizer")
+
+
+def check_targets(windows: Windows, width: int) -> None:
+    """Every next token of every window is an entry of the logits (of `width`): a narrower output would fail at the
+    batch that holds it, after the batches before it ran."""
+    for what, ids in (("evaluation", windows.ev), ("calibration", windows.ca)):
+        beyond = (ids[:, 1:] >= width).any(1).nonzero()
+        if len(beyond):
+            w = int(beyond[0])
+            raise FcauditError(f"{what} window {w} has next-token id {int(ids[w, 1:].max())} but the model's logits "
+                               f"have {width} entries (ids 0..{width - 1}); encode the windows with the model's "
+                               "tokenizer, or give the model an output for every id it embeds")

@@ -95,10 +95,12 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
 
-def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device) -> tuple:
+def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, device: torch.device,
+                windows: tuple[int, int]) -> tuple:
     """(coefficients, logits, activation bytes, the checks' forward passes) of a capture of one window, after a
     warm-up pass: its peak allocation beyond the parameters, from CUDA's allocator statistics or the CPU ops' tensors;
-    the checks' passes from a Flow pass of the window (which sites the model ranks), as the audit's first batch's."""
+    the checks' passes from a Flow pass of the window (which sites the model ranks), as the audit's first batch's,
+    for `windows` (evaluation windows, batch)."""
     cuda = device.type == "cuda"
     with evaluating(model):
         first_forward(model, controller, one, None)  # warm-up: weights paged in, lazy tables built
@@ -110,7 +112,7 @@ def _one_window(model: nn.Module, controller: Controller, one: torch.Tensor, dev
             coeffs, logits_of_one, _ = capture_batch(model, controller, one, None)
         acts = int(torch.cuda.max_memory_allocated(device) - base) if cuda else counted.peak
         check_finite(coeffs, "a 1-window forward")
-        checks = check_passes(controller, follow(model, controller, one, coeffs))
+        checks = check_passes(controller, follow(model, controller, one, coeffs), *windows)
     return coeffs, logits_of_one, acts, checks
 
 
@@ -155,7 +157,8 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     n_calib = 0 if calib_windows is None else as_windows(calib_windows, "calibration")[0].shape[0]
     check_ids(model, ev)
     device = placement.input_device(model)
-    coeffs, logits_of_one, acts, checks = _one_window(model, controller, ev[:1].to(device), device)
+    coeffs, logits_of_one, acts, checks = _one_window(model, controller, ev[:1].to(device), device,
+                                                      (ev.shape[0], min(config.batch_size, ev.shape[0])))
     per_window = sum(c.numel() * c.element_size() for c in coeffs)
     logits = logits_of_one.numel() * logits_of_one.element_size()  # the capture's logits, kept for the check
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -16,63 +16,11 @@ import pyarrow.parquet as pq
 from fcaudit import protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import MARKER, AuditDir, record_keys
+from fcaudit.controllers.checks import CAUSALITY, Finding
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import WindowStatistics
-from fcaudit.stats.results import Results, own_static
-
-LATER_TOKENS = "routing depends on later tokens"
-CAUSALITY, TOKEN_ROUTING = "causality", "token routing"  # the router checks' findings (Finding.check)
-
-
-@dataclass(frozen=True, eq=False)
-class Finding:
-    """One pre-write check's finding, as replay.json keeps it: a refusal (the audit stopped) or a notice, its line
-    for the user and its data.
-
-    Attributes
-    ----------
-    check : str
-        The check: e.g. "causality" (a router's decisions against later tokens, data `later_token_flips` and
-        `windows`), "token routing"; "" for a notice of an audit written before findings named their check.
-    refusal : bool
-        Whether it stopped the audit.
-    line : str
-        What the CLI, the result and the report say ("" for a check that found nothing to say).
-    data : dict
-        What the check measured.
-
-    Examples
-    --------
-    >>> result.replay.finding("causality") is None  # a gate controller: no router, no causality check
-    True
-    """
-
-    check: str
-    refusal: bool
-    line: str
-    data: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Finding":
-        return cls(str(d.get("check") or ""), bool(d.get("refusal")), str(d.get("line") or ""),
-                   dict(d.get("data") or {}))
-
-
-def _legacy_findings(replay: dict, config: dict) -> list[Finding]:
-    """The findings of an audit written before replay.json kept them: its notices, then the router checks that
-    replay.json (or config.json's "routing") kept as keys."""
-    old = {**(config.get("routing") or {}), **replay}
-    out = [Finding("", False, line) for line in old.get("notices") or ()]
-    if "later_token_flips" in old:
-        flips, windows = old["later_token_flips"], old.get("causality_windows")
-        line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing "
-                "decisions at earlier positions (fine for training; this router cannot decode autoregressively as "
-                "it is)") if flips else ""
-        out.append(Finding(CAUSALITY, False, line, {"later_token_flips": flips, "windows": windows}))
-    if old.get("routing_note"):
-        out.append(Finding(TOKEN_ROUTING, False, old["routing_note"]))
-    return out
+from fcaudit.stats.results import Results
 
 
 def _g(x: Any) -> str:
@@ -122,16 +70,13 @@ class Replay:
     record: dict = field(repr=False)
 
     @classmethod
-    def from_json(cls, replay: dict, config: dict | None = None) -> "Replay":
-        """replay.json's content; for an audit written before it kept "findings", they come from its older keys
-        (notices, later_token_flips, causality_windows, routing_note, and config.json's "routing")."""
-        found = replay.get("findings")
-        findings = ([Finding.from_json(f) for f in found] if found is not None
-                    else _legacy_findings(replay, config or {}))
+    def from_json(cls, replay: dict) -> "Replay":
+        """replay.json's content as `AuditDir.read_replay` checked it ({} for an audit stopped before it)."""
         windows = replay.get("windows")
         return cls(replay.get("passed"), replay.get("bit_equal"), replay.get("max_abs_dlogit"), replay.get("delta_nll"),
                    replay.get("route_flips"), replay.get("tolerance"),
-                   tuple(windows) if isinstance(windows, list) else windows, tuple(findings), dict(replay))
+                   tuple(windows) if isinstance(windows, list) else windows,
+                   tuple(Finding.from_json(f) for f in replay.get("findings", ())), dict(replay))
 
     def to_dict(self) -> dict:
         """replay.json's content, as written."""
@@ -175,12 +120,19 @@ def _damaged(e: files.Damaged, root: Path) -> FcauditError:
     return FcauditError(f"{e.path} is damaged ({e.why}); rerun the audit command on {root} to recompute it")
 
 
+def _gone(missing, root: Path) -> FcauditError:
+    return FcauditError(f"{missing} is gone: the audit directory {root} was moved or removed since it was read; load "
+                        "it where it is now (fca.AuditResult.load(DIR)) or run the audit again")
+
+
 def _read_json(read: Callable[[], dict], root: Path) -> dict | None:
-    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one is an
-    error."""
+    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one, or a
+    directory that went away, is an error."""
     try:
         return read()
     except FileNotFoundError:
+        if not root.is_dir():
+            raise _gone(root, root) from None
         return None
     except files.Damaged as e:
         raise _damaged(e, root) from None
@@ -210,13 +162,13 @@ def load_records(path: str | os.PathLike, partial: bool = False) -> pd.DataFrame
                                                 len(tensors["nll"]), -1)[:, 0]}))
     except files.Damaged as e:
         raise _damaged(e, adir.root) from None
+    except FileNotFoundError as e:  # the directory moved or removed after the result was made
+        raise _gone(e.filename or e.args[0], adir.root) from None
     if not frames:
         raise FcauditError(f"{path} has no records; run `fcaudit audit ... --out {path}` first")
     df = pd.concat(frames, ignore_index=True).sort_values(
         ["condition", "randomization", "example"], ignore_index=True,
         key=lambda s: s.map(protocol.order) if s.name == "condition" else s)
-    if "active" not in df.columns:  # records written before they carried it
-        df["active"] = np.nan
     # then a codec's execution counts, where it has them (Codec.counts: a capacity router's experts and drops)
     return df[list(protocol.RECORD_COLUMNS) + [c for c in df.columns if c not in protocol.RECORD_COLUMNS]]
 
@@ -345,9 +297,9 @@ class AuditResult(Results):
         if not adir.config_path.is_file():
             raise FcauditError(f"{adir.root} is not an audit directory (no config.json); pass a directory written by "
                                "`fcaudit audit`")
-        if not any((adir.root / n).exists() for n in (MARKER, "records")):
-            raise FcauditError(f"{adir.root} is not an audit directory (a checkpoint?): audit it first with "
-                               f"`fcaudit audit {adir.root} --out DIR` and pass DIR")
+        if not (adir.root / MARKER).is_file():  # a checkpoint, or an audit that lost its marker
+            raise FcauditError(f"{adir.root} is not an audit directory (no {MARKER}: a checkpoint?): audit it first "
+                               f"with `fcaudit audit {adir.root} --out DIR` and pass DIR")
         try:
             config = adir.config()
         except files.Damaged as e:
@@ -363,7 +315,7 @@ class AuditResult(Results):
             raise FcauditError(f"{adir.root} is an unfinished audit (lacks {', '.join(missing[:3])}"
                                f"{' ...' if len(missing) > 3 else ''}); rerun the audit command with --out "
                                f"{adir.root} to finish it (or pass --allow-partial)")
-        return cls(adir.root, config, Replay.from_json(replay or {}, config), partial=bool(missing),
+        return cls(adir.root, config, Replay.from_json(replay or {}), partial=bool(missing),
                    _records=load_records(adir.root, partial=True) if missing else None)
 
     @property
@@ -381,15 +333,14 @@ class AuditResult(Results):
     @property
     def static(self) -> str:
         """The controller's own static condition, which `retention()` defaults to and the criteria judge:
-        config.json's controller.static, or for audits written before it said, StaticTopK where the audit ran it (a
-        router), else StaticProfile.
+        config.json's controller.static.
 
         Examples
         --------
         >>> result.static
         'StaticProfile'
         """
-        return own_static(self.config.get("conditions") or (), (self.config.get("controller") or {}).get("static"))
+        return self.config["controller"]["static"]
 
     @property
     def labels(self) -> dict[str, str]:
@@ -402,7 +353,7 @@ class AuditResult(Results):
         >>> result.labels["StaticProfile"], result.labels["StructureRemoved"]
         ('StaticProfile', 'GlobalMean')
         """
-        return protocol.default_labels() | dict(self.config.get("labels") or {})
+        return protocol.default_labels() | dict(self.config["labels"])
 
     @property
     def variation(self) -> dict | None:
@@ -423,14 +374,14 @@ class AuditResult(Results):
 
     @property
     def criteria(self) -> Criteria:
-        """The prespecified criteria in config.json (the defaults for audits written without them).
+        """The prespecified criteria in config.json.
 
         Examples
         --------
         >>> result.criteria
         Criteria(small_upper=0.002, retention_lower=0.95, confidence=0.95)
         """
-        return Criteria.from_dict(self.config["criteria"]) if self.config.get("criteria") else Criteria()
+        return Criteria.from_dict(self.config["criteria"])
 
     def _compute(self, confidence: float, n_resamples: int) -> WindowStatistics:
         return WindowStatistics(self.records, self.labels, replace(self.criteria, confidence=confidence),

@@ -30,9 +30,17 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def check_finite(coeffs: Coeffs, where: str, sites: list[str] | None = None) -> None:
+    """Float coefficients, all finite. An integer or bool one is refused: the static and mean conditions replay
+    averages, which its dtype would round to 0 or 1 (a gate read as off or on everywhere)."""
     for l, c in enumerate(coeffs):
+        name = f"site {sites[l]!r}" if sites else f"site {l}"
+        if not c.is_floating_point():
+            dtype = str(c.dtype).removeprefix("torch.")
+            raise FcauditError(f"{name} emits {dtype} coefficients, which cannot hold the means the static and mean "
+                               f"conditions replay; declare 0/1 decisions with kind=\"skip_mask\" "
+                               "(Controller.from_modules(..., kind=\"skip_mask\"), no layout) or have the model emit the "
+                               "gate as float (e.g. gate.float())")
         if not all_finite(c):
-            name = f"site {sites[l]!r}" if sites else f"site {l}"
             raise FcauditError(f"non-finite coefficients at {name} ({where}); fix the model or its dtype "
                                "(e.g. load in float32) before auditing")
 

@@ -15,6 +15,7 @@ Route flips are counted by the engine's exact replay check.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -39,16 +40,39 @@ AGREEING_POSITIONS = 0.5
 SITE_CHECK_PASSES = 3
 FLOW_CHECK_PASSES = 1
 BATCH_CHECK_PASSES = 2  # the batch-composition check's captures (a first batch of two or more windows)
-ROUTING_CHECK_PASSES = 2
+ROUTING_CHECK_PASSES = 2  # per batch of the windows the causality check probes (`routing_check_passes`)
+# the evaluation windows the causality check probes (at most): a decision that reads later tokens in some windows
+# only (a per-window policy) is found where it does in about 1 in 20 windows; its cost is 2 passes per batch of them
+CAUSALITY_WINDOWS = 64
 LATER_TOKENS = "routing depends on later tokens"
+CAUSALITY, TOKEN_ROUTING = "causality", "token routing"  # the router checks' findings (Finding.check)
+# a dispatch mask's cells are 0/1 up to this much (a straight-through trick leaves 0.99999994); a cell holds a token
+# where its value is above it
+ALMOST_BINARY = 1e-3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Finding:
-    """One pre-write check's result for the user: a refusal (the audit raises FcauditError(line)) or a notice (kept
-    in replay.json's "findings" and said with the results), with what the check measured (`data`, JSON-able); a
-    check that measured but has nothing to say (no decision depends on later tokens) has the line "". The fields are
-    those replay.json's reader (`fcaudit.auditor.results`) reads back."""
+    """One pre-write check's finding: a refusal (the audit raises FcauditError(line)) or a notice (kept in replay.json's
+    "findings" and said by the CLI, the result and the report), its line for the user and what it measured.
+
+    Attributes
+    ----------
+    check : str
+        The check: e.g. "causality" (a router's decisions against later tokens, data `later_token_flips` and
+        `windows`), "token routing", "hidden state".
+    refusal : bool
+        Whether it stopped the audit.
+    line : str
+        What the CLI, the result and the report say ("" for a check that measured but found nothing to say).
+    data : dict
+        What the check measured (JSON-able).
+
+    Examples
+    --------
+    >>> result.replay.finding("causality") is None  # a gate controller: no router, no causality check
+    True
+    """
 
     check: str
     refusal: bool
@@ -65,6 +89,15 @@ class Finding:
 
     def to_json(self) -> dict:
         return {"check": self.check, "refusal": self.refusal, "line": self.line, "data": self.data}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Finding":
+        """A finding as replay.json keeps it (`to_json`); ValueError for anything else."""
+        found = cls(d.get("check"), d.get("refusal"), d.get("line"), d.get("data")) if isinstance(d, dict) else None
+        if found is None or not (isinstance(found.check, str) and isinstance(found.refusal, bool)
+                                 and isinstance(found.line, str) and isinstance(found.data, dict)):
+            raise ValueError(f"not a finding: {str(d)[:80]}")
+        return found
 
 
 # ---- window 0 alone ----------------------------------------------------------------------------------------------
@@ -143,31 +176,20 @@ def check_composition(model: nn.Module, controller: Controller, first: torch.Ten
     return None
 
 
-def other_choices(c: torch.Tensor) -> torch.Tensor:
-    """A token router's canonical coefficients with no scores and, per window, another set of as many tokens: the
-    first k of its unchosen positions, then of its chosen ones (a different set wherever 0 < k < T)."""
-    picked = chosen(c)
-    order = torch.argsort(picked.to(torch.int8), dim=1, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(c.shape[1], device=c.device).expand_as(order))
-    out = torch.zeros_like(c)
-    out[:, :, 0, 1] = (rank < picked.sum(1, keepdim=True)).to(c.dtype)
-    return out
-
-
 def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, alone: list, logits: torch.Tensor,
                  decoding: Sequence[Decoding]) -> Finding | None:
     """A notice when replaying zeros for every coefficient (for a token router: no scores and another set of as many
     tokens, so that its choices are tested too) leaves window 0's logits unchanged: every replay measures nothing."""
     info = controller.info
-    nulls = [other_choices(a) if k.name == "token_router" else torch.zeros_like(a) for k, a in zip(info.of, alone)]
+    nulls = [k.null(a) for k, a in zip(info.of, alone)]  # a token router's: another set of as many tokens
     try:
         with controller.replay(nulls, decoding):
-            if not torch.equal(logits_of(model(one)), logits):
+            if not torch.equal(logits_of(model(one), model, one), logits):
                 return None
     except (FcauditError, ValueError, IndexError):  # a codec that refuses all-zero coefficients: no conclusion
         return None
     k = {s.name: int(chosen(a).sum()) for s, kind, a in zip(controller.sites, info.of, alone)
-         if kind.name == "token_router"}
+         if kind.tokens}
     if k and all(n in (0, one.shape[1]) for n in k.values()):
         which = "no token" if not any(k.values()) else "every token"
         return Finding.notice("effect", f"note: the token routers chose {which} of window 0, so no other set of tokens exists "
@@ -178,6 +200,19 @@ def check_effect(model: nn.Module, controller: Controller, one: torch.Tensor, al
                    "on this model, or it does not use what its sites return (e.g. it keeps the gate's value in an "
                    "attribute), and then the interventions below measure nothing: point the pattern at the modules "
                    "whose output the model consumes", {"chosen": k})
+
+
+def check_constant(coeffs: Sequence[torch.Tensor]) -> Finding | None:
+    """A notice when every site's coefficients are one value for every window and token of the first batch (a router
+    or gate whose weights are all zero, as at initialisation): moving them moves nothing, every ΔNLL of a randomized
+    condition is 0 by construction."""
+    if not coeffs or any(c is None or c.dim() < 2 or c.shape[0] * c.shape[1] < 2
+                         or not torch.equal(c, c[:1, :1].expand_as(c)) for c in coeffs):
+        return None
+    return Finding.notice("effect", "note: every site's coefficients are the same for every window and token of the "
+                          "first batch (as where a router's or gate's weights are all zero, e.g. at initialisation): "
+                          "the randomized conditions move nothing where that holds, so their ΔNLL is exactly 0 by "
+                          "construction, not a finding about what the controller's choices are worth")
 
 
 # ---- one more pass of the first batch -----------------------------------------------------------------------------
@@ -257,7 +292,8 @@ def check_round_trip(controller: Controller, outputs: list[tuple[Any, Call]], fi
 
 def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tensor]:
     """The leaves of a site output that give each (window, cell) at most one token, as [batch, token, cells] 0/1
-    masks: a dispatch mask's (expert, slot) cells. Gates, weights and indices are not such leaves."""
+    masks: a dispatch mask's (expert, slot) cells, also where its values are almost 0/1 (ALMOST_BINARY). Gates,
+    weights and indices are not such leaves."""
     out = {}
     for path, t in leaves(output):
         if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.numel() == 0:
@@ -266,8 +302,10 @@ def one_token_cells(output: Any, batch: int, token: int) -> dict[str, torch.Tens
             continue  # a token's cells on two axes of their own, (expert, slot)
         cells = t.reshape(batch, token, -1)
         values = cells.detach().double()
-        if values.shape[2] > 1 and ((values == 0) | (values == 1)).all() and values.sum(1).max() == 1:
-            out[path] = values
+        binary = values.round()
+        if values.shape[2] > 1 and ((binary == 0) | (binary == 1)).all() and \
+                (values - binary).abs().max() <= ALMOST_BINARY and binary.sum(1).max() == 1:
+            out[path] = binary
     return out
 
 
@@ -279,7 +317,7 @@ def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs:
     for i, (site, (out, call)) in enumerate(zip(controller.sites, outputs)):
         batch, token = coeffs[i].shape[:2]
         cells = one_token_cells(out, batch, token)
-        if not cells or info.of[i].name == "token_router":  # a token router's conditions keep a set of tokens
+        if not cells or not info.of[i].slots:  # a token router's conditions keep a set of tokens
             continue
         c = coeffs[i]
         moved = {"TokenResamplePast": protocol.resample_past([c], np.arange(examples), 0, 0)[0],
@@ -292,7 +330,7 @@ def check_slots(controller: Controller, outputs: list[tuple[Any, Call]], coeffs:
             for path in cells:
                 got = rebuilt.get(path)
                 if isinstance(got, torch.Tensor) and got.numel() == cells[path].numel():
-                    held = (got.detach().double().reshape(cells[path].shape) != 0).sum(1)
+                    held = (got.detach().double().reshape(cells[path].shape).abs() > ALMOST_BINARY).sum(1)
                     if (n := int((held > 1).sum())) > 0:
                         return Finding.refused("slots", f"site {site.name!r}: codec {site.codec.describe()!r} puts two or more "
                                        f"tokens in one slot once coefficients move between tokens: under {condition} "
@@ -352,22 +390,72 @@ def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
                    "codec with top_k for scores that choose experts", {"sites": names, "ops": ops})
 
 
+# ---- the budget observed -------------------------------------------------------------------------------------------
+
+def observed_budget(controller: Controller, coeffs: Sequence[torch.Tensor], seen: dict[int, list],
+                    condition: str) -> Finding | None:
+    """Refused, naming the site and the counts, when the rows that entered a site's routed block (`seen`, from
+    `Controller.observing` during a replay of `coeffs`) differ from the rows its replayed decisions select: the
+    model re-derives its set (a threshold from the replayed scores on its live router weights), so the budget the
+    records say is not what ran. The budget's equivalent of the exact replay check."""
+    for i, site in enumerate(controller.sites):
+        if site.runs is None:
+            continue
+        want = controller.info.of[i].select(coeffs[i]).cpu().long()
+        calls = seen.get(i, [])
+        per_window = [c for c in calls if isinstance(c, torch.Tensor)]
+        got_total = sum(int(c.sum()) for c in per_window) + sum(c for c in calls if isinstance(c, int))
+        if per_window and len(per_window) == len(calls):
+            got = sum(per_window)
+            if not torch.equal(got, want):
+                w = int(torch.nonzero(got != want)[0, 0])
+                return _budget_refusal(site, condition, f"window {w} of the first batch sent {int(got[w])} tokens "
+                                                        f"into it for {int(want[w])} chosen", got_total, want)
+        elif got_total != int(want.sum()):
+            return _budget_refusal(site, condition, f"the first batch sent {got_total} tokens into it for "
+                                                    f"{int(want.sum())} chosen", got_total, want)
+    return None
+
+
+def _budget_refusal(site: Site, condition: str, how: str, got: int, want: torch.Tensor) -> Finding:
+    return Finding.refused("budget", f"site {site.name!r}: under {condition} its routed block {site.runs[0]!r} did not "
+                           f"run the tokens the replayed decisions chose: {how}; the model re-derives the set (e.g. a "
+                           "threshold from the replayed scores on its live router weights): make the block run "
+                           "the chosen index (gather), or declare the site where the set is decided",
+                           {"site": site.name, "condition": condition, "ran": got, "chosen": int(want.sum())})
+
+
 # ---- the causality check -------------------------------------------------------------------------------------------
 
 def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor, vocab: int,
-                    ranked: Sequence[int] = ()) -> Finding | None:
+                    ranked: Sequence[int] = (), batch: int | None = None) -> Finding | None:
     """How many decisions at earlier positions change when the last quarter of each window (at least one token; one
     rarely crosses the k-th score) changes to seeded random tokens: a router's own (its selected sources, its chosen
     tokens), and what the model's rankings of `ranked` sites decided (their values, where the ranking cannot be
     read). Above 0 a decision depends on later tokens (top-k over the window does): the router cannot decode
-    autoregressively. None for a controller without routers or ranked sites."""
+    autoregressively. `ids`: the windows probed (up to CAUSALITY_WINDOWS: a policy that reads later tokens in some
+    windows only is found in them), in batches of `batch` (default all at once): ROUTING_CHECK_PASSES passes per
+    batch. None for a controller without routers or ranked sites."""
     info = controller.info
     if not info.routers and not ranked:
         return None
     span = max(1, ids.shape[1] // 4)
-    changed = ids.clone()
     gen = torch.Generator().manual_seed(0)
-    changed[:, -span:] = torch.randint(0, vocab, (ids.shape[0], span), generator=gen).to(ids.device)
+    flips = 0
+    for part in ids.split(batch or ids.shape[0]):
+        changed = part.clone()
+        changed[:, -span:] = torch.randint(0, vocab, (part.shape[0], span), generator=gen).to(part.device)
+        flips += _later_flips(model, controller, part, changed, span, ranked)
+    windows = int(ids.shape[0])
+    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
+            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
+    return Finding.notice(CAUSALITY, line, {"later_token_flips": flips, "windows": windows})
+
+
+def _later_flips(model: nn.Module, controller: Controller, ids: torch.Tensor, changed: torch.Tensor, span: int,
+                 ranked: Sequence[int]) -> int:
+    """The decisions before the last `span` positions that differ between a pass of `ids` and one of `changed`."""
+    info = controller.info
     runs = []
     for x in (ids, changed):
         with controller.outputs(*x.shape) as raws, (flow := Flow(raws, (), ranked, {
@@ -385,10 +473,12 @@ def check_causality(model: nn.Module, controller: Controller, ids: torch.Tensor,
             pairs = [(before[i], after[i])]
         flips += int(sum((a[:, :-span] != b[:, :-span]).reshape(a.shape[0], a.shape[1] - span, -1).any(-1).sum()
                          for a, b in pairs if a.shape == b.shape))
-    windows = int(ids.shape[0])
-    line = (f"{LATER_TOKENS}: changing only the last quarter of {windows} windows changed {flips} routing decisions at "
-            "earlier positions (fine for training; this router cannot decode autoregressively as it is)") if flips else ""
-    return Finding.notice("causality", line, {"later_token_flips": flips, "windows": windows})
+    return flips
+
+
+def routing_check_passes(windows: int, batch: int) -> int:
+    """The causality check's forward passes for an audit of `windows` evaluation windows in batches of `batch`."""
+    return ROUTING_CHECK_PASSES * math.ceil(min(windows, CAUSALITY_WINDOWS) / batch)
 
 
 # ---- all of them --------------------------------------------------------------------------------------------------
@@ -408,10 +498,12 @@ def follow(model: nn.Module, controller: Controller, x: torch.Tensor, coeffs: Se
     return flow
 
 
-def check_passes(controller: Controller, flow: Flow | None) -> int:
-    """The forward passes of the pre-write checks of an audit whose first batch's `follow` gave `flow`."""
+def check_passes(controller: Controller, flow: Flow | None, windows: int, batch: int) -> int:
+    """The forward passes of the pre-write checks of an audit of `windows` evaluation windows in batches of `batch`
+    whose first batch's `follow` gave `flow`."""
     ranks = bool(controller.info.routers) or (flow is not None and bool(flow.ranked))
-    return SITE_CHECK_PASSES + (FLOW_CHECK_PASSES if flow is not None else 0) + (ROUTING_CHECK_PASSES if ranks else 0)
+    return (SITE_CHECK_PASSES + (FLOW_CHECK_PASSES if flow is not None else 0)
+            + (routing_check_passes(windows, batch) if ranks else 0))
 
 
 def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Tensor,
@@ -420,7 +512,7 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
     the probe was, compared with it; then, unless that refused, the Flow pass (`follow`), compared with nothing."""
     info = controller.info
     with controller.outputs(*first.shape) as raws:
-        logits = logits_of(model(first))
+        logits = logits_of(model(first), model, first)
     coeffs = info.canonical([s.encode(out, *first.shape) for s, (out, _) in zip(controller.sites, raws)])
     decoding = probe[0].decoding
     found = [f for f in (check_deterministic(controller, logits, coeffs, probe),
@@ -434,32 +526,59 @@ def first_batch_checks(model: nn.Module, controller: Controller, first: torch.Te
 
 
 def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
-                     vocab: int) -> list[Finding]:
+                     vocab: int, probed: torch.Tensor | None = None) -> list[Finding]:
     """Every check before anything is written, on the first evaluation batch `first` and `probe`, its capture
     (coefficients with their decoding, logits, nll); stops at the first refusal (it comes first). `vocab`: the ids the
-    causality check may draw."""
+    causality check may draw; `probed`: the windows it probes (default `first`), in batches as large as `first`."""
     found, ranked = first_batch_checks(model, controller, first, probe)
     if found and found[0].refusal:
         return found
     one = first[:1]
     with controller.capture(*one.shape, decoding=False) as alone:
-        logits = logits_of(model(one))
+        logits = logits_of(model(one), model, one)
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
                            "model calls on every input")
     layout = check_layout(controller, alone, probe)
     if layout is not None:
         return [layout, *found]
-    effect = check_effect(model, controller, one, alone, logits, probe[0].decoding)  # right after window 0's capture
-    batch = check_composition(model, controller, first, probe, vocab)
+    effect = check_effect(model, controller, one, alone, logits, probe[0].decoding) or check_constant(probe[0])
+    batch = check_composition(model, controller, first, probe, vocab)  # after the effect check: it reads window 0's
     if batch is not None:
         return [batch, *found]
-    found += [f for f in (effect, check_causality(model, controller, first, vocab, ranked)) if f is not None]
+    found += [f for f in (effect, check_causality(model, controller, first if probed is None else probed, vocab,
+                                                  ranked, first.shape[0])) if f is not None]
     info = controller.info
-    check = "depth" if info.depth else "token routing"  # the kinds' note: why conditions are not offered
+    check = "depth" if info.depth else TOKEN_ROUTING  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
-    if info.window and info.depth != "skip_mask":
-        found.append(Finding.notice("depth", "note: the depth is decided once per window, so a window's depth is its "
-                                    "budget, which every condition keeps: each condition replays every window's own "
-                                    "depth and its ΔNLL is 0 by construction, not a finding about the controller"))
+    found += zero_notices(info)
+    found += [f for f in (first_blocks_notice(controller),) if f is not None]
     return found
+
+
+def first_blocks_notice(controller: Controller) -> Finding | None:
+    """A notice when a depth controller's first site is on block k > 0 of a numbered path ("blocks.2.exit") and no
+    blocks are declared to run always: blocks before its first decision run for every token, which `active` counts
+    only when the codec says so (`Decisions(always=k)`)."""
+    info = controller.info
+    if not info.depth or info.always[0] or info.lead.codec is None:
+        return None
+    path = controller.sites[0].path
+    k = next((int(p) for p in path.split(".") if p.isdigit()), 0)
+    if k == 0:
+        return None
+    return Finding.notice("depth", f"note: the first depth site {path!r} is on block {k}: if blocks 0..{k - 1} run "
+                                   "for every token before it, pass codec=Decisions(always=" + str(k) + ") (or the "
+                                   "number that do), or `active` and the budget's fraction count only the decided "
+                                   "blocks", {"site": path, "block": k})
+
+
+def zero_notices(info) -> list[Finding]:
+    """A notice per reason its kinds give why conditions cannot change anything (`Description.zero`): their ΔNLL, and
+    the factorial effects made of them, are 0 by construction, not a finding about the controller."""
+    reasons: dict[str, list[str]] = {}
+    for condition, why in info.zero.items():
+        reasons.setdefault(why, []).append(condition)
+    return [Finding.notice("zero", f"note: {why}: {', '.join(names)} {'is' if len(names) == 1 else 'are'} 0 by "
+                                   "construction, not a finding about the controller", {"conditions": names})
+            for why, names in reasons.items()]

@@ -14,7 +14,7 @@ import torch
 from einops import EinopsError, rearrange
 
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import chosen
+from fcaudit.kinds import TOKEN_ROUTER, chosen
 
 
 class Codec:
@@ -203,7 +203,7 @@ class TokenRoute(Codec):
     """A router whose output is (scores [B, T], index [B, k]): a tuple or a namedtuple of those two fields (more
     fields are refused: a codec that reads the site's inputs is needed to rebuild them)."""
 
-    kind = "token_router"
+    kind = TOKEN_ROUTER.name
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         if not isinstance(output, tuple) or len(output) != 2:
@@ -237,7 +237,9 @@ class Decisions(Codec):
     """Run or exit decisions: one per token (a [batch, token] output, bool or 0/1), or with `window=True` one per
     window (a [batch] or [batch, 1] output, for every token of the window) <-> canonical 0.0/1.0 [batch, token, 1, 1].
     Decoded in the output's dtype and shape, so that a model testing `if decision` or `done | decision` sees what it
-    returned. The default codec of exit depths and skip masks (fcaudit.kinds).
+    returned. The default codec of exit depths and skip masks (fcaudit.kinds). `always`: the blocks that run for
+    every token before the decided ones (exit sites that start after block k, blocks no mask can skip), which the
+    records' `active` counts as executed.
 
     Examples
     --------
@@ -250,19 +252,28 @@ class Decisions(Codec):
     tensor([[ True, False,  True]])
     """
 
-    def __init__(self, window: bool = False):
-        self.window = bool(window)
+    def __init__(self, window: bool = False, always: int = 0):
+        if isinstance(always, bool) or not isinstance(always, int) or always < 0:
+            raise FcauditError(f"always={always!r}: the number of blocks that run for every token before the decided "
+                               "ones, an int >= 0")
+        self.window, self.always = bool(window), always
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
-        want = "[batch] or [batch, 1]" if self.window else "[batch, token]"
+        want = "[batch] or [batch, 1]" if self.window else "[batch, token] (or [batch, token, 1])"
         if not isinstance(output, torch.Tensor):
             raise FcauditError(f"a decision site returned {type(output).__name__}, not a tensor {want}")
-        fits = (output.numel() == batch and output.shape[:1] == (batch,)) if self.window else \
-            tuple(output.shape) == (batch, token)
+        shape = tuple(output.shape)
+        fits = (output.numel() == batch and shape[:1] == (batch,)) if self.window else \
+            shape in ((batch, token), (batch, token, 1))
         if not fits:
-            raise FcauditError(f"decisions of shape {tuple(output.shape)} are not {want} for batch={batch}, "
-                               f"token={token}" + ("" if self.window else "; one decision per window takes "
-                                                                          "Decisions(window=True)"))
+            if not self.window and shape[:2] == (batch, token):
+                hint = ("; one decision per token and block takes one site per block (a depth site holds one "
+                        "decision per token)")
+            elif not self.window and output.numel() == batch:
+                hint = "; one decision per window takes Decisions(window=True)"
+            else:
+                hint = ""
+            raise FcauditError(f"decisions of shape {shape} are not {want} for batch={batch}, token={token}{hint}")
         values = output.detach().reshape(batch, -1)
         if not ((values == 0) | (values == 1)).all():
             raise FcauditError("decisions must be bool or 0/1; a site of soft weights (halting) takes a layout")
@@ -276,4 +287,5 @@ class Decisions(Codec):
         return (run > 0.5).to(meta["dtype"]).reshape(canonical.shape[0], *meta["shape"]).contiguous()
 
     def describe(self) -> str:
-        return "decisions: one per window ([batch])" if self.window else "decisions: one per token ([batch token])"
+        what = "decisions: one per window ([batch])" if self.window else "decisions: one per token ([batch token])"
+        return what + (f", after {self.always} blocks that always run" if self.always else "")

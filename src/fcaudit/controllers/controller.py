@@ -17,7 +17,7 @@ from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
 from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import Description
+from fcaudit.kinds import Description, lookup
 from fcaudit.protocol import RECORD_COLUMNS, Coeffs
 
 
@@ -89,7 +89,8 @@ class Controller:
         """The controller as the protocol, the engine, the statistics and execution see it (fcaudit.kinds)."""
         return Description(tuple(s.kind for s in self.sites), tuple(s.reference for s in self.sites),
                            tuple(s.group for s in self.sites), tuple(s.codec.top_k for s in self.sites),
-                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites))
+                           tuple(bool(getattr(s.codec, "window", False)) for s in self.sites),
+                           tuple(int(getattr(s.codec, "always", 0)) for s in self.sites))
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -100,7 +101,8 @@ class Controller:
     def from_modules(cls, model: nn.Module, pattern: str, layout: str | Codec | None = None, *,
                      codec: Codec | None = None, kind: str | None = None, reference: str | None = None,
                      static_name: str = "StaticProfile", call: int | None = None, method: str = "forward",
-                     context: Callable[[], AbstractContextManager] | None = None) -> "Controller":
+                     context: Callable[[], AbstractContextManager] | None = None,
+                     runs: str | None = None) -> "Controller":
         """A controller whose sites are the outputs of the modules that match `pattern`.
 
         Parameters
@@ -117,7 +119,8 @@ class Controller:
             "expert_router", "capacity_router" or "token_router" (each site chooses the tokens a block runs on; a
             `TokenRoute` codec unless `codec` is given), or a depth kind: "exit_depth" (one site per block but the
             last, True where the token exits after it) or "skip_mask" (per block, True where it runs for the token),
-            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window),
+            both read by `Decisions` unless `codec` is given (`Decisions(window=True)`: one decision per window;
+            `Decisions(always=k)`: k blocks run for every token before the first decided one),
             or "halting" (per token a distribution over steps, with a layout). Default: the codec's kind, "expert_router" for a codec with
             `top_k`, "source_mixture" for a source reference, else a gate.
         reference
@@ -134,6 +137,10 @@ class Controller:
         context
             See `Controller.context`; its name joins the description, so an audit made under another context is not
             resumed with this one.
+        runs
+            For token routers: a pattern matching, in order, one module per site whose input rows are the tokens the
+            site chose (the routed block, e.g. "layers.*.mlp"); the audit then observes the rows entering it on the
+            first batch of every condition and refuses a difference from the replayed decisions (`routing`).
 
         Examples
         --------
@@ -142,8 +149,45 @@ class Controller:
         (2, 'LayerMean')
         """
         codec = _codec(layout, codec, kind)
-        return cls._build(model, pattern, partial(Site, codec=codec, call=call, method=method, kind=kind,
-                                                  reference=reference), static_name, context)
+        built = cls._build(model, pattern, partial(Site, codec=codec, call=call, method=method, kind=kind,
+                                                   reference=reference), static_name, context)
+        return built if runs is None else built.routing(model, runs)
+
+    def routing(self, model: nn.Module, runs: str) -> "Controller":
+        """This controller with each site's routed block: the i-th module matching `runs` is site i's (its input rows
+        are the tokens the site chose), for the budget observation (`observing`)."""
+        blocks = [(name, m) for name, m in model.named_modules() if name and path_matches(name, runs)]
+        if len(blocks) != len(self.sites):
+            raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for {len(self.sites)} sites; give a "
+                               "pattern matching one routed block per site, in the sites' order")
+        if not all(k.observed for k in self.info.of):
+            raise FcauditError("runs= names the blocks a token router's decisions route tokens into; its sites "
+                               f"are {self.info.kinds[0]}s")
+        sites = tuple(replace(s, runs=b) for s, b in zip(self.sites, blocks))
+        return replace(self, sites=sites)
+
+    @contextmanager
+    def observing(self, batch: int) -> Iterator[dict[int, list]]:
+        """The rows entering each site's routed block (`Site.runs`) in the passes run in the context, per site a list
+        per call: per window ([batch] int64) where the block's input is [batch, rows, ...], else the batch's total
+        (an int: a flattened [rows, ...] input)."""
+        seen: dict[int, list] = {}
+
+        def hook(i: int) -> Callable:
+            def pre(module, args, kwargs):
+                x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                if x is not None and x.dim() >= 1:
+                    seen.setdefault(i, []).append(torch.full((batch,), x.shape[1]) if x.dim() >= 3 and
+                                                  x.shape[0] == batch else int(x.shape[0]))
+            return pre
+
+        handles = [s.runs[1].register_forward_pre_hook(hook(i), with_kwargs=True)
+                   for i, s in enumerate(self.sites) if s.runs is not None]
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
 
     @classmethod
     def from_ops(cls, model: nn.Module, pattern: str, op: str, layout: str | Codec | None = None, *,
@@ -296,7 +340,8 @@ class Controller:
         with patched(run), self.context():
             yield run.found
         check_ran(run)
-        if all(c is not None for c in run.found):  # exit decisions as the model obeys them
+        if all(c is not None for c in run.found):  # refused where a kind cannot mean them; as the model obeys them
+            self.info.validate([s.name for s in self.sites], run.found)
             run.found[:] = self.info.canonical(run.found)
 
     @contextmanager
@@ -345,23 +390,21 @@ class Controller:
         return found
 
 
-# the kinds whose sites take their own codec, not a layout: what the coefficient is, and the codec
-OWN_CODECS = {"token_router": ("(score, chosen) per token", "TokenRoute reads a (scores, index) output", TokenRoute),
-              "exit_depth": ("a decision per token", "Decisions reads a [batch, token] output", Decisions),
-              "skip_mask": ("a decision per token", "Decisions reads a [batch, token] output", Decisions)}
+# the default codecs a kind names (`Kind.codec`): kinds live below the codecs, so they name them and this maps them
+OWN_CODECS: dict[str, Callable[[], Codec]] = {"TokenRoute": TokenRoute, "Decisions": Decisions}
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None, kind: str | None) -> Codec:
-    """The site's codec from `layout` or `codec`; a token router's or a depth decision's without either is its own
-    (OWN_CODECS)."""
+    """The site's codec from `layout` or `codec`; a kind that has its own codec (a token router's, a depth
+    decision's: `Kind.codec`) gets it without either."""
     if isinstance(layout, Codec) and codec is None:
         codec, layout = layout, None
-    if kind in OWN_CODECS and codec is None:
-        what, reads, make = OWN_CODECS[kind]
+    own = lookup(kind) if kind is not None else None
+    if own is not None and own.codec is not None and codec is None:
         if layout is not None:
-            raise FcauditError(f"kind={kind!r} with layout {layout!r}: a {kind.replace('_', ' ')}'s coefficient is {what}; drop the "
-                               f"layout ({reads}) or pass codec=")
-        return make()
+            raise FcauditError(f"kind={kind!r} with layout {layout!r}: a {kind.replace('_', ' ')}'s coefficient is "
+                               f"{own.coefficient}; drop the layout ({own.reads}) or pass codec=")
+        return OWN_CODECS[own.codec]()
     if codec is None and not isinstance(layout, str):
         raise FcauditError("describe the site output: pass layout='batch token' (an einops layout of a tensor) or "
                            "codec=... for a tuple or other structured output")

@@ -12,6 +12,7 @@ import torch
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.sites import shape_of
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import CAPACITY_ROUTER
 
 
 def slots(c: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +39,7 @@ class CapacityRoute(Codec):
     router with another slot rule is refused."""
 
     name = "capacity router"
-    kind = "capacity_router"
+    kind = CAPACITY_ROUTER.name
 
     def __init__(self, num_experts: int, capacity: int, top_k: int = 2):
         if num_experts < 1 or capacity < 1 or not 1 <= top_k <= num_experts:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Layout
 from fcaudit.errors import FcauditError
-from fcaudit.kinds import KINDS, lookup
+from fcaudit.kinds import EXPERT_ROUTER, KINDS, SCALAR_GATE, SOURCE_MIXTURE, VECTOR_GATE, lookup
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -97,10 +97,10 @@ def infer_kind(codec: Codec, reference: str | None) -> str:
     if codec.kind is not None:
         return codec.kind
     if codec.top_k is not None:
-        return "expert_router"
+        return EXPERT_ROUTER.name
     if reference in ("SourceUniformMean", "ExpertUniformMean"):
-        return "source_mixture"
-    return "scalar_gate" if isinstance(codec, Layout) and codec.scalar else "vector_gate"
+        return SOURCE_MIXTURE.name
+    return (SCALAR_GATE if isinstance(codec, Layout) and codec.scalar else VECTOR_GATE).name
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ class Site:
     """The coefficient tensor of one target layer: the output of a module's method, or the result of the torch
     function `op` while that method runs (its `call`-th call in one forward pass, else its only one), its codec, its
     kind (fcaudit.kinds.KINDS; default: `infer_kind`), its structure-removed reference (default: its kind's) and its
-    layer `group` (given by its Controller)."""
+    layer `group` (given by its Controller); `runs`: the module whose input rows are the tokens its decisions chose
+    (a token router's routed block), whose rows the audit observes (`Controller.observing`)."""
 
     path: str
     module: nn.Module = field(repr=False)
@@ -119,6 +120,7 @@ class Site:
     kind: str | None = None
     reference: str | None = None
     group: int | None = None
+    runs: tuple[str, nn.Module] | None = field(default=None, repr=False)  # (path, module) of its routed block
 
     def __post_init__(self):
         kind = lookup(self.kind if self.kind is not None else infer_kind(self.codec, self.reference)).name

@@ -1,6 +1,6 @@
 """Execution of routed models under the audit's conditions. For a top-k router (an MoE runs k of E experts per token)
 a static profile is a shortcut only if it stays sparse: StaticMixMean runs every expert with a nonzero mean, StaticTopK
-keeps k. A token router (kind "token_router": Mixture-of-Depths) is counted in token x block pairs; its conditions have
+keeps k. A token router (Mixture-of-Depths: its kind's `execution` is "tokens") is counted in token x block pairs; its conditions have
 equal budgets, so their FLOPs are equal and latency says whether the assignment alone changes wall time."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from fcaudit.controllers.sites import Decoding, path_matches
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies
 from fcaudit.families import Family
-from fcaudit.kinds import chosen
+from fcaudit.kinds import TOKEN_ROUTER, chosen
 from fcaudit.protocol import Coeffs
 
-ROUTED = ("Correct", "StaticTopK", "RandomRoute")  # a token router's conditions, in this order (equal budgets)
+ROUTED = TOKEN_ROUTER.compared  # a token router's conditions, in this order (equal budgets)
 
 
 def captured(model: nn.Module, ids: torch.Tensor, controller: Controller) -> Captured:
@@ -95,7 +95,8 @@ def condition_execution(model: nn.Module, family: Family, calib: torch.Tensor, i
 
 
 def token_sites(controller: Controller) -> list[int]:
-    return [i for i, s in enumerate(controller.sites) if s.kind == "token_router"]
+    """The sites whose decisions are counted in token x block pairs (their kind's `execution`)."""
+    return [i for i, k in enumerate(controller.info.of) if k.execution == "tokens"]
 
 
 def token_columns(coeffs: Coeffs, controller: Controller, blocks: list[str]) -> dict:

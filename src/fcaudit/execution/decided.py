@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 import pandas as pd
@@ -37,6 +37,18 @@ from fcaudit.execution.latency import Timing, timed
 from fcaudit.threads import using_threads
 
 SAVING = 0.99  # executed below this share of the governed rows: a saving was realized
+
+
+def verdict(decided: float, executed: float) -> str:
+    """Decided and executed side by side, and whether the model realized the saving its controller decided."""
+    line = f"decided {decided:.1%} of the governed work, executed {executed:.1%} (observed)"
+    if decided >= SAVING:
+        return line + ": nothing was decided away"
+    if executed > decided + 1e-3 and executed >= SAVING:
+        return line + ": no saving realized (the model computed what its controller decided away)"
+    if executed > decided + 1e-3:
+        return line + ": part of the decided saving realized"
+    return line + ": the decided saving realized"
 
 
 @dataclass(frozen=True)
@@ -115,8 +127,8 @@ class ExecutionResult(Mapping):
     def __len__(self) -> int:
         return len(self.variants)
 
-    def _vs(self, name: str, field: str) -> float:
-        return getattr(self["live"], field) / getattr(self[name], field) if name in self else math.nan
+    def _vs(self, name: str, column: str) -> float:
+        return getattr(self["live"], column) / getattr(self[name], column) if name in self else math.nan
 
     @property
     def flops_vs_reference(self) -> float:
@@ -137,15 +149,7 @@ class ExecutionResult(Mapping):
 
     @property
     def verdict(self) -> str:
-        """Decided and executed side by side, and whether the model realized the saving its controller decided."""
-        line = f"decided {self.decided:.1%} of the governed work, executed {self.executed:.1%} (observed)"
-        if self.decided >= SAVING:
-            return line + ": nothing was decided away"
-        if self.executed > self.decided + 1e-3 and self.executed >= SAVING:
-            return line + ": no saving realized (the model computed what its controller decided away)"
-        if self.executed > self.decided + 1e-3:
-            return line + ": part of the decided saving realized"
-        return line + ": the decided saving realized"
+        return verdict(self.decided, self.executed)
 
     def to_frame(self) -> pd.DataFrame:
         """One row per variant: label, FLOPs per token, latency, and each against the live model."""
@@ -236,6 +240,31 @@ def _experts_executed(model: nn.Module, controller: Controller, ids: torch.Tenso
     return float(family.execution(model, ids, controller)["active_expert_fraction"])
 
 
+@dataclass(frozen=True)
+class Observed:
+    """One live forward's decided and executed work (see the module's docstring), with the decisions captured."""
+
+    decided: float
+    executed: float
+    blocks: tuple[str, ...]  # the blocks the controller governs
+    executed_by_block: tuple[float, ...]  # rows each computed, over one row per token (a shared block: per step)
+    found: list = field(repr=False)  # the captured decisions (canonical, with what a replay decodes them with)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.decided, self.executed)
+
+
+def observe(model: nn.Module, controller: Controller, ids: torch.Tensor, blocks: str | None = None) -> Observed:
+    """Decided and executed work of model(ids): the rows of the blocks matching `blocks` (default: the children of
+    the model's largest ModuleList); for expert routers without `blocks`, the FLOPs inside their experts."""
+    found, governed, fractions, executed = _observed(model, controller, ids, blocks or block_pattern(model))
+    info = controller.info
+    if info.routers and not (info.tokens or info.depth) and blocks is None:
+        executed = _experts_executed(model, controller, ids)
+    return Observed(info.decided(found), executed, governed, fractions, found)
+
+
 def execution(model: nn.Module, controller: Controller, windows, *, reference: nn.Module | None = None,
               config: ExecutionSettings | None = None, **settings) -> ExecutionResult:
     """What the controller decided and what the model computed, on the first `batch_size` windows.
@@ -279,14 +308,9 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
     cfg = ExecutionSettings(**{**({f.name: getattr(config, f.name) for f in fields(config)} if config else {}),
                                **settings})
     ids = _ids(windows)[:cfg.batch_size]
-    pattern = cfg.blocks or block_pattern(model)
     with using_threads(cfg.threads):
-        found, blocks, fractions, executed = _observed(model, controller, ids, pattern)
-        info = controller.info
-        if info.routers and not (info.tokens or info.depth) and cfg.blocks is None:
-            executed = _experts_executed(model, controller, ids)
-        decided = info.decided(found)
-        runs = {"live": model, "replayed": Replaying(model, controller, found)}
+        seen = observe(model, controller, ids, cfg.blocks)
+        runs = {"live": model, "replayed": Replaying(model, controller, seen.found)}
         if reference is not None:
             runs["reference"] = reference
         labels = {"live": "the model, controller live", "replayed": "the same decisions replayed, controller off",
@@ -298,4 +322,4 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
         decoding = ({"decode_note": "not asked (decode=False)"} if not cfg.decode else
                     decoding_columns(model, ids[:1]) if not_decodable(model) is None else
                     {"decode_note": not_decodable(model)})
-    return ExecutionResult(decided, executed, blocks, fractions, variants, decoding)
+    return ExecutionResult(seen.decided, seen.executed, seen.blocks, seen.executed_by_block, variants, decoding)

@@ -27,15 +27,18 @@ def _table(title: str, left: tuple[str, ...], right: tuple[str, ...], **caption)
 
 
 def execution_table(df: pd.DataFrame) -> Table:
-    """One row per model: blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR
-    over repetitions) vs Dense, throughput."""
+    """One row per model: the share of the governed work its controller decided and the share executed (observed),
+    blocks run (token routers: token x block pairs run), FLOPs and latency (median and IQR over repetitions) vs
+    Dense, throughput."""
     tokens = "token_block_fraction" in df  # token routers: the share of token x block pairs that ran
-    t = _table("Execution (question 3)", ("Model",), ("Blocks\nrun", *(("Token x block\npairs run",) if tokens else ()),
+    t = _table("Execution (question 3)", ("Model",), ("Decided", "Executed", "Blocks\nrun",
+               *(("Token x block\npairs run",) if tokens else ()),
                "FLOPs\nvs Dense", "ms/batch\nmedian", "ms\nIQR", "Latency\nvs Dense", "Tokens/s", "Byte-PPL"))
     for r in df.to_dict(orient="records"):
         noisy = bool(r.get("latency_noisy", False))
         pairs = (_num(r.get("token_block_fraction", math.nan), "{:.1%}"),) if tokens else ()
-        t.add_row(str(r["model"]), f"{r['executed_blocks']}/{r['n_blocks']}", *pairs, _ratio(r.get("flops_vs_dense")),
+        t.add_row(str(r["model"]), _num(r.get("decided", math.nan), "{:.1%}"), _num(r.get("executed", math.nan),
+                  "{:.1%}"), f"{r['executed_blocks']}/{r['n_blocks']}", *pairs, _ratio(r.get("flops_vs_dense")),
                   _num(r["latency_ms"], "{:.3g}") + ("*" if noisy else ""), _num(r.get("latency_iqr_ms"), "{:.2g}"),
                   _ratio(r.get("latency_vs_dense")), _num(r["tokens_per_s"], "{:,.0f}"), _num(r.get("byte_ppl")))
     return t

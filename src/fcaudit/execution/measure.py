@@ -22,6 +22,7 @@ from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WIN
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
+from fcaudit.execution.decided import observe
 from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
@@ -224,6 +225,9 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
                    executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
         family, controller = families.for_model(model), _controller(model)
+        seen = observe(model, controller, ids) if controller is not None else None
+        row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
+                   execution_verdict=seen.verdict if seen else "no controller: everything it has runs")
         if family is not None and family.execution is not None:
             row.update(family.execution(model, ids))
             conditions.append(condition_execution(model, family, windows("validation"), ids, cfg.timing)

@@ -60,14 +60,14 @@ def thresholding(model: nn.Module, controller: Controller | None, windows, thres
         batch = batch.to(device)
         B, T = batch.shape
         with controller.capture(B, T) as found:
-            plain = token_nll(logits_of(model(batch)), batch)
+            plain = token_nll(logits_of(model(batch), model, batch), batch)
         if any(c is None for c in found):
             raise FcauditError("a gate site did not run in the forward pass; check the controller's module pattern")
         plain_sum += plain.double().sum().item()
         gates = torch.stack([c.reshape(B, T) for c in found])  # [L, B, T]
         for i, tau in enumerate(taus):
             with controller.replay([c.masked_fill(c < tau, 0.0) for c in found], found.decoding):
-                nll_sum[i] += token_nll(logits_of(model(batch)), batch).double().sum().item()
+                nll_sum[i] += token_nll(logits_of(model(batch), model, batch), batch).double().sum().item()
             mask = gates < tau
             below[i] += int(mask.sum())
             skippable[i] += int(mask.all(dim=2).sum())  # (layer, window) pairs with every token below tau

@@ -23,6 +23,12 @@ from fcaudit.io import read_json
 from fcaudit.models.checkpoint import CONFIG_NAME
 
 
+# The route that audits any model, named wherever fcaudit's own families stop
+OWN_ROUTE = ("load the model yourself (transformers: AutoModelForCausalLM.from_pretrained) and describe its controller "
+             "with fca.Controller.from_modules(model, 'path.*', codec=...) or fca.Controller.from_ops(...), then "
+             "fca.audit(model, controller, ...)")
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything fcaudit knows about one kind of model: which models it recognizes and their controller, and
@@ -200,8 +206,8 @@ def load_model(path_or_id: str | os.PathLike, *, revision: str | None = None, de
     if family is None:
         model_type = config.get("model_type") if isinstance(config, dict) else None
         known = ", ".join(f.name for f in families() if f.load is not None)
-        raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}); "
-                           "pass a checkpoint of one of them")
+        raise FcauditError(f"{config_path} has model_type {model_type!r}, which no fcaudit family loads ({known}): "
+                           f"{OWN_ROUTE}")
     if device_map is None:
         return family.load(dir, torch.device(device), dtype)
     if not family.device_maps:

@@ -14,6 +14,7 @@ from torch import nn
 
 from fcaudit.controllers.controller import Controller
 from fcaudit.families import Family, register
+from fcaudit.kinds import EXIT_DEPTH
 from fcaudit.models.checkpoint import read_checkpoint, write_checkpoint
 from fcaudit.models.early_exit import PRESETS, VARIANTS, EarlyExitGPT, config_for
 
@@ -23,7 +24,7 @@ PATTERN = "blocks.*.exit"
 
 def controller(model: EarlyExitGPT) -> Controller:
     """The exit decisions of every block but the last: a token's depth is 1 + its first exit."""
-    return Controller.from_modules(model, PATTERN, kind="exit_depth")
+    return Controller.from_modules(model, PATTERN, kind=EXIT_DEPTH.name)
 
 
 def load(dir: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[nn.Module, dict]:

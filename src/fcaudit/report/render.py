@@ -17,7 +17,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from fcaudit.auditor.results import CAUSALITY, TOKEN_ROUTING, Replay
+from fcaudit.auditor.results import Replay
+from fcaudit.controllers.checks import CAUSALITY, TOKEN_ROUTING
 from fcaudit.errors import FcauditError
 from fcaudit.io import OutDir, read_json, valid_path
 from fcaudit.provenance import provenance
@@ -248,12 +249,8 @@ def _family_section(doc: Doc, fam: str, g: FamilyResult):
         doc.table(tables.factors_display(facs), facs, f"factors_{slug}",
                   "Factorial contrasts, not an additive split into mechanisms. " + holm_note)
     doc.h(3, "Prespecified criteria")
-    if crit and crit[0]["fixed_in_advance"]:
-        doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
-              f"before the audit ran ({crit[0]['fixed_at'] or 'time not recorded'}).")
-    else:
-        doc.p("**The audit configuration holds no criteria: the default thresholds below were applied after the "
-              "fact and are not prespecified.**")
+    doc.p(f"Both criteria were fixed in advance: written into the audit configuration ({crit[0]['source']}) "
+          f"before the audit ran ({crit[0]['fixed_at'] or 'time not recorded'}).")
     if g.level == "window":
         doc.p("The bounds are window-level (one checkpoint), not checkpoint-level intervals.")
     doc.table(tables.criteria_display(crit), pd.DataFrame(crit).drop(columns=["criteria"]), f"criteria_{slug}")
@@ -365,7 +362,9 @@ def _execution_section(doc: Doc, executions: list[Execution]) -> list:
     """Only data that exist: each execution file's rows (and settings, thresholding sweep) as tables."""
     doc.h(2, "Execution (question 3)")
     doc.p("Measured execution (executed blocks, FLOPs, latency, throughput) as written by `fcaudit execution`; "
-          "gate values are not a compute measure, so only these measurements speak to skipped work. Latency is the "
+          "gate values are not a compute measure, so only these measurements speak to skipped work. Decided is the "
+          "share of the governed work the controller's decisions select; Executed the share the forward pass "
+          "computed, observed (rows into the governed blocks' weights; an MoE's expert FLOPs). Latency is the "
           "median over repetitions, all models measured round-robin; IQR is its interquartile range.")
     out = []
     for i, e in enumerate(executions):
@@ -425,7 +424,8 @@ def _token_conditions_line(conds: pd.DataFrame) -> str:
 
 
 # What a reader compares (the CSV keeps every measured column).
-_EXECUTION_COLUMNS = {"model": "Model", "blocks_run": "Blocks run", "token_block_fraction": "Token×block pairs run",
+_EXECUTION_COLUMNS = {"model": "Model", "decided": "Decided", "executed": "Executed (observed)",
+                      "blocks_run": "Blocks run", "token_block_fraction": "Token×block pairs run",
                       "flops_per_token": "FLOPs/token",
                       "flops_vs_dense": "FLOPs vs Dense", "latency_ms": "ms/batch", "latency_iqr_ms": "IQR ms",
                       "latency_vs_dense": "Latency vs Dense", "tokens_per_s": "Tokens/s", "byte_ppl": "Byte-PPL"}

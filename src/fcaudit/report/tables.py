@@ -109,8 +109,6 @@ def retention_undefined(rt) -> str:
     """Why a retention row has no value, in a few words (the CSV's note has the interval)."""
     if not pd.isna(rt.n) and int(rt.n) < 2:
         return "undefined (one unit: no interval for ΔNLL(R))"
-    if pd.isna(getattr(rt, "bound", None)):  # a summary written before the bound was recorded
-        return "undefined (ΔNLL(R) not clearly > 0)"
     return f"undefined (ΔNLL(R) interval not above {float(rt.bound):g})"
 
 

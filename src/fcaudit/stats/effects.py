@@ -21,8 +21,11 @@ def delta_nll(records: pd.DataFrame) -> pd.DataFrame:
         raise FcauditError(f"records lack columns {missing}: pass the frame from fcaudit.auditor.results.load_records(DIR)")
     if records.duplicated(["example", "condition", "randomization"]).any():
         raise FcauditError("records have duplicate (example, condition, randomization) rows: rerun the audit into a fresh directory")
-    if not np.isfinite(records["nll"].to_numpy(dtype=np.float64)).all():
-        raise FcauditError("records contain non-finite NLL values: check the model's dtype (use float32) and rerun the audit")
+    if not (finite := np.isfinite(records["nll"].to_numpy(dtype=np.float64))).all():
+        bad = records[~finite].iloc[0]  # the audit refuses these as it runs: records edited or written elsewhere
+        raise FcauditError(f"records contain non-finite NLL values (first: window {bad['example']}, "
+                           f"{bad['condition']} r{bad['randomization']}): statistics need a finite NLL in every row; "
+                           "audit the model with fcaudit.audit, which names the condition where its NLL is not finite")
     correct = records[records["condition"] == CORRECT]
     if correct.empty:
         raise FcauditError("records have no Correct rows: the audit must evaluate the Correct condition first")

@@ -132,9 +132,8 @@ class WindowStatistics(_Level):
 
     @cached_property
     def active(self) -> pd.Series:
-        """Mean active sources (experts) per token of each condition; empty for records from before the column."""
-        return (self.records.groupby("condition")["active"].mean() if "active" in self.records
-                else pd.Series(dtype=float))
+        """Mean active sources (experts) per token of each condition."""
+        return self.records.groupby("condition")["active"].mean()
 
     def _bootstrap(self, x) -> Estimate:
         return paired_bootstrap(x, confidence=self.criteria.confidence, n_resamples=self.n_resamples, seed=BOOT_SEED)

@@ -373,15 +373,6 @@ class RetentionResult:
                    float(row["delta_static"]), float(row["delta_reference"]), float(row["bound"]), level)
 
 
-def own_static(conditions: Iterable[str], declared: str | None = None) -> str:
-    """The controller's own static condition, which `retention()` and the criteria judge: the one its audit declares
-    (config.json's controller.static), else, for audits written before it did, StaticTopK where it ran (it is offered
-    to routers only), else StaticProfile."""
-    if declared:
-        return declared
-    return "StaticTopK" if "StaticTopK" in set(conditions) else "StaticProfile"
-
-
 # ---- the prespecified criteria ---------------------------------------------------------------------------------
 
 def met_word(met: bool | None) -> str:

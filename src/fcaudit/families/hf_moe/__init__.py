@@ -47,9 +47,10 @@ register(Family(
     name="hf_moe",
     accepts=looks_like_hf_moe,
     load=_load,
-    matches=lambda model: type(model).__module__.startswith("transformers.") and is_moe(model),
+    # by structure, whatever the class's module: a checkpoint's own code (transformers_modules...) or a user's
+    matches=is_moe,
     controller=moe_controller,
-    label=lambda model: f"moe-{model.config.model_type}",
+    label=lambda model: f"moe-{getattr(getattr(model, 'config', None), 'model_type', None) or type(model).__name__}",
     trains=("moe",),
     presets=tuple(BYTE_PRESETS),
     build=_build,

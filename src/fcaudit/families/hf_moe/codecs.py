@@ -12,6 +12,7 @@ from torch import nn
 from fcaudit.controllers.codecs import Codec
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
+from fcaudit.kinds import EXPERT_ROUTER
 
 PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (TopKRouterCodec.decode)
 
@@ -56,6 +57,23 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
     return logits, weights, index
 
 
+ROUTER_PARTS = ("logits", "weights", "index")  # what a transformers router returns, in this order
+
+
+def split_parts(output, parts: tuple[str, ...], num_experts: int, where: str = "router") -> dict[str, torch.Tensor]:
+    """A router output whose leaves are `parts` (some order of ROUTER_PARTS, logits optional: DBRX's block method
+    returns (top_k_weights, top_k_index)), checked and named."""
+    if parts == ROUTER_PARTS:
+        return dict(zip(parts, split_router_output(output, num_experts, where)))
+    if not (isinstance(output, (tuple, list)) and len(output) == len(parts)
+            and all(isinstance(t, torch.Tensor) for t in output)):
+        raise FcauditError(f"{where} returned {_shapes(output)}, not ({', '.join(parts)})")
+    named = dict(zip(parts, output))
+    full = (named.get("logits", torch.zeros(named["weights"].shape[0], num_experts)), named["weights"], named["index"])
+    split_router_output(full, num_experts, where)  # the same checks of shapes and dtypes
+    return named
+
+
 def split_score_output(output, num_experts: int, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
     """Check and unpack (router_scores [N, E], router_logits [N, E])."""
     ok = (isinstance(output, (tuple, list)) and len(output) == 2
@@ -86,20 +104,29 @@ def _placeholder_logits(c: torch.Tensor, dtype: str) -> torch.Tensor:
 class TopKRouterCodec(Codec):
     """Top-k router output <-> post-top-k combine vector c [batch, token, 1, num_experts]."""
 
-    kind = "expert_router"
+    kind = EXPERT_ROUTER.name
     placeholders = ("[0]",)  # the router logits: rebuilt as a placeholder the forward pass does not read
     unordered = ("[1]", "[2]")  # (weights, index): the check of decode(encode(x)) tells a mere slot order apart
 
     def __init__(self, num_experts: int, top_k: int, experts: nn.Module | None = None, name: str = "router",
-                 experts_path: str | None = None, pad: str = "sentinel"):
+                 experts_path: str | None = None, pad: str = "sentinel", parts: tuple[str, ...] = ROUTER_PARTS):
         if pad not in PADDINGS:
             raise FcauditError(f"{name}: padding {pad!r} is not one of {', '.join(PADDINGS)}")
+        if sorted(parts) not in (sorted(ROUTER_PARTS), ["index", "weights"]):
+            raise FcauditError(f"{name}: parts {parts} are not an order of {ROUTER_PARTS}, logits optional")
         self.num_experts, self.top_k, self.name, self.pad = int(num_experts), int(top_k), name, pad
         self._experts, self.experts_path = experts, experts_path  # the experts it feeds: checked to run eager
+        self.parts = tuple(parts)  # the output's leaves, by name
+        self.placeholders = tuple(f"[{i}]" for i, p in enumerate(parts) if p == "logits")
+        self.unordered = tuple(f"[{parts.index(p)}]" for p in ("weights", "index"))
+
+    def _split(self, output) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        named = split_parts(output, self.parts, self.num_experts, self.name)
+        return named.get("logits"), named["weights"], named["index"]
 
     def encode(self, output, batch: int, token: int) -> torch.Tensor:
         _require_eager(self._experts, self.name)
-        _, weights, index = split_router_output(output, self.num_experts, self.name)
+        _, weights, index = self._split(output)
         if weights.shape[0] != batch * token:
             raise FcauditError(f"{self.name} routed {weights.shape[0]} tokens, not batch {batch} x token {token}")
         E = self.num_experts
@@ -110,12 +137,15 @@ class TopKRouterCodec(Codec):
         return c[:, :E].reshape(batch, token, 1, E).contiguous()  # compact copy, not a view of c
 
     def meta(self, output) -> dict:
-        logits, weights, index = split_router_output(output, self.num_experts, self.name)
+        logits, weights, index = self._split(output)
+        if logits is None:
+            return {"weights_dtype": dtype_name(weights.dtype), "index_dtype": dtype_name(index.dtype),
+                    "num_experts": self.num_experts, "top_k": self.top_k}
         return {"logits_dtype": dtype_name(logits.dtype), "weights_dtype": dtype_name(weights.dtype),
                 "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k,
                 **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {})}
 
-    def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, ...]:
         """The support of c by descending weight (ties: lower expert first, as torch.topk), or by live router logit
         if captured in that order only (PhiMoE's sparsemixer). Narrower rows are padded at weight 0 with the sentinel
         E or ("repeat": experts that refuse E, GPT-OSS) the row's first expert again, moving only others' rounding."""
@@ -135,8 +165,10 @@ class TopKRouterCodec(Codec):
             torch.where(keep[:, :1], order[:, :1], torch.zeros_like(order[:, :1]))  # the row's top expert, or 0
         index = torch.where(keep, order, filler).to(getattr(torch, meta["index_dtype"]))
         weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
-        return (_placeholder_logits(c, meta["logits_dtype"]),
-                weights.to(getattr(torch, meta["weights_dtype"])).contiguous(), index.contiguous())
+        named = {"weights": weights.to(getattr(torch, meta["weights_dtype"])).contiguous(), "index": index.contiguous()}
+        if "logits" in self.parts:
+            named["logits"] = _placeholder_logits(c, meta["logits_dtype"])
+        return tuple(named[p] for p in self.parts)
 
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
@@ -155,7 +187,7 @@ class ScoreRouterCodec(Codec):
     """(router_scores [N, E], router_logits [N, E]) <-> the scores [batch, token, 1, E] (Llama 4: the sigmoid of the
     top-k logits, 0 elsewhere), unpadded: a score of 0 is a zero input to that expert, which runs all the same."""
 
-    kind = "expert_router"
+    kind = EXPERT_ROUTER.name
     placeholders = ("[1]",)  # the router logits (placeholders, passed on for the auxiliary loss only)
 
     def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,16 @@ from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
-from fcaudit.families.hf_moe.codecs import (ScoreRouterCodec, SharedGateCodec, TopKRouterCodec, experts_implementation,
-                                            split_router_output, split_score_output)
+from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
+from fcaudit.families.hf_moe.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
+                                            experts_implementation, split_parts, split_score_output)
+from fcaudit.families.hf_moe.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
-# LongCat-Flash: the router's n_routed_experts and the experts' total_experts count its zero-computation (identity)
-# experts too, which its router's num_experts does not; a router's count is the one its weight has rows for
+TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say its top-k may find it
+# LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
+# num_experts does not; a router's count is the one its weight has rows for. Its experts module may hold all of them
+# (total_experts) or only those that compute, the block handling the rest itself (`_experts_of`).
 NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
@@ -50,7 +55,12 @@ def _router_shape(m: nn.Module) -> tuple[int, int] | None:
 def _holds_experts(m: nn.Module, num_experts: int) -> bool:
     if isinstance(m, nn.ModuleList):
         return len(m) == num_experts
-    return any(p.dim() == 3 and p.shape[0] == num_experts for p in m.parameters(recurse=False))
+    if any(p.dim() == 3 and p.shape[0] == num_experts for p in m.parameters(recurse=False)):
+        return True
+    # DBRX: each expert a block of rows of 2-D weights [num_experts x size, hidden], size one of its attributes
+    sizes = {v for v in vars(m).values() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    flat = [p for p in m.parameters() if p.dim() == 2]
+    return bool(flat) and all(any(p.shape[0] == num_experts * v for v in sizes) for p in flat)
 
 
 def _experts_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -65,21 +75,57 @@ def _closest(cls_name: str) -> str:
 
 def _unsupported(m: nn.Module, path: str, why: str) -> FcauditError:
     cls = type(m).__name__
-    return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit audits transformers>=5 top-k routers "
-                        f"that hand (router_logits, top_k_weights, top_k_index) straight to an experts module, or "
-                        f"return (router_scores, router_logits) with scores zero off the top-k, like {_closest(cls)}")
+    return FcauditError(f"unsupported MoE router {cls} at {path}: {why}; fcaudit finds transformers>=5 top-k routers "
+                        f"that hand (router_logits, top_k_weights, top_k_index) to an experts module, or return "
+                        f"(router_scores, router_logits) with scores zero off the top-k, like {_closest(cls)}; for "
+                        f"this one, {OWN_ROUTE}")
 
 
 @dataclass
 class _Candidate:
     path: str
     module: nn.Module
-    top_k: int
+    top_k: int | None  # None: read from the router's output by the probe
     num_experts: int
     experts_path: str
     experts: nn.Module
     gate_paths: list[str]
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
+    method: str = "forward"  # a block's method where the router returns its logits only (DBRX)
+
+
+def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
+    """A router's experts among its siblings: those holding its E experts, else those holding fewer (the block then
+    computes the others itself, as LongCat-Flash's identity experts; the probe checks that padding keeps it so)."""
+    held = [(p, c, _int_attr(c, NUM_EXPERTS_NAMES)) for p, c in siblings.items() if p in experts]
+    return [(p, c) for p, c, n in held if n == E] or [(p, c) for p, c, n in held if n < E]
+
+
+def _siblings(modules: dict[str, nn.Module], parent_path: str, of: nn.Module) -> dict[str, nn.Module]:
+    return {f"{parent_path}.{n}" if parent_path else n: c for n, c in modules[parent_path].named_children() if c is not of}
+
+
+def _shared_gates(siblings: dict[str, nn.Module], hidden: int) -> list[str]:
+    """Linear(hidden, 1) siblings of a router: shared-expert gates if the probe sees them run once per token."""
+    return [p for p, c in siblings.items() if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
+
+
+def _unnamed_router(modules: dict[str, nn.Module], experts: dict[str, nn.Module], path: str) -> _Candidate | None:
+    """The router of the experts at `path` that says neither its top-k nor its expert count (Gemma-4's reads them
+    from its config, Ergo's count from its weight): the smallest sibling holding a [num_experts, hidden] weight. Its
+    top-k is its own, its config's or its block's, else what its output holds (the probe reads it)."""
+    m, parent_path = modules[path], path.rpartition(".")[0]
+    E, block = _int_attr(m, NUM_EXPERTS_NAMES), modules[parent_path]
+    siblings = _siblings(modules, parent_path, m)
+    routers = [(p, c, w.shape[1]) for p, c in siblings.items() if p not in experts
+               and not any(e.startswith(p + ".") for e in experts)
+               for w in [next((w for w in c.parameters() if w.dim() == 2 and w.shape[0] == E), None)] if w is not None]
+    if not routers:
+        return None
+    p, router, hidden = min(routers, key=lambda r: sum(w.numel() for w in r[1].parameters()))
+    k = next((k for o in (router, getattr(router, "config", None), block, getattr(block, "config", None))
+              if (k := _int_attr(o, TOP_K_CONFIG_NAMES)) is not None), None)
+    return _Candidate(p, router, k, E, path, m, _shared_gates(siblings, hidden))
 
 
 def _candidates(model: nn.Module) -> list[_Candidate]:
@@ -91,23 +137,25 @@ def _candidates(model: nn.Module) -> list[_Candidate]:
         if k is None or shape is None or not path or path in experts or any(e.startswith(path + ".") for e in experts):
             continue  # not router-like, or a block that contains the experts itself
         (E, hidden), parent_path = shape, path.rpartition(".")[0]
-        siblings = {f"{parent_path}.{n}" if parent_path else n: c
-                    for n, c in modules[parent_path].named_children() if c is not m}
-        ex = [(p, c) for p, c in siblings.items() if p in experts and _int_attr(c, NUM_EXPERTS_NAMES) == E]
+        siblings = _siblings(modules, parent_path, m)
+        ex = _experts_of(siblings, experts, E)
         if not ex:
             continue
-        gates = [p for p, c in siblings.items()
-                 if isinstance(c, nn.Linear) and c.out_features == 1 and c.in_features == hidden]
-        found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], gates))
+        found.append(_Candidate(path, m, k, E, ex[0][0], ex[0][1], _shared_gates(siblings, hidden)))
         routed_parents.add(parent_path)
     for path, m in experts.items():
         parent_path = path.rpartition(".")[0]
-        if parent_path not in routed_parents:
+        if parent_path in routed_parents:
+            continue
+        if (c := _unnamed_router(modules, experts, path)) is None:
             block = modules[parent_path]
             raise FcauditError(f"unsupported MoE block {type(block).__name__} at {parent_path or 'the model'}: its experts "
-                               f"({type(m).__name__}) have no router module with top_k and num_experts attributes; "
-                               f"fcaudit audits transformers>=5 top-k routers like {_closest(type(block).__name__)}")
-    return found
+                               f"({type(m).__name__}) have no router module beside them; fcaudit finds "
+                               f"transformers>=5 top-k routers like {_closest(type(block).__name__)}; for this one, "
+                               f"{OWN_ROUTE}")
+        found.append(c)
+    order = {p: i for i, p in enumerate(modules)}
+    return sorted(found, key=lambda c: order[c.path])
 
 
 def ensure_eager_experts(model: nn.Module) -> str:
@@ -125,28 +173,19 @@ def ensure_eager_experts(model: nn.Module) -> str:
 
 
 def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
-    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), those very tensors
-    reach its experts and the experts take a padded slot; or (router_scores, router_logits), top_k per token at most."""
+    """One short forward pass: each router returns (router_logits, top_k_weights, top_k_index), which reach its
+    experts (or its block turns them into what they receive) and a padded slot leaves the output as it is; or
+    (router_scores, router_logits), top_k per token at most; or its logits only, and a method of its block returns the
+    (top_k_weights, top_k_index) its experts receive (one more pass finds it)."""
     outputs: dict[str, object] = {}  # the first output of each router and gate
-    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module
+    inputs: dict[str, tuple] = {}  # the first (args, kwargs) of each experts module and each router's block
     handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: outputs.setdefault(p, o))
                for c in cands for p in [c.path, *c.gate_paths]]
-    handles += [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: inputs.setdefault(p, (a, k)),
-                                                    with_kwargs=True) for c in cands]
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    ids = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0).to(placement.input_device(model))
-    cached = "use_cache" in inspect.signature(model.forward).parameters
+    handles += [model.get_submodule(p).register_forward_pre_hook(lambda m, a, k, p=p: inputs.setdefault(p, (a, k)),
+                                                                 with_kwargs=True)
+                for p in dict.fromkeys(q for c in cands for q in (c.experts_path, _block_path(c)))]
     try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False) if cached else model(ids)
-    except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
-        if "meta tensor" in str(e) and placement.is_dispatched(model):  # e.g. Llama 4 sends its ids to the embedding's
-            raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
-                               "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
-                               "(cpu or cuda) in the map") from e
-        raise FcauditError(f"{type(model).__name__} fails a {PROBE_TOKENS}-token forward pass ({type(e).__name__}: "
-                           f"{one_line(e, 120)}); check its config.json (its routers read top_k {cands[0].top_k} "
-                           f"of {cands[0].num_experts} experts) and that the model fits in memory") from e
+        _probe_forward(model, cands, outputs, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -154,12 +193,22 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     for c in cands:
         if c.path not in outputs or c.experts_path not in inputs:
             raise _unsupported(c.module, c.path, f"it or its experts ({c.experts_path}) did not run in a forward pass")
-        output = outputs[c.path]
-        scored = isinstance(output, (tuple, list)) and len(output) == 2  # dense scores, every expert's input scale
+    lone = [c for c in cands if isinstance(outputs[c.path], torch.Tensor)]  # logits only: the block picks the top-k
+    if lone:
+        _find_routing_methods(model, cands, lone, outputs, inputs)
+    for c in cands:
+        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], ROUTER_PARTS)
+        # (router_scores, router_logits): dense scores, every expert's input scaled by its own
+        scored = names == ROUTER_PARTS and isinstance(output, (tuple, list)) and len(output) == 2
         try:
-            parts = (split_score_output if scored else split_router_output)(output, c.num_experts, "it")
+            if scored:
+                parts = split_score_output(output, c.num_experts, "it")
+            else:  # (logits, weights, index), the logits None where a block's method returns none
+                parts = tuple(split_parts(output, names, c.num_experts, "it").get(n) for n in ROUTER_PARTS)
         except FcauditError as e:
             raise _unsupported(c.module, c.path, str(e)) from None
+        if c.top_k is None:  # a router that does not say its top-k: the experts per token it returned
+            c.top_k = int((parts[0] != 0).sum(1).max()) if scored else parts[1].shape[1]
         if scored:
             if ((parts[0] != 0).sum(1) > c.top_k).any():
                 raise _unsupported(c.module, c.path, f"its scores select more than top_k={c.top_k} experts per token")
@@ -171,46 +220,173 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                                                      f"top_k={c.top_k}")
             args, kwargs = inputs[c.experts_path]
             received = list(args) + list(kwargs.values())
-            if not (any(t is index for t in received) and any(t is weights for t in received)):
-                raise _unsupported(c.module, c.path, f"its block changes top_k_weights/top_k_index before the experts "
-                                                     f"({c.experts_path}) receive them")
-            pad = _padding_on_cpu(c, args, kwargs, index, weights, pads)
-            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad)
+            if any(t is index for t in received) and any(t is weights for t in received):
+                module, make = c.experts, lambda a, k, cpu, c=c, i=index, w=weights: _experts_run(c, a, k, cpu(i),
+                                                                                                   cpu(w))
+            else:  # the block turns them into what its experts receive (LongCat-Flash's identity experts): the
+                module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
+                make = lambda a, k, cpu, c=c, b=module: _block_run(c, b, a, k)  # probed on the whole block
+            pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
+            c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad, names)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
-                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[0].shape[0]]
+                        if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[1].shape[0]]
 
 
-def _padding_on_cpu(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor,
-                    pads: dict[type, str]) -> str:
-    """`_padding` probed on the CPU (on CUDA a refused index trips a device-side assert that ends the CUDA context):
-    for a model elsewhere once per experts class (`pads`), on CPU copies of their weights and inputs."""
-    if not placement.off_cpu(index):
-        return _padding(c, args, kwargs, index, weights)
-    if type(c.experts) not in pads:
-        # one CPU copy per tensor: `_padding` finds index and weights (among the inputs) by identity
-        moved = {id(t): t.cpu() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+def _own_methods(block: nn.Module) -> list[str]:
+    """The methods a block's classes define beyond nn.Module's, but forward: where a block may pick its top-k."""
+    base = set(dir(nn.Module))
+    return sorted({n for cls in type(block).__mro__ for n, v in vars(cls).items()
+                   if inspect.isfunction(v) and n not in base and not n.startswith("__")} - set(vars(block)))
+
+
+def _recording(method: Callable, key: tuple[str, str], returns: dict) -> Callable:
+    """`method`, its first return kept in `returns[key]`."""
+    def recorded(*args, **kwargs):
+        out = method(*args, **kwargs)
+        returns.setdefault(key, out)
+        return out
+    return recorded
+
+
+def _find_routing_methods(model: nn.Module, cands: list[_Candidate], lone: list[_Candidate], outputs: dict,
+                          inputs: dict) -> None:
+    """For routers that return their logits only (DBRX): one more probe pass with their blocks' own methods
+    recorded; the site is the method whose return holds the (top_k_weights, top_k_index) the experts receive.
+    `outputs` takes (its return, its leaves' names) under the block's path, `inputs` the experts' inputs of that pass."""
+    returns: dict[tuple[str, str], object] = {}
+    blocks = {_block_path(c): model.get_submodule(_block_path(c)) for c in lone}
+    wrapped = []
+    for path, block in blocks.items():
+        for name in _own_methods(block):
+            block.__dict__[name] = _recording(getattr(block, name), (path, name), returns)  # for this pass only
+            wrapped.append((block, name))
+    received: dict[str, tuple] = {}  # this pass's experts inputs: the returns are found among them by identity
+    handles = [c.experts.register_forward_pre_hook(lambda m, a, k, p=c.experts_path: received.setdefault(p, (a, k)),
+                                                   with_kwargs=True) for c in lone]
+    try:
+        _probe_forward(model, cands, {}, received)
+    finally:
+        for h in handles:
+            h.remove()
+        for block, name in wrapped:
+            block.__dict__.pop(name, None)
+    for c in lone:
+        args, kwargs = inputs[c.experts_path] = received[c.experts_path]
+        found = [(name, out, names) for (path, name), out in returns.items() if path == _block_path(c)
+                 for names in [_leaf_names(out, [*args, *kwargs.values()])] if names is not None]
+        if len(found) != 1:
+            raise _unsupported(c.module, c.path, f"it returns its logits only, and {len(found) or 'no'} methods of its "
+                                                 f"block return the top-k weights and index its experts receive")
+        name, out, names = found[0]
+        c.path, c.module, c.method = _block_path(c), blocks[_block_path(c)], name
+        outputs[c.path] = (out, names)
+
+
+def _leaf_names(out, received: list) -> tuple[str, ...] | None:
+    """The names of a method's returned leaves if they are the (weights, index) the experts received, with or
+    without the logits, in any order; else None."""
+    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3) and all(isinstance(t, torch.Tensor) for t in out)):
+        return None
+    passed = [any(t is r for r in received) for t in out]
+    names = tuple(("weights" if t.is_floating_point() else "index") if p else "logits" for t, p in zip(out, passed))
+    return names if sorted(names) in (sorted(ROUTER_PARTS), ["index", "weights"]) else None
+
+
+def _probe_lengths(model: nn.Module) -> list[int]:
+    """PROBE_TOKENS, then longer windows the model takes (a sparse attention that selects more keys than a short
+    window holds fails on it), up to its context or the default window cap."""
+    longest = min(context_length(model) or DEFAULT_WINDOW_CAP, DEFAULT_WINDOW_CAP)
+    return sorted({min(n, longest) for n in (PROBE_TOKENS, 8 * PROBE_TOKENS, 64 * PROBE_TOKENS, DEFAULT_WINDOW_CAP)})
+
+
+def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inputs: dict) -> None:
+    """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    cached = "use_cache" in inspect.signature(model.forward).parameters
+    first = None
+    for n in _probe_lengths(model):
+        outputs.clear(), inputs.clear()  # a failed pass may have run some routers
+        ids = (torch.arange(n) % vocab).unsqueeze(0).to(placement.input_device(model))
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False) if cached else model(ids)
+            return
+        except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
+            # e.g. Llama 4 sends its ids to the embedding's device
+            if "meta tensor" in str(e) and placement.is_dispatched(model):
+                raise FcauditError(f"{type(model).__name__} cannot run with the device map given: a module it reads "
+                                   "directly (its input embedding) is offloaded; keep model.embed_tokens on a device "
+                                   "(cpu or cuda) in the map") from e
+            first = first or (n, e)
+    n, e = first
+    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: {one_line(e, 120)}) "
+                       f"and every longer probe up to {_probe_lengths(model)[-1]} tokens; check its config.json (its "
+                       f"routers read top_k {cands[0].top_k} of {cands[0].num_experts} experts) and that the model fits "
+                       "in memory") from e
+
+
+def _block_path(c: _Candidate) -> str:
+    return c.path if c.method != "forward" else c.path.rpartition(".")[0]
+
+
+# A probe run: the output of the experts (or of the router's block) with each router slot row widened by `widen`
+# (weights, index) -> (weights, index), or as it is for None
+Run = Callable[[Callable | None], torch.Tensor]
+
+
+def _experts_run(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> Run:
+    """The experts called on their inputs, `index` and `weights` (found among them by identity) widened."""
+    def run(widen: Callable | None) -> torch.Tensor:
+        swap = dict(zip((id(weights), id(index)), widen(weights, index))) if widen else {}
+        sub = lambda t: swap.get(id(t), t)  # noqa: E731
+        with torch.no_grad():
+            return c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+    return run
+
+
+def _block_run(c: _Candidate, block: nn.Module, args: tuple, kwargs: dict) -> Run:
+    """The router's block called on its inputs, its router's (logits, weights, index) widened as they leave it."""
+    def run(widen: Callable | None) -> torch.Tensor:
+        hook = c.module.register_forward_hook(lambda m, a, o: (o[0], *widen(o[1], o[2])) if widen else None)
+        try:
+            with torch.no_grad():
+                out = block(*args, **kwargs)
+        finally:
+            hook.remove()
+        return out[0] if isinstance(out, (tuple, list)) else out  # the hidden states, beside any router logits
+    return run
+
+
+def _padding_on_cpu(c: _Candidate, module: nn.Module, args: tuple, kwargs: dict,
+                    make: Callable[[tuple, dict, Callable], Run], pads: dict[type, str]) -> str:
+    """`_padding` of `make(args, kwargs, cpu)` (`module` called on them), probed on the CPU (on CUDA a refused index
+    trips a device-side assert that ends the CUDA context): for a model elsewhere once per module class (`pads`), on
+    CPU copies of its weights and inputs; `cpu` maps each input to its copy."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if not any(placement.off_cpu(t) for t in tensors):
+        return _padding(c, module, make(args, kwargs, lambda t: t))
+    if type(module) not in pads:
+        moved = {id(t): t.cpu() for t in tensors}  # one CPU copy per tensor: a run finds index and weights by identity
         cpu = lambda t: moved.get(id(t), t)  # noqa: E731
-        with placement.on_cpu(c.experts):
-            pads[type(c.experts)] = _padding(c, tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
-                                             cpu(index), cpu(weights))
-    return pads[type(c.experts)]
+        with placement.on_cpu(module):
+            pads[type(module)] = _padding(c, module, make(tuple(map(cpu, args)), {k: cpu(v) for k, v in kwargs.items()},
+                                                          cpu))
+    return pads[type(module)]
 
 
-def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weights: torch.Tensor) -> str:
+def _padding(c: _Candidate, module: nn.Module, run: Run) -> str:
     """How decode may pad a row (codecs.PADDINGS): "sentinel" if one more slot (num_experts, weight 0) leaves the
     experts' output bit-identical, else "repeat" if each token's first expert again at weight 0 keeps it within
     REPEAT_TOLERANCE of its largest value (or 4 ulps): more rows move rounding, a weighted slot a whole expert."""
-    with torch.no_grad():
-        plain = c.experts(*args, **kwargs)
+    plain = run(None)
     failed = {}
-    for pad, filler in (("sentinel", torch.full_like(index[:, :1], c.num_experts)), ("repeat", index[:, :1])):
-        swap = {id(index): torch.cat([index, filler], 1),
-                id(weights): torch.cat([weights, torch.zeros_like(weights[:, :1])], 1)}
-        sub = lambda t: swap.get(id(t), t)  # noqa: E731
+    for pad, filler in (("sentinel", lambda index: torch.full_like(index[:, :1], c.num_experts)),
+                        ("repeat", lambda index: index[:, :1])):
+        widen = lambda weights, index, filler=filler: (  # noqa: E731
+            torch.cat([weights, torch.zeros_like(weights[:, :1])], 1), torch.cat([index, filler(index)], 1))
         try:
-            with torch.no_grad():
-                padded = c.experts(*map(sub, args), **{k: sub(v) for k, v in kwargs.items()})
+            padded = run(widen)
         except (IndexError, RuntimeError) as e:
             failed[pad] = f"reject it ({type(e).__name__})"
             continue
@@ -221,7 +397,8 @@ def _padding(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, weig
         if pad == "repeat" and float((padded - plain).abs().max()) <= tolerance:
             return pad
         failed[pad] = "change their output"
-    raise _unsupported(c.module, c.path, f"its experts ({type(c.experts).__name__}) cannot be padded: the sentinel index "
+    what = "experts" if module is c.experts else "block"
+    raise _unsupported(c.module, c.path, f"its {what} ({type(module).__name__}) cannot be padded: the sentinel index "
                                          f"{c.num_experts} at weight 0 they {failed['sentinel']}, a repeated expert at "
                                          f"weight 0 they {failed['repeat']}")
 
@@ -234,14 +411,14 @@ def moe_controller(model: nn.Module) -> Controller:
         cands = _candidates(model)
         if not cands:
             raise FcauditError(f"{type(model).__name__} has no MoE router (a module with top_k and num_experts "
-                               "attributes next to an experts module); fcaudit audits transformers>=5 MoE models like "
-                               "Mixtral")
+                               "attributes next to an experts module); fcaudit finds the routers of transformers>=5 MoE "
+                               f"models like Mixtral; for this model, {OWN_ROUTE}")
         _probe(model, cands)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
         raise
-    sites = [Site(c.path, c.module, codec=c.codec) for c in cands]
+    sites = [Site(c.path, c.module, codec=c.codec, method=c.method) for c in cands]
     sites += [Site(g, model.get_submodule(g), codec=SharedGateCodec(g)) for c in cands for g in c.gate_paths]
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     sites.sort(key=lambda s: order[s.path])

@@ -38,8 +38,12 @@ def computing_experts(experts: nn.Module, num_experts: int) -> int:
 
 
 def _flops_per_pair(experts: nn.Module, computing: int) -> int:
-    """Matmul FLOPs of one (token, computing expert) pair: 2 x the size of one expert's slice of each 3-D weight."""
-    return sum(2 * p[0].numel() for p in experts.parameters(recurse=False) if p.dim() == 3 and p.shape[0] >= computing)
+    """Matmul FLOPs of one (token, computing expert) pair: 2 x the size of one expert's slice of each 3-D weight, or
+    of each 2-D weight that stacks the experts' rows (DBRX's [num_experts x size, hidden])."""
+    own = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
+    if own:
+        return sum(2 * p[0].numel() for p in own if p.shape[0] >= computing)
+    return sum(2 * p.numel() // computing for p in experts.parameters() if p.dim() == 2 and p.shape[0] % computing == 0)
 
 
 def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller | None = None,
@@ -68,10 +72,17 @@ def expert_execution(model: nn.Module, ids: torch.Tensor, controller: Controller
     handles = [m.register_forward_pre_hook(lambda _, a, k, p=p, E=E: count(p, E, a, k), with_kwargs=True)
                for p, m, E in experts]
     replay = controller.replay(coefficients) if coefficients is not None else contextlib.nullcontext()
+    # torch's module tracker fails on a view of a parameter that requires grad given to a module (DBRX's experts
+    # pass each expert's slice of their weights to their MLP): none requires grad for this pass
+    trainable = [p for p in model.parameters() if p.requires_grad]
     try:
+        for p in trainable:
+            p.requires_grad_(False)
         with torch.inference_mode(), replay, FlopCounterMode(display=False) as counter:
             model(input_ids=ids, use_cache=False)
     finally:
+        for p in trainable:
+            p.requires_grad_(True)
         for h in handles:
             h.remove()
     by_module = counter.get_flop_counts()  # keyed by path, under the model's own name

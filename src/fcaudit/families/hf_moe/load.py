@@ -5,6 +5,7 @@ there are any, and reads a .bin only after torch's restricted unpickler has open
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -39,16 +40,20 @@ def require_transformers(what: str = "auditing Hugging Face MoE models"):
     return transformers
 
 
-EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # ERNIE-4.5: moe_*
-TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")  # ERNIE-4.5: moe_k, Hunyuan-MoE: moe_topk
+# Every spelling of the expert count and top-k in transformers' configs: ERNIE-4.5 moe_num_experts and moe_k,
+# Hunyuan-MoE and LongCat-Flash moe_topk, DBRX moe_num_experts and moe_top_k (in its ffn_config), Gemma-4
+# top_k_experts, Kimi-Linear and Bailing num_experts_per_token
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k", "top_k_experts")
 
 
 def looks_like_hf_moe(config: dict) -> bool:
-    """Whether a config.json describes a transformers MoE model (top-k routing over several experts), itself or in
-    its `text_config` (a multimodal checkpoint such as Llama 4's, whose language model AutoModelForCausalLM loads)."""
+    """Whether a config.json describes a transformers MoE model (top-k routing over several experts), itself or in a
+    config nested in it: a multimodal checkpoint's `text_config` (Llama 4's, Gemma-4's: AutoModelForCausalLM loads
+    their language model), DBRX's `ffn_config`."""
     return isinstance(config.get("model_type"), str) and any(
-        isinstance(c, dict) and any(c.get(k) for k in EXPERTS_KEYS) and any(c.get(k) for k in TOP_K_KEYS)
-        for c in (config, config.get("text_config")))
+        any(c.get(k) for k in EXPERTS_KEYS) and any(c.get(k) for k in TOP_K_KEYS)
+        for c in (config, *(v for v in config.values() if isinstance(v, dict))))
 
 
 def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -129,9 +134,24 @@ def _config(dir: Path):
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
         text = config.get_text_config()
-        check_depth(dir, stored, "num_hidden_layers", getattr(text, "num_hidden_layers", None))
+        check_depth(dir, stored, *_stored_depth(text))
         check_sizes(lambda: AutoModelForCausalLM.from_config(config), dir, stored)
     return config
+
+
+def _stored_depth(config) -> tuple[str, object]:
+    """The config's field that counts the decoder layers its weights hold, and its value: num_hidden_layers, or what
+    the config class derives it from (LongCat-Flash: 2 x num_layers, two attention sublayers in each layer)."""
+    derived = inspect.getattr_static(type(config), "num_hidden_layers", None)
+    if isinstance(derived, property) and derived.fget is not None:
+        read = [n for n in derived.fget.__code__.co_names if _is_count(getattr(config, n, None))]
+        if len(read) == 1:
+            return read[0], getattr(config, read[0])
+    return "num_hidden_layers", getattr(config, "num_hidden_layers", None)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_files(dir: Path) -> bool:
