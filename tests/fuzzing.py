@@ -702,6 +702,8 @@ def _windows(world: World, name: str, which: str = "eval"):
         "numpy": lambda: ids.numpy(), "windowset": lambda: world.windows["set"][0 if which == "eval" else 1],
         "one": lambda: ids[:1], "long": lambda: torch.zeros(2, 10**5, dtype=torch.long), "dict": lambda: {"ids": ids},
         "list-of-tensors": lambda: list(ids), "nested-empty": lambda: [[]], "object": lambda: np.array([object()]),
+        "duplicated": lambda: ids[:1].repeat(4, 1),
+        "eval-shifted": lambda: torch.roll(world.windows["eval"][:2], -1, dims=1),  # a calibration set's near copies
     }[name]()
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from fcaudit import audit
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.auditor.state import STATE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.families import controller_for
 from fcaudit.models.featuregate import FeatureGateGPT, config_for
@@ -167,11 +168,13 @@ def test_an_audit_runs_its_schedules_forward_passes_and_no_more(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     result = run(model, gated(model), tmp_path / "a", n_eval=10, n_calib=5)
     sched = Schedule(10, 5, 4, 3, tuple(result.config["conditions"]))
-    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES  # its gates are followed by the Flow pass; none is ranked
+    # its gates are followed by the Flow pass (none is ranked); the batch-composition check's two, the state check's
+    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert len(calls) == checks + sum(u.passes for u in (*sched.iter_stage1(), *sched.iter_stage2()))
-    # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone and the
-    # pre-write checks' two passes of the first batch (one as the probe's, one under the Flow mode)
-    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 2] * 3
+    # a capture pass per evaluation and calibration batch, the site check's capture of window 0 alone, the
+    # pre-write checks' two passes of the first batch (one as the probe's, one under the Flow mode), the
+    # batch-composition check's two and the state check's repeated pass
+    assert [b.gate.calls for b in model.blocks] == [3 + 2 + 1 + 2 + BATCH_CHECK_PASSES + STATE_CHECK_PASSES] * 3
 
 
 def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monkeypatch):
@@ -193,8 +196,8 @@ def test_replays_free_each_batchs_logits_before_the_next_forward(tmp_path, monke
 
     monkeypatch.setattr(model, "forward", watched)  # the test's own model, watched
     run(model, gated(model), tmp_path / "a", n_eval=8, R=2)
-    last_capture = max(i for i, (replay, _) in enumerate(passes) if not replay)
-    stage2 = [alive for _, alive in passes[last_capture + 1:]]  # the replays after the last capture: stage 2's
+    *_, last_capture, repeated = (i for i, (replay, _) in enumerate(passes) if not replay)  # then the state check
+    stage2 = [alive for _, alive in passes[last_capture + 1:repeated]]  # the replays after stage 1's last capture
     assert len(stage2) > 10 and not any(stage2[1:])  # the first replay follows stage 1's last capture
 
 

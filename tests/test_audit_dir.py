@@ -21,7 +21,8 @@ import fcaudit as fca
 from fcaudit.auditor import AuditResult, audit
 from fcaudit.cli import app
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.auditor.state import STATE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.loss import token_nll
 from fcaudit.families import load_model
@@ -152,8 +153,9 @@ def test_damaged_files_are_recomputed_and_reported(tmp_path, capsys):
     again = toys.run(model, toys.gated(model), out, R=2)
     err = capsys.readouterr().err
     assert "recomputed 5 damaged file(s)" in err and "config.json" in err
-    # probe and its site checks, the chunk's capture + check, calibration, CrossInput r1 (2 batches)
-    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + 2 + 1 + 2
+    # probe and its checks, the chunk's capture + check, calibration, CrossInput r1 (2 batches), the state check
+    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert len(calls) == 1 + checks + 2 + 1 + 2
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     assert chunk.read_bytes() == chunk_bytes and (out / "variation.json").read_bytes() == variation
     # an edited (not truncated) record is caught by its content hash
@@ -391,7 +393,8 @@ def test_a_checkpoint_read_from_another_path_or_relabelled_resumes_and_config_js
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     again = toys.run(model, toys.gated(model), out, model_info={"checkpoint": "/scratch/s0", "family": "toy seeds"})
-    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES  # the probe and its checks: every unit was done
+    # the probe, its checks and the state check's repeated pass: every unit was done
+    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert {p: p.stat().st_mtime_ns for p in (out / "records").rglob("*.parquet")} == records
     pd.testing.assert_frame_equal(again.records, first.records, check_exact=True)
     saved = json.loads((out / "config.json").read_text())["model"]

@@ -102,9 +102,9 @@ def test_a_dry_run_notes_the_windows_a_real_run_would_refuse(tmp_path, tiny_ckpt
     args = ("audit", tiny_ckpt, "--corpus", tmp_path / "repeats.txt", "--eval", 8, "--calib", 8, "--window", 32)
     r = run(*args, "--dry-run", "--out", tmp_path / "a")
     assert r.exit_code == 0, r.output
-    assert "note: the audit itself would stop here: 8 calibration window(s) equal evaluation windows" in r.output
+    assert "note: the audit itself would stop here: evaluation window 1 equals window 0 (7 of 8" in r.output
     assert not (tmp_path / "a").exists()
-    one_line_error(run(*args, "--out", tmp_path / "a"), "8 calibration window(s) equal evaluation windows")
+    one_line_error(run(*args, "--out", tmp_path / "a"), "evaluation window 1 equals window 0 (7 of 8")
 
 
 def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved_one_resumes(tmp_path, monkeypatch):

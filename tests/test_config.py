@@ -19,6 +19,7 @@ from fcaudit.auditor.planner import RUN_BYTES
 from fcaudit.auditor.units import Schedule, share
 from fcaudit.cli import app
 from fcaudit.config import AuditConfig
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from fcaudit.models.checkpoint import save_checkpoint
@@ -177,7 +178,8 @@ def test_a_dry_run_at_the_bounds_is_counted_in_a_second_without_listing_its_unit
     # listing the units would hold millions of them: 64 batches x (4 randomized x 10,000 + static) runs
     sched = Schedule(64, 8, 1, cfg.MAX_RANDOMIZATIONS, tuple(p.conditions))
     world = cfg.MAX_WORLD_SIZE  # each rank runs the checks, each but rank 0 a probe of its own
-    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES  # a FeatureGate's gates: followed, not ranked
+    # a FeatureGate's gates: followed, not ranked; batch size 1: no batch-composition check; the state check's pass
+    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES + STATE_CHECK_PASSES
     assert p.forward_passes == sched.forward_passes() + world * p.check_passes + world - 1 > 2_000_000
     assert sum(p.passes_per_rank) == p.forward_passes and len(p.passes_per_rank) == cfg.MAX_WORLD_SIZE
     assert peak < 4 * 2**20 and seconds < 5, (peak, seconds)

@@ -44,6 +44,12 @@ def cli(command, *positional, **options):
             "options": [["--" + k.replace("_", "-"), v] for k, v in options.items()]}
 
 
+def model(**spec):
+    """A spec of the model surface: a well-behaved float gate unless `spec` says otherwise."""
+    return {"gate": "float", "coupled": False, "state": None, "flip_after": 40, "nan_under": False, "output": "logits",
+            "duplicates": False, "batch_size": 2, "seed": 0, **spec}
+
+
 def odd(model):
     """fca.audit of one of tests/fuzzing.py's ODD_MODELS, with its own controller, 2 windows a batch."""
     return {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": model,
@@ -196,6 +202,19 @@ CLASSES = {
         ("api", {"call": "controller", "kwargs": {"pattern": None, "layout": "batch token", "call": None}}, "refused",
          "pattern must be a glob over module paths"),
         ("api", {"call": "config", "kwargs": {"family": -1}}, "refused", "--family -1: pass a name"),
+    ],
+    # issue 48: models that misbehave quietly (the model surface's specs), duplicated windows, calibration windows
+    # near the evaluation windows
+    "48-quiet": [
+        ("model", model(coupled=True, batch_size=2), "refused", "window 0 change when the other windows"),
+        ("model", model(coupled=True, batch_size=4), "refused", "window 0 change when the other windows"),
+        ("model", model(state="flag", flip_after=40, batch_size=1), "refused", "repeated at the end of the audit"),
+        ("model", model(state="buffer"), "refused", "buffer 'maxabs' changed during the audit"),
+        ("model", model(duplicates=True), "refused", "evaluation window 1 equals window 0"),
+        ("model", model(batch_size=4), "ok", ""),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "duplicated", "calib_windows": "valid"}}, "refused",
+         "evaluation window 1 equals window 0"),
+        ("api", {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "eval-shifted"}}, "ok", ""),
     ],
     # issue 48: models that misbehave quietly (tests/fuzzing.py's ODD_MODELS), and a result whose directory went away
     "48-models": [

@@ -6,8 +6,9 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit import plan
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.controllers import Controller
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES, routing_check_passes
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES, routing_check_passes
 from conftest import T, V, ToyGated, ToyMoE, tiny_early_exit, windows
 
 
@@ -17,8 +18,9 @@ def test_plan_reports_sizes():
     p = plan(model, ctrl, windows(32, 0), windows(8, 1), batch_size=8, randomizations=20)
     assert p.layer_shapes == [[T, 1, 4], [T, 1, 4]]
     assert p.store_bytes == 32 * 2 * T * 4 * 4
-    # the units, then the checks: three passes, and the Flow pass that follows the soft mixtures (none ranked)
-    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES
+    # the units, then the checks: three passes, the Flow pass that follows the soft mixtures (none ranked), the
+    # batch-composition check's two and the state check's repeated Correct pass
+    assert p.check_passes == SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     assert p.forward_passes == 1 + 4 * (2 + 80 + 3) + p.check_passes
     assert p.conditions == ["Correct", "CrossInput", "TokenShuffle", "CrossShuffle", "TokenResamplePast",
                             "LayerPositionMean", "StaticProfile", "StructureRemoved"]  # a source mixture's
@@ -84,7 +86,9 @@ def test_the_plan_counts_every_forward_pass_the_audit_runs_the_checks_included(c
         ev, ca = windows(6, 0), windows(2, 1)
     p = plan(model, ctrl, ev, ca, batch_size=3, randomizations=1)
     flow = FLOW_CHECK_PASSES if case != "router" else 0
-    assert p.check_passes == SITE_CHECK_PASSES + flow + (routing_check_passes(6, 3) if case != "gated" else 0)
+    batch_and_state = BATCH_CHECK_PASSES + STATE_CHECK_PASSES  # a first batch of 3 windows
+    assert p.check_passes == (SITE_CHECK_PASSES + flow + (routing_check_passes(6, 3) if case != "gated" else 0)
+                              + batch_and_state)
     passes = []
     model.register_forward_pre_hook(lambda *a: passes.append(1))
     result = fca.audit(model, ctrl, ev, ca, batch_size=3, randomizations=1, out=tmp_path / "a", quiet=True)

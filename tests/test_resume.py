@@ -13,7 +13,8 @@ import torch
 
 from fcaudit import audit
 from fcaudit.auditor.directory import AuditDir
-from fcaudit.controllers.checks import FLOW_CHECK_PASSES, SITE_CHECK_PASSES
+from fcaudit.auditor.state import STATE_CHECK_PASSES
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, FLOW_CHECK_PASSES, SITE_CHECK_PASSES
 from fcaudit.errors import FcauditError
 from conftest import Gate, ToyGated, gated, run, windows
 
@@ -73,7 +74,8 @@ def test_resume_skips_finished_units_and_rejects_other_config(tmp_path):
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     again = run(model, gated(model), tmp_path / "a")
-    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES  # only the probe and its checks: every unit was already on disk
+    # only the probe, its checks and the state check's repeated pass: every unit was already on disk
+    assert len(calls) == 1 + SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
     pd.testing.assert_frame_equal(first.records, again.records)
     with pytest.raises(FcauditError, match=r"different configuration \(differs in \['randomizations'\]\)"):
         run(model, gated(model), tmp_path / "a", R=4)
@@ -167,7 +169,8 @@ def test_sigkill_midway_then_rerun_equals_uninterrupted(tmp_path):
     model.register_forward_hook(lambda *a: calls.append(1))
     resumed = run(model, gated(model), out, n_eval=12, R=4)  # same process settings: one thread
     # the probe (stage 1 uses it when the first batch is undone), then only the units the kill left undone
-    assert len(calls) == SITE_CHECK_PASSES + FLOW_CHECK_PASSES + total - finished + captured(out, 0)
+    checks = SITE_CHECK_PASSES + FLOW_CHECK_PASSES + BATCH_CHECK_PASSES + STATE_CHECK_PASSES
+    assert len(calls) == checks + total - finished + captured(out, 0)
     assert not list(out.rglob("*.tmp")) and not (out / "parts").exists()
     whole = run(model, gated(model), tmp_path / "whole", n_eval=12, R=4)
     assert len(whole.records) == 12 * (1 + 4 * 4 + 3)

@@ -51,8 +51,9 @@ def audit_checkpoint(checkpoint: str, corpus: str, config: AuditConfig) -> Audit
             windows = Windows.of(ev, ca)
             if note := against_out(model, controller, windows, config, planned):
                 print(note)
-            try:  # a plan of any size is printed, but the user learns what the real run would refuse
-                windows.check()
+            try:  # a plan of any size is printed, but the user learns what the real run would refuse or note
+                for notice in windows.check():
+                    print(notice.line)
             except FcauditError as e:
                 print(f"note: the audit itself would stop here: {e}")
         return planned

@@ -73,6 +73,10 @@ class SavedStatistics:
     def penalties(self) -> PenaltiesResult:
         return self.pen
 
+    def mc_lines(self) -> list[str]:
+        """None: a family's MC SE averages its audits' (each audit says its own)."""
+        return []
+
     @property
     def has_factorial(self) -> bool:
         return self.fx is not None

@@ -25,6 +25,7 @@ from fcaudit.auditor.inputs import (Windows, check_controller, check_ids, check_
                                     parameter_hash, vocab_size)
 from fcaudit.auditor.planner import AuditPlan
 from fcaudit.auditor.results import AuditResult, Replay
+from fcaudit.auditor.state import ModelState
 from fcaudit.auditor.store import check_finite
 from fcaudit.config import AuditConfig, with_settings
 from fcaudit.controllers.checks import CAUSALITY_WINDOWS, pre_write_checks
@@ -64,13 +65,13 @@ def _lock_and_open(adir: AuditDir, config: dict, group: Group) -> str:
 
 def _prepare(model: nn.Module, controller: Controller, windows: Windows, config: AuditConfig, world: int) -> tuple:
     """Check the inputs, probe the first batch and fix the configuration: (probe, config.json's content, the checks'
-    findings: notices only, a refusal is raised). The probe, the first batch's capture (coefficients with their
-    decoding, logits, NLL), is stage 1's for that batch."""
+    findings: notices only, a refusal is raised, the model's state before the checks). The probe, the first batch's
+    capture (coefficients with their decoding, logits, NLL), is stage 1's for that batch."""
     if config.out is None and world > 1:
         raise FcauditError(f"{world} processes share this audit but no out directory was given; pass out= (a "
                            "directory every rank sees)")
     check_controller(model, controller)
-    windows.check()
+    notes = windows.check()
     check_ids(model, windows.ev, windows.ca)
     # probed before anything is written; the capture also holds what every replay of this rank decodes with
     first = windows.ev[:config.batch_size].to(placement.input_device(model))
@@ -80,14 +81,18 @@ def _prepare(model: nn.Module, controller: Controller, windows: Windows, config:
     check_scores(logits, nll, "the first evaluation batch")
     if config.loss_fn is None:  # the next-token NLL indexes the logits by every window's targets
         check_targets(windows, logits.shape[-1])
+    state = ModelState.of(model, probe)  # compared after stage 1 and at the end
     probed = windows.ev[:CAUSALITY_WINDOWS].to(first.device)  # the causality check's windows, batch by batch
     with running("the first evaluation batch, in the checks before anything is written",
                  "fix it and run the audit again (nothing was written)"):
         findings = pre_write_checks(model, controller, first, probe, vocab_size(model) or int(first.max()) + 1,
                                     probed)
     if findings and findings[0].refusal:  # refusals first: they name the cause
+        state.check_tensors(model, "during the checks")  # unless the model changed itself: then that is the cause
         raise FcauditError(findings[0].line)
-    return probe, _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", "")), findings
+    findings += notes
+    saved = _config(model, controller, windows, config, str(coeffs[0].dtype).replace("torch.", ""))
+    return probe, saved, findings, state
 
 
 SHARED_CHECK = ".fcaudit-ranks"  # rank 0's token in the audit directory, removed once every rank has read it
@@ -130,15 +135,16 @@ def check_same(configs: list[dict]) -> None:
 
 def _checked(model: nn.Module, controller: Controller, given: tuple, config: AuditConfig, group: Group) -> tuple:
     """The given (eval, calib) windows checked, the model probed and the configuration fixed, every rank agreeing:
-    (windows, probe, config.json's content, findings, `config` with its out directory); rank 0 prints the notices."""
+    (windows, (probe, the model's state), config.json's content, findings, `config` with its out directory); rank 0
+    prints the notices."""
     # an agreed phase: bad input on any rank stops every rank with its one-line error
     windows = group.run(lambda: Windows.of(*given))
-    probe, saved, findings = group.run(lambda: _prepare(model, controller, windows, config, group.world))
+    probe, saved, findings, state = group.run(lambda: _prepare(model, controller, windows, config, group.world))
     if (lines := [f.line for f in findings if f.line]) and group.is_main:  # even when quiet: it may mean the
         Console(stderr=True, highlight=False).print("\n".join(lines), soft_wrap=True)  # results measure nothing
     if config.out is None:
         config = replace(config, out=Path(tempfile.mkdtemp(prefix="fcaudit-audit-")))
-    return windows, probe, saved, findings, config
+    return windows, (probe, state), saved, findings, config
 
 
 def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows, *, config: AuditConfig | None = None,
@@ -207,8 +213,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     config = with_settings(config, settings)
     group = group or Group()
     with evaluating(model):
-        windows, probe, saved, findings, config = _checked(model, controller, (eval_windows, calib_windows), config,
-                                                           group)
+        windows, (probe, model_state), saved, findings, config = _checked(
+            model, controller, (eval_windows, calib_windows), config, group)
         adir = AuditDir(config.out)
         group.run(lambda: check_same(group.gather(saved)))
         try:
@@ -218,7 +224,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
             if group.world > 1:
                 check_shared(adir, group)
             # replay.json keeps the findings (rewritten by every run: a resume says them again)
-            engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe, findings)
+            engine = Engine(model, controller, (windows.ev, windows.ca), config, group, probe, findings,
+                            model_state)
             del probe  # the engine holds it until the first batch's capture, then lets it go
             if state == "repaired":
                 engine.redone.append("config.json (rewritten: the marker holds its hash)")

@@ -24,6 +24,7 @@ from fcaudit.auditor import files
 from fcaudit.auditor.directory import AuditDir
 from fcaudit.auditor.group import Group
 from fcaudit.auditor.results import Replay
+from fcaudit.auditor.state import ModelState, changed_itself
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
@@ -181,10 +182,11 @@ class Engine:
 
     def __init__(self, model: nn.Module, controller: Controller, windows: tuple[torch.Tensor, torch.Tensor],
                  config: AuditConfig, group: Group, first: tuple[Captured, torch.Tensor, torch.Tensor],
-                 findings: Sequence[Finding] = ()):
+                 findings: Sequence[Finding] = (), state: ModelState | None = None):
         """`windows`: the (evaluation, calibration) ids; `config.out`: the audit directory, already configured and
         locked; `first`: the first evaluation batch's capture by the driver's probe (its dtypes are the sites', its
-        decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json."""
+        decoding what every replay decodes with); `findings`: the pre-write checks' notices, for replay.json;
+        `state`: the model's before the checks, compared after stage 1 and at the end (None: not compared)."""
         ev, ca = windows
         self.model, self.controller, self.ev, self.ca, self.dir = model, controller, ev, ca, AuditDir(config.out)
         self.info = controller.info  # protocol.ReplayContext: the sites' kinds, references and layers
@@ -208,6 +210,7 @@ class Engine:
         self.redone: list[str] = []  # damaged files removed for recomputation
         self.findings = tuple(findings)
         self._first = first  # stage 1 of the first batch uses it instead of running the same forward pass again
+        self.state = state
         self.console = Console(stderr=True, quiet=config.quiet or not group.is_main)  # progress
         self.notices = Console(stderr=True, quiet=not group.is_main, highlight=False)  # printed even when quiet
 
@@ -266,18 +269,48 @@ class Engine:
             try:
                 self.group.run(stage1)
             except FcauditError as e:
+                if changed_itself(e):
+                    self._discard()
                 # several ranks may fail the replay check at once: only the rank whose error every rank raises
                 # writes the failure report, so replay.json and the error name the same windows
-                if failed and getattr(e, "rank", rank) == rank:
+                elif failed and getattr(e, "rank", rank) == rank:
                     self.dir.write_json(self.dir.replay, self.dir.bound(failed[0].to_dict()))
                 raise
+            self._same_state("after stage 1")
             self.group.run(self._reduce_profiles, main_only=True)
             self.group.run(lambda: self._stage2(share(sched.iter_stage2(), rank, world), step))
+            self._same_state("at the end", repeat=True)
         self.group.run(self._finalize, main_only=True)
         redone = [f for rank in self.group.gather(self.redone) for f in rank]  # damaged files found by any rank
         if redone:
             self.notices.print(f"resumed: recomputed {len(redone)} damaged file(s): " + "; ".join(redone[:3])
                                + (" ..." if len(redone) > 3 else ""), soft_wrap=True)
+
+    def _same_state(self, when: str, repeat: bool = False) -> None:
+        """On every rank, the model's tensors as before the checks and, if `repeat`, the first batch's Correct pass
+        as in stage 1; a change removes every result of the audit (none of them is valid) before the error."""
+        if self.state is None:
+            return
+
+        def check() -> None:
+            self.state.check_tensors(self.model, when)
+            if repeat:
+                self.state.check_pass(*capture_batch(self.model, self.controller, self._ids(self.ev, 0),
+                                                     self.loss_fn)[1:])
+        try:
+            self.group.run(check)
+        except FcauditError:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Every result of the audit removed (by rank 0, once every rank has stopped): none is valid for a model
+        that changed itself, and a rerun must not resume them."""
+        if self.group.is_main:
+            for name in ("coeffs", "calib", "parts", "records"):
+                self.dir.out.remove_tree(self.dir.root / name)
+            for path in (self.dir.profiles, self.dir.replay, self.dir.variation):
+                self.dir.out.remove_file(path)
 
     def _ids(self, windows: torch.Tensor, start: int) -> torch.Tensor:
         return windows[start:start + self.B].to(self.device)
@@ -311,6 +344,8 @@ class Engine:
             replay = exact_replay(self.model, self.controller, ids, (coeffs, logits, nll), self.decoding, self.config,
                                   start, self._observed(start, 0, "Correct", coeffs))
         if not replay.passed:
+            if self.state is not None:  # a model that changed itself since the checks: that is the cause to name
+                self.state.check_tensors(self.model, f"by the exact replay check of {where}")
             return replay
         stats = {k: replay.record[k] for k in ("max_abs_dlogit", "delta_nll", "bit_equal", "route_flips")}
         self.store.write(start, coeffs, self.dir.bound(stats))

@@ -14,6 +14,7 @@ from torch import nn
 
 from fcaudit import families, placement
 from fcaudit.auditor.engine import LossFn, capture_batch
+from fcaudit.controllers.checks import Finding
 from fcaudit.controllers.controller import Controller
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.loss import vocab_size
@@ -58,9 +59,12 @@ class Windows:
     def of(cls, eval_windows, calib_windows) -> "Windows":
         return cls(*as_windows(eval_windows, "evaluation"), *as_windows(calib_windows, "calibration"))
 
-    def check(self) -> None:
-        """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, or where calibration
-        windows repeat or overlap evaluation windows (a real run's check: a dry run prints it as a note)."""
+    def check(self) -> list[Finding]:
+        """Refused where CrossInput, the static profiles or a next-token NLL cannot use them, where evaluation windows
+        repeat (copies are one window counted several times: intervals too narrow, CrossInput pairs a window with
+        itself), or where calibration windows repeat or overlap evaluation windows (a real run's check: a dry run
+        prints it as a note). Returns the notice on calibration windows that share long spans with evaluation
+        windows (`shared_span_notice`), if any."""
         ev, ca = self.ev, self.ca
         if ev.shape[0] < 2:
             raise FcauditError(f"{ev.shape[0]} evaluation window(s): CrossInput needs a derangement, so pass at "
@@ -72,7 +76,16 @@ class Windows:
                                "use one window length for both (--window)")
         if ev.shape[1] < 2:
             raise FcauditError("windows need at least 2 tokens for a next-token NLL; pass a longer --window")
-        rows = {hashlib.sha256(row.tobytes()).digest() for row in ev.numpy()}  # not a copy of every window
+        digests = [hashlib.sha256(row.tobytes()).digest() for row in ev.numpy()]  # not a copy of every window
+        rows: dict[bytes, int] = {}  # each distinct window's digest -> its first index
+        for i, d in enumerate(digests):
+            if (first := rows.setdefault(d, i)) != i:
+                copies = ev.shape[0] - len(set(digests))
+                raise FcauditError(f"evaluation window {i} equals window {first} ({copies} of {ev.shape[0]} "
+                                   "evaluation windows repeat others): a copy counts one window twice, so the "
+                                   "intervals are too narrow and CrossInput can pair a window with itself; pass "
+                                   "distinct windows (where fcaudit drew them from a corpus, its text repeats: use "
+                                   "longer windows (--window) or a corpus whose text does not repeat)")
         if shared := sum(hashlib.sha256(row.tobytes()).digest() in rows for row in ca.numpy()):
             raise FcauditError(f"{shared} calibration window(s) equal evaluation windows; draw calibration windows "
                                "from a different split (e.g. validation) than the evaluation windows (test), or, "
@@ -85,6 +98,68 @@ class Windows:
             if np.any(np.searchsorted(e, c - t, side="right") < np.searchsorted(e, c + t)):
                 raise FcauditError(f"calibration windows overlap evaluation windows in split {self.ev_set.split!r}; "
                                    "take them from another split or non-overlapping ranges")
+        notice = shared_span_notice(ev.numpy(), ca.numpy())
+        return [notice] if notice is not None else []
+
+
+def span_length(window: int) -> int:
+    """The shortest shared run of tokens that `shared_span_notice` calls long: half a window, and at least
+    MIN_SHARED_SPAN tokens (shorter runs, a common phrase, recur by chance in natural text), but at most the window
+    less one token (a window shifted by one always counts)."""
+    return max(1, min(window - 1, max(window // 2, MIN_SHARED_SPAN)))
+
+
+MIN_SHARED_SPAN = 32
+_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
+
+
+def _span_hashes(ids: np.ndarray, span: int, rows: int = 256) -> np.ndarray:
+    """[N, T - span + 1] polynomial hashes (modulo 2**64) of every run of `span` tokens of each window: one cumulative
+    sum per window, each run's hash its difference, brought to a common power by the base's inverse (`rows` windows
+    at a time, so the sums never take more memory than a slice of the windows)."""
+    t = ids.shape[1]
+    starts = np.arange(t - span + 1)
+    out = np.empty((ids.shape[0], len(starts)), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        powers = np.cumprod(np.r_[np.uint64(1), np.full(t, _BASE)], dtype=np.uint64)
+        inverses = np.cumprod(np.r_[np.uint64(1), np.full(t, np.uint64(pow(int(_BASE), -1, 1 << 64)))],
+                              dtype=np.uint64)
+        for i in range(0, ids.shape[0], rows):
+            sums = np.zeros((min(rows, ids.shape[0] - i), t + 1), dtype=np.uint64)
+            sums[:, 1:] = np.cumsum((ids[i:i + rows].astype(np.uint64) + np.uint64(1)) * powers[:t], axis=1,
+                                    dtype=np.uint64)
+            out[i:i + rows] = (sums[:, starts + span] - sums[:, starts]) * inverses[starts]
+    return out
+
+
+def shared_span_notice(ev: np.ndarray, ca: np.ndarray) -> Finding | None:
+    """A notice naming the calibration windows that share a run of at least `span_length` tokens with an evaluation
+    window (one shifted by a token, or with a token changed): static profiles then hold part of the evaluation text.
+    Runs are found by their hashes and each one counted is compared token by token."""
+    span = span_length(ev.shape[1])
+    if ev.size == 0 or ca.size == 0:
+        return None
+    he, hc = _span_hashes(ev, span), _span_hashes(ca, span)
+    order = np.argsort(he, axis=None)
+    flat = he.reshape(-1)[order]
+    hit = np.isin(hc, flat)
+    shared = []
+    for row in np.flatnonzero(hit.any(1)):
+        at = int(np.argmax(hit[row]))
+        where = order[np.searchsorted(flat, hc[row, at])]  # an evaluation run with the same hash
+        e, s = divmod(int(where), he.shape[1])
+        if np.array_equal(ca[row, at:at + span], ev[e, s:s + span]):  # the hash's word checked
+            shared.append((int(row), e))
+    if not shared:
+        return None
+    (c, e) = shared[0]
+    return Finding.notice("windows", f"note: {len(shared)} of {ca.shape[0]} "
+                          "calibration windows share a run of at least "
+                          f"{span} tokens (half a window, at least {MIN_SHARED_SPAN} and at most the window less "
+                          f"one) with an evaluation window (calibration window {c} with evaluation window {e}): the "
+                          "static profiles then hold part of the evaluation text; draw calibration windows from text "
+                          "that does not repeat the evaluation text",
+                          {"calibration_windows": len(shared), "span": span, "first": [c, e]})
 
 
 def first_forward(model: nn.Module, controller: Controller, first: torch.Tensor, loss_fn: LossFn | None,

@@ -15,10 +15,11 @@ from torch.utils._pytree import tree_leaves
 from fcaudit import placement, protocol
 from fcaudit.auditor.engine import capture_batch, keeps_store_on
 from fcaudit.auditor.inputs import as_windows, check_controller, check_ids, evaluating, first_forward
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.auditor.store import check_finite
 from fcaudit.auditor.units import Schedule
 from fcaudit.config import AuditConfig, with_settings
-from fcaudit.controllers.checks import check_passes, follow
+from fcaudit.controllers.checks import BATCH_CHECK_PASSES, check_passes, follow
 from fcaudit.controllers.controller import Controller
 
 
@@ -26,7 +27,7 @@ from fcaudit.controllers.controller import Controller
 class AuditPlan:
     """What `fca.plan` returns: `str(plan)` is the line `fcaudit audit --dry-run` prints, the fields the numbers
     behind it (bytes, forward passes in all and per rank, each site's canonical [token, stream, source] shape). The
-    forward passes are all an audit runs: its work units', every rank's pre-write checks' (`check_passes` of them)
+    forward passes are all an audit runs: its work units', every rank's checks' (`check_passes` of them)
     and, on ranks other than 0, the probe's (rank 0's is the first batch's capture)."""
 
     n_eval: int
@@ -49,7 +50,7 @@ class AuditPlan:
     store_device: str | None = None  # where the replays hold the whole store (keeps_store_on), if anywhere
     devices: list[str] | None = None  # a model spread by a device map: its devices (the memory is over all of them)
     plan_bytes: int = 0  # the plan itself: the windows' token ids and the schedule's bookkeeping per run
-    check_passes: int = 0  # each rank's pre-write checks (counted in forward_passes)
+    check_passes: int = 0  # each rank's checks: pre-write, batch composition, state (counted in forward_passes)
     pass_bytes: int = 0  # what a forward pass allocates once, whatever its number of windows
 
     def __str__(self) -> str:
@@ -191,6 +192,9 @@ def plan(model: nn.Module, controller: Controller, eval_windows, calib_windows=N
     sched = Schedule(ev.shape[0], n_calib, batch, config.randomizations, tuple(conditions))
     store = per_window * ev.shape[0]
     planned = (ev.shape[0] + n_calib) * ev.shape[1] * ev.element_size() + (sched.runs() + 1) * RUN_BYTES
+    # besides the pre-write checks, every rank runs the batch-composition check (a first batch of two or more
+    # windows) and the state check's repeated Correct pass
+    checks += STATE_CHECK_PASSES + (BATCH_CHECK_PASSES if min(batch, ev.shape[0]) >= 2 else 0)
     per_rank = [units + checks + (k > 0) for k, units in enumerate(sched.passes_per_rank(world))]  # k > 0: a probe
     return AuditPlan(ev.shape[0], n_calib, ev.shape[1], batch, config.randomizations, conditions,
                      [list(c.shape[1:]) for c in coeffs], str(coeffs[0].dtype).replace("torch.", ""),

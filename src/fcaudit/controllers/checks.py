@@ -7,9 +7,10 @@ deterministic, a codec does not rebuild its site's output, or it puts two tokens
 on one more under the Flow mode, compared with no other pass: a notice when a site looks like a hidden state or
 hidden-width features, or holds scores the model ranks. On window 0 alone: refused when its coefficients are not its
 row of the batch (a layout naming axes in the wrong order); a notice when replaying what removes every coefficient's
-effect changes nothing. For routers and ranked sites, on two more passes (both under the Flow mode where a site is
-ranked): the causality check (does a decision at t depend on tokens after t?). Route flips are counted by the
-engine's exact replay check.
+effect changes nothing. On the first batch with its odd, then its even rows replaced: refused when the kept rows'
+coefficients change (a controller over the flattened batch). For routers and ranked sites, on two more passes (both
+under the Flow mode where a site is ranked): the causality check (does a decision at t depend on tokens after t?).
+Route flips are counted by the engine's exact replay check.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ AGREEING_POSITIONS = 0.5
 # batch; for routers (and sites the model ranks) the causality check's two
 SITE_CHECK_PASSES = 3
 FLOW_CHECK_PASSES = 1
+BATCH_CHECK_PASSES = 2  # the batch-composition check's captures (a first batch of two or more windows)
 ROUTING_CHECK_PASSES = 2  # per batch of the windows the causality check probes (`routing_check_passes`)
 # the evaluation windows the causality check probes (at most): a decision that reads later tokens in some windows
 # only (a per-window policy) is found where it does in about 1 in 20 windows; its cost is 2 passes per batch of them
@@ -100,6 +102,19 @@ class Finding:
 
 # ---- window 0 alone ----------------------------------------------------------------------------------------------
 
+def agreeing(a: torch.Tensor, row: torch.Tensor, decoding: Decoding) -> torch.Tensor:
+    """[batch, token, stream] bool: where two captures of the same windows agree at the site's own precision (other
+    kernels may round otherwise; a coefficient that moved differs by more). Integer and bool decisions must be
+    equal."""
+    if not row.is_floating_point():
+        return (a == row).all(-1)
+    scale = float(row.abs().amax()) if row.numel() else 0.0
+    # the precision the model computed in (a codec may widen bf16 router weights to float32)
+    native = decoding.dtype if decoding.dtype is not None and decoding.dtype.is_floating_point else row.dtype
+    rtol = max(1e-3, 8 * torch.finfo(native).eps)
+    return torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+
+
 def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: tuple) -> Finding | None:
     """Refused when window 0's coefficients captured alone are not its row of the batch's: a layout with a flattened
     output's axes in the wrong order passes the exact replay but moves coefficients between windows."""
@@ -110,11 +125,7 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
         row = c[:1].to(a.device)
         if a.shape != row.shape or a.dtype != row.dtype:
             continue  # a site whose canonical shape depends on the batch: nothing to compare
-        scale = float(row.abs().amax()) if row.numel() else 0.0
-        # the precision the model computed in (a codec may widen bf16 router weights to float32)
-        native = d.dtype if d.dtype is not None and d.dtype.is_floating_point else row.dtype
-        rtol = max(1e-3, 8 * torch.finfo(native).eps) if row.is_floating_point() else 0.0
-        close = torch.isclose(a.double(), row.double(), rtol=rtol, atol=rtol * scale).all(-1)  # per position
+        close = agreeing(a, row, d)
         agree = float(close.double().mean()) if close.numel() else 1.0
         if agree < AGREEING_POSITIONS:
             return Finding.refused("layout", f"site {site.path!r}: window 0's coefficients captured alone differ from its row "
@@ -122,6 +133,46 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
                            f"{site.codec.describe()!r} names the output's axes in their order (e.g. '(batch token) "
                            "expert' for a [batch*token, expert] output); if the routing depends on the other windows "
                            "of a batch (capacity limits), use batch size 1", {"site": site.name, "agree": agree})
+    return None
+
+
+def check_composition(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
+                      vocab: int) -> Finding | None:
+    """Refused when a window's coefficients change with the other windows of its batch: the first batch captured
+    twice more, once with its odd rows and once with its even rows replaced by seeded random windows (same batch size
+    and positions, so the same kernels), must give the kept rows' coefficients at the site's precision at every
+    position. Every window is compared with windows before and after it replaced, so a capacity filled in batch
+    order (a cumulative sum over the flattened batch) is caught as well as a rank or normalization over it, which
+    would make every condition measure the batch and the penalties change with batch_size."""
+    coeffs = probe[0]
+    b = first.shape[0]
+    if b < 2:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    for replaced in (1, 0):
+        other = first.clone()
+        rows = torch.arange(replaced, b, 2)
+        other[rows] = torch.randint(0, vocab, (len(rows), first.shape[1]), generator=gen).to(first.device)
+        with controller.capture(*other.shape, decoding=False) as found:
+            model(other)
+        kept = torch.arange(1 - replaced, b, 2)
+        for site, a, c, d in zip(controller.sites, found, coeffs, coeffs.decoding):
+            if a is None or a.shape != c.shape or a.dtype != c.dtype:
+                continue  # a site that did not run, or whose canonical shape depends on the batch: nothing to compare
+            a, c = a[kept.to(a.device)], c[kept.to(c.device)].to(a.device)
+            if torch.equal(a, c):
+                continue
+            moved = (~agreeing(a, c, d)).reshape(a.shape[0], a.shape[1], -1).any(-1)  # per (window, token)
+            if differ := int(moved.sum()):
+                window = int(kept[int(moved.any(1).to(torch.int8).argmax())])
+                return Finding.refused("batch", f"site {site.path!r}: the coefficients of window {window} "
+                                       "change when the other windows of its batch change "
+                                       f"({differ} of {a.shape[0] * a.shape[1]} positions of the kept windows "
+                                       "differ): the controller depends on the batch (e.g. a capacity, top-k or "
+                                       "normalization over the flattened batch x token scores), so every condition "
+                                       "would measure the batch and the penalties change with batch_size; make the "
+                                       "controller act on each window alone (a capacity per window), or audit with "
+                                       "batch_size=1", {"site": site.name, "differ": differ, "window": window})
     return None
 
 
@@ -492,6 +543,9 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if layout is not None:
         return [layout, *found]
     effect = check_effect(model, controller, one, alone, logits, probe[0].decoding) or check_constant(probe[0])
+    batch = check_composition(model, controller, first, probe, vocab)  # after the effect check: it reads window 0's
+    if batch is not None:
+        return [batch, *found]
     found += [f for f in (effect, check_causality(model, controller, first if probed is None else probed, vocab,
                                                   ranked, first.shape[0])) if f is not None]
     info = controller.info

@@ -110,6 +110,37 @@ def mc_se(randomization_means) -> float:
     return float(np.std(r, ddof=1) / math.sqrt(r.size)) if r.size >= 2 else math.nan
 
 
+MC_ROUGH_BELOW = 10  # fewer randomizations: the MC SE rests on under 9 degrees of freedom and is itself rough
+PAPER_RANDOMIZATIONS = 20  # the randomizations behind the paper's intervals
+
+
+def mc_interval(randomization_means, confidence: float = 0.95) -> Estimate:
+    """The mean over R randomizations with its Monte Carlo interval, mean ± t(R - 1) × MC SE: the t quantile, not
+    the normal one, since the SE is itself estimated from R values (with R = 4, t = 3.18 against 1.96 at 95%). No
+    interval for R < 2. It measures the randomizations' noise in *this* audit, not uncertainty across windows."""
+    r = np.asarray(randomization_means, dtype=np.float64).ravel()
+    r = r[~np.isnan(r)]
+    if r.size < 2:
+        return Estimate(float(r.mean()) if r.size else math.nan, ConfidenceInterval(math.nan, math.nan), math.nan,
+                        int(r.size), "single randomization: no Monte Carlo interval", confidence)
+    half = float(stats.t.ppf((1 + confidence) / 2, r.size - 1)) * mc_se(r)
+    return Estimate(float(r.mean()), ConfidenceInterval(float(r.mean()) - half, float(r.mean()) + half), math.nan,
+                    int(r.size), f"t interval over {r.size} randomizations ({r.size - 1} degrees of freedom)",
+                    confidence)
+
+
+def mc_note(randomizations: int, confidence: float = 0.95) -> str | None:
+    """A notice for an audit of 2 to MC_ROUGH_BELOW - 1 randomizations: its MC SE is rough, and the interval it
+    gives takes the t quantile of R - 1 degrees of freedom (None otherwise: with one there is no MC SE)."""
+    if not 2 <= randomizations < MC_ROUGH_BELOW:
+        return None
+    t = float(stats.t.ppf((1 + confidence) / 2, randomizations - 1))
+    return (f"note: R = {randomizations} randomizations: the MC SE rests on {randomizations - 1} degrees of freedom "
+            f"and is rough (it can be several times off); a {confidence:.0%} Monte Carlo interval is ± {t:.2f} × MC "
+            f"SE (t quantile), not ± {float(stats.norm.ppf((1 + confidence) / 2)):.2f} ×; the paper's intervals use "
+            f"R = {PAPER_RANDOMIZATIONS} (--randomizations {PAPER_RANDOMIZATIONS})")
+
+
 def checkpoint_bootstrap(x, confidence: float = 0.95, n_resamples: int = 10000, seed=0) -> Estimate:
     """Percentile bootstrap CI of the mean over independently trained checkpoints (the unit of inference), with the
     two-sided p-value of `sign_flip_test`. One checkpoint gives no interval and no p-value: one model says nothing

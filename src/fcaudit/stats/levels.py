@@ -17,7 +17,8 @@ from fcaudit import protocol
 from fcaudit.errors import FcauditError
 from fcaudit.protocol import Criteria
 from fcaudit.stats.effects import delta_nll, factor_effects, factorial_cells, mean_deltas
-from fcaudit.stats.inference import Estimate, checkpoint_bootstrap, holm, mc_se, paired_bootstrap, retention_bootstrap
+from fcaudit.stats.inference import (Estimate, checkpoint_bootstrap, holm, mc_note, mc_se, paired_bootstrap,
+                                     retention_bootstrap)
 from fcaudit.stats.results import FACTOR_LABELS, FactorEffectsResult, PenaltiesResult, RetentionResult
 
 BOOT_SEED = 0  # bootstrap resampling seed: same records, same intervals
@@ -81,6 +82,10 @@ class _Level:
                                                   self.n_resamples)
         return self._retentions[cond]
 
+    def mc_lines(self) -> list[str]:
+        """Lines on the Monte Carlo SE under the penalties' table (none by default)."""
+        return []
+
     def retentions(self) -> list[RetentionResult]:
         """Retention of every retained static condition in the records (none without the reference)."""
         if protocol.structure_removed(self.units.columns) is None:
@@ -118,6 +123,12 @@ class WindowStatistics(_Level):
     def randomization_means(self) -> pd.DataFrame:
         """ΔNLL per randomization (rows) and condition, averaged over windows: the input of the MC SE."""
         return mean_deltas(self._deltas, "randomization")
+
+    def mc_lines(self) -> list[str]:
+        """The note on a rough MC SE where a randomized condition has 2 to 9 randomizations (`mc_note`)."""
+        counts = self.randomization_means.notna().sum()
+        note = mc_note(int(counts.max()) if len(counts) else 0, self.criteria.confidence)
+        return [note] if note else []
 
     @cached_property
     def active(self) -> pd.Series:

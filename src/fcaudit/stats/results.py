@@ -579,8 +579,9 @@ class Results:
         return judge(stats.penalties(), has.get(self.static), self.criteria, self.static)
 
     def _body(self) -> tuple[PenaltiesResult, list[str]]:
-        """The penalties and the lines under them: retention, then the criteria's verdicts."""
-        return self.penalties(), self.retention_lines() + [verdict_line(v) for v in self.verdicts()]
+        """The penalties and the lines under them: a rough MC SE's note, retention, then the criteria's verdicts."""
+        return self.penalties(), (self.statistics().mc_lines() + self.retention_lines()
+                                  + [verdict_line(v) for v in self.verdicts()])
 
     def __str__(self) -> str:
         pen, lines = self._body()
