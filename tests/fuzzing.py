@@ -1065,7 +1065,7 @@ def misbehaving_model(spec: dict):
             self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                                       for _ in range(n))
             self.gates = nn.ModuleList(Gate(d) for _ in range(n))
-            self.calls = 0
+            self.calls, self.first_max = 0, None
             self.register_buffer("maxabs", torch.zeros(()))
 
         def forward(self, ids):
@@ -1075,6 +1075,7 @@ def misbehaving_model(spec: dict):
                 h = h * 1.5
             if spec["state"] == "buffer":  # a fake-quant observer left on in eval
                 self.maxabs = torch.maximum(self.maxabs, h.detach().abs().max())
+                self.first_max = float(self.maxabs) if self.first_max is None else self.first_max
                 scale = self.maxabs / 127
                 h = torch.round(h / scale) * scale
             for mlp, gate in zip(self.mlps, self.gates):
@@ -1100,8 +1101,16 @@ def _audit_model(world: World, spec: dict, out: Path):
     if spec["duplicates"]:
         ev = ev[[0, 0, 1, 2]]
     ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
-    return api_outcome(lambda: fca.audit(model, ctrl, ev, ca, randomizations=1, batch_size=spec["batch_size"],
-                                         out=out, quiet=True))
+    return (*api_outcome(lambda: fca.audit(model, ctrl, ev, ca, randomizations=1, batch_size=spec["batch_size"],
+                                           out=out, quiet=True)), model)
+
+
+def _changed(spec: dict, model) -> bool:
+    """Whether the model's state changed between two of the audit's forward passes (a flag flipped within them, an
+    observer that grew after its first pass); one that never did was a fixed model all along."""
+    if spec["state"] == "flag":
+        return model.calls > spec["flip_after"]
+    return spec["state"] == "buffer" and model.first_max is not None and float(model.maxabs) != model.first_max
 
 
 def play_model(world: World, spec: dict) -> Outcome:
@@ -1109,10 +1118,10 @@ def play_model(world: World, spec: dict) -> Outcome:
 
     from fcaudit.loss import token_nll
 
-    outcome, result = _audit_model(world, spec, world.run / "out")
+    outcome, result, model = _audit_model(world, spec, world.run / "out")
     if outcome.kind == "ok":  # a result must read back
         outcome, penalties = api_outcome(result.penalties)
-    due = [m for m in REFUSED_FOR if spec[m]]
+    due = [m for m in REFUSED_FOR if (_changed(spec, model) if m == "state" else spec[m])]
     if outcome.kind != "ok":
         if outcome.kind == "refused" and not due and spec["gate"] in ("float", "float64") \
                 and spec["output"] != "hidden-first":
@@ -1121,7 +1130,7 @@ def play_model(world: World, spec: dict) -> Outcome:
     if due:
         return Outcome("silent", f"audited a model that {', '.join(due)}: {penalties}")
     if spec["gate"] in ("int", "bool"):  # audited: it must be the same gate's audit in float
-        twin, twin_result = _audit_model(world, {**spec, "gate": "step"}, world.run / "twin")
+        twin, twin_result, _ = _audit_model(world, {**spec, "gate": "step"}, world.run / "twin")
         if twin.kind == "ok":
             mine, theirs = penalties.statistic, twin_result.penalties().statistic
             if not torch.allclose(torch.as_tensor(mine), torch.as_tensor(theirs), atol=1e-6, equal_nan=True):
