@@ -1121,7 +1121,9 @@ def play_model(world: World, spec: dict) -> Outcome:
     outcome, result, model = _audit_model(world, spec, world.run / "out")
     if outcome.kind == "ok":  # a result must read back
         outcome, penalties = api_outcome(result.penalties)
-    due = [m for m in REFUSED_FOR if (_changed(spec, model) if m == "state" else spec[m])]
+    # a batch of one window is a batch no other window shares: a coupling over the batch never acts within the audit
+    due = [m for m in REFUSED_FOR if (_changed(spec, model) if m == "state" else
+                                      spec[m] and spec["batch_size"] > 1 if m == "coupled" else spec[m])]
     if outcome.kind != "ok":
         if outcome.kind == "refused" and not due and spec["gate"] in ("float", "float64") \
                 and spec["output"] != "hidden-first":
