@@ -42,7 +42,7 @@ def not_decodable(model: nn.Module) -> str | None:
     start = getattr(model, "start_decoding", None)
     if start is None:
         return (f"{type(model).__name__} has no KV-cache decoding path fcaudit knows (neither fcaudit's "
-                "`start_decoding` nor a Hugging Face model's `past_key_values`): scoring only")
+                "`start_decoding` nor a Hugging Face model's own cache): scoring only")
     try:
         start(1, 1)
     except FcauditError as e:
