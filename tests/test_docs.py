@@ -137,7 +137,7 @@ def documented() -> list:
 CONTINUES = {name: "audit" for name in ("AuditResult", "plan", "summarize", "build_report", "PenaltiesResult",
                                         "FactorEffectsResult", "RetentionResult", "Replay", "Finding", "Results",
                                         "FamilyResult", "Summary")}
-CONTINUES |= {"controller_for": "load", "register": "Family", "ExecutionResult": "execution"}
+CONTINUES |= {"controller_for": "load", "register": "Family", "execution": "audit", "ExecutionResult": "audit"}
 
 
 def test_docstring_examples_run(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fcaudit as fca
+from fcaudit.auditor.state import STATE_CHECK_PASSES
 from fcaudit.loss import token_nll
 from harness import api_refusal
 
@@ -223,11 +224,11 @@ def failing_at_every_call(tmp_path, calls=None) -> None:
 def test_a_failure_in_stage_2_names_its_condition_and_the_same_out_resumes_after_it(tmp_path):
     model = Fragile().eval()
     audit(model, tmp_path / "count")
-    model = Fragile(fail_at=model.calls).eval()  # the last: stage 2's last unit
+    model = Fragile(fail_at=model.calls - STATE_CHECK_PASSES).eval()  # stage 2's last unit (the state's pass after it)
     line = api_refusal(lambda: audit(model, tmp_path / "a"))
     assert line.startswith("the model's forward pass failed on evaluation windows 4..7 under StructureRemoved r0 "
                            "(RuntimeError: out of memory)"), line
-    failing_at_every_call(tmp_path / "some", [2, -1])  # a pre-write check's pass and stage 2's last
+    failing_at_every_call(tmp_path / "some", [2, -1])  # a pre-write check's pass and the last: the state's repeat
 
 
 @pytest.mark.slow

@@ -136,23 +136,21 @@ def check_layout(controller: Controller, alone: Sequence[torch.Tensor], probe: t
     return None
 
 
-def check_composition(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple,
-                      vocab: int) -> Finding | None:
+def check_composition(model: nn.Module, controller: Controller, first: torch.Tensor, probe: tuple) -> Finding | None:
     """Refused when a window's coefficients change with the other windows of its batch: the first batch captured
-    twice more, once with its odd rows and once with its even rows replaced by seeded random windows (same batch size
-    and positions, so the same kernels), must give the kept rows' coefficients at the site's precision at every
-    position. Every window is compared with windows before and after it replaced, so a capacity filled in batch
+    twice more, once with its odd rows and once with its even rows replaced by the batch's next windows (its own
+    text, rolled by one: no token the user did not give; same batch size and positions, so the same kernels), must
+    give the kept rows' coefficients at the site's precision at every position. Every window is compared with windows before and after it replaced, so a capacity filled in batch
     order (a cumulative sum over the flattened batch) is caught as well as a rank or normalization over it, which
     would make every condition measure the batch and the penalties change with batch_size."""
     coeffs = probe[0]
     b = first.shape[0]
     if b < 2:
         return None
-    gen = torch.Generator().manual_seed(0)
     for replaced in (1, 0):
         other = first.clone()
         rows = torch.arange(replaced, b, 2)
-        other[rows] = torch.randint(0, vocab, (len(rows), first.shape[1]), generator=gen).to(first.device)
+        other[rows] = first[(rows + 1) % b]
         with controller.capture(*other.shape, decoding=False) as found:
             model(other)
         kept = torch.arange(1 - replaced, b, 2)
@@ -543,7 +541,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if layout is not None:
         return [layout, *found]
     effect = check_effect(model, controller, one, alone, logits, probe[0].decoding) or check_constant(probe[0])
-    batch = check_composition(model, controller, first, probe, vocab)  # after the effect check: it reads window 0's
+    batch = check_composition(model, controller, first, probe)  # after the effect check: it reads window 0's
     if batch is not None:
         return [batch, *found]
     found += [f for f in (effect, check_causality(model, controller, first if probed is None else probed, vocab,

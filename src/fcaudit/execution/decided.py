@@ -97,8 +97,9 @@ class ExecutionResult(Mapping):
 
     Examples
     --------
-    `fca.execution`'s soft gate, with its Dense twin as the reference:
+    `fca.audit`'s example model, with its Dense twin as the reference:
 
+    >>> ids = torch.randint(0, 256, (4, 16))
     >>> dense = GatedLM().eval()
     >>> for g in dense.gates:  # a gate fixed open: the same blocks, no controller work to speak of
     ...     _ = nn.init.zeros_(g[0].weight), nn.init.constant_(g[0].bias, 30.0)
@@ -282,22 +283,9 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
 
     Examples
     --------
-    A soft gate scales each block's update and skips nothing; it decides nothing away and pays for itself:
+    With `model` and `ctrl` from `fca.audit`'s example: its soft gates scale each block's update and skip nothing, so
+    they decide nothing away and pay for themselves:
 
-    >>> class GatedLM(nn.Module):
-    ...     def __init__(self, d=16):
-    ...         super().__init__()
-    ...         self.embed, self.head = nn.Embedding(256, d), nn.Linear(d, 256)
-    ...         self.mlps = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
-    ...         self.gates = nn.ModuleList(
-    ...             nn.Sequential(nn.Linear(d, 1), nn.Sigmoid(), nn.Flatten(-2)) for _ in range(2))
-    ...     def forward(self, ids):
-    ...         h = self.embed(ids)
-    ...         for mlp, gate in zip(self.mlps, self.gates):
-    ...             h = h + gate(h).unsqueeze(-1) * mlp(h)
-    ...         return self.head(h)
-    >>> model = GatedLM().eval()
-    >>> ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token")
     >>> ids = torch.randint(0, 256, (4, 16))
     >>> r = fca.execution(model, ctrl, ids, blocks="mlps.*", min_run_time=0.02)
     >>> r.decided, r.executed, r.controller_flops > 1
