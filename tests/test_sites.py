@@ -522,7 +522,7 @@ def test_randomized_conditions_draw_once_per_group_so_its_sites_move_together(co
 def test_variation_counts_a_merged_layer_once(tmp_path):
     model = hc_model()
     result = audit(model, hc_controller(model), tmp_path)
-    layers = result.variation["layers"]
+    layers = result.variation().layers
     assert [l["site"] for l in layers] == ["blocks.0.hc_attn.act", "blocks.1.hc_attn.act"]
     assert [l["shape"] for l in layers] == [[S, S + 2], [S, S + 2]]  # alpha's S+1 sources and beta's one
 
