@@ -7,6 +7,7 @@ import json
 import math
 import re
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -172,6 +173,9 @@ def test_a_gathering_token_router_executes_what_it_decided_in_the_audit_and_the_
     family = next(iter(fca.summarize([result])))
     assert family in head and "decided 25.0%, executed 25.0% (observed)" in head
     assert cells["variation"]["token"] in head
+    numbers = pd.read_csv(tmp_path / "report" / "three_questions.csv").iloc[0]
+    assert (numbers["decided"], numbers["executed"]) == (ex.decided, ex.executed)
+    assert numbers["flops_per_token"] == ex["live"].flops_per_token
     md = (tmp_path / "report" / "report.md").read_text()
     assert "on the audit's first evaluation batch" in md.split("## Verdicts")[1]
 
@@ -183,3 +187,7 @@ def test_the_report_says_why_a_model_without_execution_has_none(tmp_path):
     head = report_head(result, tmp_path / "report")
     assert head.startswith("The three questions, per model") and "not measured: pass execution=True" in head
     assert result.questions()["dependence"]["StaticProfile ΔNLL"] in head
+    numbers = pd.read_csv(tmp_path / "report" / "three_questions.csv").iloc[0]
+    assert numbers["static_delta_nll"] == result.penalties()["StaticProfile"].statistic
+    assert numbers["execution_note"].startswith("not measured") and numbers["token"] == result.variation().main()[
+        "token"]

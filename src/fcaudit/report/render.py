@@ -234,19 +234,28 @@ def _questions_section(doc: Doc, summaries: list[Summary], fracs: dict) -> list[
     """The report opens with the three questions, one row per audited model (a family of checkpoints): what share
     layer, input and token explain; the controller's own static condition, CrossInput and retention; decided
     against executed work, where the audits measured it."""
-    rows = []
+    rows, raw = [], []
     for fam, g in _families(summaries):
         execution, why_not = family_execution(g)
-        cells = three_questions(family_variation(g, fracs.get(fam)), g.penalties(),
-                                {r.condition: r for r in g.statistics().retentions()}.get(g.static), g.static,
-                                execution, why_not)
+        variation, pen = family_variation(g, fracs.get(fam)), g.penalties()
+        retention = {r.condition: r for r in g.statistics().retentions()}.get(g.static)
+        cells = three_questions(variation, pen, retention, g.static, execution, why_not)
         if execution is not None and sum(e is not None and "reason" not in e for e in g.execution) < g.n_checkpoints:
             cells["execution"]["verdict"] += " (measured on one checkpoint)"
         rows.append({"model": fam, **{q: answer(q, part) for q, part in cells.items()}})
+        # the CSV's numbers: what the cells show, unformatted
+        raw.append({"model": fam, **(variation.main() if variation is not None else {}), "static": g.static,
+                    "static_delta_nll": pen[g.static].statistic if g.static in pen else None,
+                    "cross_input_delta_nll": pen["CrossInput"].statistic if "CrossInput" in pen else None,
+                    "retention": retention.statistic if retention is not None else None,
+                    **({"decided": execution.decided, "executed": execution.executed,
+                        "flops_per_token": execution["live"].flops_per_token,
+                        "flops_per_token_replayed": execution["replayed"].flops_per_token}
+                       if execution is not None else {"execution_note": why_not})})
     if rows:
         doc.h(2, "The three questions, per model")
         frame = pd.DataFrame(rows)
-        doc.table(frame.rename(columns=str.capitalize), frame, "three_questions",
+        doc.table(frame.rename(columns=str.capitalize), pd.DataFrame(raw), "three_questions",
                   "Variation: shares of the coefficient variance (balanced ANOVA, mean over checkpoints). Dependence: "
                   "mean ΔNLL vs Correct of the controller's own static condition and of CrossInput with their "
                   "intervals, and retention (Eq. 8). Execution: on the audit's first evaluation batch, the share of "
