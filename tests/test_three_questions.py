@@ -191,3 +191,17 @@ def test_the_report_says_why_a_model_without_execution_has_none(tmp_path):
     assert numbers["static_delta_nll"] == result.penalties()["StaticProfile"].statistic
     assert numbers["execution_note"].startswith("not measured") and numbers["token"] == result.variation().main()[
         "token"]
+
+
+def test_a_hugging_face_moe_gets_its_row_with_k_of_e_experts_decided_and_executed(tmp_path):
+    pytest.importorskip("transformers")
+    from fcaudit.families.hf_moe.tiny import tiny_moe
+
+    model = tiny_moe("mixtral", experts=4, top_k=2)
+    ids = torch.randint(0, model.config.vocab_size, (10, 12), generator=torch.Generator().manual_seed(0))
+    result = fca.audit(model, fca.controller_for(model), ids[:6], ids[6:], randomizations=1, out=tmp_path / "a",
+                       batch_size=3, quiet=True, execution=True)
+    ex = result.execution()
+    assert ex.decided == 0.5 and ex.executed == pytest.approx(0.5)  # 2 of 4 experts' FLOPs, observed
+    head = report_head(result, tmp_path / "report")
+    assert next(iter(fca.summarize([result]))) in head and "decided 50.0%, executed 50.0% (observed)" in head
