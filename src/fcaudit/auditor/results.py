@@ -192,11 +192,14 @@ def missing_records(adir: AuditDir, config: dict) -> list[str]:
 
 @dataclass(repr=False, eq=False)
 class AuditResult(Results):
-    """One audit read back from its directory: records, replay check, variation and the paper's statistics.
+    """One audit read back from its directory: records, replay check and the paper's three questions: variation
+    (`variation()`), functional dependence (the statistics) and, where the audit measured it, execution
+    (`execution()`).
 
     `fca.audit(...)` returns one, and `fca.AuditResult.load(dir)` reads any audit directory (`fcaudit audit`
     writes the same). The records are read (and their content hashes checked) when first used; each statistic is
-    computed once. `str(result)` is what `fcaudit audit` prints, and a notebook shows it as a table.
+    computed once. `str(result)` is what `fcaudit audit` prints, opening with the three answers (`questions()`),
+    and a notebook shows it as tables.
 
     Attributes
     ----------

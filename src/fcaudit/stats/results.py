@@ -4,7 +4,8 @@ the columns `label, statistic, ci_low, ci_high, pvalue, n` (then `mc_se` and wha
 table of numbers already computed (no I/O), show themselves in notebooks and plot. `Results` is what one audit and
 a summary's family share: `penalties()`, `factor_effects()`, `retention()` and the prespecified criteria's verdicts,
 each computed once per (confidence, resamples) from the window-level (`WindowStatistics`) or checkpoint-level
-(`CheckpointStatistics`, fcaudit.stats.levels) statistics."""
+(`CheckpointStatistics`, fcaudit.stats.levels) statistics. `VariationResult` is question 1 in the same vocabulary, and
+`three_questions` the one table of a model's three answers that an audit's printout and the report open with."""
 
 from __future__ import annotations
 
