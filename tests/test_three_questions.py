@@ -205,3 +205,27 @@ def test_a_hugging_face_moe_gets_its_row_with_k_of_e_experts_decided_and_execute
     assert ex.decided == 0.5 and ex.executed == pytest.approx(0.5)  # 2 of 4 experts' FLOPs, observed
     head = report_head(result, tmp_path / "report")
     assert next(iter(fca.summarize([result]))) in head and "decided 50.0%, executed 50.0% (observed)" in head
+
+
+class OneGateLM(nn.Module):
+    """No list of blocks: fcaudit cannot tell which modules the gate governs."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed, self.ff, self.head = nn.Embedding(256, d), nn.Linear(d, d), nn.Linear(d, 256)
+        self.gate = nn.Sequential(nn.Linear(d, 1), nn.Sigmoid())
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.gate(h) * self.ff(h))
+
+
+def test_where_fcaudit_cannot_tell_what_ran_the_audit_stands_and_says_why(tmp_path):
+    torch.manual_seed(0)
+    model = OneGateLM()
+    result = audited(model, fca.Controller.from_modules(model, "gate", layout="batch token 1"), tmp_path / "a",
+                     execution=True)
+    assert result.replay.passed and result.execution() is None
+    assert result.execution_note.startswith("not measured: OneGateLM has no nn.ModuleList of blocks")
+    assert "blocks=" in result.execution_note
+    assert str(result).splitlines()[3] == f"  execution   {result.execution_note}"

@@ -291,8 +291,8 @@ def audit_execution(model: nn.Module, controller: Controller, ids: torch.Tensor)
     try:
         seen = observe(model, controller, ids)
         counted = {"live": flops(model, ids), "replayed": flops(Replaying(model, controller, seen.found), ids)}
-    except FcauditError as e:
-        return {"reason": " ".join(str(e).split())}
+    except FcauditError as e:  # the audit takes no block pattern: fca.execution does
+        return {"reason": " ".join(str(e).split()) + " (in fca.execution(model, controller, windows, blocks=...))"}
     labels = {"live": "the model, controller live", "replayed": "the same decisions replayed, controller off"}
     return ExecutionResult(seen.decided, seen.executed, seen.blocks, seen.executed_by_block,
                            {name: Variant(labels[name], f) for name, f in counted.items()},
