@@ -145,7 +145,8 @@ def audit(
 
     config = AuditConfig(out=out, n_eval=eval, n_calib=calib, window=window, randomizations=randomizations, seed=seed,
                          batch_size=batch_size, tolerance=tolerance, quiet=quiet, execution=execution, device=device,
-                         dtype=dtype, revision=revision, device_map=device_map, offload_folder=offload_folder, family=family,
+                         dtype=dtype, revision=revision, device_map=device_map, offload_folder=offload_folder,
+                         family=family,
                          dry_run=dry_run, world_size=world_size, flags=True)
     audit_checkpoint(checkpoint, corpus, config)
 

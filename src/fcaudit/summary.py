@@ -335,7 +335,8 @@ def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdi
     return FamilyResult(name, int(group["n_checkpoints"]), criteria, group["criteria_source"],
                         group["criteria_fixed_at"], labels, str(group["static"]), bool(group["partial"]),
                         tuple(group["audits"]), tuple(Replay.from_json(r) for r in group["replay"]),
-                        tuple(group["variation"]), tuple(group["execution"]), saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
+                        tuple(group["variation"]), tuple(group["execution"]),
+                        saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
 
 
 def family_of(config: dict) -> str:

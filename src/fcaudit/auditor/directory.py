@@ -6,9 +6,9 @@ measured its execution (`execution=True`), execution.json.
 
 Every file the engine writes is bound to its audit: it names the config hash it was written for (records and part
 files also their condition and randomization), and the one check of each (`read_records`, `read_part`,
-`read_bound`, `read_replay`, `read_variation`, `read_execution`: the engine's before it reuses one, the reader's) refuses another
-audit's. Which records belong to an audit is its config's conditions x randomizations (`record_keys`); any other
-records or part file is a stray (`strays`), which is neither read nor deleted."""
+`read_bound`, `read_replay`, `read_variation`, `read_execution`: the engine's before it reuses one, the reader's)
+refuses another audit's. Which records belong to an audit is its config's conditions x randomizations
+(`record_keys`); any other records or part file is a stray (`strays`), which is neither read nor deleted."""
 
 from __future__ import annotations
 

@@ -128,8 +128,8 @@ def _gone(missing, root: Path) -> FcauditError:
 
 
 def _read_json(read: Callable[[], dict], root: Path) -> dict | None:
-    """replay.json, variation.json or execution.json (AuditDir's checked `read`), None when it is missing; a damaged one, or a
-    directory that went away, is an error."""
+    """replay.json, variation.json or execution.json (AuditDir's checked `read`), None when it is missing; a damaged
+    one, or a directory that went away, is an error."""
     try:
         return read()
     except FileNotFoundError:

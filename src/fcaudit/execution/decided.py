@@ -165,11 +165,12 @@ class ExecutionResult(Mapping):
         """What an audit's execution.json holds (`from_json` reads it back)."""
         return {"decided": self.decided, "executed": self.executed, "verdict": self.verdict,
                 "blocks": list(self.blocks), "executed_by_block": list(self.executed_by_block),
-                "variants": {name: {f.name: getattr(v, f.name) for f in fields(v)} for name, v in self.variants.items()},
+                "variants": {name: {f.name: getattr(v, f.name) for f in fields(v)}
+                             for name, v in self.variants.items()},
                 "decoding": dict(self.decoding)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "ExecutionResult":
+    def from_json(cls, d: dict) -> ExecutionResult:
         return cls(float(d["decided"]), float(d["executed"]), tuple(d["blocks"]), tuple(d["executed_by_block"]),
                    {name: Variant(**{k: math.nan if x is None else x for k, x in v.items()})
                     for name, v in d["variants"].items()}, dict(d["decoding"]))

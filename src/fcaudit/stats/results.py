@@ -423,7 +423,7 @@ class VariationResult(Mapping):
     record: dict
 
     @classmethod
-    def from_json(cls, var: dict) -> "VariationResult":
+    def from_json(cls, var: dict) -> VariationResult:
         """variation.json's content (`fcaudit.stats.variance.variation`'s)."""
         got = var["decomposition"]
         shares = {t: math.nan if got[t] is None else float(got[t]) for t in (*TERMS, *got) if t in got}
@@ -510,7 +510,7 @@ def _with_interval(e: Estimate) -> str:
     return f"{_signed(e.statistic)}" + (f" {_interval(low, high)}" if e.has_interval else "")
 
 
-def three_questions(variation: VariationResult | None, penalties: "PenaltiesResult", retention: "RetentionResult | None",
+def three_questions(variation: VariationResult | None, penalties: PenaltiesResult, retention: RetentionResult | None,
                     static: str, execution: Any = None, why_not: str = NOT_MEASURED) -> dict[str, dict[str, str]]:
     """One model's answers to the paper's three questions, as cells {question: {column: text}}: variation (the
     shares of layer, input, token and interactions), dependence (the controller's own static condition's ΔNLL,
