@@ -452,7 +452,8 @@ class VariationResult(Mapping):
     def main(self) -> dict[str, float]:
         """The shares of layer, input and token alone, and of all their interactions together."""
         mains = {t: self.shares.get(t, math.nan) for t in TERMS[:3]}
-        return {**mains, "interactions": sum(v for t, v in self.shares.items() if t not in mains)}
+        rest = math.nan if self.constant else sum(v for t, v in self.shares.items() if t not in mains)
+        return {**mains, "interactions": rest}
 
     def line(self) -> str:
         """One line: the main shares and the interactions', or that the coefficients are constant."""
