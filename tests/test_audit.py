@@ -75,8 +75,8 @@ def test_static_controller_gives_exact_zero(tmp_path):
     ret = res.retention("LayerMean")  # GlobalMean helps some windows of this random model: no clear gap
     assert np.isnan(ret.statistic) and "not above the practically-small bound" in ret.reason and ret.delta_reference > 0
     assert (res.factor_effects().to_frame()["statistic"] == 0.0).all()
-    var = res.variation
-    assert len(var["layers"]) == 3 and var["layers"][0]["sd"] == 0.0
+    var = res.variation()
+    assert len(var.layers) == 3 and var.layers[0]["sd"] == 0.0
 
 
 def test_real_featuregate_layerstatic_and_uniform_exact_zero(tmp_path):
@@ -114,7 +114,7 @@ def test_moe_through_from_modules_alone(tmp_path):
     m = randomized_means(res)
     assert m["CrossInput"] != 0.0 and m["StructureRemoved"] != 0.0
     assert res.config["labels"]["StructureRemoved"] == "SourceUniformMean"
-    assert res.variation["layers"][0]["shape"] == [1, 4]
+    assert res.variation().layers[0]["shape"] == [1, 4]
     assert "factor_effects" not in res.config and set(res.factor_effects().to_frame().index) == {"input", "token", "interaction"}
 
 
@@ -125,8 +125,8 @@ def test_ragged_multi_stream_sites(tmp_path):
     res = run(model, ctrl, tmp_path / "mudd", R=2)
     warnings.simplefilter("ignore", RuntimeWarning)  # untrained: SourceUniformMean may not hurt, retention undefined
     assert res.replay.bit_equal
-    assert [l["shape"] for l in res.variation["layers"]] == [[2, 2], [2, 3], [1, 4]]
-    assert abs(sum(res.variation["decomposition"].values()) - 1) < 1e-9 and "slice" in res.variation["decomposed"]
+    assert [l["shape"] for l in res.variation().layers] == [[2, 2], [2, 3], [1, 4]]
+    assert abs(sum(res.variation().values()) - 1) < 1e-9 and "slice" in res.variation().decomposed
     m = randomized_means(res)
     assert m["CrossInput"] != 0 and m["TokenShuffle"] != 0 and m["StructureRemoved"] != 0
     assert res.retention("StaticMixMean").reference_label == "SourceUniformMean"

@@ -132,3 +132,7 @@ def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch
     assert len(audits) == 3 + 5
     assert all(json.loads((tmp_path / "audit" / a / "replay.json").read_text())["passed"] for a in audits)
     assert (tmp_path / "report" / "report.html").is_file() and (tmp_path / "execution" / "execution.csv").is_file()
+    # the report opens with the three questions, execution measured in every family's audit
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())["three_questions"]
+    assert len(rows) == len(audits)  # one seed: every audit its own family
+    assert all(r["execution"].startswith("decided ") and "(observed)" in r["execution"] for r in rows), rows

@@ -135,7 +135,7 @@ def documented() -> list:
 # audit's example builds the model, windows and `result` the results' examples read; load's trains the checkpoint
 # controller_for reads; Family's builds the family register registers.
 CONTINUES = {name: "audit" for name in ("AuditResult", "plan", "summarize", "build_report", "PenaltiesResult",
-                                        "FactorEffectsResult", "RetentionResult", "Replay", "Finding", "Results",
+                                        "FactorEffectsResult", "RetentionResult", "VariationResult", "Replay", "Finding", "Results",
                                         "FamilyResult", "Summary")}
 CONTINUES |= {"controller_for": "load", "register": "Family", "execution": "audit", "ExecutionResult": "audit"}
 

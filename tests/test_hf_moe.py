@@ -710,7 +710,7 @@ def test_variation_names_each_layers_site_where_the_first_block_is_dense(tmp_pat
     ctrl = fca.controller_for(model)
     res = fca.audit(model, ctrl, _windows(4), _windows(2, seed=1), randomizations=1, out=tmp_path, batch_size=2,
                     quiet=True)
-    layers = res.variation["layers"]
+    layers = res.variation().layers
     assert [l["site"] for l in layers] == [s.path for s in ctrl.sites] and layers[0]["site"].startswith("model.layers.1.")
 
 

@@ -251,6 +251,6 @@ def test_a_target_beyond_the_logits_width_is_refused_before_anything_runs(tmp_pa
 def test_a_result_whose_directory_was_removed_says_so_in_one_line(tmp_path):
     result = audit(TinyLM().eval(), tmp_path / "a")
     shutil.rmtree(tmp_path / "a")
-    for read in (result.penalties, lambda: result.variation):
+    for read in (result.penalties, result.variation):
         line = api_refusal(read)
         assert "is gone: the audit directory" in line and "AuditResult.load" in line

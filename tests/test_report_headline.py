@@ -2,6 +2,10 @@
 on an all-zero family, and the thresholding table's explanation."""
 
 import json
+import math
+
+import pandas as pd
+import pytest
 
 from fcaudit.io import write_json
 from fcaudit.report import build_report
@@ -45,3 +49,11 @@ def test_headline_answers_the_three_questions_per_family(tmp_path):
     assert "threshold 0 sets no gate to 0" in md and "featuregate 2.718" in md and "8 test windows of 64" in md
     assert "| 3.5* |" in md  # the noisy latency is marked in the table
     assert (out / "fig2_penalties_constant.png").is_file()
+    # the report opens with the three questions, one row per family
+    table = md.split("## The three questions, per model")[1].split("\n## ")[0]
+    assert md.index("## The three questions") < md.index("## Verdicts")
+    const_row = next(line for line in table.splitlines() if line.startswith("| Constant"))
+    assert "none (constant coefficients)" in const_row and "not measured: pass execution=True" in const_row
+    numbers = pd.read_csv(out / "three_questions.csv").set_index("model")
+    assert numbers.loc["FeatureGate tiny", "layer"] == pytest.approx(0.9) and math.isnan(
+        numbers.loc["Constant", "interactions"])

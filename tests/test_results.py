@@ -112,7 +112,8 @@ def test_results_show_themselves_in_a_notebook_and_plot_figure_2(tmp_path):
     audit = fca.AuditResult.load(write_audit(tmp_path / "a", FG, name="Gate"))
     pen, fx, ret = audit.penalties(), audit.factor_effects(), audit.retention()
     page = audit._repr_html_()
-    assert page.count("<table") == 1 and "LayerMean" in page and "criterion &#x27;practically small&#x27;" in page
+    assert page.count("<table") == 2 and page.index("The three questions") < page.index("PenaltiesResult")
+    assert "LayerMean" in page and "criterion &#x27;practically small&#x27;" in page
     assert "exact replay: passed=True" in page and ret.line().split(":")[0] in page
     for shown in (pen, fx, summarize([audit]), summarize([audit])["Gate"]):
         assert "<table" in shown._repr_html_()

@@ -76,6 +76,8 @@ def test_the_printout_is_the_results_str_and_results_compare_by_identity(tmp_pat
     out = capsys.readouterr().out
     assert out.endswith(str(result) + "\n")  # `fcaudit audit` prints the same
     lines = str(result).splitlines()
+    assert [line.split()[0] for line in lines[:4]] == ["three", "variation", "dependence", "execution"]
+    lines = lines[4:]  # then the evidence
     assert lines[0] == "exact replay: passed=True bit_equal=True max|Δlogit|=0 ΔNLL=0"
     assert lines[1] == f"FCA penalties ({result.path})" and lines[2].startswith("PenaltiesResult: mean ΔNLL")
     assert lines[3].split()[:4] == ["condition", "ΔNLL", "95%", "interval"] and lines[4].split()[0] == "Cross-input"

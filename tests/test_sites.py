@@ -522,7 +522,7 @@ def test_randomized_conditions_draw_once_per_group_so_its_sites_move_together(co
 def test_variation_counts_a_merged_layer_once(tmp_path):
     model = hc_model()
     result = audit(model, hc_controller(model), tmp_path)
-    layers = result.variation["layers"]
+    layers = result.variation().layers
     assert [l["site"] for l in layers] == ["blocks.0.hc_attn.act", "blocks.1.hc_attn.act"]
     assert [l["shape"] for l in layers] == [[S, S + 2], [S, S + 2]]  # alpha's S+1 sources and beta's one
 
@@ -855,7 +855,7 @@ def test_a_notice_is_kept_in_the_audit_and_printed_by_the_summary_and_the_report
     assert_exact(result)
     assert len(result.notices) == 1 and "hidden state" in result.notices[0]
     assert fca.AuditResult.load(tmp_path / "audit").notices == result.notices
-    lines = str(result).splitlines()  # what `fcaudit audit` prints
+    lines = str(result).splitlines()[4:]  # what `fcaudit audit` prints, after the three questions
     assert lines[0].startswith("exact replay:") and "hidden state" in lines[1]
     build_report([tmp_path / "audit"], tmp_path / "report")
     md = (tmp_path / "report" / "report.md").read_text().split("\n\n")

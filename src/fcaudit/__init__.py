@@ -30,7 +30,8 @@ _LAZY = {
     "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.controllers.checks",
     "Summary": "fcaudit.summary", "FamilyResult": "fcaudit.summary",
     "PenaltiesResult": "fcaudit.stats.results", "FactorEffectsResult": "fcaudit.stats.results",
-    "RetentionResult": "fcaudit.stats.results", "Estimate": "fcaudit.stats.inference",
+    "RetentionResult": "fcaudit.stats.results", "VariationResult": "fcaudit.stats.results",
+    "Estimate": "fcaudit.stats.inference",
 }
 
 __all__ = ["FcauditError", "__version__", "execution", *_LAZY]

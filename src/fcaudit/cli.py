@@ -132,6 +132,8 @@ def audit(
     family: Optional[str] = typer.Option(None, metavar="NAME", help="summarize pools one family's checkpoints as "
                                          "seeds (default: its variant and preset, else its directory or hub id)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary table"),
+    execution: bool = typer.Option(False, "--execution", help="also measure decided vs executed work and FLOPs on "
+                                   "the first batch (execution.json; question 3)"),
     threads: Threads = None,
 ) -> None:
     """Frozen-Controller Audit of one checkpoint (question 2).
@@ -143,8 +145,9 @@ def audit(
     from fcaudit.config import AuditConfig
 
     config = AuditConfig(out=out, n_eval=eval, n_calib=calib, window=window, randomizations=randomizations, seed=seed,
-                         batch_size=batch_size, tolerance=tolerance, quiet=quiet, device=device, dtype=dtype,
-                         revision=revision, device_map=device_map, offload_folder=offload_folder, family=family,
+                         batch_size=batch_size, tolerance=tolerance, quiet=quiet, execution=execution, device=device,
+                         dtype=dtype, revision=revision, device_map=device_map, offload_folder=offload_folder,
+                         family=family,
                          dry_run=dry_run, world_size=world_size, flags=True)
     audit_checkpoint(checkpoint, corpus, config)
 

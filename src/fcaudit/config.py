@@ -75,6 +75,11 @@ class AuditConfig:
         What config.json records of the model; "family" names the seeds `fca.summarize` pools (default: class, size).
     quiet
         No progress bar or summary table.
+    execution
+        Also answer question 3 after the audit: on the first evaluation batch, the work the controller decided
+        beside what the forward pass computed (observed rows per block) and FLOPs per token, live and with the same
+        decisions replayed, the controller disabled (`fcaudit.execution.decided.audit_execution`), written to
+        execution.json and read by `AuditResult.execution()`. It changes no record: a resumed audit may add it.
     device
         `fcaudit audit`: where to load the checkpoint.
     dtype
@@ -112,6 +117,7 @@ class AuditConfig:
     loss_fn: LossFn | None = None
     model_info: Mapping | None = None
     quiet: bool = False
+    execution: bool = False
     device: str = "auto"
     dtype: str | None = None
     revision: str | None = None
@@ -166,7 +172,7 @@ class AuditConfig:
 
 # the settings `fca.audit` reads (the others load a checkpoint and draw its windows: `fcaudit audit`'s)
 AUDIT_SETTINGS = ("out", "randomizations", "seed", "batch_size", "tolerance", "criteria", "loss_fn", "model_info",
-                  "quiet")
+                  "quiet", "execution")
 
 
 def with_settings(config: AuditConfig | None, settings: Mapping[str, Any], caller: str = "fca.audit") -> AuditConfig:

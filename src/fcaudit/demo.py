@@ -183,7 +183,7 @@ def _audit_all(out: Path, plan: DemoPlan, device: str, runs: list[tuple[str, int
         console.print(f"[bold]audit[/bold] {name}")
         config = AuditConfig(out=audit_dir, n_eval=plan.n_eval, n_calib=plan.n_calib, window=plan.window,
                              randomizations=plan.randomizations, seed=0, batch_size=plan.batch_size, device=device,
-                             family=family, quiet=True)
+                             family=family, quiet=True, execution=True)
         started = time.perf_counter()
         audit_checkpoint(str(ckpt), "embedded", config)
         console.print(f"  ({time.perf_counter() - started:.0f} s)")

@@ -114,7 +114,9 @@ class FamilyResult(Results):
     static : str
         The controller's own static condition, which `retention()` and the criteria judge.
     audit_dirs, replays, variation : tuple
-        Its audits' directories, replay checks and coefficient variation.
+        Its audits' directories, replay checks and coefficient variation (variation.json's content).
+    execution : tuple
+        Each audit's execution.json content (None: not measured; {"reason": ...}: fcaudit could not tell).
     audits : tuple of AuditResult
         The audits themselves (none for a summary read back from summary.json, whose statistics are those written).
 
@@ -142,6 +144,7 @@ class FamilyResult(Results):
     audit_dirs: tuple[str, ...]
     replays: tuple[Replay, ...]
     variation: tuple[dict, ...]
+    execution: tuple[dict | None, ...]
     audits: tuple[AuditResult, ...] = ()
     saved: SavedStatistics | None = None
     _statistics: dict = field(default_factory=dict, init=False)
@@ -196,12 +199,12 @@ class FamilyResult(Results):
 
     def group(self) -> dict:
         """summary.json's entry of the family: checkpoints, level, note, labels, its static condition, criteria's
-        source, audits, replay checks and variation."""
+        source, audits, replay checks, variation and execution."""
         return {"n_checkpoints": self.n_checkpoints, "level": self.level, "note": self.note, "labels": self.labels,
                 "static": self.static, "partial": self.partial, "confidence": self.criteria.confidence,
                 "criteria_source": self.criteria_source, "criteria_fixed_at": self.criteria_fixed_at,
                 "audits": list(self.audit_dirs), "replay": [r.to_dict() for r in self.replays],
-                "variation": list(self.variation)}
+                "variation": list(self.variation), "execution": list(self.execution)}
 
     def _heading(self) -> list[str]:
         level = "checkpoint-level" if self.level == "checkpoint" else WINDOW_LEVEL
@@ -336,7 +339,8 @@ def _saved_family(name: str, group: dict, tables: dict[str, pd.DataFrame], verdi
     return FamilyResult(name, int(group["n_checkpoints"]), criteria, group["criteria_source"],
                         group["criteria_fixed_at"], labels, str(group["static"]), bool(group["partial"]),
                         tuple(group["audits"]), tuple(Replay.from_json(r) for r in group["replay"]),
-                        tuple(group["variation"]), saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
+                        tuple(group["variation"]), tuple(group["execution"]),
+                        saved=SavedStatistics((confidence, 10000), labels, pen, fx, rets))
 
 
 def family_of(config: dict) -> str:
@@ -450,8 +454,8 @@ def summarize(audit_dirs: Sequence[Any], out: str | Path | None = None, allow_pa
             fam, len(members), crit, source, fixed_at, members[0].labels, members[0].static,
             any(a.partial for a in members),
             tuple(str(Path(a.path).resolve()) for a in members),  # absolute: a report run from elsewhere finds them
-            tuple(a.replay for a in members), tuple(v for v in (a.variation for a in members) if v is not None),
-            audits=tuple(members)))
+            tuple(a.replay for a in members), tuple(v.record for v in map(AuditResult.variation, members) if v),
+            tuple(a.execution_record() for a in members), audits=tuple(members)))
     summary = Summary(families)
     for f in families:  # computed now: what does not pool (e.g. an audit lacking a condition) fails here
         f.frames()

@@ -1,13 +1,14 @@
 """An audit directory: its layout, the marker that makes it fcaudit's own, the lock, and its configuration. It holds
 .fcaudit-audit (the marker, written first: fcaudit.io's rule), .lock (the writer's fcntl lock), config.json, coeffs/
 (the coefficient store), calib/ (calibration sums, reduced into profiles.safetensors), parts/COND/rNNNN/ (replay units
-as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json and variation.json.
+as each process wrote them, merged into records/COND/rNNNN.parquet), replay.json, variation.json and, where the audit
+measured its execution (`execution=True`), execution.json.
 
 Every file the engine writes is bound to its audit: it names the config hash it was written for (records and part
 files also their condition and randomization), and the one check of each (`read_records`, `read_part`,
-`read_bound`, `read_replay`, `read_variation`: the engine's before it reuses one, the reader's) refuses another
-audit's. Which records belong to an audit is its config's conditions x randomizations (`record_keys`); any other
-records or part file is a stray (`strays`), which is neither read nor deleted."""
+`read_bound`, `read_replay`, `read_variation`, `read_execution`: the engine's before it reuses one, the reader's)
+refuses another audit's. Which records belong to an audit is its config's conditions x randomizations
+(`record_keys`); any other records or part file is a stray (`strays`), which is neither read nor deleted."""
 
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ class AuditDir:
         self.profiles = self.root / "profiles.safetensors"
         self.replay = self.root / "replay.json"
         self.variation = self.root / "variation.json"
+        self.execution = self.root / "execution.json"
 
     def calib_part(self, start: int) -> Path:
         return self.root / "calib" / f"sum_{start:07d}.safetensors"
@@ -264,6 +266,7 @@ class AuditDir:
         state = "repaired" if held == digest and self.has_results() else "new"
         if state == "new":
             self.out.remove_file(self.replay)  # a failed replay report of a configuration with no results
+            self.out.remove_file(self.execution)  # measured on another configuration's model
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.write_json(self.config_path, {**config, "config_hash": digest, "created_at": now,
                                              "criteria": {**config["criteria"], "fixed_at": now},
@@ -297,6 +300,16 @@ class AuditDir:
                 and isinstance(layers, list) and all(isinstance(layer, dict) for layer in layers)):
             raise files.Damaged(self.variation, "its fields are not what fcaudit writes")
         return var
+
+    def read_execution(self) -> dict:
+        """execution.json, checked: its hash, and either what was measured (decided, executed, variants) or the
+        one line saying why it could not be."""
+        ex = self._check_audit(self.execution, files.read_json(self.execution, require_hash=True))
+        measured = (all(isinstance(ex.get(k), (int, float)) for k in ("decided", "executed"))
+                    and isinstance(ex.get("variants"), dict) and isinstance(ex.get("blocks"), list))
+        if not (measured or isinstance(ex.get("reason"), str)):
+            raise files.Damaged(self.execution, "its fields are not what fcaudit writes")
+        return ex
 
     def has_results(self) -> bool:
         return any(p.suffix in (".parquet", ".safetensors") and not p.name.startswith(".")

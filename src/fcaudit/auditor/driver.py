@@ -168,7 +168,8 @@ def audit(model: nn.Module, controller: Controller, eval_windows, calib_windows,
     group
         The processes sharing the work units (default: this one); under torchrun, `auditor.group_from_env(device)`.
     **settings
-        `out`, `randomizations`, `seed`, `batch_size`, `tolerance`, `criteria`, `loss_fn`, `model_info`, `quiet`:
+        `out`, `randomizations`, `seed`, `batch_size`, `tolerance`, `criteria`, `loss_fn`, `model_info`, `quiet`,
+        `execution`:
         the fields of `fcaudit.AuditConfig`, documented there (`AuditConfig(**settings)`); given with `config`, they
         replace its fields.
 

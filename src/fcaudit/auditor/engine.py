@@ -33,6 +33,7 @@ from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Captured
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.execution.decided import audit_execution
 from fcaudit.kinds import Description
 from fcaudit.loss import logits_of, token_nll, usable_logits
 from fcaudit.protocol import Coeffs
@@ -536,3 +537,6 @@ class Engine:
         if not self._verified(self.dir.variation, lambda p: self.dir.read_variation()):
             self.dir.write_json(self.dir.variation, self.dir.bound(variation(self.store, self.starts, self.paths,
                                                                           self.info.layers)))
+        if self.config.execution and not self._verified(self.dir.execution, lambda p: self.dir.read_execution()):
+            self.dir.write_json(self.dir.execution, self.dir.bound(audit_execution(
+                self.model, self.controller, self._ids(self.ev, 0))))

@@ -1,6 +1,6 @@
 """The one reader of audit directories, `AuditResult` (the Python API, `fcaudit summarize` and `fcaudit report` use
-it): records, the replay check and the pre-write checks' findings (`Replay`), variation and the window-level
-statistics, as the result objects of fcaudit.stats.results."""
+it): records, the replay check and the pre-write checks' findings (`Replay`), the three questions (variation, the
+window-level statistics of functional dependence, and execution where the audit measured it), as result objects."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from fcaudit.auditor import files
 from fcaudit.auditor.directory import MARKER, AuditDir, record_keys
 from fcaudit.controllers.checks import CAUSALITY, Finding
 from fcaudit.errors import FcauditError
+from fcaudit.execution.decided import ExecutionResult
 from fcaudit.protocol import Criteria
 from fcaudit.stats.levels import WindowStatistics
-from fcaudit.stats.results import Results
+from fcaudit.stats.results import (NOT_MEASURED, Results, VariationResult, questions_html, questions_lines,
+                                   three_questions)
 
 
 def _g(x: Any) -> str:
@@ -126,8 +128,8 @@ def _gone(missing, root: Path) -> FcauditError:
 
 
 def _read_json(read: Callable[[], dict], root: Path) -> dict | None:
-    """replay.json or variation.json (AuditDir's checked `read`), None when it is missing; a damaged one, or a
-    directory that went away, is an error."""
+    """replay.json, variation.json or execution.json (AuditDir's checked `read`), None when it is missing; a damaged
+    one, or a directory that went away, is an error."""
     try:
         return read()
     except FileNotFoundError:
@@ -190,11 +192,14 @@ def missing_records(adir: AuditDir, config: dict) -> list[str]:
 
 @dataclass(repr=False, eq=False)
 class AuditResult(Results):
-    """One audit read back from its directory: records, replay check, variation and the paper's statistics.
+    """One audit read back from its directory: records, replay check and the paper's three questions: variation
+    (`variation()`), functional dependence (the statistics) and, where the audit measured it, execution
+    (`execution()`).
 
     `fca.audit(...)` returns one, and `fca.AuditResult.load(dir)` reads any audit directory (`fcaudit audit`
     writes the same). The records are read (and their content hashes checked) when first used; each statistic is
-    computed once. `str(result)` is what `fcaudit audit` prints, and a notebook shows it as a table.
+    computed once. `str(result)` is what `fcaudit audit` prints, opening with the three answers (`questions()`),
+    and a notebook shows it as tables.
 
     Attributes
     ----------
@@ -221,6 +226,10 @@ class AuditResult(Results):
     CrossInput               Cross-input  ...
     StructureRemoved          GlobalMean  ...
     >>> print(result)
+    three questions:
+      variation   layer ...%, input ...%, token ...%, interactions ...%
+      dependence  StaticProfile ΔNLL ..., Cross-input ΔNLL ..., retention ...
+      execution   not measured: pass execution=True to fca.audit ...
     exact replay: passed=True bit_equal=True max|Δlogit|=0 ΔNLL=0
     FCA penalties (...)
     PenaltiesResult: mean ΔNLL vs Correct per condition (nats per predicted token), 95% paired-window ...
@@ -355,22 +364,71 @@ class AuditResult(Results):
         """
         return protocol.default_labels() | dict(self.config["labels"])
 
-    @property
-    def variation(self) -> dict | None:
-        """Coefficient variation (variation.json): does the controller vary across inputs, tokens and layers?
+    def variation(self) -> VariationResult | None:
+        """Question 1, coefficient variation (variation.json): how much of the coefficients' spread layer, input,
+        token and their interactions explain, beside each layer's profile; None for an audit stopped before its end.
 
-        Each layer's coefficient profile (`layers`: mean, sd, shape, site) and a balanced variance decomposition into
-        layer, input, token and their interactions (`decomposition`: shares of the total); None for an audit stopped
-        before its end. Whether the model uses that spread is what the conditions test.
+        Descriptive: whether the model uses that spread is what the conditions test.
+
+        Returns
+        -------
+        VariationResult
+            A Mapping component -> share; `.line()`, `.to_frame()`, `.profile()` (per layer), `.plot()`, `.record`
+            (variation.json as written).
 
         Examples
         --------
-        >>> sorted(result.variation["decomposition"])
+        >>> var = result.variation()
+        >>> sorted(var)
         ['input', 'input:layer', 'input:layer:token', 'input:token', 'layer', 'layer:token', 'token']
-        >>> result.variation["layers"][0]["site"]
+        >>> var.layers[0]["site"]
         'gates.0'
         """
-        return _read_json(AuditDir(self.path).read_variation, self.path)
+        var = _read_json(AuditDir(self.path).read_variation, self.path)
+        return None if var is None else VariationResult.from_json(var)
+
+    def execution(self) -> ExecutionResult | None:
+        """Question 3, where the audit measured it (`execution=True`): what the controller decided beside what the
+        forward pass computed, and FLOPs per token live and replayed with the controller disabled, on the first
+        evaluation batch (execution.json). None where it was not measured; `execution_note` says why.
+
+        Examples
+        --------
+        >>> result.execution() is None, result.execution_note  # fca.audit's example did not ask for it
+        (True, 'not measured: pass execution=True to fca.audit (fcaudit audit --execution)')
+        """
+        ex = self.execution_record()
+        return None if ex is None or "reason" in ex else ExecutionResult.from_json(ex)
+
+    @property
+    def execution_note(self) -> str:
+        """Why `execution()` is None ('' where it is not): not asked for, or the one line saying why fcaudit could
+        not tell what ran."""
+        ex = self.execution_record()
+        return NOT_MEASURED if ex is None else f"not measured: {ex['reason']}" if "reason" in ex else ""
+
+    def execution_record(self) -> dict | None:
+        """execution.json as the audit wrote it (None: not measured; {"reason": ...}: fcaudit could not tell)."""
+        return _read_json(AuditDir(self.path).read_execution, self.path)
+
+    def questions(self) -> dict[str, dict[str, str]]:
+        """The three questions' answers, as `str(result)`, its HTML and the report open with: {question: {column:
+        text}} for variation, dependence and execution (`fcaudit.stats.results.three_questions`).
+
+        Examples
+        --------
+        >>> list(result.questions()), list(result.questions()["variation"])
+        (['variation', 'dependence', 'execution'], ['layer', 'input', 'token', 'interactions'])
+        """
+        retention = {r.condition: r for r in self.statistics().retentions()}.get(self.static)
+        return three_questions(self.variation(), self.penalties(), retention, self.static, self.execution(),
+                               self.execution_note)
+
+    def __str__(self) -> str:
+        return "\n".join([*questions_lines(self.questions()), super().__str__()])
+
+    def _repr_html_(self) -> str:
+        return f"<div>{questions_html(self.questions())}{super()._repr_html_()}</div>"
 
     @property
     def criteria(self) -> Criteria:

@@ -162,13 +162,29 @@ class ExecutionResult(Mapping):
         df["latency_vs_live"] = df["latency_ms"] / live.latency_ms
         return df
 
+    def to_json(self) -> dict:
+        """What an audit's execution.json holds (`from_json` reads it back)."""
+        return {"decided": self.decided, "executed": self.executed, "verdict": self.verdict,
+                "blocks": list(self.blocks), "executed_by_block": list(self.executed_by_block),
+                "variants": {name: {f.name: getattr(v, f.name) for f in fields(v)}
+                             for name, v in self.variants.items()},
+                "decoding": dict(self.decoding)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ExecutionResult:
+        return cls(float(d["decided"]), float(d["executed"]), tuple(d["blocks"]), tuple(d["executed_by_block"]),
+                   {name: Variant(**{k: math.nan if x is None else x for k, x in v.items()})
+                    for name, v in d["variants"].items()}, dict(d["decoding"]))
+
     def _lines(self) -> list[str]:
         lines = [self.verdict, f"blocks governed: {len(self.blocks)} ({', '.join(self.blocks[:4])}"
                  f"{', ...' if len(self.blocks) > 4 else ''})"]
         for name, v in self.variants.items():
-            lines.append(f"  {name:<10} {v.flops_per_token:12.4g} FLOPs/token  {v.latency_ms:9.3f} ms/batch"
+            timed_ = "" if math.isnan(v.latency_ms) else f"  {v.latency_ms:9.3f} ms/batch"
+            lines.append(f"  {name:<10} {v.flops_per_token:12.4g} FLOPs/token{timed_}"
                          + (" (noisy)" if v.latency_noisy else ""))
-        lines.append(f"controller's own cost: FLOPs x{self.controller_flops:.3f}, latency x{self.controller_latency:.3f}"
+        latency = "" if math.isnan(self.controller_latency) else f", latency x{self.controller_latency:.3f}"
+        lines.append(f"controller's own cost: FLOPs x{self.controller_flops:.3f}{latency}"
                      " (live / replayed with the controller disabled)")
         if "reference" in self:
             lines.append(f"vs reference: FLOPs x{self.flops_vs_reference:.3f}, latency x{self.latency_vs_reference:.3f}")
@@ -264,6 +280,25 @@ def observe(model: nn.Module, controller: Controller, ids: torch.Tensor, blocks:
     if info.routers and not (info.tokens or info.depth) and blocks is None:
         executed = _experts_executed(model, controller, ids)
     return Observed(info.decided(found), executed, governed, fractions, found)
+
+
+AUDITED = "the first evaluation batch of an audit: FLOPs counted, not timed"
+
+
+def audit_execution(model: nn.Module, controller: Controller, ids: torch.Tensor) -> dict:
+    """execution.json of `fca.audit(..., execution=True)`, measured on its first evaluation batch `ids`: decided and
+    executed work, FLOPs per token live and with the same decisions replayed, the controller disabled
+    (`ExecutionResult.to_json`); or {"reason": the one line saying why fcaudit cannot tell}, since the audit's own
+    results stand either way. Nothing is timed (a latency differs between runs; these numbers do not) or decoded."""
+    try:
+        seen = observe(model, controller, ids)
+        counted = {"live": flops(model, ids), "replayed": flops(Replaying(model, controller, seen.found), ids)}
+    except FcauditError as e:  # the audit takes no block pattern: fca.execution does
+        return {"reason": " ".join(str(e).split()) + " (in fca.execution(model, controller, windows, blocks=...))"}
+    labels = {"live": "the model, controller live", "replayed": "the same decisions replayed, controller off"}
+    return ExecutionResult(seen.decided, seen.executed, seen.blocks, seen.executed_by_block,
+                           {name: Variant(labels[name], f) for name, f in counted.items()},
+                           {"decode_note": f"not measured ({AUDITED})"}).to_json()
 
 
 def execution(model: nn.Module, controller: Controller, windows, *, reference: nn.Module | None = None,

@@ -19,10 +19,10 @@ from fcaudit.io import atomic_write  # noqa: E402
 from fcaudit.report.tables import retention_undefined  # noqa: E402
 from fcaudit.stats.plots import error_bars  # noqa: E402
 from fcaudit.stats.results import PenaltiesResult  # noqa: E402
+from fcaudit.stats.variance import TERMS as VARIANCE_TERMS  # noqa: E402
 
 plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "figure.dpi": 110})
 
-VARIANCE_TERMS = ("layer", "input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
 _TERM_COLORS = dict(zip(VARIANCE_TERMS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
                                          "#da8bc3")))
 _FAMILY_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")

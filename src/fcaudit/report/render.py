@@ -21,10 +21,12 @@ from fcaudit.auditor.directory import MARKER
 from fcaudit.auditor.results import Replay
 from fcaudit.controllers.checks import CAUSALITY, TOKEN_ROUTING
 from fcaudit.errors import FcauditError
+from fcaudit.execution.decided import ExecutionResult
 from fcaudit.io import OutDir, read_json, valid_path
 from fcaudit.provenance import provenance
 from fcaudit.report import figures, tables, verdicts
 from fcaudit.stats.inference import sign_flip_kind
+from fcaudit.stats.results import NOT_MEASURED, VariationResult, answer, three_questions
 from fcaudit.summary import FamilyResult, Summary, csv_frame, summarize
 
 TABLE1_COLUMNS = ("setting", "method", "n", "byte_ppl_mean", "byte_ppl_sd", "gate_mass")
@@ -88,7 +90,8 @@ def discover(inputs: Sequence[str | Path]) -> Found:
                 if missing := [c for c in TABLE1_COLUMNS if c not in t.columns]:
                     raise FcauditError(f"{f} lacks columns {missing}; write it with fcaudit.report.tables.training_table")
                 found.table1.append(t[list(TABLE1_COLUMNS)])
-            elif f.name == "execution.json" or (f.name == "execution.csv" and not (f.parent / "execution.json").is_file()):
+            elif (f.name == "execution.json" and not (f.parent / MARKER).is_file()  # an audit's: read with it
+                  or f.name == "execution.csv" and not (f.parent / "execution.json").is_file()):
                 found.execution.append(f)  # execution.json holds the csv's rows plus settings: read it alone
     # audits already covered by a summary given alongside them are not summarized twice
     covered = {Path(a).resolve() for _, s in found.summaries for fam in s.values() for a in fam.audit_dirs}
@@ -198,6 +201,8 @@ def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, execution
         lines = {"variation": verdicts.variation_line(g.variation, fracs.get(fam)),
                  "functional dependence": verdicts.dependence_line(g),
                  "execution": verdicts.execution_line(rows, verdicts.audited_checkpoints(g))}
+        if (audited := family_execution(g)[0]) is not None and not rows:  # no `fcaudit execution` to say more
+            lines["execution"] = f"{audited.verdict}, on the audit's first evaluation batch"
         if not out:
             doc.h(2, "Verdicts: the three questions per model family")
         doc.p(f"**{fam}** ({g.n_checkpoints} checkpoint(s), {g.level}-level intervals)"
@@ -205,6 +210,57 @@ def _verdicts_section(doc: Doc, summaries: list[Summary], fracs: dict, execution
         doc.ul([f"**{q.capitalize()}**: {text}" for q, text in lines.items()])
         out.append({"family": fam, **lines})
     return out
+
+
+def family_variation(g: FamilyResult, fractions: dict[str, float] | None) -> VariationResult | None:
+    """The family's variation as one result: its checkpoints' mean shares (`_fractions`); constant coefficients
+    (every share nan) where its audits have variation but nothing to decompose; None where none has variation."""
+    if not g.variation:
+        return None
+    shares = fractions or dict.fromkeys(figures.VARIANCE_TERMS[:3], None)
+    return VariationResult.from_json({"decomposition": shares, "layers": []})
+
+
+def family_execution(g: FamilyResult) -> tuple[ExecutionResult | None, str]:
+    """The execution its audits measured (the first checkpoint's that has it), or why none is shown."""
+    measured = [e for e in g.execution if e is not None and "reason" not in e]
+    if measured:
+        return ExecutionResult.from_json(measured[0]), ""
+    reasons = [e["reason"] for e in g.execution if e is not None]
+    return None, f"not measured: {reasons[0]}" if reasons else NOT_MEASURED
+
+
+def _questions_section(doc: Doc, summaries: list[Summary], fracs: dict) -> list[dict]:
+    """The report opens with the three questions, one row per audited model (a family of checkpoints): what share
+    layer, input and token explain; the controller's own static condition, CrossInput and retention; decided
+    against executed work, where the audits measured it."""
+    rows, raw = [], []
+    for fam, g in _families(summaries):
+        execution, why_not = family_execution(g)
+        variation, pen = family_variation(g, fracs.get(fam)), g.penalties()
+        retention = {r.condition: r for r in g.statistics().retentions()}.get(g.static)
+        cells = three_questions(variation, pen, retention, g.static, execution, why_not)
+        if execution is not None and sum(e is not None and "reason" not in e for e in g.execution) < g.n_checkpoints:
+            cells["execution"]["verdict"] += " (measured on one checkpoint)"
+        rows.append({"model": fam, **{q: answer(q, part) for q, part in cells.items()}})
+        # the CSV's numbers: what the cells show, unformatted
+        raw.append({"model": fam, **(variation.main() if variation is not None else {}), "static": g.static,
+                    "static_delta_nll": pen[g.static].statistic if g.static in pen else None,
+                    "cross_input_delta_nll": pen["CrossInput"].statistic if "CrossInput" in pen else None,
+                    "retention": retention.statistic if retention is not None else None,
+                    **({"decided": execution.decided, "executed": execution.executed,
+                        "flops_per_token": execution["live"].flops_per_token,
+                        "flops_per_token_replayed": execution["replayed"].flops_per_token}
+                       if execution is not None else {"execution_note": why_not})})
+    if rows:
+        doc.h(2, "The three questions, per model")
+        frame = pd.DataFrame(rows)
+        doc.table(frame.rename(columns=str.capitalize), pd.DataFrame(raw), "three_questions",
+                  "Variation: shares of the coefficient variance (balanced ANOVA, mean over checkpoints). Dependence: "
+                  "mean ΔNLL vs Correct of the controller's own static condition and of CrossInput with their "
+                  "intervals, and retention (Eq. 8). Execution: on the audit's first evaluation batch, the share of "
+                  "the governed work the controller decided and the share the forward pass computed, observed.")
+    return rows
 
 
 ROUTER_CHECKS = (CAUSALITY, TOKEN_ROUTING)  # said with the replay check; every other notice has its own paragraph
@@ -505,6 +561,7 @@ def build_report(inputs: Sequence[str | Path], out: str | Path, allow_partial: b
     fracs = _fractions(summaries)
     executions = [_read_execution(f) for f in found.execution]
     numbers: dict[str, Any] = {"provenance": prov, "inputs": [str(p) for p in inputs],
+                               "three_questions": _questions_section(doc, summaries, fracs),
                                "verdicts": _verdicts_section(doc, summaries, fracs, executions)}
     if (t1 := _training_section(doc, found)) is not None:
         numbers["table1"] = json.loads(t1.to_json(orient="records"))

@@ -4,7 +4,8 @@ the columns `label, statistic, ci_low, ci_high, pvalue, n` (then `mc_se` and wha
 table of numbers already computed (no I/O), show themselves in notebooks and plot. `Results` is what one audit and
 a summary's family share: `penalties()`, `factor_effects()`, `retention()` and the prespecified criteria's verdicts,
 each computed once per (confidence, resamples) from the window-level (`WindowStatistics`) or checkpoint-level
-(`CheckpointStatistics`, fcaudit.stats.levels) statistics."""
+(`CheckpointStatistics`, fcaudit.stats.levels) statistics. `VariationResult` is question 1 in the same vocabulary, and
+`three_questions` the one table of a model's three answers that an audit's printout and the report open with."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import pandas as pd
 from fcaudit.protocol import Criteria
 from fcaudit.stats import plots
 from fcaudit.stats.inference import ConfidenceInterval, Estimate
+from fcaudit.stats.variance import TERMS
+
 FACTOR_LABELS = {"input": "E_input", "token": "E_token", "interaction": "E_interaction"}
 VOCABULARY = ("label", "statistic", "ci_low", "ci_high", "pvalue", "n")  # every result table's first columns
 WINDOW_LEVEL = "window-level (one checkpoint)"
@@ -371,6 +374,187 @@ class RetentionResult:
                        math.nan, int(row["n"]), str(row["note"] or ""), confidence)
         return cls(row["condition"], row["label"], row["reference"], row["reference_label"], est,
                    float(row["delta_static"]), float(row["delta_reference"]), float(row["bound"]), level)
+
+
+# ---- question 1: coefficient variation -------------------------------------------------------------------------
+
+def share(x: float) -> str:
+    return "nan" if not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class VariationResult(Mapping):
+    """Coefficient variation (question 1): the balanced variance decomposition of the evaluation coefficients, a
+    Mapping from component (layer, input, token and their interactions) to its share of the total, beside each
+    layer's coefficient profile. Descriptive: it says how the coefficients spread, not whether the model uses that
+    spread (the conditions test that). Shares are nan where the coefficients are constant.
+
+    What `AuditResult.variation()` returns (variation.json, as the audit wrote it, in `record`). `to_frame()`: one
+    row per component (share); `profile()`: one row per layer (site, shape, mean, sd).
+
+    Attributes
+    ----------
+    shares : dict
+        Component -> share of the total sum of squares (they sum to 1).
+    layers : tuple of dict
+        Each layer's profile: layer, site, shape [stream, source], mean, sd, stream_source_mean.
+    decomposed : str
+        What was decomposed (a scalar per (input, layer, token), or each (stream, source) slice pooled).
+    windows_decomposed, windows : int
+        The (first) windows decomposed, of the evaluation windows profiled.
+
+    Examples
+    --------
+    >>> var = result.variation()
+    >>> list(var)[:3], round(sum(var.values()), 9)
+    (['layer', 'input', 'token'], 1.0)
+    >>> var.to_frame().columns.tolist(), var.profile()["site"].tolist()
+    (['label', 'share'], ['gates.0', 'gates.1'])
+    >>> var.line()
+    'layer ...%, input ...%, token ...%, interactions ...% of the coefficient variance'
+    >>> ax = var.plot()
+    """
+
+    shares: dict
+    layers: tuple
+    decomposed: str
+    windows_decomposed: int | None
+    windows: int | None
+    record: dict
+
+    @classmethod
+    def from_json(cls, var: dict) -> VariationResult:
+        """variation.json's content (`fcaudit.stats.variance.variation`'s)."""
+        got = var["decomposition"]
+        shares = {t: math.nan if got[t] is None else float(got[t]) for t in (*TERMS, *got) if t in got}
+        return cls(shares, tuple(var["layers"]), str(var.get("decomposed", "")), var.get("windows_decomposed"),
+                   var.get("windows"), dict(var))
+
+    def __getitem__(self, name: str) -> float:
+        return self.shares[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shares)
+
+    def __len__(self) -> int:
+        return len(self.shares)
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    @property
+    def constant(self) -> bool:
+        """The coefficients do not vary at all: nothing to decompose (every share nan)."""
+        return not any(math.isfinite(v) for v in self.shares.values())
+
+    def main(self) -> dict[str, float]:
+        """The shares of layer, input and token alone, and of all their interactions together."""
+        mains = {t: self.shares.get(t, math.nan) for t in TERMS[:3]}
+        rest = math.nan if self.constant else sum(v for t, v in self.shares.items() if t not in mains)
+        return {**mains, "interactions": rest}
+
+    def line(self) -> str:
+        """One line: the main shares and the interactions', or that the coefficients are constant."""
+        if self.constant:
+            return "none: the coefficients are the same for every input, token and layer (variance 0)"
+        return ", ".join(f"{t} {share(v)}" for t, v in self.main().items()) + " of the coefficient variance"
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per component, indexed by it: its label and share of the total."""
+        return pd.DataFrame({"label": list(self.shares), "share": list(self.shares.values())},
+                            index=pd.Index(list(self.shares), name="component"))
+
+    def profile(self) -> pd.DataFrame:
+        """One row per layer: its site, the [stream, source] shape, mean and sd over inputs and tokens."""
+        return pd.DataFrame([{k: (tuple(v) if k == "shape" else v) for k, v in layer.items()
+                              if k in ("layer", "site", "shape", "mean", "sd")} for layer in self.layers])
+
+    def _title(self) -> str:
+        return (f"VariationResult: shares of the coefficient variance (balanced ANOVA over {self.windows_decomposed} "
+                f"of {self.windows} windows; descriptive)")
+
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        return ["component", "share"], [[t, share(v)] for t, v in self.shares.items()]
+
+    def __repr__(self) -> str:
+        return "\n".join([self._title(), *text_table(*self._cells())])
+
+    def _repr_html_(self) -> str:
+        return html_table(*self._cells(), caption=self._title())
+
+    def plot(self, ax=None):
+        """The shares as horizontal bars (the report's Figure 3 shows them stacked, per model).
+
+        Returns
+        -------
+        matplotlib.axes.Axes
+        """
+        if ax is None:
+            import matplotlib.pyplot as plt
+
+            _, ax = plt.subplots(figsize=(5, 0.35 * max(len(self), 3) + 1.2))
+        ax.barh(list(self.shares)[::-1], np.nan_to_num(list(self.shares.values()))[::-1], color="#4c72b0")
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of the coefficient variance")
+        return ax
+
+
+# ---- the three questions, one model ------------------------------------------------------------------------------
+
+NOT_MEASURED = "not measured: pass execution=True to fca.audit (fcaudit audit --execution)"
+
+
+def _with_interval(e: Estimate) -> str:
+    low, high = e.confidence_interval
+    return f"{_signed(e.statistic)}" + (f" {_interval(low, high)}" if e.has_interval else "")
+
+
+def three_questions(variation: VariationResult | None, penalties: PenaltiesResult, retention: RetentionResult | None,
+                    static: str, execution: Any = None, why_not: str = NOT_MEASURED) -> dict[str, dict[str, str]]:
+    """One model's answers to the paper's three questions, as cells {question: {column: text}}: variation (the
+    shares of layer, input, token and interactions), dependence (the controller's own static condition's ΔNLL,
+    CrossInput's, retention or why undefined) and execution (decided, executed and the verdict of an object that has
+    them, e.g. an ExecutionResult; `why_not` where there is none)."""
+    if variation is None:
+        var = {"variation": "not recorded (an unfinished audit)"}
+    elif variation.constant:
+        var = {"variation": "none (constant coefficients)"}
+    else:
+        var = {t: share(v) for t, v in variation.main().items()}
+    labels = dict(zip(penalties.names, penalties.labels))
+    dep = {f"{labels.get(static, static)} ΔNLL": _with_interval(penalties[static]) if static in penalties else "—"}
+    if "CrossInput" in penalties:
+        dep[f"{labels['CrossInput']} ΔNLL"] = _with_interval(penalties["CrossInput"])
+    if retention is not None:
+        low, high = retention.confidence_interval
+        dep["retention"] = retention_value(retention.statistic, low, high, retention.note)
+    if execution is None:
+        ex = {"execution": why_not}
+    else:
+        ex = {"decided": share(execution.decided), "executed": f"{share(execution.executed)} (observed)",
+              "controller FLOPs": f"x{execution.controller_flops:.3f} of its decisions replayed without it",
+              "verdict": execution.verdict.split(": ", 1)[-1]}
+    return {"variation": var, "dependence": dep, "execution": ex}
+
+
+def answer(question: str, part: dict[str, str], sep: str = " ") -> str:
+    """One question's cells as text: 'name value' pairs; a cell named as its question is its text alone, and a
+    verdict follows a colon."""
+    said = ", ".join(v if k == question else f"{k}{sep}{v}" for k, v in part.items() if k != "verdict")
+    return said + (f": {part['verdict']}" if "verdict" in part else "")
+
+
+def questions_lines(cells: dict[str, dict[str, str]]) -> list[str]:
+    """The three questions as text: one row per question, its columns as 'name value' pairs."""
+    width = max(map(len, cells))
+    return ["three questions:", *(f"  {q.ljust(width)}  {answer(q, p)}" for q, p in cells.items())]
+
+
+def questions_html(cells: dict[str, dict[str, str]]) -> str:
+    rows = [[q, answer(q, p, ": ")] for q, p in cells.items()]
+    return html_table(["question", "answer"], rows, caption="The three questions")
 
 
 # ---- the prespecified criteria ---------------------------------------------------------------------------------

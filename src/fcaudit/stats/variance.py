@@ -11,6 +11,8 @@ import numpy as np
 from fcaudit.errors import FcauditError
 
 AXES = ("input", "layer", "token")
+# the decomposition's terms as shown: the three main effects, then their interactions
+TERMS = ("layer", "input", "token", "input:layer", "input:token", "layer:token", "input:layer:token")
 DECOMPOSITION_BUDGET = 256 * 2**20  # bytes of float64 coefficients loaded for the variance decomposition
 DECOMPOSITION_WINDOWS = 256  # at most this many windows (the first ones): memory flat in the number of windows
 
