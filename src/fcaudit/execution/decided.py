@@ -239,11 +239,12 @@ def _observed(model: nn.Module, controller: Controller, ids: torch.Tensor,
     own = {m for s in controller.sites if s.op is None and s.method == "forward" for m in s.module.modules()}
     ran = {n: row_fraction({m: r for m, r in count.items() if m not in own}, ids.numel())
            for (n, _), count in zip(blocks, counts)}
-    governed = tuple(n for n in ran if sites[n] or not info.tokens)
+    tokens = info.lead.execution == "tokens"  # a token router governs its own blocks, any other kind every block
+    governed = tuple(n for n in ran if sites[n] or not tokens)
     if not governed:
         raise FcauditError(f"no token router of the controller lies in a block of {pattern!r} (e.g. "
                            f"{next(iter(sites))}): pass blocks= the path pattern of the blocks its routers govern")
-    possible = info.top(found) if info.depth else sum(sites[n] for n in governed) if info.tokens else len(governed)
+    possible = info.top(found) if info.depth else sum(sites[n] for n in governed) if tokens else len(governed)
     return found, governed, tuple(ran[n] for n in governed), sum(ran[n] for n in governed) / possible
 
 
@@ -277,7 +278,7 @@ def observe(model: nn.Module, controller: Controller, ids: torch.Tensor, blocks:
     the model's largest ModuleList); for expert routers without `blocks`, the FLOPs inside their experts."""
     found, governed, fractions, executed = _observed(model, controller, ids, blocks or block_pattern(model))
     info = controller.info
-    if info.routers and not (info.tokens or info.depth) and blocks is None:
+    if info.lead.execution == "experts" and blocks is None:
         executed = _experts_executed(model, controller, ids)
     return Observed(info.decided(found), executed, governed, fractions, found)
 

@@ -84,7 +84,10 @@ class Kind:
     codec: str | None = None
     coefficient: str = ""
     reads: str = ""
-    execution: str | None = None  # what its decisions mean for execution: "tokens" = counted in token x block pairs
+    # what its decisions mean for execution: "tokens" = counted in token x block pairs of its own blocks, "experts" =
+    # the experts it runs per token (their FLOPs); None = every block's rows (soft kinds decide nothing away, depth
+    # kinds decide over every block)
+    execution: str | None = None
     observed: bool = False  # what its decisions select can be observed on the replayed model (`select`)
     slots: bool = True  # the pre-write slot check moves its coefficients between tokens (a token router's keep a set)
     # what a failed exact replay's refusal tells the user to do

@@ -12,6 +12,7 @@ from fcaudit.kinds.base import PAPER, Kind, register
 
 class ExpertRouter(Kind):
     name = "expert_router"
+    execution = "experts"  # k of E experts per token: their FLOPs say what ran
     conditions = PAPER + ("StaticTopK",)
     reference = "ExpertUniformMean"
     static = "StaticTopK"
