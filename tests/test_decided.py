@@ -135,6 +135,10 @@ def test_a_router_that_gathers_its_tokens_executes_what_it_decided():
     assert mr.decided == pytest.approx(4 / 16) and mr.executed == 1.0
     assert "no saving realized" in mr.verdict
     assert r["live"].flops_per_token < mr["live"].flops_per_token  # FLOPs tell the same, counted independently
+    # the default reference: the same model, every token chosen; the masked one computes all of it already
+    assert r.flops_vs_reference < 0.75
+    assert mr["replayed"].flops_per_token == mr["reference"].flops_per_token  # its k tokens cost what all T do
+    assert "nothing decided away" in r["reference"].label
 
 
 def test_a_halting_layer_that_runs_every_step_is_flagged():
@@ -170,7 +174,10 @@ def test_bad_settings_and_blocks_are_one_line_refusals():
                       blocks="blocks.*.mlp", **FAST)
     with pytest.raises(FcauditError, match="token ids"):
         fca.execution(model, ctrl, IDS.float(), **FAST)
-    assert math.isnan(fca.execution(model, ctrl, IDS, blocks="gates.*", **FAST).flops_vs_reference)
+    with pytest.raises(FcauditError, match="hold no weights but the controller's own"):
+        fca.execution(model, ctrl, IDS, blocks="gates.*", **FAST)
+    same = fca.execution(model, ctrl, IDS, blocks="mlps.*", **FAST)  # no reference given: its soft gates' own graph
+    assert same["reference"].flops_per_token == same["replayed"].flops_per_token
 
 
 def test_a_hugging_face_moe_decides_k_of_e_experts_and_its_experts_flops_show_k():
@@ -180,6 +187,7 @@ def test_a_hugging_face_moe_decides_k_of_e_experts_and_its_experts_flops_show_k(
     model = tiny_moe("mixtral", experts=4, top_k=2, layers=2)
     r = fca.execution(model, fca.controller_for(model), IDS, min_run_time=0.02)
     assert r.decided == pytest.approx(2 / 4) and r.executed == pytest.approx(2 / 4)
+    assert "reference" not in r and math.isnan(r.flops_vs_reference)  # a top-k codec keeps k experts: pass one
     assert "the decided saving realized" in r.verdict
     assert r.decoding["decode_note"] == "" and r.decoding["decode_max_abs_dlogit"] < 1e-4  # through its own cache
 

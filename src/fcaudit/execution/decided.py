@@ -237,8 +237,11 @@ def _observed(model: nn.Module, controller: Controller, ids: torch.Tensor,
         if name is not None:
             sites[name] += 1
     own = {m for s in controller.sites if s.op is None and s.method == "forward" for m in s.module.modules()}
-    ran = {n: row_fraction({m: r for m, r in count.items() if m not in own}, ids.numel())
-           for (n, _), count in zip(blocks, counts)}
+    counts = {n: {m: r for m, r in count.items() if m not in own} for (n, _), count in zip(blocks, counts)}
+    if not any(counts.values()):
+        raise FcauditError(f"the blocks of {pattern!r} hold no weights but the controller's own: pass blocks= the "
+                           "path pattern of the blocks its decisions govern")
+    ran = {n: row_fraction(count, ids.numel()) for n, count in counts.items()}
     tokens = info.lead.execution == "tokens"  # a token router governs its own blocks, any other kind every block
     governed = tuple(n for n in ran if sites[n] or not tokens)
     if not governed:
@@ -313,7 +316,9 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
     windows
         Token ids [windows, tokens], or `fca.windows`' evaluation WindowSet.
     reference
-        A model that runs everything (a Dense baseline of the same shape), for FLOPs and latency ratios; None: none.
+        A model that runs everything (a Dense baseline of the same shape), for FLOPs and latency ratios; None: the
+        model itself, its controller replaying decisions that decide nothing away (every token, no exit, every block;
+        its own for soft kinds), where its kinds have such decisions (not for top-k experts or halting weights).
     config, **settings
         `ExecutionSettings` (batch_size, blocks, min_run_time, threads, decode); settings replace its fields.
 
@@ -335,10 +340,12 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
     with using_threads(cfg.threads):
         seen = observe(model, controller, ids, cfg.blocks)
         runs = {"live": model, "replayed": Replaying(model, controller, seen.found)}
-        if reference is not None:
-            runs["reference"] = reference
+        everything = controller.info.everything(seen.found) if reference is None else None
+        if reference is not None or everything is not None:
+            runs["reference"] = reference or Replaying(model, controller, everything, seen.found.decoding)
         labels = {"live": "the model, controller live", "replayed": "the same decisions replayed, controller off",
-                  "reference": "the reference given"}
+                  "reference": ("the reference given" if reference is not None else
+                                "everything run: its decisions replayed with nothing decided away")}
         counted = {name: flops(run, ids) for name, run in runs.items()}
         lats = timed([(run, ids) for run in runs.values()], Timing(cfg.min_run_time))
         variants = {name: Variant(labels[name], counted[name], lat.ms_per_batch, lat.iqr_ms, lat.noisy)

@@ -118,6 +118,11 @@ class Kind:
         """What removes every coefficient's effect (the pre-write effect check replays it): zeros."""
         return torch.zeros_like(c)
 
+    def everything(self, c: torch.Tensor) -> torch.Tensor | None:
+        """Its decisions with nothing decided away, execution's default reference: a soft kind's own (the same graph
+        runs); None where no replay of its decisions runs everything (a top-k codec keeps k experts)."""
+        return c
+
     # ---- the conditions ------------------------------------------------------------------------------------------
     def move(self, condition: str, ctx: Context, r: int, examples: np.ndarray) -> Coeffs:
         """The batch's replay coefficients under `condition` (randomization r), kept to this kind's budget."""

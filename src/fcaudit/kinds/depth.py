@@ -250,6 +250,10 @@ class ExitDepth(Depth):
     reference = "RandomExit"
     references = ("RandomExit",)
 
+    def everything(self, c: torch.Tensor) -> torch.Tensor:
+        """No token exits: every block runs for every token."""
+        return torch.zeros_like(c)
+
     def canonical(self, coeffs: Coeffs) -> list[torch.Tensor]:
         """Exit decisions as the model obeys them: a token stays exited after its first exit (the later sites'
         values for it, which the model ignores, become 1)."""
@@ -290,6 +294,11 @@ class Halting(Depth):
     references = ("RandomHalt",)
     codec = None  # soft weights: a layout
     coefficient = reads = ""
+
+    def everything(self, c: torch.Tensor) -> None:
+        """None: which step is a token's last is spread over the sites' sources, and a halting model may run every
+        step whatever its weights say; a model of fixed depth is a reference of its own."""
+        return None
 
     def decisions(self, c: torch.Tensor) -> torch.Tensor:
         return c != 0
@@ -353,6 +362,10 @@ class SkipMask(Depth):
     reference = "RandomSkip"
     references = ("RandomSkip",)
     steps = False
+
+    def everything(self, c: torch.Tensor) -> torch.Tensor:
+        """Every block runs for every token."""
+        return torch.ones_like(c)
 
     def per(self, coeffs: Coeffs) -> torch.Tensor:
         return torch.stack([c[:, :, 0, 0].to(coeffs[0].device) > 0.5 for c in coeffs], 1)

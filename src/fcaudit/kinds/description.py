@@ -175,6 +175,11 @@ class Description:
         share = float(self.active(coeffs).mean())
         return share if self.tokens or self.depth else share / max(coeffs[i].shape[3] for i in self.routers)
 
+    def everything(self, coeffs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Its decisions with nothing decided away (each kind's `everything`), or None where some kind has none."""
+        out = [k.everything(c) for k, c in zip(self.of, coeffs)]
+        return None if any(c is None for c in out) else out
+
     def top(self, coeffs: Sequence[torch.Tensor]) -> int:
         """A depth controller's most units a token can execute (blocks or steps, with the blocks that always run);
         one per site for any other controller."""

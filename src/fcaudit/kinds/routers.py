@@ -22,6 +22,11 @@ class ExpertRouter(Kind):
         """The experts that run: nonzero weights."""
         return c != 0
 
+    def everything(self, c: torch.Tensor) -> None:
+        """None: a top-k router's codec keeps k experts whatever it replays; a model running every expert is a
+        reference of its own (`fca.execution(..., reference=)`)."""
+        return None
+
 
 class CapacityRouter(ExpertRouter):
     name = "capacity_router"

@@ -120,6 +120,12 @@ class TokenRouter(Kind):
         """No scores and another set of as many tokens, so that its choices are tested too."""
         return other_choices(c)
 
+    def everything(self, c: torch.Tensor) -> torch.Tensor:
+        """Every token chosen, with its own score (a replay runs the block on every token)."""
+        out = c.clone()
+        out[:, :, 0, 1] = 1.0
+        return out
+
     def budget(self, info, coeffs: Coeffs) -> np.ndarray:
         """Per window the tokens chosen over all its layers (each layer keeps its own k)."""
         return sum(chosen(c).sum(1).long() for c in coeffs).cpu().numpy()
