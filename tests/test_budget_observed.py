@@ -86,5 +86,5 @@ def test_runs_must_name_one_block_per_token_router(tmp_path):
     model = LM(Gathered)
     assert "matches 6 modules for 2 sites" in api_refusal(lambda: fca.Controller.from_modules(
         model, "layers.*.router", kind="token_router", runs="layers.*.block.*"))
-    assert "route tokens into; its sites are scalar_gates" in api_refusal(lambda: fca.Controller.from_modules(
+    assert "a depth controller's blocks); its sites are scalar_gates" in api_refusal(lambda: fca.Controller.from_modules(
         model, "layers.*.score", layout="batch token 1", runs="layers.*.block"))

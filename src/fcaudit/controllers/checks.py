@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from fcaudit import protocol
-from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.controller import Controller, Seen
 from fcaudit.controllers.flow import Flow, batch_token_axes
+from fcaudit.controllers.rows import block_rows
 from fcaudit.controllers.sites import Call, Decoding, Site, leaves
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import chosen
@@ -341,17 +342,18 @@ def ranked_notice(controller: Controller, flow: Flow) -> Finding | None:
 
 # ---- the budget observed -------------------------------------------------------------------------------------------
 
-def observed_budget(controller: Controller, coeffs: Sequence[torch.Tensor], seen: dict[int, list],
+def observed_budget(controller: Controller, coeffs: Sequence[torch.Tensor], seen: Seen,
                     condition: str) -> Finding | None:
-    """Refused, naming the site and the counts, when the rows that entered a site's routed block (`seen`, from
-    `Controller.observing` during a replay of `coeffs`) differ from the rows its replayed decisions select: the
-    model re-derives its set (a threshold from the replayed scores on its live router weights), so the budget the
-    records say is not what ran. The budget's equivalent of the exact replay check."""
+    """Refused, naming the site or block and the counts, when the rows the replayed model ran where `runs=` named
+    (`seen`, from `Controller.observing` during a replay of `coeffs`) differ from the rows its replayed decisions
+    select: the model re-derives its set (a threshold from the replayed scores on its live router weights, depths
+    from its live exit rule, experts from its own top-k), so the budget the records say is not what ran. The budget's
+    equivalent of the exact replay check."""
     for i, site in enumerate(controller.sites):
         if site.runs is None:
             continue
         want = controller.info.of[i].select(coeffs[i]).cpu().long()
-        calls = seen.get(i, [])
+        calls = seen.calls.get(i, [])
         per_window = [c for c in calls if isinstance(c, torch.Tensor)]
         got_total = sum(int(c.sum()) for c in per_window) + sum(c for c in calls if isinstance(c, int))
         if per_window and len(per_window) == len(calls):
@@ -363,6 +365,10 @@ def observed_budget(controller: Controller, coeffs: Sequence[torch.Tensor], seen
         elif got_total != int(want.sum()):
             return _budget_refusal(site, condition, f"the first batch sent {got_total} tokens into it for "
                                                     f"{int(want.sum())} chosen", got_total, want)
+    if controller.runs:
+        ran = [block_rows(c) for c in seen.blocks]
+        return (_experts_budget if controller.info.of[0].runs == "experts" else _depth_budget)(
+            controller, coeffs, ran, condition)
     return None
 
 
@@ -372,6 +378,65 @@ def _budget_refusal(site: Site, condition: str, how: str, got: int, want: torch.
                            "threshold from the replayed scores on its live router weights): make the block run "
                            "the chosen index (gather), or declare the site where the set is decided",
                            {"site": site.name, "condition": condition, "ran": got, "chosen": int(want.sum())})
+
+
+def _depth_budget(controller: Controller, coeffs: Sequence[torch.Tensor], ran: list[int],
+                  condition: str) -> Finding | None:
+    """A depth controller's blocks (`runs=`, in order): each must compute exactly the (block, token) pairs the
+    replayed decisions run in it (`Kind.rows`); one block run at every step (halting), their sum."""
+    info = controller.info
+    kind, always = info.of[0], info.always[0]
+    want = kind.rows(coeffs, always)
+    blocks = [name for name, _ in controller.runs]
+    if len(blocks) == 1 and len(want) > 1:  # one block shared by every step (halting, a looped block)
+        want = [sum(want)]
+    if len(blocks) != len(want):
+        late = len(blocks) - len(want) + always
+        hint = (f"where the first {late} block(s) run for every token before the first decision, declare "
+                f"Decisions(always={late})" if late > 0 else "give a pattern matching the blocks the decisions run")
+        return Finding.refused("budget", f"runs= names {len(blocks)} blocks ({blocks[0]!r}...) for the {len(want)} "
+                               f"that the decisions of {len(controller.sites)} {kind.name} sites run"
+                               f"{f' ({always} of them always)' if always else ''}, or one block run at every "
+                               f"step: {hint}",
+                               {"blocks": len(blocks), "units": len(want), "condition": condition})
+    for name, got, need in zip(blocks, ran, want):
+        if got != need:
+            return Finding.refused("budget", f"block {name!r}: under {condition} it computed {got} rows on the first "
+                                   f"batch for the {need} (block, token) pairs the replayed {kind.name} decisions run "
+                                   "in it; " + ("it computes tokens the decisions stop (a model that masks rather "
+                                                "than gathers shows every row: drop runs=, its budget is then the "
+                                                "decisions', not observed), or the model re-derives its depths"
+                                                if got > need else "the model re-derives its depths (its live rule, "
+                                                "not the replayed decisions, says which tokens run)")
+                                   + ": declare the decisions the model obeys, and runs= only for blocks that "
+                                     "run the decided tokens alone",
+                                   {"block": name, "condition": condition, "ran": got, "decided": need})
+    return None
+
+
+def _experts_budget(controller: Controller, coeffs: Sequence[torch.Tensor], ran: list[int],
+                    condition: str) -> Finding | None:
+    """Capacity routers' experts (`runs=`, each router's in order): each must compute the slots the replayed
+    decisions fill (`Codec.executed`), or every slot of its capacity (a fixed-shape dispatch computes empty slots
+    too, and then rows cannot show the slots filled)."""
+    at = 0
+    for i, site in enumerate(controller.sites):
+        codec = site.codec
+        filled = codec.executed(coeffs[i])[1][:, :codec.num_experts].sum(0)
+        every = coeffs[i].shape[0] * codec.capacity
+        for e in range(codec.num_experts):
+            name, got = controller.runs[at][0], ran[at]
+            at += 1
+            if got not in (int(filled[e]), every):
+                return Finding.refused("budget", f"site {site.name!r}: under {condition} its expert {name!r} "
+                                       f"computed {got} rows on the first batch for the {int(filled[e])} slots the "
+                                       f"replayed decisions fill (of {every}); the experts run other tokens than "
+                                       "the dispatch says (their own top-k on live router weights, or past the "
+                                       "capacity): make the experts run the dispatched tokens, or declare the "
+                                       "router whose slots they obey",
+                                       {"site": site.name, "expert": name, "condition": condition, "ran": got,
+                                        "filled": int(filled[e])})
+    return None
 
 
 # ---- the causality check -------------------------------------------------------------------------------------------

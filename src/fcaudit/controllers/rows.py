@@ -1,0 +1,52 @@
+"""The rows a forward pass computed in a block, observed on the model: at every module inside the block that holds a
+weight matrix (Linear, Conv1D, a custom projection), each call adding the rows of its first floating-point input (its
+elements over its last axis). Blocks are often run through something other than their own forward (a parent calling
+`block.mlp` on a gathered subset), so the rows are counted where the work is done. It lives here, below execution, so
+that the audit's budget observation (`Controller.observing`) and execution's measurements count rows one way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def computing_modules(block: nn.Module) -> list[nn.Module]:
+    """The modules of `block` (itself included) that hold a weight matrix of their own: where its rows are computed."""
+    return [m for m in block.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+
+
+def _rows(args: tuple) -> int:
+    x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()), None)
+    return 0 if x is None or not x.shape[-1] else x.numel() // x.shape[-1]
+
+
+@contextmanager
+def counting_rows(blocks: Sequence[nn.Module]) -> Iterator[list[Counter]]:
+    """Within the block: per block, a Counter of the rows each of its computing modules received (keyed by module),
+    over every call. Hooks are removed afterwards; the forward's numerics are untouched (a pre-hook only reads)."""
+    counts = [Counter() for _ in blocks]
+    handles = []
+    for count, block in zip(counts, blocks):
+        for m in computing_modules(block):
+            count[m] += 0  # a module that never runs still counts, with 0 rows
+
+            def hook(module, args, count=count):
+                count[module] += _rows(args)
+
+            handles.append(m.register_forward_pre_hook(hook))
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def block_rows(count: Counter) -> int:
+    """The rows one block computed: the most any of its computing modules took (in a block that runs only some
+    tokens, every module takes those rows; a module that takes every row shows the block computed every token)."""
+    return max(count.values(), default=0)
