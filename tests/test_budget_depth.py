@@ -141,17 +141,18 @@ def test_a_skip_net_that_gathers_passes(tmp_path):
 
 
 class Ponder(nn.Module):
-    """Halting weights over STEPS steps: a softmax, cut where its running sum first reaches 0.6 (the remainder
-    at that step, zeros after)."""
+    """Halting weights over STEPS steps: a softmax, cut where its running sum first reaches 0.6 (the remainder at that
+    step, zeros after); `uncut`: the softmax itself (nonzero at every step, whatever the net runs)."""
 
-    def __init__(self):
+    def __init__(self, uncut=False):
         super().__init__()
-        self.w = nn.Linear(WIDTH, STEPS)
+        self.w, self.uncut = nn.Linear(WIDTH, STEPS), uncut
 
     def forward(self, h):
         q = self.w(h).softmax(-1)
-        c = q.cumsum(-1)
-        stop = (c < 0.6).sum(-1, keepdim=True)  # the first step reaching 0.6
+        if self.uncut:
+            return q
+        stop = (q.cumsum(-1) < 0.6).sum(-1, keepdim=True)  # the first step reaching 0.6
         k = torch.arange(STEPS)
         before = torch.where(k < stop, q, 0.0)
         return torch.where(k == stop, 1 - before.sum(-1, keepdim=True), before)
@@ -161,33 +162,39 @@ STEPS = 4
 
 
 class PonderNet(nn.Module):
-    """One step module applied STEPS times; a token takes steps up to its last nonzero weight, and the output mixes
-    the step states by the weights. `batch_wide`: every token runs until the batch's deepest token halts."""
+    """A step module applied STEPS times (`shared`), or one per step; a token runs the steps up to its last nonzero
+    weight (`by_sum`: until its weights' running sum reaches 0.6), and the output mixes the step states by the
+    weights. `batch_wide`: every token runs until the batch's deepest token halts."""
 
-    def __init__(self, batch_wide=False):
+    def __init__(self, batch_wide=False, shared=True, uncut=False, by_sum=False):
         super().__init__()
         torch.manual_seed(7)
         self.embed, self.unembed = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
-        self.ponder, self.step = Ponder(), stage()
-        self.batch_wide = batch_wide
+        self.ponder = Ponder(uncut)
+        if shared:
+            self.step = stage()
+        else:
+            self.steps = nn.ModuleList(stage() for _ in range(STEPS))
+        self.batch_wide, self.shared, self.by_sum = batch_wide, shared, by_sum
 
     def forward(self, ids):
         h = prefix_mean(self.embed(ids))
         w = self.ponder(h)
-        depth = STEPS - (w != 0).flip(-1).long().argmax(-1)
+        depth = (w.cumsum(-1) < 0.6).sum(-1) + 1 if self.by_sum else STEPS - (w != 0).flip(-1).long().argmax(-1)
         mixed = torch.zeros_like(h)
         for s in range(STEPS):
             go = depth > s
             if self.batch_wide:
                 go = go | bool(go.any())
+            f = self.step if self.shared else self.steps[s]
             h = h.clone()
-            h[go] = h[go] + self.step(h[go])
+            h[go] = h[go] + f(h[go])
             mixed = mixed + w[..., s, None] * h
         return self.unembed(mixed)
 
 
-def ponder(model):
-    return fca.Controller.from_modules(model, "ponder", layout="batch token step", kind="halting", runs="step")
+def ponder(model, runs="step"):
+    return fca.Controller.from_modules(model, "ponder", layout="batch token step", kind="halting", runs=runs)
 
 
 def test_a_halting_net_with_one_shared_step_passes(tmp_path):
@@ -199,6 +206,36 @@ def test_a_halting_net_that_runs_every_token_until_the_last_halts_is_refused(tmp
     model = PonderNet(batch_wide=True).eval()
     line = api_refusal(lambda: audit(model, ponder(model), tmp_path))
     assert "block 'step': under Correct it computed" in line and "halting decisions run in it" in line
+
+
+def test_a_halting_net_that_stops_by_the_running_sum_is_refused_once_a_condition_moves_its_weights(tmp_path):
+    model = PonderNet(by_sum=True).eval()  # the same depths as its last nonzero weight, until weights move
+    line = api_refusal(lambda: audit(model, ponder(model), tmp_path))
+    assert "block 'step': under StaticDepth it computed 87 rows on the first batch for the 111" in line
+    assert "the model re-derives its depths" in line
+
+
+def test_halting_weights_that_run_fewer_steps_than_they_say_are_refused_or_noted(tmp_path):
+    model = PonderNet(uncut=True, by_sum=True).eval()  # every step has weight: the budget says every step runs
+    line = api_refusal(lambda: audit(model, ponder(model), tmp_path))
+    assert "under Correct it computed" in line and "the model re-derives its depths" in line
+    model = PonderNet(uncut=True, by_sum=True, shared=False).eval()
+    notes = audit(model, ponder(model, runs=None), tmp_path).replay.notices
+    assert any("note: block steps.1 computed" in n and "the model runs less than its decisions say" in n
+               for n in notes), notes
+
+
+def test_without_runs_late_exits_and_gathered_blocks_are_noted(tmp_path):
+    model = ExitNet(first=1).eval()
+    notes = audit(model, exits(model, runs=None), tmp_path / "late").replay.notices
+    assert any("the model's 4 blocks ('stages.*') are more than the 3 its exit_depth decisions run" in n
+               and "pass codec=Decisions(always=1)" in n for n in notes), notes
+    model = ExitNet().eval()
+    notes = audit(model, exits(model, runs=None), tmp_path / "gathered").replay.notices
+    assert any("pass runs='stages.*'" in n for n in notes), notes
+    model = ExitNet(how="mask").eval()
+    notes = audit(model, exits(model, runs=None), tmp_path / "masked").replay.notices
+    assert not any("stages" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("runs, why", [("nothing.*", "matches no module of ExitNet")])

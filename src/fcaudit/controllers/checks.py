@@ -15,6 +15,7 @@ engine's exact replay check.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -25,8 +26,8 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.controllers.controller import Controller, Seen
 from fcaudit.controllers.flow import Flow, batch_token_axes
-from fcaudit.controllers.rows import block_rows
-from fcaudit.controllers.sites import Call, Decoding, Site, leaves
+from fcaudit.controllers.rows import block_rows, counting_rows, largest_list
+from fcaudit.controllers.sites import Call, Decoding, Site, leaves, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import chosen
 from fcaudit.loss import logits_of
@@ -548,7 +549,8 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     if found and found[0].refusal:
         return found
     one = first[:1]
-    with controller.capture(*one.shape, decoding=False) as alone:
+    pattern, blocks = depth_blocks(model, controller)
+    with controller.capture(*one.shape, decoding=False) as alone, counting_rows([m for _, m in blocks]) as rows:
         logits = logits_of(model(one), model, one)
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
@@ -563,8 +565,59 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     check = "depth" if info.depth else TOKEN_ROUTING  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
     found += zero_notices(info)
-    found += [f for f in (first_blocks_notice(controller),) if f is not None]
+    found += [f for f in (first_blocks_notice(controller) or depth_rows_notice(controller, pattern, rows, alone),)
+              if f is not None]
     return found
+
+
+def depth_blocks(model: nn.Module, controller: Controller) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """A depth controller's blocks found by structure where `runs=` names none (the children of the model's largest
+    ModuleList), as (pattern, blocks), for `depth_rows_notice`; else ("", [])."""
+    pattern = largest_list(model) if controller.info.depth and not controller.runs else None
+    if pattern is None:
+        return "", []
+    return pattern, [(n, m) for n, m in model.named_modules() if n and path_matches(n, pattern)]
+
+
+def depth_rows_notice(controller: Controller, pattern: str, counts: list[Counter], alone: Sequence[torch.Tensor],
+                      ) -> Finding | None:
+    """Where no `runs=` names a depth controller's blocks: the rows the model's blocks (found by structure, the
+    controller's own modules left out) computed in the live forward of window 0, beside the (block, token) pairs its
+    decisions run (`Kind.rows`). A notice, never a refusal: a model that masks computes every row honestly, and blocks
+    found by structure need not be the decided ones. It says when the blocks outnumber what the decisions run (exits
+    that start after block k), when a block computed fewer rows than its decisions run (they are not what the model
+    obeys), and when every block computed exactly them (`runs=` would observe them under every condition)."""
+    if not counts:
+        return None
+    info = controller.info
+    kind, always = info.of[0], info.always[0]
+    want = kind.rows(list(alone), always)
+    own = {m for s in controller.sites if s.op is None and s.method == "forward" for m in s.module.modules()}
+    if any(all(m in own for m in c) for c in counts):  # the list found holds the controller, not the blocks
+        return None
+    ran = [block_rows(Counter({m: r for m, r in c.items() if m not in own})) for c in counts]
+    if len(ran) > len(want) > 1:
+        k = len(ran) - len(want) + always
+        return Finding.notice("depth", f"note: the model's {len(ran)} blocks ({pattern!r}) are more than the "
+                              f"{len(want)} its {kind.name} decisions run: if its first {k} run for every token "
+                              f"before the first decision, pass codec=Decisions(always={k}), or `active` and the "
+                              "budget count only the decided blocks", {"blocks": len(ran), "units": len(want)})
+    if len(ran) != len(want):
+        return None
+    short = next(((i, g, w) for i, (g, w) in enumerate(zip(ran, want)) if g < w), None)
+    if short is not None:
+        i, g, w = short
+        return Finding.notice("depth", f"note: block {pattern[:-1]}{i} computed {g} rows of window 0 for the {w} "
+                              f"(block, token) pairs the {kind.name} decisions run in it: the model runs less than "
+                              "its decisions say, and the budget counts what they say: declare the decisions it "
+                              "obeys (its own stop rule, the blocks that always run)",
+                              {"block": i, "ran": g, "decided": w})
+    if ran == want and sum(want) < len(want) * alone[0].shape[1]:
+        return Finding.notice("depth", f"note: the blocks {pattern!r} computed exactly the (block, token) pairs the "
+                              f"{kind.name} decisions run (they gather the running tokens): pass runs={pattern!r} to "
+                              "have the audit observe them on the first batch of every condition",
+                              {"blocks": len(ran)})
+    return None
 
 
 def first_blocks_notice(controller: Controller) -> Finding | None:

@@ -15,6 +15,14 @@ import torch
 from torch import nn
 
 
+def largest_list(model: nn.Module) -> str | None:
+    """The path pattern of the children of the model's ModuleList that holds the most parameters (its blocks:
+    "blocks.*", "layers.*", "model.layers.*"), or None where it has none."""
+    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
+             if name and isinstance(m, nn.ModuleList) and len(m)]
+    return f"{max(lists)[1]}.*" if lists else None
+
+
 def computing_modules(block: nn.Module) -> list[nn.Module]:
     """The modules of `block` (itself included) that hold a weight matrix of their own: where its rows are computed."""
     return [m for m in block.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]

@@ -14,7 +14,7 @@ from collections import Counter
 
 from torch import nn
 
-from fcaudit.controllers.rows import computing_modules, counting_rows  # noqa: F401 (execution's names for them)
+from fcaudit.controllers.rows import computing_modules, counting_rows, largest_list  # noqa: F401 (execution's names)
 from fcaudit.controllers.sites import path_matches
 from fcaudit.errors import FcauditError
 
@@ -22,12 +22,11 @@ from fcaudit.errors import FcauditError
 def block_pattern(model: nn.Module) -> str:
     """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
     ("blocks.*" for FeatureGateGPT, "layers.*" for MUDDPythia, "model.layers.*" for HF decoders)."""
-    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
-             if name and isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    pattern = largest_list(model)
+    if pattern is None:
         raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. "
                            "'blocks.*'")
-    return f"{max(lists)[1]}.*"
+    return pattern
 
 
 def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
