@@ -241,3 +241,14 @@ def test_without_runs_late_exits_and_gathered_blocks_are_noted(tmp_path):
 @pytest.mark.parametrize("runs, why", [("nothing.*", "matches no module of ExitNet")])
 def test_runs_for_depth_must_match_blocks(runs, why):
     assert why in api_refusal(lambda: exits(ExitNet(), runs=runs))
+
+
+def test_runs_refuses_the_blocks_of_a_fused_transformer_layer():
+    class Encoder(nn.Module):  # nn.TransformerEncoderLayer takes a fused fast path that a hook turns off
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, 2, 24, batch_first=True) for _ in range(2))
+            self.leaves = nn.ModuleList([Leave()])
+
+    line = api_refusal(lambda: fca.Controller.from_modules(Encoder(), "leaves.*", kind="exit_depth", runs="layers.*"))
+    assert "names 'layers.0', a part of nn.TransformerEncoderLayer 'layers.0'" in line and "drop runs=" in line

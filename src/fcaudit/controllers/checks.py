@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from fcaudit import protocol
 from fcaudit.controllers.controller import Controller, Seen
 from fcaudit.controllers.flow import Flow, batch_token_axes
-from fcaudit.controllers.rows import block_rows, counting_rows, largest_list
+from fcaudit.controllers.rows import block_rows, counting_rows, fused_part, input_rows, largest_list
 from fcaudit.controllers.sites import Call, Decoding, Site, leaves, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import chosen
@@ -550,7 +551,8 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
         return found
     one = first[:1]
     pattern, blocks = depth_blocks(model, controller)
-    with controller.capture(*one.shape, decoding=False) as alone, counting_rows([m for _, m in blocks]) as rows:
+    with controller.capture(*one.shape, decoding=False) as alone, counting_rows([m for _, m in blocks]) as rows, \
+            routed_inputs(model, controller) as took:
         logits = logits_of(model(one), model, one)
     if (missing := [s.path for s, c in zip(controller.sites, alone) if c is None]):
         raise FcauditError(f"sites {missing[:3]} did not run in the forward pass of window 0 alone; pick modules the "
@@ -565,18 +567,73 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     check = "depth" if info.depth else TOKEN_ROUTING  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
     found += zero_notices(info)
-    found += [f for f in (first_blocks_notice(controller) or depth_rows_notice(controller, pattern, rows, alone),)
-              if f is not None]
+    found += [f for f in (first_blocks_notice(controller) or depth_rows_notice(controller, pattern, rows, alone),
+                          routed_blocks_notice(model, controller, took, alone)) if f is not None]
     return found
+
+
+@contextmanager
+def routed_inputs(model: nn.Module, controller: Controller) -> Iterator[dict[int, dict[str, int]]]:
+    """For each token-router site without `runs=`: the rows every module under the site's parent (the site's own
+    left out) took in the passes run in the context, by path; for `routed_blocks_notice`. Pre-hooks only read."""
+    took: dict[int, dict[str, int]] = {}
+    handles = []
+    for i, site in enumerate(controller.sites):
+        if site.runs is not None or controller.info.of[i].runs != "block" or "." not in site.path:
+            continue
+        parent, own = site.path.rsplit(".", 1)[0], {id(m) for m in site.module.modules()}
+        if fused_part(model, [parent]) is not None:  # hooks would change the pass's numerics
+            continue
+        for name, m in model.get_submodule(parent).named_modules(prefix=parent):
+            if name != parent and id(m) not in own:
+                def pre(module, args, rows=took.setdefault(i, {}), name=name):
+                    rows[name] = rows.get(name, 0) + input_rows(args)
+                handles.append(m.register_forward_pre_hook(pre))
+    try:
+        yield took
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routed_blocks_notice(model: nn.Module, controller: Controller, took: dict[int, dict[str, int]],
+                         alone: Sequence[torch.Tensor]) -> Finding | None:
+    """A notice naming `runs=` where a token router's routed block is found by structure: the outermost module under
+    the site's parent (the largest of several) that took exactly the rows the site chose in the live forward of window
+    0 (0 < k < its tokens). A notice, not an observation made on its own: a module found this way could take k rows
+    by coincidence, and an observation of the wrong block would refuse an honest model."""
+    found: dict[int, str] = {}
+    for i, rows in took.items():
+        k, tokens = int(controller.info.of[i].select(alone[i]).sum()), alone[i].shape[1]
+        took_k = [n for n, r in rows.items() if r == k] if 0 < k < tokens else []
+        outer = [n for n in took_k if not any(n.startswith(c + ".") for c in took_k)]
+        if outer:
+            found[i] = max(outer, key=lambda n: sum(p.numel() for p in model.get_submodule(n).parameters()))
+    if not found:
+        return None
+    paths = [found[i] for i in sorted(found)]
+    parts = [p.split(".") for p in paths]
+    glob = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts)) if len({len(p) for p in parts}) == 1 \
+        else ""
+    routers = [i for i, k in enumerate(controller.info.of) if k.runs == "block"]
+    exact = sorted(found) == routers and [n for n, _ in model.named_modules() if n and path_matches(n, glob)] == paths
+    how = (f"pass runs={glob!r}" if exact else "pass runs= a pattern matching one such block per token router, in "
+           "order")
+    first = controller.sites[min(found)].name
+    return Finding.notice("budget", f"note: the tokens token router {first!r} chose in window 0 entered {paths[0]!r} "
+                          f"(found by structure: the rows it took){f' ({len(paths)} sites)' if len(paths) > 1 else ''}:"
+                          f" {how} to have the audit observe the tokens entering it on the first batch of every "
+                          "condition", {"sites": [controller.sites[i].name for i in sorted(found)], "blocks": paths})
 
 
 def depth_blocks(model: nn.Module, controller: Controller) -> tuple[str, list[tuple[str, nn.Module]]]:
     """A depth controller's blocks found by structure where `runs=` names none (the children of the model's largest
     ModuleList), as (pattern, blocks), for `depth_rows_notice`; else ("", [])."""
     pattern = largest_list(model) if controller.info.depth and not controller.runs else None
-    if pattern is None:
+    blocks = [(n, m) for n, m in model.named_modules() if n and path_matches(n, pattern)] if pattern else []
+    if not blocks or fused_part(model, [n for n, _ in blocks]) is not None:  # hooks would change the pass's numerics
         return "", []
-    return pattern, [(n, m) for n, m in model.named_modules() if n and path_matches(n, pattern)]
+    return pattern, blocks
 
 
 def depth_rows_notice(controller: Controller, pattern: str, counts: list[Counter], alone: Sequence[torch.Tensor],

@@ -5,8 +5,8 @@ pass's coefficients (returned, never kept on it) and replays coefficients in the
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from collections import Counter
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any, Callable, Hashable, Iterator, Sequence
@@ -16,7 +16,7 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
 from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
-from fcaudit.controllers.rows import counting_rows
+from fcaudit.controllers.rows import counting_rows, fused_part
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import Description, lookup
@@ -167,6 +167,12 @@ class Controller:
         site for token routers (`Site.runs`), the rest on the controller (`runs`), for the budget observation."""
         blocks = [(name, m) for name, m in model.named_modules() if name and path_matches(name, runs)]
         how = {k.runs for k in self.info.of}
+        fused = fused_part(model, [n for n, _ in blocks], within=how != {"block"})  # a routed block: one hook on it
+        if fused is not None:
+            raise FcauditError(f"runs={runs!r} names {fused[0]!r}, a part of nn.TransformerEncoderLayer {fused[1]!r}: "
+                               "a hook there turns off its fused fast path, so observing its rows would change the "
+                               "numerics the exact replay check compares; drop runs= (its budget is then the "
+                               "decisions')")
         if len(how) != 1 or None in how:
             raise FcauditError("runs= names the blocks a router's decisions route tokens into (a token router's routed "
                                "blocks, a capacity router's experts, a depth controller's blocks); its sites are "
@@ -178,8 +184,8 @@ class Controller:
             return replace(self, sites=tuple(replace(s, runs=b) for s, b in zip(self.sites, blocks)))
         if how == {"experts"}:
             experts = [getattr(s.codec, "num_experts", None) for s in self.sites]
-            if None in experts:
-                raise FcauditError("runs= for a capacity router needs a codec that says its experts "
+            if None in experts or any(getattr(s.codec, "capacity", None) is None for s in self.sites):
+                raise FcauditError("runs= for a capacity router needs a codec that says its experts and capacity "
                                    "(CapacityRoute(num_experts, capacity))")
             if len(blocks) != sum(experts):
                 raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for the {sum(experts)} experts of "

@@ -28,7 +28,8 @@ def computing_modules(block: nn.Module) -> list[nn.Module]:
     return [m for m in block.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
 
 
-def _rows(args: tuple) -> int:
+def input_rows(args: tuple) -> int:
+    """The rows of a call's first floating-point input: its elements over its last axis."""
     x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()), None)
     return 0 if x is None or not x.shape[-1] else x.numel() // x.shape[-1]
 
@@ -44,7 +45,7 @@ def counting_rows(blocks: Sequence[nn.Module]) -> Iterator[list[Counter]]:
             count[m] += 0  # a module that never runs still counts, with 0 rows
 
             def hook(module, args, count=count):
-                count[module] += _rows(args)
+                count[module] += input_rows(args)
 
             handles.append(m.register_forward_pre_hook(hook))
     try:
@@ -58,3 +59,16 @@ def block_rows(count: Counter) -> int:
     """The rows one block computed: the most any of its computing modules took (in a block that runs only some
     tokens, every module takes those rows; a module that takes every row shows the block computed every token)."""
     return max(count.values(), default=0)
+
+
+def fused_part(model: nn.Module, paths: Sequence[str], within: bool = True) -> tuple[str, str] | None:
+    """(path, layer) of the first of `paths` that is an nn.TransformerEncoderLayer or lies inside one (`within`: or
+    holds one), else None. A hook on any module of such a layer turns off its fused fast path, which rounds
+    differently: counting rows there would change the numerics of the pass it observes."""
+    layers = [n for n, m in model.named_modules() if n and isinstance(m, nn.TransformerEncoderLayer)]
+    for p in paths:
+        for t in layers:
+            if p == t or p.startswith(t + ".") or (within and t.startswith(p + ".")):
+                return p, t
+    return None
+
