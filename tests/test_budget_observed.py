@@ -86,5 +86,15 @@ def test_runs_must_name_one_block_per_token_router(tmp_path):
     model = LM(Gathered)
     assert "matches 6 modules for 2 sites" in api_refusal(lambda: fca.Controller.from_modules(
         model, "layers.*.router", kind="token_router", runs="layers.*.block.*"))
-    assert "route tokens into; its sites are scalar_gates" in api_refusal(lambda: fca.Controller.from_modules(
+    assert "a depth controller's blocks); its sites are scalar_gates" in api_refusal(lambda: fca.Controller.from_modules(
         model, "layers.*.score", layout="batch token 1", runs="layers.*.block"))
+
+
+def test_without_runs_the_routed_block_found_by_structure_is_named_in_a_notice(tmp_path):
+    for layer in (Gathered, Thresholded):  # at Correct the threshold picks the chosen set: found, then refused
+        model = LM(layer).eval()
+        ctrl = fca.Controller.from_modules(model, "layers.*.router", kind="token_router")
+        result = fca.audit(model, ctrl, windows(8, 0), windows(8, 1), randomizations=2,
+                           out=tmp_path / layer.__name__, batch_size=4, quiet=True)
+        assert any("entered 'layers.0.block' (found by structure: the rows it took) (2 sites): pass "
+                   "runs='layers.*.block'" in n for n in result.replay.notices), result.replay.notices

@@ -435,9 +435,9 @@ class Engine:
 
     @contextmanager
     def _observed(self, start: int, r: int, condition: str, coeffs: Coeffs) -> Iterator[None]:
-        """On the first batch of every condition (its randomization 0), the rows that entered each routed block,
+        """On the first batch of every condition (its randomization 0), the rows that entered the blocks `runs=` named,
         checked against the replayed decisions (`observed_budget`); elsewhere nothing."""
-        if start != 0 or r != 0 or not any(s.runs is not None for s in self.controller.sites):
+        if start != 0 or r != 0 or not self.controller.observed:
             yield
             return
         with self.controller.observing(coeffs[0].shape[0]) as seen:

@@ -5,8 +5,9 @@ pass's coefficients (returned, never kept on it) and replays coefficients in the
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
 from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
+from fcaudit.controllers.rows import counting_rows, fused_part
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import Description, lookup
@@ -66,6 +68,9 @@ class Controller:
     static_name: str = "StaticProfile"
     description: str = ""
     context: Callable[[], AbstractContextManager] = nullcontext
+    # the blocks whose rows the audit observes where they are not one per site (`routing`): a depth controller's
+    # blocks, capacity routers' experts, as (path, module) in order
+    runs: tuple[tuple[str, nn.Module], ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         sites = tuple(self.sites)
@@ -138,9 +143,13 @@ class Controller:
             See `Controller.context`; its name joins the description, so an audit made under another context is not
             resumed with this one.
         runs
-            For token routers: a pattern matching, in order, one module per site whose input rows are the tokens the
-            site chose (the routed block, e.g. "layers.*.mlp"); the audit then observes the rows entering it on the
-            first batch of every condition and refuses a difference from the replayed decisions (`routing`).
+            The blocks the sites' decisions run, whose rows the audit observes on the first batch of every condition
+            (the budget observed: `routing`), a pattern matching, in order: for token routers one routed block per
+            site (its input rows are the tokens the site chose, e.g. "layers.*.mlp"); for capacity routers each
+            router's experts (e.g. "layers.*.moe.experts.*"); for a depth controller its blocks, the ones that always
+            run included (e.g. "blocks.*"), or one block shared by every halting step. Give it only where those
+            blocks run the decided tokens alone (they gather them): a block that computes every token and masks
+            shows every row, and is refused.
 
         Examples
         --------
@@ -154,37 +163,65 @@ class Controller:
         return built if runs is None else built.routing(model, runs)
 
     def routing(self, model: nn.Module, runs: str) -> "Controller":
-        """This controller with each site's routed block: the i-th module matching `runs` is site i's (its input rows
-        are the tokens the site chose), for the budget observation (`observing`)."""
+        """This controller with the blocks its decisions run, matching `runs` in order (see `from_modules`): one per
+        site for token routers (`Site.runs`), the rest on the controller (`runs`), for the budget observation."""
         blocks = [(name, m) for name, m in model.named_modules() if name and path_matches(name, runs)]
-        if len(blocks) != len(self.sites):
-            raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for {len(self.sites)} sites; give a "
-                               "pattern matching one routed block per site, in the sites' order")
-        if not all(k.observed for k in self.info.of):
-            raise FcauditError("runs= names the blocks a token router's decisions route tokens into; its sites "
-                               f"are {self.info.kinds[0]}s")
-        sites = tuple(replace(s, runs=b) for s, b in zip(self.sites, blocks))
-        return replace(self, sites=sites)
+        how = {k.runs for k in self.info.of}
+        fused = fused_part(model, [n for n, _ in blocks], within=how != {"block"})  # a routed block: one hook on it
+        if fused is not None:
+            raise FcauditError(f"runs={runs!r} names {fused[0]!r}, a part of nn.TransformerEncoderLayer {fused[1]!r}: "
+                               "a hook there turns off its fused fast path, so observing its rows would change the "
+                               "numerics the exact replay check compares; drop runs= (its budget is then the "
+                               "decisions')")
+        if len(how) != 1 or None in how:
+            raise FcauditError("runs= names the blocks a router's decisions route tokens into (a token router's routed "
+                               "blocks, a capacity router's experts, a depth controller's blocks); its sites are "
+                               f"{self.info.kinds[0]}s")
+        if how == {"block"}:
+            if len(blocks) != len(self.sites):
+                raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for {len(self.sites)} sites; give a "
+                                   "pattern matching one routed block per site, in the sites' order")
+            return replace(self, sites=tuple(replace(s, runs=b) for s, b in zip(self.sites, blocks)))
+        if how == {"experts"}:
+            experts = [getattr(s.codec, "num_experts", None) for s in self.sites]
+            if None in experts or any(getattr(s.codec, "capacity", None) is None for s in self.sites):
+                raise FcauditError("runs= for a capacity router needs a codec that says its experts and capacity "
+                                   "(CapacityRoute(num_experts, capacity))")
+            if len(blocks) != sum(experts):
+                raise FcauditError(f"runs={runs!r} matches {len(blocks)} modules for the {sum(experts)} experts of "
+                                   f"{len(self.sites)} capacity routers; give a pattern matching each router's "
+                                   "experts, in the sites' order")
+        elif not blocks:
+            raise FcauditError(f"runs={runs!r} matches no module of {type(model).__name__}; give the pattern of the "
+                               "blocks the depth decisions run, e.g. 'blocks.*'")
+        return replace(self, runs=tuple(blocks))
+
+    @property
+    def observed(self) -> bool:
+        """Whether the audit observes the rows its decisions run (`runs=` was given)."""
+        return bool(self.runs) or any(s.runs is not None for s in self.sites)
 
     @contextmanager
-    def observing(self, batch: int) -> Iterator[dict[int, list]]:
-        """The rows entering each site's routed block (`Site.runs`) in the passes run in the context, per site a list
-        per call: per window ([batch] int64) where the block's input is [batch, rows, ...], else the batch's total
-        (an int: a flattened [rows, ...] input)."""
-        seen: dict[int, list] = {}
+    def observing(self, batch: int) -> Iterator["Seen"]:
+        """The rows the passes run in the context computed where `runs=` named: for each site's routed block
+        (`Site.runs`) a list per call, per window ([batch] int64) where the block's input is [batch, rows, ...], else
+        the batch's total (an int: a flattened [rows, ...] input); for the controller's blocks (`runs`) a Counter
+        each of the rows its computing modules took (`counting_rows`)."""
+        calls: dict[int, list] = {}
 
         def hook(i: int) -> Callable:
             def pre(module, args, kwargs):
                 x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
                 if x is not None and x.dim() >= 1:
-                    seen.setdefault(i, []).append(torch.full((batch,), x.shape[1]) if x.dim() >= 3 and
-                                                  x.shape[0] == batch else int(x.shape[0]))
+                    calls.setdefault(i, []).append(torch.full((batch,), x.shape[1]) if x.dim() >= 3 and
+                                                   x.shape[0] == batch else int(x.shape[0]))
             return pre
 
         handles = [s.runs[1].register_forward_pre_hook(hook(i), with_kwargs=True)
                    for i, s in enumerate(self.sites) if s.runs is not None]
         try:
-            yield seen
+            with counting_rows([m for _, m in self.runs]) as counts:
+                yield Seen(calls, counts)
         finally:
             for h in handles:
                 h.remove()
@@ -388,6 +425,15 @@ class Controller:
         if self.info.depth and len(found) == len(self.sites):
             found = dict(enumerate(self.info.canonical([found[i] for i in range(len(self.sites))])))
         return found
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What `Controller.observing` saw: per token-router site the rows of each call of its routed block, and per
+    block of `Controller.runs` the rows each of its computing modules took."""
+
+    calls: dict[int, list]
+    blocks: list[Counter]
 
 
 # the default codecs a kind names (`Kind.codec`): kinds live below the codecs, so they name them and this maps them

@@ -11,12 +11,10 @@ row: their FLOPs say what ran (fcaudit.families.hf_moe.execution).
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
-from typing import Iterator, Sequence
 
-import torch
 from torch import nn
 
+from fcaudit.controllers.rows import computing_modules, counting_rows, largest_list  # noqa: F401 (execution's names)
 from fcaudit.controllers.sites import path_matches
 from fcaudit.errors import FcauditError
 
@@ -24,12 +22,11 @@ from fcaudit.errors import FcauditError
 def block_pattern(model: nn.Module) -> str:
     """The path pattern of a model's blocks: the children of its ModuleList that holds the most parameters
     ("blocks.*" for FeatureGateGPT, "layers.*" for MUDDPythia, "model.layers.*" for HF decoders)."""
-    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
-             if name and isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    pattern = largest_list(model)
+    if pattern is None:
         raise FcauditError(f"{type(model).__name__} has no nn.ModuleList of blocks; pass the block pattern, e.g. "
                            "'blocks.*'")
-    return f"{max(lists)[1]}.*"
+    return pattern
 
 
 def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -39,37 +36,6 @@ def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
         raise FcauditError(f"block pattern {pattern!r} matches no module of {type(model).__name__}; "
                            f"module paths look like {sample}")
     return found
-
-
-def computing_modules(block: nn.Module) -> list[nn.Module]:
-    """The modules of `block` (itself included) that hold a weight matrix of their own: where its rows are computed."""
-    return [m for m in block.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
-
-
-def _rows(args: tuple) -> int:
-    x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()), None)
-    return 0 if x is None or not x.shape[-1] else x.numel() // x.shape[-1]
-
-
-@contextmanager
-def counting_rows(blocks: Sequence[nn.Module]) -> Iterator[list[Counter]]:
-    """Within the block: per block, a Counter of the rows each of its computing modules received (keyed by module),
-    over every call. Hooks are removed afterwards; the forward's numerics are untouched (a pre-hook only reads)."""
-    counts = [Counter() for _ in blocks]
-    handles = []
-    for count, block in zip(counts, blocks):
-        for m in computing_modules(block):
-            count[m] += 0  # a module that never runs still counts, with 0 rows
-
-            def hook(module, args, count=count):
-                count[module] += _rows(args)
-
-            handles.append(m.register_forward_pre_hook(hook))
-    try:
-        yield counts
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def row_fraction(count: Counter, tokens: int) -> float:

@@ -88,7 +88,10 @@ class Kind:
     # the experts it runs per token (their FLOPs); None = every block's rows (soft kinds decide nothing away, depth
     # kinds decide over every block)
     execution: str | None = None
-    observed: bool = False  # what its decisions select can be observed on the replayed model (`select`)
+    # what `runs=` names for its sites, whose rows the audit observes on the replayed model: "block" (one routed block
+    # per site: `select`), "experts" (each site's experts, in order) or "units" (the controller's blocks in order:
+    # `rows`); None: nothing its decisions select can be observed
+    runs: str | None = None
     slots: bool = True  # the pre-write slot check moves its coefficients between tokens (a token router's keep a set)
     # what a failed exact replay's refusal tells the user to do
     replay_fix: str = "make the output path independent of the controller's computation (and deterministic), or pass a tolerance"
@@ -197,9 +200,14 @@ class Kind:
                             for sites in layers]).mean(0)
 
     def select(self, c: torch.Tensor) -> torch.Tensor:
-        """Per window [batch] int64, the rows its decisions send into the block they route (`observed` kinds): what
+        """Per window [batch] int64, the rows its decisions send into the block they route (`runs` "block"): what
         the audit observes the replayed model run."""
         raise FcauditError(f"a {self.name}'s decisions route no rows into a block")
+
+    def rows(self, coeffs: Coeffs, always: int = 0) -> list[int]:
+        """The rows its decisions run in each of the controller's blocks (`runs` "units"), over the batch: what the
+        audit observes the replayed model run."""
+        raise FcauditError(f"a {self.name}'s decisions run no blocks")
 
     def zero(self, info: Controlled) -> dict[str, str]:
         """The conditions (and factor effects, "E_token") that cannot change anything under this kind for this

@@ -139,6 +139,7 @@ class Depth(Kind):
     router = depth = True
     codec, coefficient, reads = "Decisions", "a decision per token", "Decisions reads a [batch, token] output"
     steps = True  # a token's decision is a depth (else a run/skip decision per (layer, token))
+    runs = "units"  # `runs=`: its blocks in order (the `always` ones first), whose rows the audit observes (`rows`)
     replay_fix = ("declare the decisions the model obeys (its kind, codec and the blocks that always run), made "
                   "deterministically: a tolerance would let other depths than the model ran stand for its budget")
 
@@ -176,6 +177,14 @@ class Depth(Kind):
 
     def active(self, info, coeffs, ran) -> torch.Tensor:
         return self.executed(coeffs, info.window, info.always[0])
+
+    def rows(self, coeffs: Coeffs, always: int = 0) -> list[int]:
+        """The (block, token) pairs run in each block over the batch: every token in the `always` blocks, then in
+        each decided block (or step) the tokens that reach it (or for which it runs)."""
+        B, T = coeffs[0].shape[:2]
+        per = self.per(coeffs)
+        ran = [int((per > l).sum()) for l in range(self.top(coeffs))] if self.steps else per.sum((0, 2)).tolist()
+        return [B * T] * always + [int(n) for n in ran]
 
     def budget(self, info, coeffs: Coeffs) -> np.ndarray:
         return self.units(coeffs, info.window)

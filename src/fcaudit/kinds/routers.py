@@ -30,6 +30,7 @@ class ExpertRouter(Kind):
 
 class CapacityRouter(ExpertRouter):
     name = "capacity_router"
+    runs = "experts"  # the rows entering each of its experts: the slots filled (`Codec.executed`)
 
 
 EXPERT_ROUTER = register(ExpertRouter())

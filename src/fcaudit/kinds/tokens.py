@@ -107,7 +107,7 @@ class TokenRouter(Kind):
     execution = "tokens"  # counted in token x block pairs
     compared = ("Correct", "StaticTopK", "RandomRoute")  # execution's conditions, in this order (equal budgets)
     slots = False  # its conditions keep a set of tokens
-    observed = True  # the tokens entering its routed block (`Controller.from_modules(..., runs=)`)
+    runs = "block"  # the tokens entering its routed block (`Controller.from_modules(..., runs=)`)
 
     def decisions(self, c: torch.Tensor) -> torch.Tensor:
         return chosen(c)[:, :, None, None]
