@@ -28,6 +28,10 @@ def controller(model: MoDGPT) -> Controller:
     if not any(b.router is not None for b in model.blocks):
         raise FcauditError("this MoD model has no routed block to audit (variant dense): audit variant mod")
     ctrl = Controller.from_modules(model, PATTERN, codec=TokenRoute())
+    if model.config.routing == "topk":  # each routed block's MLP runs its k tokens: observed under every condition
+        # (the causal predictor's index is padded with -1, whose rows a block runs too: its budget stays the decisions')
+        ctrl = replace(ctrl, sites=tuple(replace(s, runs=(mlp := s.path.rsplit(".", 1)[0] + ".mlp",
+                                                          model.get_submodule(mlp))) for s in ctrl.sites))
     # the top-k router and the causal predictor are two controllers of one checkpoint (audits and summaries tell
     # them apart by the description)
     return replace(ctrl, description=f"{ctrl.description}:routing={model.config.routing}")
