@@ -1139,8 +1139,9 @@ def play_model(world: World, spec: dict) -> Outcome:
                 return Outcome("silent", f"a {spec['gate']} gate's penalties {mine} differ from its float twin's {theirs}")
     if spec["output"] == "hidden-first":  # the NLL must be the logits', not the hidden state's
         model = misbehaving_model(spec)
-        with torch.inference_mode():
-            nll = token_nll(model(world.windows["eval"])[1], world.windows["eval"]).mean(1).double()
+        with torch.inference_mode():  # batch by batch as the audit ran them (a coupled model's logits need it)
+            nll = torch.cat([token_nll(model(ids)[1], ids).mean(1).double()
+                             for ids in world.windows["eval"].split(spec["batch_size"])])
         correct = result.records.query("condition == 'Correct'").sort_values("example")["nll"].to_numpy()
         if not torch.allclose(torch.as_tensor(correct), nll, atol=1e-6):
             return Outcome("silent", f"scored the hidden state as logits (Correct NLL {correct.mean():.4f}, "
