@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 import fcaudit as fca
 from fcaudit.io import OutDir

@@ -14,7 +14,7 @@ from collections import Counter
 
 from torch import nn
 
-from fcaudit.controllers.rows import computing_modules, counting_rows, largest_list  # noqa: F401 (execution's names)
+from fcaudit.controllers.rows import largest_list
 from fcaudit.controllers.sites import path_matches
 from fcaudit.errors import FcauditError
 

@@ -28,8 +28,9 @@ from torch import nn
 
 from fcaudit import families
 from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.rows import counting_rows
 from fcaudit.errors import FcauditError
-from fcaudit.execution.blocks import block_modules, block_pattern, counting_rows, row_fraction
+from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
 from fcaudit.execution.conditions import Replaying
 from fcaudit.execution.decode import decoding_columns, not_decodable
 from fcaudit.execution.flops import flops

@@ -18,10 +18,11 @@ import math
 import torch
 from torch import nn
 
+from fcaudit.controllers.rows import counting_rows
 from fcaudit.errors import FcauditError
+from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, timed
-from fcaudit.execution.blocks import block_modules, block_pattern, counting_rows, row_fraction
 from fcaudit.loss import logits_of
 
 DECODE_BATCH = 1  # sequences decoded at once

@@ -19,14 +19,15 @@ from torch import nn
 
 from fcaudit import data, families
 from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WINDOWS, check_count
+from fcaudit.controllers.rows import counting_rows
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
 from fcaudit.execution.conditions import captured, condition_execution, token_columns, token_conditions, token_sites
 from fcaudit.execution.decided import observe
 from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
-from fcaudit.execution.blocks import block_modules, block_pattern, counting_rows, row_fraction
 from fcaudit.execution.threshold import thresholding, vector_site
 from fcaudit.hub import resolve
 from fcaudit.io import OutDir, read_object, valid_path
