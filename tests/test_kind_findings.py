@@ -11,7 +11,7 @@ from torch import nn
 
 import fcaudit as fca
 from fcaudit.controllers import Codec, Decisions, Layout
-from fcaudit.controllers.checks import CAUSALITY_WINDOWS, check_causality
+from fcaudit.controllers.flow_checks import CAUSALITY_WINDOWS, check_causality
 
 V, D, T, STEPS = 32, 16, 12, 4
 

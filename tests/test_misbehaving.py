@@ -69,7 +69,7 @@ def test_capacity_over_the_flattened_batch_is_refused(tmp_path):
 def test_integer_and_bool_decisions_are_compared_for_equality(dtype):
     """The batch and layout checks compare 0/1 decisions exactly (no tolerance, no float ops on bools): one changed
     decision is one disagreeing position."""
-    from fcaudit.controllers.checks import agreeing
+    from fcaudit.controllers.coefficient_checks import agreeing
 
     a = (torch.rand(2, 8, 1, 1, generator=torch.Generator().manual_seed(0)) > 0.5).to(dtype)
     b = a.clone()

@@ -7,7 +7,7 @@ import torch
 
 import fcaudit as fca
 from fcaudit import protocol
-from fcaudit.controllers.checks import check_causality
+from fcaudit.controllers.flow_checks import check_causality
 from fcaudit.families.mod import causal, controller
 from fcaudit.kinds import TOKEN_NOTE, chosen
 from fcaudit.models.mod import MoDGPT, config_for

@@ -794,7 +794,7 @@ def test_phimoe_router_output_is_rebuilt_in_its_own_slot_order():
     from the router's logits on its live input, so decode(encode(x)) is x, index order included."""
     transformers = pytest.importorskip("transformers")
     from fcaudit.controllers import Decoding
-    from fcaudit.controllers.checks import round_trip_difference
+    from fcaudit.controllers.coefficient_checks import round_trip_difference
 
     torch.manual_seed(0)
     cfg = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -833,7 +833,7 @@ class SortedPairs(fca.Codec):
 @pytest.mark.parametrize("unordered", [True, False])
 def test_a_codec_says_which_leaves_are_sets_and_ties_in_another_order_pass_with_a_notice(unordered):
     from fcaudit.controllers import Decoding, Site
-    from fcaudit.controllers.checks import round_trip_difference
+    from fcaudit.controllers.coefficient_checks import round_trip_difference
 
     codec = SortedPairs()
     if unordered:

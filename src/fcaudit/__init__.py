@@ -27,7 +27,7 @@ _LAZY = {
     "build_report": "fcaudit.report.render", "ExecutionResult": "fcaudit.execution",
     "ExecutionSettings": "fcaudit.execution",
     # the result objects: one audit's, a summary's, and what both return
-    "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.controllers.checks",
+    "Replay": "fcaudit.auditor.results", "Finding": "fcaudit.controllers.findings",
     "Summary": "fcaudit.summary", "FamilyResult": "fcaudit.summary",
     "PenaltiesResult": "fcaudit.stats.results", "FactorEffectsResult": "fcaudit.stats.results",
     "RetentionResult": "fcaudit.stats.results", "VariationResult": "fcaudit.stats.results",

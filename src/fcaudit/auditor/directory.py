@@ -22,7 +22,7 @@ import torch
 
 from fcaudit import protocol
 from fcaudit.auditor import files
-from fcaudit.controllers.checks import Finding
+from fcaudit.controllers.findings import Finding
 from fcaudit.errors import FcauditError
 from fcaudit.io import OutDir, json_sha256, remove_stale_temps, valid_path
 from fcaudit.provenance import provenance

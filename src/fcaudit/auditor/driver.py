@@ -28,8 +28,9 @@ from fcaudit.auditor.results import AuditResult, Replay
 from fcaudit.auditor.state import ModelState
 from fcaudit.auditor.store import check_finite
 from fcaudit.config import AuditConfig, with_settings
-from fcaudit.controllers.checks import CAUSALITY_WINDOWS, pre_write_checks
+from fcaudit.controllers.checks import pre_write_checks
 from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.flow_checks import CAUSALITY_WINDOWS
 from fcaudit.errors import FcauditError
 from fcaudit.io import Locked
 

@@ -28,9 +28,10 @@ from fcaudit.auditor.state import ModelState, changed_itself
 from fcaudit.auditor.store import CoefficientStore, all_finite, check_finite
 from fcaudit.auditor.units import Schedule, Unit, share
 from fcaudit.config import AuditConfig
-from fcaudit.controllers.checks import Finding, observed_budget
+from fcaudit.controllers.budget_checks import observed_budget
 from fcaudit.controllers.codecs import Codec
 from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.findings import Finding
 from fcaudit.controllers.patching import Captured
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.execution.decided import audit_execution

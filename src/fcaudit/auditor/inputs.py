@@ -14,8 +14,8 @@ from torch import nn
 
 from fcaudit import families, placement
 from fcaudit.auditor.engine import LossFn, capture_batch
-from fcaudit.controllers.checks import Finding
 from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.findings import Finding
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.loss import vocab_size
 

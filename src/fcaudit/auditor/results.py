@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from fcaudit import protocol
 from fcaudit.auditor import files
 from fcaudit.auditor.directory import MARKER, AuditDir, record_keys
-from fcaudit.controllers.checks import CAUSALITY, Finding
+from fcaudit.controllers.findings import CAUSALITY, Finding
 from fcaudit.errors import FcauditError
 from fcaudit.execution.decided import ExecutionResult
 from fcaudit.protocol import Criteria

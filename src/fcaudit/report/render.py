@@ -19,7 +19,7 @@ import pandas as pd
 
 from fcaudit.auditor.directory import MARKER
 from fcaudit.auditor.results import Replay
-from fcaudit.controllers.checks import CAUSALITY, TOKEN_ROUTING
+from fcaudit.controllers.findings import CAUSALITY, TOKEN_ROUTING
 from fcaudit.errors import FcauditError
 from fcaudit.execution.decided import ExecutionResult
 from fcaudit.io import OutDir, read_json, valid_path

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fcaudit import protocol
-from fcaudit.controllers.checks import LATER_TOKENS
+from fcaudit.controllers.findings import LATER_TOKENS
 from fcaudit.io import read_json
 from fcaudit.report.figures import VARIANCE_TERMS
 from fcaudit.report.tables import fmt_g, fmt_pct, missing
