@@ -139,7 +139,8 @@ def _audited(audit: str) -> Source:
     try:
         path = resolve(checkpoint, recorded.get("revision"))
     except FcauditError as e:
-        raise FcauditError(f"{audit} audited the checkpoint {checkpoint}, which is not found from here ({e})") from None
+        raise FcauditError(f"{audit} audited the checkpoint {checkpoint}, which is not found from here ({e}): run "
+                           "from the directory the audit ran in, or pass the checkpoint where it is now") from None
 
     def check(model: torch.nn.Module) -> None:
         """Refuse a model that is not the audited one: other weights, or a controller fcaudit now builds otherwise."""
