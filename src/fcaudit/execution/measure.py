@@ -179,9 +179,9 @@ def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = Non
     out = OutDir(cfg.out, "execution results").check(avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
-    given = list(given) if given is not None else sources(cfg.checkpoints)
-    out.check(avoid=[str(s.path) for s in given])
-    paths = [s.path for s in given]
+    inputs = list(given) if given is not None else sources(cfg.checkpoints)
+    out.check(avoid=[str(s.path) for s in inputs])
+    paths = [s.path for s in inputs]
     if len({p.resolve() for p in paths}) != len(paths):
         raise FcauditError("the same checkpoint was given twice (itself, or as an audit's): pass each checkpoint once")
     contexts = {p: _block_size(p) for p in paths}
@@ -191,7 +191,7 @@ def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = Non
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
     with using_threads(cfg.threads) as n_threads:
-        rows, sweeps, conditions = _measure_all(cfg, given, dev, window)
+        rows, sweeps, conditions = _measure_all(cfg, inputs, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
     out.claim()
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
@@ -213,20 +213,19 @@ def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = Non
     return df
 
 
-def _load(source: Source, dev: torch.device) -> tuple[nn.Module, dict, Controller | None]:
-    """(model, meta, its controller or None where it has none by design), or a refusal: a model that is not the
-    audit's it was given as, or one whose controller fcaudit does not find."""
+def _load(source: Source, dev: torch.device) -> tuple[nn.Module, dict]:
+    """(model, meta), or a refusal of a model that is not the audit's it was given as."""
     model, meta = families.load_model(source.path, device=dev, dtype=source.dtype)
     if source.check is not None:
         source.check(model)
-    return model, meta, _controller(model, source.given)
+    return model, meta
 
 
-def _measure_all(cfg: ExecutionConfig, given: list[Source], dev: torch.device,
+def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
                  window: int) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
     """Load every model (a bad checkpoint fails before anything is measured), measure what does not depend on the
     machine's load model by model, then time all models round-robin."""
-    loaded = [_load(source, dev) for source in given]
+    loaded = [_load(source, dev) for source in inputs]
     rows, sweeps, conditions = [], [], []
 
     @functools.cache  # loaded once, when needed: "test" to threshold, "validation" for static profiles (as audits)
@@ -237,10 +236,10 @@ def _measure_all(cfg: ExecutionConfig, given: list[Source], dev: torch.device,
         return windows("test")[:DECODE_BATCH].to(dev)
 
     console = Console(stderr=True, quiet=not cfg.progress)
-    labels = [families.label(model) for model, _, _ in loaded]
+    labels = [families.label(model) for model, _ in loaded]
     # checkpoints of one label (seeds, a model and its copy) are told apart by their directory names
-    labels = [f"{l} ({Path(s.given).name})" if labels.count(l) > 1 else l for l, s in zip(labels, given)]
-    for source, (model, meta, controller), label in zip(given, loaded, labels):
+    labels = [f"{l} ({Path(s.given).name})" if labels.count(l) > 1 else l for l, s in zip(labels, inputs)]
+    for source, (model, meta), label in zip(inputs, loaded, labels):
         path, given = source.path, source.given
         console.print(f"execution: {source.audit or given}", highlight=False)
         metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
@@ -259,7 +258,7 @@ def _measure_all(cfg: ExecutionConfig, given: list[Source], dev: torch.device,
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
                    executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
-        family = families.for_model(model)
+        family, controller = families.for_model(model), _controller(model, given)
         seen = observe(model, controller, ids) if controller is not None else None
         row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
                    execution_verdict=seen.verdict if seen else "no controller: everything it has runs")
@@ -278,7 +277,7 @@ def _measure_all(cfg: ExecutionConfig, given: list[Source], dev: torch.device,
                           .assign(checkpoint=given, model=label))
         elif cfg.thresholds:
             console.print(f"thresholding: {label} has no scalar gates to threshold; skipped", highlight=False)
-    _time(cfg, rows, [m for m, _, _ in loaded], window, text(), console)
+    _time(cfg, rows, [m for m, _ in loaded], window, text(), console)
     return rows, sweeps, conditions
 
 
