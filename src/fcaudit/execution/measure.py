@@ -241,13 +241,6 @@ def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
     labels = [f"{l} ({Path(s.given).name})" if labels.count(l) > 1 else l for l, s in zip(labels, inputs)]
     for source, (model, meta), label in zip(inputs, loaded, labels):
         path, given = source.path, source.given
-        console.print(f"execution: {source.audit or given}", highlight=False)
-        metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
-                   if (path / "metrics.json").is_file() else {})
-        row = {"checkpoint": given, **({"audit": source.audit} if source.audit is not None else {}),
-               "model": label, "architecture": _architecture(model),
-               **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
-               "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         ids = random_ids(model, cfg.batch_size, window, dev)
         try:  # what does not depend on the machine's load, then what does; first, whether the model runs at all
             count = executed_blocks(model, ids)
@@ -255,10 +248,17 @@ def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
             raise FcauditError(f"{given}: the model fails a forward pass on {cfg.batch_size} windows of {window} "
                                f"tokens ({type(e).__name__}: {one_line(e)}); check its config.json, and that a batch "
                                "fits in memory (--batch-size)") from e
+        family, controller = families.for_model(model), _controller(model, given)  # a refusal before any line
+        console.print(f"execution: {source.audit or given}", highlight=False)
+        metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
+                   if (path / "metrics.json").is_file() else {})
+        row = {"checkpoint": given, **({"audit": source.audit} if source.audit is not None else {}),
+               "model": label, "architecture": _architecture(model),
+               **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
+               "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
                    executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
-        family, controller = families.for_model(model), _controller(model, given)
         seen = observe(model, controller, ids) if controller is not None else None
         row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
                    execution_verdict=seen.verdict if seen else "no controller: everything it has runs")
