@@ -87,3 +87,17 @@ def test_a_checkpoint_that_loads_but_has_no_controller_fcaudit_finds_is_refused_
                     "measure it in Python with fca.execution(model, controller, windows)")
     assert not (tmp_path / "e").exists()
 
+
+
+def test_a_checkpoint_an_audit_recorded_relative_to_where_it_ran_is_found_there_and_refused_elsewhere(
+        tmp_path, monkeypatch):
+    fg_ckpt(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    ok(cli("audit", "fg", "--out", "audit", "--eval", 4, "--calib", 2, "--randomizations", 1, "--batch-size", 4,
+           "--window", 16, "--quiet", "--threads", 1))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    line = refusal(cli("execution", "../audit", "--out", "e", *FAST))
+    assert line.startswith("error: ../audit audited the checkpoint fg, which is not found from here (no checkpoint "
+                           "directory fg")
+    assert line.endswith("run from the directory the audit ran in, or pass the checkpoint where it is now")
