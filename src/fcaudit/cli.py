@@ -191,8 +191,8 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
               device: Device = "auto") -> None:
     """Executed blocks, FLOPs, latency (question 3).
 
-    An audit directory measures the checkpoint it audited, with its controller. Latencies of all models are measured round-robin (median and IQR over repetitions); --threshold adds
-    post-training gate thresholding.
+    An audit directory measures the checkpoint it audited, with its controller. Latencies of all models are measured
+    round-robin (median and IQR over repetitions); --threshold adds post-training gate thresholding.
     """
     import pandas as pd
     from rich.console import Console

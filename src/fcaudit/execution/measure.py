@@ -298,7 +298,7 @@ def _time(cfg: ExecutionConfig, rows: list[dict], models: list[nn.Module], windo
 
 def _controller(model: nn.Module, given: str) -> Controller | None:
     """The model's controller; None for a model without one by design (Dense, FixedDepth: its family says so), a
-    refusal for one whose controller fcaudit does not find (its numbers would read as a model with nothing to decide)."""
+    refusal for one whose controller fcaudit does not find (it would read as a model with nothing to decide)."""
     family = families.for_model(model)
     if family is not None and family.ungated(model):
         return None
