@@ -152,6 +152,18 @@ class World:
         return out
 
     @cached_property
+    def audit_ckpt(self) -> Path:
+        """An audit of the fg checkpoint as `fcaudit audit` writes it: its config.json names the checkpoint."""
+        out = self.templates / "audit-ckpt"
+        if not (out / "variation.json").is_file():
+            from fcaudit.checkpoint_audit import audit_checkpoint
+            from fcaudit.config import AuditConfig
+
+            audit_checkpoint(str(self.fg), "embedded", AuditConfig(out=out, n_eval=4, n_calib=2, window=16,
+                                                                   randomizations=1, batch_size=2, quiet=True))
+        return out
+
+    @cached_property
     def records_a(self):
         from fcaudit.auditor import AuditResult
 
@@ -171,7 +183,7 @@ class World:
         if self._built:
             return
         self._built = True
-        for name in ("fg", "dense", "mod", "mudd", "moe", "model", "windows", "records_a", "summary"):
+        for name in ("fg", "dense", "mod", "mudd", "moe", "model", "windows", "records_a", "summary", "audit_ckpt"):
             getattr(self, name)
         for which in "abc":
             self.audit(which)
@@ -190,7 +202,8 @@ class World:
         if name not in self._copies:
             src = {"fg": lambda: self.fg, "dense": lambda: self.dense, "mod": lambda: self.mod,
                    "mudd": lambda: self.mudd, "moe": lambda: self.moe, "summary": lambda: self.summary,
-                   "audit-a": lambda: self.audit("a"), "audit-b": lambda: self.audit("b")}[name]()
+                   "audit-a": lambda: self.audit("a"), "audit-b": lambda: self.audit("b"),
+                   "audit-ckpt": lambda: self.audit_ckpt}[name]()
             dst = self.run / name
             shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(".lock"))
             self._copies[name] = dst
@@ -543,7 +556,8 @@ CORPORA = ["embedded", "embedded", "@corpus-text", "@fifo", "@devzero", "@devnul
 DEVICES = ["cpu", "cpu", "auto", "cuda", "cuda:0", "cuda:-1", "mps", "xla", "meta", "vulkan", "hpu", "xpu", "mtia",
            "privateuseone", "cpu:1", "", "gpu", "ipu", "lazy", "cuda:99999999999999999999"]
 CKPTS = ["@fg", "@fg", "@fg", "@dense", "@mod", "@mudd", "@moe", "@missing", "@file", "@root", "@decoy-ckpt",
-         "@fg-tokenizer", "@audit-a", "@hub-id", "@nul", "@long", "@empty", "@fifo", "@devnull", "@dot"]
+         "@fg-tokenizer", "@audit-a", "@audit-ckpt", "@hub-id", "@nul", "@long", "@empty", "@fifo", "@devnull",
+         "@dot"]
 AUDITS = ["@audit-a", "@audit-a", "@audit-b", "@fg", "@missing", "@file", "@root", "@decoy-cwd", "@summary",
           "@nul", "@long", "@empty", "@fifo", "@proc"]
 REPORTABLE = ["@audit-a", "@summary", "@runs", "@root", "@proc", "@dev", "@decoy-cwd", "@file", "@missing",

@@ -178,6 +178,12 @@ CLASSES = {
         ("cli", cli("report", "@root"), "refused", "found no summary.json"),
         ("api", {"call": "report", "kwargs": {"inputs": ["@root"], "out": "@out"}}, "refused", "found no summary.json"),
         ("cli", cli("report", "@proc", "@dev"), "refused", "found no summary.json"),
+        # an audit directory given to `fcaudit execution`: audit-a audited a model given in Python, with no checkpoint
+        ("cli", cli("execution", "@audit-a"), "refused", "is an audit of a model given in Python"),
+        ("cli", cli("execution", "@audit-a", "@fg"), "refused", "measure that model in Python with fca.execution"),
+        # an audit of a checkpoint (`fcaudit audit`'s): that checkpoint measured; beside it again, given twice
+        ("cli", cli("execution", "@audit-ckpt", "@dense"), "ok", ""),
+        ("cli", cli("execution", "@audit-ckpt", "@decoy-ckpt"), "refused", "the same checkpoint was given twice"),
         # an audit that lost its marker is no longer fcaudit's (the claim is the marker): refused, a new --out leads out
         ("audit-dir", damaged("resume", ("delete", ".fcaudit-audit", 0)), "refused",
          "is not an fcaudit audit directory"),

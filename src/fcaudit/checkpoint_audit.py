@@ -4,22 +4,27 @@ what the real run would do with --out."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from fcaudit import api, data, families, placement
-from fcaudit.auditor.directory import AuditDir
+from fcaudit.auditor import files
+from fcaudit.auditor.directory import MARKER, AuditDir
 from fcaudit.auditor.driver import against_out, audit
 from fcaudit.auditor.group import Group, group_from_env, ignore_sigterm, launched_rank, launched_world, rank_device
-from fcaudit.auditor.inputs import Windows
+from fcaudit.auditor.inputs import Windows, parameter_hash
 from fcaudit.auditor.planner import AuditPlan, plan
 from fcaudit.auditor.results import AuditResult
 from fcaudit.config import AuditConfig
-from fcaudit.device import resolve_device
+from fcaudit.device import DTYPES, resolve_device
 from fcaudit.errors import FcauditError
+from fcaudit.execution.measure import Source
+from fcaudit.hub import resolve
 from fcaudit.io import read_object
 from fcaudit.tokens import load_tokenizer
 
@@ -113,3 +118,44 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
         m = read_object(metrics, "restore it from the training run, or delete it")
         return " ".join(str(m[k]) for k in ("variant", "preset") if m.get(k)) or ckpt_dir.name
     return checkpoint if not Path(checkpoint).exists() else ckpt_dir.name
+
+
+def execution_sources(given: Sequence[str]) -> list[Source]:
+    """What `fcaudit execution` measures for each argument: a checkpoint as it is, or, for an audit directory (its
+    marker), the checkpoint its config.json recorded, in the recorded dtype, checked to be the audited model."""
+    return [_audited(str(g)) if (Path(g) / MARKER).is_file() else Source(str(g), resolve(g)) for g in given]
+
+
+def _audited(audit: str) -> Source:
+    try:
+        config = AuditDir(audit).config()
+    except files.Damaged as e:
+        raise FcauditError(f"{e.path} is damaged ({e.why}): rerun the audit command on {audit}") from None
+    recorded = config["model"]
+    checkpoint = recorded.get("checkpoint")
+    if not isinstance(checkpoint, str):
+        raise FcauditError(f"{audit} is an audit of a model given in Python (its config.json names no checkpoint): "
+                           "measure that model in Python with fca.execution(model, controller, windows)")
+    try:
+        path = resolve(checkpoint, recorded.get("revision"))
+    except FcauditError as e:
+        raise FcauditError(f"{audit} audited the checkpoint {checkpoint}, which is not found from here ({e}): run "
+                           "from the directory the audit ran in, or pass the checkpoint where it is now") from None
+
+    def check(model: torch.nn.Module) -> None:
+        """Refuse a model that is not the audited one: other weights, or a controller fcaudit now builds otherwise."""
+        try:
+            built = json.loads(json.dumps(families.controller_for(model).describe()))  # as config.json holds it
+        except FcauditError:
+            built = {}  # no controller found now: every field the audit recorded differs
+        differ = [f"controller {k}" for k in sorted(set(built) | set(config["controller"]))
+                  if built.get(k) != config["controller"].get(k)]
+        if recorded.get("params_sha256") not in (None, parameter_hash(model)):
+            differ.insert(0, "weights (params_sha256)")
+        if differ:
+            raise FcauditError(f"{checkpoint} is not the model {audit} audited: its {', '.join(differ)} differ from "
+                               "the audit's config.json (the checkpoint changed since the audit?); audit it again, "
+                               "or pass the checkpoint itself to measure it as it is now")
+
+    dtype = DTYPES.get(recorded.get("dtype"))  # the audit's dtype (a float one; None: the checkpoint's own)
+    return Source(checkpoint, path, dtype=dtype, audit=audit, check=check)

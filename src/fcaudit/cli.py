@@ -172,7 +172,8 @@ def summarize(audit_dirs: List[Path] = typer.Argument(..., metavar="AUDIT_DIR",
 
 @command
 def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
-                                                      help="checkpoint directories (include a Dense one for ratios)"),
+                                                      help="checkpoint directories or hub ids (include a Dense one for "
+                                                           "ratios), or audit directories (the audited checkpoint)"),
               out: str = typer.Option(..., metavar="DIR", help="directory for execution.csv/.json and "
                                                                 "thresholding.csv"),
               batch_size: int = typer.Option(8, metavar="N", help="windows per timed forward pass"),
@@ -190,19 +191,21 @@ def execution(checkpoints: List[str] = typer.Argument(..., metavar="CHECKPOINT",
               device: Device = "auto") -> None:
     """Executed blocks, FLOPs, latency (question 3).
 
-    Latencies of all models are measured round-robin (median and IQR over repetitions); --threshold adds
-    post-training gate thresholding.
+    An audit directory measures the checkpoint it audited, with its controller. Latencies of all models are measured
+    round-robin (median and IQR over repetitions); --threshold adds post-training gate thresholding.
     """
     import pandas as pd
     from rich.console import Console
 
+    from fcaudit.checkpoint_audit import execution_sources
     from fcaudit.execution import ExecutionConfig, measure_execution
     from fcaudit.execution.display import (conditions_table, decided_table, decoding_table, execution_table,
                                            noisy_note, thresholding_table)
 
-    table = measure_execution(ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window,
-                                              device=device, min_run_time=min_run_time, thresholds=thresholds,
-                                              corpus=corpus, threshold_windows=threshold_windows, threads=threads))
+    cfg = ExecutionConfig(checkpoints, str(out), batch_size=batch_size, window=window, device=device,
+                          min_run_time=min_run_time, thresholds=thresholds, corpus=corpus,
+                          threshold_windows=threshold_windows, threads=threads)
+    table = measure_execution(cfg, execution_sources(cfg.checkpoints))
     console = Console(highlight=False)
     console.print(execution_table(table))
     console.print(decided_table(table))

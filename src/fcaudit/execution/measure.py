@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from fcaudit import data, families
 from fcaudit.config import MAX_BATCH_SIZE, MAX_MIN_RUN_TIME, MAX_WINDOW, MAX_WINDOWS, check_count
+from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.rows import counting_rows
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError, one_line
@@ -63,6 +65,23 @@ def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
     fractions = tuple(row_fraction(c, ids.numel()) for c in counts)
     ran = [any(c.values()) for c in counts]
     return BlockCount(pattern, len(blocks), sum(ran), tuple(n for (n, _), r in zip(blocks, ran) if not r), fractions)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One model to measure: a checkpoint as given, or the checkpoint an audit directory recorded (`audit`), loaded in
+    the audit's dtype and `check`ed against what the audit recorded before anything is measured."""
+
+    given: str  # the checkpoint's path or hub id, as the row names it
+    path: Path  # its local directory
+    dtype: torch.dtype | None = None  # None: the checkpoint's own
+    audit: str | None = None  # the audit directory it was given as
+    check: Callable[[nn.Module], None] | None = None  # refuses a loaded model that is not the audit's
+
+
+def sources(checkpoints: Sequence[str]) -> list[Source]:
+    """Each checkpoint as given, loaded as it is."""
+    return [Source(c, resolve(c)) for c in checkpoints]
 
 
 @dataclass(frozen=True)
@@ -150,17 +169,21 @@ def add_dense_ratios(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
+def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = None) -> pd.DataFrame:
     """Executed blocks, parameters, FLOPs/token, latency (ms per batch) and throughput of each checkpoint, written to
     `out/execution.csv` and `out/execution.json`; all models run with one window so that their rows compare. With
     `thresholds`, scalar-gated models are thresholded on test windows (`out/thresholding.csv`); routed models get a
-    row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded."""
+    row per condition in `out/conditions.csv`. Latencies are timed round-robin over all models, so all stay loaded.
+    `given`: what to load for each of cfg.checkpoints (default: each as a checkpoint; `fcaudit execution` reads
+    audit directories into theirs, fcaudit.checkpoint_audit.execution_sources)."""
     out = OutDir(cfg.out, "execution results").check(avoid=cfg.checkpoints)
     dev = resolve_device(cfg.device)
     # Read every config first (models are loaded one at a time below): one common window, bad paths fail early.
-    paths = [resolve(p) for p in cfg.checkpoints]
+    inputs = list(given) if given is not None else sources(cfg.checkpoints)
+    out.check(avoid=[str(s.path) for s in inputs])
+    paths = [s.path for s in inputs]
     if len({p.resolve() for p in paths}) != len(paths):
-        raise FcauditError("the same checkpoint was given twice: pass each checkpoint once")
+        raise FcauditError("the same checkpoint was given twice (itself, or as an audit's): pass each checkpoint once")
     contexts = {p: _block_size(p) for p in paths}
     window = cfg.window or default_window(contexts.values())
     too_short = [str(p) for p, size in contexts.items() if size < window]
@@ -168,7 +191,7 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
     with using_threads(cfg.threads) as n_threads:
-        rows, sweeps, conditions = _measure_all(cfg, paths, dev, window)
+        rows, sweeps, conditions = _measure_all(cfg, inputs, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
     out.claim()
     settings = {"batch_size": cfg.batch_size, "window": window, "device": str(dev), "min_run_time": cfg.min_run_time,
@@ -190,11 +213,19 @@ def measure_execution(cfg: ExecutionConfig) -> pd.DataFrame:
     return df
 
 
-def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
+def _load(source: Source, dev: torch.device) -> tuple[nn.Module, dict]:
+    """(model, meta), or a refusal of a model that is not the audit's it was given as."""
+    model, meta = families.load_model(source.path, device=dev, dtype=source.dtype)
+    if source.check is not None:
+        source.check(model)
+    return model, meta
+
+
+def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
                  window: int) -> tuple[list[dict], list[pd.DataFrame], list[pd.DataFrame]]:
     """Load every model (a bad checkpoint fails before anything is measured), measure what does not depend on the
     machine's load model by model, then time all models round-robin."""
-    loaded = [families.load_model(path, device=dev) for path in paths]
+    loaded = [_load(source, dev) for source in inputs]
     rows, sweeps, conditions = [], [], []
 
     @functools.cache  # loaded once, when needed: "test" to threshold, "validation" for static profiles (as audits)
@@ -207,14 +238,9 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
     console = Console(stderr=True, quiet=not cfg.progress)
     labels = [families.label(model) for model, _ in loaded]
     # checkpoints of one label (seeds, a model and its copy) are told apart by their directory names
-    labels = [f"{l} ({Path(g).name})" if labels.count(l) > 1 else l for l, g in zip(labels, cfg.checkpoints)]
-    for given, path, (model, meta), label in zip(cfg.checkpoints, paths, loaded, labels):
-        console.print(f"execution: {given}", highlight=False)
-        metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
-                   if (path / "metrics.json").is_file() else {})
-        row = {"checkpoint": given, "model": label, "architecture": _architecture(model),
-               **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
-               "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
+    labels = [f"{l} ({Path(s.given).name})" if labels.count(l) > 1 else l for l, s in zip(labels, inputs)]
+    for source, (model, meta), label in zip(inputs, loaded, labels):
+        path, given = source.path, source.given
         ids = random_ids(model, cfg.batch_size, window, dev)
         try:  # what does not depend on the machine's load, then what does; first, whether the model runs at all
             count = executed_blocks(model, ids)
@@ -222,10 +248,17 @@ def _measure_all(cfg: ExecutionConfig, paths: list[Path], dev: torch.device,
             raise FcauditError(f"{given}: the model fails a forward pass on {cfg.batch_size} windows of {window} "
                                f"tokens ({type(e).__name__}: {one_line(e)}); check its config.json, and that a batch "
                                "fits in memory (--batch-size)") from e
+        family, controller = families.for_model(model), _controller(model, given)  # a refusal before any line
+        console.print(f"execution: {source.audit or given}", highlight=False)
+        metrics = (read_object(path / "metrics.json", "restore it from the training run, or delete it")
+                   if (path / "metrics.json").is_file() else {})
+        row = {"checkpoint": given, **({"audit": source.audit} if source.audit is not None else {}),
+               "model": label, "architecture": _architecture(model),
+               **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
+               "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
                    executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
-        family, controller = families.for_model(model), _controller(model)
         seen = observe(model, controller, ids) if controller is not None else None
         row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
                    execution_verdict=seen.verdict if seen else "no controller: everything it has runs")
@@ -263,9 +296,16 @@ def _time(cfg: ExecutionConfig, rows: list[dict], models: list[nn.Module], windo
         row.update(lat)
 
 
-def _controller(model: nn.Module):
-    """The model's controller; None for a model without one (Dense, FixedDepth)."""
+def _controller(model: nn.Module, given: str) -> Controller | None:
+    """The model's controller; None for a model without one by design (Dense, FixedDepth: its family says so), a
+    refusal for one whose controller fcaudit does not find (it would read as a model with nothing to decide)."""
+    family = families.for_model(model)
+    if family is not None and family.ungated(model):
+        return None
     try:
         return families.controller_for(model)
-    except FcauditError:
-        return None
+    except FcauditError as e:
+        reason = str(e).split(";")[0]  # what is missing; the route of the audit's message is not this command's
+        raise FcauditError(f"{given} loads, but fcaudit finds no controller in it ({reason}): describe it with "
+                           "fca.Controller.from_modules(model, 'path.*', ...) and measure it in Python with "
+                           "fca.execution(model, controller, windows)") from None

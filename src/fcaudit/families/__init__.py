@@ -70,6 +70,9 @@ class Family:
     accepts: Callable[[dict], bool] = lambda config: False  # does this family load a checkpoint with this config.json?
     load: Callable[[Path, torch.device, torch.dtype | None], tuple[nn.Module, dict]] | None = None  # -> (model, meta)
     label: Callable[[nn.Module], str] = lambda model: type(model).__name__  # tables, execution rows
+    # a member with no controller by design (Dense, FixedDepth): `fcaudit execution` measures it as a reference;
+    # any other model whose controller is not found is refused there
+    ungated: Callable[[nn.Module], bool] = lambda model: False
     # training: the `fcaudit train --model` names and presets it builds; TrainConfig -> fresh model; final checkpoint
     trains: tuple[str, ...] = ()
     presets: tuple[str, ...] = ()

@@ -69,6 +69,7 @@ register(Family(
     load=lambda dir, device, dtype: read_checkpoint(dir, FeatureGateGPT, device, dtype),
     matches=lambda model: isinstance(model, FeatureGateGPT),
     controller=controller,
+    ungated=lambda model: not model.config.gated,
     label=label,
     trains=VARIANTS,
     presets=tuple(PRESETS),

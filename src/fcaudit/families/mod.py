@@ -75,6 +75,7 @@ register(Family(
     load=load,
     matches=lambda model: isinstance(model, MoDGPT),
     controller=controller,
+    ungated=lambda model: all(b.router is None for b in model.blocks),
     label=label,
     trains=("mod",),
     presets=tuple(PRESETS),
