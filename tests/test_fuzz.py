@@ -181,6 +181,8 @@ CLASSES = {
         # an audit directory given to `fcaudit execution`: audit-a audited a model given in Python, with no checkpoint
         ("cli", cli("execution", "@audit-a"), "refused", "is an audit of a model given in Python"),
         ("cli", cli("execution", "@audit-a", "@fg"), "refused", "measure that model in Python with fca.execution"),
+        # the campaign's find: a name too long to look for an audit marker in, given to `fcaudit execution`
+        ("cli", cli("execution", "@dense", "@long", min_run_time=0.01), "refused", ""),
         # an audit of a checkpoint (`fcaudit audit`'s): that checkpoint measured; beside it again, given twice
         ("cli", cli("execution", "@audit-ckpt", "@dense"), "ok", ""),
         ("cli", cli("execution", "@audit-ckpt", "@decoy-ckpt"), "refused", "the same checkpoint was given twice"),

@@ -123,7 +123,14 @@ def family_name(checkpoint: str, ckpt_dir: Path) -> str:
 def execution_sources(given: Sequence[str]) -> list[Source]:
     """What `fcaudit execution` measures for each argument: a checkpoint as it is, or, for an audit directory (its
     marker), the checkpoint its config.json recorded, in the recorded dtype, checked to be the audited model."""
-    return [_audited(str(g)) if (Path(g) / MARKER).is_file() else Source(str(g), resolve(g)) for g in given]
+    return [_audited(str(g)) if _is_audit(g) else Source(str(g), resolve(g)) for g in given]
+
+
+def _is_audit(given: str) -> bool:
+    try:
+        return (Path(given) / MARKER).is_file()
+    except (OSError, ValueError):  # a name too long, or with a NUL: `resolve` says in one line what is wrong with it
+        return False
 
 
 def _audited(audit: str) -> Source:
