@@ -47,8 +47,9 @@ test: setup
 # check is skipped there (FCAUDIT_UNLOCKED), everything else must pass as in `make test`.
 test-latest:
 	$(PY) -m venv $(LATEST)
+	echo '$(TORCH)' > $(LATEST)/.torch-pin
 	$(LATEST)/bin/pip install -q $(TORCH_PIP) '$(TORCH)'
-	$(LATEST)/bin/pip install -q -U --upgrade-strategy eager -e '.[test,hf,docs]'
+	$(LATEST)/bin/pip install -q -U --upgrade-strategy eager -c $(LATEST)/.torch-pin -e '.[test,hf,docs]'
 	FCAUDIT_UNLOCKED=1 $(LATEST)/bin/python -m pytest $(ARGS)
 
 # Regenerates constraints.txt: every dependency of every extra resolved by uv for this project's machines (CPython
