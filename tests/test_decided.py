@@ -190,6 +190,7 @@ def test_a_hugging_face_moe_decides_k_of_e_experts_and_its_experts_flops_show_k(
     assert "reference" not in r and math.isnan(r.flops_vs_reference)  # a top-k codec keeps k experts: pass one
     assert "the decided saving realized" in r.verdict
     assert r.decoding["decode_note"] == "" and r.decoding["decode_max_abs_dlogit"] < 1e-4  # through its own cache
+    assert r.decoding["decode_ms_per_token"] > 0 and "ms per token" in repr(r)
 
 
 class DenseMoE(nn.Module):

@@ -32,7 +32,7 @@ from fcaudit.controllers.rows import counting_rows
 from fcaudit.errors import FcauditError
 from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
 from fcaudit.execution.conditions import Replaying
-from fcaudit.execution.decode import decoding_columns, not_decodable
+from fcaudit.execution.decode import decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, timed
 from fcaudit.threads import using_threads
@@ -351,7 +351,7 @@ def execution(model: nn.Module, controller: Controller, windows, *, reference: n
         lats = timed([(run, ids) for run in runs.values()], Timing(cfg.min_run_time))
         variants = {name: Variant(labels[name], counted[name], lat.ms_per_batch, lat.iqr_ms, lat.noisy)
                     for name, lat in zip(runs, lats)}
-        decoding = ({"decode_note": "not asked (decode=False)"} if not cfg.decode else
-                    decoding_columns(model, ids[:1]) if not_decodable(model) is None else
-                    {"decode_note": not_decodable(model)})
+        decoding = decoding_columns(model, ids[:1]) if cfg.decode else {"decode_note": "not asked (decode=False)"}
+        if not decoding["decode_note"]:  # it decodes: its time per token too, as `fcaudit execution` measures it
+            decoding.update(decode_latencies([model], ids[:1], Timing(cfg.min_run_time))[0])
     return ExecutionResult(seen.decided, seen.executed, seen.blocks, seen.executed_by_block, variants, decoding)
