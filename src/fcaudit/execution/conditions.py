@@ -1,7 +1,8 @@
 """Execution of routed models under the audit's conditions. For a top-k router (an MoE runs k of E experts per token)
 a static profile is a shortcut only if it stays sparse: StaticMixMean runs every expert with a nonzero mean, StaticTopK
-keeps k. A token router (Mixture-of-Depths: its kind's `execution` is "tokens") is counted in token x block pairs; its conditions have
-equal budgets, so their FLOPs are equal and latency says whether the assignment alone changes wall time."""
+keeps k. A token router (Mixture-of-Depths: its kind's `execution` is "tokens") is counted in token x block pairs;
+its conditions have equal budgets, so their FLOPs are equal and latency says whether the assignment alone changes
+wall time."""
 
 from __future__ import annotations
 

@@ -188,7 +188,8 @@ class ExecutionResult(Mapping):
         lines.append(f"controller's own cost: FLOPs x{self.controller_flops:.3f}{latency}"
                      " (live / replayed with the controller disabled)")
         if "reference" in self:
-            lines.append(f"vs reference: FLOPs x{self.flops_vs_reference:.3f}, latency x{self.latency_vs_reference:.3f}")
+            lines.append(f"vs reference: FLOPs x{self.flops_vs_reference:.3f}, "
+                         f"latency x{self.latency_vs_reference:.3f}")
         note = self.decoding.get("decode_note")
         lines.append(f"decoding: {note}" if note else
                      f"decoding: {self.decoding['executed_layer_fraction']:.1%} of (block, token) pairs computed, "

@@ -257,7 +257,8 @@ def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
                **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
                "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
         row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
-                   executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
+                   executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()),
+                   flops_per_token=flops(model, ids[:1]))
         row.update(decoding_columns(model, text()))
         seen = observe(model, controller, ids) if controller is not None else None
         row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
