@@ -97,7 +97,7 @@ def build(name: str) -> tuple[nn.Module, Controller, int]:
     if name == "moe":  # the demo's byte-level Mixtral (transformers), at random weights
         from transformers import AutoModelForCausalLM
 
-        from fcaudit.families.hf_moe.tiny import byte_mixtral_config
+        from fcaudit.families.hf.tiny import byte_mixtral_config
 
         model = AutoModelForCausalLM.from_config(byte_mixtral_config("demo")).eval()
         return model, fca.controller_for(model), 128

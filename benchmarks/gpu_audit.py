@@ -90,7 +90,7 @@ OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, n
 def build_olmoe(device: torch.device, smoke: bool) -> tuple[torch.nn.Module, int]:
     from transformers import AutoModelForCausalLM, OlmoeConfig
 
-    from fcaudit.families.hf_moe.tiny import tiny_moe_config
+    from fcaudit.families.hf.tiny import tiny_moe_config
 
     cfg = tiny_moe_config("olmoe", experts=8, top_k=2) if smoke else \
         OlmoeConfig(**OLMOE_1B_7B, experts_implementation="eager")

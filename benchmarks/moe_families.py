@@ -19,8 +19,8 @@ import transformers
 
 import fcaudit as fca
 from fcaudit.errors import FcauditError
-from fcaudit.families.hf_moe import moe_controller
-from fcaudit.families.hf_moe.tiny import FAMILIES, SCORE_FAMILIES, tiny_moe
+from fcaudit.families.hf import moe_controller
+from fcaudit.families.hf.tiny import FAMILIES, SCORE_FAMILIES, tiny_moe
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,

@@ -21,7 +21,7 @@ import torch
 
 import fcaudit as fca
 from fcaudit.data import load_corpus, make_windows, random_batch
-from fcaudit.families.hf_moe.tiny import tiny_moe
+from fcaudit.families.hf.tiny import tiny_moe
 
 
 def train(family: str, corpus, args) -> torch.nn.Module:

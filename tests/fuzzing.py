@@ -112,7 +112,7 @@ class World:
 
     @cached_property
     def moe(self) -> Path:
-        from fcaudit.families.hf_moe.tiny import byte_mixtral_config
+        from fcaudit.families.hf.tiny import byte_mixtral_config
         from transformers import AutoModelForCausalLM
         import torch
 

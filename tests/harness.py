@@ -153,7 +153,7 @@ def mudd_ckpt(t: Path, name: str = "mudd", **config) -> Path:
 
 def moe_ckpt(t: Path, name: str = "moe", **config) -> Path:
     """A tiny Hugging Face Mixtral checkpoint (2 layers) in t/`name`."""
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+    from fcaudit.families.hf.tiny import tiny_moe
 
     tiny_moe("mixtral").save_pretrained(t / name)
     return edit_config(t / name, **config)

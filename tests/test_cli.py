@@ -110,7 +110,7 @@ def test_a_dry_run_notes_the_windows_a_real_run_would_refuse(tmp_path, tiny_ckpt
 def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved_one_resumes(tmp_path, monkeypatch):
     """Hugging Face checkpoints carry no variant: without --family each is its own family (its directory name);
     --family pools them. A checkpoint moved after its audit (or named as ./dir) resumes that audit."""
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+    from fcaudit.families.hf.tiny import tiny_moe
 
     for seed in (0, 1):
         tiny_moe("mixtral", seed=seed).save_pretrained(tmp_path / f"mix-s{seed}")

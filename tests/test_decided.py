@@ -182,7 +182,7 @@ def test_bad_settings_and_blocks_are_one_line_refusals():
 
 def test_a_hugging_face_moe_decides_k_of_e_experts_and_its_experts_flops_show_k():
     pytest.importorskip("transformers")
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+    from fcaudit.families.hf.tiny import tiny_moe
 
     model = tiny_moe("mixtral", experts=4, top_k=2, layers=2)
     r = fca.execution(model, fca.controller_for(model), IDS, min_run_time=0.02)

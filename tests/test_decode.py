@@ -122,7 +122,7 @@ def test_execution_measures_decoding_against_dense(tmp_path):
 def test_a_hugging_face_model_decodes_through_its_own_cache_and_its_blocks_are_observed(ids):
     pytest.importorskip("transformers")
     from fcaudit.execution.decode import decoding_columns
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+    from fcaudit.families.hf.tiny import tiny_moe
 
     model = tiny_moe("mixtral", experts=4, top_k=2, layers=2)
     assert not_decodable(model) is None

@@ -10,11 +10,11 @@ import torch
 import transformers  # noqa: E402  (a test dependency: the test extra includes the hf extra)
 
 from fcaudit.errors import FcauditError  # noqa: E402
-from fcaudit.families.hf_moe import TopKRouterCodec, ensure_eager_experts, load_hf_moe, moe_controller, require_transformers  # noqa: E402
-from fcaudit.families.hf_moe.discover import SUPPORTED_EXAMPLES  # noqa: E402
+from fcaudit.families.hf import TopKRouterCodec, ensure_eager_experts, load_hf, moe_controller, require_transformers  # noqa: E402
+from fcaudit.families.hf.discover import SUPPORTED_EXAMPLES  # noqa: E402
 from fcaudit.controllers import Captured, Controller, Decoding  # noqa: E402
-from fcaudit.families.hf_moe.execution import expert_execution  # noqa: E402
-from fcaudit.families.hf_moe.tiny import FAMILIES, tiny_moe  # noqa: E402
+from fcaudit.families.hf.execution import expert_execution  # noqa: E402
+from fcaudit.families.hf.tiny import FAMILIES, tiny_moe  # noqa: E402
 from fcaudit.loss import token_nll  # noqa: E402
 
 E, K = 8, 2
@@ -365,7 +365,7 @@ def test_execution_counts_k_experts_under_correct_and_every_used_expert_under_a_
 
 def test_load_checkpoint_directory_in_bf16_and_replay_exactly(tmp_path):
     tiny_moe("olmoe", experts=4, top_k=2).save_pretrained(tmp_path)
-    model = load_hf_moe(tmp_path, dtype=torch.bfloat16)
+    model = load_hf(tmp_path, dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._experts_implementation == "eager"
     ctrl = moe_controller(model)
@@ -382,12 +382,12 @@ def test_load_refuses_a_directory_without_weights_and_the_tokenizer_is_the_check
     model = tiny_moe("qwen3_moe", experts=4, top_k=2)
     model.config.save_pretrained(tmp_path)
     with pytest.raises(FcauditError, match="cannot load") as err:
-        load_hf_moe(tmp_path)
+        load_hf(tmp_path)
     assert "\n" not in str(err.value)
     model.save_pretrained(tmp_path)
     tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
-    loaded = load_hf_moe(tmp_path)
+    loaded = load_hf(tmp_path)
     assert load_tokenizer(tmp_path).encode("a").ids == [1] and loaded.config._experts_implementation == "eager"
 
 
@@ -396,7 +396,7 @@ def test_hub_id_offline_fails_fast_with_one_line(monkeypatch):
     monkeypatch.setattr("fcaudit.hub.hub_reachable", lambda *a, **k: False)
     start = time.monotonic()
     with pytest.raises(FcauditError) as err:
-        load_hf_moe("nobody-fcaudit/no-such-moe")
+        load_hf("nobody-fcaudit/no-such-moe")
     assert time.monotonic() - start < 10 and "\n" not in str(err.value) and "no-such-moe" in str(err.value)
 
 
@@ -497,7 +497,7 @@ def test_from_modules_with_a_codec_audits_tuple_routers(tmp_path):
 
 
 def test_checkpoint_configs_of_moe_families_are_recognized_nested_or_with_their_own_keys():
-    from fcaudit.families.hf_moe import looks_like_hf_moe
+    from fcaudit.families.hf import looks_like_hf_moe
 
     assert looks_like_hf_moe({"model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6})
     assert looks_like_hf_moe({"model_type": "hunyuan_v1_moe", "num_experts": 16, "moe_topk": 1})
@@ -519,14 +519,14 @@ def test_a_checkpoint_missing_a_weight_is_refused_rather_than_audited_with_a_ran
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(FcauditError, match=r"lacks 1 weights of MixtralForCausalLM \(e.g. model.layers.1.mlp.gate.weight"
                                            r"\), which would be random") as err:
-        load_hf_moe(tmp_path)
+        load_hf(tmp_path)
     assert "\n" not in str(err.value)
 
 
 def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_path, caplog):
     """Llama 4's released checkpoints are multimodal: the CLI loads their language model (AutoModelForCausalLM)."""
     import fcaudit as fca
-    from fcaudit.families.hf_moe import looks_like_hf_moe
+    from fcaudit.families.hf import looks_like_hf_moe
 
     text = tiny_moe("llama4", experts=4, top_k=1).config.to_dict()
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
@@ -537,7 +537,7 @@ def test_a_multimodal_llama4_checkpoint_loads_its_language_model_and_audits(tmp_
     full.save_pretrained(tmp_path / "ckpt")
     assert looks_like_hf_moe(json.loads((tmp_path / "ckpt" / "config.json").read_text()))
     caplog.set_level("WARNING")
-    model = load_hf_moe(tmp_path / "ckpt")
+    model = load_hf(tmp_path / "ckpt")
     # neither its list of unused vision weights, nor the tensor-parallel notes that silencing it by level brings
     assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage() or "not sharded" in r.getMessage()]
     ids = ids_for()
@@ -619,7 +619,7 @@ def test_longcat_flash_replays_exactly_and_its_checkpoint_loads_though_it_derive
     """LongCat-Flash's config derives num_hidden_layers as 2 x num_layers, the number of decoder layers its weights
     hold: the depth check reads num_layers. Capture and replay of the loaded checkpoint are bit-exact."""
     _longcat(layers=2).save_pretrained(tmp_path)
-    model = load_hf_moe(tmp_path)
+    model = load_hf(tmp_path)
     assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 2
     ctrl = moe_controller(model)
     assert len(routers_of(ctrl)) == 2
@@ -644,8 +644,8 @@ def test_a_model_with_a_layer_offloaded_to_disk_audits_to_the_records_of_the_mod
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf(tmp_path / "ckpt")
     assert placement.is_dispatched(placed) and not placement.is_dispatched(whole)
     layer = placed.model.layers[1]
     assert all(p.is_meta for p in layer.parameters())
@@ -666,8 +666,8 @@ def test_on_cpu_loads_an_offloaded_modules_weights_for_the_block_only(tmp_path):
     from fcaudit import placement
 
     tiny_moe("mixtral", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
-    placed = load_hf_moe(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
-    whole = load_hf_moe(tmp_path / "ckpt")
+    placed = load_hf(tmp_path / "ckpt", device_map=ON_DISK, offload_folder=tmp_path / "offload")
+    whole = load_hf(tmp_path / "ckpt")
     experts = placed.model.layers[1].mlp.experts
     with placement.on_cpu(experts):
         assert torch.equal(experts.down_proj, whole.model.layers[1].mlp.experts.down_proj)
@@ -695,7 +695,7 @@ def test_the_padding_probe_of_offloaded_experts_runs_on_their_weights_loaded_to_
 
     tiny_moe("gpt_oss", experts=E, top_k=K).save_pretrained(tmp_path / "ckpt")
     both = {**ON_DISK, "model.layers.0": "disk"}  # the first experts probed are offloaded
-    placed = load_hf_moe(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
+    placed = load_hf(tmp_path / "ckpt", device_map=both, offload_folder=tmp_path / "offload")
     monkeypatch.setattr(placement, "off_cpu", lambda t: True)  # as on an accelerator
     ctrl = moe_controller(placed)
     assert [s.codec.pad for s in routers_of(ctrl)] == ["repeat", "repeat"]

@@ -195,7 +195,7 @@ def test_the_report_says_why_a_model_without_execution_has_none(tmp_path):
 
 def test_a_hugging_face_moe_gets_its_row_with_k_of_e_experts_decided_and_executed(tmp_path):
     pytest.importorskip("transformers")
-    from fcaudit.families.hf_moe.tiny import tiny_moe
+    from fcaudit.families.hf.tiny import tiny_moe
 
     model = tiny_moe("mixtral", experts=4, top_k=2)
     ids = torch.randint(0, model.config.vocab_size, (10, 12), generator=torch.Generator().manual_seed(0))

@@ -23,7 +23,7 @@ from fcaudit.data import load_corpus
 from fcaudit.device import resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution import ExecutionConfig, measure_execution
-from fcaudit.families.hf_moe import require_transformers
+from fcaudit.families.hf import require_transformers
 from fcaudit.families.mod import causal_checkpoint
 from fcaudit.io import OutDir, read_json, read_object
 from fcaudit.report.render import build_report

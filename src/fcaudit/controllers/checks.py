@@ -125,6 +125,7 @@ def pre_write_checks(model: nn.Module, controller: Controller, first: torch.Tens
     check = "depth" if info.depth else TOKEN_ROUTING  # the kinds' note: why conditions are not offered
     found += [Finding.notice(check, note) for note in info.notes]
     found += zero_notices(info)
+    found += [Finding.notice("controller", note) for note in controller.notes]
     found += [f for f in (first_blocks_notice(controller) or depth_rows_notice(controller, pattern, rows, alone),
                           routed_blocks_notice(model, controller, took, alone)) if f is not None]
     return found

@@ -71,6 +71,8 @@ class Controller:
     # the blocks whose rows the audit observes where they are not one per site (`routing`): a depth controller's
     # blocks, capacity routers' experts, as (path, module) in order
     runs: tuple[tuple[str, nn.Module], ...] = field(default=(), repr=False)
+    # what the audit says of the controller as notices: input-dependent mechanisms of the model its sites leave out
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self):
         sites = tuple(self.sites)
@@ -343,7 +345,8 @@ class Controller:
         grouped = [replace(s, group=order.setdefault(group(s) if group is not None else id(s.module), len(order)))
                    for s in sites]
         return cls(tuple(grouped), " + ".join(dict.fromkeys(c.static_name for c in controllers)),
-                   " + ".join(c.description for c in controllers), first.context)
+                   " + ".join(c.description for c in controllers), first.context,
+                   notes=tuple(dict.fromkeys(n for c in controllers for n in c.notes)))
 
     @property
     def labels(self) -> dict[str, str]:

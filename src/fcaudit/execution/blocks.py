@@ -5,7 +5,7 @@ shows none. Blocks are often run through something other than their own forward 
 gathered subset), so the rows are counted where the work is done: at every module inside the block that holds a
 weight matrix (Linear, Conv1D, a custom projection), each call adding the rows of its first floating-point input
 (its elements over its last axis). Fused experts (3-D weights that take every token and index inside) show every
-row: their FLOPs say what ran (fcaudit.families.hf_moe.execution).
+row: their FLOPs say what ran (fcaudit.families.hf.execution).
 """
 
 from __future__ import annotations

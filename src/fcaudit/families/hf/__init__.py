@@ -1,6 +1,7 @@
-"""The Hugging Face MoE family: transformers (>= 5) mixture-of-experts LMs audited as they are, their routers found
-by structure (discover.py, benchmarks/moe_families.py), their coefficients in codecs.py. `fcaudit train --model moe`
-trains a byte-level Mixtral (tiny.py). transformers is the optional extra fcaudit[hf].
+"""The Hugging Face family: transformers (>= 5) causal LMs audited as they are. MoE routers are found by structure
+(discover.py, their coefficients in codecs.py), every other controller by its module class's recipe (recipes.py,
+find.py); benchmarks/hf_zoo.py audits every architecture transformers ships. `fcaudit train --model moe` trains a
+byte-level Mixtral (tiny.py). transformers is the optional extra fcaudit[hf].
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import torch
 from torch import nn
 
 from fcaudit.families import Family, register
-from fcaudit.families.hf_moe.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
-from fcaudit.families.hf_moe.discover import ensure_eager_experts, is_moe, moe_controller
-from fcaudit.families.hf_moe.execution import expert_execution
-from fcaudit.families.hf_moe.load import load_hf_moe, looks_like_hf_moe, require_transformers
-from fcaudit.families.hf_moe.tiny import BYTE_PRESETS, byte_mixtral_config
+from fcaudit.families.hf.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
+from fcaudit.families.hf.discover import ensure_eager_experts, is_moe, moe_controller
+from fcaudit.families.hf.find import has_controller, hf_controller
+from fcaudit.families.hf.execution import expert_execution
+from fcaudit.families.hf.load import load_hf, looks_like_hf, looks_like_hf_moe, require_transformers
+from fcaudit.families.hf.tiny import BYTE_PRESETS, byte_mixtral_config
 
 
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
-    model = load_hf_moe(dir, dtype=dtype, device=device, **placed)
+    model = load_hf(dir, dtype=dtype, device=device, **placed)
     return model, {"model_type": model.config.model_type, "variant": f"moe-{model.config.model_type}"}
 
 
@@ -44,13 +46,14 @@ def _save(model: nn.Module, out: Path, meta: dict) -> None:
 
 
 register(Family(
-    name="hf_moe",
-    accepts=looks_like_hf_moe,
+    name="hf",
+    accepts=looks_like_hf,
     load=_load,
     # by structure, whatever the class's module: a checkpoint's own code (transformers_modules...) or a user's
-    matches=is_moe,
-    controller=moe_controller,
-    label=lambda model: f"moe-{getattr(getattr(model, 'config', None), 'model_type', None) or type(model).__name__}",
+    matches=has_controller,
+    controller=hf_controller,
+    label=lambda model: ("moe-" if is_moe(model) else "") + (getattr(getattr(model, "config", None), "model_type", None)
+                                                            or type(model).__name__),
     trains=("moe",),
     presets=tuple(BYTE_PRESETS),
     build=_build,
@@ -59,9 +62,9 @@ register(Family(
     train_loss=lambda model, ids: model(input_ids=ids, labels=ids, output_router_logits=True).loss,
     # experts run and expert FLOPs per token against running every expert, live or with coefficients replayed
     execution=lambda model, ids, controller=None, coefficients=None: expert_execution(
-        model, ids, controller, coefficients).summary(),
+        model, ids, controller, coefficients).summary() if is_moe(model) else {},
     device_maps=True,
 ))
 
-__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "moe_controller", "ensure_eager_experts",
-           "load_hf_moe", "looks_like_hf_moe", "require_transformers"]
+__all__ = ["TopKRouterCodec", "ScoreRouterCodec", "SharedGateCodec", "hf_controller", "moe_controller",
+           "ensure_eager_experts", "load_hf", "looks_like_hf", "looks_like_hf_moe", "require_transformers"]

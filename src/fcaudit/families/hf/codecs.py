@@ -31,7 +31,7 @@ def _require_eager(experts: nn.Module | None, where: str) -> None:
     impl = experts_implementation(experts)
     if impl != "eager":
         raise FcauditError(f"{where}: the experts run the {impl!r} implementation; FCA replay needs 'eager' "
-                           f"(call fcaudit.families.hf_moe.ensure_eager_experts(model) before capturing)")
+                           f"(call fcaudit.families.hf.ensure_eager_experts(model) before capturing)")
 
 
 def _shapes(output) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fcaudit.errors import FcauditError
-from fcaudit.families.hf_moe.load import require_transformers
+from fcaudit.families.hf.load import require_transformers
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")  # (logits, weights, index)
 SCORE_FAMILIES = ("llama4",)  # routers returning (scores, logits): ScoreRouterCodec

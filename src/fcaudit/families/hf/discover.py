@@ -21,9 +21,9 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
-from fcaudit.families.hf_moe.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
+from fcaudit.families.hf.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
                                             experts_implementation, split_parts, split_score_output)
-from fcaudit.families.hf_moe.load import TOP_K_KEYS
+from fcaudit.families.hf.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say its top-k may find it

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fcaudit.controllers.controller import Controller
-from fcaudit.families.hf_moe.discover import moe_controller
+from fcaudit.families.hf.discover import moe_controller
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Loading Hugging Face MoE checkpoints (config.json + safetensors) with transformers, the optional extra fcaudit[hf].
+"""Loading Hugging Face checkpoints (config.json + safetensors) with transformers, the optional extra fcaudit[hf].
 
 transformers never runs a checkpoint's code here (a checkpoint that needs it is refused first), reads safetensors when
 there are any, and reads a .bin only after torch's restricted unpickler has opened it (fcaudit.weights)."""
@@ -25,7 +25,7 @@ from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, load_pic
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
 
-def require_transformers(what: str = "auditing Hugging Face MoE models"):
+def require_transformers(what: str = "auditing Hugging Face models"):
     """The transformers module, or a one-line error naming the install command: called before any work that
     needs it (a load, a build, the demo)."""
     try:
@@ -35,7 +35,7 @@ def require_transformers(what: str = "auditing Hugging Face MoE models"):
                            "clone") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
     if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS:
-        raise FcauditError(f"transformers {transformers.__version__} is too old for MoE audits (needs >= "
+        raise FcauditError(f"transformers {transformers.__version__} is too old for fcaudit (needs >= "
                            f"{MIN_TRANSFORMERS}): pip install -U -e '.[hf]' in fcaudit's clone")
     return transformers
 
@@ -56,7 +56,13 @@ def looks_like_hf_moe(config: dict) -> bool:
         for c in (config, *(v for v in config.values() if isinstance(v, dict))))
 
 
-def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+def looks_like_hf(config: dict) -> bool:
+    """Whether a config.json is a transformers model's: save_pretrained writes its version, or it is an MoE's (a
+    config written by hand). Its controllers are found once it is loaded."""
+    return isinstance(config.get("model_type"), str) and ("transformers_version" in config or looks_like_hf_moe(config))
+
+
+def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
     """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline: fails in seconds
     unless cached). `device_map` (not `device`) spreads it with accelerate, putting its "disk" in `offload_folder`."""
@@ -110,7 +116,7 @@ def load_hf_moe(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = No
             raise FcauditError(f"{dir}: config.json does not fit the weights ({key}: {why.split(' - ', 1)[-1]}): use "
                                "the config.json saved with these weights") from None
         raise FcauditError(f"transformers cannot load {dir} ({type(e).__name__}: {one_line(e)}): pass a complete "
-                           f"checkpoint directory of a transformers>=5 MoE model") from None
+                           f"checkpoint directory of a transformers>=5 causal LM") from None
     finally:
         report.removeFilter(quiet)
     missing = sorted(info.get("missing_keys") or [])

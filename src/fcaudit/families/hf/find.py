@@ -1,0 +1,82 @@
+"""The controller sites of a Hugging Face model that its module classes' recipes name (recipes.py), and the
+mechanisms fcaudit names but does not audit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from fcaudit.controllers.codecs import Layout
+from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.sites import Site
+from fcaudit.errors import FcauditError
+from fcaudit.families import OWN_ROUTE
+from fcaudit.families.hf.discover import is_moe, moe_controller
+from fcaudit.families.hf.recipes import RECIPES, UNAUDITED
+
+
+def recipe_sites(model: nn.Module) -> list[tuple[str, Site]]:
+    """(path of the instance holding it, site) for each recipe of each module whose class has recipes, in model
+    order. A recipe whose module is not there is refused: the entry no longer fits the class."""
+    found = []
+    for path, m in model.named_modules():
+        for r in RECIPES.get(type(m).__name__, ()):
+            at = ".".join(p for p in (path, r.module) if p)
+            try:
+                module = m.get_submodule(r.module) if r.module else m
+            except AttributeError:
+                raise FcauditError(f"{type(m).__name__} at {path} has no submodule {r.module!r}, which fcaudit's recipe "
+                                   f"for its {r.what} reads (fcaudit/families/hf/recipes.py): describe its sites with "
+                                   "fcaudit.Controller.from_modules(...)") from None
+            found.append((path, Site(at, module, codec=Layout.parse(r.layout), call=r.call, method=r.method,
+                                     op=r.op, kind=r.kind)))
+    return found
+
+
+def recipe_controller(model: nn.Module) -> Controller | None:
+    """The sites of `model`'s recipes, each instance of a class one layer (its sites move together), or None."""
+    found = recipe_sites(model)
+    if not found:
+        return None
+    layer = {owner: i for i, owner in enumerate(dict.fromkeys(owner for owner, _ in found))}
+    sites = tuple(Site(s.path, s.module, codec=s.codec, call=s.call, method=s.method, op=s.op, kind=s.kind,
+                       group=layer[owner]) for owner, s in found)
+    whats = dict.fromkeys(f"{r.what} ({cls})" for cls, rs in RECIPES.items() for r in rs
+                          if any(type(m).__name__ == cls for m in model.modules()))
+    return Controller(sites, description=f"{type(model).__name__}: {len(sites)} sites by recipe: {'; '.join(whats)}")
+
+
+def unaudited(model: nn.Module) -> list[str]:
+    """One line per class of mechanism the model holds that fcaudit names but does not audit."""
+    held: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if type(m).__name__ in UNAUDITED:
+            held.setdefault(type(m).__name__, []).append(path)
+    return [f"not audited: {len(paths)} {cls} ({paths[0]}{', ...' if len(paths) > 1 else ''}): {UNAUDITED[cls]}"
+            for cls, paths in held.items()]
+
+
+def has_controller(model: nn.Module) -> bool:
+    """Structural check (no forward pass): MoE routers, or a module of a class with recipes."""
+    return is_moe(model) or any(type(m).__name__ in RECIPES for m in model.modules())
+
+
+def hf_controller(model: nn.Module) -> Controller:
+    """Every controller fcaudit finds in a Hugging Face model: its MoE routers (by structure) and its recipes' sites,
+    merged; a mechanism it names but does not audit goes into the controller's notes."""
+    skipped = tuple(unaudited(model))
+    routers = moe_controller(model) if is_moe(model) else None
+    recipes = recipe_controller(model)
+    if routers is None and recipes is None:
+        why = f"; it holds {skipped[0].removeprefix('not audited: ')}" if skipped else ""
+        raise FcauditError(f"{type(model).__name__} has no controller fcaudit finds (no MoE router beside its experts, "
+                           f"no module of a class in fcaudit/families/hf/recipes.py){why}; {OWN_ROUTE}")
+    if recipes is None:
+        return replace(routers, notes=skipped) if skipped else routers
+    if routers is None:
+        return replace(recipes, notes=skipped)
+    by_recipe = {s.path: s.group for s in recipes.sites}
+    merged = Controller.merge(routers, recipes, group=lambda s: (by_recipe.get(s.path), s.path if s.path not in
+                                                                  by_recipe else None))
+    return replace(merged, notes=skipped)

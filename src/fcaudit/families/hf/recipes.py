@@ -1,0 +1,36 @@
+"""Where the controllers of Hugging Face architectures are that no structure rule finds: one entry per module class,
+data only (pyvene's model cards are the pattern). A class's instances are found wherever a model holds them, under
+any path, so the architectures that reuse a class (Mamba's mixer in a hybrid) need no entry of their own; a new
+architecture is one entry. MoE routers are found by structure (discover.py) and need none.
+
+Each `Recipe` names one site inside every instance of its class: the output of a submodule (`module`, relative to the
+instance, "" for the instance itself), or the result of a torch function (`op`) that the module's `method` runs, as
+`Controller.from_modules` and `Controller.from_ops` read them. `what` says what the coefficients are; the audit
+names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
+holding one says so in a notice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    what: str  # what the coefficients are, e.g. "selective-SSM Δ, B and C"
+    module: str = ""  # the site's module relative to the class's instance ("" = the instance)
+    op: str | None = None  # a torch function's name (see Controller.from_ops), else the module's output
+    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: its only one
+    method: str = "forward"
+    layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
+    kind: str = "vector_gate"
+
+
+# module class name -> the controller sites inside each of its instances
+RECIPES: dict[str, tuple[Recipe, ...]] = {
+    # Mamba-1: x_proj computes each token's Δ (low rank), B and C from its input: the selection mechanism
+    "MambaMixer": (Recipe("selective-SSM Δ, B and C", "x_proj"),),
+}
+
+# module class name -> why its input-dependent mechanism is not audited (said in a notice where a model holds one)
+UNAUDITED: dict[str, str] = {}
