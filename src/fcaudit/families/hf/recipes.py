@@ -26,11 +26,25 @@ class Recipe:
     kind: str = "vector_gate"
 
 
-# module class name -> the controller sites inside each of its instances
-RECIPES: dict[str, tuple[Recipe, ...]] = {
+# module class name -> the controller sites inside each of its instances, by group of mechanisms
+
+# state-space and recurrent mixers: selective-SSM parameters, recurrent and LSTM gates
+RECURRENT: dict[str, tuple[Recipe, ...]] = {
     # Mamba-1: x_proj computes each token's Δ (low rank), B and C from its input: the selection mechanism
     "MambaMixer": (Recipe("selective-SSM Δ, B and C", "x_proj"),),
 }
 
+# attention-side mechanisms: output gates, delta-rule β and decay, residual-stream mixing (AltUp, hyper-connections)
+ATTENTION: dict[str, tuple[Recipe, ...]] = {
+}
+
+RECIPES: dict[str, tuple[Recipe, ...]] = {**RECURRENT, **ATTENTION}
+
 # module class name -> why its input-dependent mechanism is not audited (said in a notice where a model holds one)
-UNAUDITED: dict[str, str] = {}
+UNAUDITED_RECURRENT: dict[str, str] = {
+}
+
+UNAUDITED_ATTENTION: dict[str, str] = {
+}
+
+UNAUDITED: dict[str, str] = {**UNAUDITED_RECURRENT, **UNAUDITED_ATTENTION}
