@@ -302,4 +302,4 @@ def test_blocks_are_counted_by_the_rows_they_computed_not_by_their_forward_calls
 
     shallow = executed_blocks(Shallow(keep=1.0).eval(), ids, "blocks.*")
     assert (shallow.executed, shallow.skipped, shallow.row_fractions) == (2, ("blocks.2",), (1.0, 1.0, 0.0))
-    assert shallow.row_fraction == pytest.approx(2 / 3)
+    assert shallow.row_fraction() == pytest.approx(2 / 3)

@@ -11,6 +11,7 @@ row: their FLOPs say what ran (fcaudit.families.hf.execution).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -38,10 +39,20 @@ def block_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
     return found
 
 
-def row_fraction(count: Counter, tokens: int) -> float:
+def row_fraction(count: Counter, tokens: int, uncalled: Collection[nn.Module] = ()) -> float:
     """One block's computed rows over `tokens` rows (the tokens its forward could run on), weighting each computing
     module by its weight elements (what one row costs it): 1.0 where every module ran every token once, 0.0 where
-    none ran. A module run twice on every token (a shared block applied in two steps) counts 2."""
-    weights = {m: sum(p.numel() for p in m.parameters(recurse=False) if p.dim() >= 2) for m in count}
+    none ran. A module run twice on every token (a shared block applied in two steps) counts 2. `uncalled`: modules
+    the model reads the weights of without calling them (`uncalled`), left out."""
+    weights = {m: sum(p.numel() for p in m.parameters(recurse=False) if p.dim() >= 2) for m in count
+               if m not in uncalled}
     total = sum(weights.values())
-    return sum(weights[m] * rows for m, rows in count.items()) / (total * tokens) if total and tokens else 0.0
+    return sum(weights[m] * count[m] for m in weights) / (total * tokens) if total and tokens else 0.0
+
+
+def uncalled(*passes: Sequence[Counter]) -> set[nn.Module]:
+    """The computing modules that took no row in any of the passes' counts (each a Counter per block), one of them
+    a pass in which nothing was decided away: the model reads their weights without calling them (Mamba's conv1d
+    and dt_proj on its torch path), so their rows cannot show what ran."""
+    idle = [{m for count in counts for m, rows in count.items() if not rows} for counts in passes]
+    return set.intersection(*idle) if idle else set()

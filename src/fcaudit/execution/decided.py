@@ -30,7 +30,7 @@ from fcaudit import families
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.rows import counting_rows
 from fcaudit.errors import FcauditError
-from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
+from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction, uncalled
 from fcaudit.execution.conditions import Replaying
 from fcaudit.execution.decode import decode_latencies, decoding_columns
 from fcaudit.execution.flops import flops
@@ -224,9 +224,9 @@ def _ids(windows) -> torch.Tensor:
 
 
 def _observed(model: nn.Module, controller: Controller, ids: torch.Tensor,
-              pattern: str) -> tuple[list, tuple[str, ...], tuple[float, ...], float]:
+              pattern: str) -> tuple[list, tuple[str, ...], tuple[float, ...], float, set]:
     """(captured decisions, the governed blocks, the rows each computed over one row per token, the share of the
-    governed rows computed) of one live forward. Token routers govern the blocks holding them, one row per token per
+    governed rows computed, the modules the model does not call) of one live forward. Token routers govern the blocks holding them, one row per token per
     router; other controllers every block, one row per token each, and a depth controller its most units per token
     (blocks, or the steps of a shared block). The controller's own modules are left out of a block's rows."""
     info, blocks = controller.info, block_modules(model, pattern)
@@ -240,17 +240,30 @@ def _observed(model: nn.Module, controller: Controller, ids: torch.Tensor,
             sites[name] += 1
     own = {m for s in controller.sites if s.op is None and s.method == "forward" for m in s.module.modules()}
     counts = {n: {m: r for m, r in count.items() if m not in own} for (n, _), count in zip(blocks, counts)}
+    idle = _never_called(model, controller, ids, blocks, found, list(counts.values()))
     if not any(counts.values()):
         raise FcauditError(f"the blocks of {pattern!r} hold no weights but the controller's own: pass blocks= the "
                            "path pattern of the blocks its decisions govern")
-    ran = {n: row_fraction(count, ids.numel()) for n, count in counts.items()}
+    ran = {n: row_fraction(count, ids.numel(), idle) for n, count in counts.items()}
     tokens = info.lead.execution == "tokens"  # a token router governs its own blocks, any other kind every block
     governed = tuple(n for n in ran if sites[n] or not tokens)
     if not governed:
         raise FcauditError(f"no token router of the controller lies in a block of {pattern!r} (e.g. "
                            f"{next(iter(sites))}): pass blocks= the path pattern of the blocks its routers govern")
     possible = info.top(found) if info.depth else sum(sites[n] for n in governed) if tokens else len(governed)
-    return found, governed, tuple(ran[n] for n in governed), sum(ran[n] for n in governed) / possible
+    return found, governed, tuple(ran[n] for n in governed), sum(ran[n] for n in governed) / possible, idle
+
+
+def _never_called(model: nn.Module, controller: Controller, ids: torch.Tensor, blocks: list, found,
+                  counts: list) -> set[nn.Module]:
+    """The modules of `counts` (the live pass's) that take no row with nothing decided away either (the controller's
+    `everything` replayed): `uncalled`. One more pass, only where some module took no row live."""
+    everything = controller.info.everything(found) if any(not r for c in counts for r in c.values()) else None
+    if everything is None:
+        return set()
+    with torch.inference_mode(), counting_rows([m for _, m in blocks]) as again:
+        Replaying(model, controller, everything, found.decoding)(ids)
+    return uncalled(counts, again)
 
 
 def _experts_executed(model: nn.Module, controller: Controller, ids: torch.Tensor) -> float:
@@ -272,6 +285,7 @@ class Observed:
     blocks: tuple[str, ...]  # the blocks the controller governs
     executed_by_block: tuple[float, ...]  # rows each computed, over one row per token (a shared block: per step)
     found: list = field(repr=False)  # the captured decisions (canonical, with what a replay decodes them with)
+    idle: frozenset = field(default=frozenset(), repr=False)  # modules the model does not call (blocks.uncalled)
 
     @property
     def verdict(self) -> str:
@@ -281,11 +295,11 @@ class Observed:
 def observe(model: nn.Module, controller: Controller, ids: torch.Tensor, blocks: str | None = None) -> Observed:
     """Decided and executed work of model(ids): the rows of the blocks matching `blocks` (default: the children of
     the model's largest ModuleList); for expert routers without `blocks`, the FLOPs inside their experts."""
-    found, governed, fractions, executed = _observed(model, controller, ids, blocks or block_pattern(model))
+    found, governed, fractions, executed, idle = _observed(model, controller, ids, blocks or block_pattern(model))
     info = controller.info
     if info.lead.execution == "experts" and blocks is None:
         executed = _experts_executed(model, controller, ids)
-    return Observed(info.decided(found), executed, governed, fractions, found)
+    return Observed(info.decided(found), executed, governed, fractions, found, frozenset(idle))
 
 
 AUDITED = "the first evaluation batch of an audit: FLOPs counted, not timed"

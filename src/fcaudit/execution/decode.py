@@ -20,7 +20,7 @@ from torch import nn
 
 from fcaudit.controllers.rows import counting_rows
 from fcaudit.errors import FcauditError
-from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction
+from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction, uncalled
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, timed
 from fcaudit.loss import logits_of
@@ -67,13 +67,17 @@ def decode(model: nn.Module, ids: torch.Tensor):
     return torch.cat([logits_of(model(ids[:, t:t + 1], cache=state)) for t in range(ids.shape[1])], dim=1), state
 
 
-def decoded_rows(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(logits, the fraction of (block, token) pairs computed) of decoding ids, observed at every block's weights:
-    the rows each block received over all steps, over one row per token per block."""
+def decoded_rows(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(logits decoded, logits of the window's forward, the fraction of (block, token) pairs computed) of decoding
+    ids, observed at every block's weights: the rows each block received over all steps, over one row per token per
+    block; the modules that take no row in either pass are not called by the model (`uncalled`)."""
     blocks = [m for _, m in block_modules(model, block_pattern(model))]
     with counting_rows(blocks) as counts:
         logits, _ = decode(model, ids)
-    return logits, sum(row_fraction(c, ids.numel()) for c in counts) / len(blocks)
+    with torch.inference_mode(), counting_rows(blocks) as whole:
+        full = logits_of(model(ids))
+    idle = uncalled(counts, whole)
+    return logits, full, sum(row_fraction(c, ids.numel(), idle) for c in counts) / len(blocks)
 
 
 class Decoder(nn.Module):
@@ -95,12 +99,12 @@ def decoding_columns(model: nn.Module, ids: torch.Tensor) -> dict:
     if (reason := not_decodable(model)) is not None:
         return {**untimed, "decode_note": reason}
     if _hugging_face(model):
-        logits, fraction = decoded_rows(model, ids)
+        logits, full, fraction = decoded_rows(model, ids)
     else:
         logits, state = decode(model, ids)
         fraction = sum(state.executed()) / (len(state.caches) * ids.numel())
-    with torch.inference_mode():
-        full = logits_of(model(ids))
+        with torch.inference_mode():
+            full = logits_of(model(ids))
     return {**untimed, "executed_layer_fraction": fraction,
             "decode_flops_per_token": flops(Decoder(model), ids),
             "decode_max_abs_dlogit": float((logits.float() - full.float()).abs().max()), "decode_note": ""}

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -45,12 +46,19 @@ class BlockCount:
     n_blocks: int  # modules matching the pattern
     executed: int  # blocks that computed rows (any of their computing modules ran)
     skipped: tuple[str, ...]  # blocks that computed no row at all
-    row_fractions: tuple[float, ...] = ()  # per block: the rows it computed over the forward's tokens (1.0: every one)
+    counts: tuple[Counter, ...] = field(default=(), repr=False)  # per block: the rows each computing module took
+    tokens: int = 0
 
     @property
-    def row_fraction(self) -> float:
-        """The mean over blocks of the rows each computed: the (block, token) pairs that ran, observed."""
-        return sum(self.row_fractions) / len(self.row_fractions) if self.row_fractions else math.nan
+    def row_fractions(self) -> tuple[float, ...]:
+        """Per block: the rows it computed over the forward's tokens (1.0: every one)."""
+        return tuple(row_fraction(c, self.tokens) for c in self.counts)
+
+    def row_fraction(self, idle: Collection[nn.Module] = ()) -> float:
+        """The mean over blocks of the rows each computed: the (block, token) pairs that ran, observed; `idle`: the
+        modules the model does not call (blocks.uncalled)."""
+        return sum(row_fraction(c, self.tokens, idle) for c in self.counts) / len(self.counts) if self.counts \
+            else math.nan
 
 
 @torch.inference_mode()
@@ -62,9 +70,9 @@ def executed_blocks(model: nn.Module, ids: torch.Tensor, pattern: str | None = N
     blocks = block_modules(model, pattern)  # named_modules() lists each module once
     with counting_rows([m for _, m in blocks]) as counts:
         model(ids)
-    fractions = tuple(row_fraction(c, ids.numel()) for c in counts)
     ran = [any(c.values()) for c in counts]
-    return BlockCount(pattern, len(blocks), sum(ran), tuple(n for (n, _), r in zip(blocks, ran) if not r), fractions)
+    return BlockCount(pattern, len(blocks), sum(ran), tuple(n for (n, _), r in zip(blocks, ran) if not r),
+                      tuple(counts), ids.numel())
 
 
 @dataclass(frozen=True)
@@ -138,18 +146,21 @@ def _architecture(model: nn.Module) -> str:
 
 def default_window(block_sizes) -> int:
     """One window for every model measured: the smallest context, at most DEFAULT_WINDOW_CAP tokens."""
-    return min(*block_sizes, families.DEFAULT_WINDOW_CAP)
+    return min([*(s for s in block_sizes if s is not None), families.DEFAULT_WINDOW_CAP])
 
 
-def _block_size(checkpoint: Path) -> int:
+def _block_size(checkpoint: Path) -> int | None:
+    """The checkpoint's context, or None for a model that states none (a recurrent or state-space model)."""
     path = checkpoint / "config.json"
     if not path.is_file():
         raise FcauditError(f"{checkpoint} has no config.json: pass a checkpoint directory written by `fcaudit train`")
     config = read_object(path, "use the config.json written with the checkpoint")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal checkpoint
-    size = next((c[k] for c in (config, text) for k in ("block_size", "max_position_embeddings", "n_positions")
-                 if k in c), None)
-    if not isinstance(size, int) or size < 2:
+    keys = [k for k in ("block_size", "max_position_embeddings", "n_positions") if k in config or k in text]
+    if not keys:
+        return None
+    size = next(c[k] for c in (config, text) for k in keys if k in c)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
         raise FcauditError(f"{path} has no valid block_size: use the config.json written with the checkpoint")
     return size
 
@@ -186,7 +197,7 @@ def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = Non
         raise FcauditError("the same checkpoint was given twice (itself, or as an audit's): pass each checkpoint once")
     contexts = {p: _block_size(p) for p in paths}
     window = cfg.window or default_window(contexts.values())
-    too_short = [str(p) for p, size in contexts.items() if size < window]
+    too_short = [str(p) for p, size in contexts.items() if size is not None and size < window]
     if too_short:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
@@ -256,11 +267,12 @@ def _measure_all(cfg: ExecutionConfig, inputs: list[Source], dev: torch.device,
                "model": label, "architecture": _architecture(model),
                **{k: metrics.get(k, meta.get(k)) for k in ("seed", "byte_ppl", "gate_mass")},
                "batch_size": cfg.batch_size, "window": window, "device": str(dev), "threads": torch.get_num_threads()}
-        row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
-                   executed_row_fraction=count.row_fraction, n_params=sum(p.numel() for p in model.parameters()),
-                   flops_per_token=flops(model, ids[:1]))
-        row.update(decoding_columns(model, text()))
         seen = observe(model, controller, ids) if controller is not None else None
+        idle = seen.idle if seen else ()  # modules the model does not call (none known without a controller)
+        row.update(block_pattern=count.pattern, n_blocks=count.n_blocks, executed_blocks=count.executed,
+                   executed_row_fraction=count.row_fraction(idle),
+                   n_params=sum(p.numel() for p in model.parameters()), flops_per_token=flops(model, ids[:1]))
+        row.update(decoding_columns(model, text()))
         row.update(decided=seen.decided if seen else math.nan, executed=seen.executed if seen else math.nan,
                    execution_verdict=seen.verdict if seen else "no controller: everything it has runs")
         if family is not None and family.execution is not None:
