@@ -16,7 +16,7 @@ from torch import nn
 from fcaudit.families import Family, register
 from fcaudit.families.hf.codecs import ScoreRouterCodec, SharedGateCodec, TopKRouterCodec
 from fcaudit.families.hf.discover import ensure_eager_experts, is_moe, moe_controller
-from fcaudit.families.hf.find import has_controller, hf_controller
+from fcaudit.families.hf.find import hf_controller, is_hf
 from fcaudit.families.hf.execution import expert_execution
 from fcaudit.families.hf.load import load_hf, looks_like_hf, looks_like_hf_moe, require_transformers
 from fcaudit.families.hf.tiny import BYTE_PRESETS, byte_mixtral_config
@@ -50,7 +50,7 @@ register(Family(
     accepts=looks_like_hf,
     load=_load,
     # by structure, whatever the class's module: a checkpoint's own code (transformers_modules...) or a user's
-    matches=has_controller,
+    matches=is_hf,
     controller=hf_controller,
     label=lambda model: ("moe-" if is_moe(model) else "") + (getattr(getattr(model, "config", None), "model_type", None)
                                                             or type(model).__name__),

@@ -57,9 +57,12 @@ def unaudited(model: nn.Module) -> list[str]:
             for cls, paths in held.items()]
 
 
-def has_controller(model: nn.Module) -> bool:
-    """Structural check (no forward pass): MoE routers, or a module of a class with recipes."""
-    return is_moe(model) or any(type(m).__name__ in RECIPES for m in model.modules())
+def is_hf(model: nn.Module) -> bool:
+    """This family's model (no forward pass): a transformers model (its own code or a checkpoint's), or any model
+    holding MoE routers or a module of a class with recipes."""
+    modules = [c.__module__ for c in type(model).__mro__]
+    return any(m.startswith(("transformers.", "transformers_modules.")) for m in modules) or is_moe(model) or \
+        any(type(m).__name__ in RECIPES for m in model.modules())
 
 
 def hf_controller(model: nn.Module) -> Controller:
