@@ -148,6 +148,32 @@ def test_xlstm_input_forget_and_output_gates(tmp_path):
     assert all(follow_the_input(model, ctrl))
 
 
+def test_lfm2_short_conv_gates_b_and_c_are_replayed_and_its_value_x_stays_live(tmp_path):
+    """B, C and x are one chunked projection: the site holds B and C only, so a replay of another batch's B and C
+    computes y = C' * conv(B' * x) with this batch's own x, as a hook overwriting B and C in in_proj's output does."""
+    ckpt = saved(tmp_path, "lfm2", **ATTENTION, layer_types=["conv", "full_attention"], block_multiple_of=16)
+    model, ctrl, res = audited(ckpt, tmp_path / "audit")
+    assert [s.name for s in ctrl.sites] == ["model.layers.0.conv:chunk"] and ctrl.sites[0].kind == "vector_gate"
+    assert res.replay.passed and res.replay.bit_equal
+    assert all(follow_the_input(model, ctrl))
+
+    first, second = windows(2, 7), windows(2, 8)
+    with ctrl.capture(*first.shape) as coeffs, torch.no_grad():
+        model(input_ids=first)
+    in_proj, kept = model.model.layers[0].conv.in_proj, {}
+    with torch.no_grad():
+        handle = in_proj.register_forward_hook(lambda m, i, out: kept.update(bc=out[..., :64].clone()))
+        model(input_ids=first)
+        handle.remove()
+        with ctrl.replay(coeffs, coeffs.decoding):
+            replayed = model(input_ids=second).logits
+        handle = in_proj.register_forward_hook(lambda m, i, out: torch.cat([kept["bc"], out[..., 64:]], dim=-1))
+        by_hand = model(input_ids=second).logits
+        handle.remove()
+        own = model(input_ids=second).logits
+    assert torch.equal(replayed, by_hand) and not torch.equal(replayed, own)
+
+
 class TinyMixer(nn.Module):
     """A mixer whose class name has a recipe that reads a submodule it does not have."""
 

@@ -24,6 +24,7 @@ class Recipe:
     method: str = "forward"
     layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
     kind: str = "vector_gate"
+    parts: tuple[int, ...] = ()  # of a tuple that `op` returns (a chunk), the coefficients; the rest is the value path
 
 
 # module class name -> the controller sites inside each of its instances, by group of mechanisms
@@ -35,6 +36,7 @@ _MAMBA1 = (Recipe("selective-SSM Δ (low rank), B and C", "x_proj"),)
 _MAMBA2 = (Recipe("selective-SSM Δ", op="softplus", layout="batch token head"),
            Recipe("selective-SSM B", op="repeat_interleave", call=0, layout="batch token (head state)"),
            Recipe("selective-SSM C", op="repeat_interleave", call=1, layout="batch token (head state)"))
+_SHORT_CONV = (Recipe("short-conv gates B and C", op="chunk", layout="batch channel token", parts=(0, 1)),)
 
 RECURRENT: dict[str, tuple[Recipe, ...]] = {
     # Mamba-1: x_proj computes each token's Δ (low rank), B and C from its input: the selection mechanism
@@ -59,6 +61,11 @@ RECURRENT: dict[str, tuple[Recipe, ...]] = {
     "RwkvFeedForward": (Recipe("RWKV channel-mix receptance", op="sigmoid"),),
     # mLSTM (weight_mode "single"): the exponential input gate's and the forget gate's pre-activations per head, and
     # the output gate
+    # LFM2's short convolution: in_proj's output chunked into B, C and the value x; y = C * conv(B * x), so B and C
+    # are input-dependent gates around the convolution (the chunk's first two parts; x is recomputed on replay)
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,
+    "Lfm3ShortConv": _SHORT_CONV,
     "xLSTMLayer": (Recipe("mLSTM input gate pre-activation", "igate_preact", layout="batch token head"),
                    Recipe("mLSTM forget gate pre-activation", "fgate_preact", layout="batch token head"),
                    Recipe("mLSTM output gate", "ogate_act_fn")),
