@@ -59,13 +59,13 @@ RECURRENT: dict[str, tuple[Recipe, ...]] = {
     # RWKV-4: the receptance sigmoid(R x) gates the time-mix (WKV) output and the channel-mix output
     "RwkvSelfAttention": (Recipe("RWKV time-mix receptance", op="sigmoid"),),
     "RwkvFeedForward": (Recipe("RWKV channel-mix receptance", op="sigmoid"),),
-    # mLSTM (weight_mode "single"): the exponential input gate's and the forget gate's pre-activations per head, and
-    # the output gate
     # LFM2's short convolution: in_proj's output chunked into B, C and the value x; y = C * conv(B * x), so B and C
     # are input-dependent gates around the convolution (the chunk's first two parts; x is recomputed on replay)
     "Lfm2ShortConv": _SHORT_CONV,
     "Lfm2MoeShortConv": _SHORT_CONV,
     "Lfm3ShortConv": _SHORT_CONV,
+    # mLSTM (weight_mode "single"): the exponential input gate's and the forget gate's pre-activations per head, and
+    # the output gate
     "xLSTMLayer": (Recipe("mLSTM input gate pre-activation", "igate_preact", layout="batch token head"),
                    Recipe("mLSTM forget gate pre-activation", "fgate_preact", layout="batch token head"),
                    Recipe("mLSTM output gate", "ogate_act_fn")),
