@@ -190,3 +190,31 @@ def test_a_recipe_whose_submodule_is_missing_is_refused_in_one_line(monkeypatch)
     model = nn.Sequential(nn.Embedding(16, 8), TinyMixer(), nn.Linear(8, 16))
     line = api_refusal(lambda: fca.controller_for(model))
     assert "TinyMixer at 1 has no submodule 'gate_proj'" in line and "fcaudit.Controller.from_modules" in line
+
+
+class GatedSplit(nn.Module):
+    """One projection split into a gate and a value, as LFM2's is (here in two parts, not three)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, h):
+        gate, value = self.proj(h).chunk(2, dim=-1)
+        return gate * value
+
+
+def test_parts_of_a_chunk_that_it_does_not_return_are_refused_in_one_line():
+    from fcaudit.controllers.codecs import Parts
+
+    model = nn.Sequential(GatedSplit())
+    codec = Parts(fca.Layout.parse("batch token channel"), (2,), "chunk")  # a third part: the chunk has two
+    ctrl = fca.Controller.from_ops(model, "0", "chunk", codec=codec)
+    h = torch.randn(2, 3, 8)
+
+    def capture():
+        with ctrl.capture(2, 3), torch.no_grad():
+            model(h)
+
+    line = api_refusal(capture)
+    assert "'chunk' returned 2 parts, which has no parts [2]" in line

@@ -222,8 +222,9 @@ class Parts(Codec):
 
     def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
         if not isinstance(output, (tuple, list)) or len(output) <= max(self.coefficients):
-            raise FcauditError(f"site returned {type(output).__name__}, not a tuple with parts {self.coefficients}: "
-                               f"point the recipe at the {self.op!r} call that splits the coefficients off")
+            got = f"{len(output)} parts" if isinstance(output, (tuple, list)) else type(output).__name__
+            raise FcauditError(f"{self.op!r} returned {got}, which has no parts {list(self.coefficients)}: point the "
+                               f"recipe at the {self.op!r} call that splits the coefficients off")
         return torch.cat([self.layout.encode(output[i], batch, token) for i in self.coefficients], dim=-1)
 
     def meta(self, output: Any) -> dict:
