@@ -199,6 +199,50 @@ class Layout(Codec):
         return self.given or self.pattern
 
 
+@dataclass(frozen=True)
+class Parts(Codec):
+    """The parts `coefficients` of a tuple that a torch function `op` returns (a chunk or split of one projection),
+    each read by `layout` and set side by side on the source axis; the other parts are the value path: a replay
+    computes them from the live call (op's arguments), so only the coefficients are replaced.
+
+    Examples
+    --------
+    LFM2's short convolution splits one projection into its gates B, C and the value x (`B, C, x = BCx.chunk(3, -2)`):
+
+    >>> from fcaudit.controllers.codecs import Parts
+    >>> codec = Parts(fca.Layout.parse("batch channel token"), (0, 1), "chunk")
+    >>> bcx = torch.rand(2, 12, 3)  # [batch, 3 x channel, token]
+    >>> codec.encode(bcx.chunk(3, dim=-2), batch=2, token=3).shape
+    torch.Size([2, 3, 1, 8])
+    """
+
+    layout: Layout
+    coefficients: tuple[int, ...]
+    op: str
+
+    def encode(self, output: Any, batch: int, token: int) -> torch.Tensor:
+        if not isinstance(output, (tuple, list)) or len(output) <= max(self.coefficients):
+            got = f"{len(output)} parts" if isinstance(output, (tuple, list)) else type(output).__name__
+            raise FcauditError(f"{self.op!r} returned {got}, which has no parts {list(self.coefficients)}: point the "
+                               f"recipe at the {self.op!r} call that splits the coefficients off")
+        return torch.cat([self.layout.encode(output[i], batch, token) for i in self.coefficients], dim=-1)
+
+    def meta(self, output: Any) -> dict:
+        return {"parts": [self.layout.meta(output[i]) for i in self.coefficients],
+                "sizes": [output[i].numel() for i in self.coefficients]}  # their shares of the source axis
+
+    def decode(self, canonical: torch.Tensor, meta: dict, inputs) -> tuple:
+        fn = next(getattr(m, self.op) for m in (torch.Tensor, torch, torch.nn.functional) if hasattr(m, self.op))
+        out = list(fn(*inputs.args, **inputs.kwargs))  # the value path, live
+        widths = [canonical.shape[-1] * n // sum(meta["sizes"]) for n in meta["sizes"]]
+        for i, c, m in zip(self.coefficients, canonical.split(widths, dim=-1), meta["parts"]):
+            out[i] = self.layout.decode(c, m)
+        return tuple(out)
+
+    def describe(self) -> str:
+        return f"parts {list(self.coefficients)} of {self.op}: {self.layout.describe()}"
+
+
 class TokenRoute(Codec):
     """A router whose output is (scores [B, T], index [B, k]): a tuple or a namedtuple of those two fields (more
     fields are refused: a codec that reads the site's inputs is needed to rebuild them)."""

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from fcaudit.controllers.codecs import Layout
+from fcaudit.controllers.codecs import Layout, Parts
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError
@@ -29,8 +29,8 @@ def recipe_sites(model: nn.Module) -> list[tuple[str, Site]]:
                 raise FcauditError(f"{type(m).__name__} at {path} has no submodule {r.module!r}, which fcaudit's recipe "
                                    f"for its {r.what} reads (fcaudit/families/hf/recipes.py): describe its sites with "
                                    "fcaudit.Controller.from_modules(...)") from None
-            found.append((path, Site(at, module, codec=Layout.parse(r.layout), call=r.call, method=r.method,
-                                     op=r.op, kind=r.kind)))
+            codec = Parts(Layout.parse(r.layout), r.parts, r.op) if r.parts else Layout.parse(r.layout)
+            found.append((path, Site(at, module, codec=codec, call=r.call, method=r.method, op=r.op, kind=r.kind)))
     return found
 
 

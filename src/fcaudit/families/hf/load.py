@@ -34,10 +34,19 @@ def require_transformers(what: str = "auditing Hugging Face models"):
         raise FcauditError(f"{what} needs transformers, an optional extra: pip install -e '.[hf]' in fcaudit's "
                            "clone") from None
     transformers.utils.logging.disable_progress_bar()  # fcaudit shows its own progress
+    kernels = logging.getLogger("transformers.integrations.hub_kernels")
+    if _torch_path_note not in kernels.filters:
+        kernels.addFilter(_torch_path_note)
     if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS:
         raise FcauditError(f"transformers {transformers.__version__} is too old for fcaudit (needs >= "
                            f"{MIN_TRANSFORMERS}): pip install -U -e '.[hf]' in fcaudit's clone")
     return transformers
+
+
+def _torch_path_note(record: logging.LogRecord) -> bool:
+    """Drops transformers' note that a mixer (Mamba's scan, a causal conv) runs its reference PyTorch code: the path
+    fcaudit audits on a CPU (the recipes' op sites are its torch functions), said once per function on every run."""
+    return "falling back to its reference PyTorch implementation" not in record.getMessage()
 
 
 # Every spelling of the expert count and top-k in transformers' configs: ERNIE-4.5 moe_num_experts and moe_k,

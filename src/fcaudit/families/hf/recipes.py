@@ -24,14 +24,51 @@ class Recipe:
     method: str = "forward"
     layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
     kind: str = "vector_gate"
+    parts: tuple[int, ...] = ()  # of a tuple that `op` returns (a chunk), the coefficients; the rest is the value path
 
 
 # module class name -> the controller sites inside each of its instances, by group of mechanisms
 
 # state-space and recurrent mixers: selective-SSM parameters, recurrent and LSTM gates
+_MAMBA1 = (Recipe("selective-SSM Δ (low rank), B and C", "x_proj"),)
+# Mamba-2's scan (torch path): softplus(dt + dt_bias) is Δ per head, and its two repeat_interleave calls spread the
+# groups' B, then C, over the heads; the value path x never passes through either op
+_MAMBA2 = (Recipe("selective-SSM Δ", op="softplus", layout="batch token head"),
+           Recipe("selective-SSM B", op="repeat_interleave", call=0, layout="batch token (head state)"),
+           Recipe("selective-SSM C", op="repeat_interleave", call=1, layout="batch token (head state)"))
+_SHORT_CONV = (Recipe("short-conv gates B and C", op="chunk", layout="batch channel token", parts=(0, 1)),)
+
 RECURRENT: dict[str, tuple[Recipe, ...]] = {
     # Mamba-1: x_proj computes each token's Δ (low rank), B and C from its input: the selection mechanism
-    "MambaMixer": (Recipe("selective-SSM Δ, B and C", "x_proj"),),
+    "MambaMixer": _MAMBA1,
+    "FalconMambaMixer": _MAMBA1,
+    "JambaMambaMixer": _MAMBA1,
+    # Zamba's Mamba-1 heads each have their own x_proj weight, applied by one batched matmul: [head, batch, Δ|B|C,
+    # token]; each head is an independent SSM, read as a stream
+    "ZambaMambaMixer": (Recipe("selective-SSM Δ (low rank), B and C per Mamba head", op="matmul", call=0,
+                               layout="stream batch channel token"),),
+    "Mamba2Mixer": _MAMBA2,
+    "BambaMixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
+    "FalconH1Mixer": _MAMBA2,
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    # RG-LRU (Griffin): its first sigmoid is the input gate, its second the recurrence gate that sets the decay a_t
+    "RecurrentGemmaRglru": (Recipe("RG-LRU input gate", op="sigmoid", call=0),
+                            Recipe("RG-LRU recurrence gate", op="sigmoid", call=1)),
+    # RWKV-4: the receptance sigmoid(R x) gates the time-mix (WKV) output and the channel-mix output
+    "RwkvSelfAttention": (Recipe("RWKV time-mix receptance", op="sigmoid"),),
+    "RwkvFeedForward": (Recipe("RWKV channel-mix receptance", op="sigmoid"),),
+    # LFM2's short convolution: in_proj's output chunked into B, C and the value x; y = C * conv(B * x), so B and C
+    # are input-dependent gates around the convolution (the chunk's first two parts; x is recomputed on replay)
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,
+    "Lfm3ShortConv": _SHORT_CONV,
+    # mLSTM (weight_mode "single"): the exponential input gate's and the forget gate's pre-activations per head, and
+    # the output gate
+    "xLSTMLayer": (Recipe("mLSTM input gate pre-activation", "igate_preact", layout="batch token head"),
+                   Recipe("mLSTM forget gate pre-activation", "fgate_preact", layout="batch token head"),
+                   Recipe("mLSTM output gate", "ogate_act_fn")),
 }
 
 # attention-side mechanisms: output gates, delta-rule β and decay, residual-stream mixing (AltUp, hyper-connections)
