@@ -5,7 +5,8 @@
 `make bench` runs this. Each benchmark runs in its own process, one after the other; the table gives the lines of its
 output that carry its result, the 1-minute load average before and after it, and its wall time; its whole output
 follows the table. The page is rewritten whole each time: earlier runs live in git history
-(`git log -p -- docs/benchmarks.md`).
+(`git log -p -- docs/benchmarks.md`). With `--only`, the named benchmarks are rerun and every other row, with its whole
+output, is kept from the page as it was.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ BENCHES = (
           ("benchmarks/train_speed.py", "--threads", "1"), r"(featuregate|FeatureGate)"),
     Bench("audit_floor", "an audit against a bare loop of the same forward passes (64 + 64 windows, R = 20)",
           ("benchmarks/audit_floor.py",), r"(wall audit|split:)"),
+    Bench("peers", "an audit beside the same audit with plain hooks and nnsight", ("benchmarks/peers.py",), r"/ |DIFF"),
     Bench("audit_memory", "peak resident memory above the start, by number of evaluation windows",
           ("benchmarks/audit_memory.py",), r"^\s*\d+\s"),
     Bench("shard_speed", "one audit at world size 1 and 2 (torchrun, gloo, CPU)",
@@ -67,7 +69,7 @@ BENCHES = (
 
 
 # benchmarks/ scripts that `make bench` does not run (long, or for a GPU, or checks rather than timings)
-OTHERS = ("dry_run_memory", "mix_speed", "moe_families", "compare_audits", "gpu_audit", "torch_modules", "peers")
+OTHERS = ("dry_run_memory", "mix_speed", "moe_families", "compare_audits", "gpu_audit", "torch_modules")
 
 
 def described(script: str) -> str:
@@ -113,28 +115,62 @@ def git_head() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def page(runs: list[Run], skipped: list[Bench]) -> str:
+@dataclass
+class Kept:
+    """A benchmark's row and whole output as an earlier page has them (`--only` reruns the others)."""
+
+    row: str
+    output: list[str]
+
+
+def kept(text: str) -> dict[str, Kept]:
+    """The rows and whole-output sections of an earlier page, by benchmark name (not the rows it did not run)."""
+    lines = text.splitlines()
+    rows = {m.group(1): ln for ln in lines if (m := re.match(r"^\| `([^`]+)` \|", ln))}
+    sections, name = {}, None
+    for ln in lines:
+        if m := re.match(r"^### (\S+)$", ln):
+            name = m.group(1)
+            sections[name] = []
+        elif name is not None:
+            sections[name].append(ln)
+    return {n: Kept(row, sections.get(n, [])) for n, row in rows.items() if not row.endswith("| | |")}
+
+
+def page(runs: list[Run], skipped: list[Bench], earlier: str = "") -> str:
+    """The page: the rows of `runs`, in BENCHES order with those of `skipped` kept from the `earlier` page (where it
+    has them)."""
+    old = kept(earlier)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"Written by `make bench` (`docs/make_benchmarks.py`) at commit `{git_head()}`, {when}, on "
+              f"{platform.machine()} with {os.cpu_count()} CPU cores and Python {platform.python_version()}. "
+              "Each benchmark ran in its own process, one after the other; the load is the 1-minute load average "
+              "before and after it. Earlier runs are in git history (`git log -p -- docs/benchmarks.md`).")
+    if any(b.name in old for b in skipped):
+        header += (f" This run reran {', '.join(f'`{r.bench.name}`' for r in runs)}; the other rows are kept from "
+                   "the page as it was (when each ran: git history).")
     out = ["---", "hide:", "  - toc", "---", "", "# Benchmarks", "",  # no contents column: the table needs the width
-           f"Written by `make bench` (`docs/make_benchmarks.py`) at commit `{git_head()}`, {when}, on "
-           f"{platform.machine()} with {os.cpu_count()} CPU cores and Python {platform.python_version()}. "
-           "Each benchmark ran in its own process, one after the other; the load is the 1-minute load average "
-           "before and after it. Earlier runs are in git history (`git log -p -- docs/benchmarks.md`).", "",
-           "| benchmark | what it measures | result | load | wall |", "|---|---|---|---|---|"]
-    for r in runs:
-        result = "<br>".join(f"`{cell(ln)}`" for ln in r.result_lines()) if r.rc == 0 else f"failed (exit {r.rc})"
-        out.append(f"| `{r.bench.name}` | {r.bench.what} | {result} | {r.load[0]:.2f} → {r.load[1]:.2f} "
-                   f"| {r.seconds:.0f} s |")
-    for b in skipped:
-        out.append(f"| `{b.name}` | {b.what} | not run in this table's run (`make bench` runs it) | | |")
+           header, "", "| benchmark | what it measures | result | load | wall |", "|---|---|---|---|---|"]
+    ran = {r.bench.name: r for r in runs}
+    order = [*BENCHES, *(r.bench for r in runs if r.bench not in BENCHES)]
+    for b in order:
+        if (r := ran.get(b.name)) is not None:
+            result = "<br>".join(f"`{cell(ln)}`" for ln in r.result_lines()) if r.rc == 0 else f"failed (exit {r.rc})"
+            out.append(f"| `{b.name}` | {b.what} | {result} | {r.load[0]:.2f} → {r.load[1]:.2f} | {r.seconds:.0f} s |")
+        elif b in skipped:
+            out.append(old[b.name].row if b.name in old
+                       else f"| `{b.name}` | {b.what} | not run in this table's run (`make bench` runs it) | | |")
     out += ["", "## How each is measured", "",
             *[f"- `{b.name}.py`: {described(b.name)}" for b in BENCHES], "",
             "Other scripts in `benchmarks/`, not run by `make bench`:", "",
             *[f"- `{name}.py`: {described(name)}" for name in OTHERS]]
     out += ["", "## Whole outputs", ""]
-    for r in runs:
-        out += [f"### {r.bench.name}", "", f"`python {' '.join(r.bench.args)}` (exit {r.rc})", "", "```text",
-                *[ln.rstrip() for ln in r.output.strip().splitlines()[-40:]], "```", ""]
+    for b in order:
+        if (r := ran.get(b.name)) is not None:
+            out += [f"### {b.name}", "", f"`python {' '.join(b.args)}` (exit {r.rc})", "", "```text",
+                    *[ln.rstrip() for ln in r.output.strip().splitlines()[-40:]], "```", ""]
+        elif b in skipped and b.name in old:
+            out += [f"### {b.name}", *old[b.name].output, *([""] if old[b.name].output[-1:] != [""] else [])]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -149,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{b.name} ...", flush=True)
         runs.append(run(b, sys.executable))
         print(f"  exit {runs[-1].rc}, {runs[-1].seconds:.0f} s", flush=True)
-    Path(args.out).write_text(page(runs, [b for b in BENCHES if b not in chosen]))
+    earlier = Path(args.out).read_text() if args.only and Path(args.out).is_file() else ""
+    Path(args.out).write_text(page(runs, [b for b in BENCHES if b not in chosen], earlier))
     print(f"wrote {args.out}")
     if any(r.rc for r in runs):
         sys.exit(1)

@@ -118,6 +118,31 @@ def test_benchmarks_page_is_the_table_make_bench_writes(tmp_path):
     assert [row.split("`")[1] for row in table[1:]] == [b.name for b in mb.BENCHES]
 
 
+def test_make_benchmarks_only_reruns_the_named_and_keeps_every_other_row_and_output(tmp_path, monkeypatch):
+    """`--only NAME` reruns that benchmark; the other rows of the page, with their whole outputs, stay as they were."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        import make_benchmarks as mb
+    finally:
+        sys.path.remove(str(DOCS))
+    first, second = mb.BENCHES[0], mb.BENCHES[1]
+    outputs = {first.name: "old result line\n", second.name: "new result line\n"}
+    monkeypatch.setattr(mb, "run", lambda b, python: mb.Run(b, 0, 1.0, (0.5, 0.5), outputs.get(b.name, "x\n")))
+    page = tmp_path / "benchmarks.md"
+    mb.main(["--only", first.name, second.name, "--out", str(page)])
+    outputs = {first.name: "changed\n", second.name: "newer result line\n"}
+    mb.main(["--only", second.name, "--out", str(page)])
+    text = page.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [b.name for b in mb.BENCHES]
+    assert "`old result line`" in rows[0] and "`newer result line`" in rows[1] and "changed" not in text
+    assert "not run in this table's run" in rows[2]
+    outputs_part = text.split("## Whole outputs")[1]
+    assert outputs_part.index(f"### {first.name}") < outputs_part.index("old result line") < outputs_part.index(
+        f"### {second.name}") < outputs_part.index("newer result line")
+    assert f"This run reran `{second.name}`; the other rows are kept" in text
+
+
 def documented() -> list:
     """The objects whose docstrings are the API reference: the names of `fcaudit.__all__` (a module's member of that
     name where a name is a module), and the methods AuditResult and FamilyResult share (`Results`)."""
