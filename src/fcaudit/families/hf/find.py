@@ -23,6 +23,8 @@ def recipe_sites(model: nn.Module) -> list[tuple[str, Site]]:
     for path, m in model.named_modules():
         for r in RECIPES.get(type(m).__name__, ()):
             at = ".".join(p for p in (path, r.module) if p)
+            if r.module and getattr(m, r.module, m) is None:  # the config turned the mechanism off (g_proj = None)
+                continue
             try:
                 module = m.get_submodule(r.module) if r.module else m
             except AttributeError:
