@@ -57,6 +57,8 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     "Lfm3Attention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
     "Dots3NoteTextAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
     "BailingHybridAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
+    # a norm whose output a sigmoid of a low-rank map of it gates, per channel (A.X K2's attention input)
+    "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
     # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
     # output gate z of the gated norm; where one projection computes b and a together, its output is one site
     "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),
