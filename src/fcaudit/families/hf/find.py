@@ -60,8 +60,9 @@ def unaudited(model: nn.Module) -> list[str]:
 
 
 def has_controller(model: nn.Module) -> bool:
-    """Structural check (no forward pass): MoE routers, or a module of a class with recipes."""
-    return is_moe(model) or any(type(m).__name__ in RECIPES for m in model.modules())
+    """Structural check (no forward pass): MoE routers, or a module of a class with recipes or one named as not
+    audited (so that the refusal says what it holds)."""
+    return is_moe(model) or any(type(m).__name__ in RECIPES or type(m).__name__ in UNAUDITED for m in model.modules())
 
 
 def hf_controller(model: nn.Module) -> Controller:

@@ -47,16 +47,21 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     "AXK2Attention": (Recipe("attention output gate", op="sigmoid"),),
     "AfmoeAttention": (Recipe("attention output gate", "gate_proj"),),
     "BeamAttention": (Recipe("attention output gate", "gate_proj"),),
-    "DoryAttention": (Recipe("attention output gate", "gate_proj"),),
-    "HrmTextAttention": (Recipe("attention output gate", "gate_proj"),),
     "HYV4Attention": (Recipe("attention output gate", "gate_proj"),),
     "Inkling2GatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
-    "Inkling2LoopGatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
     "MiniMaxLightningAttention": (Recipe("attention output gate", "output_gate"),),
     "LagunaAttention": (Recipe("attention output gate", "g_proj"),),  # per head or per channel, as configured
     "Lfm3Attention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
     "Dots3NoteTextAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
     "BailingHybridAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
+    # per-token taps of a short causal convolution of keys and values, added to its static taps (Inkling 2)
+    "Inkling2DynamicShortConvolution": (Recipe("dynamic convolution taps", "weight_proj"),),
+    # Doge's dynamic mask: per key token and head, a weight from its value states added to the attention logits
+    # (beyond keep_window_size keys, the top-k of these weights also picks the keys attended)
+    "DogeAttention": (Recipe("dynamic-mask key weights", "dt_proj", layout="batch token head"),),
+    # DeepSeek-V4's KV compression: per token and channel, the logits of the softmax pooling each window of keys
+    "DeepseekV4HCACompressor": (Recipe("KV-compression pooling logits", "gate_proj"),),
+    "DeepseekV4CSACompressor": (Recipe("KV-compression pooling logits", "gate_proj"),),
     # a norm whose output a sigmoid of a low-rank map of it gates, per channel (A.X K2's attention input)
     "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
     # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
@@ -121,6 +126,10 @@ UNAUDITED_RECURRENT: dict[str, str] = {
 # sparse attention: an indexer scores the keys from the input and a top-k picks the ones each query attends to
 _KEY_SELECTION = ("sparse-attention key selection (an indexer's top-k picks each query's keys): fcaudit has no kind "
                   "for key selection yet")
+_LOOPED = ("{} of a looped layer, which runs once per loop pass in a forward pass, and a recipe names one call "
+           "per module: audit each pass with fcaudit.Controller.from_modules(..., call=k)")
+_INSIDE_ATTENTION = ("attention-residual weights over earlier blocks' states: the attention kernel computes them and "
+                     "returns only the mixed state (the value path), so no site holds them alone")
 UNAUDITED_ATTENTION: dict[str, str] = {
     "DeepseekV32Indexer": _KEY_SELECTION,
     "DeepseekV4Indexer": _KEY_SELECTION,
@@ -134,6 +143,16 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "MiniMaxM3VLIndexer": _KEY_SELECTION,
     "MistralLarge4TextIndexer": _KEY_SELECTION,
     "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
+    # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
+    "DoryAttention": _LOOPED.format("attention output gate"),
+    "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
+    "Inkling2LoopGatedOutputProjection": _LOOPED.format("attention output gate"),
+    "Inkling2LoopDynamicShortConvolution": _LOOPED.format("dynamic convolution taps"),
+    "Inkling2LoopMessageGate": _LOOPED.format("gates mixing the state with the loop's message"),
+    # attention residuals: a static query attends over earlier blocks' states
+    "Inkling2BlockAttentionResidual": _INSIDE_ATTENTION,
+    "Inkling2LoopBlockAttentionResidual": _INSIDE_ATTENTION,
+    "Inkling2LoopMessageAttentionResidual": _INSIDE_ATTENTION,
 }
 
 UNAUDITED: dict[str, str] = {**UNAUDITED_RECURRENT, **UNAUDITED_ATTENTION}
