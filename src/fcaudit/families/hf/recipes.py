@@ -66,7 +66,7 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
     # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
     # output gate z of the gated norm; where one projection computes b and a together, its output is one site
-    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),
+    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),  # z: UNAUDITED_ATTENTION
     "Qwen3_5GatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
                              Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
                              Recipe("gated-delta-net output gate", "in_proj_z")),
@@ -143,6 +143,11 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "MiniMaxM3VLIndexer": _KEY_SELECTION,
     "MistralLarge4TextIndexer": _KEY_SELECTION,
     "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
+    # the output gate z comes out of in_proj_qkvz with q, k and v; alone it is a strided slice, rebuilt contiguous
+    # on replay, where SiLU takes another (vectorised) path that differs in the last bit
+    "Qwen3NextGatedDeltaNet": ("its output gate z (β and decay are audited): in_proj_qkvz computes it with q, k and v, "
+                               "and the one site holding it alone is a strided slice that a replay does not rebuild "
+                               "bit-exactly"),
     # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
     "DoryAttention": _LOOPED.format("attention output gate"),
     "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
