@@ -81,6 +81,18 @@ def test_qwen3_next_output_gates_and_gated_delta_net_audit_from_the_cli_with_its
     assert_input_dependent(model, ctrl)
 
 
+def test_qwen3_5_gated_delta_net_beta_decay_and_output_gate_are_projections_of_their_own(tmp_path):
+    config = transformers.Qwen3_5TextConfig(**SMALL, linear_num_value_heads=2, linear_num_key_heads=2,
+                                            linear_key_head_dim=16, linear_value_head_dim=8,
+                                            layer_types=["linear_attention", "full_attention"])
+    model, ctrl, res = audited(saved(tmp_path, config), tmp_path)
+    gdn = [f"model.layers.0.linear_attn.in_proj_{x}" for x in "baz"]
+    assert [s.name for s in ctrl.sites] == [*gdn, "model.layers.1.self_attn:sigmoid"]
+    assert sites(ctrl) == {("vector_gate", "batch token head"): 2, ("vector_gate", "batch token channel"): 2}
+    assert res.notices == () and ctrl.notes == ()
+    assert_input_dependent(model, ctrl)
+
+
 def test_minimax_output_gate_is_its_own_projection(tmp_path):
     config = transformers.MiniMaxConfig(**SMALL, **MOE, num_local_experts=4,
                                         layer_types=["full_attention", "linear_attention"])
