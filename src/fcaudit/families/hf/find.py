@@ -23,6 +23,8 @@ def recipe_sites(model: nn.Module) -> list[tuple[str, Site]]:
     for path, m in model.named_modules():
         for r in RECIPES.get(type(m).__name__, ()):
             at = ".".join(p for p in (path, r.module) if p)
+            if r.module and getattr(m, r.module, m) is None:  # the config turned the mechanism off (g_proj = None)
+                continue
             try:
                 module = m.get_submodule(r.module) if r.module else m
             except AttributeError:
@@ -59,10 +61,10 @@ def unaudited(model: nn.Module) -> list[str]:
 
 def is_hf(model: nn.Module) -> bool:
     """This family's model (no forward pass): a transformers model (its own code or a checkpoint's), or any model
-    holding MoE routers or a module of a class with recipes."""
+    holding MoE routers or a module of a class with recipes or named as not audited (its refusal says what it holds)."""
     modules = [c.__module__ for c in type(model).__mro__]
     return any(m.startswith(("transformers.", "transformers_modules.")) for m in modules) or is_moe(model) or \
-        any(type(m).__name__ in RECIPES for m in model.modules())
+        any(type(m).__name__ in RECIPES or type(m).__name__ in UNAUDITED for m in model.modules())
 
 
 def hf_controller(model: nn.Module) -> Controller:

@@ -73,6 +73,85 @@ RECURRENT: dict[str, tuple[Recipe, ...]] = {
 
 # attention-side mechanisms: output gates, delta-rule β and decay, residual-stream mixing (AltUp, hyper-connections)
 ATTENTION: dict[str, tuple[Recipe, ...]] = {
+    # attention output gates: sigmoid (Laguna: softplus) of the layer input scales each head's or channel's output.
+    # Where a projection of its own computes the gate, its output is the site; where the query's projection also
+    # computes it (q_proj -> query and gate), the sigmoid that produces the gate alone is.
+    "Qwen3NextAttention": (Recipe("attention output gate", op="sigmoid"),),
+    "Qwen3_5Attention": (Recipe("attention output gate", op="sigmoid"),),
+    "Qwen3_5MoeAttention": (Recipe("attention output gate", op="sigmoid"),),
+    "Qwen4ExpTextAttention": (Recipe("attention output gate", op="sigmoid"),),
+    "MiniCPM5MoeAttention": (Recipe("attention output gate", op="sigmoid"),),
+    "AXK2Attention": (Recipe("attention output gate", op="sigmoid"),),
+    "AfmoeAttention": (Recipe("attention output gate", "gate_proj"),),
+    "BeamAttention": (Recipe("attention output gate", "gate_proj"),),
+    "HYV4Attention": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2GatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
+    "MiniMaxLightningAttention": (Recipe("attention output gate", "output_gate"),),
+    "LagunaAttention": (Recipe("attention output gate", "g_proj"),),  # per head or per channel, as configured
+    "Lfm3Attention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
+    "Dots3NoteTextAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
+    "BailingHybridAttention": (Recipe("attention output gate", "g_proj", layout="batch token head"),),
+    # per-token taps of a short causal convolution of keys and values, added to its static taps (Inkling 2)
+    "Inkling2DynamicShortConvolution": (Recipe("dynamic convolution taps", "weight_proj"),),
+    # Doge's dynamic mask: per key token and head, a weight from its value states added to the attention logits
+    # (beyond keep_window_size keys, the top-k of these weights also picks the keys attended)
+    "DogeAttention": (Recipe("dynamic-mask key weights", "dt_proj", layout="batch token head"),),
+    # DeepSeek-V4's KV compression: per token and channel, the logits of the softmax pooling each window of keys
+    "DeepseekV4HCACompressor": (Recipe("KV-compression pooling logits", "gate_proj"),),
+    "DeepseekV4CSACompressor": (Recipe("KV-compression pooling logits", "gate_proj"),),
+    # a norm whose output a sigmoid of a low-rank map of it gates, per channel (A.X K2's attention input)
+    "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
+    # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
+    # output gate z of the gated norm; where one projection computes b and a together, its output is one site
+    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),  # z: UNAUDITED_ATTENTION
+    "Qwen3_5GatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
+                             Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
+                             Recipe("gated-delta-net output gate", "in_proj_z")),
+    "Qwen3_5MoeGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
+                                Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
+                                Recipe("gated-delta-net output gate", "in_proj_z")),
+    "Qwen4ExpTextGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
+                                  Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
+                                  Recipe("gated-delta-net output gate", "in_proj_z")),
+    "LaraMiniGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
+                              Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
+                              Recipe("gated-delta-net output gate", "in_proj_z")),
+    "OlmoHybridGatedDeltaNet": (Recipe("gated-delta-net β", "b_proj", layout="batch token head"),
+                                Recipe("gated-delta-net decay", "a_proj", layout="batch token head"),
+                                Recipe("gated-delta-net output gate", "g_proj")),
+    # Kimi delta attention (KDA): a per-channel forget gate (its module's output is the decay), β per head, and the
+    # output gate of the gated norm
+    "KimiLinearDeltaAttention": (Recipe("KDA forget gate", "forget_gate", layout="batch token (head channel)"),
+                                 Recipe("KDA β", "b_proj", layout="batch token head"),
+                                 Recipe("KDA output gate", "g_b_proj")),
+    "BailingHybridDeltaAttention": (Recipe("KDA forget gate", "forget_gate", layout="batch token (head channel)"),
+                                    Recipe("KDA β", "b_proj", layout="batch token head"),
+                                    Recipe("KDA output gate", "g_proj")),
+    # AltUp (Gemma 3n): per token, the coefficients that predict each of the n streams from all n (n x n, flat) and
+    # that scale each stream's correction (n), linear maps of the router's modalities
+    "Gemma3nTextAltUp": (Recipe("AltUp prediction coefficients", "prediction_coefs"),
+                         Recipe("AltUp correction coefficients", "correction_coefs")),
+    # hyper-connections: per token, the weights collapsing the n residual streams into the block's input (pre, a
+    # mixture over streams), expanding its output into each stream (post), and (DeepSeek-V4) mixing the streams
+    # (comb: softmax over the last axis, then a fixed Sinkhorn normalisation, which replay recomputes)
+    "DeepseekV4HyperConnection": (
+        Recipe("hyper-connection pre weights", op="sigmoid", call=0, layout="batch token source",
+               kind="source_mixture"),
+        Recipe("hyper-connection post weights", op="sigmoid", call=1),
+        Recipe("hyper-connection comb weights", op="softmax", layout="batch token stream source",
+               kind="source_mixture")),
+    "DeepseekV4HyperHead": (Recipe("hyper-connection head weights", op="sigmoid", layout="batch token source",
+                                   kind="source_mixture"),),
+    "HYV4HyperConnection": (
+        Recipe("hyper-connection pre weights", op="sigmoid", call=0, layout="batch token source",
+               kind="source_mixture"),
+        Recipe("hyper-connection post weights", op="sigmoid", call=1)),
+    "HYV4HyperHead": (Recipe("hyper-connection head weights", op="sigmoid", layout="batch token source",
+                             kind="source_mixture"),),
+    # Qwen4-Exp's gated residual: per (stream, channel) weights of the streams' mean (before their sigmoid), and per
+    # stream the block's injection weight (absent from the final mixer)
+    "Qwen4ExpTextGatedResidual": (Recipe("hyper-connection input mix weights", "input_mix_weight_up"),
+                                  Recipe("hyper-connection injection weights", "block_inject_weight")),
 }
 
 RECIPES: dict[str, tuple[Recipe, ...]] = {**RECURRENT, **ATTENTION}
@@ -81,7 +160,41 @@ RECIPES: dict[str, tuple[Recipe, ...]] = {**RECURRENT, **ATTENTION}
 UNAUDITED_RECURRENT: dict[str, str] = {
 }
 
+# sparse attention: an indexer scores the keys from the input and a top-k picks the ones each query attends to
+_KEY_SELECTION = ("sparse-attention key selection (an indexer's top-k picks each query's keys): fcaudit has no kind "
+                  "for key selection yet")
+_LOOPED = ("{} of a looped layer, which runs once per loop pass in a forward pass, and a recipe names one call "
+           "per module: audit each pass with fcaudit.Controller.from_modules(..., call=k)")
+_INSIDE_ATTENTION = ("attention-residual weights over earlier blocks' states: the attention kernel computes them and "
+                     "returns only the mixed state (the value path), so no site holds them alone")
 UNAUDITED_ATTENTION: dict[str, str] = {
+    "DeepseekV32Indexer": _KEY_SELECTION,
+    "DeepseekV4Indexer": _KEY_SELECTION,
+    "GlmMoeDsaIndexer": _KEY_SELECTION,
+    "Glm5NextTextIndexer": _KEY_SELECTION,
+    "AXK2Indexer": _KEY_SELECTION,
+    "Dots3NoteTextIndexer": _KEY_SELECTION,
+    "HYV4Indexer": _KEY_SELECTION,
+    "HYV4VLIndexer": _KEY_SELECTION,
+    "Kolibri1_1Indexer": _KEY_SELECTION,
+    "MiniMaxM3VLIndexer": _KEY_SELECTION,
+    "MistralLarge4TextIndexer": _KEY_SELECTION,
+    "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
+    # the output gate z comes out of in_proj_qkvz with q, k and v; alone it is a strided slice, rebuilt contiguous
+    # on replay, where SiLU takes another (vectorised) path that differs in the last bit
+    "Qwen3NextGatedDeltaNet": ("its output gate z (β and decay are audited): in_proj_qkvz computes it with q, k and v, "
+                               "and the one site holding it alone is a strided slice that a replay does not rebuild "
+                               "bit-exactly"),
+    # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
+    "DoryAttention": _LOOPED.format("attention output gate"),
+    "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
+    "Inkling2LoopGatedOutputProjection": _LOOPED.format("attention output gate"),
+    "Inkling2LoopDynamicShortConvolution": _LOOPED.format("dynamic convolution taps"),
+    "Inkling2LoopMessageGate": _LOOPED.format("gates mixing the state with the loop's message"),
+    # attention residuals: a static query attends over earlier blocks' states
+    "Inkling2BlockAttentionResidual": _INSIDE_ATTENTION,
+    "Inkling2LoopBlockAttentionResidual": _INSIDE_ATTENTION,
+    "Inkling2LoopMessageAttentionResidual": _INSIDE_ATTENTION,
 }
 
 UNAUDITED: dict[str, str] = {**UNAUDITED_RECURRENT, **UNAUDITED_ATTENTION}
