@@ -148,11 +148,11 @@ def test_a_sparse_attention_indexer_is_named_in_a_notice_and_its_routers_audit(t
 
 
 def test_an_output_gate_the_config_turns_off_is_no_site():
-    on, off = (transformers.Lfm3Config(**SMALL, layer_types=["conv", "full_attention"], use_attention_gate=g)
-               for g in (True, False))
+    on, off = (transformers.Lfm3Config(**SMALL, layer_types=["full_attention", "full_attention"],
+                                       use_attention_gate=g) for g in (True, False))
     torch.manual_seed(0)
     gated = transformers.AutoModelForCausalLM.from_config(on).eval()
-    assert [s.name for _, s in recipe_sites(gated)] == ["model.layers.1.self_attn.g_proj"]
+    assert [s.name for _, s in recipe_sites(gated)] == [f"model.layers.{i}.self_attn.g_proj" for i in (0, 1)]
     plain = transformers.AutoModelForCausalLM.from_config(off).eval()
     assert "no controller fcaudit finds" in api_refusal(lambda: fca.controller_for(plain))
 
