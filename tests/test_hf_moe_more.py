@@ -1,0 +1,112 @@
+"""Hugging Face MoE leftovers: routers of other shapes, encoder-decoder MoEs through their decoder, zero-initialised
+routers, and the merge of an op site with a site nested in the module it watches. Tiny models built here from
+transformers configs (or plain torch), real forward passes, exact replay asserted."""
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import transformers
+
+import fcaudit as fca
+from fcaudit.errors import FcauditError
+from fcaudit.families.hf import hf_controller, moe_controller
+
+from harness import api_refusal
+
+
+def small(cls, **extra):
+    """A transformers config at toy size: 2 layers, width 32, 8 experts, top-2, no special tokens."""
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)
+    return cls(**{**base, **extra})
+
+
+def causal_lm(config, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def windows(n=4, length=12, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g), torch.randint(0, vocab, (n, length), generator=g)
+
+
+def audited(model, controller, **kw):
+    ev, ca = windows(**kw)
+    with tempfile.TemporaryDirectory() as out:
+        return fca.audit(model, controller, ev, ca, randomizations=2, out=out, batch_size=2, quiet=True)
+
+
+def notices(result) -> str:
+    return " ".join(f.line for f in result.replay.findings if f.line)
+
+
+# ---- zero-initialised routers -------------------------------------------------------------------------------------
+
+def test_a_router_whose_weights_are_all_zero_gets_the_constant_coefficients_notice():
+    model = causal_lm(small(transformers.MixtralConfig, num_local_experts=8, num_experts_per_tok=2))
+    live = audited(model, moe_controller(model))
+    assert live.replay.bit_equal and "the same for every window and token" not in notices(live)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+    dead = audited(model, moe_controller(model))
+    assert dead.replay.bit_equal
+    assert "the same for every window and token" in notices(dead)
+
+
+# ---- an op site numbered across a nested site ---------------------------------------------------------------------
+
+class Squash(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x))
+
+
+class GatedBlock(nn.Module):
+    """Three sigmoid gates; the middle one computed by a submodule."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b, self.mid, self.ff = nn.Linear(d, d), nn.Linear(d, d), Squash(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        first = torch.sigmoid(self.a(x))
+        middle = self.mid(x)
+        last = torch.sigmoid(self.b(x))
+        return x + self.ff(x) * first * middle * last
+
+
+class GatedLM(nn.Module):
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([GatedBlock(d) for _ in range(2)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_merge_refuses_an_op_site_numbered_across_a_nested_module_site():
+    torch.manual_seed(0)
+    model = GatedLM().eval()
+    last = fca.Controller.from_ops(model, "blocks.*", "sigmoid", layout="batch token channel", call=2)
+    mids = fca.Controller.from_modules(model, "blocks.*.mid", layout="batch token channel")
+    line = api_refusal(lambda: fca.Controller.merge(last, mids))
+    assert "blocks.0:sigmoid[call=2]" in line and "blocks.0.mid" in line and "separate controllers" in line
+    # the same op site alone, and a numbered op site beside a module outside its module, audit exactly
+    assert audited(model, last).replay.bit_equal
+    heads = fca.Controller.from_modules(model, "head", layout="batch token channel")
+    assert audited(model, fca.Controller.merge(last, heads)).replay.bit_equal
