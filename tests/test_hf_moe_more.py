@@ -13,8 +13,10 @@ import transformers
 import fcaudit as fca
 from fcaudit.errors import FcauditError
 from fcaudit.families.hf import hf_controller, moe_controller
+from fcaudit.families.hf.codecs import SwitchRoute
+from fcaudit.families.hf.seq2seq import DecoderLM
 
-from harness import api_refusal
+from harness import api_refusal, cli, refusal
 
 
 def small(cls, **extra):
@@ -110,3 +112,37 @@ def test_merge_refuses_an_op_site_numbered_across_a_nested_module_site():
     assert audited(model, last).replay.bit_equal
     heads = fca.Controller.from_modules(model, "head", layout="batch token channel")
     assert audited(model, fca.Controller.merge(last, heads)).replay.bit_equal
+
+
+# ---- encoder-decoder MoEs, through their decoder ------------------------------------------------------------------
+
+def switch(capacity):
+    """A 2 + 2 layer Switch Transformer, every FF layer sparse: 4 experts of `capacity` tokens per window."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4,
+        expert_capacity=capacity, encoder_sparse_step=1, decoder_sparse_step=1, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.SwitchTransformersForConditionalGeneration(config).eval()
+
+
+def test_a_switch_transformer_audits_exactly_through_its_decoder_with_its_encoder_input_given(tmp_path):
+    model = switch(capacity=2)  # 12-token windows over 4 experts: the capacity drops tokens
+    lm = DecoderLM(model, encoder_ids=torch.arange(2, 14))
+    ctrl = fca.Controller.from_modules(lm, "model.decoder.**.router", codec=SwitchRoute(4, 2))
+    assert [s.path for s in ctrl.sites] == [f"model.decoder.block.{i}.layer.2.mlp.router" for i in (0, 1)]
+    with torch.no_grad():  # the capacity drops tokens of these windows: its rule is part of what replays
+        dispatch, probs, _ = model.decoder.block[0].layer[2].mlp.router(torch.randn(4, 12, 32))
+    assert (dispatch.sum(-1) == 0).any() and (probs > 0).all()
+    ev, ca = windows()
+    result = fca.audit(lm, ctrl, ev, ca, randomizations=2, out=tmp_path / "audit", batch_size=2, quiet=True)
+    assert result.replay.bit_equal and result.replay.route_flips == 0
+    conditions = set(result.records.condition)
+    assert "StaticTopK" in conditions and len(conditions) > 2 and not {"StaticProfile", "LayerPositionMean"} & conditions
+    assert "not offered for Switch routers" in notices(result)
+
+
+def test_the_cli_refuses_an_encoder_decoder_checkpoint_naming_the_decoder_route(tmp_path):
+    switch(capacity=8).save_pretrained(tmp_path / "switch")
+    line = refusal(cli("audit", tmp_path / "switch", "--out", tmp_path / "audit"))
+    assert "encoder-decoder" in line and "DecoderLM" in line and "SwitchRoute" in line

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.codecs import Codec
+from fcaudit.controllers.routing import CapacityRoute, slots
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import EXPERT_ROUTER
+from fcaudit.kinds.routers import SWITCH_ROUTER
 
 PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (TopKRouterCodec.decode)
 
@@ -237,3 +239,61 @@ class SharedGateCodec(Codec):
 
     def describe(self) -> str:
         return "shared-expert gate: (batch token) 1, pre-sigmoid logit"
+
+
+class SwitchRoute(CapacityRoute):
+    """A Switch Transformers top-1 router's (expert_index: one-hot [batch, token, E], zero past an expert's capacity;
+    router_probs [batch, token, 1]; router_logits [batch, token, E]) <-> each token's combine vector [batch, token, 1,
+    E]: its top expert's probability, whether or not the capacity drops it. Decode rebuilds the drops by the router's
+    own rule (CapacityRoute's slots in sequence order per window); the logits feed its auxiliary losses only."""
+
+    name = "Switch router"
+    kind = SWITCH_ROUTER.name
+    placeholders = ("[2]",)
+
+    def __init__(self, num_experts: int, capacity: int):
+        super().__init__(num_experts, capacity, top_k=1)
+
+    def _split(self, output, batch: int, token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = (batch, token, self.num_experts)
+        ok = (isinstance(output, (tuple, list)) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)
+              and tuple(output[0].shape) == shape and tuple(output[1].shape) == (batch, token, 1)
+              and tuple(output[2].shape) == shape and output[1].is_floating_point() and output[2].is_floating_point())
+        if not ok:
+            raise FcauditError(f"{self.name} returned {_shapes(output)}, not (expert_index {list(shape)}, router_probs "
+                               f"[{batch}, {token}, 1], router_logits {list(shape)}); pass SwitchRoute(num_experts, "
+                               "capacity) as the router has them")
+        return output[0], output[1], output[2]
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        index, probs, logits = self._split(output, batch, token)
+        # each token's top expert, dropped or not: as the router picks it, the argmax of its probabilities
+        top = torch.softmax(logits.detach(), dim=-1, dtype=logits.dtype).to(probs.dtype).argmax(-1)
+        c = (nn.functional.one_hot(top, self.num_experts) * probs.detach()).to(canonical_dtype(probs.dtype))
+        c = c[:, :, None, :].contiguous()
+        if not torch.equal(slots(c, self.capacity)[0], index.detach() != 0):
+            raise FcauditError(f"{self.name}: its one-hot is not each token's top expert with the first {self.capacity} "
+                               "tokens per expert and window kept (or a probability is 0); SwitchRoute rebuilds that "
+                               "rule only, so this router needs its own codec")
+        return c
+
+    def meta(self, output) -> dict:
+        return {"index_dtype": dtype_name(output[0].dtype), "probs_dtype": dtype_name(output[1].dtype),
+                "logits_dtype": dtype_name(output[2].dtype)}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = _expert_rows(canonical, self.num_experts, self.name)
+        weight = c.abs().amax(1, keepdim=True)
+        if not torch.equal(torch.where(c != 0, c.abs(), weight), weight.expand_as(c)):
+            raise FcauditError(f"{self.name}: coefficients that weight one token's experts differently; a Switch "
+                               "router scales them all by one weight (replay rows of equal weights, or one expert)")
+        kept = slots(canonical, self.capacity)[0]
+        index = kept.to(getattr(torch, meta["index_dtype"]))
+        probs = canonical[:, :, 0, :].gather(-1, canonical[:, :, 0, :].abs().argmax(-1, keepdim=True))  # the row's
+        probs = probs.to(getattr(torch, meta["probs_dtype"]))  # weight (0 where it routes nowhere)
+        logits = _placeholder_logits(c, meta["logits_dtype"]).reshape(index.shape)
+        return index, probs, logits
+
+    def describe(self) -> str:
+        return (f"Switch router: top-1 of {self.num_experts} experts, capacity {self.capacity} per expert and window, "
+                "slots in sequence order: (batch token) expert combine vector")
