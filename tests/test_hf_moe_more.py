@@ -146,3 +146,86 @@ def test_the_cli_refuses_an_encoder_decoder_checkpoint_naming_the_decoder_route(
     switch(capacity=8).save_pretrained(tmp_path / "switch")
     line = refusal(cli("audit", tmp_path / "switch", "--out", tmp_path / "audit"))
     assert "encoder-decoder" in line and "DecoderLM" in line and "SwitchRoute" in line
+
+
+# ---- routers of other shapes: grouped (JetMoE), with a state for the next router (Zaya) ---------------------------
+
+def test_jetmoe_grouped_routers_audit_exactly_and_its_attention_experts_are_named_as_not_audited():
+    model = causal_lm(small(transformers.JetMoeConfig, num_local_experts=8, num_experts_per_tok=2, kv_channels=8))
+    ctrl = hf_controller(model)
+    assert [s.path for s in ctrl.sites] == [f"model.layers.{i}.mlp.router" for i in (0, 1)]
+    assert ctrl.sites[0].codec.top_k == 2
+    assert any("JetMoeMoA" in n and "self_attention.experts.router" in n for n in ctrl.notes)
+    result = audited(model, ctrl)
+    assert result.replay.bit_equal and result.replay.route_flips == 0
+
+
+def test_zaya_routers_that_hand_a_state_to_the_next_router_audit_exactly():
+    config = small(transformers.ZayaConfig, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32,
+                   head_dim=8, sliding_window=64, layer_types=["hybrid", "hybrid"])
+    model = causal_lm(config)
+    ctrl = moe_controller(model)
+    assert [s.path for s in ctrl.sites] == [f"model.layers.{i}.mlp.gate" for i in (0, 1)]
+    result = audited(model, ctrl)
+    assert result.replay.bit_equal and result.replay.route_flips == 0
+
+
+class StateRouter(nn.Module):
+    """Top-k routing that also returns a state (its projected input)."""
+
+    def __init__(self, d, n_experts, k):
+        super().__init__()
+        self.top_k, self.num_experts = k, n_experts
+        self.weight = nn.Parameter(torch.randn(n_experts, d) / d ** 0.5)
+        self.state = nn.Linear(d, d)
+
+    def forward(self, x):
+        logits = x @ self.weight.T
+        w, idx = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, w / w.sum(-1, keepdim=True), idx, self.state(x)
+
+
+class Experts(nn.Module):
+    def __init__(self, d, n_experts):
+        super().__init__()
+        self.num_experts = n_experts
+        self.w = nn.Parameter(torch.randn(n_experts, d, d) / d ** 0.5)
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, (x[rows] @ self.w[e]) * w[rows, slot, None])
+        return out
+
+
+class LeakyMoE(nn.Module):
+    """An MoE block whose router's state reaches the residual stream: the state is part of the value path."""
+
+    def __init__(self, d, n_experts=4, k=2):
+        super().__init__()
+        self.router, self.experts = StateRouter(d, n_experts, k), Experts(d, n_experts)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _, w, idx, state = self.router(flat)
+        return x + (self.experts(flat, idx, w) + 0.1 * state).reshape(x.shape)
+
+
+class LeakyLM(nn.Module):
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(vocab, d), nn.ModuleList([LeakyMoE(d), LeakyMoE(d)]), \
+            nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_router_state_that_reaches_the_value_path_is_refused_in_one_line():
+    torch.manual_seed(0)
+    line = api_refusal(lambda: moe_controller(LeakyLM().eval()))
+    assert "StateRouter" in line and "state beside its choices" in line and "from_modules" in line
