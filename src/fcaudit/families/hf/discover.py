@@ -31,8 +31,10 @@ TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say 
 # LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
 # num_experts does not; a router's count is the one its weight has rows for. Its experts module may hold all of them
 # (total_experts) or only those that compute, the block handling the rest itself (`_experts_of`).
-# Zaya: its router's weight has a row for a skip expert too (num_router_classes), which its experts skip.
-NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts", "num_router_classes")
+# Zaya: its router's weight has a row for a skip expert too (num_router_classes), which its experts skip; Inkling's
+# for its shared experts too (n_total_experts), whose weights it returns beside its choices.
+NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts", "num_router_classes",
+                     "n_total_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
                       "DeepseekV3TopkRouter", "GptOssTopKRouter", "Llama4Router")
