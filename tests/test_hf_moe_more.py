@@ -140,6 +140,7 @@ def test_a_switch_transformer_audits_exactly_through_its_decoder_with_its_encode
     conditions = set(result.records.condition)
     assert "StaticTopK" in conditions and len(conditions) > 2 and not {"StaticProfile", "LayerPositionMean"} & conditions
     assert "not offered for Switch routers" in notices(result)
+    assert "(Correct runs" in result.capacity_lines()[0] and ", drops " in result.capacity_lines()[0]
 
 
 def test_the_cli_refuses_an_encoder_decoder_checkpoint_naming_the_decoder_route(tmp_path):
