@@ -356,9 +356,10 @@ class SwitchRoute(CapacityRoute):
 
     def _split(self, output, batch: int, token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (batch, token, self.num_experts)
-        ok = (isinstance(output, (tuple, list)) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)
-              and tuple(output[0].shape) == shape and tuple(output[1].shape) == (batch, token, 1)
-              and tuple(output[2].shape) == shape and output[1].is_floating_point() and output[2].is_floating_point())
+        ok = (isinstance(output, (tuple, list)) and len(output) == 3
+              and all(isinstance(t, torch.Tensor) for t in output) and tuple(output[0].shape) == shape
+              and tuple(output[1].shape) == (batch, token, 1) and tuple(output[2].shape) == shape
+              and output[1].is_floating_point() and output[2].is_floating_point())
         if not ok:
             raise FcauditError(f"{self.name} returned {_shapes(output)}, not (expert_index {list(shape)}, router_probs "
                                f"[{batch}, {token}, 1], router_logits {list(shape)}); pass SwitchRoute(num_experts, "
@@ -372,9 +373,9 @@ class SwitchRoute(CapacityRoute):
         c = (nn.functional.one_hot(top, self.num_experts) * probs.detach()).to(canonical_dtype(probs.dtype))
         c = c[:, :, None, :].contiguous()
         if not torch.equal(slots(c, self.capacity)[0], index.detach() != 0):
-            raise FcauditError(f"{self.name}: its one-hot is not each token's top expert with the first {self.capacity} "
-                               "tokens per expert and window kept (or a probability is 0); SwitchRoute rebuilds that "
-                               "rule only, so this router needs its own codec")
+            raise FcauditError(f"{self.name}: its one-hot is not each token's top expert with the first "
+                               f"{self.capacity} tokens per expert and window kept (or a probability is 0); "
+                               "SwitchRoute rebuilds that rule only, so this router needs its own codec")
         return c
 
     def meta(self, output) -> dict:

@@ -189,9 +189,9 @@ def _refuse_encoder_decoder(dir: Path, config: dict) -> None:
 
     model_type = config.get("model_type")
     if config.get("is_encoder_decoder") and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise FcauditError(f"{dir} holds an encoder-decoder model ({model_type}), and `fcaudit audit` loads causal LMs: "
-                           "audit its decoder through the API: load it with transformers, wrap it as "
-                           "fcaudit.families.hf.seq2seq.DecoderLM(model, encoder_ids) (the encoder's input, the same for "
-                           "every window), describe its routers with fca.Controller.from_modules(lm, "
+        raise FcauditError(f"{dir} holds an encoder-decoder model ({model_type}), and `fcaudit audit` loads causal "
+                           "LMs: audit its decoder through the API: load it with transformers, wrap it as "
+                           "fcaudit.families.hf.seq2seq.DecoderLM(model, encoder_ids) (the encoder's input, the same "
+                           "for every window), describe its routers with fca.Controller.from_modules(lm, "
                            "'model.decoder.**.router', codec=...) (Switch Transformers: "
                            "fcaudit.families.hf.codecs.SwitchRoute(num_experts, expert_capacity)), then fca.audit")
