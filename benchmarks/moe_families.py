@@ -56,6 +56,9 @@ OTHERS = {
                                         head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0)),
     "ergo": ("ErgoConfig", dict(num_experts=8, num_experts_per_tok=2)),
     "jetmoe": ("JetMoeConfig", dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8)),
+    # a router that hands a state to the next layer's router, and a skip expert
+    "zaya": ("ZayaConfig", dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32, head_dim=8,
+                                sliding_window=64, layer_types=["hybrid", "hybrid"])),
     "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                                 attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},  # None: clamp fails
                                 ffn_config={"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 64})),

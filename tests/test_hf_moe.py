@@ -295,11 +295,17 @@ def test_score_router_refuses_scores_with_more_than_top_k_experts():
     assert "\n" not in str(err.value)
 
 
-def _jetmoe():
+def _jetmoe_sizes_as_tuple():
+    """JetMoE whose routers give their expert sizes as a tuple: neither a top-k triple nor ScatterMoE's grouped form
+    (which has a list), though the model runs."""
     cfg = transformers.JetMoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                     kv_channels=16, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
                                     eos_token_id=None, pad_token_id=None)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    for router in (model.model.layers[0].mlp.router, model.model.layers[0].self_attention.experts.router):
+        forward = type(router).forward
+        router.forward = lambda h, r=router, f=forward: (lambda o: (*o[:3], tuple(o[3]), o[4]))(f(r, h))
+    return model
 
 
 def _gpt_oss_unpaddable():
@@ -312,7 +318,7 @@ def _gpt_oss_unpaddable():
 
 
 @pytest.mark.parametrize("build, cls, why", [
-    (_jetmoe, "JetMoeTopKGating", "not (router_logits, top_k_weights, top_k_index)"),  # a 5-tuple of its own
+    (_jetmoe_sizes_as_tuple, "JetMoeTopKGating", "not (router_logits, top_k_weights, top_k_index)"),  # a 5-tuple
     (_gpt_oss_unpaddable, "GptOssTopKRouter", "cannot be padded"),  # the right triple, but no padding holds
 ])
 def test_unsupported_router_gets_a_one_line_error_naming_it_and_the_closest_supported(build, cls, why):

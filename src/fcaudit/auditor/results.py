@@ -469,5 +469,7 @@ class AuditResult(Results):
         ran = float(rec.loc[rec.condition == "Correct", experts].sum(axis=1).mean()) if experts else float("nan")
         labels = self.labels
         dropped = ", ".join(f"{labels.get(c, c)} {v:.4g}" for c, v in means.items() if c != "Correct" and v > 0)
+        own = float(means.get("Correct", 0.0))  # a codec whose coefficients keep the router's own drops (SwitchRoute)
+        correct = f"drops {own:.4g}" if own > 0 else "its router's own drops already out of its combine vectors"
         return [f"capacity: assignments dropped past the experts' capacity, mean per window: {dropped or 'none'} "
-                f"(Correct runs {ran:.4g}, its router's own drops already out of its combine vectors)"]
+                f"(Correct runs {ran:.4g}, {correct})"]

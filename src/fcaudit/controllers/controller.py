@@ -341,6 +341,7 @@ class Controller:
             if s.call is None and sum(k[:3] == (id(s.module), s.method, s.op) for k in seen) > 1:
                 raise FcauditError(f"site {s.name!r} takes every call and another merged site one of them; pass "
                                    "call=N to both")
+        _refuse_nested(sites)
         order: dict[Hashable, int] = {}  # each key's group: its rank of first appearance
         grouped = [replace(s, group=order.setdefault(group(s) if group is not None else id(s.module), len(order)))
                    for s in sites]
@@ -441,6 +442,22 @@ class Seen:
 
 # the default codecs a kind names (`Kind.codec`): kinds live below the codecs, so they name them and this maps them
 OWN_CODECS: dict[str, Callable[[], Codec]] = {"TokenRoute": TokenRoute, "Decisions": Decisions}
+
+
+def _refuse_nested(sites: list[Site]) -> None:
+    """Refuses an op site that numbers its calls (call=N) beside a site nested in the module whose method it watches:
+    a replay does not run the nested site's computation, so the calls it made no longer count and call N would be
+    another call (or none), replayed silently wrong."""
+    for o in sites:
+        if o.op is None or o.call is None:
+            continue
+        inside = {id(m) for m in o.module.modules()}
+        for s in sites:
+            same_op = s.module is o.module and s.method == o.method and s.op == o.op
+            if id(s.module) in inside and not same_op and (s.op is None or s.op == o.op):
+                raise FcauditError(f"site {o.name!r} numbers the calls of {o.op!r} in {o.path}.{o.method}, and site "
+                                   f"{s.name!r} lies inside {o.path}: a replay does not run it, so the call numbers "
+                                   "would shift; audit the two in separate controllers")
 
 
 def _codec(layout: str | Codec | None, codec: Codec | None, kind: str | None) -> Codec:

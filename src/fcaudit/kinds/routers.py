@@ -33,5 +33,15 @@ class CapacityRouter(ExpertRouter):
     runs = "experts"  # the rows entering each of its experts: the slots filled (`Codec.executed`)
 
 
+class SwitchRouter(CapacityRouter):
+    """A capacity router that scales a token's experts by one weight (Switch Transformers' top-1): a mean over
+    experts with distinct weights has no form it can run, so the conditions that replay one are not offered."""
+    name = "switch_router"
+    conditions = tuple(c for c in CapacityRouter.conditions if c not in ("LayerPositionMean", "StaticProfile"))
+    note = ("LayerPositionMean and StaticProfile are not offered for Switch routers: they scale a token's experts by "
+            "one weight, and a mean over experts has a weight of its own for each")
+
+
 EXPERT_ROUTER = register(ExpertRouter())
 CAPACITY_ROUTER = register(CapacityRouter())
+SWITCH_ROUTER = register(SwitchRouter())

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.codecs import Codec
+from fcaudit.controllers.routing import CapacityRoute, slots
 from fcaudit.device import dtype_name
 from fcaudit.errors import FcauditError
 from fcaudit.kinds import EXPERT_ROUTER
+from fcaudit.kinds.routers import SWITCH_ROUTER
 
 PADDINGS = ("sentinel", "repeat")  # how decode fills a row's slots beyond its support (TopKRouterCodec.decode)
 
@@ -58,17 +60,20 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
 
 
 ROUTER_PARTS = ("logits", "weights", "index")  # what a transformers router returns, in this order
+STATE = "state"  # a leaf a router returns beyond its choices (Zaya's router state for the next layer's router)
 
 
 def split_parts(output, parts: tuple[str, ...], num_experts: int, where: str = "router") -> dict[str, torch.Tensor]:
     """A router output whose leaves are `parts` (some order of ROUTER_PARTS, logits optional: DBRX's block method
-    returns (top_k_weights, top_k_index)), checked and named."""
+    returns (top_k_weights, top_k_index); then any STATE leaves), checked and named (the states left out)."""
     if parts == ROUTER_PARTS:
         return dict(zip(parts, split_router_output(output, num_experts, where)))
     if not (isinstance(output, (tuple, list)) and len(output) == len(parts)
             and all(isinstance(t, torch.Tensor) for t in output)):
         raise FcauditError(f"{where} returned {_shapes(output)}, not ({', '.join(parts)})")
-    named = dict(zip(parts, output))
+    named = {p: t for p, t in zip(parts, output) if p != STATE}
+    if tuple(named) == ROUTER_PARTS:
+        return dict(zip(ROUTER_PARTS, split_router_output(tuple(named.values()), num_experts, where)))
     full = (named.get("logits", torch.zeros(named["weights"].shape[0], num_experts)), named["weights"], named["index"])
     split_router_output(full, num_experts, where)  # the same checks of shapes and dtypes
     return named
@@ -112,12 +117,17 @@ class TopKRouterCodec(Codec):
                  experts_path: str | None = None, pad: str = "sentinel", parts: tuple[str, ...] = ROUTER_PARTS):
         if pad not in PADDINGS:
             raise FcauditError(f"{name}: padding {pad!r} is not one of {', '.join(PADDINGS)}")
-        if sorted(parts) not in (sorted(ROUTER_PARTS), ["index", "weights"]):
-            raise FcauditError(f"{name}: parts {parts} are not an order of {ROUTER_PARTS}, logits optional")
+        choices = [p for p in parts if p != STATE]
+        if sorted(choices) not in (sorted(ROUTER_PARTS), ["index", "weights"]) or parts[len(choices):] != \
+                (STATE,) * (len(parts) - len(choices)):
+            raise FcauditError(f"{name}: parts {parts} are not an order of {ROUTER_PARTS}, logits optional, then any "
+                               f"{STATE!r} leaves")
         self.num_experts, self.top_k, self.name, self.pad = int(num_experts), int(top_k), name, pad
         self._experts, self.experts_path = experts, experts_path  # the experts it feeds: checked to run eager
         self.parts = tuple(parts)  # the output's leaves, by name
-        self.placeholders = tuple(f"[{i}]" for i, p in enumerate(parts) if p == "logits")
+        # the logits (for auxiliary losses) and any router state (which only routers read, and a replay computes):
+        # not compared by the round-trip check
+        self.placeholders = tuple(f"[{i}]" for i, p in enumerate(parts) if p in ("logits", STATE))
         self.unordered = tuple(f"[{parts.index(p)}]" for p in ("weights", "index"))
 
     def _split(self, output) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -138,12 +148,14 @@ class TopKRouterCodec(Codec):
 
     def meta(self, output) -> dict:
         logits, weights, index = self._split(output)
+        states = {"states": [_state_meta(t, weights.shape[0]) for p, t in zip(self.parts, output) if p == STATE]} \
+            if STATE in self.parts else {}
         if logits is None:
             return {"weights_dtype": dtype_name(weights.dtype), "index_dtype": dtype_name(index.dtype),
-                    "num_experts": self.num_experts, "top_k": self.top_k}
+                    "num_experts": self.num_experts, "top_k": self.top_k, **states}
         return {"logits_dtype": dtype_name(logits.dtype), "weights_dtype": dtype_name(weights.dtype),
                 "index_dtype": dtype_name(index.dtype), "num_experts": self.num_experts, "top_k": self.top_k,
-                **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {})}
+                **({"slot_order": "logits"} if _in_logit_order_only(logits, weights, index) else {}), **states}
 
     def decode(self, canonical: torch.Tensor, meta: dict, inputs=None) -> tuple[torch.Tensor, ...]:
         """The support of c by descending weight (ties: lower expert first, as torch.topk), or by live router logit
@@ -168,11 +180,39 @@ class TopKRouterCodec(Codec):
         named = {"weights": weights.to(getattr(torch, meta["weights_dtype"])).contiguous(), "index": index.contiguous()}
         if "logits" in self.parts:
             named["logits"] = _placeholder_logits(c, meta["logits_dtype"])
-        return tuple(named[p] for p in self.parts)
+        return tuple(named[p] for p in self.parts if p != STATE) + self._states(canonical, meta, inputs)
+
+    def _states(self, canonical: torch.Tensor, meta: dict, inputs) -> tuple[torch.Tensor, ...]:
+        """The router's states, as its class's forward computes them from the live call (they feed the next layer's
+        router alone: the route-flip check recomputes it on them), else placeholders."""
+        if STATE not in self.parts:
+            return ()
+        if inputs is None:
+            return tuple(_state_placeholder(m, canonical.shape[:2], canonical.device) for m in meta["states"])
+        with torch.no_grad():  # the class's forward: the instance's is the replay's own wrapper
+            live = type(inputs.module).forward(inputs.module, *inputs.args, **inputs.kwargs)
+        return tuple(live[self.parts.index(STATE):])
 
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"
         return f"top-{self.top_k} router over {self.num_experts} experts: (batch token) expert combine vector{pad}"
+
+
+LEADING = {"(batch token)": 1, "batch token": 2, "": 0}  # a router state's token axes, by name
+
+
+def _state_meta(state: torch.Tensor, tokens: int) -> dict:
+    """What rebuilds a router state's placeholder for any batch: its dtype and shape, its leading axes named as the
+    tokens' ("(batch token)" rows, or "batch token")."""
+    shape = list(state.shape)
+    lead = "(batch token)" if shape[:1] == [tokens] else "batch token" if len(shape) > 1 and \
+        shape[0] * shape[1] == tokens else ""
+    return {"dtype": dtype_name(state.dtype), "lead": lead, "tail": shape[LEADING[lead]:]}
+
+
+def _state_placeholder(meta: dict, batch_token: torch.Size, device: torch.device) -> torch.Tensor:
+    lead = {"(batch token)": [batch_token[0] * batch_token[1]], "batch token": list(batch_token), "": []}[meta["lead"]]
+    return torch.zeros(lead + meta["tail"], dtype=getattr(torch, meta["dtype"]), device=device)
 
 
 def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> bool:
@@ -181,6 +221,68 @@ def _in_logit_order_only(logits: torch.Tensor, weights: torch.Tensor, index: tor
     w, l = weights.float(), logits.gather(1, index.long()).float()
     by_weight = ((w[:, :-1] > w[:, 1:]) | ((w[:, :-1] == w[:, 1:]) & (index[:, :-1] < index[:, 1:]))).all()
     return bool(not by_weight and (l[:, :-1] >= l[:, 1:]).all())
+
+
+def is_grouped(output, num_experts: int) -> bool:
+    """Whether a router output is ScatterMoE's grouped form (JetMoE): (index_sorted_experts [N k], batch_index
+    [N k], batch_gates [N k], expert_size: a list of E counts, router_logits [N, E])."""
+    return (isinstance(output, (tuple, list)) and len(output) == 5 and isinstance(output[3], list)
+            and len(output[3]) == num_experts and all(isinstance(output[i], torch.Tensor) for i in (0, 1, 2, 4))
+            and output[4].dim() == 2 and output[4].shape[1] == num_experts)
+
+
+class GroupedRouterCodec(Codec):
+    """A top-k router in ScatterMoE's grouped form (JetMoE: `is_grouped`) <-> the post-top-k combine vector [batch,
+    token, 1, E]. Decode lists each token's experts by descending weight (as torch.topk gives them; ties: lower
+    expert first) and groups them by the router's own sort; a narrower row is padded with its first expert again at
+    weight 0, which adds an exact 0 to that token's output."""
+
+    kind = EXPERT_ROUTER.name
+    placeholders = ("[4]",)  # the router logits (auxiliary losses only)
+    pad = "repeat"  # how decode fills a row's absent slots (PADDINGS)
+
+    def __init__(self, num_experts: int, top_k: int, name: str = "router", experts_path: str | None = None):
+        self.num_experts, self.top_k, self.name, self.experts_path = int(num_experts), int(top_k), name, experts_path
+
+    def _split(self, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, torch.Tensor]:
+        if not is_grouped(output, self.num_experts):
+            raise FcauditError(f"{self.name} returned {_shapes(output)}, not (index_sorted_experts, batch_index, "
+                               f"batch_gates, expert_size [{self.num_experts} counts], router_logits)")
+        return tuple(output)
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        _, rows, gates, sizes, logits = self._split(output)
+        if logits.shape[0] != batch * token:
+            raise FcauditError(f"{self.name} routed {logits.shape[0]} tokens, not batch {batch} x token {token}")
+        experts = torch.repeat_interleave(torch.arange(self.num_experts, device=rows.device),
+                                          torch.tensor(sizes, device=rows.device))
+        c = torch.zeros(logits.shape[0], self.num_experts, dtype=canonical_dtype(gates.dtype), device=gates.device)
+        c.index_put_((rows.long(), experts), gates.detach().to(c.dtype), accumulate=True)
+        return c.reshape(batch, token, 1, self.num_experts)
+
+    def meta(self, output) -> dict:
+        index, rows, gates, _, logits = self._split(output)
+        return {"index_dtype": dtype_name(index.dtype), "rows_dtype": dtype_name(rows.dtype),
+                "gates_dtype": dtype_name(gates.dtype), "logits_dtype": dtype_name(logits.dtype)}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple:
+        c = _expert_rows(canonical, self.num_experts, self.name)
+        selected = c != 0
+        width = max(self.top_k, int(selected.sum(1).max()) if c.numel() else 0)
+        key = torch.where(selected, c, torch.full_like(c, -torch.inf))
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :width]
+        keep = selected.gather(1, order)
+        chosen = torch.where(keep, order, order[:, :1])  # an absent slot: the row's first expert at weight 0
+        weights = torch.where(keep, c.gather(1, order), torch.zeros((), dtype=c.dtype, device=c.device))
+        _, index = chosen.flatten().sort(0)  # grouped by expert, as the router groups them
+        rows = index.div(width, rounding_mode="trunc")
+        sizes = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()
+        return (index.to(getattr(torch, meta["index_dtype"])), rows.to(getattr(torch, meta["rows_dtype"])),
+                weights.flatten()[index].to(getattr(torch, meta["gates_dtype"])), sizes,
+                _placeholder_logits(c, meta["logits_dtype"]))
+
+    def describe(self) -> str:
+        return f"top-{self.top_k} grouped router over {self.num_experts} experts: (batch token) expert combine vector"
 
 
 class ScoreRouterCodec(Codec):
@@ -237,3 +339,62 @@ class SharedGateCodec(Codec):
 
     def describe(self) -> str:
         return "shared-expert gate: (batch token) 1, pre-sigmoid logit"
+
+
+class SwitchRoute(CapacityRoute):
+    """A Switch Transformers top-1 router's (expert_index: one-hot [batch, token, E], zero past an expert's capacity;
+    router_probs [batch, token, 1]; router_logits [batch, token, E]) <-> each token's combine vector [batch, token, 1,
+    E]: its top expert's probability, whether or not the capacity drops it. Decode rebuilds the drops by the router's
+    own rule (CapacityRoute's slots in sequence order per window); the logits feed its auxiliary losses only."""
+
+    name = "Switch router"
+    kind = SWITCH_ROUTER.name
+    placeholders = ("[2]",)
+
+    def __init__(self, num_experts: int, capacity: int):
+        super().__init__(num_experts, capacity, top_k=1)
+
+    def _split(self, output, batch: int, token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = (batch, token, self.num_experts)
+        ok = (isinstance(output, (tuple, list)) and len(output) == 3
+              and all(isinstance(t, torch.Tensor) for t in output) and tuple(output[0].shape) == shape
+              and tuple(output[1].shape) == (batch, token, 1) and tuple(output[2].shape) == shape
+              and output[1].is_floating_point() and output[2].is_floating_point())
+        if not ok:
+            raise FcauditError(f"{self.name} returned {_shapes(output)}, not (expert_index {list(shape)}, router_probs "
+                               f"[{batch}, {token}, 1], router_logits {list(shape)}); pass SwitchRoute(num_experts, "
+                               "capacity) as the router has them")
+        return output[0], output[1], output[2]
+
+    def encode(self, output, batch: int, token: int) -> torch.Tensor:
+        index, probs, logits = self._split(output, batch, token)
+        # each token's top expert, dropped or not: as the router picks it, the argmax of its probabilities
+        top = torch.softmax(logits.detach(), dim=-1, dtype=logits.dtype).to(probs.dtype).argmax(-1)
+        c = (nn.functional.one_hot(top, self.num_experts) * probs.detach()).to(canonical_dtype(probs.dtype))
+        c = c[:, :, None, :].contiguous()
+        if not torch.equal(slots(c, self.capacity)[0], index.detach() != 0):
+            raise FcauditError(f"{self.name}: its one-hot is not each token's top expert with the first "
+                               f"{self.capacity} tokens per expert and window kept (or a probability is 0); "
+                               "SwitchRoute rebuilds that rule only, so this router needs its own codec")
+        return c
+
+    def meta(self, output) -> dict:
+        return {"index_dtype": dtype_name(output[0].dtype), "probs_dtype": dtype_name(output[1].dtype),
+                "logits_dtype": dtype_name(output[2].dtype)}
+
+    def decode(self, canonical: torch.Tensor, meta: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = _expert_rows(canonical, self.num_experts, self.name)
+        weight = c.abs().amax(1, keepdim=True)
+        if not torch.equal(torch.where(c != 0, c.abs(), weight), weight.expand_as(c)):
+            raise FcauditError(f"{self.name}: coefficients that weight one token's experts differently; a Switch "
+                               "router scales them all by one weight (replay rows of equal weights, or one expert)")
+        kept = slots(canonical, self.capacity)[0]
+        index = kept.to(getattr(torch, meta["index_dtype"]))
+        probs = canonical[:, :, 0, :].gather(-1, canonical[:, :, 0, :].abs().argmax(-1, keepdim=True))  # the row's
+        probs = probs.to(getattr(torch, meta["probs_dtype"]))  # weight (0 where it routes nowhere)
+        logits = _placeholder_logits(c, meta["logits_dtype"]).reshape(index.shape)
+        return index, probs, logits
+
+    def describe(self) -> str:
+        return (f"Switch router: top-1 of {self.num_experts} experts, capacity {self.capacity} per expert and window, "
+                "slots in sequence order: (batch token) expert combine vector")

@@ -21,8 +21,9 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
-from fcaudit.families.hf.codecs import (ROUTER_PARTS, ScoreRouterCodec, SharedGateCodec, TopKRouterCodec,
-                                            experts_implementation, split_parts, split_score_output)
+from fcaudit.families.hf.codecs import (ROUTER_PARTS, STATE, GroupedRouterCodec, ScoreRouterCodec, SharedGateCodec,
+                                        TopKRouterCodec, experts_implementation, is_grouped, split_parts,
+                                        split_score_output)
 from fcaudit.families.hf.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
@@ -30,7 +31,10 @@ TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say 
 # LongCat-Flash: the router's n_routed_experts counts its zero-computation (identity) experts too, which its
 # num_experts does not; a router's count is the one its weight has rows for. Its experts module may hold all of them
 # (total_experts) or only those that compute, the block handling the rest itself (`_experts_of`).
-NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts")
+# Zaya: its router's weight has a row for a skip expert too (num_router_classes), which its experts skip; Inkling's
+# for its shared experts too (n_total_experts), whose weights it returns beside its choices.
+NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "total_experts", "num_router_classes",
+                     "n_total_experts")
 # Routers tested end to end; used only to name the closest supported one in an error message.
 SUPPORTED_EXAMPLES = ("MixtralTopKRouter", "OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter",
                       "DeepseekV3TopkRouter", "GptOssTopKRouter", "Llama4Router")
@@ -197,7 +201,10 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
     if lone:
         _find_routing_methods(model, cands, lone, outputs, inputs)
     for c in cands:
-        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], ROUTER_PARTS)
+        if c.method == "forward" and c.top_k is not None and is_grouped(outputs[c.path], c.num_experts):
+            c.codec, c.gate_paths = GroupedRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path), []
+            continue  # its experts take the grouped rows, and an absent slot pads exactly (the codec's docstring)
+        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], _forward_names(outputs[c.path]))
         # (router_scores, router_logits): dense scores, every expert's input scaled by its own
         scored = names == ROUTER_PARTS and isinstance(output, (tuple, list)) and len(output) == 2
         try:
@@ -231,6 +238,75 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[1].shape[0]]
+
+
+def _forward_names(output) -> tuple[str, ...]:
+    """A router's leaves: (logits, weights, index), then a STATE for each further tensor it returns (Zaya's router
+    state, read by the next layer's router only)."""
+    extra = len(output) - len(ROUTER_PARTS) if isinstance(output, (tuple, list)) else 0
+    if extra > 0 and all(isinstance(t, torch.Tensor) for t in output):
+        return ROUTER_PARTS + (STATE,) * extra
+    return ROUTER_PARTS
+
+
+def _check_states(model: nn.Module, cands: list[_Candidate]) -> None:
+    """Routers that return a state beside their choices (Zaya's, for the next layer's router): a pass in which every
+    router returns its own choices with zero states must give the model's logits, so that nothing but routers reads
+    the states (a replay computes them for the route-flip check alone, codecs.TopKRouterCodec._states)."""
+    stateful = [c for c in cands if STATE in getattr(c.codec, "parts", ())]
+    if not stateful:
+        return
+    live: dict[str, tuple] = {}
+    handles = [c.module.register_forward_hook(lambda m, a, o, p=c.path: live.setdefault(p, o)) for c in stateful]
+    try:
+        n = _probe_forward(model, cands, live, {})
+        reference = _logits(_forward(model, n))
+    finally:
+        for h in handles:
+            h.remove()
+    zeroed = lambda c: tuple(torch.zeros_like(t) if p == STATE else t for p, t in zip(c.codec.parts, live[c.path]))
+    handles = [c.module.register_forward_hook(lambda m, a, o, c=c: zeroed(c)) for c in stateful]
+    try:
+        same = torch.equal(_logits(_forward(model, n)), reference)
+    finally:
+        for h in handles:
+            h.remove()
+    if not same:
+        c = stateful[0]
+        raise _unsupported(c.module, c.path, f"it returns a state beside its choices ({_shapes_of(live[c.path])}), "
+                                             "which more than the next router reads")
+
+
+def _fixed_width(model: nn.Module, cands: list[_Candidate]) -> list[_Candidate]:
+    """The grouped routers whose block runs exactly top_k experts per token (JetMoE's attention experts: k query
+    slots per token): a probe pass with every expert of one block class's routers given a weight fails. One pass per
+    block class."""
+    grouped: dict[type, list[_Candidate]] = {}
+    for c in cands:
+        if isinstance(c.codec, GroupedRouterCodec):
+            grouped.setdefault(type(model.get_submodule(_block_path(c))), []).append(c)
+    fixed = []
+    for same in grouped.values():
+        def every_expert(m, a, o, c=same[0]):
+            coeffs = c.codec.encode(o, 1, o[4].shape[0])
+            return c.codec.decode(torch.where(coeffs != 0, coeffs, 1.0), c.codec.meta(o))
+        handles = [c.module.register_forward_hook(every_expert) for c in same]
+        try:
+            _probe_forward(model, cands, {}, {})
+        except FcauditError:
+            fixed += same
+        finally:
+            for h in handles:
+                h.remove()
+    return fixed
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _shapes_of(output) -> str:
+    return ", ".join(f"Tensor{list(t.shape)}" for t in output)
 
 
 def _own_methods(block: nn.Module) -> list[str]:
@@ -300,18 +376,24 @@ def _probe_lengths(model: nn.Module) -> list[int]:
     return sorted({min(n, longest) for n in (PROBE_TOKENS, 8 * PROBE_TOKENS, 64 * PROBE_TOKENS, DEFAULT_WINDOW_CAP)})
 
 
-def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inputs: dict) -> None:
-    """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's."""
+def _forward(model: nn.Module, n: int):
+    """The model's output on a probe window of n tokens."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    cached = "use_cache" in inspect.signature(model.forward).parameters
+    ids = (torch.arange(n) % vocab).unsqueeze(0).to(placement.input_device(model))
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False) if "use_cache" in inspect.signature(model.forward).parameters \
+            else model(ids)
+
+
+def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inputs: dict) -> int:
+    """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's.
+    Returns its length."""
     first = None
     for n in _probe_lengths(model):
         outputs.clear(), inputs.clear()  # a failed pass may have run some routers
-        ids = (torch.arange(n) % vocab).unsqueeze(0).to(placement.input_device(model))
         try:
-            with torch.no_grad():
-                model(input_ids=ids, use_cache=False) if cached else model(ids)
-            return
+            _forward(model, n)
+            return n
         except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
             # e.g. Llama 4 sends its ids to the embedding's device
             if "meta tensor" in str(e) and placement.is_dispatched(model):
@@ -348,7 +430,7 @@ def _experts_run(c: _Candidate, args: tuple, kwargs: dict, index: torch.Tensor, 
 def _block_run(c: _Candidate, block: nn.Module, args: tuple, kwargs: dict) -> Run:
     """The router's block called on its inputs, its router's (logits, weights, index) widened as they leave it."""
     def run(widen: Callable | None) -> torch.Tensor:
-        hook = c.module.register_forward_hook(lambda m, a, o: (o[0], *widen(o[1], o[2])) if widen else None)
+        hook = c.module.register_forward_hook(lambda m, a, o: (o[0], *widen(o[1], o[2]), *o[3:]) if widen else None)
         try:
             with torch.no_grad():
                 out = block(*args, **kwargs)
@@ -414,6 +496,9 @@ def moe_controller(model: nn.Module) -> Controller:
                                "attributes next to an experts module); fcaudit finds the routers of transformers>=5 MoE "
                                f"models like Mixtral; for this model, {OWN_ROUTE}")
         _probe(model, cands)
+        _check_states(model, cands)
+        fixed = _fixed_width(model, cands)
+        cands = [c for c in cands if c not in fixed] or _refuse_fixed(model, fixed)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
@@ -425,7 +510,22 @@ def moe_controller(model: nn.Module) -> Controller:
     gates = len(sites) - len(cands)
     desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
             f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
-    return Controller(tuple(sites), static_name="StaticMixMean", description=desc)
+    return Controller(tuple(sites), static_name="StaticMixMean", description=desc, notes=_fixed_notes(model, fixed))
+
+
+def _fixed_why(model: nn.Module, fixed: list[_Candidate]) -> str:
+    c = fixed[0]
+    block = type(model.get_submodule(_block_path(c))).__name__
+    return (f"{len(fixed)} routers of {block} ({c.path}{', ...' if len(fixed) > 1 else ''}): the block runs exactly "
+            f"top-{c.top_k} experts per token, so the conditions that replay a mean over experts cannot run in it")
+
+
+def _fixed_notes(model: nn.Module, fixed: list[_Candidate]) -> tuple[str, ...]:
+    return (f"not audited: {_fixed_why(model, fixed)}",) if fixed else ()
+
+
+def _refuse_fixed(model: nn.Module, fixed: list[_Candidate]):
+    raise FcauditError(f"{type(model).__name__}: its only routers are {_fixed_why(model, fixed)}; {OWN_ROUTE}")
 
 
 def is_moe(model: nn.Module) -> bool:

@@ -78,10 +78,10 @@ def hf_controller(model: nn.Module) -> Controller:
         raise FcauditError(f"{type(model).__name__} has no controller fcaudit finds (no MoE router beside its experts, "
                            f"no module of a class in fcaudit/families/hf/recipes.py){why}; {OWN_ROUTE}")
     if recipes is None:
-        return replace(routers, notes=skipped) if skipped else routers
+        return replace(routers, notes=routers.notes + skipped)
     if routers is None:
         return replace(recipes, notes=skipped)
     by_recipe = {s.path: s.group for s in recipes.sites}
     merged = Controller.merge(routers, recipes, group=lambda s: (by_recipe.get(s.path), s.path if s.path not in
                                                                   by_recipe else None))
-    return replace(merged, notes=skipped)
+    return replace(merged, notes=merged.notes + skipped)

@@ -182,9 +182,25 @@ def _check_files(dir: Path) -> bool:
     if not isinstance(config, dict):
         raise FcauditError(f"{dir / 'config.json'} is not a JSON object: restore it from the checkpoint")
     refuse_remote_code(dir, config, lambda model_type: model_type in CONFIG_MAPPING)
+    _refuse_encoder_decoder(dir, config)
     files = weight_files(dir)
     for f in files:
         if f.suffix in PICKLE_SUFFIXES:
             load_pickled(f, mmap=True)
     return bool(files) and all(f.suffix == ".safetensors" for f in files)
 
+
+
+def _refuse_encoder_decoder(dir: Path, config: dict) -> None:
+    """An encoder-decoder checkpoint is audited through its decoder with an encoder input given, which a directory
+    does not say: the API route (seq2seq.py), named in one line."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if config.get("is_encoder_decoder") and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise FcauditError(f"{dir} holds an encoder-decoder model ({model_type}), and `fcaudit audit` loads causal "
+                           "LMs: audit its decoder through the API: load it with transformers, wrap it as "
+                           "fcaudit.families.hf.seq2seq.DecoderLM(model, encoder_ids) (the encoder's input, the same "
+                           "for every window), describe its routers with fca.Controller.from_modules(lm, "
+                           "'model.decoder.**.router', codec=...) (Switch Transformers: "
+                           "fcaudit.families.hf.codecs.SwitchRoute(num_experts, expert_capacity)), then fca.audit")
