@@ -82,9 +82,10 @@ def test_a_checkpoint_that_loads_but_has_no_controller_fcaudit_finds_is_refused_
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "num_experts": 4, "num_experts_per_tok": 2}))
     line = refusal(cli("execution", tmp_path / "llama", "--out", tmp_path / "e", *FAST))
-    assert line == (f"error: {tmp_path / 'llama'} loads, but fcaudit finds no controller in it (no controller adapter "
-                    "for LlamaForCausalLM): describe it with fca.Controller.from_modules(model, 'path.*', ...) and "
-                    "measure it in Python with fca.execution(model, controller, windows)")
+    assert line == (f"error: {tmp_path / 'llama'} loads, but fcaudit finds no controller in it (LlamaForCausalLM has "
+                    "no controller fcaudit finds (no MoE router beside its experts, no module of a class in "
+                    "fcaudit/families/hf/recipes.py)): describe it with fca.Controller.from_modules(model, 'path.*', "
+                    "...) and measure it in Python with fca.execution(model, controller, windows)")
     assert not (tmp_path / "e").exists()
 
 
