@@ -40,8 +40,9 @@ setup: $(BIN)/fcaudit
 demo: setup
 	$(BIN)/fcaudit demo --out $(OUT) $(ARGS)
 
+# The suite spread over every core (pytest-xdist): each test is independent of the others' order and process.
 test: setup
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n auto $(ARGS)
 
 # The suite on the newest release of every dependency but torch (the pinned TORCH), in a venv of its own; the lock
 # check is skipped there (FCAUDIT_UNLOCKED), everything else must pass as in `make test`.
@@ -50,7 +51,7 @@ test-latest:
 	echo '$(TORCH)' > $(LATEST)/.torch-pin
 	$(LATEST)/bin/pip install -q $(TORCH_PIP) '$(TORCH)'
 	$(LATEST)/bin/pip install -q -U --upgrade-strategy eager -c $(LATEST)/.torch-pin -e '.[test,hf,docs]'
-	FCAUDIT_UNLOCKED=1 $(LATEST)/bin/python -m pytest $(ARGS)
+	FCAUDIT_UNLOCKED=1 $(LATEST)/bin/python -m pytest -n auto $(ARGS)
 
 # Regenerates constraints.txt: every dependency of every extra resolved by uv for this project's machines (CPython
 # 3.11, Linux x86_64) with torch at the pinned version. Its CUDA lines only matter to a CUDA build of torch.
