@@ -2,7 +2,7 @@
 
 import importlib.util
 import json
-import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -77,16 +78,22 @@ def test_audit_floors_parts_name_every_step_and_leave_the_engine_as_it_was():
     assert (engine.forward_nll, engine.Engine.take, protocol.REGISTRY["CrossInput"].make) == before
 
 
-def test_moe_families_audits_a_family_outside_the_tests_and_names_why_another_is_not():
-    moe_families = load_script("moe_families")
-    assert moe_families.audit("glm4_moe").startswith("audited: 2 sites (Glm4MoeTopkRouter), padding sentinel, "
-                                                     "exact replay True, route flips 0")
-    # LongCat-Flash: its router's num_experts leaves out the zero-computation experts that its weight has rows for
-    # (its experts module took the sentinel from transformers 5.25, when its block began to handle those experts)
-    assert re.match(r"audited: 1 site \(LongcatFlashTopkRouter\), padding (repeat|sentinel), exact replay True, "
-                    r"route flips 0", moe_families.audit("longcat_flash"))
-    line = moe_families.audit("jetmoe")
-    assert line.startswith("not audited: unsupported MoE router JetMoeTopKGating") and "\n" not in line
+def test_hf_zoo_audits_an_moe_and_an_ssm_with_zero_code_and_refuses_a_dense_lm_in_one_line():
+    """The zoo's own path (tiny config from the class defaults, save_pretrained, `fcaudit audit DIR`) on three kinds
+    of architecture, so that the benchmark cannot rot unseen; its decision of which have a controller too."""
+    hf_zoo = load_script("hf_zoo")
+    # LongCat-Flash: its router's weight has rows for zero-computation experts that its experts module lacks
+    moe = hf_zoo.audit_one("longcat_flash", hf_zoo.controlled("longcat_flash"))
+    assert moe.controlled and moe.status == "audited" and moe.kinds["expert_router"] == 2, moe
+    assert "exact replay True" in moe.line
+    ssm = hf_zoo.audit_one("mamba", hf_zoo.controlled("mamba"))  # x_proj: selective-SSM Δ, B and C, by recipe
+    assert ssm.controlled and ssm.status == "audited" and ssm.kinds["vector_gate"] == 2, ssm
+    assert "exact replay True" in ssm.line
+    dense = hf_zoo.audit_one("llama", hf_zoo.controlled("llama"))
+    assert not dense.controlled and dense.status == "refused" and "\n" not in dense.line, dense
+    assert "LlamaForCausalLM" in dense.line and "from_modules" in dense.line
+    assert hf_zoo.summary([moe, ssm, dense])[0].startswith("2 architectures with an input-dependent controller "
+                                                            "(2 causal LM classes): 2 audited with zero code")
 
 
 def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
