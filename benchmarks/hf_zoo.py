@@ -7,10 +7,11 @@ then a summary over the architectures that have an input-dependent controller.
 Whether an architecture has a controller is decided without fcaudit, from the source of the module that defines
 its causal LM class (`controlled`): an MoE (an expert count and a top-k) or a softplus (selective-SSM Δ, decays) or a
 sigmoid of something other than the activation's own input (gates); `NOT_CONTROLLERS` lists the matches that are
-activations or attention normalization, each with why (the swish `x * sigmoid(x)` is left out by its pattern). On
-transformers 5.25 this gives 88 model types, which load 80 causal LM classes: a multimodal `x` and its `x_text`, and
-the aliases of another architecture's class (sarvam_mla, sarvam_moe, param2moe), load one class; the summary counts
-both. Issue 47 counts the same 80.
+not controllers and `CONTROLLERS` the controllers that match none of the patterns, each with why (the swish
+`x * sigmoid(x)` is left out by its pattern). On transformers 5.25 this gives 89 model types, which load 81 causal LM
+classes: a multimodal `x` and its `x_text`, and the aliases of another architecture's class (sarvam_mla, sarvam_moe,
+param2moe), load one class; the summary counts both. Issue 47 counts 80 classes: these but LFM2, whose gates are
+products of two projections of the input, with no sigmoid.
 
 Tiny configs: `shrink` brings every size-like integer of the defaults (SIZES) down, in nested configs too, cuts
 per-layer lists to the layers kept (a hybrid keeps the first layer of each type), and `OVERRIDES` (data) fixes the
@@ -97,6 +98,8 @@ OVERRIDES: dict[str, dict] = {
     "dots3_note": dict(head_dim=32, text_config=dict(head_dim=32),
                        vision_config=dict(adapter_in_dim=64, adapter_out_dim=64),
                        audio_config=dict(adapter_input_size=64, adapter_out_dim=64)),
+    # one short-convolution layer and one attention layer (LFM2's defaults make every layer attention)
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     # configs whose defaults are derived in __post_init__ (layer counts): the undervived values
     "dory": dict(layer_types=None, num_hidden_layers=4, n_input_layers=1, n_output_layers=1, n_recurrent_layers=None),
@@ -147,6 +150,10 @@ SELF_SIGMOID = re.compile(r"(\w+) \*=? ?torch\.sigmoid\(\1\)|(\w+) = \2 \* torch
 NOT_CONTROLLERS = {
     "granite_swa": "sigmoid(logsumexp - sink): attention sinks, a normalization of the softmax",
 }
+# model_type -> its controller, where the source holds none of the patterns
+CONTROLLERS = {
+    "lfm2": "short-convolution input gates B and C: products of two projections of the input, no sigmoid",
+}
 
 
 def causal_lm_class(model_type: str):
@@ -160,6 +167,8 @@ def controlled(model_type: str) -> str | None:
     """What makes the architecture's causal LM input-dependent, from its modeling file's source, or None."""
     if model_type in NOT_CONTROLLERS:
         return None
+    if model_type in CONTROLLERS:
+        return CONTROLLERS[model_type]
     src = Path(inspect.getfile(causal_lm_class(model_type))).read_text()
     found = []
     if MOE.search(src) and "topk" in src:
@@ -210,7 +219,7 @@ def shrink(cfg: dict, ids: dict[int, int] | None = None) -> dict:
                 out[key] = kept
     if isinstance(depth, int) and layers is not None:
         for k, v in out.items():  # per-layer lists: one entry per layer
-            if (isinstance(v, list) or k in TYPE_LISTS) and len(v) == depth and depth > 1 and k != "architectures":
+            if (isinstance(v, list) or isinstance(v, str) and k in TYPE_LISTS) and len(v) == depth > 1:
                 out[k] = v[:layers]
         if isinstance(out.get("per_layer_config"), dict):  # {layer index: what differs}
             out["per_layer_config"] = {i: c for i, c in out["per_layer_config"].items() if int(i) < layers}
