@@ -92,8 +92,13 @@ def test_hf_zoo_audits_an_moe_and_an_ssm_with_zero_code_and_refuses_a_dense_lm_i
     dense = hf_zoo.audit_one("llama", hf_zoo.controlled("llama"))
     assert not dense.controlled and dense.status == "refused" and "\n" not in dense.line, dense
     assert "LlamaForCausalLM" in dense.line and "from_modules" in dense.line
-    assert hf_zoo.summary([moe, ssm, dense])[0].startswith("2 architectures with an input-dependent controller "
-                                                            "(2 causal LM classes): 2 audited with zero code")
+    # decided from the modeling source, not by fcaudit: the router's sigmoid of its logits is no gate
+    assert (moe.controlled, ssm.controlled) == ("MoE router", hf_zoo.GATES)
+    lines = hf_zoo.summary([moe, ssm, dense])
+    assert lines[0].startswith("2 architectures with an input-dependent controller (2 causal LM classes): 2 audited "
+                               "with zero code")
+    assert lines[-3:-1] == ["with a controller in which fcaudit found none (0): -", "audited, but with a gate in "
+                            "their source that fcaudit neither audited nor named (0): -"]
 
 
 def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
