@@ -42,6 +42,7 @@ import torch
 from fcaudit.errors import FcauditError, one_line
 
 WINDOW, WINDOWS, R = 16, 4, 2
+NOTE = 90  # characters of a note shown in a row
 
 # config key -> its tiny value (integers above it are brought down to it), in the config and every nested config
 SIZES = {
@@ -274,13 +275,13 @@ def audit_dir(ckpt: Path, out: Path):
 
 def describe(result, said: str) -> tuple[Counter, str]:
     """(sites per kind, the row's text) of an audit's result and what it printed: the controller's notes (the
-    mechanisms it leaves unaudited) in full, the other notes counted."""
+    mechanisms it leaves unaudited) in full, the beginning of each other note."""
     kinds = Counter(result.config["controller"]["kinds"])
     skipped = [f.line for f in result.replay.findings if f.check == "controller"]
-    notes = [ln for ln in said.splitlines() if ln.startswith("note: ")]
+    notes = [ln.removeprefix("note: ") for ln in said.splitlines() if ln.startswith("note: ")]
+    others = [n if len(n) <= NOTE else n[:NOTE] + "…" for n in notes if not any(s in n for s in skipped)]
     text = ", ".join(f"{k} x{n}" for k, n in kinds.items()) + f"; exact replay {result.replay.bit_equal}"
-    others = sum(not any(s in n for s in skipped) for n in notes)
-    return kinds, text + "".join(f"; {n}" for n in skipped) + (f"; {others} other notes" if others else "")
+    return kinds, text + "".join(f"; {n}" for n in skipped) + "".join(f"; note: {n}" for n in others)
 
 
 def audit_one(model_type: str, why: str | None) -> Row:
