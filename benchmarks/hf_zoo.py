@@ -318,8 +318,9 @@ def audit_one(model_type: str, why: str | None) -> Row:
 
 def refusal_group(line: str) -> str:
     """A refusal's reason without the architecture's names, paths and numbers, to count alike refusals together."""
-    head = re.split(r"[;:(]", line)[0]
-    return re.sub(r"\S+\.\S+|'[^']*'|\b(?!MoE\b)\w*[a-z]\w*[A-Z]\w*\b|\d+", "…", head).strip()
+    names = r"\S+\.\S+|(?<!\w)'[^']*'(?!\w)|\b(?!MoE\b)\w*[a-z]\w*[A-Z]\w*\b|\d+"  # paths, quotes, classes
+    head = re.sub(names, "…", line.split(";")[0]).strip()
+    return head if len(head) <= NOTE else head[:NOTE] + "…"
 
 
 def found_none(row: Row) -> bool:
@@ -337,11 +338,7 @@ def summary(rows: list[Row]) -> list[str]:
              f"{len(by['audited'])} audited with zero code ({len({r.cls for r in by['audited']})} classes; exact "
              f"replay {exact}), {len(by['refused'])} refused, {len(by['bug'])} fcaudit bugs (tracebacks), "
              f"{len(by['not built'])} not built"]
-    groups: dict[str, list[str]] = {}
-    for r in by["refused"]:
-        groups.setdefault(refusal_group(r.line), []).append(r.model_type)
-    lines += [f"  refused {len(names)}: {why} ({' '.join(names)})"
-              for why, names in sorted(groups.items(), key=lambda g: -len(g[1]))]
+    lines += grouped(by["refused"])
     lines += [f"  {r.status}: {r.model_type}: {r.line}" for r in by["bug"] + by["not built"]]
     missed = [r.model_type for r in ctl if found_none(r)]
     lines.append(f"with a controller in which fcaudit found none ({len(missed)}): {' '.join(missed) or '-'}")
@@ -356,7 +353,18 @@ def summary(rows: list[Row]) -> list[str]:
                  f"none, {sum(r.status == 'refused' and not found_none(r) for r in rest)} refused otherwise, "
                  f"{len(anyway)} audited ({' '.join(anyway) or '-'}), {sum(r.status == 'not built' for r in rest)} "
                  f"not built, {sum(r.status == 'bug' for r in rest)} fcaudit bugs")
-    return lines
+    lines += grouped([r for r in rest if r.status == "refused" and not found_none(r)], "refused otherwise")
+    unbuilt = [r.model_type for r in rest if r.status == "not built"]
+    return lines + ([f"  not built {len(unbuilt)} (see their rows): {' '.join(unbuilt)}"] if unbuilt else [])
+
+
+def grouped(rows: list[Row], what: str = "refused") -> list[str]:
+    """One line per kind of refusal, the most frequent first, naming the architectures."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        groups.setdefault(refusal_group(r.line), []).append(r.model_type)
+    return [f"  {what} {len(names)}: {why} ({' '.join(names)})"
+            for why, names in sorted(groups.items(), key=lambda g: -len(g[1]))]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
