@@ -60,7 +60,7 @@ def zoo_lines(output: str) -> list[str]:
     if not rows or wall is None:
         raise ValueError("not the zoo's table")
     shown = [f"{name}: {text if status == 'audited' else f'{status}: {text[:110]}'}" for name, status, text in rows]
-    return [lines[wall], *lines[wall + 1:], *shown]
+    return [ln.replace("`", "'") for ln in (lines[wall], *lines[wall + 1:], *shown)]  # each line is a code span
 
 
 BENCHES = (
