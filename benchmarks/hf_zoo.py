@@ -5,13 +5,15 @@ architecture: the controller kinds found (sites per kind) and whether the exact 
 then a summary over the architectures that have an input-dependent controller.
 
 Whether an architecture has a controller is decided without fcaudit, from the source of the module that defines
-its causal LM class (`controlled`): an MoE (an expert count and a top-k) or a softplus (selective-SSM Δ, decays) or a
-sigmoid of something other than the activation's own input (gates); `NOT_CONTROLLERS` lists the matches that are
-not controllers and `CONTROLLERS` the controllers that match none of the patterns, each with why (the swish
-`x * sigmoid(x)` is left out by its pattern). On transformers 5.25 this gives 89 model types, which load 81 causal LM
+its causal LM class (`controlled`): an MoE (an expert count and a top-k), or a gate: a sigmoid or softplus of the
+input (selective-SSM Δ, decays, output and recurrent gates), not of a router's scores or a parameter alone, nor an
+activation (`NOT_GATE`). `NOT_CONTROLLERS` lists the matches that are not controllers and `CONTROLLERS` the
+controllers that match none of the patterns, each with why. On transformers 5.25 this gives 89 model types, which load 81 causal LM
 classes: a multimodal `x` and its `x_text`, and the aliases of another architecture's class (sarvam_mla, sarvam_moe,
 param2moe), load one class; the summary counts both. Issue 47 counts 80 classes: these but LFM2, whose gates are
-products of two projections of the input, with no sigmoid.
+products of two projections of the input, with no sigmoid. `SELECTIONS` names the architectures whose only
+input-dependent mechanism is a selection fcaudit has no kind for yet (LSH buckets, entropy patching): listed, not
+counted.
 
 Tiny configs: `shrink` brings every size-like integer of the defaults (SIZES) down, in nested configs too, cuts
 per-layer lists to the layers kept (a hybrid keeps the first layer of each type), and `OVERRIDES` (data) fixes the
@@ -128,6 +130,8 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_text": GEMMA4_MOE,
     "gemma4": dict(text_config=GEMMA4_MOE),
     "doge": dict(is_moe=True),
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[4, 4], local_attn_chunk_length=4,
+                     lsh_attn_chunk_length=4),
 }
 
 
@@ -159,6 +163,15 @@ GATES = "gates (a sigmoid or softplus of the input: SSM Δ, decays, output and r
 # model_type -> its controller, where the source holds none of the patterns
 CONTROLLERS = {
     "lfm2": f"{GATES}: its short-convolution gates B and C, products of two projections of the input, no sigmoid",
+}
+
+# model_type -> its only input-dependent mechanism, a selection that fcaudit has no kind for yet (like the sparse-
+# attention indexers of the architectures above, named in their audits); listed by name, not counted as controllers
+SELECTIONS = {
+    "blt": "entropy patching: patch boundaries where a small byte LM's next-byte entropy crosses a threshold",
+    "reformer": "LSH attention: each key's bucket, from a random rotation of its input",
+    **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
+                    "the top-k centroids of the output vocabulary that the drafter computes logits for"),
 }
 
 
@@ -354,6 +367,8 @@ def summary(rows: list[Row]) -> list[str]:
                  f"{len(anyway)} audited ({' '.join(anyway) or '-'}), {sum(r.status == 'not built' for r in rest)} "
                  f"not built, {sum(r.status == 'bug' for r in rest)} fcaudit bugs")
     lines += grouped([r for r in rest if r.status == "refused" and not found_none(r)], "refused otherwise")
+    lines += [f"  only a selection fcaudit has no kind for: {r.model_type} ({SELECTIONS[r.model_type]}): {r.status}"
+              for r in rest if r.model_type in SELECTIONS]
     unbuilt = [r.model_type for r in rest if r.status == "not built"]
     return lines + ([f"  not built {len(unbuilt)} (see their rows): {' '.join(unbuilt)}"] if unbuilt else [])
 
@@ -392,7 +407,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             continue
         row = audit_one(mt, why)
         rows.append(row)
-        mark = "controller" if why else "none"
+        mark = "controller" if why else "selection" if mt in SELECTIONS else "none"
         print(f"{mt:26s} {mark:10s} {row.status:9s} {row.seconds:5.1f}s {row.line}", flush=True)
     print(f"wall {time.perf_counter() - start:.0f} s", flush=True)
     for line in summary(rows):
