@@ -10,10 +10,10 @@ input (selective-SSM Δ, decays, output and recurrent gates), not of a router's 
 activation (`NOT_GATE`). `NOT_CONTROLLERS` lists the matches that are not controllers and `CONTROLLERS` the
 controllers that match none of the patterns, each with why. On transformers 5.25 this gives 89 model types, which
 load 81 causal LM classes: a multimodal `x` and its `x_text`, and the aliases of another architecture's class
-(sarvam_mla, sarvam_moe, param2moe), load one class; the summary counts both. Issue 47 counts 80 classes: these but LFM2, whose gates are
-products of two projections of the input, with no sigmoid. `SELECTIONS` names the architectures whose only
-input-dependent mechanism is a selection fcaudit has no kind for yet (LSH buckets, entropy patching): listed, not
-counted.
+(sarvam_mla, sarvam_moe, param2moe), load one class; the summary counts both. Issue 47 counts 80 classes: these
+but LFM2, whose gates are products of two projections of the input, with no sigmoid. `SELECTIONS` names the
+architectures whose only input-dependent mechanism is a selection fcaudit has no kind for yet (LSH buckets, entropy
+patching): listed, not counted.
 
 Tiny configs: `shrink` brings every size-like integer of the defaults (SIZES) down, in nested configs too, cuts
 per-layer lists to the layers kept (a hybrid keeps the first layer of each type), and `OVERRIDES` (data) fixes the
