@@ -101,6 +101,17 @@ def test_hf_zoo_audits_an_moe_and_an_ssm_with_zero_code_and_refuses_a_dense_lm_i
                             "their source that fcaudit neither audited nor named (0): -"]
 
 
+@pytest.mark.slow
+def test_hf_zoo_every_architecture_with_a_controller_replays_exactly_or_is_refused_in_one_line(capsys):
+    """The whole zoo of architectures with a controller (about a minute): no traceback, each audit bit-exact, each
+    refusal one line."""
+    rows = load_script("hf_zoo").main(["--controlled"])
+    assert len(rows) >= 80 and not [r for r in rows if r.status == "bug"]
+    assert all("exact replay True" in r.line for r in rows if r.status == "audited")
+    assert all("\n" not in r.line for r in rows)
+    assert sum(r.status == "audited" for r in rows) >= 60, capsys.readouterr().out
+
+
 def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
     torch_modules = load_script("torch_modules")
     rows = torch_modules.main(["--smoke"])
