@@ -260,7 +260,6 @@ def tiny_config(model_type: str):
         cfg.pop(k, None)
     for k, v in OVERRIDES.get(model_type, {}).items():  # a dict for a nested config changes only its keys
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
-    cfg["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
     config = cls(**cfg)
     config._attn_implementation = "eager"
     return config
