@@ -49,6 +49,21 @@ def moe_lines(output: str) -> list[str]:
     return lines
 
 
+ZOO_ROW = re.compile(r"^(\S+)\s+controller\s+(audited|refused|bug|not built)\s+[\d.]+s (.*)$")
+
+
+def zoo_lines(output: str) -> list[str]:
+    """hf_zoo.py prints a row per architecture, then its summary: the summary, then each row of an architecture with
+    a controller (its kinds and replay, or its refusal cut to a line of the table)."""
+    lines = output.splitlines()
+    rows = [m.groups() for ln in lines if (m := ZOO_ROW.match(ln))]
+    wall = next((i for i, ln in enumerate(lines) if ln.startswith("wall ")), None)
+    if not rows or wall is None:
+        raise ValueError("not the zoo's table")
+    shown = [f"{name}: {text if status == 'audited' else f'{status}: {text[:110]}'}" for name, status, text in rows]
+    return [ln.replace("`", "'") for ln in (lines[wall], *lines[wall + 1:], *shown)]  # each line is a code span
+
+
 BENCHES = (
     Bench("forward_speed", "forward latency, batch 8, demo preset, as ratios to Dense",
           ("benchmarks/forward_speed.py", "--preset", "demo"), r"^\s+(variant|featuregate|uniform|layerstatic)\s"),
@@ -65,11 +80,13 @@ BENCHES = (
           ("benchmarks/sites_speed.py",), r"(median|min)"),
     Bench("moe_penalties", "briefly trained tiny Hugging Face MoEs through fca.controller_for + fca.audit",
           ("benchmarks/moe_penalties.py",), "", moe_lines),
+    Bench("hf_zoo", "every causal LM of the installed transformers, tiny from its config, through `fcaudit audit DIR`",
+          ("benchmarks/hf_zoo.py",), "", zoo_lines),
 )
 
 
 # benchmarks/ scripts that `make bench` does not run (long, or for a GPU, or checks rather than timings)
-OTHERS = ("dry_run_memory", "mix_speed", "moe_families", "compare_audits", "gpu_audit", "torch_modules")
+OTHERS = ("dry_run_memory", "mix_speed", "compare_audits", "gpu_audit", "torch_modules")
 
 
 def described(script: str) -> str:

@@ -2,7 +2,7 @@
 
 import importlib.util
 import json
-import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -77,17 +78,38 @@ def test_audit_floors_parts_name_every_step_and_leave_the_engine_as_it_was():
     assert (engine.forward_nll, engine.Engine.take, protocol.REGISTRY["CrossInput"].make) == before
 
 
-def test_moe_families_audits_families_outside_the_tests():
-    moe_families = load_script("moe_families")
-    assert moe_families.audit("glm4_moe").startswith("audited: 2 sites (Glm4MoeTopkRouter), padding sentinel, "
-                                                     "exact replay True, route flips 0")
-    # LongCat-Flash: its router's num_experts leaves out the zero-computation experts that its weight has rows for
-    # (its experts module took the sentinel from transformers 5.25, when its block began to handle those experts)
-    assert re.match(r"audited: 1 site \(LongcatFlashTopkRouter\), padding (repeat|sentinel), exact replay True, "
-                    r"route flips 0", moe_families.audit("longcat_flash"))
-    # JetMoE: grouped routers (ScatterMoE's form)
-    assert moe_families.audit("jetmoe").startswith("audited: 2 sites (JetMoeTopKGating), padding repeat, exact "
-                                                   "replay True, route flips 0")
+def test_hf_zoo_audits_an_moe_and_an_ssm_with_zero_code_and_refuses_a_dense_lm_in_one_line():
+    """The zoo's own path (tiny config from the class defaults, save_pretrained, `fcaudit audit DIR`) on three kinds
+    of architecture, so that the benchmark cannot rot unseen; its decision of which have a controller too."""
+    hf_zoo = load_script("hf_zoo")
+    # LongCat-Flash: its router's weight has rows for zero-computation experts that its experts module lacks
+    moe = hf_zoo.audit_one("longcat_flash", hf_zoo.controlled("longcat_flash"))
+    assert moe.controlled and moe.status == "audited" and moe.kinds["expert_router"] == 2, moe
+    assert "exact replay True" in moe.line
+    ssm = hf_zoo.audit_one("mamba", hf_zoo.controlled("mamba"))  # x_proj: selective-SSM Δ, B and C, by recipe
+    assert ssm.controlled and ssm.status == "audited" and ssm.kinds["vector_gate"] == 2, ssm
+    assert "exact replay True" in ssm.line
+    dense = hf_zoo.audit_one("llama", hf_zoo.controlled("llama"))
+    assert not dense.controlled and dense.status == "refused" and "\n" not in dense.line, dense
+    assert "LlamaForCausalLM" in dense.line and "from_modules" in dense.line
+    # decided from the modeling source, not by fcaudit: the router's sigmoid of its logits is no gate
+    assert (moe.controlled, ssm.controlled) == ("MoE router", hf_zoo.GATES)
+    lines = hf_zoo.summary([moe, ssm, dense])
+    assert lines[0].startswith("2 architectures with an input-dependent controller (2 causal LM classes): 2 audited "
+                               "with zero code")
+    assert lines[-3:-1] == ["with a controller in which fcaudit found none (0): -", "audited, but with a gate in "
+                            "their source that fcaudit neither audited nor named (0): -"]
+
+
+@pytest.mark.slow
+def test_hf_zoo_every_architecture_with_a_controller_replays_exactly_or_is_refused_in_one_line(capsys):
+    """The whole zoo of architectures with a controller (about a minute): no traceback, each audit bit-exact, each
+    refusal one line."""
+    rows = load_script("hf_zoo").main(["--controlled"])
+    assert len(rows) >= 80 and not [r for r in rows if r.status == "bug"]
+    assert all("exact replay True" in r.line for r in rows if r.status == "audited")
+    assert all("\n" not in r.line for r in rows)
+    assert sum(r.status == "audited" for r in rows) >= 60, capsys.readouterr().out
 
 
 def test_torch_modules_smoke_audits_on_the_fast_path_and_times_the_planned_passes(capsys):
