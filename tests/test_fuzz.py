@@ -124,7 +124,7 @@ CLASSES = {
     "4-types": [
         ("config", cfg("moe", hidden_size=0), "refused", "ZeroDivisionError"),
         ("config", cfg("moe", num_local_experts=2**64), "refused", "no model can be built"),
-        ("config", cfg("moe", text_config=float("nan"), action="audit"), "refused", "do not match its config.json"),
+        ("config", cfg("moe", text_config=float("nan"), action="audit"), "refused", "has a value no model can be built with"),
         ("config", cfg("fg", metrics=[1.5, True]), "refused", "metrics.json holds a JSON list, not an object"),
         ("config", cfg("moe", metrics={"variant": 3}), "ok", ""),
         ("config", cfg("fg", meta=[1, 2], action="load"), "refused", "has a meta of type list"),

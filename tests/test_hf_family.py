@@ -116,3 +116,15 @@ def test_execution_takes_a_checkpoint_that_states_no_context(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": true}')
     with pytest.raises(fca.FcauditError, match="has no valid block_size"):
         _block_size(tmp_path)
+
+
+def test_a_checkpoint_whose_layers_are_named_layer_n_is_read_for_its_depth(tmp_path):
+    """BERT-style decoders keep their blocks under encoder.layer.N: the depth check counts them, so the refusal is
+    that the model has no controller, not that its weights hold 0 layers."""
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, is_decoder=True)
+    transformers.BertLMHeadModel(cfg).save_pretrained(tmp_path / "bert")
+    with pytest.raises(fca.FcauditError, match="BertLMHeadModel has no controller fcaudit finds"):
+        fca.controller_for(fca.load(tmp_path / "bert"))

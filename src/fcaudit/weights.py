@@ -154,14 +154,16 @@ def stored_dtype(dir: Path) -> torch.dtype | None:
 
 
 LOAD_FACTOR = 2  # a config.json may imply at most this many times the parameters its weights hold
-_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")  # blocks.3.attn..., model.layers.3.mlp...
+# blocks.3.attn..., model.layers.3.mlp..., bert.encoder.layer.3...
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
 
 
 def check_depth(dir: Path, stored: Mapping[str, tuple[int, ...]], field: str, layers) -> None:
     """Refuse a config.json that asks for more layers than the weights hold, before any module is built: building
     200,000 blocks takes minutes even on the meta device. The weights' depth: the most numbered layers under one
-    prefix (a multimodal checkpoint's vision tower has its own)."""
-    if not stored:
+    prefix (a multimodal checkpoint's vision tower has its own). A config that states no depth in `field` (None) is
+    left to the size check."""
+    if not stored or layers is None:
         return
     held: dict[str, set[int]] = {}
     for key in stored:
