@@ -229,3 +229,33 @@ def test_a_router_state_that_reaches_the_value_path_is_refused_in_one_line():
     torch.manual_seed(0)
     line = api_refusal(lambda: moe_controller(LeakyLM().eval()))
     assert "StateRouter" in line and "state beside its choices" in line and "from_modules" in line
+
+
+# ---- DeepSeek-V4: hash routers (experts picked by a table of token ids) ------------------------------------------
+
+def deepseek_v4():
+    """One hash-routed MoE layer, then one learned top-k layer; the hash table is all zeros, as before a checkpoint."""
+    return causal_lm(small(transformers.DeepseekV4Config, num_local_experts=8, num_experts_per_tok=2,
+                           mlp_layer_types=["hash_moe", "moe"]))
+
+
+def test_a_hash_router_that_names_one_expert_twice_is_named_and_the_learned_router_audited_exactly():
+    model = deepseek_v4()
+    controller = moe_controller(model)
+    assert [s.path for s in controller.sites] == ["model.layers.1.mlp.gate"]
+    assert any("DeepseekV4HashRouter" in n and "model.layers.0.mlp.gate" in n and "two slots" in n
+               for n in controller.notes)
+    result = audited(model, controller, n=2, length=6)
+    assert result.replay.bit_equal
+    assert "DeepseekV4HashRouter" in notices(result)
+
+
+def test_a_hash_router_whose_table_names_distinct_experts_is_audited_exactly():
+    model = deepseek_v4()
+    table = model.model.layers[0].mlp.gate.tid2eid
+    tokens = torch.arange(table.shape[0])
+    table.copy_(torch.stack([tokens % 8, (tokens + 1 + tokens // 8 % 7) % 8], 1))  # two distinct experts per token
+    controller = moe_controller(model)
+    assert [s.path for s in controller.sites] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert not controller.notes
+    assert audited(model, controller, n=2, length=6).replay.bit_equal

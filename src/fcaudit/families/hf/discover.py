@@ -96,6 +96,7 @@ class _Candidate:
     gate_paths: list[str]
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
     method: str = "forward"  # a block's method where the router returns its logits only (DBRX)
+    repeats: bool = False  # the probe saw it route a token to one expert in two slots (`_repeats`)
 
 
 def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
@@ -234,10 +235,19 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                 module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
                 make = lambda a, k, cpu, c=c, b=module: _block_run(c, b, a, k)  # probed on the whole block
             pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
+            c.repeats = _repeats(index, c.num_experts)
             c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad, names)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[1].shape[0]]
+
+
+def _repeats(index: torch.Tensor, num_experts: int) -> bool:
+    """Whether a row of a router's choices names one expert twice (DeepSeek-V4's hash router: a table of token ids,
+    all zeros until a checkpoint fills it): the combine vector sums the two slots' weights, which the experts add
+    apart, so replay cannot be exact. The sentinel index num_experts may repeat."""
+    ranked = index.sort(1).values
+    return bool(((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] < num_experts)).any())
 
 
 def _forward_names(output) -> tuple[str, ...]:
@@ -497,8 +507,8 @@ def moe_controller(model: nn.Module) -> Controller:
                                f"models like Mixtral; for this model, {OWN_ROUTE}")
         _probe(model, cands)
         _check_states(model, cands)
-        fixed = _fixed_width(model, cands)
-        cands = [c for c in cands if c not in fixed] or _refuse_fixed(model, fixed)
+        skipped = {"fixed": _fixed_width(model, cands), "repeats": [c for c in cands if c.repeats]}
+        cands = [c for c in cands if not any(c in s for s in skipped.values())] or _refuse_skipped(model, skipped)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
@@ -510,22 +520,36 @@ def moe_controller(model: nn.Module) -> Controller:
     gates = len(sites) - len(cands)
     desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
             f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
-    return Controller(tuple(sites), static_name="StaticMixMean", description=desc, notes=_fixed_notes(model, fixed))
+    return Controller(tuple(sites), static_name="StaticMixMean", description=desc, notes=_skipped_notes(model, skipped))
 
 
-def _fixed_why(model: nn.Module, fixed: list[_Candidate]) -> str:
-    c = fixed[0]
-    block = type(model.get_submodule(_block_path(c))).__name__
-    return (f"{len(fixed)} routers of {block} ({c.path}{', ...' if len(fixed) > 1 else ''}): the block runs exactly "
-            f"top-{c.top_k} experts per token, so the conditions that replay a mean over experts cannot run in it")
+def _skipped_why(model: nn.Module, skipped: dict[str, list[_Candidate]]) -> list[str]:
+    """Why each group of routers left out of the controller is: `_fixed_width`'s, or `_repeats`'."""
+    why = []
+    for reason, cands in skipped.items():
+        if not cands:
+            continue
+        c = cands[0]
+        what = f"{len(cands)} {type(c.module).__name__} routers ({c.path}{', ...' if len(cands) > 1 else ''})"
+        if reason == "fixed":
+            block = type(model.get_submodule(_block_path(c))).__name__
+            why.append(f"{len(cands)} routers of {block} ({c.path}{', ...' if len(cands) > 1 else ''}): the block runs "
+                       f"exactly top-{c.top_k} experts per token, so the conditions that replay a mean over experts "
+                       "cannot run in it")
+        else:
+            why.append(f"{what}: they route a token to one expert in two slots (e.g. by a table of token ids still "
+                       "all zeros), whose weights the experts add apart and a combine vector sums, so no replay of "
+                       "them is exact; they run live")
+    return why
 
 
-def _fixed_notes(model: nn.Module, fixed: list[_Candidate]) -> tuple[str, ...]:
-    return (f"not audited: {_fixed_why(model, fixed)}",) if fixed else ()
+def _skipped_notes(model: nn.Module, skipped: dict[str, list[_Candidate]]) -> tuple[str, ...]:
+    return tuple(f"not audited: {w}" for w in _skipped_why(model, skipped))
 
 
-def _refuse_fixed(model: nn.Module, fixed: list[_Candidate]):
-    raise FcauditError(f"{type(model).__name__}: its only routers are {_fixed_why(model, fixed)}; {OWN_ROUTE}")
+def _refuse_skipped(model: nn.Module, skipped: dict[str, list[_Candidate]]):
+    raise FcauditError(f"{type(model).__name__}: its only routers are {'; and '.join(_skipped_why(model, skipped))}; "
+                       f"{OWN_ROUTE}")
 
 
 def is_moe(model: nn.Module) -> bool:
