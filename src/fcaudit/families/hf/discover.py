@@ -21,9 +21,9 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
-from fcaudit.families.hf.codecs import (ROUTER_PARTS, STATE, GroupedRouterCodec, ScoreRouterCodec, SharedGateCodec,
-                                        TopKRouterCodec, experts_implementation, is_grouped, split_parts,
-                                        split_score_output)
+from fcaudit.families.hf.codecs import (ROUTER_PARTS, SHARED, STATE, GroupedRouterCodec, ScoreRouterCodec,
+                                        SharedGateCodec, TopKRouterCodec, experts_implementation, is_grouped,
+                                        split_parts, split_score_output)
 from fcaudit.families.hf.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
@@ -97,6 +97,7 @@ class _Candidate:
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
     method: str = "forward"  # a block's method where the router returns its logits only (DBRX)
     repeats: bool = False  # the probe saw it route a token to one expert in two slots (`_repeats`)
+    shared: int = 0  # the shared experts its weight has rows for beyond its routed ones (`_read_shared`)
 
 
 def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
@@ -205,7 +206,10 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if c.method == "forward" and c.top_k is not None and is_grouped(outputs[c.path], c.num_experts):
             c.codec, c.gate_paths = GroupedRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path), []
             continue  # its experts take the grouped rows, and an absent slot pads exactly (the codec's docstring)
-        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], _forward_names(outputs[c.path]))
+        if c.method == "forward":
+            _read_shared(c, outputs[c.path])
+        output, names = outputs[c.path] if c.method != "forward" else \
+            (outputs[c.path], _forward_names(outputs[c.path], c.shared))
         # (router_scores, router_logits): dense scores, every expert's input scaled by its own
         scored = names == ROUTER_PARTS and isinstance(output, (tuple, list)) and len(output) == 2
         try:
@@ -250,12 +254,23 @@ def _repeats(index: torch.Tensor, num_experts: int) -> bool:
     return bool(((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] < num_experts)).any())
 
 
-def _forward_names(output) -> tuple[str, ...]:
-    """A router's leaves: (logits, weights, index), then a STATE for each further tensor it returns (Zaya's router
-    state, read by the next layer's router only)."""
-    extra = len(output) - len(ROUTER_PARTS) if isinstance(output, (tuple, list)) else 0
-    if extra > 0 and all(isinstance(t, torch.Tensor) for t in output):
-        return ROUTER_PARTS + (STATE,) * extra
+def _read_shared(c: _Candidate, output) -> None:
+    """Inkling: a router whose weight has rows for its shared experts too (n_total_experts) returns logits over its
+    routed experts only, as many as its experts module holds; the other rows weigh its shared experts."""
+    held = _int_attr(c.experts, NUM_EXPERTS_NAMES)
+    logits = output[0] if isinstance(output, (tuple, list)) and output else None
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and held is not None and logits.shape[1] == held \
+            and held < c.num_experts:
+        c.shared, c.num_experts = c.num_experts - held, held
+
+
+def _forward_names(output, shared: int = 0) -> tuple[str, ...]:
+    """A router's leaves: (logits, weights, index), then for each further tensor it returns a SHARED (its `shared`
+    experts' weights [N, shared], Inkling's) or a STATE (Zaya's router state, read by the next layer's router only)."""
+    extra = output[len(ROUTER_PARTS):] if isinstance(output, (tuple, list)) else ()
+    if extra and all(isinstance(t, torch.Tensor) for t in output):
+        return ROUTER_PARTS + tuple(SHARED if shared and t.dim() == 2 and t.shape[1] == shared else STATE
+                                    for t in extra)
     return ROUTER_PARTS
 
 
@@ -520,7 +535,20 @@ def moe_controller(model: nn.Module) -> Controller:
     gates = len(sites) - len(cands)
     desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
             f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
-    return Controller(tuple(sites), static_name="StaticMixMean", description=desc, notes=_skipped_notes(model, skipped))
+    return Controller(tuple(sites), static_name="StaticMixMean", description=desc,
+                      notes=_skipped_notes(model, skipped) + _shared_notes(cands))
+
+
+def _shared_notes(cands: list[_Candidate]) -> tuple[str, ...]:
+    """The shared experts' weights a router returns beside its choices: every replay recomputes them live."""
+    shared = [c for c in cands if SHARED in getattr(c.codec, "parts", ())]
+    if not shared:
+        return ()
+    c = shared[0]
+    note = (f"not audited: the weights of {c.shared} shared experts that {len(shared)} {type(c.module).__name__} "
+            f"routers ({c.path}{', ...' if len(shared) > 1 else ''}) return beside their top-{c.top_k} choices; "
+            "every replay recomputes them live from the router's input")
+    return (note,)
 
 
 def _skipped_why(model: nn.Module, skipped: dict[str, list[_Candidate]]) -> list[str]:
