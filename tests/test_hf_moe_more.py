@@ -229,3 +229,55 @@ def test_a_router_state_that_reaches_the_value_path_is_refused_in_one_line():
     torch.manual_seed(0)
     line = api_refusal(lambda: moe_controller(LeakyLM().eval()))
     assert "StateRouter" in line and "state beside its choices" in line and "from_modules" in line
+
+
+# ---- DeepSeek-V4: hash routers (experts picked by a table of token ids) ------------------------------------------
+
+def deepseek_v4():
+    """One hash-routed MoE layer, then one learned top-k layer; the hash table is all zeros, as before a checkpoint."""
+    return causal_lm(small(transformers.DeepseekV4Config, num_local_experts=8, num_experts_per_tok=2,
+                           mlp_layer_types=["hash_moe", "moe"]))
+
+
+def test_a_hash_router_that_names_one_expert_twice_is_named_and_the_learned_router_audited_exactly():
+    model = deepseek_v4()
+    controller = moe_controller(model)
+    assert [s.path for s in controller.sites] == ["model.layers.1.mlp.gate"]
+    assert any("DeepseekV4HashRouter" in n and "model.layers.0.mlp.gate" in n and "two slots" in n
+               for n in controller.notes)
+    result = audited(model, controller, n=2, length=6)
+    assert result.replay.bit_equal
+    assert "DeepseekV4HashRouter" in notices(result)
+
+
+def test_a_hash_router_whose_table_names_distinct_experts_is_audited_exactly():
+    model = deepseek_v4()
+    table = model.model.layers[0].mlp.gate.tid2eid
+    tokens = torch.arange(table.shape[0])
+    table.copy_(torch.stack([tokens % 8, (tokens + 1 + tokens // 8 % 7) % 8], 1))  # two distinct experts per token
+    controller = moe_controller(model)
+    assert [s.path for s in controller.sites] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert not controller.notes
+    assert audited(model, controller, n=2, length=6).replay.bit_equal
+
+
+def test_a_model_whose_only_routers_name_one_expert_twice_is_refused_in_one_line():
+    model = causal_lm(small(transformers.DeepseekV4Config, num_local_experts=8, num_experts_per_tok=2,
+                            mlp_layer_types=["hash_moe", "hash_moe"]))
+    line = api_refusal(lambda: moe_controller(model))
+    assert "its only routers are 2 DeepseekV4HashRouter routers" in line and "two slots" in line
+
+
+# ---- Inkling: a router that returns its shared experts' weights beside its choices -------------------------------
+
+def test_a_router_that_returns_its_shared_experts_weights_is_audited_over_its_routed_experts_exactly():
+    config = small(transformers.InklingTextConfig, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                   moe_intermediate_size=32)
+    model = causal_lm(config)
+    assert model.model.layers[0].mlp.gate.weight.shape[0] == 10  # 8 routed experts and 2 shared ones
+    controller = moe_controller(model)
+    assert [s.codec.num_experts for s in controller.sites] == [8, 8]
+    assert any("2 shared experts" in n and "InklingTopkRouter" in n and "live" in n for n in controller.notes)
+    result = audited(model, controller, n=2, length=6)
+    assert result.replay.bit_equal  # the shared experts' weights recomputed live: zeros would change every output
+    assert "shared experts" in notices(result)

@@ -61,17 +61,19 @@ def split_router_output(output, num_experts: int, where: str = "router") -> tupl
 
 ROUTER_PARTS = ("logits", "weights", "index")  # what a transformers router returns, in this order
 STATE = "state"  # a leaf a router returns beyond its choices (Zaya's router state for the next layer's router)
+SHARED = "shared"  # its shared experts' weights, returned beside its choices (Inkling): the block runs them itself
+LIVE = (STATE, SHARED)  # the leaves beyond the choices: a replay recomputes them live from the router's input
 
 
 def split_parts(output, parts: tuple[str, ...], num_experts: int, where: str = "router") -> dict[str, torch.Tensor]:
     """A router output whose leaves are `parts` (some order of ROUTER_PARTS, logits optional: DBRX's block method
-    returns (top_k_weights, top_k_index); then any STATE leaves), checked and named (the states left out)."""
+    returns (top_k_weights, top_k_index); then any LIVE leaves), checked and named (the LIVE ones left out)."""
     if parts == ROUTER_PARTS:
         return dict(zip(parts, split_router_output(output, num_experts, where)))
     if not (isinstance(output, (tuple, list)) and len(output) == len(parts)
             and all(isinstance(t, torch.Tensor) for t in output)):
         raise FcauditError(f"{where} returned {_shapes(output)}, not ({', '.join(parts)})")
-    named = {p: t for p, t in zip(parts, output) if p != STATE}
+    named = {p: t for p, t in zip(parts, output) if p not in LIVE}
     if tuple(named) == ROUTER_PARTS:
         return dict(zip(ROUTER_PARTS, split_router_output(tuple(named.values()), num_experts, where)))
     full = (named.get("logits", torch.zeros(named["weights"].shape[0], num_experts)), named["weights"], named["index"])
@@ -117,17 +119,17 @@ class TopKRouterCodec(Codec):
                  experts_path: str | None = None, pad: str = "sentinel", parts: tuple[str, ...] = ROUTER_PARTS):
         if pad not in PADDINGS:
             raise FcauditError(f"{name}: padding {pad!r} is not one of {', '.join(PADDINGS)}")
-        choices = [p for p in parts if p != STATE]
-        if sorted(choices) not in (sorted(ROUTER_PARTS), ["index", "weights"]) or parts[len(choices):] != \
-                (STATE,) * (len(parts) - len(choices)):
+        choices = [p for p in parts if p not in LIVE]
+        if sorted(choices) not in (sorted(ROUTER_PARTS), ["index", "weights"]) or \
+                not all(p in LIVE for p in parts[len(choices):]):
             raise FcauditError(f"{name}: parts {parts} are not an order of {ROUTER_PARTS}, logits optional, then any "
-                               f"{STATE!r} leaves")
+                               f"of {LIVE} leaves")
         self.num_experts, self.top_k, self.name, self.pad = int(num_experts), int(top_k), name, pad
         self._experts, self.experts_path = experts, experts_path  # the experts it feeds: checked to run eager
         self.parts = tuple(parts)  # the output's leaves, by name
-        # the logits (for auxiliary losses) and any router state (which only routers read, and a replay computes):
-        # not compared by the round-trip check
-        self.placeholders = tuple(f"[{i}]" for i, p in enumerate(parts) if p in ("logits", STATE))
+        # the logits (for auxiliary losses), any router state (which only routers read) and shared experts' weights
+        # (a replay computes both live): not compared by the round-trip check
+        self.placeholders = tuple(f"[{i}]" for i, p in enumerate(parts) if p == "logits" or p in LIVE)
         self.unordered = tuple(f"[{parts.index(p)}]" for p in ("weights", "index"))
 
     def _split(self, output) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -148,8 +150,8 @@ class TopKRouterCodec(Codec):
 
     def meta(self, output) -> dict:
         logits, weights, index = self._split(output)
-        states = {"states": [_state_meta(t, weights.shape[0]) for p, t in zip(self.parts, output) if p == STATE]} \
-            if STATE in self.parts else {}
+        states = {"states": [_state_meta(t, weights.shape[0]) for p, t in zip(self.parts, output) if p in LIVE]} \
+            if any(p in LIVE for p in self.parts) else {}
         if logits is None:
             return {"weights_dtype": dtype_name(weights.dtype), "index_dtype": dtype_name(index.dtype),
                     "num_experts": self.num_experts, "top_k": self.top_k, **states}
@@ -180,18 +182,20 @@ class TopKRouterCodec(Codec):
         named = {"weights": weights.to(getattr(torch, meta["weights_dtype"])).contiguous(), "index": index.contiguous()}
         if "logits" in self.parts:
             named["logits"] = _placeholder_logits(c, meta["logits_dtype"])
-        return tuple(named[p] for p in self.parts if p != STATE) + self._states(canonical, meta, inputs)
+        return tuple(named[p] for p in self.parts if p not in LIVE) + self._states(canonical, meta, inputs)
 
     def _states(self, canonical: torch.Tensor, meta: dict, inputs) -> tuple[torch.Tensor, ...]:
-        """The router's states, as its class's forward computes them from the live call (they feed the next layer's
-        router alone: the route-flip check recomputes it on them), else placeholders."""
-        if STATE not in self.parts:
+        """The router's LIVE leaves, as its class's forward computes them from the live call (a state feeds the next
+        layer's router alone: the route-flip check recomputes it on them; shared experts' weights, the controller's
+        notes say, are not audited), else placeholders."""
+        live_from = next((i for i, p in enumerate(self.parts) if p in LIVE), None)
+        if live_from is None:
             return ()
         if inputs is None:
             return tuple(_state_placeholder(m, canonical.shape[:2], canonical.device) for m in meta["states"])
         with torch.no_grad():  # the class's forward: the instance's is the replay's own wrapper
             live = type(inputs.module).forward(inputs.module, *inputs.args, **inputs.kwargs)
-        return tuple(live[self.parts.index(STATE):])
+        return tuple(live[live_from:])
 
     def describe(self) -> str:
         pad = "" if self.pad == "sentinel" else ", absent slots padded with a selected expert at weight 0"

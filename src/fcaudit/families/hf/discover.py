@@ -21,9 +21,9 @@ from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import DEFAULT_WINDOW_CAP, OWN_ROUTE, context_length
-from fcaudit.families.hf.codecs import (ROUTER_PARTS, STATE, GroupedRouterCodec, ScoreRouterCodec, SharedGateCodec,
-                                        TopKRouterCodec, experts_implementation, is_grouped, split_parts,
-                                        split_score_output)
+from fcaudit.families.hf.codecs import (ROUTER_PARTS, SHARED, STATE, GroupedRouterCodec, ScoreRouterCodec,
+                                        SharedGateCodec, TopKRouterCodec, experts_implementation, is_grouped,
+                                        split_parts, split_score_output)
 from fcaudit.families.hf.load import TOP_K_KEYS
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
@@ -96,6 +96,8 @@ class _Candidate:
     gate_paths: list[str]
     codec: Codec | None = None  # set by the probe, which tells a top-k router from a score router and its padding
     method: str = "forward"  # a block's method where the router returns its logits only (DBRX)
+    repeats: bool = False  # the probe saw it route a token to one expert in two slots (`_repeats`)
+    shared: int = 0  # the shared experts its weight has rows for beyond its routed ones (`_read_shared`)
 
 
 def _experts_of(siblings: dict[str, nn.Module], experts: dict[str, nn.Module], E: int) -> list[tuple[str, nn.Module]]:
@@ -204,7 +206,10 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
         if c.method == "forward" and c.top_k is not None and is_grouped(outputs[c.path], c.num_experts):
             c.codec, c.gate_paths = GroupedRouterCodec(c.num_experts, c.top_k, c.path, c.experts_path), []
             continue  # its experts take the grouped rows, and an absent slot pads exactly (the codec's docstring)
-        output, names = outputs[c.path] if c.method != "forward" else (outputs[c.path], _forward_names(outputs[c.path]))
+        if c.method == "forward":
+            _read_shared(c, outputs[c.path])
+        output, names = outputs[c.path] if c.method != "forward" else \
+            (outputs[c.path], _forward_names(outputs[c.path], c.shared))
         # (router_scores, router_logits): dense scores, every expert's input scaled by its own
         scored = names == ROUTER_PARTS and isinstance(output, (tuple, list)) and len(output) == 2
         try:
@@ -234,18 +239,38 @@ def _probe(model: nn.Module, cands: list[_Candidate]) -> None:
                 module, (args, kwargs) = model.get_submodule(_block_path(c)), inputs[_block_path(c)]  # padding is
                 make = lambda a, k, cpu, c=c, b=module: _block_run(c, b, a, k)  # probed on the whole block
             pad = _padding_on_cpu(c, module, args, kwargs, make, pads)
+            c.repeats = _repeats(index, c.num_experts)
             c.codec = TopKRouterCodec(c.num_experts, c.top_k, c.experts, c.path, c.experts_path, pad, names)
         # a Linear(hidden, 1) sibling is a shared-expert gate only if it ran once per token
         c.gate_paths = [g for g in c.gate_paths
                         if isinstance(outputs.get(g), torch.Tensor) and outputs[g].numel() == parts[1].shape[0]]
 
 
-def _forward_names(output) -> tuple[str, ...]:
-    """A router's leaves: (logits, weights, index), then a STATE for each further tensor it returns (Zaya's router
-    state, read by the next layer's router only)."""
-    extra = len(output) - len(ROUTER_PARTS) if isinstance(output, (tuple, list)) else 0
-    if extra > 0 and all(isinstance(t, torch.Tensor) for t in output):
-        return ROUTER_PARTS + (STATE,) * extra
+def _repeats(index: torch.Tensor, num_experts: int) -> bool:
+    """Whether a row of a router's choices names one expert twice (DeepSeek-V4's hash router: a table of token ids,
+    all zeros until a checkpoint fills it): the combine vector sums the two slots' weights, which the experts add
+    apart, so replay cannot be exact. The sentinel index num_experts may repeat."""
+    ranked = index.sort(1).values
+    return bool(((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] < num_experts)).any())
+
+
+def _read_shared(c: _Candidate, output) -> None:
+    """Inkling: a router whose weight has rows for its shared experts too (n_total_experts) returns logits over its
+    routed experts only, as many as its experts module holds; the other rows weigh its shared experts."""
+    held = _int_attr(c.experts, NUM_EXPERTS_NAMES)
+    logits = output[0] if isinstance(output, (tuple, list)) and output else None
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and held is not None and logits.shape[1] == held \
+            and held < c.num_experts:
+        c.shared, c.num_experts = c.num_experts - held, held
+
+
+def _forward_names(output, shared: int = 0) -> tuple[str, ...]:
+    """A router's leaves: (logits, weights, index), then for each further tensor it returns a SHARED (its `shared`
+    experts' weights [N, shared], Inkling's) or a STATE (Zaya's router state, read by the next layer's router only)."""
+    extra = output[len(ROUTER_PARTS):] if isinstance(output, (tuple, list)) else ()
+    if extra and all(isinstance(t, torch.Tensor) for t in output):
+        return ROUTER_PARTS + tuple(SHARED if shared and t.dim() == 2 and t.shape[1] == shared else STATE
+                                    for t in extra)
     return ROUTER_PARTS
 
 
@@ -497,8 +522,8 @@ def moe_controller(model: nn.Module) -> Controller:
                                f"models like Mixtral; for this model, {OWN_ROUTE}")
         _probe(model, cands)
         _check_states(model, cands)
-        fixed = _fixed_width(model, cands)
-        cands = [c for c in cands if c not in fixed] or _refuse_fixed(model, fixed)
+        skipped = {"fixed": _fixed_width(model, cands), "repeats": [c for c in cands if c.repeats]}
+        cands = [c for c in cands if not any(c in s for s in skipped.values())] or _refuse_skipped(model, skipped)
     except FcauditError:
         if before != "eager" and "," not in before and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(before)  # leave a model we cannot audit as it was
@@ -510,22 +535,49 @@ def moe_controller(model: nn.Module) -> Controller:
     gates = len(sites) - len(cands)
     desc = (f"{type(model).__name__}: {len(cands)} top-{cands[0].top_k} routers over {cands[0].num_experts} experts "
             f"({type(cands[0].module).__name__})" + (f", {gates} shared-expert gates" if gates else ""))
-    return Controller(tuple(sites), static_name="StaticMixMean", description=desc, notes=_fixed_notes(model, fixed))
+    return Controller(tuple(sites), static_name="StaticMixMean", description=desc,
+                      notes=_skipped_notes(model, skipped) + _shared_notes(cands))
 
 
-def _fixed_why(model: nn.Module, fixed: list[_Candidate]) -> str:
-    c = fixed[0]
-    block = type(model.get_submodule(_block_path(c))).__name__
-    return (f"{len(fixed)} routers of {block} ({c.path}{', ...' if len(fixed) > 1 else ''}): the block runs exactly "
-            f"top-{c.top_k} experts per token, so the conditions that replay a mean over experts cannot run in it")
+def _shared_notes(cands: list[_Candidate]) -> tuple[str, ...]:
+    """The shared experts' weights a router returns beside its choices: every replay recomputes them live."""
+    shared = [c for c in cands if SHARED in getattr(c.codec, "parts", ())]
+    if not shared:
+        return ()
+    c = shared[0]
+    note = (f"not audited: the weights of {c.shared} shared experts that {len(shared)} {type(c.module).__name__} "
+            f"routers ({c.path}{', ...' if len(shared) > 1 else ''}) return beside their top-{c.top_k} choices; "
+            "every replay recomputes them live from the router's input")
+    return (note,)
 
 
-def _fixed_notes(model: nn.Module, fixed: list[_Candidate]) -> tuple[str, ...]:
-    return (f"not audited: {_fixed_why(model, fixed)}",) if fixed else ()
+def _skipped_why(model: nn.Module, skipped: dict[str, list[_Candidate]]) -> list[str]:
+    """Why each group of routers left out of the controller is: `_fixed_width`'s, or `_repeats`'."""
+    why = []
+    for reason, cands in skipped.items():
+        if not cands:
+            continue
+        c = cands[0]
+        what = f"{len(cands)} {type(c.module).__name__} routers ({c.path}{', ...' if len(cands) > 1 else ''})"
+        if reason == "fixed":
+            block = type(model.get_submodule(_block_path(c))).__name__
+            why.append(f"{len(cands)} routers of {block} ({c.path}{', ...' if len(cands) > 1 else ''}): the block runs "
+                       f"exactly top-{c.top_k} experts per token, so the conditions that replay a mean over experts "
+                       "cannot run in it")
+        else:
+            why.append(f"{what}: they route a token to one expert in two slots (e.g. by a table of token ids still "
+                       "all zeros), whose weights the experts add apart and a combine vector sums, so no replay of "
+                       "them is exact; they run live")
+    return why
 
 
-def _refuse_fixed(model: nn.Module, fixed: list[_Candidate]):
-    raise FcauditError(f"{type(model).__name__}: its only routers are {_fixed_why(model, fixed)}; {OWN_ROUTE}")
+def _skipped_notes(model: nn.Module, skipped: dict[str, list[_Candidate]]) -> tuple[str, ...]:
+    return tuple(f"not audited: {w}" for w in _skipped_why(model, skipped))
+
+
+def _refuse_skipped(model: nn.Module, skipped: dict[str, list[_Candidate]]):
+    raise FcauditError(f"{type(model).__name__}: its only routers are {'; and '.join(_skipped_why(model, skipped))}; "
+                       f"{OWN_ROUTE}")
 
 
 def is_moe(model: nn.Module) -> bool:
