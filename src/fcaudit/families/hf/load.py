@@ -19,8 +19,8 @@ from safetensors import SafetensorError
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
-from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, load_pickled, refuse_remote_code,
-                             stored_shapes, weight_files)
+from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, layer_of, load_pickled,
+                             refuse_remote_code, stored_shapes, weight_files)
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
@@ -132,7 +132,33 @@ def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     if missing:
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
+    _check_unread(dir, model, info.get("unexpected_keys") or ())
     return (model if device_map is not None else model.to(device)).eval()
+
+
+def _check_unread(dir: Path, model, unexpected) -> None:
+    """Refuse stored weights that the model config.json describes does not read, of its own modules or layers (a
+    layer count lowered, a bias turned off): transformers leaves them unread, and the audit would run another model
+    than the one saved. Other unread weights belong to no part of it (a multimodal checkpoint's vision tower), the
+    stale keys transformers' classes name are dropped before, and the multi-token prediction layers a checkpoint stores
+    after the decoder's (the config's num_mtp_layers) are not a causal LM's."""
+    depth: dict[str, int] = {}
+    for key in model.state_dict():
+        if at := layer_of(key):
+            depth[at[0]] = max(depth.get(at[0], 0), at[1] + 1)
+    mtp = getattr(model.config.get_text_config(), "num_mtp_layers", 0)
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) else 0
+    modules = dict(model.named_modules())
+    for key in sorted(unexpected):
+        at = layer_of(key)
+        if at and at[0] in depth:  # in the model's numbered layers: unread only past them, as MTP layers
+            unread = not depth[at[0]] <= at[1] < depth[at[0]] + mtp
+        else:  # elsewhere: a weight of a module the model has (its bias, where the config turned biases off)
+            parent = key.rpartition(".")[0]
+            unread = bool(parent) and parent in modules
+        if unread:
+            raise FcauditError(f"the weights in {dir} do not match its config.json (the weights hold {key}, which the "
+                               "model it describes does not read): use the config.json saved with these weights")
 
 
 def _config(dir: Path):
@@ -146,6 +172,10 @@ def _config(dir: Path):
     except Exception as e:  # noqa: BLE001 (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, ...)
         raise FcauditError(f"{dir / 'config.json'} has a value transformers refuses ({type(e).__name__}: "
                            f"{one_line(e, 120)}): use the config.json saved with these weights") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:  # an encoder, a vision model: no causal LM head
+        raise FcauditError(f"{dir} holds a {config.model_type!r} model, for which transformers has no causal LM class "
+                           "(AutoModelForCausalLM): fcaudit's commands score next-token predictions; load the model "
+                           "yourself and pass fca.audit its controller (fca.Controller.from_modules) and a loss_fn")
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
         text = config.get_text_config()
