@@ -1227,6 +1227,25 @@ HF_KEYS = {
     "rglru": ("lru_width", "attention_window_size", "block_types", "conv1d_width", "num_attention_heads",
               "num_key_value_heads", "head_dim", "logits_soft_cap", "rope_parameters"),
 }
+# the sizes (layer counts, state sizes, heads) and switches (biases, tied embeddings) that shape each one's weights
+HF_SIZES = {
+    "mamba": ("num_hidden_layers", "state_size", "time_step_rank", "conv_kernel", "expand"),
+    "bamba": ("num_hidden_layers", "mamba_n_heads", "mamba_d_state", "mamba_d_head", "mamba_n_groups",
+              "mamba_chunk_size", "num_key_value_heads"),
+    "hybrid": ("num_hidden_layers", "mamba_n_heads", "mamba_d_state", "num_local_experts", "num_experts_per_tok",
+               "shared_intermediate_size"),
+    "llama": ("num_hidden_layers", "num_key_value_heads", "head_dim", "intermediate_size"),
+    "rwkv": ("num_hidden_layers", "attention_hidden_size", "context_length"),
+    "rglru": ("num_hidden_layers", "lru_width", "attention_window_size", "conv1d_width", "head_dim"),
+}
+HF_SWITCHES = {
+    "mamba": ("use_conv_bias", "use_bias", "tie_word_embeddings"),
+    "bamba": ("mamba_conv_bias", "mamba_proj_bias", "attention_bias", "mlp_bias", "tie_word_embeddings"),
+    "hybrid": ("mamba_conv_bias", "mamba_proj_bias", "attention_bias", "tie_word_embeddings"),
+    "llama": ("attention_bias", "mlp_bias", "tie_word_embeddings"),
+    "rwkv": ("tie_word_embeddings",),
+    "rglru": ("attention_bias", "tie_word_embeddings"),
+}
 # model types transformers knows (causal LMs, and classes AutoModelForCausalLM has no head for) and ones it does not
 HF_MODEL_TYPES = ("llama", "mamba", "mamba2", "bamba", "rwkv", "recurrent_gemma", "mixtral", "gpt2", "falcon_mamba",
                   "jamba", "zamba", "bert", "t5", "whisper", "clip", "vit", "qwen3_next", "featuregate", "mod",
@@ -1263,7 +1282,9 @@ def hf_checkpoints(draw) -> dict:
     own = st.tuples(st.just("set"), st.sampled_from(HF_KEYS[name]), HF_VALUES)
     delete = st.tuples(st.just("set"), st.sampled_from(_HF_COMMON + HF_KEYS[name] + ("model_type",)),
                        st.just(DELETE))
-    config = draw(st.lists(st.one_of(own, own, delete, HF_CONFIG), max_size=3))
+    size = st.tuples(st.just("set"), st.sampled_from(HF_SIZES[name]), st.sampled_from([0, 1, 3, 4, 6, -1, 2**40]))
+    switch = st.tuples(st.just("set"), st.sampled_from(HF_SWITCHES[name]), st.booleans())
+    config = draw(st.lists(st.one_of(own, size, switch, delete, HF_CONFIG), max_size=3))
     weights = draw(st.lists(HF_WEIGHT_OPS, max_size=2))
     if not config and not weights:  # the checkpoint as saved: a run of it is a valid (and longer) audit
         weights = [draw(HF_WEIGHT_OPS)] if draw(st.booleans()) else []
@@ -1316,12 +1337,38 @@ def _hf_command(world: World, ckpt: Path, command: str) -> Outcome:
 
 
 def _unread(ckpt: Path) -> list[str]:
-    """The stored tensors that transformers, loading the checkpoint as fcaudit does, left unread (its "unexpected"
-    keys, less those its model class declares ignorable): weights left out of what was audited."""
+    """The stored tensors that the model fcaudit loads does not hold as stored: left unread (transformers'
+    "unexpected" keys, less those its model class declares ignorable), or read as other values (a tied copy)."""
+    import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    import fcaudit as fca
+
     _, info = AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True, trust_remote_code=False)
-    return sorted(info.get("unexpected_keys") or [])
+    held = fca.load(ckpt, device="cpu").state_dict()
+    stored = load_file(str(ckpt / "model.safetensors"))
+    other = [k for k, v in stored.items() if k in held and not torch.equal(v.to(held[k].dtype), held[k])]
+    return sorted(info.get("unexpected_keys") or []) + other
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """The lines logger `name` and its children say at WARNING or above, as a user's terminal shows them."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
 
 
 def play_hf(world: World, spec: dict) -> Outcome:
@@ -1335,14 +1382,18 @@ def play_hf(world: World, spec: dict) -> Outcome:
     (ckpt / "config.json").write_text(json.dumps(config))
     if spec["weights"]:
         _hf_weights(ckpt, spec["weights"])
-    outcome = _hf_command(world, ckpt, spec["command"])
+    with _logged("transformers") as said:  # its loggers write to the terminal, past the harness's captured output
+        outcome = _hf_command(world, ckpt, spec["command"])
+    if outcome.kind == "refused" and said:
+        return Outcome("noisy", f"{said[0][:150]} | before: {outcome.detail[:150]}")
     if outcome.kind != "ok":
         return outcome
     if spec["ckpt"] == "llama" and config.get("model_type") == "llama" and spec["command"] != "execution":
         return Outcome("silent", "audited a Llama, which has no controller")
     _, unread = api_outcome(lambda: _unread(ckpt))
     if unread:
-        return Outcome("silent", f"{len(unread)} stored tensors are not in the audited model (e.g. {unread[0]})")
+        return Outcome("silent", f"{len(unread)} stored tensors are not in the audited model as stored (e.g. "
+                                 f"{unread[0]})")
     return outcome
 
 

@@ -271,6 +271,12 @@ CLASSES["47-hf"] = [
     ("hf", hf("mamba", "audit", config=[("model_type", "vit")]), "refused",
      "holds a 'vit' model, for which transformers has no causal LM class"),
     ("hf", hf("llama", "execution", config=[("model_type", "t5")]), "refused", "has no causal LM class"),
+    # a model class's own code failing on a config value (RWKV's init of one layer divides by zero): one line
+    ("hf", hf("rwkv", "audit", config=[("num_hidden_layers", 1)]), "refused",
+     "transformers cannot load"),
+    # transformers' logged warnings about a config.json are not printed before the refusal they led to
+    ("hf", hf("mamba", "audit", config=[("model_type", "bert")]), "refused", "not a multiple of the number of"),
+    ("hf", hf("llama", "dry-run", config=[("model_type", "whisper")]), "refused", "embed_dim must be divisible"),
     # an auto_map that names no module is not called "True.py"
     ("hf", hf("rwkv", "dry-run", config=[("model_type", "nosuchmodel"), ("auto_map", True)]), "refused",
      "asks to run the checkpoint's own code (its auto_map) for model_type 'nosuchmodel'"),
