@@ -1322,18 +1322,25 @@ def _hf_weights(ckpt: Path, ops: list) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
-def _hf_command(world: World, ckpt: Path, command: str) -> Outcome:
+def _hf_command(world: World, ckpt: Path, command: str) -> tuple[Outcome, list[str]]:
+    """The command's outcome and the lines transformers logged at WARNING or above while it ran (in the API: while
+    the call it ended at ran; a call that returned has said what it said)."""
     if command != "api":
-        return load_action(world, ckpt, command)
+        with _logged("transformers") as said:  # its loggers write to the terminal, past the harness's capture
+            return load_action(world, ckpt, command), said
     import fcaudit as fca
 
-    def audit():
-        model = fca.load(ckpt, device="cpu")
-        result = fca.audit(model, fca.controller_for(model), world.windows["eval"], world.windows["calib"],
-                           randomizations=1, batch_size=2, out=world.run / "a", quiet=True)
-        return result.penalties()
-
-    return api_outcome(audit)[0]
+    with _logged("transformers") as said:
+        outcome, model = api_outcome(lambda: fca.load(ckpt, device="cpu"))
+    if model is None:
+        return outcome, said
+    with _logged("transformers") as said:
+        outcome, result = api_outcome(lambda: fca.audit(model, fca.controller_for(model), world.windows["eval"],
+                                                        world.windows["calib"], randomizations=1, batch_size=2,
+                                                        out=world.run / "a", quiet=True))
+        if result is not None:
+            outcome = api_outcome(result.penalties)[0]
+    return outcome, said
 
 
 def _unread(ckpt: Path) -> list[str]:
@@ -1382,8 +1389,7 @@ def play_hf(world: World, spec: dict) -> Outcome:
     (ckpt / "config.json").write_text(json.dumps(config))
     if spec["weights"]:
         _hf_weights(ckpt, spec["weights"])
-    with _logged("transformers") as said:  # its loggers write to the terminal, past the harness's captured output
-        outcome = _hf_command(world, ckpt, spec["command"])
+    outcome, said = _hf_command(world, ckpt, spec["command"])
     if outcome.kind == "refused" and said:
         return Outcome("noisy", f"{said[0][:150]} | before: {outcome.detail[:150]}")
     if outcome.kind != "ok":

@@ -265,6 +265,8 @@ CLASSES["47-hf"] = [
     ("hf", hf("mamba", config=[("num_hidden_layers", 1)]), "refused",
      "the weights hold backbone.layers.1.mixer.A_log, which the model it describes does not read"),
     ("hf", hf("rglru", "audit", config=[("num_hidden_layers", 1)]), "refused", "which the model it describes does"),
+    ("hf", hf("mamba", "audit", config=[("num_hidden_layers", 0)]), "refused",
+     "the weights hold backbone.layers.0.mixer.A_log, which the model it describes does not read"),
     ("hf", hf("mamba", "dry-run", config=[("use_conv_bias", False)]), "refused",
      "the weights hold backbone.layers.0.mixer.conv1d.bias, which the model it describes does not read"),
     # a model type without a causal LM class is named as such, not as a config value to restore
@@ -277,6 +279,9 @@ CLASSES["47-hf"] = [
     # transformers' logged warnings about a config.json are not printed before the refusal they led to
     ("hf", hf("mamba", "audit", config=[("model_type", "bert")]), "refused", "not a multiple of the number of"),
     ("hf", hf("llama", "dry-run", config=[("model_type", "whisper")]), "refused", "embed_dim must be divisible"),
+    # nor those of a load that succeeded before the model is refused for its controller
+    *[("hf", hf("llama", command, config=[("tie_word_embeddings", True)]), "refused", "no controller fcaudit finds")
+      for command in ("audit", "execution")],
     # an auto_map that names no module is not called "True.py"
     ("hf", hf("rwkv", "dry-run", config=[("model_type", "nosuchmodel"), ("auto_map", True)]), "refused",
      "asks to run the checkpoint's own code (its auto_map) for model_type 'nosuchmodel'"),

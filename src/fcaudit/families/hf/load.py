@@ -5,6 +5,7 @@ there are any, and reads a .bin only after torch's restricted unpickler has open
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -71,25 +72,40 @@ def looks_like_hf(config: dict) -> bool:
     return isinstance(config.get("model_type"), str) and ("transformers_version" in config or looks_like_hf_moe(config))
 
 
+_HOLDING: list[list[tuple[logging.Handler, logging.LogRecord]]] = []  # the blocks holding warnings, innermost last
+
+
+@contextlib.contextmanager
+def warnings_held():
+    """transformers' logged warnings held until the block ends, then shown (or handed to the block around it); where
+    the block raises, dropped: a refusal's one line is all that is printed, not the warnings about the config.json
+    values that led to it, or those of the load before a controller is refused."""
+    kept: list[tuple[logging.Handler, logging.LogRecord]] = []
+    holds = [(h, functools.partial(lambda h, record: kept.append((h, record)), h))  # None: the record is dropped
+             for h in logging.getLogger("transformers").handlers]  # none until transformers is imported
+    for h, hold in holds:
+        h.addFilter(hold)
+    _HOLDING.append(kept)
+    try:
+        yield
+    finally:
+        _HOLDING.pop()
+        for h, hold in holds:
+            h.removeFilter(hold)
+    if _HOLDING:
+        _HOLDING[-1].extend(kept)
+    else:
+        for h, record in kept:
+            h.handle(record)
+
+
 def _warnings_after(load):
-    """`load` with transformers' logged warnings held until it returns, then shown: where it refuses, its one line is
-    all that is printed, not the warnings about the config.json values that led to it."""
+    """`load` with transformers' warnings held (warnings_held) from the moment transformers is imported."""
     @functools.wraps(load)
     def held(*args, **kwargs):
         require_transformers()  # its loggers and their handler exist
-        kept: list[tuple[logging.Handler, logging.LogRecord]] = []
-        holds = [(h, functools.partial(lambda h, record: kept.append((h, record)), h))
-                 for h in logging.getLogger("transformers").handlers]
-        for h, hold in holds:
-            h.addFilter(hold)  # a filter returning None drops the record
-        try:
-            model = load(*args, **kwargs)
-        finally:
-            for h, hold in holds:
-                h.removeFilter(hold)
-        for h, record in kept:
-            h.handle(record)
-        return model
+        with warnings_held():
+            return load(*args, **kwargs)
     return held
 
 
@@ -165,17 +181,14 @@ def _check_unread(dir: Path, model, unexpected) -> None:
     than the one saved. Other unread weights belong to no part of it (a multimodal checkpoint's vision tower), the
     stale keys transformers' classes name are dropped before, and the multi-token prediction layers a checkpoint stores
     after the decoder's (the config's num_mtp_layers) are not a causal LM's."""
-    depth: dict[str, int] = {}
-    for key in model.state_dict():
-        if at := layer_of(key):
-            depth[at[0]] = max(depth.get(at[0], 0), at[1] + 1)
     mtp = getattr(model.config.get_text_config(), "num_mtp_layers", 0)
     mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) else 0
     modules = dict(model.named_modules())
     for key in sorted(unexpected):
         at = layer_of(key)
-        if at and at[0] in depth:  # in the model's numbered layers: unread only past them, as MTP layers
-            unread = not depth[at[0]] <= at[1] < depth[at[0]] + mtp
+        layers = modules.get(at[0][:-1]) if at else None
+        if isinstance(layers, torch.nn.ModuleList):  # the model's numbered layers: unread only past them, as MTP's
+            unread = not len(layers) <= at[1] < len(layers) + mtp
         else:  # elsewhere: a weight of a module the model has (its bias, where the config turned biases off)
             parent = key.rpartition(".")[0]
             unread = bool(parent) and parent in modules
