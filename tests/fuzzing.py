@@ -1379,6 +1379,9 @@ def _logged(name: str):
 
 
 def play_hf(world: World, spec: dict) -> Outcome:
+    """A changed copy of one tiny checkpoint given to a command. Beyond the common judges: a refusal printed after
+    transformers' logged warnings is noisy, and an audit of a Llama, or of a model that does not hold every stored
+    tensor as stored (a layer or a bias its config.json leaves out), is silent."""
     ckpt = world.copy(f"hf-{spec['ckpt']}")
     config = json.loads((ckpt / "config.json").read_text())
     for _, key, value in spec["config"]:
@@ -1394,7 +1397,7 @@ def play_hf(world: World, spec: dict) -> Outcome:
         return Outcome("noisy", f"{said[0][:150]} | before: {outcome.detail[:150]}")
     if outcome.kind != "ok":
         return outcome
-    if spec["ckpt"] == "llama" and config.get("model_type") == "llama" and spec["command"] != "execution":
+    if spec["ckpt"] == "llama" and config.get("model_type") == "llama":
         return Outcome("silent", "audited a Llama, which has no controller")
     _, unread = api_outcome(lambda: _unread(ckpt))
     if unread:
