@@ -1292,6 +1292,19 @@ def hf_checkpoints(draw) -> dict:
             "command": draw(st.sampled_from(HF_COMMANDS))}
 
 
+def _reshaped(t, how: str):
+    """`t` with a shape its weight does not have: a row less or more, transposed, flattened, a scalar, empty."""
+    import torch
+
+    flat = t.flatten()
+    if how == "row-":
+        return t[:-1] if t.dim() else t.reshape(1)
+    if how == "row+":
+        return torch.cat([t, t[:1]]) if t.dim() else flat.repeat(2)
+    return {"transpose": lambda: t.T.contiguous(), "flat": lambda: flat, "scalar": lambda: flat[0].clone(),
+            "empty": lambda: flat[:0]}[how]()
+
+
 def _hf_weights(ckpt: Path, ops: list) -> None:
     """`ops` applied to model.safetensors, rewritten as a valid file (its tensors' names, shapes or dtypes changed)."""
     import torch
@@ -1311,10 +1324,7 @@ def _hf_weights(ckpt: Path, ops: list) -> None:
         elif op == "rename":
             tensors[name + "_renamed"] = tensors.pop(name)
         elif op == "shape":
-            tensors[name] = {"row-": lambda: t[:-1] if t.dim() else t.reshape(1), "row+": lambda: torch.cat([t, t[:1]])
-                             if t.dim() else t.reshape(1).repeat(2), "transpose": lambda: t.T.contiguous(),
-                             "flat": lambda: t.flatten(), "scalar": lambda: t.flatten()[0].clone(),
-                             "empty": lambda: t.flatten()[:0]}[arg]()
+            tensors[name] = _reshaped(t, arg)
         elif op == "dtype":
             tensors[name] = t.to(getattr(torch, arg))
         else:
