@@ -1505,8 +1505,10 @@ def campaign(inputs: int, workers: int, out: Path, surfaces: tuple[str, ...], ch
     out.mkdir(parents=True, exist_ok=True)
     per = inputs // len(surfaces)
     jobs = [(s, min(chunk, per - k), seed + k) for s in surfaces for k in range(0, per, chunk)]
+    # transformers loads weights on worker threads unless told not to: in a forked child their torch ops may meet the
+    # parent's thread pool ("Invalid thread pool!"), a harness artifact no user's process has
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONWARNINGS="default")
+               HF_HUB_OFFLINE="1", PYTHONWARNINGS="default", HF_DEACTIVATE_ASYNC_LOAD="1")
     running: list[tuple[subprocess.Popen, Path]] = []
     results: list[dict] = []
     t0 = time.monotonic()
