@@ -62,7 +62,7 @@ lock: | $(BIN)/python
 	  --python-platform x86_64-unknown-linux-gnu --constraint $(VENV)/.lock-torch \
 	  --custom-compile-command 'make lock' -o $(LOCK)
 
-# The fuzzing campaign's long run (tests/fuzzing.py): about 10k inputs over the six input surfaces, each in a
+# The fuzzing campaign's long run (tests/fuzzing.py): about 10k inputs over the seven input surfaces, each in a
 # forked child checked for a traceback, a hang over 60 s, RSS over 2 GB and a write outside its run directory;
 # prints the counts per surface and writes what it found to fuzz-out/found.jsonl. ARGS="--workers 1" on a busy machine.
 fuzz: setup

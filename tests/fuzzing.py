@@ -1,5 +1,6 @@
-"""The fuzzing campaign: hypothesis strategies for fcaudit's six input surfaces (checkpoint configs, safetensors
-headers and shard indexes, CLI options, the Python API, damaged audit directories, models that misbehave) and the one runner that plays an
+"""The fuzzing campaign: hypothesis strategies for fcaudit's seven input surfaces (checkpoint configs, safetensors
+headers and shard indexes, CLI options, the Python API, damaged audit directories, models that misbehave, Hugging
+Face checkpoint directories of any architecture) and the one runner that plays an
 input and judges its outcome (with tests/harness.py's judges, which the bad-input and safety tests use too).
 
 An input is plain data, a surface and a spec of symbolic choices ("@fg" is a fresh copy of a tiny trained FeatureGate
@@ -43,7 +44,7 @@ from hypothesis import strategies as st
 import harness
 from harness import FAILURES, Outcome, api_outcome, cli_outcome, last_frames, tree
 
-SURFACES = ("config", "weights", "cli", "api", "audit-dir", "model")
+SURFACES = ("config", "weights", "cli", "api", "audit-dir", "model", "hf")
 HANG_S = 60.0
 RSS_LIMIT = 2 * 2**30
 TESTS = Path(__file__).resolve().parent
@@ -121,6 +122,21 @@ class World:
         return self.templates / "moe"
 
     @cached_property
+    def hf(self) -> dict[str, Path]:
+        """One tiny save_pretrained checkpoint per controller class of the hf surface (HF_CHECKPOINTS)."""
+        import torch
+        import transformers
+
+        out = {}
+        for name, (model_type, config) in HF_CHECKPOINTS.items():
+            out[name] = self.templates / f"hf-{name}"
+            if not (out[name] / "config.json").is_file():
+                cfg = transformers.AutoConfig.for_model(model_type, **{**HF_SMALL, **config})
+                torch.manual_seed(0)
+                transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out[name])
+        return out
+
+    @cached_property
     def model(self):
         import fcaudit as fca
 
@@ -183,7 +199,8 @@ class World:
         if self._built:
             return
         self._built = True
-        for name in ("fg", "dense", "mod", "mudd", "moe", "model", "windows", "records_a", "summary", "audit_ckpt"):
+        for name in ("fg", "dense", "mod", "mudd", "moe", "hf", "model", "windows", "records_a", "summary",
+                     "audit_ckpt"):
             getattr(self, name)
         for which in "abc":
             self.audit(which)
@@ -203,7 +220,8 @@ class World:
             src = {"fg": lambda: self.fg, "dense": lambda: self.dense, "mod": lambda: self.mod,
                    "mudd": lambda: self.mudd, "moe": lambda: self.moe, "summary": lambda: self.summary,
                    "audit-a": lambda: self.audit("a"), "audit-b": lambda: self.audit("b"),
-                   "audit-ckpt": lambda: self.audit_ckpt}[name]()
+                   "audit-ckpt": lambda: self.audit_ckpt,
+                   **{f"hf-{k}": (lambda k=k: self.hf[k]) for k in HF_CHECKPOINTS}}[name]()
             dst = self.run / name
             shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(".lock"))
             self._copies[name] = dst
@@ -1173,12 +1191,237 @@ def instruction(message: str, adir: Path) -> str | Path | None:
     return "rerun" if "rerun the audit" in message else None
 
 
+# ---- surface 7: Hugging Face checkpoint directories ----------------------------------------------------------------
+
+# Tiny save_pretrained checkpoints, one per class of controller fcaudit finds in a transformers model: a recipe's
+# module site (Mamba's x_proj), a recipe's op sites (Bamba's Mamba-2 scan), MoE routers beside op sites (a hybrid),
+# none at all (Llama: refused), and the recurrent gates (RWKV's receptance, RG-LRU's gates).
+HF_SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, pad_token_id=None, bos_token_id=None,
+                eos_token_id=None)
+_HF_ATTENTION = dict(num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+_HF_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)
+HF_CHECKPOINTS = {
+    "mamba": ("mamba", dict(state_size=8, time_step_rank=4)),
+    "bamba": ("bamba", dict(**_HF_ATTENTION, **_HF_MAMBA2, attn_layer_indices=[1])),
+    "hybrid": ("granitemoehybrid", dict(**_HF_ATTENTION, **_HF_MAMBA2, num_local_experts=4, num_experts_per_tok=2,
+                                        shared_intermediate_size=32, layer_types=["mamba", "attention"])),
+    "llama": ("llama", _HF_ATTENTION),
+    "rwkv": ("rwkv", dict(attention_hidden_size=32, intermediate_size=64, context_length=64)),
+    "rglru": ("recurrent_gemma", dict(num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, lru_width=32,
+                                      attention_window_size=16, block_types=["recurrent", "attention"])),
+}
+_HF_COMMON = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "dtype", "tie_word_embeddings",
+              "transformers_version", "use_cache", "pad_token_id", "bos_token_id")
+HF_KEYS = {
+    "mamba": ("state_size", "time_step_rank", "conv_kernel", "expand", "use_conv_bias", "layer_norm_epsilon",
+              "residual_in_fp32", "use_mambapy", "time_step_min"),
+    "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size", "mamba_n_groups", "mamba_expand",
+              "mamba_d_conv", "attn_layer_indices", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "rope_parameters", "time_step_limit"),
+    "hybrid": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size", "layer_types",
+               "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "rope_parameters", "embedding_multiplier"),
+    "llama": ("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters",
+              "rms_norm_eps", "attention_bias"),
+    "rwkv": ("attention_hidden_size", "context_length", "rescale_every", "layer_norm_epsilon"),
+    "rglru": ("lru_width", "attention_window_size", "block_types", "conv1d_width", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "logits_soft_cap", "rope_parameters"),
+}
+# the sizes (layer counts, state sizes, heads) and switches (biases, tied embeddings) that shape each one's weights
+HF_SIZES = {
+    "mamba": ("num_hidden_layers", "state_size", "time_step_rank", "conv_kernel", "expand"),
+    "bamba": ("num_hidden_layers", "mamba_n_heads", "mamba_d_state", "mamba_d_head", "mamba_n_groups",
+              "mamba_chunk_size", "num_key_value_heads"),
+    "hybrid": ("num_hidden_layers", "mamba_n_heads", "mamba_d_state", "num_local_experts", "num_experts_per_tok",
+               "shared_intermediate_size"),
+    "llama": ("num_hidden_layers", "num_key_value_heads", "head_dim", "intermediate_size"),
+    "rwkv": ("num_hidden_layers", "attention_hidden_size", "context_length"),
+    "rglru": ("num_hidden_layers", "lru_width", "attention_window_size", "conv1d_width", "head_dim"),
+}
+HF_SWITCHES = {
+    "mamba": ("use_conv_bias", "use_bias", "tie_word_embeddings"),
+    "bamba": ("mamba_conv_bias", "mamba_proj_bias", "attention_bias", "mlp_bias", "tie_word_embeddings"),
+    "hybrid": ("mamba_conv_bias", "mamba_proj_bias", "attention_bias", "tie_word_embeddings"),
+    "llama": ("attention_bias", "mlp_bias", "tie_word_embeddings"),
+    "rwkv": ("tie_word_embeddings",),
+    "rglru": ("attention_bias", "tie_word_embeddings"),
+}
+# model types transformers knows (causal LMs, and classes AutoModelForCausalLM has no head for) and ones it does not
+HF_MODEL_TYPES = ("llama", "mamba", "mamba2", "bamba", "rwkv", "recurrent_gemma", "mixtral", "gpt2", "falcon_mamba",
+                  "jamba", "zamba", "bert", "t5", "whisper", "clip", "vit", "qwen3_next", "featuregate", "mod",
+                  "nosuchmodel", "", "MAMBA", "llama ")
+HF_LISTS = st.sampled_from([[], ["attention"], ["attention"] * 3, ["mamba", "mamba"], ["mamba"] * 5,
+                            ["recurrent"] * 3, ["full_attention", "linear_attention"], [0], [5], [1, 1], [-1],
+                            ["x", "y"], "attention", [None, None]])
+HF_VALUES = st.one_of(JSON_VALUES, st.sampled_from([1, 3, 5, 8, 12, 32, 33, 48, 10**5, 2**20]), HF_LISTS)
+HF_CONFIG = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(_HF_COMMON), HF_VALUES),
+    st.tuples(st.just("model_type"), st.just("model_type"), st.sampled_from(HF_MODEL_TYPES)),
+    st.tuples(st.just("set"), st.just("architectures"),
+              st.sampled_from([["LlamaForCausalLM"], ["BertForMaskedLM"], ["MambaModel"], ["NoSuchForCausalLM"], [],
+                               "MambaForCausalLM", [3], None])),
+    st.tuples(st.just("set"), st.sampled_from(["auto_map", "trust_remote_code"]),
+              st.sampled_from([{"AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+                               {"AutoConfig": "configuration_x.XConfig",
+                                "AutoModelForCausalLM": "other/repo--modeling_x.XForCausalLM"},
+                               {"AutoModelForCausalLM": ["modeling_x.XForCausalLM", None]}, "modeling_x.X", [], True,
+                               3])))
+HF_WEIGHT_OPS = st.one_of(
+    st.tuples(st.sampled_from(["remove", "rename"]), st.integers(0, 40), st.none()),
+    st.tuples(st.just("shape"), st.integers(0, 40), st.sampled_from(["row-", "row+", "transpose", "flat", "scalar",
+                                                                       "empty"])),
+    st.tuples(st.just("dtype"), st.integers(0, 40), st.sampled_from(["float16", "bfloat16", "float64", "int64",
+                                                                       "int8", "bool", "uint8"])),
+    st.tuples(st.just("all-dtype"), st.just(0), st.sampled_from(["float16", "bfloat16", "float64"])))
+HF_COMMANDS = ("audit", "dry-run", "dry-run", "execution", "api", "api")
+
+
+@st.composite
+def hf_checkpoints(draw) -> dict:
+    name = draw(st.sampled_from(tuple(HF_CHECKPOINTS)))
+    own = st.tuples(st.just("set"), st.sampled_from(HF_KEYS[name]), HF_VALUES)
+    delete = st.tuples(st.just("set"), st.sampled_from(_HF_COMMON + HF_KEYS[name] + ("model_type",)),
+                       st.just(DELETE))
+    size = st.tuples(st.just("set"), st.sampled_from(HF_SIZES[name]), st.sampled_from([0, 1, 3, 4, 6, -1, 2**40]))
+    switch = st.tuples(st.just("set"), st.sampled_from(HF_SWITCHES[name]), st.booleans())
+    config = draw(st.lists(st.one_of(own, size, switch, delete, HF_CONFIG), max_size=3))
+    weights = draw(st.lists(HF_WEIGHT_OPS, max_size=2))
+    if not config and not weights:  # the checkpoint as saved: a run of it is a valid (and longer) audit
+        weights = [draw(HF_WEIGHT_OPS)] if draw(st.booleans()) else []
+    return {"ckpt": name, "config": [list(c) for c in config], "weights": [list(w) for w in weights],
+            "command": draw(st.sampled_from(HF_COMMANDS))}
+
+
+def _reshaped(t, how: str):
+    """`t` with a shape its weight does not have: a row less or more, transposed, flattened, a scalar, empty."""
+    import torch
+
+    flat = t.flatten()
+    if how == "row-":
+        return t[:-1] if t.dim() else t.reshape(1)
+    if how == "row+":
+        return torch.cat([t, t[:1]]) if t.dim() else flat.repeat(2)
+    return {"transpose": lambda: t.T.contiguous(), "flat": lambda: flat, "scalar": lambda: flat[0].clone(),
+            "empty": lambda: flat[:0]}[how]()
+
+
+def _hf_weights(ckpt: Path, ops: list) -> None:
+    """`ops` applied to model.safetensors, rewritten as a valid file (its tensors' names, shapes or dtypes changed)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = ckpt / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for op, i, arg in ops:
+        names = sorted(tensors)
+        name = names[i % len(names)]
+        t = tensors[name]
+        if op == "remove":
+            del tensors[name]
+        elif op == "rename":
+            tensors[name + "_renamed"] = tensors.pop(name)
+        elif op == "shape":
+            tensors[name] = _reshaped(t, arg)
+        elif op == "dtype":
+            tensors[name] = t.to(getattr(torch, arg))
+        else:
+            tensors = {k: v.to(getattr(torch, arg)) for k, v in tensors.items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def _hf_command(world: World, ckpt: Path, command: str) -> tuple[Outcome, list[str]]:
+    """The command's outcome and the lines transformers logged at WARNING or above while it ran (in the API: while
+    the call it ended at ran; a call that returned has said what it said)."""
+    if command != "api":
+        with _logged("transformers") as said:  # its loggers write to the terminal, past the harness's capture
+            return load_action(world, ckpt, command), said
+    import fcaudit as fca
+
+    with _logged("transformers") as said:
+        outcome, model = api_outcome(lambda: fca.load(ckpt, device="cpu"))
+    if model is None:
+        return outcome, said
+    with _logged("transformers") as said:
+        outcome, result = api_outcome(lambda: fca.audit(model, fca.controller_for(model), world.windows["eval"],
+                                                        world.windows["calib"], randomizations=1, batch_size=2,
+                                                        out=world.run / "a", quiet=True))
+        if result is not None:
+            outcome = api_outcome(result.penalties)[0]
+    return outcome, said
+
+
+def _unread(ckpt: Path) -> list[str]:
+    """The stored tensors that the model fcaudit loads does not hold as stored: left unread (transformers'
+    "unexpected" keys, less those its model class declares ignorable), or read as other values (a tied copy)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import fcaudit as fca
+
+    _, info = AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True, trust_remote_code=False)
+    held = fca.load(ckpt, device="cpu").state_dict()
+    stored = load_file(str(ckpt / "model.safetensors"))
+    other = [k for k, v in stored.items() if k in held and not torch.equal(v.to(held[k].dtype), held[k])]
+    return sorted(info.get("unexpected_keys") or []) + other
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """The lines logger `name` and its children say at WARNING or above, as a user's terminal shows them."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+
+
+def play_hf(world: World, spec: dict) -> Outcome:
+    """A changed copy of one tiny checkpoint given to a command. Beyond the common judges: a refusal printed after
+    transformers' logged warnings is noisy, and an audit of a Llama, or of a model that does not hold every stored
+    tensor as stored (a layer or a bias its config.json leaves out), is silent."""
+    ckpt = world.copy(f"hf-{spec['ckpt']}")
+    config = json.loads((ckpt / "config.json").read_text())
+    for _, key, value in spec["config"]:
+        if value == DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    if spec["weights"]:
+        _hf_weights(ckpt, spec["weights"])
+    outcome, said = _hf_command(world, ckpt, spec["command"])
+    if outcome.kind == "refused" and said:
+        return Outcome("noisy", f"{said[0][:150]} | before: {outcome.detail[:150]}")
+    if outcome.kind != "ok":
+        return outcome
+    if spec["ckpt"] == "llama" and config.get("model_type") == "llama":
+        return Outcome("silent", "audited a Llama, which has no controller")
+    _, unread = api_outcome(lambda: _unread(ckpt))
+    if unread:
+        return Outcome("silent", f"{len(unread)} stored tensors are not in the audited model as stored (e.g. "
+                                 f"{unread[0]})")
+    return outcome
+
+
 PLAYERS: dict[str, Callable[[World, dict], Outcome]] = {
     "config": play_config, "weights": play_weights, "cli": play_cli, "api": play_api, "audit-dir": play_audit_dir,
-    "model": play_model}
+    "model": play_model, "hf": play_hf}
 STRATEGIES: dict[str, Callable[[], st.SearchStrategy]] = {
     "config": checkpoint_configs, "weights": weights_files, "cli": cli_options, "api": api_calls,
-    "audit-dir": damaged_audits, "model": misbehaving_models}
+    "audit-dir": damaged_audits, "model": misbehaving_models, "hf": hf_checkpoints}
 
 
 # ---- the long run: forked children, limits, counts -----------------------------------------------------------------
@@ -1262,8 +1505,10 @@ def campaign(inputs: int, workers: int, out: Path, surfaces: tuple[str, ...], ch
     out.mkdir(parents=True, exist_ok=True)
     per = inputs // len(surfaces)
     jobs = [(s, min(chunk, per - k), seed + k) for s in surfaces for k in range(0, per, chunk)]
+    # transformers loads weights on worker threads unless told not to: in a forked child their torch ops may meet the
+    # parent's thread pool ("Invalid thread pool!"), a harness artifact no user's process has
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONWARNINGS="default")
+               HF_HUB_OFFLINE="1", PYTHONWARNINGS="default", HF_DEACTIVATE_ASYNC_LOAD="1")
     running: list[tuple[subprocess.Popen, Path]] = []
     results: list[dict] = []
     t0 = time.monotonic()

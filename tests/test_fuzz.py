@@ -50,6 +50,13 @@ def model(**spec):
             "duplicates": False, "batch_size": 2, "seed": 0, **spec}
 
 
+def hf(ckpt, command="api", config=(), weights=()):
+    """A spec of the hf surface: one of tests/fuzzing.py's HF_CHECKPOINTS, its config.json's fields set (DELETE
+    removes one), its weights changed, given to a command."""
+    return {"ckpt": ckpt, "config": [["set", k, v] for k, v in config], "weights": [list(w) for w in weights],
+            "command": command}
+
+
 def odd(model):
     """fca.audit of one of tests/fuzzing.py's ODD_MODELS, with its own controller, 2 windows a batch."""
     return {"call": "audit", "kwargs": {"eval_windows": "valid", "calib_windows": "valid", "model": model,
@@ -249,6 +256,36 @@ CLASSES = {
                                                "seed": 0, "tokenizer": 3}}, "refused", "pass a tokenizers.Tokenizer"),
     ],
 }
+# issue 47: any Hugging Face checkpoint directory (tests/fuzzing.py's hf surface)
+CLASSES["47-hf"] = [
+    ("hf", hf("mamba", "audit"), "ok", ""),
+    ("hf", hf("hybrid", "api"), "ok", ""),
+    ("hf", hf("llama", "audit"), "refused", "LlamaForCausalLM has no controller fcaudit finds"),
+    # weights config.json does not read were dropped: a shallower model, or one without its bias, was audited
+    ("hf", hf("mamba", config=[("num_hidden_layers", 1)]), "refused",
+     "the weights hold backbone.layers.1.mixer.A_log, which the model it describes does not read"),
+    ("hf", hf("rglru", "audit", config=[("num_hidden_layers", 1)]), "refused", "which the model it describes does"),
+    ("hf", hf("mamba", "audit", config=[("num_hidden_layers", 0)]), "refused",
+     "the weights hold backbone.layers.0.mixer.A_log, which the model it describes does not read"),
+    ("hf", hf("mamba", "dry-run", config=[("use_conv_bias", False)]), "refused",
+     "the weights hold backbone.layers.0.mixer.conv1d.bias, which the model it describes does not read"),
+    # a model type without a causal LM class is named as such, not as a config value to restore
+    ("hf", hf("mamba", "audit", config=[("model_type", "vit")]), "refused",
+     "holds a 'vit' model, for which transformers has no causal LM class"),
+    ("hf", hf("llama", "execution", config=[("model_type", "t5")]), "refused", "has no causal LM class"),
+    # a model class's own code failing on a config value (RWKV's init of one layer divides by zero): one line
+    ("hf", hf("rwkv", "audit", config=[("num_hidden_layers", 1)]), "refused",
+     "transformers cannot load"),
+    # transformers' logged warnings about a config.json are not printed before the refusal they led to
+    ("hf", hf("mamba", "audit", config=[("model_type", "bert")]), "refused", "not a multiple of the number of"),
+    ("hf", hf("llama", "dry-run", config=[("model_type", "whisper")]), "refused", "embed_dim must be divisible"),
+    # nor those of a load that succeeded before the model is refused for its controller
+    *[("hf", hf("llama", command, config=[("tie_word_embeddings", True)]), "refused", "no controller fcaudit finds")
+      for command in ("audit", "execution")],
+    # an auto_map that names no module is not called "True.py"
+    ("hf", hf("rwkv", "dry-run", config=[("model_type", "nosuchmodel"), ("auto_map", True)]), "refused",
+     "asks to run the checkpoint's own code (its auto_map) for model_type 'nosuchmodel'"),
+]
 ROWS = [(name, *row) for name, rows in CLASSES.items() for row in rows]
 
 

@@ -24,6 +24,7 @@ from fcaudit.config import AuditConfig
 from fcaudit.device import DTYPES, resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution.measure import Source
+from fcaudit.families.hf.load import warnings_held
 from fcaudit.hub import resolve
 from fcaudit.io import read_object
 from fcaudit.tokens import load_tokenizer
@@ -78,17 +79,19 @@ def _load(checkpoint: str, corpus: str, config: AuditConfig, device: torch.devic
             raise FcauditError(f"--device-map spreads one model over this machine's devices, but torchrun started "
                                f"{world} processes, each of which would load it whole: run one process, or drop "
                                "--device-map")
-    model = api.load(checkpoint, device=device, dtype=config.dtype, revision=config.revision,
-                     device_map=None if config.device_map is None else placement.parse_device_map(config.device_map),
-                     offload_folder=config.offload_folder)
+    with warnings_held():  # a checkpoint refused for its controller: that line alone, not the load's warnings first
+        model = api.load(checkpoint, device=device, dtype=config.dtype, revision=config.revision,
+                         device_map=None if config.device_map is None else placement.parse_device_map(
+                             config.device_map), offload_folder=config.offload_folder)
+        controller = families.controller_for(model)
     ckpt_dir = Path(model.fcaudit_meta["checkpoint"])
     cap = families.DEFAULT_WINDOW_CAP
     window = config.window or min(families.context_length(model) or cap, cap)
     corp = data.load_corpus(corpus, tokenizer=_tokenizer(checkpoint, ckpt_dir, model), splits=("validation", "test"))
     info = {"family": config.family or family_name(checkpoint, ckpt_dir), "checkpoint": str(checkpoint),
             "revision": config.revision, "corpus": corp.describe()}
-    return (model, families.controller_for(model), data.audit_windows(corp, config.n_eval, config.n_calib, window,
-                                                                       config.seed), replace(config, model_info=info))
+    return (model, controller, data.audit_windows(corp, config.n_eval, config.n_calib, window, config.seed),
+            replace(config, model_info=info))
 
 
 def _tokenizer(checkpoint: str, ckpt_dir: Path, model: torch.nn.Module):

@@ -158,6 +158,12 @@ LOAD_FACTOR = 2  # a config.json may imply at most this many times the parameter
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
 
 
+def layer_of(key: str) -> tuple[str, int] | None:
+    """(prefix, index) of a weight inside a numbered layer ("model.layers.3.mlp.w": ("model.layers.", 3)), else None."""
+    m = _LAYER.search(key)
+    return (key[:m.start(1)], int(m.group(1))) if m else None
+
+
 def check_depth(dir: Path, stored: Mapping[str, tuple[int, ...]], field: str, layers) -> None:
     """Refuse a config.json that asks for more layers than the weights hold, before any module is built: building
     200,000 blocks takes minutes even on the meta device. The weights' depth: the most numbered layers under one
@@ -167,8 +173,8 @@ def check_depth(dir: Path, stored: Mapping[str, tuple[int, ...]], field: str, la
         return
     held: dict[str, set[int]] = {}
     for key in stored:
-        if m := _LAYER.search(key):
-            held.setdefault(key[:m.start(1)], set()).add(int(m.group(1)))
+        if at := layer_of(key):
+            held.setdefault(at[0], set()).add(at[1])
     depth = max((len(v) for v in held.values()), default=0)
     if not isinstance(layers, int) or isinstance(layers, bool) or layers > depth:
         raise FcauditError(f"the weights in {dir} do not match its config.json ({field}={layers!r}, the weights hold "
@@ -213,7 +219,8 @@ def refuse_remote_code(dir: Path, config: dict, native: Callable[[str], bool]) -
         return
     refs = auto.values() if isinstance(auto, dict) else [auto]
     ref = next((r[0] if isinstance(r, (list, tuple)) and r else r for r in refs), "")
-    module = str(ref).split("--")[-1].rsplit(".", 1)[0] or "its own module"
-    raise FcauditError(f"{dir / 'config.json'} asks to run the checkpoint's own code ({module}.py, in its auto_map) "
+    module = ref.split("--")[-1].rsplit(".", 1)[0] if isinstance(ref, str) else ""  # "repo--modeling_x.XModel"
+    named = f"{module}.py, in its auto_map" if module else "its auto_map"
+    raise FcauditError(f"{dir / 'config.json'} asks to run the checkpoint's own code ({named}) "
                        f"for model_type {config.get('model_type')!r}, which no library loads natively: fcaudit never "
                        "runs a checkpoint's code; pass a checkpoint of a model transformers or fcaudit implements")

@@ -32,6 +32,7 @@ from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_co
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
+from fcaudit.families.hf.load import warnings_held
 from fcaudit.hub import resolve
 from fcaudit.io import OutDir, read_object, valid_path
 from fcaudit.provenance import provenance
@@ -201,7 +202,9 @@ def measure_execution(cfg: ExecutionConfig, given: Sequence[Source] | None = Non
     if too_short:
         raise FcauditError(f"window {window} exceeds the block_size of {too_short[0]}: pass a shorter --window")
 
-    with using_threads(cfg.threads) as n_threads:
+    # transformers' warnings of the loads shown once all is measured: a model refused (its controller not found, after
+    # its load) says that line alone
+    with using_threads(cfg.threads) as n_threads, warnings_held():
         rows, sweeps, conditions = _measure_all(cfg, inputs, dev, window)
     df = add_dense_ratios(pd.DataFrame(rows))
     out.claim()

@@ -5,6 +5,8 @@ there are any, and reads a .bin only after torch's restricted unpickler has open
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -14,13 +16,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from fcaudit.errors import FcauditError, one_line
 from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
-from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, load_pickled, refuse_remote_code,
-                             stored_shapes, weight_files)
+from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, layer_of, load_pickled,
+                             refuse_remote_code, stored_shapes, weight_files)
 
 MIN_TRANSFORMERS = 5  # the MoE refactor: routers return (logits, top-k weights, top-k index), experts as 3-D weights
 
@@ -71,6 +72,44 @@ def looks_like_hf(config: dict) -> bool:
     return isinstance(config.get("model_type"), str) and ("transformers_version" in config or looks_like_hf_moe(config))
 
 
+_HOLDING: list[list[tuple[logging.Handler, logging.LogRecord]]] = []  # the blocks holding warnings, innermost last
+
+
+@contextlib.contextmanager
+def warnings_held():
+    """transformers' logged warnings held until the block ends, then shown (or handed to the block around it); where
+    the block raises, dropped: a refusal's one line is all that is printed, not the warnings about the config.json
+    values that led to it, or those of the load before a controller is refused."""
+    kept: list[tuple[logging.Handler, logging.LogRecord]] = []
+    holds = [(h, functools.partial(lambda h, record: kept.append((h, record)), h))  # None: the record is dropped
+             for h in logging.getLogger("transformers").handlers]  # none until transformers is imported
+    for h, hold in holds:
+        h.addFilter(hold)
+    _HOLDING.append(kept)
+    try:
+        yield
+    finally:
+        _HOLDING.pop()
+        for h, hold in holds:
+            h.removeFilter(hold)
+    if _HOLDING:
+        _HOLDING[-1].extend(kept)
+    else:
+        for h, record in kept:
+            h.handle(record)
+
+
+def _warnings_after(load):
+    """`load` with transformers' warnings held (warnings_held) from the moment transformers is imported."""
+    @functools.wraps(load)
+    def held(*args, **kwargs):
+        require_transformers()  # its loggers and their handler exist
+        with warnings_held():
+            return load(*args, **kwargs)
+    return held
+
+
+@_warnings_after
 def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                 device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
     """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline: fails in seconds
@@ -108,7 +147,7 @@ def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     except pickle.UnpicklingError:  # _check_files opened every .bin through the same restricted unpickler
         raise FcauditError(f"{dir}: a weights file is not plain tensors: convert it to safetensors and pass that "
                            "checkpoint") from None
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+    except Exception as e:  # noqa: BLE001 (a model class's code raises any type: RWKV's init of 1 layer divides by 0)
         if fresh:  # a failed load leaves nothing behind: the folder is this call's own (weights written into it)
             shutil.rmtree(offload_folder, ignore_errors=True)
         msg = one_line(e, 100_000)
@@ -132,7 +171,30 @@ def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     if missing:
         raise FcauditError(f"{dir} lacks {len(missing)} weights of {type(model).__name__} (e.g. {missing[0]}), which "
                            f"would be random: pass a complete checkpoint directory")
+    _check_unread(dir, model, info.get("unexpected_keys") or ())
     return (model if device_map is not None else model.to(device)).eval()
+
+
+def _check_unread(dir: Path, model, unexpected) -> None:
+    """Refuse stored weights that the model config.json describes does not read, of its own modules or layers (a
+    layer count lowered, a bias turned off): transformers leaves them unread, and the audit would run another model
+    than the one saved. Other unread weights belong to no part of it (a multimodal checkpoint's vision tower), the
+    stale keys transformers' classes name are dropped before, and the multi-token prediction layers a checkpoint stores
+    after the decoder's (the config's num_mtp_layers) are not a causal LM's."""
+    mtp = getattr(model.config.get_text_config(), "num_mtp_layers", 0)
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) else 0
+    modules = dict(model.named_modules())
+    for key in sorted(unexpected):
+        at = layer_of(key)
+        layers = modules.get(at[0][:-1]) if at else None
+        if isinstance(layers, torch.nn.ModuleList):  # the model's numbered layers: unread only past them, as MTP's
+            unread = not len(layers) <= at[1] < len(layers) + mtp
+        else:  # elsewhere: a weight of a module the model has (its bias, where the config turned biases off)
+            parent = key.rpartition(".")[0]
+            unread = bool(parent) and parent in modules
+        if unread:
+            raise FcauditError(f"the weights in {dir} do not match its config.json (the weights hold {key}, which the "
+                               "model it describes does not read): use the config.json saved with these weights")
 
 
 def _config(dir: Path):
@@ -146,6 +208,10 @@ def _config(dir: Path):
     except Exception as e:  # noqa: BLE001 (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, ...)
         raise FcauditError(f"{dir / 'config.json'} has a value transformers refuses ({type(e).__name__}: "
                            f"{one_line(e, 120)}): use the config.json saved with these weights") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:  # an encoder, a vision model: no causal LM head
+        raise FcauditError(f"{dir} holds a {config.model_type!r} model, for which transformers has no causal LM class "
+                           "(AutoModelForCausalLM): fcaudit's commands score next-token predictions; load the model "
+                           "yourself and pass fca.audit its controller (fca.Controller.from_modules) and a loss_fn")
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
         text = config.get_text_config()
