@@ -22,9 +22,15 @@ from fcaudit.families.hf.load import load_hf, looks_like_hf, looks_like_hf_moe, 
 from fcaudit.families.hf.tiny import BYTE_PRESETS, byte_mixtral_config
 
 
+def _label(model: nn.Module) -> str:
+    """Its model_type (its class name where it has none), "moe-" before it where it holds MoE routers."""
+    return ("moe-" if is_moe(model) else "") + (getattr(getattr(model, "config", None), "model_type", None)
+                                                or type(model).__name__)
+
+
 def _load(dir: Path, device: torch.device, dtype: torch.dtype | None, **placed) -> tuple[nn.Module, dict]:
     model = load_hf(dir, dtype=dtype, device=device, **placed)
-    return model, {"model_type": model.config.model_type, "variant": f"moe-{model.config.model_type}"}
+    return model, {"model_type": model.config.model_type, "variant": _label(model)}
 
 
 def _build(cfg) -> nn.Module:
@@ -52,8 +58,7 @@ register(Family(
     # by structure, whatever the class's module: a checkpoint's own code (transformers_modules...) or a user's
     matches=is_hf,
     controller=hf_controller,
-    label=lambda model: ("moe-" if is_moe(model) else "") + (getattr(getattr(model, "config", None), "model_type", None)
-                                                            or type(model).__name__),
+    label=_label,
     trains=("moe",),
     presets=tuple(BYTE_PRESETS),
     build=_build,

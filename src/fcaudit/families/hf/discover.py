@@ -25,6 +25,7 @@ from fcaudit.families.hf.codecs import (ROUTER_PARTS, SHARED, STATE, GroupedRout
                                         SharedGateCodec, TopKRouterCodec, experts_implementation, is_grouped,
                                         split_parts, split_score_output)
 from fcaudit.families.hf.load import TOP_K_KEYS
+from fcaudit.loss import logits_of
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 TOP_K_CONFIG_NAMES = ("top_k", *TOP_K_KEYS)  # where a router that does not say its top-k may find it
@@ -285,14 +286,14 @@ def _check_states(model: nn.Module, cands: list[_Candidate]) -> None:
     handles = [c.module.register_forward_hook(lambda m, a, o, p=c.path: live.setdefault(p, o)) for c in stateful]
     try:
         n = _probe_forward(model, cands, live, {})
-        reference = _logits(_forward(model, n))
+        reference = logits_of(_forward(model, n))
     finally:
         for h in handles:
             h.remove()
     zeroed = lambda c: tuple(torch.zeros_like(t) if p == STATE else t for p, t in zip(c.codec.parts, live[c.path]))
     handles = [c.module.register_forward_hook(lambda m, a, o, c=c: zeroed(c)) for c in stateful]
     try:
-        same = torch.equal(_logits(_forward(model, n)), reference)
+        same = torch.equal(logits_of(_forward(model, n)), reference)
     finally:
         for h in handles:
             h.remove()
@@ -324,10 +325,6 @@ def _fixed_width(model: nn.Module, cands: list[_Candidate]) -> list[_Candidate]:
             for h in handles:
                 h.remove()
     return fixed
-
-
-def _logits(out) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _shapes_of(output) -> str:

@@ -44,8 +44,8 @@ def recipe_controller(model: nn.Module) -> Controller | None:
     layer = {owner: i for i, owner in enumerate(dict.fromkeys(owner for owner, _ in found))}
     sites = tuple(Site(s.path, s.module, codec=s.codec, call=s.call, method=s.method, op=s.op, kind=s.kind,
                        group=layer[owner]) for owner, s in found)
-    whats = dict.fromkeys(f"{r.what} ({cls})" for cls, rs in RECIPES.items() for r in rs
-                          if any(type(m).__name__ == cls for m in model.modules()))
+    classes = dict.fromkeys(type(model.get_submodule(owner)).__name__ for owner in layer)
+    whats = dict.fromkeys(f"{r.what} ({cls})" for cls in classes for r in RECIPES[cls])
     return Controller(sites, description=f"{type(model).__name__}: {len(sites)} sites by recipe: {'; '.join(whats)}")
 
 
@@ -81,7 +81,7 @@ def hf_controller(model: nn.Module) -> Controller:
         return replace(routers, notes=routers.notes + skipped)
     if routers is None:
         return replace(recipes, notes=skipped)
-    by_recipe = {s.path: s.group for s in recipes.sites}
-    merged = Controller.merge(routers, recipes, group=lambda s: (by_recipe.get(s.path), s.path if s.path not in
-                                                                  by_recipe else None))
+    layer = {s.path: s.group for s in recipes.sites}  # a recipe instance's sites move together; a router alone
+    merged = Controller.merge(routers, recipes, group=lambda s: ("recipe", layer[s.path]) if s.path in layer
+                              else ("router", s.path))
     return replace(merged, notes=merged.notes + skipped)

@@ -111,7 +111,7 @@ def _warnings_after(load):
 
 @_warnings_after
 def load_hf(path_or_id: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
+            device_map: str | dict | None = None, offload_folder: str | os.PathLike | None = None):
     """The model in eval mode with eager experts, from a checkpoint directory or hub id (offline: fails in seconds
     unless cached). `device_map` (not `device`) spreads it with accelerate, putting its "disk" in `offload_folder`."""
     require_transformers()
@@ -254,7 +254,6 @@ def _check_files(dir: Path) -> bool:
         if f.suffix in PICKLE_SUFFIXES:
             load_pickled(f, mmap=True)
     return bool(files) and all(f.suffix == ".safetensors" for f in files)
-
 
 
 def _refuse_encoder_decoder(dir: Path, config: dict) -> None:
