@@ -1274,6 +1274,9 @@ HF_WEIGHT_OPS = st.one_of(
                                                                        "int8", "bool", "uint8"])),
     st.tuples(st.just("all-dtype"), st.just(0), st.sampled_from(["float16", "bfloat16", "float64"])))
 HF_COMMANDS = ("audit", "dry-run", "dry-run", "execution", "api", "api")
+# a Mamba-2 scan's chunk (the torch scan pads a window to it, holding [head, chunk, chunk] tensors): within the
+# window, beyond it, and so large that one window's forward pass would take gigabytes
+HF_CHUNKS = st.sampled_from([4, 16, 256, 2048, 4096, 16384, 65536])
 
 
 @st.composite
@@ -1284,7 +1287,10 @@ def hf_checkpoints(draw) -> dict:
                        st.just(DELETE))
     size = st.tuples(st.just("set"), st.sampled_from(HF_SIZES[name]), st.sampled_from([0, 1, 3, 4, 6, -1, 2**40]))
     switch = st.tuples(st.just("set"), st.sampled_from(HF_SWITCHES[name]), st.booleans())
-    config = draw(st.lists(st.one_of(own, size, switch, delete, HF_CONFIG), max_size=3))
+    mutations = [own, size, switch, delete, HF_CONFIG]
+    if "mamba_chunk_size" in HF_KEYS[name]:
+        mutations.append(st.tuples(st.just("set"), st.just("mamba_chunk_size"), HF_CHUNKS))
+    config = draw(st.lists(st.one_of(mutations), max_size=3))
     weights = draw(st.lists(HF_WEIGHT_OPS, max_size=2))
     if not config and not weights:  # the checkpoint as saved: a run of it is a valid (and longer) audit
         weights = [draw(HF_WEIGHT_OPS)] if draw(st.booleans()) else []

@@ -282,6 +282,9 @@ CLASSES["47-hf"] = [
     # nor those of a load that succeeded before the model is refused for its controller
     *[("hf", hf("llama", command, config=[("tie_word_embeddings", True)]), "refused", "no controller fcaudit finds")
       for command in ("audit", "execution")],
+    # a Mamba-2 scan's chunk that would take gigabytes for a window is refused before a pass, naming one that fits
+    ("hf", hf("bamba", "audit", config=[("mamba_chunk_size", 65536)]), "refused",
+     "set mamba_chunk_size to at most 2048 in config.json"),
     # an auto_map that names no module is not called "True.py"
     ("hf", hf("rwkv", "dry-run", config=[("model_type", "nosuchmodel"), ("auto_map", True)]), "refused",
      "asks to run the checkpoint's own code (its auto_map) for model_type 'nosuchmodel'"),

@@ -13,7 +13,7 @@ import transformers  # noqa: E402  (a test dependency: the test extra includes t
 
 import fcaudit as fca  # noqa: E402
 from fcaudit.families.hf import recipes, require_transformers  # noqa: E402
-from harness import api_refusal, cli, ok  # noqa: E402
+from harness import api_refusal, cli, ok, refusal  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, pad_token_id=None, bos_token_id=None,
              eos_token_id=None)
@@ -100,6 +100,25 @@ def test_mamba2_delta_b_and_c_are_audited_per_layer_with_an_exact_replay(tmp_pat
     assert res.replay.passed and res.replay.bit_equal
     assert all(follow_the_input(model, ctrl))
     assert not any(n.startswith("note: site") for n in res.notices)  # no hidden state, no ranked scores
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("mamba2", dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=65536)),
+    ("bamba", dict(ATTENTION, **MAMBA2_HEADS, attn_layer_indices=[1]) | dict(mamba_chunk_size=16384))])
+def test_a_scan_chunk_too_large_for_memory_is_refused_at_load_naming_the_chunk_that_fits(tmp_path, model_type, sizes):
+    """The torch scan pads a 16-token window to the chunk and holds [head, chunk, chunk] tensors: 4 heads at 65536
+    would be ~192 GiB per layer. Refused from config.json alone, before the controller's probe runs a pass."""
+    ckpt = saved(tmp_path, model_type, **sizes)
+    key = "chunk_size" if model_type == "mamba2" else "mamba_chunk_size"
+    line = api_refusal(lambda: fca.load(ckpt, device="cpu"))
+    assert f"has {key}={sizes[key]}: transformers' torch scan pads" in line
+    assert line.endswith(f"set {key} to at most 2048 in config.json (the chunk changes the scan's result only in "
+                         "rounding)")
+    assert refusal(cli("audit", ckpt, "--out", tmp_path / "audit", "--window", 16)) == f"error: {line}"
+    assert not (tmp_path / "audit").exists()
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, key: 2048}))  # the chunk it names: 0.19 GiB, loaded
+    assert getattr(fca.load(ckpt, device="cpu").config, key) == 2048
 
 
 def test_a_hybrid_moe_and_mamba2_model_is_audited_whole_routers_and_ssm(tmp_path):

@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -212,9 +213,10 @@ def _config(dir: Path):
         raise FcauditError(f"{dir} holds a {config.model_type!r} model, for which transformers has no causal LM class "
                            "(AutoModelForCausalLM): fcaudit's commands score next-token predictions; load the model "
                            "yourself and pass fca.audit its controller (fca.Controller.from_modules) and a loss_fn")
+    text = config.get_text_config()
+    _check_scan(dir, text)
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
-        text = config.get_text_config()
         check_depth(dir, stored, *_stored_depth(text))
         check_sizes(lambda: AutoModelForCausalLM.from_config(config), dir, stored)
     return config
@@ -229,6 +231,31 @@ def _stored_depth(config) -> tuple[str, object]:
         if len(read) == 1:
             return read[0], getattr(config, read[0])
     return "num_hidden_layers", getattr(config, "num_hidden_layers", None)
+
+
+# a chunked scan's (Mamba-2 and its hybrids, xLSTM) chunk size and head count, in each config's spelling
+CHUNK_KEYS = ("mamba_chunk_size", "chunk_size")
+SCAN_HEADS_KEYS = ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
+SCAN_BYTES = 2**28  # the most one window's chunk x chunk tensors in one layer may take
+
+
+def _check_scan(dir: Path, config) -> None:
+    """Refuse a chunked scan whose chunk makes one window's forward pass allocate more than SCAN_BYTES, before
+    any pass runs (the controller's discovery probe would run out of memory, or take minutes, with no word).
+    transformers' torch scan (the path fcaudit audits) pads a window to a multiple of the chunk and holds three
+    float32 [head, chunk, chunk] tensors per chunk (decays, scores, their product): a short window costs a chunk's."""
+    key = next((k for k in CHUNK_KEYS if _is_count(getattr(config, k, None))), None)
+    heads = next((getattr(config, k) for k in SCAN_HEADS_KEYS if _is_count(getattr(config, k, None))), None)
+    if key is None or heads is None or heads < 1:
+        return
+    chunk = getattr(config, key)
+    need = 3 * 4 * heads * chunk**2
+    if need > SCAN_BYTES:
+        fits = 1 << max(0, math.isqrt(SCAN_BYTES // (12 * heads)).bit_length() - 1)  # a power of two within
+        raise FcauditError(f"{dir / 'config.json'} has {key}={chunk}: transformers' torch scan pads a window to "
+                           f"a multiple of {chunk} tokens and holds {heads} heads x {chunk} x {chunk} float32 scores "
+                           f"per chunk, ~{need / 2**30:.1f} GiB for one window in each layer: set {key} to at most "
+                           f"{fits} in config.json (the chunk changes the scan's result only in rounding)")
 
 
 def _is_count(v) -> bool:
