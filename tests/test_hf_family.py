@@ -13,6 +13,7 @@ from torch import nn
 import fcaudit as fca
 from fcaudit.families.hf import recipes
 from fcaudit.families.hf.find import hf_controller
+from harness import api_refusal
 
 pytest.importorskip("transformers")
 
@@ -128,3 +129,22 @@ def test_a_checkpoint_whose_layers_are_named_layer_n_is_read_for_its_depth(tmp_p
     transformers.BertLMHeadModel(cfg).save_pretrained(tmp_path / "bert")
     with pytest.raises(fca.FcauditError, match="BertLMHeadModel has no controller fcaudit finds"):
         fca.controller_for(fca.load(tmp_path / "bert"))
+
+
+def test_a_checkpoint_whose_layers_are_lists_of_their_parts_is_read_for_its_depth_and_missing_layers_are_caught(
+        tmp_path):
+    """XLM keeps each layer's parts in lists of their own (transformer.attentions.N, transformer.ffns.N): the depth
+    check reads 3 layers from them, so the refusal is that the model has no controller; a config.json asking for
+    more layers than the weights hold is still refused before any module is built."""
+    import json
+
+    import transformers
+
+    cfg = transformers.XLMConfig(vocab_size=64, emb_dim=16, n_layers=3, n_heads=2, max_position_embeddings=32,
+                                 is_decoder=True)
+    transformers.XLMWithLMHeadModel(cfg).save_pretrained(tmp_path / "xlm")
+    assert api_refusal(lambda: fca.controller_for(fca.load(tmp_path / "xlm"))).startswith(
+        "XLMWithLMHeadModel has no controller fcaudit finds")
+    config = json.loads((tmp_path / "xlm" / "config.json").read_text())
+    (tmp_path / "xlm" / "config.json").write_text(json.dumps({**config, "n_layers": 5}))
+    assert "(num_hidden_layers=5, the weights hold 3 layers)" in api_refusal(lambda: fca.load(tmp_path / "xlm"))

@@ -154,21 +154,23 @@ def stored_dtype(dir: Path) -> torch.dtype | None:
 
 
 LOAD_FACTOR = 2  # a config.json may imply at most this many times the parameters its weights hold
-# blocks.3.attn..., model.layers.3.mlp..., bert.encoder.layer.3...
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
+# a key's first numbered module, whatever its list is named: blocks.3.attn..., model.layers.3.mlp...,
+# bert.encoder.layer.3..., XLM's transformer.attentions.3... and transformer.ffns.3...
+_LAYER = re.compile(r"(?:^|\.)(\d+)\.")
 
 
 def layer_of(key: str) -> tuple[str, int] | None:
-    """(prefix, index) of a weight inside a numbered layer ("model.layers.3.mlp.w": ("model.layers.", 3)), else None."""
+    """(prefix, index) of a weight inside a numbered layer, the first numbered module of its key ("model.layers.3.mlp.
+    experts.5.w": ("model.layers.", 3)), else None."""
     m = _LAYER.search(key)
     return (key[:m.start(1)], int(m.group(1))) if m else None
 
 
 def check_depth(dir: Path, stored: Mapping[str, tuple[int, ...]], field: str, layers) -> None:
     """Refuse a config.json that asks for more layers than the weights hold, before any module is built: building
-    200,000 blocks takes minutes even on the meta device. The weights' depth: the most numbered layers under one
-    prefix (a multimodal checkpoint's vision tower has its own). A config that states no depth in `field` (None) is
-    left to the size check."""
+    200,000 blocks takes minutes even on the meta device. The weights' depth: the most numbered modules under one
+    prefix, whatever the list is named (a multimodal checkpoint's vision tower has its own; XLM keeps a layer's
+    parts in lists of their own). A config that states no depth in `field` (None) is left to the size check."""
     if not stored or layers is None:
         return
     held: dict[str, set[int]] = {}
