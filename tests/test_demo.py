@@ -1,5 +1,5 @@
-"""`fcaudit demo` end to end: the whole quick demo (slow, ~30 s), and a smoke of the same code path on a one-seed plan of a
-few steps in the default run."""
+"""`fcaudit demo` end to end: the whole quick demo (slow, ~30 s), a smoke of the same code path on a one-seed plan of a
+few steps (slow: every family), and in the default run the same smoke of FeatureGate alone."""
 
 import json
 import re
@@ -119,6 +119,7 @@ SMOKE = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=1, steps=4, mudd_steps
                  min_run_time=0.01)
 
 
+@pytest.mark.slow  # eleven models trained, eight audited, ten measured (each one's decoding timed)
 def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch, capsys):
     """The demo's whole path on a plan a few steps long: every family trained, audited with an exact replay, measured
     and reported (the full quick demo's checks are the slow tests above), ending with its time (`done in`, as the
@@ -136,3 +137,21 @@ def test_demo_smoke_trains_audits_and_reports_every_family(tmp_path, monkeypatch
     rows = json.loads((tmp_path / "report" / "report.json").read_text())["three_questions"]
     assert len(rows) == len(audits)  # one seed: every audit its own family
     assert all(r["execution"].startswith("decided ") and "(observed)" in r["execution"] for r in rows), rows
+
+
+def test_demo_smoke_trains_audits_and_reports_one_family(tmp_path, monkeypatch, capsys):
+    """The default run's smoke of the same entry point: the demo's lists of models cut to FeatureGate alone, which is
+    trained, audited with an exact replay, measured and reported (every family: the slow smoke above)."""
+    monkeypatch.setattr(demo_module, "QUICK", SMOKE)
+    for models, kept in (("MULTI_SEED", ("featuregate",)), ("ONE_SEED", ()), ("AUDITED", ("featuregate",)),
+                         ("MEASURED", ("featuregate",))):
+        monkeypatch.setattr(demo_module, models, kept)
+    run_demo(tmp_path, quick=True, device="cpu")
+    assert re.search(r"^done in \d+ s: report ", capsys.readouterr().err, re.M)
+    assert list(pd.read_csv(tmp_path / "table1.csv")["method"]) == ["FeatureGate"]
+    assert [a.name for a in (tmp_path / "audit").iterdir()] == ["featuregate-s0"]
+    assert json.loads((tmp_path / "audit" / "featuregate-s0" / "replay.json").read_text())["passed"]
+    assert list(pd.read_csv(tmp_path / "execution" / "execution.csv")["model"]) == ["featuregate"]
+    assert not (tmp_path / "causal").exists()  # MoD's causal copy only where MoD is trained
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())["three_questions"]
+    assert len(rows) == 1 and rows[0]["execution"].startswith("decided ") and "(observed)" in rows[0]["execution"]

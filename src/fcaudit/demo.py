@@ -59,8 +59,11 @@ QUICK = DemoPlan(preset="tiny", mudd_preset="tiny", seeds=2, steps=30, mudd_step
                  fixed_depth=1, n_eval=16, n_calib=16, window=64, randomizations=2, batch_size=16, min_run_time=0.5,
                  exit_steps=120)
 
+# the models trained (several seeds, or seed 0 alone), audited (MoD also through its causal copy) and measured
 MULTI_SEED = ("featuregate", "uniform", "layerstatic")
+ONE_SEED = ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")
 AUDITED = MULTI_SEED + ("mudd", "moe", "mod", "early-exit")
+MEASURED = ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")
 
 
 def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
@@ -78,10 +81,9 @@ def run_demo(out: Path, *, quick: bool = False, device: str = "auto") -> Path:
     # 3. summaries, execution, report
     summary = summarize(audits, out=out / "summary")
     console.print(str(summary), soft_wrap=True, markup=False, highlight=False)
-    measured = ("dense", "uniform", "layerstatic", "featuregate", "fixeddepth", "mudd", "moe", "mod", "early-exit")
-    ckpts = [out / "train" / f"{m}-s0" for m in measured]
+    ckpts = [out / "train" / f"{m}-s0" for m in MEASURED] + ([causal] if causal else [])
     started = time.perf_counter()
-    measure_execution(ExecutionConfig([*ckpts, causal], out / "execution", batch_size=8, window=plan.window,
+    measure_execution(ExecutionConfig(ckpts, out / "execution", batch_size=8, window=plan.window,
                                       device=device, min_run_time=plan.min_run_time, thresholds=plan.thresholds,
                                       threshold_windows=plan.n_eval, progress=False))
     console.print(f"execution -> {out / 'execution'}  ({time.perf_counter() - started:.0f} s)")
@@ -107,11 +109,11 @@ def _claim(out: Path, plan: DemoPlan) -> OutDir:
 def _train_all(out: Path, plan: DemoPlan, device: str, corpus) -> list[tuple[str, int]]:
     """1. Training (Table 1): every (model, seed) run, in worker processes of one torch thread each where the CPU
     has cores for them (each run is seeded, so it trains the same weights in any process and order)."""
-    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [
-        (m, 0) for m in ("dense", "uniform-fixed", "uniform-matched", "fixeddepth", "mudd", "moe", "mod", "early-exit")]
+    runs = [(m, s) for m in MULTI_SEED for s in range(plan.seeds)] + [(m, 0) for m in ONE_SEED]
     workers = _training_workers(device, len(runs))
     progress = console.is_terminal and workers == 1  # a bar on a terminal for one worker; else the demo's lines only
-    matched = runs.index(("uniform-matched", 0))  # reads featuregate-s0's gate mass: configured once that is done
+    # uniform-matched reads featuregate-s0's gate mass: configured once that is done
+    matched = runs.index(("uniform-matched", 0)) if ("uniform-matched", 0) in runs else None
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
                                initargs=(torch.get_num_threads(),)) if workers > 1 else None
     try:
@@ -170,15 +172,18 @@ def _embedded():
     return load_corpus("embedded")
 
 
-def _audit_all(out: Path, plan: DemoPlan, device: str, runs: list[tuple[str, int]]) -> tuple[list[Path], Path]:
-    """2. The audits' directories, and the causal copy of MoD: MoD is audited twice, its top-k router and the causal
-    predictor of a copy that routes by it."""
-    causal = out / "causal" / "mod-s0"
-    if not (causal / "model.safetensors").is_file():
-        causal_checkpoint(out / "train" / "mod-s0", causal)
+def _audit_all(out: Path, plan: DemoPlan, device: str,
+               runs: list[tuple[str, int]]) -> tuple[list[Path], Path | None]:
+    """2. The audits' directories, and the causal copy of MoD (None where MoD is not trained): MoD is audited twice,
+    its top-k router and the causal predictor of a copy that routes by it."""
     audited = [(f"{m}-s{s}", out / "train" / f"{m}-s{s}", None) for m, s in runs if m in AUDITED]
+    causal = out / "causal" / "mod-s0" if ("mod", 0) in runs else None
+    if causal is not None:
+        if not (causal / "model.safetensors").is_file():
+            causal_checkpoint(out / "train" / "mod-s0", causal)
+        audited.append(("mod-causal-s0", causal, f"mod-causal {plan.preset}"))
     audits = []
-    for name, ckpt, family in audited + [("mod-causal-s0", causal, f"mod-causal {plan.preset}")]:
+    for name, ckpt, family in audited:
         audit_dir = out / "audit" / name
         console.print(f"[bold]audit[/bold] {name}")
         config = AuditConfig(out=audit_dir, n_eval=plan.n_eval, n_calib=plan.n_calib, window=plan.window,
