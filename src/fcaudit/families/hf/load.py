@@ -254,7 +254,7 @@ def _check_scan(dir: Path, config) -> None:
         fits = 1 << max(0, math.isqrt(SCAN_BYTES // (12 * heads)).bit_length() - 1)  # a power of two within
         raise FcauditError(f"{dir / 'config.json'} has {key}={chunk}: transformers' torch scan pads a window to "
                            f"a multiple of {chunk} tokens and holds {heads} heads x {chunk} x {chunk} float32 scores "
-                           f"per chunk, ~{need / 2**30:.1f} GiB for one window in each layer: set {key} to at most "
+                           f"per chunk of a window, ~{need / 2**30:.1f} GiB in each layer: set {key} to at most "
                            f"{fits} in config.json (the chunk changes the scan's result only in rounding)")
 
 
