@@ -107,9 +107,16 @@ def test_mamba2_delta_b_and_c_are_audited_per_layer_with_an_exact_replay(tmp_pat
     ("bamba", dict(ATTENTION, **MAMBA2_HEADS, attn_layer_indices=[1]) | dict(mamba_chunk_size=16384))])
 def test_a_scan_chunk_too_large_for_memory_is_refused_at_load_naming_the_chunk_that_fits(tmp_path, model_type, sizes):
     """The torch scan pads a 16-token window to the chunk and holds [head, chunk, chunk] tensors: 4 heads at 65536
-    would be ~192 GiB per layer. Refused from config.json alone, before the controller's probe runs a pass."""
+    would be ~192 GiB per layer. Refused from config.json alone, before the controller's probe runs a pass; a model
+    loaded by the user is refused by fca.controller_for, before its probe, naming the argument to load it with."""
     ckpt = saved(tmp_path, model_type, **sizes)
     key = "chunk_size" if model_type == "mamba2" else "mamba_chunk_size"
+    own = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    assert api_refusal(lambda: fca.controller_for(own)).endswith(
+        f"load the model again with from_pretrained(..., {key}=2048) (the chunk changes the scan's result only in "
+        "rounding)")
+    own = transformers.AutoModelForCausalLM.from_pretrained(ckpt, **{key: 2048})
+    assert fca.controller_for(own).sites  # the argument it names loads a model whose controller is found
     line = api_refusal(lambda: fca.load(ckpt, device="cpu"))
     assert f"has {key}={sizes[key]}: transformers' torch scan pads" in line
     assert line.endswith(f"set {key} to at most 2048 in config.json (the chunk changes the scan's result only in "

@@ -13,6 +13,7 @@ from fcaudit.controllers.sites import Site
 from fcaudit.errors import FcauditError
 from fcaudit.families import OWN_ROUTE
 from fcaudit.families.hf.discover import is_moe, moe_controller
+from fcaudit.families.hf.load import check_scan
 from fcaudit.families.hf.recipes import RECIPES, UNAUDITED
 
 
@@ -70,6 +71,10 @@ def is_hf(model: nn.Module) -> bool:
 def hf_controller(model: nn.Module) -> Controller:
     """Every controller fcaudit finds in a Hugging Face model: its MoE routers (by structure) and its recipes' sites,
     merged; a mechanism it names but does not audit goes into the controller's notes."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "get_text_config", None)):  # before the probes' passes: a scan's memory
+        check_scan(config.get_text_config(), f"{type(model).__name__}'s config",
+                   "load the model again with from_pretrained(..., {key}={fits})")
     skipped = tuple(unaudited(model))
     routers = moe_controller(model) if is_moe(model) else None
     recipes = recipe_controller(model)

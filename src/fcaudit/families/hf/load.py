@@ -214,7 +214,7 @@ def _config(dir: Path):
                            "(AutoModelForCausalLM): fcaudit's commands score next-token predictions; load the model "
                            "yourself and pass fca.audit its controller (fca.Controller.from_modules) and a loss_fn")
     text = config.get_text_config()
-    _check_scan(dir, text)
+    check_scan(text, str(dir / "config.json"), "set {key} to at most {fits} in config.json")
     if getattr(config, "quantization_config", None) is None:  # packed quantized weights hold fewer elements
         stored = stored_shapes(dir)
         check_depth(dir, stored, *_stored_depth(text))
@@ -239,11 +239,12 @@ SCAN_HEADS_KEYS = ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_hea
 SCAN_BYTES = 2**28  # the most one window's chunk x chunk tensors in one layer may take
 
 
-def _check_scan(dir: Path, config) -> None:
+def check_scan(config, where: str, fix: str) -> None:
     """Refuse a chunked scan whose chunk makes one window's forward pass allocate more than SCAN_BYTES, before
     any pass runs (the controller's discovery probe would run out of memory, or take minutes, with no word).
     transformers' torch scan (the path fcaudit audits) pads a window to a multiple of the chunk and holds three
-    float32 [head, chunk, chunk] tensors per chunk (decays, scores, their product): a short window costs a chunk's."""
+    float32 [head, chunk, chunk] tensors per chunk (decays, scores, their product): a short window costs a chunk's.
+    `where` names the config; `fix` says where to set the chunk, a format of {key} and {fits}."""
     key = next((k for k in CHUNK_KEYS if _is_count(getattr(config, k, None))), None)
     heads = next((getattr(config, k) for k in SCAN_HEADS_KEYS if _is_count(getattr(config, k, None))), None)
     if key is None or heads is None or heads < 1:
@@ -252,10 +253,10 @@ def _check_scan(dir: Path, config) -> None:
     need = 3 * 4 * heads * chunk**2
     if need > SCAN_BYTES:
         fits = 1 << max(0, math.isqrt(SCAN_BYTES // (12 * heads)).bit_length() - 1)  # a power of two within
-        raise FcauditError(f"{dir / 'config.json'} has {key}={chunk}: transformers' torch scan pads a window to "
-                           f"a multiple of {chunk} tokens and holds {heads} heads x {chunk} x {chunk} float32 scores "
-                           f"per chunk of a window, ~{need / 2**30:.1f} GiB in each layer: set {key} to at most "
-                           f"{fits} in config.json (the chunk changes the scan's result only in rounding)")
+        raise FcauditError(f"{where} has {key}={chunk}: transformers' torch scan pads a window to a multiple of "
+                           f"{chunk} tokens and holds {heads} heads x {chunk} x {chunk} float32 scores per chunk of a "
+                           f"window, ~{need / 2**30:.1f} GiB in each layer: {fix.format(key=key, fits=fits)} (the "
+                           "chunk changes the scan's result only in rounding)")
 
 
 def _is_count(v) -> bool:
