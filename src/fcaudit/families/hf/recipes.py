@@ -102,8 +102,12 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     # a norm whose output a sigmoid of a low-rank map of it gates, per channel (A.X K2's attention input)
     "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
     # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
-    # output gate z of the gated norm; where one projection computes b and a together, its output is one site
-    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),  # z: UNAUDITED_ATTENTION
+    # output gate z of the gated norm; where one projection computes b and a together, its output is one site.
+    # Qwen3-Next's z comes out of in_proj_qkvz with q, k and v: the site is SiLU(z) inside its gated norm, which sees
+    # it flattened per head (a replay of the strided slice z itself runs SiLU on a contiguous copy, a last bit off)
+    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),
+                               Recipe("gated-delta-net output gate SiLU(z)", "norm", op="silu",
+                                      layout="(batch token head) channel")),
     "Qwen3_5GatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
                              Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
                              Recipe("gated-delta-net output gate", "in_proj_z")),
@@ -131,6 +135,7 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     # that scale each stream's correction (n), linear maps of the router's modalities
     "Gemma3nTextAltUp": (Recipe("AltUp prediction coefficients", "prediction_coefs"),
                          Recipe("AltUp correction coefficients", "correction_coefs")),
+    # Gemma 3n's per_layer_input_gate: act_fn(gate(h)) * per-layer input -> per_layer_projection, a GLU, no controller
     # hyper-connections: per token, the weights collapsing the n residual streams into the block's input (pre, a
     # mixture over streams), expanding its output into each stream (post), and (DeepSeek-V4) mixing the streams
     # (comb: softmax over the last axis, then a fixed Sinkhorn normalisation, which replay recomputes)
@@ -180,11 +185,6 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "MiniMaxM3VLIndexer": _KEY_SELECTION,
     "MistralLarge4TextIndexer": _KEY_SELECTION,
     "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
-    # the output gate z comes out of in_proj_qkvz with q, k and v; alone it is a strided slice, rebuilt contiguous
-    # on replay, where SiLU takes another (vectorised) path that differs in the last bit
-    "Qwen3NextGatedDeltaNet": ("its output gate z (β and decay are audited): in_proj_qkvz computes it with q, k and v, "
-                               "and the one site holding it alone is a strided slice that a replay does not rebuild "
-                               "bit-exactly"),
     # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
     "DoryAttention": _LOOPED.format("attention output gate"),
     "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
