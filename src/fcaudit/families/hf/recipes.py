@@ -148,6 +148,15 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
         Recipe("hyper-connection post weights", op="sigmoid", call=1)),
     "HYV4HyperHead": (Recipe("hyper-connection head weights", op="sigmoid", layout="batch token source",
                              kind="source_mixture"),),
+    # looped layers (Dory's recurrent layers, HRM's H and L stacks, Inkling2-Loop's loop layers) run several times in
+    # a forward pass: each of their sites is one per call, each loop pass its own layer (find.py's per_call)
+    "DoryAttention": (Recipe("attention output gate", "gate_proj"),),  # before its learned scale and sigmoid
+    "HrmTextAttention": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopGatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopDynamicShortConvolution": (Recipe("dynamic convolution taps", "weight_proj"),),
+    # in the passes after the first: (1 - tanh(forget)) * state + tanh(message gate) * the previous pass's message
+    "Inkling2LoopMessageGate": (Recipe("loop forget gate", "forget_gate_proj"),
+                                Recipe("loop message gate", "message_gate_proj")),
     # Qwen4-Exp's gated residual: per (stream, channel) weights of the streams' mean (before their sigmoid), and per
     # stream the block's injection weight (absent from the final mixer)
     "Qwen4ExpTextGatedResidual": (Recipe("hyper-connection input mix weights", "input_mix_weight_up"),
@@ -163,8 +172,6 @@ UNAUDITED_RECURRENT: dict[str, str] = {
 # sparse attention: an indexer scores the keys from the input and a top-k picks the ones each query attends to
 _KEY_SELECTION = ("sparse-attention key selection (an indexer's top-k picks each query's keys): fcaudit has no kind "
                   "for key selection yet")
-_LOOPED = ("{} of a looped layer, which runs once per loop pass in a forward pass, and a recipe names one call "
-           "per module: audit each pass with fcaudit.Controller.from_modules(..., call=k)")
 _INSIDE_ATTENTION = ("attention-residual weights over earlier blocks' states: the attention kernel computes them and "
                      "returns only the mixed state (the value path), so no site holds them alone")
 UNAUDITED_ATTENTION: dict[str, str] = {
@@ -185,12 +192,6 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "Qwen3NextGatedDeltaNet": ("its output gate z (β and decay are audited): in_proj_qkvz computes it with q, k and v, "
                                "and the one site holding it alone is a strided slice that a replay does not rebuild "
                                "bit-exactly"),
-    # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
-    "DoryAttention": _LOOPED.format("attention output gate"),
-    "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
-    "Inkling2LoopGatedOutputProjection": _LOOPED.format("attention output gate"),
-    "Inkling2LoopDynamicShortConvolution": _LOOPED.format("dynamic convolution taps"),
-    "Inkling2LoopMessageGate": _LOOPED.format("gates mixing the state with the loop's message"),
     # attention residuals: a static query attends over earlier blocks' states
     "Inkling2BlockAttentionResidual": _INSIDE_ATTENTION,
     "Inkling2LoopBlockAttentionResidual": _INSIDE_ATTENTION,
