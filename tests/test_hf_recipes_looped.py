@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fcaudit as fca
+from fcaudit.auditor.results import load_records
 from fcaudit.families.hf.find import per_call
 from harness import api_refusal, cli, ok
 
@@ -60,8 +61,8 @@ def test_dory_gates_its_recurrent_layers_once_per_loop_pass_each_pass_a_site_fro
     assert ctrl["sites"] == [gate.format(0), *per_pass(gate.format(1), 2), *per_pass(gate.format(2), 2), gate.format(3)]
     assert ctrl["kinds"] == ["vector_gate"] * 6
     assert "groups" not in ctrl  # every loop pass of every layer its own layer
-    records = (tmp_path / "audit").glob("records*")
-    assert next(records, None) is not None
+    records = load_records(tmp_path / "audit")
+    assert len(records[records.condition == "Correct"]) == 4 and records.nll.notna().all()
 
 
 def test_hrm_h_and_l_stacks_audit_every_cycle_with_zero_code(hf_zoo, tmp_path):
@@ -182,3 +183,41 @@ def test_a_loop_that_halts_on_the_input_is_refused_not_numbered():
     line = api_refusal(capture)
     assert "'block.gate[call=0]': block.gate.forward ran 1 time(s) in a forward pass, not the 3" in line
     assert "halting" in line
+    with torch.no_grad(), ctrl.capture(*ids.shape) as found:
+        model(torch.tensor([[1, 2, 4, 3]]))  # no 5: three passes, captured
+
+    def replay():  # a replay in which the loop stops early leaves two sites unreplayed: refused too
+        with torch.no_grad(), ctrl.replay(found):
+            model(ids)
+
+    assert "ran 1 time(s) in a forward pass, not the 3" in api_refusal(replay)
+
+
+def test_a_call_numbered_over_every_pass_of_a_looped_layer_is_refused_not_audited_for_one_pass():
+    model = LoopedLM().eval()
+    sigmoid = fca.Controller.from_ops(model, "block", "sigmoid", "batch token ()", call=0)  # the first pass's only
+    line = api_refusal(lambda: per_call(model, sigmoid))
+    assert "'block:sigmoid[call=0]': block.forward runs 3 times in a forward pass (a looped layer)" in line
+
+
+def test_an_op_site_of_a_looped_block_is_one_site_per_pass_and_replays_exactly():
+    model = LoopedLM().eval()
+    ctrl = per_call(model, fca.Controller.from_ops(model, "block", "sigmoid", "batch token ()"))
+    assert [s.name for s in ctrl.sites] == per_pass("block:sigmoid", STEPS)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ctrl.capture(*ids.shape) as found:
+        live = model(ids)
+    assert not torch.equal(found[0], found[1])  # each pass's gate, on that pass's state
+    with torch.no_grad(), ctrl.replay(found):
+        assert torch.equal(model(ids), live)
+
+
+def test_a_model_that_fails_every_probe_window_is_refused_in_one_line():
+    class Broken(LoopedLM):
+        def forward(self, ids):
+            raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    model = Broken().eval()
+    line = api_refusal(lambda: per_call(model, fca.Controller.from_modules(model, "block.gate", "batch token ()")))
+    assert line.startswith("Broken fails a 4-token forward pass (RuntimeError: The size of tensor a (4)")
+    assert "counts the calls of its controller sites" in line

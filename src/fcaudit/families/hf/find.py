@@ -68,8 +68,15 @@ def per_call(model: nn.Module, controller: Controller) -> Controller:
     run = Pass([replace(s, call=-1) for s in controller.sites])  # no site takes a call: the pass only counts them
     with patched(run), controller.context():
         _probe(model)
-    split = {i: n for i, s in enumerate(run.sites) if controller.sites[i].call is None
-             and (n := run.method_calls.get((id(s.module), s.method), 0)) > 1
+    runs = [run.method_calls.get((id(s.module), s.method), 0) for s in run.sites]
+    for s, n in zip(controller.sites, runs):
+        if s.call is not None and n > 1:  # its call N counts over every pass: one pass audited, the others live
+            raise FcauditError(f"site {s.name!r}: {s.path}.{s.method} runs {n} times in a forward pass (a looped "
+                               f"layer), and call={s.call} numbers the calls{f' of {s.op!r}' if s.op else ''} over "
+                               "all of them, so one pass would be audited and the others left live; describe each "
+                               "pass's site with fcaudit.Controller.from_ops(..., call=N)")
+    split = {i: n for i, (s, n) in enumerate(zip(run.sites, runs))
+             if controller.sites[i].call is None and n > 1
              and (s.op is None or run.count(s) == n)}  # an op site: once in each call of its method
     if not split:
         return controller
@@ -90,9 +97,10 @@ def _probe(model: nn.Module) -> None:
         except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
             first = first or (n, e)
     n, e = first
-    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: {one_line(e, 120)}) "
-                       f"and every longer probe up to {probe_lengths(model)[-1]} tokens, which counts the calls of its "
-                       "controller sites; check its config.json and that the model fits in memory") from e
+    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: "
+                       f"{one_line(e, 120)}) and every longer probe up to {probe_lengths(model)[-1]} tokens, which "
+                       "counts the calls of its controller sites; check its config.json and that the model fits in "
+                       "memory") from e
 
 
 def is_hf(model: nn.Module) -> bool:
