@@ -16,7 +16,7 @@ from torch import nn
 import fcaudit as fca
 from fcaudit.auditor.results import load_records
 from fcaudit.families.hf.find import per_call
-from harness import api_refusal, cli, ok
+from harness import api_refusal, cli, edit_config, ok, refusal
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -74,6 +74,12 @@ def test_hrm_h_and_l_stacks_audit_every_cycle_with_zero_code(hf_zoo, tmp_path):
     ctrl = audited_by_cli(saved(tmp_path, model), tmp_path / "audit")
     assert ctrl["sites"] == [*per_pass("model.L_module.layers.0.self_attn.gate_proj", low),
                              *per_pass("model.H_module.layers.0.self_attn.gate_proj", high)]
+
+
+def test_an_hrm_config_asking_for_more_layers_per_stack_than_its_weights_hold_is_refused(hf_zoo, tmp_path):
+    ckpt = edit_config(saved(tmp_path, hf_zoo.tiny_model("hrm_text")), num_layers_per_stack=4)
+    line = refusal(cli("audit", ckpt, "--out", tmp_path / "audit"))
+    assert "(num_layers_per_stack=4, the weights hold 1 layers)" in line
 
 
 def test_a_looped_layers_sites_capture_one_pass_each_and_replay_exactly(hf_zoo):

@@ -5,8 +5,9 @@ architecture is one entry. MoE routers are found by structure (discover.py) and 
 
 Each `Recipe` names one site inside every instance of its class: the output of a submodule (`module`, relative to the
 instance, "" for the instance itself), or the result of a torch function (`op`) that the module's `method` runs, as
-`Controller.from_modules` and `Controller.from_ops` read them. `what` says what the coefficients are; the audit
-names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
+`Controller.from_modules` and `Controller.from_ops` read them; where the model runs an instance several times in one
+forward pass (a looped layer), the site is one site per call, each its own layer (find.py's `per_call`). `what` says
+what the coefficients are; the audit names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
 holding one says so in a notice.
 """
 
@@ -20,7 +21,7 @@ class Recipe:
     what: str  # what the coefficients are, e.g. "selective-SSM Δ, B and C"
     module: str = ""  # the site's module relative to the class's instance ("" = the instance)
     op: str | None = None  # a torch function's name (see Controller.from_ops), else the module's output
-    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: its only one
+    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: each, one site each
     method: str = "forward"
     layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
     kind: str = "vector_gate"
