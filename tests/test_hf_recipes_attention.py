@@ -172,11 +172,3 @@ def test_an_output_gate_the_config_turns_off_is_no_site():
     assert [s.name for _, s in recipe_sites(gated)] == [f"model.layers.{i}.self_attn.g_proj" for i in (0, 1)]
     plain = transformers.AutoModelForCausalLM.from_config(off).eval()
     assert "no controller fcaudit finds" in api_refusal(lambda: fca.controller_for(plain))
-
-
-def test_a_looped_model_whose_only_gates_run_once_per_pass_is_refused_naming_them():
-    config = transformers.DoryConfig(**SMALL | dict(num_hidden_layers=3), n_input_layers=1, n_recurrent_layers=1,
-                                     n_output_layers=1)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    line = api_refusal(lambda: fca.controller_for(model))
-    assert "it holds 3 DoryAttention (model.layers.0.self_attn, ...)" in line and "call=k" in line

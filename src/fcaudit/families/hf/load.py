@@ -193,9 +193,16 @@ def _config(dir: Path):
     return config
 
 
+# model_type -> the config field that counts the decoder layers its weights hold, where num_hidden_layers counts
+# something else (HRM: its cache slots, num_layers_per_stack x H_cycles x (L_cycles + 1), of each stack's layers)
+STORED_DEPTH = {"hrm_text": "num_layers_per_stack"}
+
+
 def _stored_depth(config) -> tuple[str, object]:
     """The config's field that counts the decoder layers its weights hold, and its value: num_hidden_layers, or what
     the config class derives it from (LongCat-Flash: 2 x num_layers, two attention sublayers in each layer)."""
+    if (field := STORED_DEPTH.get(getattr(config, "model_type", None))) is not None:
+        return field, getattr(config, field, None)
     derived = inspect.getattr_static(type(config), "num_hidden_layers", None)
     if isinstance(derived, property) and derived.fget is not None:
         read = [n for n in derived.fget.__code__.co_names if _is_count(getattr(config, n, None))]

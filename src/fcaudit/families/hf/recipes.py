@@ -5,8 +5,9 @@ architecture is one entry. MoE routers are found by structure (discover.py) and 
 
 Each `Recipe` names one site inside every instance of its class: the output of a submodule (`module`, relative to the
 instance, "" for the instance itself), or the result of a torch function (`op`) that the module's `method` runs, as
-`Controller.from_modules` and `Controller.from_ops` read them. `what` says what the coefficients are; the audit
-names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
+`Controller.from_modules` and `Controller.from_ops` read them; where the model runs an instance several times in one
+forward pass (a looped layer), the site is one site per call, each its own layer (find.py's `per_call`). `what` says
+what the coefficients are; the audit names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
 holding one says so in a notice.
 """
 
@@ -20,7 +21,7 @@ class Recipe:
     what: str  # what the coefficients are, e.g. "selective-SSM Δ, B and C"
     module: str = ""  # the site's module relative to the class's instance ("" = the instance)
     op: str | None = None  # a torch function's name (see Controller.from_ops), else the module's output
-    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: its only one
+    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: each, one site each
     method: str = "forward"
     layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
     kind: str = "vector_gate"
@@ -153,6 +154,15 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
         Recipe("hyper-connection post weights", op="sigmoid", call=1)),
     "HYV4HyperHead": (Recipe("hyper-connection head weights", op="sigmoid", layout="batch token source",
                              kind="source_mixture"),),
+    # looped layers (Dory's recurrent layers, HRM's H and L stacks, Inkling2-Loop's loop layers) run several times in
+    # a forward pass: each of their sites is one per call, each loop pass its own layer (find.py's per_call)
+    "DoryAttention": (Recipe("attention output gate", "gate_proj"),),  # before its learned scale and sigmoid
+    "HrmTextAttention": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopGatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopDynamicShortConvolution": (Recipe("dynamic convolution taps", "weight_proj"),),
+    # in the passes after the first: (1 - tanh(forget)) * state + tanh(message gate) * the previous pass's message
+    "Inkling2LoopMessageGate": (Recipe("loop forget gate", "forget_gate_proj"),
+                                Recipe("loop message gate", "message_gate_proj")),
     # Qwen4-Exp's gated residual: per (stream, channel) weights of the streams' mean (before their sigmoid), and per
     # stream the block's injection weight (absent from the final mixer)
     "Qwen4ExpTextGatedResidual": (Recipe("hyper-connection input mix weights", "input_mix_weight_up"),
@@ -168,8 +178,6 @@ UNAUDITED_RECURRENT: dict[str, str] = {
 # sparse attention: an indexer scores the keys from the input and a top-k picks the ones each query attends to
 _KEY_SELECTION = ("sparse-attention key selection (an indexer's top-k picks each query's keys): fcaudit has no kind "
                   "for key selection yet")
-_LOOPED = ("{} of a looped layer, which runs once per loop pass in a forward pass, and a recipe names one call "
-           "per module: audit each pass with fcaudit.Controller.from_modules(..., call=k)")
 _INSIDE_ATTENTION = ("attention-residual weights over earlier blocks' states: the attention kernel computes them and "
                      "returns only the mixed state (the value path), so no site holds them alone")
 UNAUDITED_ATTENTION: dict[str, str] = {
@@ -185,12 +193,6 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "MiniMaxM3VLIndexer": _KEY_SELECTION,
     "MistralLarge4TextIndexer": _KEY_SELECTION,
     "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
-    # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
-    "DoryAttention": _LOOPED.format("attention output gate"),
-    "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
-    "Inkling2LoopGatedOutputProjection": _LOOPED.format("attention output gate"),
-    "Inkling2LoopDynamicShortConvolution": _LOOPED.format("dynamic convolution taps"),
-    "Inkling2LoopMessageGate": _LOOPED.format("gates mixing the state with the loop's message"),
     # attention residuals: a static query attends over earlier blocks' states
     "Inkling2BlockAttentionResidual": _INSIDE_ATTENTION,
     "Inkling2LoopBlockAttentionResidual": _INSIDE_ATTENTION,
