@@ -77,6 +77,7 @@ class Flow(TorchFunctionMode):
         self.outputs, self.pending, self.watch, self.rank = outputs, set(watch) | set(rank), set(watch), set(rank)
         self.axes = axes or {}
         self.feeds: set[int] = set()
+        self.taking: list[frozenset[int]] = []  # per module running: the sites its first input carries
         self.contracted: set[int] = set()
         self.ranked: dict[int, str] = {}
         self.decisions: dict[int, list[torch.Tensor]] = {}
@@ -143,8 +144,14 @@ class Flow(TorchFunctionMode):
         return out
 
     def consumer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A module's forward pre-hook: the watched sites its inputs (positional or keyword) carry feed it."""
-        fed = self.watch & frozenset().union(*(self.sites_of(t) for _, t in leaves((args, kwargs))))
+        """A module's forward pre-hook: the watched sites its first floating-point input carries (positional or
+        keyword: the tensor it transforms); a later input (a gate, a mask, a scale) is left to its ops."""
+        self.taking.append(self.watch & self.sites_of(first_tensor((args, kwargs), floating=True)))
+
+    def consumed(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module's forward hook: the sites it took that its output no longer carries feed it (one that passes a
+        site on elementwise, an activation or a norm, leaves it to the modules after it)."""
+        fed = self.taking.pop() - frozenset().union(*(self.sites_of(t) for _, t in leaves(output)))
         if fed:
             self.feeds |= fed
             self.carriers = {k: (t, s) for k, (t, s) in self.carriers.items() if s - (self.feeds - self.rank)}
@@ -156,4 +163,5 @@ class Flow(TorchFunctionMode):
             stack.enter_context(self)
             for m in model.modules():
                 stack.callback(m.register_forward_pre_hook(self.consumer, with_kwargs=True).remove)
+                stack.callback(m.register_forward_hook(self.consumed, with_kwargs=True, always_call=True).remove)
         return stack
