@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fcaudit as fca
-from conftest import V, run, windows
+from conftest import V, run
 
 WIDTH = 16
 

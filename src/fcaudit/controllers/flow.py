@@ -7,6 +7,10 @@ many elements (a view, an elementwise op) whose other tensors are smaller (a per
 size (the residual stream); a shape-only op (`reshape_as`, `view_as`, `expand_as`) carries its first argument, `where`
 its values and `cat` / `stack` their parts. A product with a tensor as large stops it: a coefficient acting on
 activations.
+
+A module takes a site when its first floating-point input (what it transforms) carries it and its output no longer
+does: a later argument (a gated norm's gate, a mask) is followed through the module's ops like any other tensor, and a
+module whose output still carries the site (an activation, a norm, a residual block) leaves it to those inside or after.
 """
 
 from __future__ import annotations
@@ -67,9 +71,9 @@ def decided(name: str, args: tuple, kwargs: dict, out: Any, token: int) -> torch
 
 class Flow(TorchFunctionMode):
     """Follows the outputs of sites `watch` (hidden-width ones) and `rank` (soft coefficients) through one forward
-    pass: `feeds` (watched sites a later module takes), `contracted` (watched sites an op contracts), `ranked`
-    (site -> the ranking op that reads it) and `decisions` (site -> what those rankings decided, with the raw
-    output's shape, where `axes` names its batch and token axes)."""
+    pass: `feeds` (watched sites a later module takes and transforms), `contracted` (watched sites an op
+    contracts), `ranked` (site -> the ranking op that reads it) and `decisions` (site -> what those rankings decided,
+    with the raw output's shape, where `axes` names its batch and token axes)."""
 
     def __init__(self, outputs: list, watch: Sequence[int], rank: Sequence[int] = (),
                  axes: dict[int, tuple[int, int]] | None = None):
