@@ -107,6 +107,9 @@ OVERRIDES: dict[str, dict] = {
     # configs whose defaults are derived in __post_init__ (layer counts): the undervived values
     "dory": dict(layer_types=None, num_hidden_layers=4, n_input_layers=1, n_output_layers=1, n_recurrent_layers=None),
     "hrm_text": dict(num_layers_per_stack=None, num_hidden_layers=1),
+    # its loop layers (6..17 by default) inside the tiny depth: the middle one of three, a full-attention layer
+    "inkling2_loop_text": dict(num_hidden_layers=3, n_layers_per_attn_res_block=1, loop_layer_index_start=1,
+                               loop_layer_index_end=2, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"]),
     "mamba2": dict(num_heads=8),  # num_heads x head_dim = expand x hidden_size
     "falcon_h1": dict(mamba_d_ssm=128, mamba_d_head=16),
     "zamba2": dict(attention_hidden_size=128, attention_head_dim=32),  # attention reads [hidden, embedding]

@@ -7,7 +7,8 @@ All three run the same forward passes on the same batches: per evaluation batch 
 replayed coefficients are made by fcaudit's own condition registry from the captured ones (a peer's job is the
 forward passes, not the draws), so the three must give the same records bit for bit; the script checks it. Timed
 A B C, then the order rotated (C A B, B C A, ...), one thread, wall time of each whole audit; printed per model:
-each run's seconds and the median of the per-round ratios fcaudit / hooks and fcaudit / nnsight, with the load.
+each arm's forward passes (counted in the warm-up), each run's seconds and the median of the per-round ratios
+fcaudit / hooks and fcaudit / nnsight, with the load.
 Usage: python benchmarks/peers.py [--models tiny demo] [--reps 3] [--n-eval 64] [--randomizations 4]
 """
 
@@ -87,7 +88,7 @@ class NNsight:
     def __init__(self, model, paths):
         from nnsight import NNsight as Wrap
 
-        self.wrapped = Wrap(model)
+        self.model, self.wrapped = model, Wrap(model)
         self.envoys = [functools.reduce(lambda e, part: e[int(part)] if part.isdigit() else getattr(e, part),
                                         p.split("."), self.wrapped) for p in paths]
 
@@ -170,8 +171,21 @@ def compare(preset: str, args) -> dict:
     runs = {"fcaudit": lambda: fcaudit_audit(model, ctrl, ev, ca, args.batch_size, args.randomizations),
             **{name: functools.partial(peer_audit, peer, ctrl, ev, ca, args.batch_size, args.randomizations)
                for name, peer in peers.items()}}
-    records = {name: run() for name, run in runs.items()}  # warm-up, and the records compared
-    row = {"model": preset, "identical": {}, "ratios": {}}
+    passes = {}  # the warm-up counts each arm's forward passes (a hook on its model), the timed runs run without it
+    counted = {"fcaudit": model, "hooks": peers["hooks"].model, "nnsight": getattr(peers.get("nnsight"), "model", None)}
+    records = {}
+    for name, run in runs.items():  # warm-up, and the records compared
+        calls = [0]
+        handle = counted[name].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            records[name] = run()
+        finally:
+            handle.remove()
+        passes[name] = calls[0]
+    print(f"{preset:<5} forward passes: " + ", ".join(f"{name} {n}" for name, n in passes.items())
+          + " (fcaudit's more: its checks before anything is written, and the first batch's Correct pass repeated "
+          "at the end)", flush=True)
+    row = {"model": preset, "identical": {}, "ratios": {}, "passes": passes}
     for name in peers:
         same = records[name].keys() == records["fcaudit"].keys() and all(
             np.array_equal(records[name][k], records["fcaudit"][k]) for k in records["fcaudit"])

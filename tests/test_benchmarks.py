@@ -129,3 +129,5 @@ def test_peers_audits_with_plain_hooks_give_fcaudits_records_bit_for_bit():
     rows = peers.main(["--models", "tiny", "--n-eval", "8", "--n-calib", "8", "--window", "16", "--randomizations",
                        "1", "--reps", "0"])
     assert rows[0]["identical"]["hooks"] and all(rows[0]["identical"].values())
+    passes = rows[0]["passes"]  # the peers run the same passes; fcaudit more: its checks
+    assert passes["fcaudit"] > passes["hooks"] == passes.get("nnsight", passes["hooks"]) > 0

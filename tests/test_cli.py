@@ -97,14 +97,13 @@ def test_dry_run_prints_plan(tmp_path, tiny_ckpt):
     assert "note:" not in r.output
 
 
-def test_a_dry_run_notes_the_windows_a_real_run_would_refuse(tmp_path, tiny_ckpt):
+def test_a_corpus_too_repetitive_for_the_windows_asked_is_refused_alike_by_a_dry_run_and_the_run(tmp_path, tiny_ckpt):
     (tmp_path / "repeats.txt").write_text("abcd" * 20_000)  # every window of its splits is the same text
     args = ("audit", tiny_ckpt, "--corpus", tmp_path / "repeats.txt", "--eval", 8, "--calib", 8, "--window", 32)
-    r = run(*args, "--dry-run", "--out", tmp_path / "a")
-    assert r.exit_code == 0, r.output
-    assert "note: the audit itself would stop here: evaluation window 1 equals window 0 (7 of 8" in r.output
-    assert not (tmp_path / "a").exists()
-    one_line_error(run(*args, "--out", tmp_path / "a"), "evaluation window 1 equals window 0 (7 of 8")
+    for dry in (("--dry-run",), ()):
+        one_line_error(run(*args, *dry, "--out", tmp_path / "a"),
+                       "the test split has only 1 window(s) of 32 tokens whose text is distinct, not 8")
+        assert not (tmp_path / "a").exists()
 
 
 def test_hf_checkpoints_audited_under_one_family_are_pooled_as_seeds_and_a_moved_one_resumes(tmp_path, monkeypatch):

@@ -1,3 +1,5 @@
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +32,7 @@ def test_eval_and_calibration_windows_never_overlap(corpus):
         s = np.sort(ws.starts)
         assert np.all(np.diff(s) >= 256), "windows within a set overlap"
         assert torch.equal(ws.ids[0], torch.from_numpy(split[ws.starts[0]:ws.starts[0] + 256].astype(np.int64)))
-    # different splits, and the splits themselves share no file: no evaluation window equals a calibration window
+    # no evaluation window equals a calibration window
     assert not (ev.ids[:, None, :] == cal.ids[None, :, :]).all(-1).any()
 
 
@@ -39,6 +41,35 @@ def test_windows_are_seeded(corpus):
     b = data.make_windows(corpus.test, 10, 128, seed=1, split="test")
     c = data.make_windows(corpus.test, 10, 128, seed=2, split="test")
     assert torch.equal(a.ids, b.ids) and not torch.equal(a.ids, c.ids)
+
+
+def test_windows_of_a_text_that_repeats_are_drawn_distinct_and_the_draw_is_unchanged_where_nothing_repeats(corpus):
+    # the embedded corpus's codec tables repeat across files: at 64 tokens, the default draw of 512 + 512 windows
+    # met a calibration window equal to an evaluation window, which the audit refuses
+    ev, cal = data.audit_windows(corpus, 512, 512, 64, seed=0)
+    texts = lambda ws: {bytes(row) for row in ws.ids.numpy().astype(np.uint8)}  # noqa: E731
+    assert len(texts(ev)) == len(texts(cal)) == 512 and not texts(ev) & texts(cal)
+    rng = np.random.default_rng([0, zlib.crc32(b"validation")])  # the plain draw, which met one repeat
+    slots = len(corpus.validation) // 64
+    offset = int(rng.integers(0, len(corpus.validation) - slots * 64 + 1))
+    plain = np.sort(rng.choice(slots, size=512, replace=False)) * 64 + offset
+    assert len(set(plain) - set(cal.starts)) == 1  # only the repeated window gave way
+    a = data.make_windows(corpus.test, 10, 128, seed=1, split="test", avoid=frozenset())  # nothing repeats: plain
+    rng = np.random.default_rng([1, zlib.crc32(b"test")])
+    slots = len(corpus.test) // 128
+    offset = int(rng.integers(0, len(corpus.test) - slots * 128 + 1))
+    assert np.array_equal(a.starts, np.sort(rng.choice(slots, size=10, replace=False)) * 128 + offset)
+
+
+def test_a_split_without_enough_distinct_windows_is_a_clear_error():
+    tokens = np.tile(np.arange(10, dtype=np.uint8), 40)  # 400 tokens, 40 slots of 10, one text
+    one = data.make_windows(tokens, 1, 10, seed=0, split="test", avoid=frozenset())
+    with pytest.raises(FcauditError, match=r"only 1 window\(s\) of 10 tokens whose text is distinct, not 2"):
+        data.make_windows(tokens, 2, 10, seed=0, split="test", avoid=frozenset())
+    assert len(data.make_windows(tokens, 40, 10, seed=0, split="validation")) == 40  # training's: any text
+    with pytest.raises(FcauditError, match="distinct from the evaluation windows"):
+        data.make_windows(tokens, 1, 10, seed=0, split="validation", avoid=frozenset({bytes(tokens[:10])}))
+    assert one.ids.shape == (1, 10)
 
 
 def test_window_longer_than_split_is_a_clear_error():

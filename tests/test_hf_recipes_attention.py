@@ -71,14 +71,31 @@ def test_qwen3_next_output_gates_and_gated_delta_net_audit_from_the_cli_with_its
     assert replay["passed"] and replay["max_abs_dlogit"] == 0.0
     model = fca.load(ckpt, device="cpu")
     ctrl = fca.controller_for(model)
-    # the gate shares q_proj with the query: its sigmoid is the site; β and the decay's input come from in_proj_ba
-    assert {s.name for s in ctrl.sites if s.kind == "vector_gate"} == {"model.layers.0.linear_attn.in_proj_ba",
+    # the attention gate shares q_proj with the query: its sigmoid is the site; β and the decay's input come from
+    # in_proj_ba; the output gate z shares in_proj_qkvz with q, k and v: SiLU(z) in the gated norm is the site
+    gdn = "model.layers.0.linear_attn"
+    assert {s.name for s in ctrl.sites if s.kind == "vector_gate"} == {f"{gdn}.in_proj_ba", f"{gdn}.norm:silu",
                                                                         "model.layers.1.self_attn:sigmoid"}
     assert sites(ctrl) == {("expert_router", "TopKRouterCodec"): 2, ("scalar_gate", "SharedGateCodec"): 2,
-                           ("vector_gate", "batch token channel"): 2}
-    # its output gate z shares in_proj_qkvz with q, k and v, and alone is a slice no replay rebuilds bit-exactly
-    assert len(ctrl.notes) == 1 and ctrl.notes[0].startswith("not audited: 1 Qwen3NextGatedDeltaNet")
+                           ("vector_gate", "batch token channel"): 2, ("vector_gate", "(batch token head) channel"): 1}
+    assert ctrl.notes == () and len({s.group for s in ctrl.sites if s.path.startswith(gdn)}) == 1
     assert_input_dependent(model, ctrl)
+    assert_silu_of_z_per_token(model, ctrl, gdn)
+
+
+def assert_silu_of_z_per_token(model, ctrl, gdn):
+    """The gated norm's site holds SiLU(z) of each (window, token) in its place, heads side by side: the norm sees it
+    flattened over batch, token and head, so a wrong axis order would move coefficients between tokens."""
+    ids, layer, seen = windows(2, 4), model.get_submodule(gdn), []
+    hook = layer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["hidden_states"]), with_kwargs=True)
+    with torch.no_grad(), ctrl.capture(*ids.shape) as found:
+        model(ids)
+    hook.remove()
+    with torch.no_grad():
+        z = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(seen[0]), layer.in_proj_ba(seen[0]))[3]
+    got = found[[s.name for s in ctrl.sites].index(f"{gdn}.norm:silu")]
+    assert got.shape == (2, 16, 1, 32)
+    torch.testing.assert_close(got[:, :, 0], torch.nn.functional.silu(z.float()).reshape(2, 16, 32), rtol=0, atol=1e-6)
 
 
 def test_qwen3_5_gated_delta_net_beta_decay_and_output_gate_are_projections_of_their_own(tmp_path):
@@ -155,11 +172,3 @@ def test_an_output_gate_the_config_turns_off_is_no_site():
     assert [s.name for _, s in recipe_sites(gated)] == [f"model.layers.{i}.self_attn.g_proj" for i in (0, 1)]
     plain = transformers.AutoModelForCausalLM.from_config(off).eval()
     assert "no controller fcaudit finds" in api_refusal(lambda: fca.controller_for(plain))
-
-
-def test_a_looped_model_whose_only_gates_run_once_per_pass_is_refused_naming_them():
-    config = transformers.DoryConfig(**SMALL | dict(num_hidden_layers=3), n_input_layers=1, n_recurrent_layers=1,
-                                     n_output_layers=1)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    line = api_refusal(lambda: fca.controller_for(model))
-    assert "it holds 3 DoryAttention (model.layers.0.self_attn, ...)" in line and "call=k" in line

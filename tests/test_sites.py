@@ -444,6 +444,7 @@ def test_a_merged_mixture_and_gate_keep_their_own_references(tmp_path):
     ("batch token () stream source", (2, 5, 1, 3, 4), (2, 5, 3, 4)),
     ("batch token 1 stream", (2, 5, 1, 3), (2, 5, 3, 1)),
     ("(batch token) 1", (10, 1), (2, 5, 1, 1)),
+    ("(batch token head) channel", (30, 4), (2, 5, 1, 12)),  # a norm's view: the source (head channel)
 ])
 def test_layouts_with_merged_and_unit_axes_round_trip(pattern, shape, canonical):
     lay = Layout.parse(pattern)

@@ -24,7 +24,7 @@ from fcaudit.config import AuditConfig
 from fcaudit.device import DTYPES, resolve_device
 from fcaudit.errors import FcauditError
 from fcaudit.execution.measure import Source
-from fcaudit.families.hf.load import warnings_held
+from fcaudit.held_warnings import warnings_held
 from fcaudit.hub import resolve
 from fcaudit.io import read_object
 from fcaudit.tokens import load_tokenizer

@@ -219,24 +219,55 @@ def _slots(tokens: np.ndarray, window: int, split: str = "") -> int:
     return len(tokens) // window
 
 
-def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str) -> WindowSet:
+def make_windows(tokens: np.ndarray, n: int, window: int, seed: int, split: str,
+                 avoid: frozenset[bytes] | None = None) -> WindowSet:
     """n non-overlapping windows of `window` tokens at seeded random slots of one split (n, window: checked by the
-    callers' configs)."""
+    callers' configs); with `avoid`, their texts distinct and none in it. A corpus whose text repeats (the embedded
+    one holds tables that several files share) would otherwise give an audit a window twice, which it refuses: a slot
+    whose text is taken gives way to the next one the same generator draws, so the draw is unchanged wherever nothing
+    repeats."""
     slots = _slots(tokens, window, split)
     if n > slots:
         raise FcauditError(f"the {split} split has room for {slots} non-overlapping windows of {window} tokens, "
                            f"not {n}; lower the window count or --window")
     rng = np.random.default_rng([seed, zlib.crc32(split.encode())])
     offset = int(rng.integers(0, len(tokens) - slots * window + 1))
-    starts = np.sort(rng.choice(slots, size=n, replace=False)) * window + offset
+    text = lambda slot: tokens[slot * window + offset:(slot + 1) * window + offset].tobytes()  # noqa: E731
+    chosen = rng.choice(slots, size=n, replace=False)
+    if avoid is None:
+        return _windows_at(tokens, chosen, window, offset, split)
+    seen, kept = set(avoid), []
+    for slot in chosen:
+        if (t := text(slot)) not in seen:
+            seen.add(t)
+            kept.append(slot)
+    if len(kept) < n:  # the rest drawn in the same generator's order from the slots not drawn yet
+        for slot in rng.permutation(np.setdiff1d(np.arange(slots), chosen)):
+            if (t := text(slot)) not in seen:
+                seen.add(t)
+                kept.append(slot)
+                if len(kept) == n:
+                    break
+        else:
+            raise FcauditError(f"the {split} split has only {len(kept)} window(s) of {window} tokens whose text is "
+                               f"distinct{' from the evaluation windows' if avoid else ''}, not {n}; lower the window "
+                               "count or use a larger corpus")
+    return _windows_at(tokens, np.asarray(kept), window, offset, split)
+
+
+def _windows_at(tokens: np.ndarray, slots: np.ndarray, window: int, offset: int, split: str) -> WindowSet:
+    starts = np.sort(slots) * window + offset
     ids = torch.from_numpy(np.stack([tokens[s:s + window] for s in starts]).astype(np.int64))
     return WindowSet(ids, starts.astype(np.int64), split)
 
 
 def audit_windows(corpus: Corpus, n_eval: int, n_calib: int, window: int, seed: int) -> tuple[WindowSet, WindowSet]:
-    """Evaluation windows from the test split, calibration windows from the validation split (as in the paper)."""
-    return (make_windows(corpus.test, n_eval, window, seed, "test"),
-            make_windows(corpus.validation, n_calib, window, seed, "validation"))
+    """Evaluation windows from the test split, calibration windows from the validation split (as in the paper), no
+    text twice: a calibration window equal to an evaluation window would make the static profiles hold its own
+    coefficients."""
+    ev = make_windows(corpus.test, n_eval, window, seed, "test", avoid=frozenset())
+    texts = frozenset(corpus.test[s:s + window].tobytes() for s in ev.starts)
+    return ev, make_windows(corpus.validation, n_calib, window, seed, "validation", avoid=texts)
 
 
 def all_windows(tokens: np.ndarray, window: int, limit: int | None = None) -> torch.Tensor:

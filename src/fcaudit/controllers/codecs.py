@@ -89,7 +89,9 @@ class Layout(Codec):
     Name the output's axes: `batch` and `token` always, `stream` where the site has several residual streams, and
     one source axis (an expert, a source layer, or a merged group "(a b)"); a missing one becomes a unit axis. A
     merged source group fits an output with one axis for it or with its axes side by side: "batch token (a b)"
-    reads [batch, token, 6] and [batch, token, 2, 3] alike.
+    reads [batch, token, 6] and [batch, token, 2, 3] alike. One source axis may be flattened with batch and token
+    (a norm that sees [batch * token * head, channel]): "(batch token head) channel" reads it as the source
+    "(head channel)".
 
     Examples
     --------
@@ -110,6 +112,7 @@ class Layout(Codec):
     source: str | None  # name of the axis that plays the source role, if any
     given: str | None = None  # the pattern as written, when it differs
     parts: tuple[str, ...] = ()  # a merged source group's axes, which an output may hold side by side
+    sized: tuple[str, ...] = ()  # axes whose sizes decode reads from the output (beside a source axis flattened in)
 
     @classmethod
     def parse(cls, pattern: str) -> "Layout":
@@ -127,13 +130,17 @@ class Layout(Codec):
         axes = [(a, set(a.strip("()").split())) for a in re.findall(AXES, pattern)]
         extra = [a for a, parts in axes if a not in ("1", "()") and not parts & roles]
         mixed = [a for a, parts in axes if a.startswith("(") and parts & roles and parts - roles]
-        if len(extra) > 1 or mixed:
+        inner = [n for a in mixed for n in a.strip("()").split() if n not in roles | {"1"}]  # in a role's group
+        if len(extra) > 1 or len(inner) > 1 or (inner and extra and extra[0].startswith("(")):
             side = " ".join(extra)  # axes side by side merge into one group that reads the same output
             apart = not mixed and side in pattern and not any(a.startswith("(") for a in extra)
             fix = pattern.replace(side, f"({side})") if apart else "(head expert)"
             raise FcauditError(f"layout {pattern!r} has more than one source-like axis "
-                               f"{[a.strip('()') for a in extra] or mixed}; merge them with parentheses, e.g. "
+                               f"{[*inner, *(a.strip('()') for a in extra)]}; merge them with parentheses, e.g. "
                                f"{fix!r}, apart from batch, token and stream")
+        if inner:  # the source: the flattened axis and the output's own one, in the pattern's order
+            source = [n for n in names if n in inner + extra]
+            return cls(pattern, source[0] if len(source) == 1 else f"({' '.join(source)})", sized=tuple(extra))
         if not extra or not extra[0].startswith("("):
             return cls(pattern, extra[0] if extra else None)
         parts = tuple(extra[0].strip("()").split())
@@ -175,9 +182,12 @@ class Layout(Codec):
 
     def meta(self, output) -> dict:
         """Its dims from outermost to innermost in memory (largest stride first; size-1 dims keep their order), and
-        the sizes of a merged group's axes where the output holds them side by side."""
+        the sizes of a merged group's axes where the output holds them side by side (or of the axes `sized`)."""
         strides = [-stride if n > 1 else 0 for stride, n in zip(output.stride(), output.shape)]
         order = {"memory_order": tuple(sorted(range(output.dim()), key=strides.__getitem__))}  # stable: ties in order
+        if self.sized:
+            axes = re.findall(AXES, self.pattern)
+            return order | {"axes": {n: output.shape[axes.index(n)] for n in self.sized}}
         if not self._apart(output):
             return order
         at = self.side_by_side[0].split().index(self.parts[0])
@@ -190,7 +200,7 @@ class Layout(Codec):
             out, canon = self.side_by_side
             x = rearrange(canonical, f"{canon} -> {out}", **meta["sizes"])
         else:
-            x = rearrange(canonical, f"{self.canonical} -> {self.pattern}")
+            x = rearrange(canonical, f"{self.canonical} -> {self.pattern}", **meta.get("axes", {}))
         order = meta["memory_order"]
         inverse = sorted(range(len(order)), key=order.__getitem__)
         return x.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fcaudit.controllers.codecs import Codec, Decisions, Layout, TokenRoute
-from fcaudit.controllers.patching import Captured, Pass, check_ran, patched, recompute
+from fcaudit.controllers.patching import Captured, Pass, check_calls, check_ran, patched, recompute
 from fcaudit.controllers.rows import counting_rows, fused_part
 from fcaudit.controllers.sites import OP_ALIASES, Call, Decoding, Site, path_matches
 from fcaudit.errors import FcauditError
@@ -416,8 +416,10 @@ class Controller:
                 calls[i] = (inputs.args, inputs.kwargs)
             return native[i] if native[i] is not None else sites[i].decode(coeffs[i], decoding[i], inputs)
 
-        with patched(Pass(sites, replayed=replayed)), self.context():
+        run = Pass(sites, replayed=replayed)
+        with patched(run), self.context():
             yield
+        check_calls(run)
 
     def recompute(self, calls: list[tuple | None], batch: int, token: int,
                   which: Sequence[int] | None = None) -> dict[int, torch.Tensor]:

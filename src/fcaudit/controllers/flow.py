@@ -7,6 +7,10 @@ many elements (a view, an elementwise op) whose other tensors are smaller (a per
 size (the residual stream); a shape-only op (`reshape_as`, `view_as`, `expand_as`) carries its first argument, `where`
 its values and `cat` / `stack` their parts. A product with a tensor as large stops it: a coefficient acting on
 activations.
+
+A module takes a site when its first floating-point input (what it transforms) carries it and its output no longer
+does: a later argument (a gated norm's gate, a mask) is followed through the module's ops like any other tensor, and a
+module whose output still carries the site (an activation, a norm, a residual block) leaves it to those inside or after.
 """
 
 from __future__ import annotations
@@ -67,9 +71,9 @@ def decided(name: str, args: tuple, kwargs: dict, out: Any, token: int) -> torch
 
 class Flow(TorchFunctionMode):
     """Follows the outputs of sites `watch` (hidden-width ones) and `rank` (soft coefficients) through one forward
-    pass: `feeds` (watched sites a later module takes), `contracted` (watched sites an op contracts), `ranked`
-    (site -> the ranking op that reads it) and `decisions` (site -> what those rankings decided, with the raw
-    output's shape, where `axes` names its batch and token axes)."""
+    pass: `feeds` (watched sites a later module takes and transforms), `contracted` (watched sites an op
+    contracts), `ranked` (site -> the ranking op that reads it) and `decisions` (site -> what those rankings decided,
+    with the raw output's shape, where `axes` names its batch and token axes)."""
 
     def __init__(self, outputs: list, watch: Sequence[int], rank: Sequence[int] = (),
                  axes: dict[int, tuple[int, int]] | None = None):
@@ -77,6 +81,7 @@ class Flow(TorchFunctionMode):
         self.outputs, self.pending, self.watch, self.rank = outputs, set(watch) | set(rank), set(watch), set(rank)
         self.axes = axes or {}
         self.feeds: set[int] = set()
+        self.taking: list[frozenset[int]] = []  # per module running: the sites its first input carries
         self.contracted: set[int] = set()
         self.ranked: dict[int, str] = {}
         self.decisions: dict[int, list[torch.Tensor]] = {}
@@ -143,8 +148,14 @@ class Flow(TorchFunctionMode):
         return out
 
     def consumer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A module's forward pre-hook: the watched sites its inputs (positional or keyword) carry feed it."""
-        fed = self.watch & frozenset().union(*(self.sites_of(t) for _, t in leaves((args, kwargs))))
+        """A module's forward pre-hook: the watched sites its first floating-point input carries (positional or
+        keyword: the tensor it transforms); a later input (a gate, a mask, a scale) is left to its ops."""
+        self.taking.append(self.watch & self.sites_of(first_tensor((args, kwargs), floating=True)))
+
+    def consumed(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module's forward hook: the sites it took that its output no longer carries feed it (one that passes a
+        site on elementwise, an activation or a norm, leaves it to the modules after it)."""
+        fed = self.taking.pop() - frozenset().union(*(self.sites_of(t) for _, t in leaves(output)))
         if fed:
             self.feeds |= fed
             self.carriers = {k: (t, s) for k, (t, s) in self.carriers.items() if s - (self.feeds - self.rank)}
@@ -156,4 +167,5 @@ class Flow(TorchFunctionMode):
             stack.enter_context(self)
             for m in model.modules():
                 stack.callback(m.register_forward_pre_hook(self.consumer, with_kwargs=True).remove)
+                stack.callback(m.register_forward_hook(self.consumed, with_kwargs=True, always_call=True).remove)
         return stack

@@ -34,16 +34,17 @@ def _some(names: list[str]) -> str:
 
 
 def hidden_state_notice(controller: Controller, flow: Flow, width: int | None) -> Finding | None:
-    """A notice when a site of the model's hidden width feeds a later module (an activation) or an op contracts it
-    over its width (`norm(h) @ w`: features): the conditions would move activations, not coefficients."""
+    """A notice when a site of the model's hidden width feeds a later module (the input it transforms: an activation;
+    a gate handed to a gated norm is not one) or an op contracts it over its width (`norm(h) @ w`: features): the
+    conditions would move activations, not coefficients."""
     fed = [s.name for i, s in enumerate(controller.sites) if i in flow.feeds]
     contracted = [s.name for i, s in enumerate(controller.sites) if i in flow.contracted and i not in flow.feeds]
     if fed:
         return Finding.notice("hidden state", f"note: site {_some(fed)} looks like a hidden state, not a coefficient: its "
-                       f"source axis has the model's hidden width {width} and a later module takes its output as "
-                       "input; the conditions would move activations, not a controller's coefficients: point the "
-                       "pattern at the module or op that computes the coefficients (a gate, a mixture, a router)",
-                       {"sites": fed, "width": width})
+                       f"source axis has the model's hidden width {width} and a later module takes its output as the "
+                       "input it transforms; the conditions would move activations, not a controller's coefficients: "
+                       "point the pattern at the module or op that computes the coefficients (a gate, a mixture, a "
+                       "router)", {"sites": fed, "width": width})
     if contracted:
         return Finding.notice("hidden state", f"note: site {_some(contracted)} looks like hidden-width features, not "
                        f"coefficients: its source axis has the model's hidden width {width} and an op (a matmul, a "

@@ -40,6 +40,12 @@ class Pass:
         self.method_calls: dict[tuple[int, str], int] = {}
         self.op_calls: dict[tuple[int, str, str], list[str]] = {}  # each call of a watched op, with its shapes
 
+    def count(self, site: Site) -> int:
+        """How many calls `site.call` numbers in this pass so far: of its method, or of its op while that runs."""
+        if site.op is None:
+            return self.method_calls.get((id(site.module), site.method), 0)
+        return len(self.op_calls.get((id(site.module), site.method, site.op), []))
+
     def call(self, chosen: list[int], inputs: Call, compute: Callable[[], Any], seen: Callable[[], str]) -> Any:
         """One call of a site's method or op: replayed, or computed and encoded by the sites `chosen` (a second call
         of a site without `call` is refused)."""
@@ -128,8 +134,24 @@ def patched(run: Pass) -> Iterator[None]:
                 module.__dict__[method] = original
 
 
+def check_calls(run: Pass) -> None:
+    """Refuses a finished pass in which a looped layer's method (an op site: its op) ran another number of times than
+    its sites, one per call, number (`Site.calls`): a call beyond them would run live, one short of them unreplayed."""
+    for s in run.sites:
+        if s.calls is None:
+            continue
+        if (n := run.count(s)) != s.calls:
+            what = f"{s.path}.{s.method}" + (f" made {n} call(s) of {s.op!r}" if s.op else f" ran {n} time(s)")
+            raise FcauditError(f"site {s.name!r}: {what} in a forward pass, not the {s.calls} of the pass that "
+                               "numbered its calls: how many times it runs depends on the input (a halting decision, "
+                               "itself a controller, or the window's length), so call=N is not one loop pass; audit "
+                               "a halting decision with kind='halting' or 'exit_depth' (Controller.from_modules)")
+
+
 def check_ran(run: Pass) -> None:
-    """Refuses, naming what it saw instead, the first call or op site that did not run in a finished capture pass."""
+    """Refuses, naming what it saw instead, the first call or op site that did not run in a finished capture pass,
+    or a looped layer's that ran another number of times (`check_calls`)."""
+    check_calls(run)
     for i, s in enumerate(run.sites):
         if run.found[i] is not None or (s.call is None and s.op is None and s.method == "forward"):
             continue  # a plain module site: the engine's own check names it

@@ -109,7 +109,8 @@ class Site:
     function `op` while that method runs (its `call`-th call in one forward pass, else its only one), its codec, its
     kind (fcaudit.kinds.KINDS; default: `infer_kind`), its structure-removed reference (default: its kind's) and its
     layer `group` (given by its Controller); `runs`: the module whose input rows are the tokens its decisions chose
-    (a token router's routed block), whose rows the audit observes (`Controller.observing`)."""
+    (a token router's routed block), whose rows the audit observes (`Controller.observing`); `calls`: where the
+    sites of a looped layer take each of its calls, how many there are in a forward pass."""
 
     path: str
     module: nn.Module = field(repr=False)
@@ -121,6 +122,9 @@ class Site:
     reference: str | None = None
     group: int | None = None
     runs: tuple[str, nn.Module] | None = field(default=None, repr=False)  # (path, module) of its routed block
+    # a looped layer's site, one per call: how many calls its `call` numbers in every forward pass (its method's, an
+    # op site's op's), which each pass checks (a count that varies is a halting decision, not a loop)
+    calls: int | None = None
 
     def __post_init__(self):
         kind = lookup(self.kind if self.kind is not None else infer_kind(self.codec, self.reference)).name

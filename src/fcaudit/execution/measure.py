@@ -32,7 +32,7 @@ from fcaudit.execution.decode import DECODE_BATCH, decode_latencies, decoding_co
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, latencies, random_ids
 from fcaudit.execution.threshold import thresholding, vector_site
-from fcaudit.families.hf.load import warnings_held
+from fcaudit.held_warnings import warnings_held
 from fcaudit.hub import resolve
 from fcaudit.io import OutDir, read_object, valid_path
 from fcaudit.provenance import provenance

@@ -286,14 +286,14 @@ def _check_states(model: nn.Module, cands: list[_Candidate]) -> None:
     handles = [c.module.register_forward_hook(lambda m, a, o, p=c.path: live.setdefault(p, o)) for c in stateful]
     try:
         n = _probe_forward(model, cands, live, {})
-        reference = logits_of(_forward(model, n))
+        reference = logits_of(forward_window(model, n))
     finally:
         for h in handles:
             h.remove()
     zeroed = lambda c: tuple(torch.zeros_like(t) if p == STATE else t for p, t in zip(c.codec.parts, live[c.path]))
     handles = [c.module.register_forward_hook(lambda m, a, o, c=c: zeroed(c)) for c in stateful]
     try:
-        same = torch.equal(logits_of(_forward(model, n)), reference)
+        same = torch.equal(logits_of(forward_window(model, n)), reference)
     finally:
         for h in handles:
             h.remove()
@@ -391,14 +391,14 @@ def _leaf_names(out, received: list) -> tuple[str, ...] | None:
     return names if sorted(names) in (sorted(ROUTER_PARTS), ["index", "weights"]) else None
 
 
-def _probe_lengths(model: nn.Module) -> list[int]:
+def probe_lengths(model: nn.Module) -> list[int]:
     """PROBE_TOKENS, then longer windows the model takes (a sparse attention that selects more keys than a short
     window holds fails on it), up to its context or the default window cap."""
     longest = min(context_length(model) or DEFAULT_WINDOW_CAP, DEFAULT_WINDOW_CAP)
     return sorted({min(n, longest) for n in (PROBE_TOKENS, 8 * PROBE_TOKENS, 64 * PROBE_TOKENS, DEFAULT_WINDOW_CAP)})
 
 
-def _forward(model: nn.Module, n: int):
+def forward_window(model: nn.Module, n: int):
     """The model's output on a probe window of n tokens."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = (torch.arange(n) % vocab).unsqueeze(0).to(placement.input_device(model))
@@ -411,10 +411,10 @@ def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inp
     """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's.
     Returns its length."""
     first = None
-    for n in _probe_lengths(model):
+    for n in probe_lengths(model):
         outputs.clear(), inputs.clear()  # a failed pass may have run some routers
         try:
-            _forward(model, n)
+            forward_window(model, n)
             return n
         except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
             # e.g. Llama 4 sends its ids to the embedding's device
@@ -425,7 +425,7 @@ def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inp
             first = first or (n, e)
     n, e = first
     raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: {one_line(e, 120)}) "
-                       f"and every longer probe up to {_probe_lengths(model)[-1]} tokens; check its config.json (its "
+                       f"and every longer probe up to {probe_lengths(model)[-1]} tokens; check its config.json (its "
                        f"routers read top_k {cands[0].top_k} of {cands[0].num_experts} experts) and that the model fits "
                        "in memory") from e
 

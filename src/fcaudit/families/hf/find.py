@@ -9,10 +9,11 @@ from torch import nn
 
 from fcaudit.controllers.codecs import Layout, Parts
 from fcaudit.controllers.controller import Controller
+from fcaudit.controllers.patching import Pass, patched
 from fcaudit.controllers.sites import Site
-from fcaudit.errors import FcauditError
+from fcaudit.errors import FcauditError, one_line
 from fcaudit.families import OWN_ROUTE
-from fcaudit.families.hf.discover import is_moe, moe_controller
+from fcaudit.families.hf.discover import forward_window, is_moe, moe_controller, probe_lengths
 from fcaudit.families.hf.load import check_scan
 from fcaudit.families.hf.recipes import RECIPES, UNAUDITED
 
@@ -60,6 +61,49 @@ def unaudited(model: nn.Module) -> list[str]:
             for cls, paths in held.items()]
 
 
+def per_call(model: nn.Module, controller: Controller) -> Controller:
+    """`controller` with each site whose method runs n > 1 times in a forward pass (a looped layer: Dory's recurrent
+    layers, HRM's stacks) made n sites, call=0..n-1, each loop pass of each instance its own layer. n is counted in a
+    probe pass by the counters that number a capture's calls, and every pass of the audit checks it (`Site.calls`):
+    a count that the input changes is a halting decision, refused there."""
+    run = Pass([replace(s, call=-1) for s in controller.sites])  # no site takes a call: the pass only counts them
+    with patched(run), controller.context():
+        _probe(model)
+    runs = [run.method_calls.get((id(s.module), s.method), 0) for s in run.sites]
+    for s, n in zip(controller.sites, runs):
+        if s.call is not None and n > 1:  # its call N counts over every pass: one pass audited, the others live
+            raise FcauditError(f"site {s.name!r}: {s.path}.{s.method} runs {n} times in a forward pass (a looped "
+                               f"layer), and call={s.call} numbers the calls{f' of {s.op!r}' if s.op else ''} over "
+                               "all of them, so one pass would be audited and the others left live; describe each "
+                               "pass's site with fcaudit.Controller.from_ops(..., call=N)")
+    split = {i: n for i, (s, n) in enumerate(zip(run.sites, runs))
+             if controller.sites[i].call is None and n > 1
+             and (s.op is None or run.count(s) == n)}  # an op site: once in each call of its method
+    if not split:
+        return controller
+    layer: dict[tuple, int] = {}
+    sites = tuple(replace(s, call=k, calls=split.get(i), group=layer.setdefault((s.group, k), len(layer)))
+                  for i, s in enumerate(controller.sites) for k in (range(split[i]) if i in split else (s.call,)))
+    looped = f"; the {len(split)} sites of looped layers one per call: {sum(split.values())} sites"
+    return replace(controller, sites=sites, description=controller.description + looped)
+
+
+def _probe(model: nn.Module) -> None:
+    """One forward pass of the shortest probe window the model runs (as the MoE discovery's)."""
+    first = None
+    for n in probe_lengths(model):
+        try:
+            forward_window(model, n)
+            return
+        except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
+            first = first or (n, e)
+    n, e = first
+    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: "
+                       f"{one_line(e, 120)}) and every longer probe up to {probe_lengths(model)[-1]} tokens, which "
+                       "counts the calls of its controller sites; check its config.json and that the model fits in "
+                       "memory") from e
+
+
 def is_hf(model: nn.Module) -> bool:
     """This family's model (no forward pass): a transformers model (its own code or a checkpoint's), or any model
     holding MoE routers or a module of a class with recipes or named as not audited (its refusal says what it holds)."""
@@ -83,10 +127,10 @@ def hf_controller(model: nn.Module) -> Controller:
         raise FcauditError(f"{type(model).__name__} has no controller fcaudit finds (no MoE router beside its experts, "
                            f"no module of a class in fcaudit/families/hf/recipes.py){why}; {OWN_ROUTE}")
     if recipes is None:
-        return replace(routers, notes=routers.notes + skipped)
+        return per_call(model, replace(routers, notes=routers.notes + skipped))
     if routers is None:
-        return replace(recipes, notes=skipped)
+        return per_call(model, replace(recipes, notes=skipped))
     layer = {s.path: s.group for s in recipes.sites}  # a recipe instance's sites move together; a router alone
     merged = Controller.merge(routers, recipes, group=lambda s: ("recipe", layer[s.path]) if s.path in layer
                               else ("router", s.path))
-    return replace(merged, notes=merged.notes + skipped)
+    return per_call(model, replace(merged, notes=merged.notes + skipped))

@@ -5,7 +5,6 @@ there are any, and reads a .bin only after torch's restricted unpickler has open
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fcaudit.errors import FcauditError, one_line
+from fcaudit.held_warnings import warnings_held
 from fcaudit.hub import resolve
 from fcaudit.placement import require_accelerate
 from fcaudit.weights import (PICKLE_SUFFIXES, check_depth, check_sizes, layer_of, load_pickled,
@@ -71,33 +71,6 @@ def looks_like_hf(config: dict) -> bool:
     """Whether a config.json is a transformers model's: save_pretrained writes its version, or it is an MoE's (a
     config written by hand). Its controllers are found once it is loaded."""
     return isinstance(config.get("model_type"), str) and ("transformers_version" in config or looks_like_hf_moe(config))
-
-
-_HOLDING: list[list[tuple[logging.Handler, logging.LogRecord]]] = []  # the blocks holding warnings, innermost last
-
-
-@contextlib.contextmanager
-def warnings_held():
-    """transformers' logged warnings held until the block ends, then shown (or handed to the block around it); where
-    the block raises, dropped: a refusal's one line is all that is printed, not the warnings about the config.json
-    values that led to it, or those of the load before a controller is refused."""
-    kept: list[tuple[logging.Handler, logging.LogRecord]] = []
-    holds = [(h, functools.partial(lambda h, record: kept.append((h, record)), h))  # None: the record is dropped
-             for h in logging.getLogger("transformers").handlers]  # none until transformers is imported
-    for h, hold in holds:
-        h.addFilter(hold)
-    _HOLDING.append(kept)
-    try:
-        yield
-    finally:
-        _HOLDING.pop()
-        for h, hold in holds:
-            h.removeFilter(hold)
-    if _HOLDING:
-        _HOLDING[-1].extend(kept)
-    else:
-        for h, record in kept:
-            h.handle(record)
 
 
 def _warnings_after(load):
@@ -222,9 +195,16 @@ def _config(dir: Path):
     return config
 
 
+# model_type -> the config field that counts the decoder layers its weights hold, where num_hidden_layers counts
+# something else (HRM: its cache slots, num_layers_per_stack x H_cycles x (L_cycles + 1), of each stack's layers)
+STORED_DEPTH = {"hrm_text": "num_layers_per_stack"}
+
+
 def _stored_depth(config) -> tuple[str, object]:
     """The config's field that counts the decoder layers its weights hold, and its value: num_hidden_layers, or what
     the config class derives it from (LongCat-Flash: 2 x num_layers, two attention sublayers in each layer)."""
+    if (field := STORED_DEPTH.get(getattr(config, "model_type", None))) is not None:
+        return field, getattr(config, field, None)
     derived = inspect.getattr_static(type(config), "num_hidden_layers", None)
     if isinstance(derived, property) and derived.fget is not None:
         read = [n for n in derived.fget.__code__.co_names if _is_count(getattr(config, n, None))]

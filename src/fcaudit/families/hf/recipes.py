@@ -5,8 +5,9 @@ architecture is one entry. MoE routers are found by structure (discover.py) and 
 
 Each `Recipe` names one site inside every instance of its class: the output of a submodule (`module`, relative to the
 instance, "" for the instance itself), or the result of a torch function (`op`) that the module's `method` runs, as
-`Controller.from_modules` and `Controller.from_ops` read them. `what` says what the coefficients are; the audit
-names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
+`Controller.from_modules` and `Controller.from_ops` read them; where the model runs an instance several times in one
+forward pass (a looped layer), the site is one site per call, each its own layer (find.py's `per_call`). `what` says
+what the coefficients are; the audit names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
 holding one says so in a notice.
 """
 
@@ -20,7 +21,7 @@ class Recipe:
     what: str  # what the coefficients are, e.g. "selective-SSM Δ, B and C"
     module: str = ""  # the site's module relative to the class's instance ("" = the instance)
     op: str | None = None  # a torch function's name (see Controller.from_ops), else the module's output
-    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: its only one
+    call: int | None = None  # which call of `op` (or of the module) in one forward pass; None: each, one site each
     method: str = "forward"
     layout: str = "batch token channel"  # an einops layout of the coefficient tensor (fcaudit.Layout)
     kind: str = "vector_gate"
@@ -102,8 +103,12 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     # a norm whose output a sigmoid of a low-rank map of it gates, per channel (A.X K2's attention input)
     "AXK2GatedRMSNorm": (Recipe("gated-norm gate", "mlp"),),
     # gated delta nets: β (the delta rule's write strength) and the decay's input (a), per value head, and the
-    # output gate z of the gated norm; where one projection computes b and a together, its output is one site
-    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),),  # z: UNAUDITED_ATTENTION
+    # output gate z of the gated norm; where one projection computes b and a together, its output is one site.
+    # Qwen3-Next's z comes out of in_proj_qkvz with q, k and v: the site is SiLU(z) inside its gated norm, which sees
+    # it flattened per head (a replay of the strided slice z itself runs SiLU on a contiguous copy, a last bit off)
+    "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),
+                               Recipe("gated-delta-net output gate SiLU(z)", "norm", op="silu",
+                                      layout="(batch token head) channel")),
     "Qwen3_5GatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
                              Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
                              Recipe("gated-delta-net output gate", "in_proj_z")),
@@ -131,6 +136,7 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     # that scale each stream's correction (n), linear maps of the router's modalities
     "Gemma3nTextAltUp": (Recipe("AltUp prediction coefficients", "prediction_coefs"),
                          Recipe("AltUp correction coefficients", "correction_coefs")),
+    # Gemma 3n's per_layer_input_gate: act_fn(gate(h)) * per-layer input -> per_layer_projection, a GLU, no controller
     # hyper-connections: per token, the weights collapsing the n residual streams into the block's input (pre, a
     # mixture over streams), expanding its output into each stream (post), and (DeepSeek-V4) mixing the streams
     # (comb: softmax over the last axis, then a fixed Sinkhorn normalisation, which replay recomputes)
@@ -148,6 +154,15 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
         Recipe("hyper-connection post weights", op="sigmoid", call=1)),
     "HYV4HyperHead": (Recipe("hyper-connection head weights", op="sigmoid", layout="batch token source",
                              kind="source_mixture"),),
+    # looped layers (Dory's recurrent layers, HRM's H and L stacks, Inkling2-Loop's loop layers) run several times in
+    # a forward pass: each of their sites is one per call, each loop pass its own layer (find.py's per_call)
+    "DoryAttention": (Recipe("attention output gate", "gate_proj"),),  # before its learned scale and sigmoid
+    "HrmTextAttention": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopGatedOutputProjection": (Recipe("attention output gate", "gate_proj"),),
+    "Inkling2LoopDynamicShortConvolution": (Recipe("dynamic convolution taps", "weight_proj"),),
+    # in the passes after the first: (1 - tanh(forget)) * state + tanh(message gate) * the previous pass's message
+    "Inkling2LoopMessageGate": (Recipe("loop forget gate", "forget_gate_proj"),
+                                Recipe("loop message gate", "message_gate_proj")),
     # Qwen4-Exp's gated residual: per (stream, channel) weights of the streams' mean (before their sigmoid), and per
     # stream the block's injection weight (absent from the final mixer)
     "Qwen4ExpTextGatedResidual": (Recipe("hyper-connection input mix weights", "input_mix_weight_up"),
@@ -163,8 +178,6 @@ UNAUDITED_RECURRENT: dict[str, str] = {
 # sparse attention: an indexer scores the keys from the input and a top-k picks the ones each query attends to
 _KEY_SELECTION = ("sparse-attention key selection (an indexer's top-k picks each query's keys): fcaudit has no kind "
                   "for key selection yet")
-_LOOPED = ("{} of a looped layer, which runs once per loop pass in a forward pass, and a recipe names one call "
-           "per module: audit each pass with fcaudit.Controller.from_modules(..., call=k)")
 _INSIDE_ATTENTION = ("attention-residual weights over earlier blocks' states: the attention kernel computes them and "
                      "returns only the mixed state (the value path), so no site holds them alone")
 UNAUDITED_ATTENTION: dict[str, str] = {
@@ -180,17 +193,6 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "MiniMaxM3VLIndexer": _KEY_SELECTION,
     "MistralLarge4TextIndexer": _KEY_SELECTION,
     "Qwen4ExpTextQSAIndexer": _KEY_SELECTION,
-    # the output gate z comes out of in_proj_qkvz with q, k and v; alone it is a strided slice, rebuilt contiguous
-    # on replay, where SiLU takes another (vectorised) path that differs in the last bit
-    "Qwen3NextGatedDeltaNet": ("its output gate z (β and decay are audited): in_proj_qkvz computes it with q, k and v, "
-                               "and the one site holding it alone is a strided slice that a replay does not rebuild "
-                               "bit-exactly"),
-    # looped blocks run their layers several times in one forward pass, and a recipe names one call per module
-    "DoryAttention": _LOOPED.format("attention output gate"),
-    "HrmTextAttention": _LOOPED.format("attention output gate"),  # its H and L stacks run in cycles
-    "Inkling2LoopGatedOutputProjection": _LOOPED.format("attention output gate"),
-    "Inkling2LoopDynamicShortConvolution": _LOOPED.format("dynamic convolution taps"),
-    "Inkling2LoopMessageGate": _LOOPED.format("gates mixing the state with the loop's message"),
     # attention residuals: a static query attends over earlier blocks' states
     "Inkling2BlockAttentionResidual": _INSIDE_ATTENTION,
     "Inkling2LoopBlockAttentionResidual": _INSIDE_ATTENTION,
