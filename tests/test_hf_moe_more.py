@@ -281,3 +281,19 @@ def test_a_router_that_returns_its_shared_experts_weights_is_audited_over_its_ro
     result = audited(model, controller, n=2, length=6)
     assert result.replay.bit_equal  # the shared experts' weights recomputed live: zeros would change every output
     assert "shared experts" in notices(result)
+
+
+def test_doges_product_key_router_mixing_tokens_and_windows_is_named_not_audited_nor_passed_over():
+    """Doge's CDMoE views its router logits as [2, batch * token, keys]: a token's experts depend on the other tokens
+    and windows of the pass. fcaudit has nothing to replay per token there: the controller names it, and an audit of
+    the rest (its dynamic-mask dt_proj, at batch size 1) says so with its results."""
+    config = small(transformers.DogeConfig, is_moe=True, num_experts=16, num_experts_per_tok=2)
+    model = causal_lm(config)
+    ctrl = fca.controller_for(model)
+    assert [s.path for s in ctrl.sites] == [f"model.layers.{i}.self_attn.dt_proj" for i in range(2)]
+    assert any("not audited: 2 DogeCDMoE" in n and "rest of the batch" in n for n in ctrl.notes)
+    ev, ca = windows()
+    with tempfile.TemporaryDirectory() as out:
+        result = fca.audit(model, ctrl, ev, ca, randomizations=1, out=out, batch_size=1, quiet=True)
+        assert result.replay.bit_equal
+        assert any("not audited: 2 DogeCDMoE" in n for n in result.notices)

@@ -199,4 +199,12 @@ UNAUDITED_ATTENTION: dict[str, str] = {
     "Inkling2LoopMessageAttentionResidual": _INSIDE_ATTENTION,
 }
 
-UNAUDITED: dict[str, str] = {**UNAUDITED_RECURRENT, **UNAUDITED_ATTENTION}
+# routers that discovery does not take (none returns per-token routing fcaudit can replay)
+UNAUDITED_ROUTERS: dict[str, str] = {
+    # its router logits are viewed as [2, batch * token, keys], which mixes the halves of different tokens (and
+    # windows): each token's experts depend on the other tokens and windows of the pass
+    "DogeCDMoE": ("its product-key expert router: the router's logits are reshaped across tokens and windows "
+                  "(view(2, batch * token, -1)), so a token's experts depend on the rest of the batch"),
+}
+
+UNAUDITED: dict[str, str] = {**UNAUDITED_RECURRENT, **UNAUDITED_ATTENTION, **UNAUDITED_ROUTERS}
