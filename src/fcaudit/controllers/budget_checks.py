@@ -133,7 +133,7 @@ def routed_inputs(model: nn.Module, controller: Controller) -> Iterator[dict[int
         for name, m in model.get_submodule(parent).named_modules(prefix=parent):
             if name != parent and id(m) not in own:
                 def pre(module, args, rows=took.setdefault(i, {}), name=name):
-                    rows[name] = rows.get(name, 0) + input_rows(args)
+                    rows[name] = rows.get(name, 0) + input_rows(module, args)
                 handles.append(m.register_forward_pre_hook(pre))
     try:
         yield took

@@ -1,9 +1,9 @@
 """The rows a forward pass computed in a block, observed on the model: at every module inside the block that holds a
 weight matrix (Linear, Conv1D, a custom projection), each call adding the rows of its first floating-point input (its
-elements over its last axis). Blocks are often run through something other than their own forward (a parent calling
-`block.mlp` on a gathered subset), so the rows are counted where the work is done. It lives here, below execution, so
-that the audit's budget observation (`Controller.observing`) and execution's measurements count rows one way.
-"""
+elements over its feature axis: the last, a convolution's channels). Blocks are often run through something other
+than their own forward (a parent calling `block.mlp` on a gathered subset), so the rows are counted where the work is
+done. It lives here, below execution, so that the audit's budget observation (`Controller.observing`) and
+execution's measurements count rows one way."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ def computing_modules(block: nn.Module) -> list[nn.Module]:
     return [m for m in block.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
 
 
-def input_rows(args: tuple) -> int:
-    """The rows of a call's first floating-point input: its elements over its last axis."""
+def input_rows(module: nn.Module, args: tuple) -> int:
+    """The rows of a call's first floating-point input: its elements over its feature axis, the last one, or for a
+    convolution the channels' (torch's are channels first: [batch, channel, length] has batch x length positions)."""
     x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()), None)
-    return 0 if x is None or not x.shape[-1] else x.numel() // x.shape[-1]
+    axis = 1 if isinstance(module, nn.modules.conv._ConvNd) and x is not None and x.dim() > 2 else -1
+    return 0 if x is None or not x.shape[axis] else x.numel() // x.shape[axis]
 
 
 @contextmanager
@@ -45,7 +47,7 @@ def counting_rows(blocks: Sequence[nn.Module]) -> Iterator[list[Counter]]:
             count[m] += 0  # a module that never runs still counts, with 0 rows
 
             def hook(module, args, count=count):
-                count[module] += input_rows(args)
+                count[module] += input_rows(module, args)
 
             handles.append(m.register_forward_pre_hook(hook))
     try:
