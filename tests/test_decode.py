@@ -131,3 +131,19 @@ def test_a_hugging_face_model_decodes_through_its_own_cache_and_its_blocks_are_o
     assert cols["decode_note"] == "" and cols["executed_layer_fraction"] == 1.0  # every block ran every token
     assert cols["decode_max_abs_dlogit"] < 1e-4  # teacher-forced decoding gives the window's logits
     assert 0 < cols["decode_flops_per_token"] < flops(model, text) * 1.5
+
+
+def test_a_cache_path_that_computes_another_function_is_not_measured(ids):
+    """A transformers model keeping its recurrent state outside the cache fcaudit hands it (RecurrentGemma sets it up
+    only when given no cache): its token-by-token logits are not the window's, so its decoding is not reported."""
+    transformers = pytest.importorskip("transformers")
+    from fcaudit.execution.decode import decoding_columns
+
+    config = transformers.RecurrentGemmaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, lru_width=32,
+                                               attention_window_size=16, block_types=["recurrent", "attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cols = decoding_columns(model, ids[:1, :12])
+    assert cols["decode_max_abs_dlogit"] > 1e-2 and math.isnan(cols["executed_layer_fraction"])
+    assert "not measured: decoding token by token gives logits up to" in cols["decode_note"]
