@@ -227,3 +227,41 @@ def test_an_moe_written_densely_computes_every_expert_and_says_so():
         fca.execution(model, ctrl, IDS, **FAST)
     r = fca.execution(model, ctrl, IDS, blocks="layers.*.experts.*", **FAST)
     assert r.decided == pytest.approx(1 / 4) and r.executed == 1.0 and "no saving realized" in r.verdict
+
+
+class ConvGatedLM(nn.Module):
+    """Blocks mixing tokens with a causal depthwise convolution (channels first, as torch's Conv1d takes them), more
+    channels than tokens, their updates scaled by a soft gate: every block computes every token."""
+
+    def __init__(self, vocab=64, d=48, n=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.convs = nn.ModuleList(nn.Conv1d(d, d, 3, padding=2, groups=d) for _ in range(n))
+        self.gates = nn.ModuleList(nn.Linear(d, 1) for _ in range(n))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for conv, gate in zip(self.convs, self.gates):
+            mixed = conv(h.transpose(1, 2))[..., :h.shape[1]].transpose(1, 2)
+            h = h + torch.sigmoid(gate(h)) * mixed
+        return self.head(h)
+
+
+def test_a_convolution_counts_its_positions_not_its_channels_as_rows():
+    model = ConvGatedLM().eval()
+    ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token 1", kind="scalar_gate")
+    r = fca.execution(model, ctrl, IDS[:, :12] % 64, blocks="convs.*", **FAST)
+    assert (r.executed, r.executed_by_block) == (1.0, (1.0, 1.0))  # 48 channels read as rows gave 4.0
+
+
+def test_a_replay_slower_than_the_live_pass_says_the_latency_ratio_measures_the_replay():
+    from fcaudit.execution.decided import ExecutionResult, Variant
+
+    def result(replayed_ms):
+        variants = {"live": Variant("live", 1e6, 3.0, 0.1), "replayed": Variant("replayed", 1e6, replayed_ms, 0.1)}
+        return ExecutionResult(1.0, 1.0, ("b",), (1.0,), variants, {"decode_note": "not asked"})
+
+    slow, level = result(4.5), result(3.1)
+    assert slow.controller_latency < 1 and "measures the replay, not the controller's cost" in repr(slow)
+    assert level.latency_note is None and "measures the replay" not in repr(level)

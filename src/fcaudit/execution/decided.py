@@ -150,6 +150,21 @@ class ExecutionResult(Mapping):
         return self._vs("replayed", "latency_ms")
 
     @property
+    def latency_note(self) -> str | None:
+        """Where the replayed pass is slower than the live one beyond both spreads: the replay's own work (patched
+        calls; an op site watching every torch function its method runs) then exceeds what the controller computes,
+        and `controller_latency` measures fcaudit, not the controller. None elsewhere."""
+        live, replayed = self["live"], self.variants.get("replayed")
+        if replayed is None or math.isnan(live.latency_ms) or math.isnan(replayed.latency_ms):
+            return None
+        spread = lambda v: 0.0 if math.isnan(v.latency_iqr_ms) else v.latency_iqr_ms  # noqa: E731
+        if live.latency_ms + spread(live) >= replayed.latency_ms - spread(replayed):
+            return None
+        return ("note: the replayed pass is slower than the live one: replaying (fcaudit's patched calls, an op site's "
+                "watch over every torch function of its method) costs more here than the controller computes, so "
+                "the latency ratio measures the replay, not the controller's cost; its FLOPs ratio does")
+
+    @property
     def verdict(self) -> str:
         return verdict(self.decided, self.executed)
 
@@ -187,6 +202,8 @@ class ExecutionResult(Mapping):
         latency = "" if math.isnan(self.controller_latency) else f", latency x{self.controller_latency:.3f}"
         lines.append(f"controller's own cost: FLOPs x{self.controller_flops:.3f}{latency}"
                      " (live / replayed with the controller disabled)")
+        if (note := self.latency_note) is not None:
+            lines.append(note)
         if "reference" in self:
             lines.append(f"vs reference: FLOPs x{self.flops_vs_reference:.3f}, "
                          f"latency x{self.latency_vs_reference:.3f}")
