@@ -147,3 +147,24 @@ def test_a_cache_path_that_computes_another_function_is_not_measured(ids):
     cols = decoding_columns(model, ids[:1, :12])
     assert cols["decode_max_abs_dlogit"] > 1e-2 and math.isnan(cols["executed_layer_fraction"])
     assert "not measured: decoding token by token gives logits up to" in cols["decode_note"]
+
+
+@pytest.mark.parametrize("make", [
+    # every expert computes every token (its experts take E rows per token): each block still computed each token once
+    lambda t: t.Llama4TextConfig(vocab_size=256, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                 num_local_experts=4, num_experts_per_tok=1, moe_layers=[0, 1],
+                                 layer_types=["full_attention"] * 2, no_rope_layers=[1, 1]),
+    # a recurrent model with a cache of its own kind (xLSTMCache), which it makes on the first step
+    lambda t: t.xLSTMConfig(vocab_size=256, hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2,
+                            num_heads=4, qk_dim_factor=1.0, chunk_size=64, mode="inference", return_last_states=True),
+], ids=["llama4-dense-experts", "xlstm-own-cache"])
+def test_a_hugging_face_model_decodes_each_block_once_per_token_through_the_cache_it_makes(make, ids):
+    transformers = pytest.importorskip("transformers")
+    from fcaudit.execution.decode import decoding_columns
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make(transformers)).eval()
+    cols = decoding_columns(model, ids[:1, :12])
+    assert cols["decode_note"] == "" and cols["decode_max_abs_dlogit"] < 1e-4
+    assert cols["executed_layer_fraction"] == 1.0  # dense experts read as 4 rows a token: it was 2.88

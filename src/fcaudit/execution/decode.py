@@ -2,8 +2,8 @@
 position at every block). A model decodes if it has `start_decoding(batch, window)` and takes
 `model(ids[:, t:t+1], cache=state)`: fcaudit's Dense, FeatureGate and its variants, MoD routing by its causal
 predictor, and early exit, all on FeatureGate's blocks and cache, so their ratios measure the mechanisms. A Hugging
-Face model that generates decodes through its own cache (`DynamicCache`, `use_cache=True`), and what its blocks
-computed per token is observed (fcaudit.execution.rows): the rows that entered each block's weights.
+Face model that generates decodes through its own cache (the one it makes on the first step, `use_cache=True`), and
+what its blocks computed per token is observed (fcaudit.execution.rows): the rows that entered each block's weights.
 
 Decoding runs on text (an exit rule decides differently on random bytes), one sequence, as one user's generation
 (batch rows decoded in lockstep would run a block while any of them still needs it), teacher-forced: the logits equal
@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import Counter
+from typing import Callable
 
 import torch
 from torch import nn
 
 from fcaudit.controllers.rows import counting_rows
-from fcaudit.errors import FcauditError
-from fcaudit.execution.blocks import block_modules, block_pattern, row_fraction, uncalled
+from fcaudit.errors import FcauditError, one_line
+from fcaudit.execution.blocks import block_modules, block_pattern
 from fcaudit.execution.flops import flops
 from fcaudit.execution.latency import Timing, timed
 from fcaudit.loss import logits_of
 
 DECODE_BATCH = 1  # sequences decoded at once
+CACHE_NAMES = ("cache", "past_key_values", "state", "cache_params")  # what a transformers model hands its cache as
 COLUMNS = ("executed_layer_fraction", "decode_flops_per_token", "decode_max_abs_dlogit", "decode_ms_per_token",
            "decode_ms_iqr_per_token")
 
@@ -53,32 +56,47 @@ def not_decodable(model: nn.Module) -> str | None:
 
 
 @torch.inference_mode()
-def decode(model: nn.Module, ids: torch.Tensor):
+def decode(model: nn.Module, ids: torch.Tensor, before_step: Callable[[], None] = lambda: None):
     """(logits [B, T, V], the decoding state) of decoding ids [B, T] token by token with the model's KV cache, token t
     being ids[:, t]; the state's `executed()` counts the (token, block) pairs each block computed. A Hugging Face
-    model's state is its cache, and None stands for its count (observed instead: `decoded_rows`)."""
+    model's state is its cache, and None stands for its count (observed instead: `decoded_rows`). `before_step` is
+    called before each token's step."""
     if _hugging_face(model):
-        from transformers import DynamicCache
-
-        # transformers renamed `past_key_values` to `cache` (5.25 warns on the old name): the name this one takes
-        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        cache = {name: DynamicCache(config=model.config), "use_cache": True}
-        return torch.cat([model(input_ids=ids[:, t:t + 1], **cache).logits for t in range(ids.shape[1])], dim=1), None
+        # the model makes the cache of its own kind (MiniMax's, xLSTM's, RWKV's state) on the first step and hands it
+        # back; transformers renamed `past_key_values` to `cache` (5.25 warns on the old name): the name it takes
+        taken = inspect.signature(model.forward).parameters
+        name = next((n for n in CACHE_NAMES if n in taken), None)
+        cache, steps = {}, []
+        for t in range(ids.shape[1]):
+            before_step()
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **cache)
+            steps.append(out.logits)
+            held = next((getattr(out, n) for n in CACHE_NAMES if getattr(out, n, None) is not None), None)
+            cache = {name: held} if name is not None and held is not None else cache
+        return torch.cat(steps, dim=1), None
     state = model.start_decoding(ids.shape[0], ids.shape[1])
-    return torch.cat([logits_of(model(ids[:, t:t + 1], cache=state)) for t in range(ids.shape[1])], dim=1), state
+    steps = []
+    for t in range(ids.shape[1]):
+        before_step()
+        steps.append(logits_of(model(ids[:, t:t + 1], cache=state)))
+    return torch.cat(steps, dim=1), state
 
 
 def decoded_rows(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(logits decoded, logits of the window's forward, the fraction of (block, token) pairs computed) of decoding
-    ids, observed at every block's weights: the rows each block received over all steps, over one row per token per
-    block; the modules that take no row in either pass are not called by the model (`uncalled`)."""
+    ids, observed at every block's weights: in each token's step a block computed the rows the busiest of its modules
+    took, at most one per sequence (experts that take k rows per token, a looped layer that takes n, computed the
+    token once; a module whose weights the model reads without calling it takes none, and its neighbours tell)."""
     blocks = [m for _, m in block_modules(model, block_pattern(model))]
     with counting_rows(blocks) as counts:
-        logits, _ = decode(model, ids)
-    with torch.inference_mode(), counting_rows(blocks) as whole:
+        seen: list[list[Counter]] = []
+        logits, _ = decode(model, ids, lambda: seen.append([Counter(c) for c in counts]))
+        seen.append([Counter(c) for c in counts])
+    with torch.inference_mode():
         full = logits_of(model(ids))
-    idle = uncalled(counts, whole)
-    return logits, full, sum(row_fraction(c, ids.numel(), idle) for c in counts) / len(blocks)
+    computed = sum(min(ids.shape[0], max((after - before).values(), default=0))
+                   for step, next_ in zip(seen, seen[1:]) for before, after in zip(step, next_))
+    return logits, full, computed / (len(blocks) * ids.numel())
 
 
 class Decoder(nn.Module):
@@ -100,7 +118,11 @@ def decoding_columns(model: nn.Module, ids: torch.Tensor) -> dict:
     if (reason := not_decodable(model)) is not None:
         return {**untimed, "decode_note": reason}
     if _hugging_face(model):
-        logits, full, fraction = decoded_rows(model, ids)
+        try:
+            logits, full, fraction = decoded_rows(model, ids)
+        except Exception as e:  # the model's own code refuses to decode token by token: its scoring stands
+            return {**untimed, "decode_note": f"not measured: decoding token by token fails in the model "
+                                              f"({type(e).__name__}: {one_line(e, 160)})"}
     else:
         logits, state = decode(model, ids)
         fraction = sum(state.executed()) / (len(state.caches) * ids.numel())
