@@ -265,3 +265,29 @@ def test_a_replay_slower_than_the_live_pass_says_the_latency_ratio_measures_the_
     slow, level = result(4.5), result(3.1)
     assert slow.controller_latency < 1 and "measures the replay, not the controller's cost" in repr(slow)
     assert level.latency_note is None and "measures the replay" not in repr(level)
+
+
+class LoopedLM(nn.Module):
+    """One gated block applied three times per token (a looped layer), then a plain one."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.gate = nn.Linear(d, 1)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for _ in range(3):
+            h = h + torch.sigmoid(self.gate(h)) * self.blocks[0](h)
+        return self.head(h + self.blocks[1](h))
+
+
+def test_a_looped_block_reads_over_100_percent_and_says_why():
+    model = LoopedLM().eval()
+    ctrl = fca.Controller.merge(*(fca.Controller.from_modules(model, "gate", layout="batch token 1",
+                                                              kind="scalar_gate", call=k) for k in range(3)))
+    r = fca.execution(model, ctrl, IDS % 64, **FAST)
+    assert r.executed_by_block == (3.0, 1.0) and r.executed == 2.0
+    assert "over 100%: a block computes a token more than once" in r.verdict

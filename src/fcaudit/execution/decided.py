@@ -43,6 +43,8 @@ SAVING = 0.99  # executed below this share of the governed rows: a saving was re
 def verdict(decided: float, executed: float) -> str:
     """Decided and executed side by side, and whether the model realized the saving its controller decided."""
     line = f"decided {decided:.1%} of the governed work, executed {executed:.1%} (observed)"
+    if executed > 1 + 1e-3:  # rows over one row per token per block
+        line += " (over 100%: a block computes a token more than once, as a looped layer runs it once per pass)"
     if decided >= SAVING:
         return line + ": nothing was decided away"
     if executed > decided + 1e-3 and executed >= SAVING:
