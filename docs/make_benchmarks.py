@@ -83,6 +83,8 @@ BENCHES = (
           ("benchmarks/moe_penalties.py",), "", moe_lines),
     Bench("hf_zoo", "every causal LM of the installed transformers, tiny from its config, through `fcaudit audit DIR`",
           ("benchmarks/hf_zoo.py",), "", zoo_lines),
+    Bench("hf_decode", "token-by-token decoding of every causal LM with a controller, tiny from its config",
+          ("benchmarks/hf_decode.py",), r"(not measured|not built|other|architectures:)"),
 )
 
 

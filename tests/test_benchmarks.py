@@ -131,3 +131,11 @@ def test_peers_audits_with_plain_hooks_give_fcaudits_records_bit_for_bit():
     assert rows[0]["identical"]["hooks"] and all(rows[0]["identical"].values())
     passes = rows[0]["passes"]  # the peers run the same passes; fcaudit more: its checks
     assert passes["fcaudit"] > passes["hooks"] == passes.get("nnsight", passes["hooks"]) > 0
+
+
+def test_hf_decode_decodes_each_block_once_per_token_or_says_why_not():
+    pytest.importorskip("transformers")
+    hf_decode = load_script("hf_decode")
+    assert hf_decode.decode_one("mixtral")[0] == "each once"
+    outcome, line = hf_decode.decode_one("recurrent_gemma")  # its state kept outside the cache fcaudit is handed
+    assert outcome == "not measured" and "beyond torch.float32 rounding" in line
