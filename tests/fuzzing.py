@@ -1307,7 +1307,8 @@ def _reshaped(t, how: str):
         return t[:-1] if t.dim() else t.reshape(1)
     if how == "row+":
         return torch.cat([t, t[:1]]) if t.dim() else flat.repeat(2)
-    return {"transpose": lambda: t.T.contiguous(), "flat": lambda: flat, "scalar": lambda: flat[0].clone(),
+    scalar = flat[0].clone() if flat.numel() else torch.zeros((), dtype=t.dtype)  # of an emptied one too
+    return {"transpose": lambda: t.T.contiguous(), "flat": lambda: flat, "scalar": lambda: scalar,
             "empty": lambda: flat[:0]}[how]()
 
 

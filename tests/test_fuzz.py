@@ -285,6 +285,9 @@ CLASSES["47-hf"] = [
     # a Mamba-2 scan's chunk that would take gigabytes for a window is refused before a pass, naming one that fits
     ("hf", hf("bamba", "audit", config=[("mamba_chunk_size", 65536)]), "refused",
      "set mamba_chunk_size to at most 2048 in config.json"),
+    # a weight emptied, then made a scalar (the fuzzer's own mutation of an empty tensor once failed): refused
+    ("hf", hf("hybrid", "dry-run", weights=[("shape", 18, "empty"), ("shape", 18, "scalar")]), "refused",
+     "config.json does not fit the weights"),
     # an auto_map that names no module is not called "True.py"
     ("hf", hf("rwkv", "dry-run", config=[("model_type", "nosuchmodel"), ("auto_map", True)]), "refused",
      "asks to run the checkpoint's own code (its auto_map) for model_type 'nosuchmodel'"),
