@@ -252,7 +252,7 @@ def test_a_convolution_counts_its_positions_not_its_channels_as_rows():
     model = ConvGatedLM().eval()
     ctrl = fca.Controller.from_modules(model, "gates.*", layout="batch token 1", kind="scalar_gate")
     r = fca.execution(model, ctrl, IDS[:, :12] % 64, blocks="convs.*", **FAST)
-    assert (r.executed, r.executed_by_block) == (1.0, (1.0, 1.0))  # 48 channels read as rows gave 4.0
+    assert (r.executed, r.executed_by_block) == (1.0, (1.0, 1.0))  # 48 channels are not rows
 
 
 def test_a_replay_slower_than_the_live_pass_says_the_latency_ratio_measures_the_replay():

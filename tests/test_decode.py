@@ -167,4 +167,4 @@ def test_a_hugging_face_model_decodes_each_block_once_per_token_through_the_cach
     model = transformers.AutoModelForCausalLM.from_config(make(transformers)).eval()
     cols = decoding_columns(model, ids[:1, :12])
     assert cols["decode_note"] == "" and cols["decode_max_abs_dlogit"] < 1e-4
-    assert cols["executed_layer_fraction"] == 1.0  # dense experts read as 4 rows a token: it was 2.88
+    assert cols["executed_layer_fraction"] == 1.0  # dense experts take 4 rows a token

@@ -410,9 +410,17 @@ def forward_window(model: nn.Module, n: int):
 def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inputs: dict) -> int:
     """One forward pass of the shortest probe window the model runs; `outputs` and `inputs` hold that pass's.
     Returns its length."""
+    # a failed pass may have run some routers
+    return probe_pass(model, lambda: (outputs.clear(), inputs.clear()),
+                      check=f" (its routers read top_k {cands[0].top_k} of {cands[0].num_experts} experts)")
+
+
+def probe_pass(model: nn.Module, before: Callable[[], object] = lambda: None, why: str = "", check: str = "") -> int:
+    """One forward pass of the shortest probe window the model runs (`before` it each try); returns its length. Where
+    every one fails, one line: `why` the probe runs, and what in config.json to `check`."""
     first = None
     for n in probe_lengths(model):
-        outputs.clear(), inputs.clear()  # a failed pass may have run some routers
+        before()
         try:
             forward_window(model, n)
             return n
@@ -424,10 +432,9 @@ def _probe_forward(model: nn.Module, cands: list[_Candidate], outputs: dict, inp
                                    "(cpu or cuda) in the map") from e
             first = first or (n, e)
     n, e = first
-    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: {one_line(e, 120)}) "
-                       f"and every longer probe up to {probe_lengths(model)[-1]} tokens; check its config.json (its "
-                       f"routers read top_k {cands[0].top_k} of {cands[0].num_experts} experts) and that the model fits "
-                       "in memory") from e
+    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: "
+                       f"{one_line(e, 120)}) and every longer probe up to {probe_lengths(model)[-1]} tokens{why}; "
+                       f"check its config.json{check} and that the model fits in memory") from e
 
 
 def _block_path(c: _Candidate) -> str:

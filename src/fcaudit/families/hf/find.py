@@ -11,9 +11,9 @@ from fcaudit.controllers.codecs import Layout, Parts
 from fcaudit.controllers.controller import Controller
 from fcaudit.controllers.patching import Pass, patched
 from fcaudit.controllers.sites import Site
-from fcaudit.errors import FcauditError, one_line
+from fcaudit.errors import FcauditError
 from fcaudit.families import OWN_ROUTE
-from fcaudit.families.hf.discover import forward_window, is_moe, moe_controller, probe_lengths
+from fcaudit.families.hf.discover import is_moe, moe_controller, probe_pass
 from fcaudit.families.hf.load import check_scan
 from fcaudit.families.hf.recipes import RECIPES, UNAUDITED
 
@@ -68,7 +68,7 @@ def per_call(model: nn.Module, controller: Controller) -> Controller:
     a count that the input changes is a halting decision, refused there."""
     run = Pass([replace(s, call=-1) for s in controller.sites])  # no site takes a call: the pass only counts them
     with patched(run), controller.context():
-        _probe(model)
+        probe_pass(model, why=", which counts the calls of its controller sites")
     runs = [run.method_calls.get((id(s.module), s.method), 0) for s in run.sites]
     for s, n in zip(controller.sites, runs):
         if s.call is not None and n > 1:  # its call N counts over every pass: one pass audited, the others live
@@ -86,22 +86,6 @@ def per_call(model: nn.Module, controller: Controller) -> Controller:
                   for i, s in enumerate(controller.sites) for k in (range(split[i]) if i in split else (s.call,)))
     looped = f"; the {len(split)} sites of looped layers one per call: {sum(split.values())} sites"
     return replace(controller, sites=sites, description=controller.description + looped)
-
-
-def _probe(model: nn.Module) -> None:
-    """One forward pass of the shortest probe window the model runs (as the MoE discovery's)."""
-    first = None
-    for n in probe_lengths(model):
-        try:
-            forward_window(model, n)
-            return
-        except (RuntimeError, IndexError, ValueError, NotImplementedError) as e:
-            first = first or (n, e)
-    n, e = first
-    raise FcauditError(f"{type(model).__name__} fails a {n}-token forward pass ({type(e).__name__}: "
-                       f"{one_line(e, 120)}) and every longer probe up to {probe_lengths(model)[-1]} tokens, which "
-                       "counts the calls of its controller sites; check its config.json and that the model fits in "
-                       "memory") from e
 
 
 def is_hf(model: nn.Module) -> bool:

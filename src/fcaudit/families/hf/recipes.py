@@ -7,8 +7,8 @@ Each `Recipe` names one site inside every instance of its class: the output of a
 instance, "" for the instance itself), or the result of a torch function (`op`) that the module's `method` runs, as
 `Controller.from_modules` and `Controller.from_ops` read them; where the model runs an instance several times in one
 forward pass (a looped layer), the site is one site per call, each its own layer (find.py's `per_call`). `what` says
-what the coefficients are; the audit names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for yet, and why: an audit of a model
-holding one says so in a notice.
+what the coefficients are; the audit names it. `UNAUDITED` names input-dependent mechanisms fcaudit has no kind for
+yet, and why: an audit of a model holding one says so in a notice.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ RECURRENT: dict[str, tuple[Recipe, ...]] = {
 }
 
 # attention-side mechanisms: output gates, delta-rule β and decay, residual-stream mixing (AltUp, hyper-connections)
+# gated delta nets with b, a and z projected apart (Qwen3.5 and the architectures built on its layer)
+_GDN = (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
+        Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
+        Recipe("gated-delta-net output gate", "in_proj_z"))
+
 ATTENTION: dict[str, tuple[Recipe, ...]] = {
     # attention output gates: sigmoid (Laguna: softplus) of the layer input scales each head's or channel's output.
     # Where a projection of its own computes the gate, its output is the site; where the query's projection also
@@ -109,18 +114,10 @@ ATTENTION: dict[str, tuple[Recipe, ...]] = {
     "Qwen3NextGatedDeltaNet": (Recipe("gated-delta-net β and decay", "in_proj_ba"),
                                Recipe("gated-delta-net output gate SiLU(z)", "norm", op="silu",
                                       layout="(batch token head) channel")),
-    "Qwen3_5GatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
-                             Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
-                             Recipe("gated-delta-net output gate", "in_proj_z")),
-    "Qwen3_5MoeGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
-                                Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
-                                Recipe("gated-delta-net output gate", "in_proj_z")),
-    "Qwen4ExpTextGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
-                                  Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
-                                  Recipe("gated-delta-net output gate", "in_proj_z")),
-    "LaraMiniGatedDeltaNet": (Recipe("gated-delta-net β", "in_proj_b", layout="batch token head"),
-                              Recipe("gated-delta-net decay", "in_proj_a", layout="batch token head"),
-                              Recipe("gated-delta-net output gate", "in_proj_z")),
+    "Qwen3_5GatedDeltaNet": _GDN,
+    "Qwen3_5MoeGatedDeltaNet": _GDN,
+    "Qwen4ExpTextGatedDeltaNet": _GDN,
+    "LaraMiniGatedDeltaNet": _GDN,
     "OlmoHybridGatedDeltaNet": (Recipe("gated-delta-net β", "b_proj", layout="batch token head"),
                                 Recipe("gated-delta-net decay", "a_proj", layout="batch token head"),
                                 Recipe("gated-delta-net output gate", "g_proj")),
